@@ -1,0 +1,13 @@
+"""fa2: FlashAttention-2 written in PyTorch, Triton and numba-cuda behind one interface.
+
+    import fa2
+    O, L = fa2.attention(q, k, v, causal=True)          # picks a backend
+    O, L = fa2.attention(q, k, v, backend="triton")     # or names one; never falls back
+    fa2.backends()                                      # what is installed and where it runs
+"""
+
+from fa2.api import AttentionOutput, attention
+from fa2.registry import BackendInfo, BackendNotInstalledError, backends
+
+__all__ = ["AttentionOutput", "BackendInfo", "BackendNotInstalledError", "attention", "backends"]
+__version__ = "0.1.0"

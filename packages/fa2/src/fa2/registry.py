@@ -1,0 +1,81 @@
+"""Backends are found through the ``fa2.backends`` entry-point group: installing a backend package is all
+it takes. Each entry point names a module that exposes ``NAME``, ``FlashAttention2`` and ``availability()``.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+from importlib.metadata import entry_points
+from types import ModuleType
+from typing import NamedTuple
+
+import torch
+
+GROUP = "fa2.backends"
+# Known backends, fastest first: the order ``backend=None`` tries on CUDA tensors.
+KNOWN = ("triton", "numba-cuda", "pytorch")
+
+
+class BackendNotInstalledError(ImportError):
+    """A known fa2 backend whose package is not installed."""
+
+
+class BackendInfo(NamedTuple):
+    """``status``: "native" (runs on this machine's hardware), "emulated" (runs in an emulator on the CPU:
+    Triton's interpreter, numba's CUDA simulator) or "unavailable"; ``detail`` says why."""
+
+    name: str
+    status: str
+    detail: str
+
+
+@functools.cache
+def _entry_points() -> dict[str, str]:
+    return {ep.name: ep.value for ep in entry_points(group=GROUP)}
+
+
+def installed() -> list[str]:
+    return sorted(_entry_points())
+
+
+def load(name: str) -> ModuleType:
+    """The backend module for ``name``; never another one."""
+    eps = _entry_points()
+    if name in eps:
+        return importlib.import_module(eps[name])
+    if name in KNOWN:
+        raise BackendNotInstalledError(
+            f"fa2 backend {name!r} is not installed: pip install \"fa2[{name}]\""
+        )
+    raise ValueError(f"unknown fa2 backend {name!r}; installed: {', '.join(installed()) or 'none'}")
+
+
+def backends() -> dict[str, BackendInfo]:
+    """Installed backends and whether each can run here."""
+    out = {}
+    for name in installed():
+        try:
+            status, detail = load(name).availability()
+        except ImportError as e:
+            status, detail = "unavailable", f"import failed: {e}"
+        out[name] = BackendInfo(name, status, detail)
+    return out
+
+
+def default_backend(device: torch.device) -> str:
+    """CUDA tensors: the first of KNOWN that is installed and native here. Other devices: pytorch."""
+    if device.type == "cuda":
+        infos = backends()
+        for name in KNOWN:
+            if name in infos and infos[name].status == "native":
+                return name
+        raise BackendNotInstalledError(
+            f"no installed fa2 backend runs natively on CUDA here ({_describe(infos)}); "
+            "pip install \"fa2[triton]\""
+        )
+    return "pytorch"
+
+
+def _describe(infos: dict[str, BackendInfo]) -> str:
+    return "; ".join(f"{i.name}: {i.status}, {i.detail}" for i in infos.values()) or "none installed"
