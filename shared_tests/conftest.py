@@ -1,0 +1,64 @@
+"""The conformance suite's knobs: which backends (``--backend``, default every installed one) on which
+device (``--device cpu|cuda``), and NaN-poisoned ``torch.empty`` so that an unwritten output fails."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import fa2
+
+
+def pytest_addoption(parser):
+    parser.addoption("--backend", action="append", default=None,
+                     help="fa2 backend to test (repeatable); default: every installed backend")
+    parser.addoption("--device", default="cpu", choices=("cpu", "cuda"),
+                     help="device the tensors live on (default cpu; backends that need CUDA run emulated)")
+
+
+def pytest_generate_tests(metafunc):
+    if "backend" in metafunc.fixturenames:
+        names = metafunc.config.getoption("--backend") or sorted(fa2.backends())
+        metafunc.parametrize("backend", names, scope="session")
+
+
+def pytest_report_header(config):
+    infos = fa2.backends()
+    lines = [f"fa2 backends: " + "; ".join(f"{i.name} ({i.status}: {i.detail})" for i in infos.values())]
+    lines.append(f"fa2 device: {config.getoption('--device')}")
+    return lines
+
+
+@pytest.fixture(scope="session")
+def device(request):
+    name = request.config.getoption("--device")
+    if name == "cuda" and not torch.cuda.is_available():
+        pytest.exit("--device cuda given but torch sees no CUDA device", returncode=4)
+    return torch.device(name)
+
+
+@pytest.fixture(scope="session")
+def status(backend, device):
+    """How ``backend`` runs here: "native" or "emulated"; a backend that cannot run is an error, not a skip."""
+    info = fa2.backends().get(backend)
+    if info is None:
+        pytest.fail(f"backend {backend!r} is not installed; installed: {sorted(fa2.backends())}")
+    if info.status == "unavailable":
+        pytest.fail(f"backend {backend!r} cannot run here: {info.detail}")
+    return info.status
+
+
+@pytest.fixture(autouse=True)
+def poison_empty(monkeypatch):
+    """Floating tensors from torch.empty / empty_like start as NaN (as flash-linear-attention's conftest)."""
+    real_empty, real_empty_like = torch.empty, torch.empty_like
+
+    def poisoned(t):
+        if t.is_floating_point() and t.numel():
+            t.fill_(math.nan)
+        return t
+
+    monkeypatch.setattr(torch, "empty", lambda *a, **kw: poisoned(real_empty(*a, **kw)))
+    monkeypatch.setattr(torch, "empty_like", lambda *a, **kw: poisoned(real_empty_like(*a, **kw)))
