@@ -1,0 +1,65 @@
+"""fa2's sessions.
+
+    nox -s test                      # CPU: the conformance suite, one venv per backend (emulated GPU backends)
+    nox -s bench                     # the side-by-side benchmark (emulated, tiny shapes, without a GPU)
+    nox --no-venv -s test_gpu bench  # a GPU machine with torch/triton/numba-cuda and no network
+
+Without a GPU (no `nvidia-smi` on PATH), sessions set TRITON_INTERPRET=1 and NUMBA_ENABLE_CUDASIM=1, so
+Triton runs in its interpreter and numba-cuda in its CUDA simulator. With `--no-venv` nothing is
+downloaded: the fa2 packages are installed editable, offline, into the running interpreter.
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import nox
+
+nox.options.sessions = ["test"]
+nox.options.default_venv_backend = "venv"
+
+BACKENDS = ("pytorch", "triton", "numba-cuda")
+# The CPU wheel of torch (on this project's machines it lies on disk); plain `torch` pulls a CUDA build.
+TORCH_CPU = "torch==2.13.0"
+EMULATION = {"TRITON_INTERPRET": "1", "NUMBA_ENABLE_CUDASIM": "1"}
+
+
+def has_gpu() -> bool:
+    return shutil.which("nvidia-smi") is not None
+
+
+def in_venv(session: nox.Session) -> bool:
+    return not isinstance(session.virtualenv, nox.virtualenv.PassthroughEnv)
+
+
+def install(session: nox.Session, backends: tuple[str, ...], extras: str) -> None:
+    """fa2 plus the given backends, editable. In a venv: CPU torch first, then everything from PyPI.
+    Without one (--no-venv): no dependencies, no index, no build isolation (offline GPU machines)."""
+    paths = [f"packages/fa2-{b}" for b in backends]
+    if in_venv(session):
+        session.install(TORCH_CPU)
+        editable = [a for p in paths for a in ("-e", p)]
+        session.install("-e", f"packages/fa2[{extras}]", *editable)
+    else:
+        editable = [a for p in ["packages/fa2", *paths] for a in ("-e", p)]
+        session.run_install("python", "-m", "pip", "install", "-q", "--no-deps", "--no-index",
+                            "--no-build-isolation", *editable, external=True)
+
+
+def emulation_env() -> dict[str, str]:
+    return {} if has_gpu() else dict(EMULATION)
+
+
+@nox.session
+@nox.parametrize("backend", BACKENDS)
+def test(session: nox.Session, backend: str) -> None:
+    """The conformance suite for one backend, in its own venv with only that backend installed."""
+    install(session, (backend,), "test")
+    session.run("pytest", "shared_tests", f"--backend={backend}", *session.posargs, env=emulation_env())
+
+
+@nox.session
+def test_gpu(session: nox.Session) -> None:
+    """The conformance suite on CUDA for every backend (a GPU machine; use with --no-venv offline)."""
+    install(session, BACKENDS, "test")
+    session.run("pytest", "shared_tests", "--device=cuda", *session.posargs)
