@@ -7,7 +7,8 @@ from typing import Callable
 
 import torch
 
-Forward = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, bool, float], "tuple[torch.Tensor, torch.Tensor]"]
+Forward = Callable[..., "tuple[torch.Tensor, torch.Tensor]"]
+Backward = Callable[..., "tuple[torch.Tensor, torch.Tensor, torch.Tensor]"]
 
 
 def as_bhnd(x: torch.Tensor) -> torch.Tensor:
@@ -25,7 +26,29 @@ def forward_any_rank(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Runs a backend's (B, H, N, D) forward on (..., N, D) inputs; O comes back in q's shape and
     L: q.shape[:-1], float32."""
-    if scale is None:
-        scale = 1.0 / math.sqrt(q.shape[-1])
-    O, L = forward(as_bhnd(q), as_bhnd(k), as_bhnd(v), bool(causal), float(scale))
+    O, L = forward(as_bhnd(q), as_bhnd(k), as_bhnd(v), bool(causal), _scale(q, scale))
     return O.reshape(q.shape), L.reshape(q.shape[:-1])
+
+
+def backward_any_rank(
+    backward: Backward,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    O: torch.Tensor,
+    L: torch.Tensor,
+    dO: torch.Tensor,
+    causal: bool,
+    scale: float | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Runs a backend's (B, H, N, D) backward on (..., N, D) tensors; L: q.shape[:-1]. dq, dk, dv come
+    back in the shapes of q, k, v."""
+    dq, dk, dv = backward(
+        as_bhnd(q), as_bhnd(k), as_bhnd(v), as_bhnd(O), as_bhnd(L.unsqueeze(-1)).squeeze(-1), as_bhnd(dO),
+        bool(causal), _scale(q, scale),
+    )
+    return dq.reshape(q.shape), dk.reshape(k.shape), dv.reshape(v.shape)
+
+
+def _scale(q: torch.Tensor, scale: float | None) -> float:
+    return 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
