@@ -60,7 +60,7 @@ def attention(
         S = S.masked_fill(~visible, -math.inf)
         empty = ~visible.any(dim=-1)
     else:
-        empty = torch.zeros(q.shape[-2], dtype=torch.bool, device=q.device)
+        empty = torch.full((q.shape[-2],), k.shape[-2] == 0, dtype=torch.bool, device=q.device)
     L = torch.logsumexp(S, dim=-1).masked_fill(empty, math.inf)
     P = torch.softmax(S, dim=-1).masked_fill(empty[:, None], 0.0)
     O = P @ v
