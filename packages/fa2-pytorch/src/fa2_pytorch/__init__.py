@@ -1,6 +1,7 @@
 """fa2-pytorch: FlashAttention-2's tiled forward in plain PyTorch, on any device PyTorch runs on."""
 
 from fa2_pytorch.autograd import FlashAttention2
+from fa2_pytorch.backward import flash_attn_backward
 from fa2_pytorch.forward import flash_attn_forward
 
 NAME = "pytorch"
@@ -11,4 +12,4 @@ def availability() -> tuple[str, str]:
     return "native", "plain PyTorch ops on CPU or CUDA tensors"
 
 
-__all__ = ["NAME", "FlashAttention2", "availability", "flash_attn_forward"]
+__all__ = ["NAME", "FlashAttention2", "availability", "flash_attn_backward", "flash_attn_forward"]
