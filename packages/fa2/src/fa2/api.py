@@ -1,8 +1,9 @@
 """The public entry point: validate once, pick a backend, dispatch.
 
-Every backend is reached the same way, through its ``FlashAttention2.apply(q, k, v, causal, scale, True)``
-with the caller's tensors, a bool ``causal`` and a float ``scale``; the backend sees them as (batch, heads,
-seqlen, head_dim) views through ``fa2.layout``. Nothing below this module validates again.
+Every backend is reached the same way, through its custom op ``fa2::<name>_fwd`` (``fa2.ops``) with the
+caller's tensors as (batch, heads, seqlen, head_dim) views (``fa2.layout.as_bhnd``), a bool ``causal`` and a
+float ``scale``; torch.compile traces the op as one node and autograd runs the backend's backward op.
+Nothing below this module validates again.
 """
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ from typing import NamedTuple
 
 import torch
 
-from fa2 import registry
+from fa2 import ops
+from fa2.layout import as_bhnd
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MAX_HEAD_DIM = 256
@@ -75,9 +77,9 @@ def attention(
         scale = float(scale)
         if not math.isfinite(scale):
             raise ValueError(f"scale must be finite, got {scale}")
-    impl = registry.load(backend if backend is not None else registry.default_backend(q.device))
-    O, L = impl.FlashAttention2.apply(q, k, v, bool(causal), scale, True)
-    return AttentionOutput(O, L)
+    forward = ops.forward_op(backend, q.device)
+    O, L = forward(as_bhnd(q), as_bhnd(k), as_bhnd(v), bool(causal), scale)
+    return AttentionOutput(O.reshape(q.shape), L.reshape(q.shape[:-1]))
 
 
 def _validate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:

@@ -1,0 +1,125 @@
+"""Each backend's forward and backward as ``torch.library`` custom ops, so that ``torch.compile`` sees one
+opaque node per attention call instead of tracing into (or breaking on) a backend's Python.
+
+A backend named ``name`` gets, on its first use (``load(name)``, or fa2.attention through ``forward_op``):
+
+    fa2::<name>_fwd(q, k, v, causal, scale) -> (O, L)          name with "-" as "_", e.g. fa2::numba_cuda_fwd
+    fa2::<name>_bwd(q, k, v, O, L, dO, causal, scale) -> (dq, dk, dv)    only if it has flash_attn_backward
+
+on (batch, heads, seqlen, head_dim) tensors of any strides, with fake implementations (O: q's shape and
+dtype, L: (batch, heads, seqlen_q) float32, dq, dk, dv: the shapes and dtype of q, k, v; all contiguous)
+and autograd through the backward op. A backend without a backward still gets autograd, which raises
+NotImplementedError on the backward pass. L is not differentiable, as in the backends' FlashAttention2.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from fa2 import registry
+
+NAMESPACE = "fa2"
+
+
+class BackendOps(NamedTuple):
+    """One backend's custom ops: ``forward`` (fa2::<name>_fwd) and ``backward`` (fa2::<name>_bwd, or None)."""
+
+    forward: torch._ops.OpOverload
+    backward: torch._ops.OpOverload | None
+
+
+_LOADED: dict[str, BackendOps] = {}
+
+
+def forward_op(backend: str | None, device: torch.device) -> torch._ops.OpOverload:
+    """fa2::<name>_fwd of ``backend``, or of ``fa2.registry.default_backend(device)`` for None; errors as
+    ``fa2.registry.load``. torch.compile traces through this without a graph break (see ``_forward_op_name``)."""
+    return getattr(getattr(torch.ops, NAMESPACE), _forward_op_name(backend, device)).default
+
+
+@torch.compiler.assume_constant_result
+def _forward_op_name(backend: str | None, device: torch.device) -> str:
+    """Looking backends up and registering their ops is Python that torch.compile cannot trace: marked
+    constant, this runs once while tracing, and the graph holds the op named by the string it returns."""
+    name = backend if backend is not None else registry.default_backend(device)
+    load(name)
+    return op_names(name)[0]
+
+
+def load(name: str) -> BackendOps:
+    """The custom ops of backend ``name``, registered on first use; errors as ``fa2.registry.load``."""
+    ops = _LOADED.get(name)
+    if ops is None:
+        ops = _LOADED[name] = _register(name, registry.load(name))
+    return ops
+
+
+def op_names(name: str) -> tuple[str, str]:
+    """The forward and backward op names of backend ``name`` in the fa2 namespace, identifiers:
+    "numba-cuda" -> ("numba_cuda_fwd", "numba_cuda_bwd")."""
+    ident = name.replace("-", "_")
+    return f"{ident}_fwd", f"{ident}_bwd"
+
+
+def _overload(op_name: str) -> torch._ops.OpOverload:
+    return getattr(getattr(torch.ops, NAMESPACE), op_name).default
+
+
+def _register(name: str, impl) -> BackendOps:
+    forward = impl.flash_attn_forward
+    backward = getattr(impl, "flash_attn_backward", None)
+    fwd_name, bwd_name = op_names(name)
+
+    @torch.library.custom_op(f"{NAMESPACE}::{fwd_name}", mutates_args=())
+    def fwd(
+        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        O, L = forward(q, k, v, causal, scale)
+        return O.contiguous(), L.contiguous()
+
+    @fwd.register_fake
+    def _(q, k, v, causal, scale):
+        return q.new_empty(q.shape), q.new_empty(q.shape[:-1], dtype=torch.float32)
+
+    def setup_context(ctx, inputs, output):
+        q, k, v, causal, scale = inputs
+        O, L = output
+        ctx.mark_non_differentiable(L)
+        ctx.save_for_backward(q, k, v, O, L)
+        ctx.causal, ctx.scale = causal, scale
+
+    if backward is None:
+
+        def fwd_backward(ctx, dO, dL):
+            raise NotImplementedError(f"fa2 backend {name!r} has no backward: it computes the forward only")
+
+        fwd.register_autograd(fwd_backward, setup_context=setup_context)
+        return BackendOps(_overload(fwd_name), None)
+
+    @torch.library.custom_op(f"{NAMESPACE}::{bwd_name}", mutates_args=())
+    def bwd(
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        O: torch.Tensor,
+        L: torch.Tensor,
+        dO: torch.Tensor,
+        causal: bool,
+        scale: float,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        dq, dk, dv = backward(q, k, v, O, L, dO, causal, scale)
+        return dq.contiguous(), dk.contiguous(), dv.contiguous()
+
+    @bwd.register_fake
+    def _(q, k, v, O, L, dO, causal, scale):
+        return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+    def fwd_backward(ctx, dO, dL):
+        q, k, v, O, L = ctx.saved_tensors
+        dq, dk, dv = bwd(q, k, v, O, L, dO, ctx.causal, ctx.scale)
+        return dq, dk, dv, None, None
+
+    fwd.register_autograd(fwd_backward, setup_context=setup_context)
+    return BackendOps(_overload(fwd_name), _overload(bwd_name))
