@@ -1,0 +1,146 @@
+"""``python -m fa2.bench``: the side-by-side forward benchmark (see fa2/bench/__init__.py)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shlex
+import sys
+from pathlib import Path
+
+import torch
+
+from fa2.bench import report, sweep
+from fa2.bench.providers import DTYPES, PROVIDERS
+
+# Without a GPU the kernels run emulated, as in nox's sessions. Triton and numba read these when imported,
+# and importing fa2 may import Triton, so they must be set before the interpreter starts.
+EMULATION = {"TRITON_INTERPRET": "1", "NUMBA_ENABLE_CUDASIM": "1"}
+
+
+def _list(kind):
+    return lambda text: tuple(kind(x) for x in text.split(",") if x)
+
+
+def _choices(valid):
+    def parse(text):
+        items = _list(str)(text)
+        unknown = [x for x in items if x not in valid]
+        if unknown:
+            raise argparse.ArgumentTypeError(f"unknown {', '.join(unknown)}; choose from {', '.join(valid)}")
+        return items
+
+    return parse
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m fa2.bench",
+        description="fa2's forward against SDPA (flash, cuDNN, memory-efficient, math) and FlexAttention. "
+        "Defaults: on a GPU the FlashAttention-2 paper's sweep; without one, an emulated run on tiny shapes.",
+    )
+    parser.add_argument("--providers", type=_choices(list(PROVIDERS)), default=tuple(PROVIDERS),
+                        help=f"comma-separated, default all: {','.join(PROVIDERS)}")
+    parser.add_argument("--seqlens", type=_list(int), help="comma-separated N")
+    parser.add_argument("--head-dims", type=_list(int), help="comma-separated D")
+    parser.add_argument("--causal", type=_choices(["no", "yes"]), default=("no", "yes"), help="no,yes (default both)")
+    parser.add_argument("--dtypes", type=_choices(list(DTYPES)), help="comma-separated, of bf16,fp16,fp32")
+    parser.add_argument("--quick", action="store_true",
+                        help="a few shapes in one dtype (GPU: bf16, N 1k and 4k), written as <name>-quick")
+    parser.add_argument("--out", type=Path, default=Path("docs/benchmarks"), help="default docs/benchmarks")
+    parser.add_argument("--name", help="file stem; default from the GPU's name (h200), or cpu-emulated")
+    parser.add_argument("--math-max-seqlen", type=int, default=sweep.MATH_MAX_SEQLEN,
+                        help=f"largest N for sdpa-math, which materialises the scores (default {sweep.MATH_MAX_SEQLEN})")
+    parser.add_argument("--append", action="store_true",
+                        help="keep the earlier rows of <name>.csv, replacing those measured again (a sweep in parts)")
+    parser.add_argument("--report-only", action="store_true",
+                        help="measure nothing: redraw <name>.md and the plots from <name>.csv")
+    return parser.parse_args(argv)
+
+
+def default_name(device: torch.device) -> str:
+    """"NVIDIA H200" -> "h200"; "cpu-emulated" without a GPU."""
+    if device.type != "cuda":
+        return "cpu-emulated"
+    gpu = re.sub(r"^nvidia\s+", "", torch.cuda.get_device_name(device).lower())
+    return re.sub(r"[^a-z0-9]+", "-", gpu).strip("-")
+
+
+def progress_bar(total: int):
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return _PlainProgress(total)
+    return tqdm(total=total, unit="run", dynamic_ncols=True, mininterval=1.0)
+
+
+class _PlainProgress:
+    """tqdm's few methods used here, as a line every 10%, where tqdm is not installed."""
+
+    def __init__(self, total: int):
+        self.total, self.n = total, 0
+
+    def update(self, n: int = 1) -> None:
+        self.n += n
+        if self.total and self.n * 10 // self.total != (self.n - n) * 10 // self.total:
+            print(f"{self.n}/{self.total}", file=sys.stderr, flush=True)
+
+    def set_postfix_str(self, text: str) -> None:
+        pass
+
+    def write(self, text: str) -> None:
+        print(text, file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        pass
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    emulated = device.type != "cuda"
+    unset = {key: value for key, value in EMULATION.items() if key not in os.environ}
+    if emulated and unset and not args.report_only:
+        print(f"fa2.bench: no GPU; running again with {' '.join(f'{k}={v}' for k, v in unset.items())}", flush=True)
+        os.execve(sys.executable, [sys.executable, "-m", "fa2.bench", *argv], {**os.environ, **unset})
+    seqlens, head_dims, dtypes = sweep.DEFAULTS[emulated, args.quick]
+    name = args.name or default_name(device) + ("-quick" if args.quick else "")
+    cfg = sweep.Config(
+        providers=args.providers,
+        seqlens=args.seqlens or seqlens,
+        head_dims=args.head_dims or head_dims,
+        causals=tuple(c == "yes" for c in args.causal),
+        dtypes=args.dtypes or dtypes,
+        device=device,
+        out_dir=args.out,
+        name=name,
+        math_max_seqlen=args.math_max_seqlen,
+        append=args.append,
+        command=shlex.join(["python", "-m", "fa2.bench", *argv]),
+    )
+    if not args.report_only:
+        kind = "EMULATED on the CPU (TRITON_INTERPRET=1, NUMBA_ENABLE_CUDASIM=1)" if emulated else str(device)
+        print(f"fa2.bench: {len(cfg.shapes())} shapes x {len(cfg.providers)} providers, {kind}; "
+              f"writing {cfg.path('.csv')}", flush=True)
+        sweep.run(cfg, progress_bar)
+    run = report.load(cfg.out_dir, cfg.name)
+    try:
+        from fa2.bench.plot import plot
+
+        plots = plot(run, cfg.out_dir, cfg.name)
+    except ImportError as e:
+        print(f"no plots ({e}); draw them where matplotlib is installed: "
+              f"python -m fa2.bench --report-only --name {cfg.name}", file=sys.stderr)
+        plots = []
+    cfg.path(".md").write_text(report.markdown(run, cfg.name, plots))
+    print("\n".join(report.ratio_tables(run)))
+    written = [cfg.path(".md"), *plots]
+    if not args.report_only:
+        written = [cfg.path(".csv"), cfg.path("-skipped.csv"), cfg.path("-run.json"), *written]
+    print(f"\nwrote {', '.join(map(str, written))}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,86 @@
+"""The correctness check before timing: a provider's output on a sample of rows against fa2.reference.
+
+The rule is shared_tests/checks.py's (FlashAttention-2's): in fp16 and bf16 the max error against the
+fp64 reference may be twice that of a naive attention computed in the same precision, plus twice the
+error of rounding the fp64 result to that dtype; fp32 gets fixed tolerances. The full reference at
+N = 16k would materialise B·H·N² fp64 scores, so it runs on a sample instead: the first and last batch
+entries and heads, and 64 query rows including the first and the last (``fa2.reference.attention(...,
+rows=...)`` keeps the causal alignment of the full matrix).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from fa2 import reference
+
+SAMPLE_ROWS = 64
+FP32_ATOL = {"O": 5e-5, "L": 5e-5}
+L_FLOOR = 1e-5
+
+
+@dataclass
+class Sample:
+    """Where the sample lies in (B, H, N) and the reference there; tolerances per the rule above."""
+
+    batch_idx: torch.Tensor
+    head_idx: torch.Tensor
+    rows: torch.Tensor
+    O_ref: torch.Tensor
+    L_ref: torch.Tensor
+    tol_O: float
+    tol_L: float
+
+
+def _max_err(x: torch.Tensor, ref: torch.Tensor) -> float:
+    return (x.double() - ref).abs().max().item()
+
+
+def reference_sample(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, seed: int = 0) -> Sample:
+    """The fp64 reference (and, in fp16/bf16, the naive same-precision one) on the sample of q's rows."""
+    batch, heads, seqlen, _ = q.shape
+    device = q.device
+    batch_idx = torch.tensor([0, batch - 1], device=device).unique()
+    head_idx = torch.tensor([0, heads - 1], device=device).unique()
+    g = torch.Generator().manual_seed(seed)
+    rows = torch.cat([torch.tensor([0, seqlen - 1]), torch.randperm(seqlen, generator=g)[: SAMPLE_ROWS - 2]])
+    rows = rows.unique().to(device)
+    q, k, v = (t.index_select(0, batch_idx).index_select(1, head_idx) for t in (q, k, v))
+    O_ref, L_ref = reference.attention(q, k, v, causal, rows=rows)
+    tol_O, tol_L = FP32_ATOL["O"], FP32_ATOL["L"]
+    if q.dtype != torch.float32:
+        O_naive, L_naive = reference.attention(q, k, v, causal, upcast=False, rows=rows)
+        tol_O = 2 * _max_err(O_naive, O_ref) + 2 * _max_err(O_ref.to(q.dtype), O_ref)
+        tol_L = 2 * _max_err(L_naive, L_ref) + L_FLOOR
+    return Sample(batch_idx, head_idx, rows, O_ref, L_ref, tol_O, tol_L)
+
+
+def _sampled(x: torch.Tensor, s: Sample) -> torch.Tensor:
+    """x's entries at the sample: x is (B, H, N, ...)."""
+    return x.index_select(0, s.batch_idx).index_select(1, s.head_idx).index_select(2, s.rows)
+
+
+def problem(O: torch.Tensor, L: torch.Tensor | None, q: torch.Tensor, s: Sample) -> str | None:
+    """None if (O, L) passes on the sample, else what is wrong. L None: the check covers O only. Every
+    row of the benchmark's shapes sees a key (seqlen_q = seqlen_k), so L must be finite throughout."""
+    if O.shape != q.shape or O.dtype != q.dtype:
+        return f"O is {tuple(O.shape)} {O.dtype}, want {tuple(q.shape)} {q.dtype}"
+    O = _sampled(O, s)
+    if not torch.isfinite(O).all():
+        return "O has NaN or inf on the sampled rows"
+    err_O = _max_err(O, s.O_ref)
+    if err_O > s.tol_O:
+        return f"max |O - O_ref| = {err_O:.3g} > tolerance {s.tol_O:.3g} on the sampled rows"
+    if L is None:
+        return None
+    if L.shape != q.shape[:-1]:
+        return f"L is {tuple(L.shape)}, want {tuple(q.shape[:-1])}"
+    L = _sampled(L, s)
+    if not torch.isfinite(L).all():
+        return "L has NaN or inf on the sampled rows"
+    err_L = _max_err(L, s.L_ref)
+    if err_L > s.tol_L:
+        return f"max |L - L_ref| = {err_L:.3g} > tolerance {s.tol_L:.3g} on the sampled rows"
+    return None

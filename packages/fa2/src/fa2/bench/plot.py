@@ -1,0 +1,60 @@
+"""TFLOP/s against N, one figure per head_dim (``<name>-fwd-D64.png``): a panel per (dtype, causal), a
+line per provider, the measured matmul ceiling of that precision as a horizontal line."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from fa2.bench.providers import PROVIDERS
+from fa2.bench.report import Run, groups, seqlen_label
+
+# Only bf16 and fp32 matmuls are measured; fp16 panels draw the bf16 ceiling (Hopper's fp16 and bf16
+# tensor-core peaks are equal).
+CEILING_OF = {"bf16": "bf16", "fp16": "bf16", "fp32": "fp32"}
+
+
+def plot(run: Run, out_dir: Path, name: str) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    colors = dict(zip(PROVIDERS, plt.get_cmap("tab10").colors))
+    ceilings = run.info.get("ceilings", {})
+    gpu = run.info.get("gpu", run.results[0]["gpu"])
+    title = f"fa2 forward on {gpu}"
+    if run.emulated:
+        title += "\nEMULATED: CPU, Triton interpreter, numba simulator, tiny shapes (not GPU speed)"
+    seqlens = sorted({r["seqlen"] for r in run.results})
+    paths = []
+    for head_dim in sorted({r["head_dim"] for r in run.results}):
+        dtypes = list(dict.fromkeys(g[0] for g in groups(run.results) if g[1] == head_dim))
+        fig, axes = plt.subplots(len(dtypes), 2, figsize=(12, 3.8 * len(dtypes)), squeeze=False)
+        for ax_row, dtype in zip(axes, dtypes):
+            for ax, causal in zip(ax_row, (False, True)):
+                for p in PROVIDERS:
+                    pts = sorted((r["seqlen"], r["tflops"]) for r in run.results
+                                 if (r["provider"], r["dtype"], r["head_dim"], r["causal"]) == (p, dtype, head_dim, causal))
+                    if pts:
+                        ax.plot(*zip(*pts), marker="o", color=colors[p], label=p,
+                                linestyle="-" if p.startswith("fa2-") else "--")
+                ceiling = ceilings.get(f"{CEILING_OF[dtype]}_matmul_tflops")
+                if ceiling:
+                    n = ceilings["matmul_size"]
+                    ax.axhline(ceiling, color="gray", linestyle=":",
+                               label=f"{CEILING_OF[dtype]} matmul {n}³: {ceiling:.3g} TFLOP/s")
+                ax.set_title(f"{dtype}, D = {head_dim}, {'causal' if causal else 'not causal'}")
+                ax.set_xscale("log", base=2)
+                ax.set_yscale("log")
+                ax.set_xticks(seqlens, [seqlen_label(n) for n in seqlens])
+                ax.set_xlabel("sequence length N")
+                ax.set_ylabel("TFLOP/s")
+                ax.grid(True, which="both", alpha=0.3)
+                ax.legend(fontsize=7, loc="lower right")
+        fig.suptitle(title)
+        fig.tight_layout()
+        path = out_dir / f"{name}-fwd-D{head_dim}.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        paths.append(path)
+    return paths

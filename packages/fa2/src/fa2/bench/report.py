@@ -1,0 +1,182 @@
+"""From a run's files to its summary: ``<name>.md`` (ratio tables, TFLOP/s, memory, what was not
+measured) and the ratio tables on stdout. Reads only the files, so a summary can be redrawn anywhere."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+from fa2.bench.check import SAMPLE_ROWS
+from fa2.bench.providers import FA2_PROVIDERS, PROVIDERS
+from fa2.bench.sweep import read_csv, read_runs
+
+# What the fa2 backends are measured against: the GPU kernels a user would pick instead; without a GPU,
+# the only baseline that runs on the CPU.
+BASELINES = {False: ("sdpa-flash", "sdpa-cudnn"), True: ("sdpa-math",)}
+
+
+@dataclass
+class Run:
+    results: list[dict]  # the CSV's rows, numbers parsed
+    issues: list[dict]
+    runs: list[dict]  # <name>-run.json: one per run that wrote the CSV (several with --append)
+
+    @property
+    def info(self) -> dict:
+        """The latest run: its environment and matmul ceilings describe the report."""
+        return self.runs[-1] if self.runs else {}
+
+    @property
+    def emulated(self) -> bool:
+        return bool(self.info.get("emulated"))
+
+    def tflops(self) -> dict[tuple, float]:
+        return {_key(r): r["tflops"] for r in self.results}
+
+
+def load(out_dir: Path, name: str) -> Run:
+    results = read_csv(out_dir / f"{name}.csv")
+    if not results:
+        raise SystemExit(f"no results in {out_dir / f'{name}.csv'}")
+    for r in results:
+        r["head_dim"], r["seqlen"] = int(r["head_dim"]), int(r["seqlen"])
+        r["causal"] = r["causal"] == "True"
+        r["ms"], r["tflops"] = float(r["ms"]), float(r["tflops"])
+        r["peak_mem_gb"] = float(r["peak_mem_gb"]) if r["peak_mem_gb"] else None
+    return Run(results, read_csv(out_dir / f"{name}-skipped.csv"), read_runs(out_dir / f"{name}-run.json"))
+
+
+def _key(r: dict) -> tuple:
+    return r["provider"], r["dtype"], r["head_dim"], r["causal"], r["seqlen"]
+
+
+def _num(x: float) -> str:
+    return f"{x:.0f}" if x >= 100 else f"{x:.3g}"
+
+
+def _ratio(x: float) -> str:
+    return f"{x:.2f}" if x >= 0.1 else f"{x:.2g}"
+
+
+def seqlen_label(n: int) -> str:
+    return f"{n // 1024}k" if n >= 1024 and n % 1024 == 0 else str(n)
+
+
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header), *("| " + " | ".join(r) + " |" for r in rows)]
+
+
+def groups(results: list[dict]) -> list[tuple[str, int, bool]]:
+    order = {"bf16": 0, "fp16": 1, "fp32": 2}
+    return sorted({(r["dtype"], r["head_dim"], r["causal"]) for r in results}, key=lambda g: (order[g[0]], g[1:]))
+
+
+def _geomean(xs: list[float]) -> float:
+    return math.exp(sum(map(math.log, xs)) / len(xs))
+
+
+def ratios(run: Run, fa2: str, baseline: str) -> dict[tuple, float]:
+    """fa2's TFLOP/s over the baseline's, per (dtype, D, causal, N) where both were measured."""
+    t = run.tflops()
+    return {k[1:]: t[k] / t[(baseline, *k[1:])] for k in t if k[0] == fa2 and (baseline, *k[1:]) in t}
+
+
+def ratio_tables(run: Run) -> list[str]:
+    """The headline (min and geomean per fa2 backend and baseline), then one table per baseline, per shape."""
+    baselines = BASELINES[run.emulated]
+    fa2s = [p for p in FA2_PROVIDERS if any(r["provider"] == p for r in run.results)]
+    seqlens = sorted({r["seqlen"] for r in run.results})
+    out = ["Ratio of TFLOP/s (above 1: the fa2 backend is faster), per shape where both ran.", ""]
+    summary = []
+    for fa2 in fa2s:
+        cells = [fa2]
+        for b in baselines:
+            rs = list(ratios(run, fa2, b).values())
+            cells += [_ratio(min(rs)), _ratio(_geomean(rs)), str(len(rs))] if rs else ["—", "—", "0"]
+        summary.append(cells)
+    header = ["fa2 backend"] + [f"{h} vs {b}" for b in baselines for h in ("min", "geomean", "shapes")]
+    out += _table(header, summary)
+    for b in baselines:
+        rows = []
+        for fa2 in fa2s:
+            rs = ratios(run, fa2, b)
+            for dtype, d, causal in groups(run.results):
+                cells = [rs.get((dtype, d, causal, n)) for n in seqlens]
+                present = [c for c in cells if c is not None]
+                if present:
+                    rows.append([fa2, dtype, str(d), "yes" if causal else "no",
+                                 *("—" if c is None else _ratio(c) for c in cells),
+                                 _ratio(min(present)), _ratio(_geomean(present))])
+        out += ["", f"### fa2 / {b}", ""]
+        out += _table(["fa2 backend", "dtype", "D", "causal", *map(seqlen_label, seqlens), "min", "geomean"], rows) \
+            if rows else [f"No shape where an fa2 backend and {b} both ran."]
+    return out
+
+
+def value_tables(run: Run, column: str, fmt) -> list[str]:
+    """One table per dtype: a row per (provider, D, causal), a column per N."""
+    seqlens = sorted({r["seqlen"] for r in run.results})
+    values = {_key(r): r[column] for r in run.results if r[column] is not None}
+    out = []
+    for dtype in ("bf16", "fp16", "fp32"):
+        rows = []
+        for p in PROVIDERS:
+            for g_dtype, d, causal in groups(run.results):
+                cells = [values.get((p, dtype, d, causal, n)) for n in seqlens]
+                if g_dtype == dtype and any(c is not None for c in cells):
+                    rows.append([p, str(d), "yes" if causal else "no", *("" if c is None else fmt(c) for c in cells)])
+        if rows:
+            out += ["", f"### {dtype}", ""] + _table(["provider", "D", "causal", *map(seqlen_label, seqlens)], rows)
+    return out
+
+
+def not_measured(run: Run) -> list[str]:
+    counts = Counter((i["provider"], i["status"], i["reason"]) for i in run.issues)
+    rows = [[p, status, reason, str(n)] for (p, status, reason), n in sorted(counts.items())]
+    return _table(["provider", "status", "reason", "shapes"], rows) if rows else ["Nothing: every planned shape ran."]
+
+
+def markdown(run: Run, name: str, plots: list[Path]) -> str:
+    info, emulated = run.info, run.emulated
+    gpu = info.get("gpu", run.results[0]["gpu"])
+    ceil = info.get("ceilings", {})
+    n = ceil.get("matmul_size", "?")
+    lines = [f"# fa2 forward benchmark: {'EMULATED on the CPU' if emulated else gpu}", ""]
+    if emulated:
+        lines += ["> **EMULATED.** No GPU: fa2-pytorch and SDPA math on the CPU, fa2-triton in Triton's interpreter",
+                  "> and fa2-numba-cuda in numba's CUDA simulator, on tiny shapes. These times show that the",
+                  "> harness and the kernels run and agree with the reference; they say nothing about GPU speed.", ""]
+    shapes = ("B = 1, H = 2 (emulated)" if emulated else
+              "16k tokens (B = 16384 / N), hidden 2048 (H = 2048 / D), as in the FlashAttention-2 paper")
+    lines += [
+        f"- Environment: commit `{info.get('commit', '?')}`, torch {info.get('torch', '?')}, "
+        f"triton {info.get('triton') or '—'}, numba-cuda {info.get('numba_cuda') or '—'}.",
+        f"- Wall time {sum(r.get('wall_s', 0) for r in run.runs):.0f} s, from:",
+        *(f"  - `{r.get('command', '?')}`, started {r.get('started', '?')}, {r.get('wall_s', '?')} s" for r in run.runs),
+        f"- Shapes: {shapes}; inputs (B, H, N, D) contiguous, standard normal. "
+        "FLOPs = 4·B·H·N²·D, halved when causal.",
+        f"- Timing: {info.get('timing', '?')}. Peak memory: the most one call allocates beyond what was live "
+        "before it (its outputs included); not measured on the CPU.",
+        f"- Matmul ceilings ({n}³): bf16 {_num(ceil.get('bf16_matmul_tflops', math.nan))} TFLOP/s, "
+        f"fp32 without TF32 {_num(ceil.get('fp32_matmul_tflops', math.nan))} TFLOP/s.",
+        "- Correctness: before timing, each provider's O and L on each shape are checked against "
+        f"`fa2.reference` on {SAMPLE_ROWS} sampled query rows of the first and last batch entries and heads (the rule of "
+        "`shared_tests/checks.py`); a provider that fails is not timed. sdpa-math's op returns the attention "
+        "weights, not L: its check covers O only.",
+        "",
+        "## fa2 against " + " and ".join(BASELINES[emulated]),
+        "",
+        *ratio_tables(run),
+        "",
+        "## TFLOP/s",
+        *value_tables(run, "tflops", _num),
+    ]
+    if not emulated:
+        lines += ["", "## Peak memory per call (GB)", *value_tables(run, "peak_mem_gb", lambda x: f"{x:.3g}")]
+    lines += ["", "## Plots", ""]
+    lines += [f"![{p.stem}]({p.name})" for p in plots] or [
+        f"None drawn (no matplotlib here): `python -m fa2.bench --report-only --name {name}` draws them."]
+    lines += ["", "## Not measured", "", f"From `{name}-skipped.csv`, grouped by reason.", "", *not_measured(run)]
+    return "\n".join(lines) + "\n"

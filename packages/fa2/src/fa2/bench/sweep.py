@@ -1,0 +1,284 @@
+"""The sweep: which shapes, which provider may run each, and the loop that checks, times and records.
+
+GPU (the FlashAttention-2 paper's sweep): 16k tokens per batch (B = 16384 / N) and hidden 2048
+(H = 2048 / D), N = 512 … 16384, D = 64 and 128, causal and not, bf16 and fp16, plus fp32 for the
+providers of the fp32 comparison. Without a GPU (emulated): B = 1, H = 2, N = 16 … 1024, D = 16 and 64,
+Triton's interpreter and numba's simulator only on the smallest shapes (their budgets below).
+
+For each shape: fresh standard-normal inputs, the reference on a sample of rows (check.py), then per
+provider: one call, checked (status "wrong" if it fails: not timed), peak memory, median time. A
+provider that cannot run a shape is "skipped", one that raises is "failed"; both with the reason, and the
+sweep goes on. Rows are written as they come, so an interrupted run keeps what it measured.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import subprocess
+import time
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from importlib import metadata
+from pathlib import Path
+
+import torch
+
+from fa2.bench import check, timing
+from fa2.bench.providers import DTYPES, PROVIDERS, Provider, Shape
+
+COLUMNS = ("provider", "mode", "dtype", "head_dim", "causal", "seqlen", "batch", "heads", "ms", "tflops",
+           "peak_mem_gb", "gpu", "torch", "triton", "numba_cuda", "commit", "timestamp")
+ISSUE_COLUMNS = ("provider", "mode", "dtype", "head_dim", "causal", "seqlen", "batch", "heads", "status",
+                 "reason", "timestamp")
+KEY = ("provider", "mode", "dtype", "head_dim", "causal", "seqlen")
+MODE = "fwd"
+EMULATED_GPU = "cpu (emulated)"
+
+GPU_TOKENS, GPU_HIDDEN = 16384, 2048
+EMULATED_BATCH, EMULATED_HEADS = 1, 2
+DEFAULTS = {
+    # (emulated, quick): seqlens, head_dims, dtypes
+    (False, False): ((512, 1024, 2048, 4096, 8192, 16384), (64, 128), ("bf16", "fp16", "fp32")),
+    (False, True): ((1024, 4096), (64, 128), ("bf16",)),
+    (True, False): ((16, 32, 64, 128, 256, 512, 1024), (16, 64), ("fp32", "fp16", "bf16")),
+    (True, True): ((16, 32, 64, 128), (16,), ("fp32", "fp16")),
+}
+# SDPA math materialises B·H·N² scores: at N = 16k that is tens of GB (anchors.md: 39.5 GB at D = 128).
+MATH_MAX_SEQLEN = 4096
+# What the emulators lack, and the most work (B·H·N²·D) one emulated call may take: the conformance suite's
+# (shared_tests/test_conformance.py) EMULATOR_GAPS and CPU_BUDGET. Emulators run a GPU's threads one at a
+# time in Python; within these budgets the whole emulated run takes a minute or two on two cores.
+EMULATOR_GAPS = {
+    ("fa2-triton", "bf16"): "Triton's interpreter computes bf16 tl.dot wrongly (shared_tests: EMULATOR_GAPS)",
+    ("fa2-numba-cuda", "bf16"): "numba's CUDA simulator has no bfloat16 (shared_tests: EMULATOR_GAPS)",
+}
+EMULATED_BUDGET = {"fa2-triton": 1e7, "fa2-numba-cuda": 6e4}
+
+
+@dataclass
+class Config:
+    providers: tuple[str, ...]
+    seqlens: tuple[int, ...]
+    head_dims: tuple[int, ...]
+    causals: tuple[bool, ...]
+    dtypes: tuple[str, ...]
+    device: torch.device
+    out_dir: Path
+    name: str
+    math_max_seqlen: int = MATH_MAX_SEQLEN
+    append: bool = False
+    command: str = ""
+
+    @property
+    def emulated(self) -> bool:
+        return self.device.type != "cuda"
+
+    def shapes(self) -> list[Shape]:
+        out = []
+        for dtype in self.dtypes:
+            for head_dim in self.head_dims:
+                for causal in self.causals:
+                    for n in self.seqlens:
+                        if self.emulated:
+                            batch, heads = EMULATED_BATCH, EMULATED_HEADS
+                        else:
+                            batch, heads = max(1, GPU_TOKENS // n), max(1, GPU_HIDDEN // head_dim)
+                        out.append(Shape(dtype, head_dim, causal, n, batch, heads))
+        return out
+
+    def path(self, suffix: str) -> Path:
+        return self.out_dir / f"{self.name}{suffix}"
+
+
+def skip_reason(p: Provider, shape: Shape, cfg: Config) -> str | None:
+    """Why ``p`` does not run ``shape`` in this sweep (it can run on this machine at all: checked before)."""
+    if shape.dtype not in p.dtypes:
+        return f"{shape.dtype}: {p.dtype_reason}"
+    if cfg.emulated and (p.name, shape.dtype) in EMULATOR_GAPS:
+        return EMULATOR_GAPS[p.name, shape.dtype]
+    if cfg.emulated and shape.work > EMULATED_BUDGET.get(p.name, float("inf")):
+        return f"emulated: B·H·N²·D over {p.name}'s budget of {EMULATED_BUDGET[p.name]:.0e} for the CPU run"
+    if p.name == "sdpa-math" and shape.seqlen > cfg.math_max_seqlen:
+        return (f"N > --math-max-seqlen {cfg.math_max_seqlen}: SDPA math materialises B·H·N² scores "
+                "(tens of GB at N = 16k)")
+    return None
+
+
+def environment(device: torch.device) -> dict[str, str]:
+    """The CSV's environment columns."""
+    return {
+        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else EMULATED_GPU,
+        "torch": torch.__version__,
+        "triton": _version("triton"),
+        "numba_cuda": _version("numba-cuda"),
+        "commit": _commit(),
+    }
+
+
+def _version(dist: str) -> str:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return ""
+
+
+def _commit() -> str:
+    """HEAD of the checkout this package lives in, "+dirty" with uncommitted changes to tracked files."""
+    here = Path(__file__).parent
+    try:
+        git = lambda *a: subprocess.run(["git", *a], cwd=here, capture_output=True, text=True, check=True).stdout
+        dirty = git("status", "--porcelain", "--untracked-files=no").strip()
+        return git("rev-parse", "--short=12", "HEAD").strip() + ("+dirty" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+def _reason(e: BaseException) -> str:
+    """An exception in one line: its type and the first line of its message (compiler errors run long)."""
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    text = f"{type(e).__name__}: {lines[0] if lines else ''}"
+    return text if len(text) <= 300 else text[:297] + "..."
+
+
+class Records:
+    """The CSV of measurements and the CSV of everything not measured, appended to row by row.
+    ``append`` keeps the earlier rows of both files except those this run measures again."""
+
+    def __init__(self, cfg: Config, shapes: list[Shape]):
+        self.results, self.issues = cfg.path(".csv"), cfg.path("-skipped.csv")
+        cfg.out_dir.mkdir(parents=True, exist_ok=True)
+        planned = {_key(p, s) for s in shapes for p in cfg.providers}
+        for path, columns in ((self.results, COLUMNS), (self.issues, ISSUE_COLUMNS)):
+            kept = [r for r in read_csv(path) if tuple(r[c] for c in KEY) not in planned] if cfg.append else []
+            with path.open("w", newline="") as f:
+                writer = csv.DictWriter(f, columns)
+                writer.writeheader()
+                writer.writerows(kept)
+
+    def result(self, row: dict) -> None:
+        self._append(self.results, COLUMNS, row)
+
+    def issue(self, p: str, shape: Shape, status: str, reason: str) -> None:
+        self._append(self.issues, ISSUE_COLUMNS, {**_shape_columns(p, shape), "status": status,
+                                                  "reason": reason, "timestamp": _now()})
+
+    @staticmethod
+    def _append(path: Path, columns: tuple[str, ...], row: dict) -> None:
+        with path.open("a", newline="") as f:
+            csv.DictWriter(f, columns).writerow(row)
+
+
+def read_csv(path: Path) -> list[dict[str, str]]:
+    if not path.exists():
+        return []
+    with path.open(newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def _shape_columns(provider: str, s: Shape) -> dict:
+    return {"provider": provider, "mode": MODE, "dtype": s.dtype, "head_dim": s.head_dim, "causal": s.causal,
+            "seqlen": s.seqlen, "batch": s.batch, "heads": s.heads}
+
+
+def _key(provider: str, s: Shape) -> tuple[str, ...]:
+    columns = _shape_columns(provider, s)
+    return tuple(str(columns[c]) for c in KEY)
+
+
+def measure(p: Provider, shape: Shape, q, k, v, sample: check.Sample, device: torch.device):
+    """("ok", (ms, peak_mem_gb)) or (status, reason) with status "wrong", "skipped" or "failed"."""
+    try:
+        fn = p.build(shape, device)
+        call = lambda: fn(q, k, v)
+        (O, L), first_s = timing.timed_once(call, device)
+        problem = check.problem(O, L if p.returns_lse else None, q, sample)
+        del O, L
+        if problem:
+            return "wrong", problem
+        mem = timing.peak_mem_gb(call, device)
+        return "ok", (timing.median_ms(call, device, first_s), mem)
+    except NotImplementedError as e:  # a backend's documented refusal of this input
+        return "skipped", _reason(e)
+    except Exception as e:
+        return "failed", _reason(e)
+    finally:
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def run(cfg: Config, progress) -> None:
+    """Measures every (shape, provider) of ``cfg`` into ``<name>.csv``, ``<name>-skipped.csv`` and
+    ``<name>-run.json`` (the environment, the command, the matmul ceilings, the wall time) under
+    ``cfg.out_dir``. ``progress(total)``: a tqdm-like bar."""
+    started = time.perf_counter()
+    if cfg.emulated:
+        # On a few shared cores torch's thread pool makes CPU times swing a hundredfold; one thread is steady.
+        torch.set_num_threads(1)
+    env = environment(cfg.device)
+    shapes = cfg.shapes()
+    records = Records(cfg, shapes)
+    providers = [PROVIDERS[name] for name in cfg.providers]
+    unavailable = {p.name: p.unavailable(cfg.device) for p in providers}
+    earlier = read_runs(cfg.path("-run.json")) if cfg.append else []
+    info = {**env, "device": str(cfg.device), "emulated": cfg.emulated, "command": cfg.command,
+            "started": _now(), "timing": timing.describe(cfg.device),
+            "ceilings": timing.matmul_ceilings(cfg.device)}
+    write_runs(cfg, earlier + [info])
+
+    bar = progress(len(shapes) * len(providers))
+    with torch.no_grad():
+        for shape in shapes:
+            runnable = []
+            for p in providers:
+                reason = unavailable[p.name] or skip_reason(p, shape, cfg)
+                if reason:
+                    records.issue(p.name, shape, "skipped", reason)
+                    bar.update()
+                else:
+                    runnable.append(p)
+            if runnable:
+                _measure_shape(shape, runnable, cfg, env, records, bar)
+    bar.close()
+    info["wall_s"] = round(time.perf_counter() - started, 1)
+    write_runs(cfg, earlier + [info])
+
+
+def _measure_shape(shape: Shape, providers: list[Provider], cfg: Config, env: dict, records: Records, bar):
+    seed = shape.seqlen * 7 + shape.head_dim
+    torch.manual_seed(seed)
+    size = (shape.batch, shape.heads, shape.seqlen, shape.head_dim)
+    q, k, v = (torch.randn(size, device=cfg.device, dtype=DTYPES[shape.dtype]) for _ in range(3))
+    try:
+        sample = check.reference_sample(q, k, v, shape.causal, seed)
+    except Exception as e:
+        for p in providers:
+            records.issue(p.name, shape, "failed", f"the reference check could not run: {_reason(e)}")
+            bar.update()
+        return
+    for p in providers:
+        bar.set_postfix_str(f"{p.name} {shape}")
+        status, outcome = measure(p, shape, q, k, v, sample, cfg.device)
+        if status == "ok":
+            ms, mem = outcome
+            records.result({**_shape_columns(p.name, shape), "ms": f"{ms:.6g}",
+                            "tflops": f"{shape.flops / (ms * 1e-3) / 1e12:.6g}",
+                            "peak_mem_gb": "" if mem is None else f"{mem:.4g}", **env, "timestamp": _now()})
+        else:
+            records.issue(p.name, shape, status, outcome)
+            if status != "skipped":
+                bar.write(f"{p.name} {shape}: {status}: {outcome}")
+        bar.update()
+
+
+def read_runs(path: Path) -> list[dict]:
+    """``<name>-run.json``: one entry per run that wrote into the CSV (several with --append)."""
+    return json.loads(path.read_text())["runs"] if path.exists() else []
+
+
+def write_runs(cfg: Config, runs: list[dict]) -> None:
+    cfg.path("-run.json").write_text(json.dumps({"runs": runs}, indent=2) + "\n")

@@ -1,0 +1,84 @@
+"""Clocks: ``triton.testing.do_bench`` on a GPU, ``time.perf_counter`` on the CPU; peak memory; ceilings.
+
+GPU: median of do_bench (warm-up 25 ms, then 100 ms of repetitions; it flushes the L2 cache before each).
+CPU (emulated runs): the correctness call has warmed the provider up; then the median of as many calls as
+fit in ``CPU_BUDGET_S`` (at least one, at most ``CPU_MAX_REPS``).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Callable
+
+import torch
+
+WARMUP_MS = 25
+REP_MS = 100
+CPU_BUDGET_S = 1.0
+CPU_MAX_REPS = 10
+CEILING_SIZE = {"cuda": 8192, "cpu": 1024}
+
+
+def describe(device: torch.device) -> str:
+    if device.type == "cuda":
+        return f"triton.testing.do_bench median, warmup {WARMUP_MS} ms, rep {REP_MS} ms"
+    return (f"time.perf_counter median of up to {CPU_MAX_REPS} calls within {CPU_BUDGET_S} s after one warm-up "
+            f"call, {torch.get_num_threads()} CPU thread(s)")
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed_once(fn: Callable[[], object], device: torch.device) -> tuple[object, float]:
+    """fn's result and its wall time in seconds."""
+    start = time.perf_counter()
+    out = fn()
+    sync(device)
+    return out, time.perf_counter() - start
+
+
+def median_ms(fn: Callable[[], object], device: torch.device, first_s: float) -> float:
+    """fn's median time in milliseconds; ``first_s``: how long its warm-up call took."""
+    if device.type == "cuda":
+        from triton.testing import do_bench
+
+        return do_bench(fn, warmup=WARMUP_MS, rep=REP_MS, return_mode="median")
+    reps = max(1, min(CPU_MAX_REPS, int(CPU_BUDGET_S / max(first_s, 1e-9))))
+    return 1e3 * statistics.median(timed_once(fn, device)[1] for _ in range(reps))
+
+
+def peak_mem_gb(fn: Callable[[], object], device: torch.device) -> float | None:
+    """The most memory one call allocates beyond what was live before it (its outputs included), in
+    GB (1e9 bytes); None off CUDA, where PyTorch keeps no such count."""
+    if device.type != "cuda":
+        return None
+    sync(device)
+    before = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    out = fn()
+    sync(device)
+    peak = torch.cuda.max_memory_allocated(device) - before
+    del out
+    return peak / 1e9
+
+
+def matmul_ceilings(device: torch.device) -> dict[str, float | int]:
+    """TFLOP/s of one n×n×n matmul in bf16 and in fp32 without TF32, timed as the attention calls are."""
+    n = CEILING_SIZE[device.type]
+    out: dict[str, float | int] = {"matmul_size": n}
+    precision = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")  # fp32: no TF32
+    try:
+        for name, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
+            a = torch.randn(n, n, device=device, dtype=dtype)
+            b = torch.randn(n, n, device=device, dtype=dtype)
+            fn = lambda: a @ b
+            _, first_s = timed_once(fn, device)
+            out[f"{name}_matmul_tflops"] = 2 * n**3 / (median_ms(fn, device, first_s) * 1e-3) / 1e12
+            del a, b
+    finally:
+        torch.set_float32_matmul_precision(precision)
+    return out
