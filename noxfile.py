@@ -63,3 +63,12 @@ def test_gpu(session: nox.Session) -> None:
     """The conformance suite on CUDA for every backend (a GPU machine; use with --no-venv offline)."""
     install(session, BACKENDS, "test")
     session.run("pytest", "shared_tests", "--device=cuda", *session.posargs)
+
+
+@nox.session
+def bench(session: nox.Session) -> None:
+    """The side-by-side benchmark of every backend against SDPA and FlexAttention (python -m fa2.bench).
+    With a GPU: the full sweep into docs/benchmarks/<gpu>.*; without one: emulated, tiny shapes, into
+    docs/benchmarks/cpu-emulated.*. Arguments after -- go to fa2.bench, e.g. -- --quick."""
+    install(session, BACKENDS, "bench")
+    session.run("python", "-m", "fa2.bench", *session.posargs, env=emulation_env())

@@ -4,10 +4,14 @@
     O, L = fa2.attention(q, k, v, causal=True)          # picks a backend
     O, L = fa2.attention(q, k, v, backend="triton")     # or names one; never falls back
     fa2.backends()                                      # what is installed and where it runs
+    O = fa2.scaled_dot_product_attention(q, k, v, is_causal=True)   # SDPA's signature and causal mask
 """
 
 from fa2.api import AttentionOutput, attention
 from fa2.registry import BackendInfo, BackendNotInstalledError, backends
+from fa2.sdpa import scaled_dot_product_attention
 
-__all__ = ["AttentionOutput", "BackendInfo", "BackendNotInstalledError", "attention", "backends"]
+__all__ = [
+    "AttentionOutput", "BackendInfo", "BackendNotInstalledError", "attention", "backends", "scaled_dot_product_attention",
+]
 __version__ = "0.1.0"
