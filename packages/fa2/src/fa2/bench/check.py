@@ -67,20 +67,16 @@ def problem(O: torch.Tensor, L: torch.Tensor | None, q: torch.Tensor, s: Sample)
     row of the benchmark's shapes sees a key (seqlen_q = seqlen_k), so L must be finite throughout."""
     if O.shape != q.shape or O.dtype != q.dtype:
         return f"O is {tuple(O.shape)} {O.dtype}, want {tuple(q.shape)} {q.dtype}"
-    O = _sampled(O, s)
-    if not torch.isfinite(O).all():
-        return "O has NaN or inf on the sampled rows"
-    err_O = _max_err(O, s.O_ref)
-    if err_O > s.tol_O:
-        return f"max |O - O_ref| = {err_O:.3g} > tolerance {s.tol_O:.3g} on the sampled rows"
-    if L is None:
-        return None
-    if L.shape != q.shape[:-1]:
-        return f"L is {tuple(L.shape)}, want {tuple(q.shape[:-1])}"
-    L = _sampled(L, s)
-    if not torch.isfinite(L).all():
-        return "L has NaN or inf on the sampled rows"
-    err_L = _max_err(L, s.L_ref)
-    if err_L > s.tol_L:
-        return f"max |L - L_ref| = {err_L:.3g} > tolerance {s.tol_L:.3g} on the sampled rows"
+    outputs = [("O", O, s.O_ref, s.tol_O)]
+    if L is not None:
+        if L.shape != q.shape[:-1]:
+            return f"L is {tuple(L.shape)}, want {tuple(q.shape[:-1])}"
+        outputs.append(("L", L, s.L_ref, s.tol_L))
+    for name, x, ref, tol in outputs:
+        x = _sampled(x, s)
+        if not torch.isfinite(x).all():
+            return f"{name} has NaN or inf on the sampled rows"
+        err = _max_err(x, ref)
+        if err > tol:
+            return f"max |{name} - {name}_ref| = {err:.3g} > tolerance {tol:.3g} on the sampled rows"
     return None
