@@ -1,0 +1,396 @@
+"""FlashAttention-2 forward as a numba-cuda kernel on CUDA cores (SIMT, fp32 arithmetic).
+
+The algorithm of the FA2 paper (Dao, 2023), Algorithm 1, as in ``fa2_pytorch.forward``: one block per
+(query tile, batch·head) keeps, for each of its BLOCK_M query rows, a running max ``m_i``, a running sum
+``l_i`` and an unnormalised accumulator ``acc``; for each BLOCK_N-key tile it rescales both by
+``alpha = exp(m_old - m_new)``, adds ``p = exp(S - m_new)`` and ``p V``; at the end it divides once and
+writes O and L = m + log(l), each once. Scores are kept in base 2 (``qk_scale = scale · log2 e``, ``exp2``)
+and L is converted back to the natural log on the way out.
+
+The block (THREADS_M × THREADS_N threads, THREADS_N = 8 so that a warp is 4 row groups × 8 column groups):
+
+- shared memory, fp32, every row padded by 4 floats (16 B aligned rows, no bank conflicts):
+  ``q_tile`` [BLOCK_M, HEAD_DIM] once per block; ``k_tile``, ``v_tile`` [BLOCK_N, HEAD_DIM] per key tile;
+  ``p_tile`` [BLOCK_M, BLOCK_N]; ``row_part`` [BLOCK_M, THREADS_N], the per-thread partial row max (per
+  tile) and row sum (at the end) of the THREADS_N threads that share a row, reduced through shared memory
+  (numba's simulator has no warp shuffles). All of it stays under the 48 KB of static shared memory.
+- registers (``cuda.local.array`` of compile-time sizes, indexed only by unrolled loops over constants):
+  thread (ty, tx) owns rows ``ty + THREADS_M·i`` (i < TM) of S, P and O; S's keys ``tx + THREADS_N·j``
+  (j < TN); O's head-dim columns ``4·tx + 4·THREADS_N·jj + e`` (jj < TD / 4, e < 4). Each micro-tile is
+  fed by 4-float contiguous shared loads along the reduction dimension.
+- ``l_i`` is a per-thread partial sum over the thread's own keys (all threads of a row share ``m_i``, so the
+  partials rescale alike); the row's THREADS_N partials are added once, after the last tile.
+
+Causal is bottom-right aligned (key j visible to query i iff j <= i + seqlen_k - seqlen_q); key tiles wholly
+above the diagonal are never visited, and the mask is applied only to tiles that cross the diagonal or the
+end of the keys. A row that sees no key gets O = 0 and L = +inf.
+
+Inputs: fp32, fp16, or bf16 (passed to the kernel as its raw 16-bit patterns, an int16 view, and widened
+in-kernel by a shift: numba has no bf16 arrays); any strides (the kernel indexes the strided (B, H, N, D)
+arrays themselves, nothing is copied). head_dim up to 256, padded to a multiple of 32 inside the block.
+
+Launch: on torch's current CUDA stream, no host synchronisation; one compiled kernel per (HEAD_DIM, block
+shape, dtype, causal), built once by ``_build_kernel`` and cached (numba specialises it further per array
+layout). Under numba's CUDA simulator (NUMBA_ENABLE_CUDASIM=1) the same kernel runs on CPU tensors, one
+Python thread per CUDA thread: use tiny shapes there.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numba
+import numpy as np
+import torch
+from numba import cuda, float32, int16, int32, uint64
+
+MAX_HEAD_DIM = 256
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+# A warp is 4 row groups x THREADS_N column groups: THREADS_N = 8 makes the 4-float shared loads of a warp
+# conflict-free with rows padded by 4 floats.
+THREADS_N = 8
+
+
+def simulated() -> bool:
+    """True when numba runs its CUDA simulator (NUMBA_ENABLE_CUDASIM=1 before numba was imported)."""
+    return bool(numba.config.ENABLE_CUDASIM)
+
+
+if simulated():
+    # The simulator runs kernels as Python: it has no libdevice (numpy reinterprets the bits instead) and
+    # refuses an alignment for shared arrays. On the GPU, 16 B aligned tiles let the 4-float shared loads
+    # be single vector loads (ld.shared.v4.f32).
+    SHARED_ALIGN = None
+
+    def _int_as_float(bits):
+        return np.int32(bits).view(np.float32)
+
+    def _float_as_int(x):
+        return np.float32(x).view(np.int32)
+
+else:
+    SHARED_ALIGN = 16
+    _int_as_float = cuda.libdevice.int_as_float
+    _float_as_int = cuda.libdevice.float_as_int
+
+
+@cuda.jit(device=True)
+def _bf16_to_float(bits):
+    """The bf16 whose bit pattern is the int16 ``bits``, as fp32 (exact: bf16 is fp32's top half)."""
+    return _int_as_float(int32(bits) << int32(16))
+
+
+@cuda.jit(device=True)
+def _float_to_bf16(x):
+    """fp32 ``x`` rounded to the nearest bf16 (ties to even), as that bf16's int16 bit pattern."""
+    bits = _float_as_int(x)
+    bits += int32(0x7FFF) + ((bits >> int32(16)) & int32(1))
+    return int16(bits >> int32(16))
+
+
+@cuda.jit(device=True)
+def _to_float(x):
+    return float32(x)
+
+
+@cuda.jit(device=True)
+def _identity(x):
+    return x
+
+
+def padded_head_dim(head_dim: int) -> int:
+    """The head dim the block computes with: a multiple of 4·THREADS_N = 32, the columns are zero-filled."""
+    return max(32, -(-head_dim // 32) * 32)
+
+
+def block_config(HEAD_DIM: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, THREADS_M, MAX_REGISTERS) for a padded head dim: the biggest tiles whose fp32
+    shared memory stays under 48 KB, with micro-tiles of at most 4 rows x 4 keys of S and 4 rows x 16
+    columns of O per thread; MAX_REGISTERS caps what ptxas may use (loads hoisted for latency) so that
+    registers allow as many blocks per SM as shared memory does."""
+    if HEAD_DIM <= 64:
+        return 64, 32, 16, 128
+    if HEAD_DIM <= 96:
+        return 32, 32, 8, 128
+    if HEAD_DIM <= 128:
+        return 32, 16, 8, 168
+    return 16, 8, 8, 168
+
+
+def _build_kernel(HEAD_DIM, BLOCK_M, BLOCK_N, THREADS_M, MAX_REGISTERS, IS_CAUSAL, IS_BF16):
+    """The kernel for one head dim, block shape, input kind and causality, all compile-time constants."""
+    NUM_WARPS = THREADS_M * THREADS_N // 32
+    TM = BLOCK_M // THREADS_M  # rows of S, P and O per thread
+    TN = BLOCK_N // THREADS_N  # keys of S per thread
+    TD = HEAD_DIM // THREADS_N  # head-dim columns of O per thread, in TD // 4 groups of 4
+    LD_D = HEAD_DIM + 4  # padded row lengths of the shared tiles
+    LD_N = BLOCK_N + 4
+    assert BLOCK_M % THREADS_M == 0 and BLOCK_N % THREADS_N == 0 and BLOCK_N % 4 == 0
+    assert HEAD_DIM % (4 * THREADS_N) == 0
+
+    if IS_BF16:
+        to_float, from_float = _bf16_to_float, _float_to_bf16
+    else:
+        to_float, from_float = _to_float, _identity
+
+    @cuda.jit(device=True)
+    def load_tile(tile, x, offset, stride_n, stride_d, start, seqlen, head_dim):
+        """tile[r, c] = x[offset + (start + r)·stride_n + c·stride_d] as fp32, zeros past seqlen and head_dim:
+        warp w loads rows w, w + NUM_WARPS, ...; lane l loads columns l, l + 32, ... (coalesced when
+        stride_d = 1, conflict-free)."""
+        warp = cuda.threadIdx.x // 32
+        lane = cuda.threadIdx.x % 32
+        for rr in range(tile.shape[0] // NUM_WARPS):
+            r = warp + NUM_WARPS * rr
+            row_visible = start + r < seqlen
+            for cc in range(HEAD_DIM // 32):
+                c = lane + 32 * cc
+                value = float32(0.0)
+                if row_visible and c < head_dim:
+                    value = to_float(x[uint64(offset + (start + r) * stride_n + c * stride_d)])
+                tile[uint64(r), uint64(c)] = value
+
+    def _attn_fwd(
+        q, k, v, o, lse,
+        stride_qb, stride_qh, stride_qm, stride_qd,
+        stride_kb, stride_kh, stride_kn, stride_kd,
+        stride_vb, stride_vh, stride_vn, stride_vd,
+        heads, seqlen_q, seqlen_k, head_dim, qk_scale, num_m_tiles,
+    ):
+        """One block: BLOCK_M query rows of one (batch, head). q, k, v: flat views of (B, H, N, D) tensors
+        with the given element strides; o: (B, H, seqlen_q, head_dim) and lse: (B, H, seqlen_q), flat,
+        contiguous; o in q's dtype, lse fp32."""
+        # Key j is visible to query i iff j <= i + diag.
+        diag = seqlen_k - seqlen_q
+        start_m = (cuda.blockIdx.x % num_m_tiles) * BLOCK_M
+        off_bh = cuda.blockIdx.x // num_m_tiles
+        off_b = off_bh // heads
+        off_h = off_bh % heads
+        tx = cuda.threadIdx.x % THREADS_N
+        ty = cuda.threadIdx.x // THREADS_N
+
+        q_tile = cuda.shared.array((BLOCK_M, LD_D), float32, alignment=SHARED_ALIGN)  # [BLOCK_M, HEAD_DIM]
+        k_tile = cuda.shared.array((BLOCK_N, LD_D), float32, alignment=SHARED_ALIGN)  # [BLOCK_N, HEAD_DIM]
+        v_tile = cuda.shared.array((BLOCK_N, LD_D), float32, alignment=SHARED_ALIGN)  # [BLOCK_N, HEAD_DIM]
+        p_tile = cuda.shared.array((BLOCK_M, LD_N), float32, alignment=SHARED_ALIGN)  # [BLOCK_M, BLOCK_N]
+        row_part = cuda.shared.array((BLOCK_M, THREADS_N), float32, alignment=SHARED_ALIGN)
+
+        m_i = cuda.local.array(TM, float32)
+        l_i = cuda.local.array(TM, float32)
+        acc = cuda.local.array((TM, TD), float32)  # [TM, TD] of O's [BLOCK_M, HEAD_DIM]
+        s = cuda.local.array((TM, TN), float32)  # [TM, TN] of S's [BLOCK_M, BLOCK_N]
+        q_frag = cuda.local.array((TM, 4), float32)
+        k_frag = cuda.local.array((TN, 4), float32)
+        p_frag = cuda.local.array((TM, 4), float32)
+        v_frag = cuda.local.array(TD, float32)
+        for i in range(TM):
+            m_i[i] = -math.inf
+            l_i[i] = 0.0
+            for c in range(TD):
+                acc[i, c] = 0.0
+
+        k_offset = off_b * stride_kb + off_h * stride_kh
+        v_offset = off_b * stride_vb + off_h * stride_vh
+        load_tile(q_tile, q, off_b * stride_qb + off_h * stride_qh, stride_qm, stride_qd, start_m, seqlen_q, head_dim)
+
+        # Causal: the tile's last row sees keys up to start_m + BLOCK_M - 1 + diag; later tiles are skipped.
+        end_n = min(seqlen_k, start_m + BLOCK_M + diag) if IS_CAUSAL else seqlen_k
+        for start_n in range(0, end_n, BLOCK_N):
+            cuda.syncthreads()  # the previous tile's k_tile, v_tile and p_tile have been read
+            load_tile(k_tile, k, k_offset, stride_kn, stride_kd, start_n, seqlen_k, head_dim)
+            load_tile(v_tile, v, v_offset, stride_vn, stride_vd, start_n, seqlen_k, head_dim)
+            cuda.syncthreads()
+
+            # S = Q K^T: the thread's TM x TN micro-tile, 4 head-dim columns a step.
+            for i in range(TM):
+                for j in range(TN):
+                    s[i, j] = 0.0
+            for dd in range(HEAD_DIM // 4):
+                for i in range(TM):
+                    for e in range(4):
+                        q_frag[i, e] = q_tile[uint64(ty + THREADS_M * i), uint64(4 * dd + e)]
+                for j in range(TN):
+                    for e in range(4):
+                        k_frag[j, e] = k_tile[uint64(tx + THREADS_N * j), uint64(4 * dd + e)]
+                for i in range(TM):
+                    for j in range(TN):
+                        for e in range(4):
+                            s[i, j] += q_frag[i, e] * k_frag[j, e]
+
+            # Scale; mask only the tiles that cross the end of the keys or the causal diagonal.
+            needs_mask = start_n + BLOCK_N > seqlen_k or (IS_CAUSAL and start_n + BLOCK_N - 1 > start_m + diag)
+            for i in range(TM):
+                for j in range(TN):
+                    s[i, j] *= qk_scale
+                    if needs_mask:
+                        row = start_m + ty + THREADS_M * i
+                        key = start_n + tx + THREADS_N * j
+                        if key >= seqlen_k or (IS_CAUSAL and key > row + diag):
+                            s[i, j] = -math.inf
+
+            # The row max over the tile: the thread's own keys, then the row's THREADS_N threads.
+            for i in range(TM):
+                m_part = s[i, 0]
+                for j in range(1, TN):
+                    m_part = max(m_part, s[i, j])
+                row_part[ty + THREADS_M * i, tx] = m_part
+            cuda.syncthreads()
+
+            for i in range(TM):
+                m_new = m_i[i]
+                for t in range(THREADS_N):
+                    m_new = max(m_new, row_part[ty + THREADS_M * i, t])
+                # A row with nothing visible yet has m_new = -inf; subtracting 0 instead keeps exp2 at 0, not NaN.
+                m_safe = m_new if m_new != -math.inf else float32(0.0)
+                alpha = math.exp2(m_i[i] - m_safe)
+                l_part = float32(0.0)
+                for j in range(TN):
+                    p = math.exp2(s[i, j] - m_safe)
+                    l_part += p
+                    p_tile[ty + THREADS_M * i, tx + THREADS_N * j] = p
+                l_i[i] = alpha * l_i[i] + l_part
+                for c in range(TD):
+                    acc[i, c] *= alpha
+                m_i[i] = m_new
+            cuda.syncthreads()
+
+            # acc += P V: the thread's TM x TD micro-tile, 4 keys a step.
+            for nn in range(BLOCK_N // 4):
+                for i in range(TM):
+                    for e in range(4):
+                        p_frag[i, e] = p_tile[uint64(ty + THREADS_M * i), uint64(4 * nn + e)]
+                for e in range(4):
+                    for jj in range(TD // 4):
+                        for f in range(4):
+                            v_frag[4 * jj + f] = v_tile[uint64(4 * nn + e), uint64(4 * tx + 4 * THREADS_N * jj + f)]
+                    for i in range(TM):
+                        for c in range(TD):
+                            acc[i, c] += p_frag[i, e] * v_frag[c]
+
+        # Epilogue: the row sum of the THREADS_N partials, then O = acc / l and L = m + log(l), each once.
+        cuda.syncthreads()
+        for i in range(TM):
+            row_part[ty + THREADS_M * i, tx] = l_i[i]
+        cuda.syncthreads()
+        for i in range(TM):
+            row = start_m + ty + THREADS_M * i
+            l_sum = float32(0.0)
+            for t in range(THREADS_N):
+                l_sum += row_part[ty + THREADS_M * i, t]
+            if row < seqlen_q:
+                # Rows that saw no key have l = 0: O = 0 and L = +inf (see fa2.attention).
+                inv_l = float32(1.0) / l_sum if l_sum > 0.0 else float32(0.0)
+                for jj in range(TD // 4):
+                    for f in range(4):
+                        col = 4 * tx + 4 * THREADS_N * jj + f
+                        if col < head_dim:
+                            o[uint64((off_bh * seqlen_q + row) * head_dim + col)] = from_float(acc[i, 4 * jj + f] * inv_l)
+                if tx == 0:
+                    lse[uint64(off_bh * seqlen_q + row)] = (m_i[i] + math.log2(l_sum)) * LN2 if l_sum > 0.0 else math.inf
+
+    # The simulator's jit takes no max_registers.
+    return cuda.jit(_attn_fwd) if simulated() else cuda.jit(max_registers=MAX_REGISTERS)(_attn_fwd)
+
+
+# Compiled kernels by (HEAD_DIM, BLOCK_M, BLOCK_N, THREADS_M, MAX_REGISTERS, IS_CAUSAL, IS_BF16).
+_KERNELS: dict[tuple, object] = {}
+
+
+def _kernel(*key):
+    kernel = _KERNELS.get(key)
+    if kernel is None:
+        kernel = _KERNELS[key] = _build_kernel(*key)
+    return kernel
+
+
+def flash_attn_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Arguments:
+        q: (batch, heads, seqlen_q, head_dim); k, v: (batch, heads, seqlen_k, head_dim); any strides;
+            fp32, fp16 or bf16; CUDA tensors, or CPU tensors under numba's simulator.
+        causal: bottom-right aligned, key j visible to query i iff j <= i + seqlen_k - seqlen_q::
+
+            seqlen_q = 2, seqlen_k = 5:   1 1 1 1 0
+                                          1 1 1 1 1
+        scale: multiplies q kᵀ before the softmax.
+
+    Returns:
+        O: (batch, heads, seqlen_q, head_dim), q's dtype. L: (batch, heads, seqlen_q), float32, natural log;
+        rows that see no key get O = 0 and L = +inf.
+    """
+    batch, heads, seqlen_q, head_dim = q.shape
+    if head_dim > MAX_HEAD_DIM:
+        raise NotImplementedError(f"fa2-numba-cuda supports head_dim up to {MAX_HEAD_DIM}, got {head_dim}")
+    _check_device(q)
+    O = torch.empty(batch, heads, seqlen_q, head_dim, dtype=q.dtype, device=q.device)
+    L = torch.empty(batch, heads, seqlen_q, dtype=torch.float32, device=q.device)
+    if O.numel() == 0:
+        return O, L
+
+    HEAD_DIM = padded_head_dim(head_dim)
+    BLOCK_M, BLOCK_N, THREADS_M, MAX_REGISTERS = block_config(HEAD_DIM)
+    kernel = _kernel(HEAD_DIM, BLOCK_M, BLOCK_N, THREADS_M, MAX_REGISTERS, bool(causal), q.dtype == torch.bfloat16)
+    num_m_tiles = -(-seqlen_q // BLOCK_M)
+    grid, block = num_m_tiles * batch * heads, THREADS_M * THREADS_N
+    args = (
+        *(_flat(t) for t in (q, k, v, O, L)), *q.stride(), *k.stride(), *v.stride(),
+        heads, seqlen_q, k.shape[2], head_dim, np.float32(scale * LOG2E), num_m_tiles,
+    )
+    if simulated():
+        kernel[grid, block](*args)
+    else:
+        with cuda.gpus[q.device.index]:
+            stream = cuda.external_stream(torch.cuda.current_stream(q.device).cuda_stream)
+            kernel[grid, block, stream](*args)
+    return O, L
+
+
+def _check_device(q: torch.Tensor) -> None:
+    if simulated() and q.device.type != "cpu":
+        raise ValueError(
+            f"numba's CUDA simulator (NUMBA_ENABLE_CUDASIM=1) runs fa2-numba-cuda on CPU tensors, got {q.device}; "
+            "for CUDA tensors start Python without NUMBA_ENABLE_CUDASIM"
+        )
+    if not simulated() and q.device.type != "cuda":
+        raise ValueError(
+            f"fa2-numba-cuda runs on CUDA tensors, got {q.device}; to run it on the CPU, in numba's CUDA "
+            "simulator, set NUMBA_ENABLE_CUDASIM=1 before numba is imported"
+        )
+
+
+def _flat(t: torch.Tensor):
+    """The kernel's view of ``t``: a flat array over the memory ``t`` spans (element i at ``t.stride()``
+    offsets from the first), without a copy; bf16 as its int16 bit patterns. A CUDA array through
+    __cuda_array_interface__, or under the simulator a numpy view of the same memory."""
+    t = t.detach()
+    if t.dtype == torch.bfloat16:
+        t = t.view(torch.int16)
+    if t.numel() == 0:
+        # Nothing is read (seqlen_k = 0 means no key tile); the kernel still needs an array to index.
+        t = torch.zeros(1, dtype=t.dtype, device=t.device)
+    span = 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+    flat = t.as_strided((span,), (1,))
+    return flat.numpy() if simulated() else flat
+
+
+def kernel_resources() -> list[dict]:
+    """Registers and local memory per thread, static shared memory per block, of every kernel compiled so
+    far in this process (one row per compiled specialisation); empty under the simulator."""
+    if simulated():
+        return []
+    rows = []
+    for (HEAD_DIM, BLOCK_M, BLOCK_N, THREADS_M, MAX_REGISTERS, IS_CAUSAL, IS_BF16), kernel in _KERNELS.items():
+        regs = kernel.get_regs_per_thread()
+        shared = kernel.get_shared_mem_per_block()
+        local = kernel.get_local_mem_per_thread()
+        for signature in regs:
+            rows.append({
+                "HEAD_DIM": HEAD_DIM, "BLOCK_M": BLOCK_M, "BLOCK_N": BLOCK_N,
+                "threads": THREADS_M * THREADS_N, "causal": IS_CAUSAL, "bf16": IS_BF16,
+                "signature": ", ".join(str(t) for t in signature),
+                "registers_per_thread": regs[signature], "shared_bytes_per_block": shared[signature],
+                "local_bytes_per_thread": local[signature],
+            })
+    return rows
