@@ -1,0 +1,30 @@
+"""``FlashAttention2``: the torch.autograd.Function of the CS336 contract around ``flash_attn_forward``."""
+
+from __future__ import annotations
+
+import torch
+from fa2.layout import forward_any_rank
+
+from fa2_triton.forward import flash_attn_forward
+
+
+class FlashAttention2(torch.autograd.Function):
+    """``FlashAttention2.apply(q, k, v, is_causal=False, scale=None, return_lse=False)``.
+
+    q: (..., seqlen_q, head_dim); k, v: (..., seqlen_k, head_dim). Returns O, or (O, L) with
+    ``return_lse``; saves (q, k, v, O, L) for the backward, L: q.shape[:-1], float32.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, is_causal=False, scale=None, return_lse=False):
+        O, L = forward_any_rank(flash_attn_forward, q, k, v, is_causal, scale)
+        ctx.save_for_backward(q, k, v, O, L)
+        ctx.is_causal, ctx.scale = is_causal, scale
+        if return_lse:
+            ctx.mark_non_differentiable(L)
+            return O, L
+        return O
+
+    @staticmethod
+    def backward(ctx, dO, *unused):
+        raise NotImplementedError("fa2-triton has no backward pass yet: its forward is inference-only")
