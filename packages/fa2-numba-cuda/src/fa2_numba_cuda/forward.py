@@ -4,40 +4,46 @@ The algorithm of the FA2 paper (Dao, 2023), Algorithm 1, as in ``fa2_pytorch.for
 (query tile, batch·head) keeps, for each of its BLOCK_M query rows, a running max ``m_i``, a running sum
 ``l_i`` and an unnormalised accumulator ``acc``; for each BLOCK_N-key tile it rescales both by
 ``alpha = exp(m_old - m_new)``, adds ``p = exp(S - m_new)`` and ``p V``; at the end it divides once and
-writes O and L = m + log(l), each once. Scores are kept in base 2 (``qk_scale = scale · log2 e``, ``exp2``)
-and L is converted back to the natural log on the way out.
+writes O and L = m + log(l), each once. Scores are kept in base 2 (Q is pre-scaled by ``qk_scale = scale ·
+log2 e``, then ``exp2``, a single MUFU instruction) and L is converted back to the natural log on the way out.
 
-The block (THREADS_M × THREADS_N threads, THREADS_N = 8 so that a warp is 4 row groups × 8 column groups):
+The block, THREADS_M x THREADS_N threads (``BlockConfig``, chosen per head dim by ``block_config``):
 
-- shared memory, fp32, every row padded by 4 floats (16 B aligned rows, no bank conflicts):
-  ``q_tile`` [BLOCK_M, HEAD_DIM] once per block; ``k_tile``, ``v_tile`` [BLOCK_N, HEAD_DIM] per key tile;
-  ``p_tile`` [BLOCK_M, BLOCK_N]; ``row_part`` [BLOCK_M, THREADS_N], the per-thread partial row max (per
-  tile) and row sum (at the end) of the THREADS_N threads that share a row, reduced through shared memory
-  (numba's simulator has no warp shuffles). All of it stays under the 48 KB of static shared memory.
-- registers (``cuda.local.array`` of compile-time sizes, indexed only by unrolled loops over constants):
-  thread (ty, tx) owns rows ``ty + THREADS_M·i`` (i < TM) of S, P and O; S's keys ``tx + THREADS_N·j``
-  (j < TN); O's head-dim columns ``4·tx + 4·THREADS_N·jj + e`` (jj < TD / 4, e < 4). Each micro-tile is
-  fed by 4-float contiguous shared loads along the reduction dimension.
+- shared memory, fp32, every row padded by 4 floats (16 B aligned rows; with THREADS_N = 8 or 16 the
+  4-float loads of a warp hit distinct banks): ``q_tile`` [BLOCK_M, HEAD_DIM] once per block; ``k_tile``
+  and ``v_tile`` [BLOCK_N, HEAD_DIM] per key tile (with SHARE_KV one buffer, V loaded once S is done);
+  ``p_tile`` [BLOCK_M, BLOCK_N]; ``row_part`` [BLOCK_M, THREADS_N], the partial row max (per tile) and row
+  sum (at the end) of the THREADS_N threads that share a row, reduced through shared memory (numba's
+  simulator has no warp shuffles). All of it fits the 48 KB of static shared memory.
+- registers (``cuda.local.array`` of compile-time sizes, indexed only by loops over constants, which LLVM
+  unrolls, so that they live in registers): thread (ty, tx) owns rows ``ty + THREADS_M·i`` (i < TM) of S,
+  P and O; S's keys ``tx + THREADS_N·j`` (j < TN); O's columns ``4·tx + 4·THREADS_N·jj + e`` (jj < TD / 4,
+  e < 4). S's micro-tile is fed S_STEP head-dim columns a step, O's 4 keys a step, by 16 B shared loads.
 - ``l_i`` is a per-thread partial sum over the thread's own keys (all threads of a row share ``m_i``, so the
   partials rescale alike); the row's THREADS_N partials are added once, after the last tile.
+- shared-memory indices are cast to uint64: numba wraps negative signed indices, a select per access that
+  would keep LLVM from merging the 4-float loads into one ``ld.shared.v4.f32``.
 
 Causal is bottom-right aligned (key j visible to query i iff j <= i + seqlen_k - seqlen_q); key tiles wholly
 above the diagonal are never visited, and the mask is applied only to tiles that cross the diagonal or the
 end of the keys. A row that sees no key gets O = 0 and L = +inf.
 
-Inputs: fp32, fp16, or bf16 (passed to the kernel as its raw 16-bit patterns, an int16 view, and widened
-in-kernel by a shift: numba has no bf16 arrays); any strides (the kernel indexes the strided (B, H, N, D)
-arrays themselves, nothing is copied). head_dim up to 256, padded to a multiple of 32 inside the block.
+Inputs: fp32, fp16, or bf16 (passed as its raw 16-bit patterns, an int16 view, and widened in-kernel by a
+shift: numba has no bf16 arrays); any strides, nothing copied: the kernel gets flat views of the memory each
+tensor spans and its element strides (``stride_qb, stride_qh, stride_qm, stride_qd``, ...). head_dim up
+to 256, padded to a multiple of 32 inside the block.
 
-Launch: on torch's current CUDA stream, no host synchronisation; one compiled kernel per (HEAD_DIM, block
-shape, dtype, causal), built once by ``_build_kernel`` and cached (numba specialises it further per array
-layout). Under numba's CUDA simulator (NUMBA_ENABLE_CUDASIM=1) the same kernel runs on CPU tensors, one
-Python thread per CUDA thread: use tiny shapes there.
+Launch: on torch's current CUDA stream, no host synchronisation; one compiled kernel per (padded head dim,
+block shape, causal, bf16 or not, head_dim == padded, unit head-dim strides), built once by
+``_build_kernel`` and cached; ``kernel_resources`` reports registers, shared and local memory of each.
+Under numba's CUDA simulator (NUMBA_ENABLE_CUDASIM=1) the same kernel runs on CPU tensors, one Python
+thread per CUDA thread: use tiny shapes there.
 """
 
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import numba
 import numpy as np
@@ -47,9 +53,6 @@ from numba import cuda, float32, int16, int32, uint64
 MAX_HEAD_DIM = 256
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
-# A warp is 4 row groups x THREADS_N column groups: THREADS_N = 8 makes the 4-float shared loads of a warp
-# conflict-free with rows padded by 4 floats.
-THREADS_N = 8
 
 
 def simulated() -> bool:
@@ -99,35 +102,56 @@ def _identity(x):
     return x
 
 
+class BlockConfig(NamedTuple):
+    """One block's shape. THREADS_M x THREADS_N threads; each owns BLOCK_M / THREADS_M rows, BLOCK_N /
+    THREADS_N keys of S and HEAD_DIM / THREADS_N columns of O. SHARE_KV: K and V take turns in one shared
+    buffer (V is loaded once S is computed) where two would not fit in the 48 KB of static shared memory.
+    MAX_REGISTERS caps ptxas, which otherwise hoists loads for latency, so that registers allow as many
+    blocks per SM as shared memory does."""
+
+    BLOCK_M: int
+    BLOCK_N: int
+    THREADS_M: int
+    THREADS_N: int
+    SHARE_KV: bool
+    MAX_REGISTERS: int
+
+
 def padded_head_dim(head_dim: int) -> int:
-    """The head dim the block computes with: a multiple of 4·THREADS_N = 32, the columns are zero-filled."""
+    """The head dim the block computes with: a multiple of 32 (4 columns x THREADS_N = 8 thread columns),
+    the extra columns zero-filled."""
     return max(32, -(-head_dim // 32) * 32)
 
 
-def block_config(HEAD_DIM: int) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, THREADS_M, MAX_REGISTERS) for a padded head dim: the biggest tiles whose fp32
-    shared memory stays under 48 KB, with micro-tiles of at most 4 rows x 4 keys of S and 4 rows x 16
-    columns of O per thread; MAX_REGISTERS caps what ptxas may use (loads hoisted for latency) so that
-    registers allow as many blocks per SM as shared memory does."""
+def block_config(HEAD_DIM: int) -> BlockConfig:
+    """The block shape for a padded head dim: fp32 shared tiles under 48 KB, at least 64 threads, and per
+    thread (S's micro-tile, O's micro-tile): HEAD_DIM <= 64: 4x4, 4x4 or 4x8 (128 threads); 96: 4x4, 4x12
+    (64 threads); 128: 4x2, 4x8 (128 threads, K and V sharing a buffer); above: 2x2, 2x20 to 2x32 (64)."""
     if HEAD_DIM <= 64:
-        return 64, 32, 16, 128
-    if HEAD_DIM <= 96:
-        return 32, 32, 8, 128
-    if HEAD_DIM <= 128:
-        return 32, 16, 8, 168
-    return 16, 8, 8, 168
+        return BlockConfig(64, 32, 16, 8, False, 128)
+    if HEAD_DIM == 96:
+        return BlockConfig(32, 32, 8, 8, False, 128)
+    if HEAD_DIM == 128:
+        return BlockConfig(32, 32, 8, 16, True, 128)
+    return BlockConfig(16, 16, 8, 8, True, 168)
 
 
-def _build_kernel(HEAD_DIM, BLOCK_M, BLOCK_N, THREADS_M, MAX_REGISTERS, IS_CAUSAL, IS_BF16):
-    """The kernel for one head dim, block shape, input kind and causality, all compile-time constants."""
+def _build_kernel(HEAD_DIM, config, IS_CAUSAL, IS_BF16, EVEN_HEAD_DIM, UNIT_STRIDE_D):
+    """The kernel for one padded head dim, block shape, input kind, causality, whether head_dim is HEAD_DIM
+    (EVEN_HEAD_DIM: no column checks) and whether q, k and v are contiguous along head_dim (UNIT_STRIDE_D:
+    column addresses are constant offsets), all compile-time constants."""
+    BLOCK_M, BLOCK_N, THREADS_M, THREADS_N, SHARE_KV, MAX_REGISTERS = config
     NUM_WARPS = THREADS_M * THREADS_N // 32
     TM = BLOCK_M // THREADS_M  # rows of S, P and O per thread
     TN = BLOCK_N // THREADS_N  # keys of S per thread
     TD = HEAD_DIM // THREADS_N  # head-dim columns of O per thread, in TD // 4 groups of 4
     LD_D = HEAD_DIM + 4  # padded row lengths of the shared tiles
     LD_N = BLOCK_N + 4
-    assert BLOCK_M % THREADS_M == 0 and BLOCK_N % THREADS_N == 0 and BLOCK_N % 4 == 0
-    assert HEAD_DIM % (4 * THREADS_N) == 0
+    KV_ROWS = BLOCK_N if SHARE_KV else 2 * BLOCK_N
+    S_STEP = 32 // TN  # head-dim columns a step of the S loop: 32 x TN fused multiply-adds per row
+    assert THREADS_M * THREADS_N % 32 == 0 and BLOCK_M % NUM_WARPS == 0 and BLOCK_N % NUM_WARPS == 0
+    assert BLOCK_M % THREADS_M == 0 and BLOCK_N % THREADS_N == 0 and BLOCK_N % 4 == 0 and 32 % TN == 0
+    assert HEAD_DIM % (4 * THREADS_N) == 0 and HEAD_DIM % S_STEP == 0
 
     if IS_BF16:
         to_float, from_float = _bf16_to_float, _float_to_bf16
@@ -135,21 +159,23 @@ def _build_kernel(HEAD_DIM, BLOCK_M, BLOCK_N, THREADS_M, MAX_REGISTERS, IS_CAUSA
         to_float, from_float = _to_float, _identity
 
     @cuda.jit(device=True)
-    def load_tile(tile, x, offset, stride_n, stride_d, start, seqlen, head_dim):
-        """tile[r, c] = x[offset + (start + r)·stride_n + c·stride_d] as fp32, zeros past seqlen and head_dim:
-        warp w loads rows w, w + NUM_WARPS, ...; lane l loads columns l, l + 32, ... (coalesced when
-        stride_d = 1, conflict-free)."""
+    def load_tile(tile, x, offset, stride_n, stride_d, start, seqlen, head_dim, scale):
+        """tile[r, c] = scale · x[offset + (start + r)·stride_n + c·stride_d] as fp32, zeros past seqlen and
+        head_dim: warp w loads rows w, w + NUM_WARPS, ...; lane l loads columns l, l + 32, ... (coalesced
+        when stride_d = 1, conflict-free)."""
         warp = cuda.threadIdx.x // 32
         lane = cuda.threadIdx.x % 32
+        row_offset = offset + (start + warp) * stride_n
         for rr in range(tile.shape[0] // NUM_WARPS):
             r = warp + NUM_WARPS * rr
             row_visible = start + r < seqlen
             for cc in range(HEAD_DIM // 32):
                 c = lane + 32 * cc
                 value = float32(0.0)
-                if row_visible and c < head_dim:
-                    value = to_float(x[uint64(offset + (start + r) * stride_n + c * stride_d)])
+                if row_visible and (EVEN_HEAD_DIM or c < head_dim):
+                    value = scale * to_float(x[uint64(row_offset + (c if UNIT_STRIDE_D else c * stride_d))])
                 tile[uint64(r), uint64(c)] = value
+            row_offset += NUM_WARPS * stride_n
 
     def _attn_fwd(
         q, k, v, o, lse,
@@ -171,8 +197,10 @@ def _build_kernel(HEAD_DIM, BLOCK_M, BLOCK_N, THREADS_M, MAX_REGISTERS, IS_CAUSA
         ty = cuda.threadIdx.x // THREADS_N
 
         q_tile = cuda.shared.array((BLOCK_M, LD_D), float32, alignment=SHARED_ALIGN)  # [BLOCK_M, HEAD_DIM]
-        k_tile = cuda.shared.array((BLOCK_N, LD_D), float32, alignment=SHARED_ALIGN)  # [BLOCK_N, HEAD_DIM]
-        v_tile = cuda.shared.array((BLOCK_N, LD_D), float32, alignment=SHARED_ALIGN)  # [BLOCK_N, HEAD_DIM]
+        # K and V tiles: two buffers, or with SHARE_KV one that holds K until S is computed, then V.
+        kv_tile = cuda.shared.array((KV_ROWS, LD_D), float32, alignment=SHARED_ALIGN)
+        k_tile = kv_tile[:BLOCK_N]  # [BLOCK_N, HEAD_DIM]
+        v_tile = kv_tile[KV_ROWS - BLOCK_N :]  # [BLOCK_N, HEAD_DIM]
         p_tile = cuda.shared.array((BLOCK_M, LD_N), float32, alignment=SHARED_ALIGN)  # [BLOCK_M, BLOCK_N]
         row_part = cuda.shared.array((BLOCK_M, THREADS_N), float32, alignment=SHARED_ALIGN)
 
@@ -180,8 +208,8 @@ def _build_kernel(HEAD_DIM, BLOCK_M, BLOCK_N, THREADS_M, MAX_REGISTERS, IS_CAUSA
         l_i = cuda.local.array(TM, float32)
         acc = cuda.local.array((TM, TD), float32)  # [TM, TD] of O's [BLOCK_M, HEAD_DIM]
         s = cuda.local.array((TM, TN), float32)  # [TM, TN] of S's [BLOCK_M, BLOCK_N]
-        q_frag = cuda.local.array((TM, 4), float32)
-        k_frag = cuda.local.array((TN, 4), float32)
+        q_frag = cuda.local.array((TM, S_STEP), float32)
+        k_frag = cuda.local.array((TN, S_STEP), float32)
         p_frag = cuda.local.array((TM, 4), float32)
         v_frag = cuda.local.array(TD, float32)
         for i in range(TM):
@@ -192,38 +220,39 @@ def _build_kernel(HEAD_DIM, BLOCK_M, BLOCK_N, THREADS_M, MAX_REGISTERS, IS_CAUSA
 
         k_offset = off_b * stride_kb + off_h * stride_kh
         v_offset = off_b * stride_vb + off_h * stride_vh
-        load_tile(q_tile, q, off_b * stride_qb + off_h * stride_qh, stride_qm, stride_qd, start_m, seqlen_q, head_dim)
+        q_offset = off_b * stride_qb + off_h * stride_qh
+        # Q pre-scaled by qk_scale = scale · log2 e: S comes out of the loop ready for exp2.
+        load_tile(q_tile, q, q_offset, stride_qm, stride_qd, start_m, seqlen_q, head_dim, qk_scale)
 
         # Causal: the tile's last row sees keys up to start_m + BLOCK_M - 1 + diag; later tiles are skipped.
         end_n = min(seqlen_k, start_m + BLOCK_M + diag) if IS_CAUSAL else seqlen_k
         for start_n in range(0, end_n, BLOCK_N):
             cuda.syncthreads()  # the previous tile's k_tile, v_tile and p_tile have been read
-            load_tile(k_tile, k, k_offset, stride_kn, stride_kd, start_n, seqlen_k, head_dim)
-            load_tile(v_tile, v, v_offset, stride_vn, stride_vd, start_n, seqlen_k, head_dim)
+            load_tile(k_tile, k, k_offset, stride_kn, stride_kd, start_n, seqlen_k, head_dim, float32(1.0))
+            if not SHARE_KV:
+                load_tile(v_tile, v, v_offset, stride_vn, stride_vd, start_n, seqlen_k, head_dim, float32(1.0))
             cuda.syncthreads()
 
-            # S = Q K^T: the thread's TM x TN micro-tile, 4 head-dim columns a step.
+            # S = Q K^T: the thread's TM x TN micro-tile, S_STEP head-dim columns a step.
             for i in range(TM):
                 for j in range(TN):
                     s[i, j] = 0.0
-            for dd in range(HEAD_DIM // 4):
+            for dd in range(HEAD_DIM // S_STEP):
                 for i in range(TM):
-                    for e in range(4):
-                        q_frag[i, e] = q_tile[uint64(ty + THREADS_M * i), uint64(4 * dd + e)]
+                    for e in range(S_STEP):
+                        q_frag[i, e] = q_tile[uint64(ty + THREADS_M * i), uint64(S_STEP * dd + e)]
                 for j in range(TN):
-                    for e in range(4):
-                        k_frag[j, e] = k_tile[uint64(tx + THREADS_N * j), uint64(4 * dd + e)]
+                    for e in range(S_STEP):
+                        k_frag[j, e] = k_tile[uint64(tx + THREADS_N * j), uint64(S_STEP * dd + e)]
                 for i in range(TM):
                     for j in range(TN):
-                        for e in range(4):
+                        for e in range(S_STEP):
                             s[i, j] += q_frag[i, e] * k_frag[j, e]
 
-            # Scale; mask only the tiles that cross the end of the keys or the causal diagonal.
-            needs_mask = start_n + BLOCK_N > seqlen_k or (IS_CAUSAL and start_n + BLOCK_N - 1 > start_m + diag)
-            for i in range(TM):
-                for j in range(TN):
-                    s[i, j] *= qk_scale
-                    if needs_mask:
+            # Mask only the tiles that cross the end of the keys or the causal diagonal.
+            if start_n + BLOCK_N > seqlen_k or (IS_CAUSAL and start_n + BLOCK_N - 1 > start_m + diag):
+                for i in range(TM):
+                    for j in range(TN):
                         row = start_m + ty + THREADS_M * i
                         key = start_n + tx + THREADS_N * j
                         if key >= seqlen_k or (IS_CAUSAL and key > row + diag):
@@ -235,12 +264,14 @@ def _build_kernel(HEAD_DIM, BLOCK_M, BLOCK_N, THREADS_M, MAX_REGISTERS, IS_CAUSA
                 for j in range(1, TN):
                     m_part = max(m_part, s[i, j])
                 row_part[ty + THREADS_M * i, tx] = m_part
-            cuda.syncthreads()
+            cuda.syncthreads()  # and k_tile has been read
+            if SHARE_KV:
+                load_tile(v_tile, v, v_offset, stride_vn, stride_vd, start_n, seqlen_k, head_dim, float32(1.0))
 
             for i in range(TM):
                 m_new = m_i[i]
                 for t in range(THREADS_N):
-                    m_new = max(m_new, row_part[ty + THREADS_M * i, t])
+                    m_new = max(m_new, row_part[uint64(ty + THREADS_M * i), uint64(t)])
                 # A row with nothing visible yet has m_new = -inf; subtracting 0 instead keeps exp2 at 0, not NaN.
                 m_safe = m_new if m_new != -math.inf else float32(0.0)
                 alpha = math.exp2(m_i[i] - m_safe)
@@ -263,7 +294,8 @@ def _build_kernel(HEAD_DIM, BLOCK_M, BLOCK_N, THREADS_M, MAX_REGISTERS, IS_CAUSA
                 for e in range(4):
                     for jj in range(TD // 4):
                         for f in range(4):
-                            v_frag[4 * jj + f] = v_tile[uint64(4 * nn + e), uint64(4 * tx + 4 * THREADS_N * jj + f)]
+                            col = 4 * tx + 4 * THREADS_N * jj + f
+                            v_frag[4 * jj + f] = v_tile[uint64(4 * nn + e), uint64(col)]
                     for i in range(TM):
                         for c in range(TD):
                             acc[i, c] += p_frag[i, e] * v_frag[c]
@@ -277,23 +309,25 @@ def _build_kernel(HEAD_DIM, BLOCK_M, BLOCK_N, THREADS_M, MAX_REGISTERS, IS_CAUSA
             row = start_m + ty + THREADS_M * i
             l_sum = float32(0.0)
             for t in range(THREADS_N):
-                l_sum += row_part[ty + THREADS_M * i, t]
+                l_sum += row_part[uint64(ty + THREADS_M * i), uint64(t)]
             if row < seqlen_q:
                 # Rows that saw no key have l = 0: O = 0 and L = +inf (see fa2.attention).
                 inv_l = float32(1.0) / l_sum if l_sum > 0.0 else float32(0.0)
+                o_row = (off_bh * seqlen_q + row) * head_dim
                 for jj in range(TD // 4):
                     for f in range(4):
                         col = 4 * tx + 4 * THREADS_N * jj + f
-                        if col < head_dim:
-                            o[uint64((off_bh * seqlen_q + row) * head_dim + col)] = from_float(acc[i, 4 * jj + f] * inv_l)
+                        if EVEN_HEAD_DIM or col < head_dim:
+                            o[uint64(o_row + col)] = from_float(acc[i, 4 * jj + f] * inv_l)
                 if tx == 0:
-                    lse[uint64(off_bh * seqlen_q + row)] = (m_i[i] + math.log2(l_sum)) * LN2 if l_sum > 0.0 else math.inf
+                    L = (m_i[i] + math.log2(l_sum)) * LN2 if l_sum > 0.0 else math.inf
+                    lse[uint64(off_bh * seqlen_q + row)] = L
 
     # The simulator's jit takes no max_registers.
     return cuda.jit(_attn_fwd) if simulated() else cuda.jit(max_registers=MAX_REGISTERS)(_attn_fwd)
 
 
-# Compiled kernels by (HEAD_DIM, BLOCK_M, BLOCK_N, THREADS_M, MAX_REGISTERS, IS_CAUSAL, IS_BF16).
+# Compiled kernels by (HEAD_DIM, BlockConfig, IS_CAUSAL, IS_BF16, EVEN_HEAD_DIM, UNIT_STRIDE_D).
 _KERNELS: dict[tuple, object] = {}
 
 
@@ -305,7 +339,12 @@ def _kernel(*key):
 
 
 def flash_attn_forward(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool,
+    scale: float,
+    config: BlockConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Arguments:
         q: (batch, heads, seqlen_q, head_dim); k, v: (batch, heads, seqlen_k, head_dim); any strides;
@@ -315,6 +354,7 @@ def flash_attn_forward(
             seqlen_q = 2, seqlen_k = 5:   1 1 1 1 0
                                           1 1 1 1 1
         scale: multiplies q kᵀ before the softmax.
+        config: the block shape, for tuning; default ``block_config(padded_head_dim(head_dim))``.
 
     Returns:
         O: (batch, heads, seqlen_q, head_dim), q's dtype. L: (batch, heads, seqlen_q), float32, natural log;
@@ -330,10 +370,12 @@ def flash_attn_forward(
         return O, L
 
     HEAD_DIM = padded_head_dim(head_dim)
-    BLOCK_M, BLOCK_N, THREADS_M, MAX_REGISTERS = block_config(HEAD_DIM)
-    kernel = _kernel(HEAD_DIM, BLOCK_M, BLOCK_N, THREADS_M, MAX_REGISTERS, bool(causal), q.dtype == torch.bfloat16)
-    num_m_tiles = -(-seqlen_q // BLOCK_M)
-    grid, block = num_m_tiles * batch * heads, THREADS_M * THREADS_N
+    config = BlockConfig(*config) if config is not None else block_config(HEAD_DIM)
+    unit_stride_d = q.stride(3) == k.stride(3) == v.stride(3) == 1
+    is_bf16, even_head_dim = q.dtype == torch.bfloat16, head_dim == HEAD_DIM
+    kernel = _kernel(HEAD_DIM, config, bool(causal), is_bf16, even_head_dim, unit_stride_d)
+    num_m_tiles = -(-seqlen_q // config.BLOCK_M)
+    grid, block = num_m_tiles * batch * heads, config.THREADS_M * config.THREADS_N
     args = (
         *(_flat(t) for t in (q, k, v, O, L)), *q.stride(), *k.stride(), *v.stride(),
         heads, seqlen_q, k.shape[2], head_dim, np.float32(scale * LOG2E), num_m_tiles,
@@ -381,14 +423,14 @@ def kernel_resources() -> list[dict]:
     if simulated():
         return []
     rows = []
-    for (HEAD_DIM, BLOCK_M, BLOCK_N, THREADS_M, MAX_REGISTERS, IS_CAUSAL, IS_BF16), kernel in _KERNELS.items():
+    for (HEAD_DIM, config, IS_CAUSAL, IS_BF16, EVEN_HEAD_DIM, UNIT_STRIDE_D), kernel in _KERNELS.items():
         regs = kernel.get_regs_per_thread()
         shared = kernel.get_shared_mem_per_block()
         local = kernel.get_local_mem_per_thread()
         for signature in regs:
             rows.append({
-                "HEAD_DIM": HEAD_DIM, "BLOCK_M": BLOCK_M, "BLOCK_N": BLOCK_N,
-                "threads": THREADS_M * THREADS_N, "causal": IS_CAUSAL, "bf16": IS_BF16,
+                "HEAD_DIM": HEAD_DIM, **config._asdict(), "causal": IS_CAUSAL, "bf16": IS_BF16,
+                "even_head_dim": EVEN_HEAD_DIM, "unit_stride_d": UNIT_STRIDE_D,
                 "signature": ", ".join(str(t) for t in signature),
                 "registers_per_thread": regs[signature], "shared_bytes_per_block": shared[signature],
                 "local_bytes_per_thread": local[signature],
