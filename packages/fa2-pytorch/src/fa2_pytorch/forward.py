@@ -13,11 +13,12 @@ built only for tiles that straddle the diagonal.
 
 Eager PyTorch cannot fuse ``exp(S - m)`` into one pass, and each pass over a (rows, BLOCK_N) fp32 tile
 costs as much as the tile's matmuls. So a tile's softmax statistics come from two fused kernels:
-``torch.softmax`` gives p normalised within the tile, ``torch.logsumexp`` the tile's own logsumexp
-``lse_j``; the tile then enters the running state exactly as in FA2 with the row max taken as ``lse_j``
+``torch.softmax`` gives p normalised within the tile, and the row max of p, which sits at the row's
+largest score ``m_j`` and equals ``exp(m_j - lse_j)``, gives the tile's own logsumexp ``lse_j``; the tile
+then enters the running state exactly as in FA2 with the row max taken as ``lse_j``
 (any value >= the max keeps exp() from overflowing): ``m_new = max(m_i, lse_j)``, ``alpha = exp(m_i -
 m_new)``, ``beta = exp(lse_j - m_new)``, ``l_i = alpha l_i + beta``, ``acc = alpha acc + beta (p V_j)``.
-Two fused passes over the tile replace the five (max, subtract, exp, sum, cast) done one by one.
+The scale rides in the score matmul's epilogue, and the tile is read or written five times in all.
 
 Precision: scores are computed from fp32 copies of q and k, in TF32 on CUDA when the inputs are fp16 or
 bf16 (exact there: TF32 holds every fp16 and bf16 value, products accumulate in fp32) and in full fp32 for
@@ -60,13 +61,15 @@ def flash_attn_forward(
     """
     batch, heads, seqlen_q, head_dim = q.shape
     seqlen_k = k.shape[2]
+    bh = batch * heads
     # Key j is visible to query i iff j <= i + diag.
     diag = seqlen_k - seqlen_q
 
-    acc = torch.zeros(batch, heads, seqlen_q, head_dim, device=q.device, dtype=torch.float32)
-    m_i = torch.full((batch, heads, seqlen_q, 1), -math.inf, device=q.device, dtype=torch.float32)
-    l_i = torch.zeros(batch, heads, seqlen_q, 1, device=q.device, dtype=torch.float32)
-    q32 = q.float()
+    # Batch and heads merged into one matmul batch dim: [BH, N, HEAD_DIM].
+    acc = torch.zeros(bh, seqlen_q, head_dim, device=q.device, dtype=torch.float32)
+    m_i = torch.full((bh, seqlen_q, 1), -math.inf, device=q.device, dtype=torch.float32)
+    l_i = torch.zeros(bh, seqlen_q, 1, device=q.device, dtype=torch.float32)
+    q32 = q.float().reshape(bh, seqlen_q, head_dim)
 
     with _tf32_matmul(q.dtype != torch.float32):
         for start_n in range(0, seqlen_k, block_n):
@@ -75,39 +78,46 @@ def flash_attn_forward(
             start_m = (max(start_n - diag, 0) // block_m) * block_m if causal else 0
             if start_m >= seqlen_q:
                 break
-            q_i = q32[:, :, start_m:]
-            k_j = k[:, :, start_n:end_n].float()
-            v_j = v[:, :, start_n:end_n].float()
+            q_i = q32[:, start_m:]
+            k_j = k[:, :, start_n:end_n].float().reshape(bh, end_n - start_n, head_dim)
+            v_j = v[:, :, start_n:end_n].float().reshape(bh, end_n - start_n, head_dim)
 
-            S = torch.matmul(q_i, k_j.transpose(-2, -1)).mul_(scale)  # [B, H, M, BLOCK_N]
+            # The scale rides in the matmul's epilogue (beta = 0: S's initial contents are ignored).
+            S = torch.empty(bh, seqlen_q - start_m, end_n - start_n, device=q.device, dtype=torch.float32)
+            torch.baddbmm(S, q_i, k_j.transpose(1, 2), beta=0.0, alpha=scale, out=S)  # [BH, M, BLOCK_N]
             masked = causal and end_n - 1 > start_m + diag
             if masked:
                 rows = torch.arange(start_m, seqlen_q, device=q.device)[:, None]
                 cols = torch.arange(start_n, end_n, device=q.device)[None, :]
                 S.masked_fill_(cols > rows + diag, -math.inf)
 
-            lse_j = torch.logsumexp(S, dim=-1, keepdim=True)  # [B, H, M, 1]
-            p = torch.softmax(S, dim=-1)
-            pv = torch.matmul(p, v_j)  # [B, H, M, HEAD_DIM], normalised within the tile
+            p = torch.softmax(S, dim=-1)  # exp(S - lse_j), normalised within the tile
+            # The row's largest p sits at its max score m_j, and equals exp(m_j - lse_j).
+            p_max, argmax = p.max(dim=-1, keepdim=True)
+            m_j = S.gather(-1, argmax)
+            lse_j = m_j - torch.log(p_max)  # [BH, M, 1]
+            pv = torch.bmm(p, v_j)  # [BH, M, HEAD_DIM]
             if masked:
-                # A row with no visible key in this tile: softmax gives NaN, lse_j = -inf; it adds nothing.
-                pv.masked_fill_(lse_j == -math.inf, 0.0)
+                # A row with no visible key in this tile: softmax gives NaN, m_j = -inf; it adds nothing.
+                nothing = m_j == -math.inf
+                lse_j.masked_fill_(nothing, -math.inf)
+                pv.masked_fill_(nothing, 0.0)
 
-            m_old = m_i[:, :, start_m:]
+            m_old = m_i[:, start_m:]
             m_new = torch.maximum(m_old, lse_j)
             # A row with nothing visible yet has m_new = -inf; subtracting 0 instead keeps exp() at 0, not NaN.
             m_safe = m_new.masked_fill(m_new == -math.inf, 0.0)
             alpha = torch.exp(m_old - m_safe)
             beta = torch.exp(lse_j - m_safe)
 
-            l_i[:, :, start_m:] = alpha * l_i[:, :, start_m:] + beta
-            acc[:, :, start_m:] = alpha * acc[:, :, start_m:] + beta * pv
-            m_i[:, :, start_m:] = m_new
+            l_i[:, start_m:].mul_(alpha).add_(beta)
+            acc[:, start_m:].mul_(alpha).add_(pv.mul_(beta))
+            m_i[:, start_m:] = m_new
 
     # Rows that saw no key have l_i = 0: O = 0 and L = +inf (see fa2.attention).
     empty = l_i == 0
-    O = (acc / l_i.masked_fill(empty, 1.0)).to(q.dtype)
-    L = (m_i + torch.log(l_i)).masked_fill(empty, math.inf).squeeze(-1)
+    O = (acc / l_i.masked_fill(empty, 1.0)).to(q.dtype).view(batch, heads, seqlen_q, head_dim)
+    L = (m_i + torch.log(l_i)).masked_fill(empty, math.inf).view(batch, heads, seqlen_q)
     return O, L
 
 
