@@ -124,9 +124,15 @@ def padded_head_dim(head_dim: int) -> int:
 
 
 def block_config(HEAD_DIM: int) -> BlockConfig:
-    """The block shape for a padded head dim: fp32 shared tiles under 48 KB, at least 64 threads, and per
-    thread (S's micro-tile, O's micro-tile): HEAD_DIM <= 64: 4x4, 4x4 or 4x8 (128 threads); 96: 4x4, 4x12
-    (64 threads); 128: 4x2, 4x8 (128 threads, K and V sharing a buffer); above: 2x2, 2x20 to 2x32 (64)."""
+    """The block shape for a padded head dim: fp32 shared tiles under 48 KB, at least 64 threads. Per thread,
+    S's micro-tile (rows x keys) and O's (rows x columns):
+
+        HEAD_DIM   threads   S     O              shared memory
+        32, 64     128       4x4   4x4, 4x8       29, 45 KB
+        96         64        4x4   4x12           43 KB
+        128        128       4x2   4x8            39.5 KB, K and V sharing a buffer
+        160-256    64        2x2   2x20 to 2x32   22-34 KB, K and V sharing a buffer
+    """
     if HEAD_DIM <= 64:
         return BlockConfig(64, 32, 16, 8, False, 128)
     if HEAD_DIM == 96:
