@@ -142,6 +142,32 @@ def block_config(HEAD_DIM: int) -> BlockConfig:
     return BlockConfig(16, 16, 8, 8, True, 168)
 
 
+def _tile_loader(HEAD_DIM, NUM_WARPS, EVEN_HEAD_DIM, UNIT_STRIDE_D, to_float):
+    """The device function ``load_tile`` of a block of NUM_WARPS warps, for one padded head dim and input
+    kind (``to_float`` widens an element to fp32); the forward's and the backward's kernels share it."""
+
+    @cuda.jit(device=True)
+    def load_tile(tile, x, offset, stride_n, stride_d, start, seqlen, head_dim, scale):
+        """tile[r, c] = scale · x[offset + (start + r)·stride_n + c·stride_d] as fp32, zeros past seqlen and
+        head_dim: warp w loads rows w, w + NUM_WARPS, ...; lane l loads columns l, l + 32, ... (coalesced
+        when stride_d = 1, conflict-free)."""
+        warp = cuda.threadIdx.x // 32
+        lane = cuda.threadIdx.x % 32
+        row_offset = offset + (start + warp) * stride_n
+        for rr in range(tile.shape[0] // NUM_WARPS):
+            r = warp + NUM_WARPS * rr
+            row_visible = start + r < seqlen
+            for cc in range(HEAD_DIM // 32):
+                c = lane + 32 * cc
+                value = float32(0.0)
+                if row_visible and (EVEN_HEAD_DIM or c < head_dim):
+                    value = scale * to_float(x[uint64(row_offset + (c if UNIT_STRIDE_D else c * stride_d))])
+                tile[uint64(r), uint64(c)] = value
+            row_offset += NUM_WARPS * stride_n
+
+    return load_tile
+
+
 def _build_kernel(HEAD_DIM, config, IS_CAUSAL, IS_BF16, EVEN_HEAD_DIM, UNIT_STRIDE_D):
     """The kernel for one padded head dim, block shape, input kind, causality, whether head_dim is HEAD_DIM
     (EVEN_HEAD_DIM: no column checks) and whether q, k and v are contiguous along head_dim (UNIT_STRIDE_D:
@@ -164,24 +190,7 @@ def _build_kernel(HEAD_DIM, config, IS_CAUSAL, IS_BF16, EVEN_HEAD_DIM, UNIT_STRI
     else:
         to_float, from_float = _to_float, _identity
 
-    @cuda.jit(device=True)
-    def load_tile(tile, x, offset, stride_n, stride_d, start, seqlen, head_dim, scale):
-        """tile[r, c] = scale · x[offset + (start + r)·stride_n + c·stride_d] as fp32, zeros past seqlen and
-        head_dim: warp w loads rows w, w + NUM_WARPS, ...; lane l loads columns l, l + 32, ... (coalesced
-        when stride_d = 1, conflict-free)."""
-        warp = cuda.threadIdx.x // 32
-        lane = cuda.threadIdx.x % 32
-        row_offset = offset + (start + warp) * stride_n
-        for rr in range(tile.shape[0] // NUM_WARPS):
-            r = warp + NUM_WARPS * rr
-            row_visible = start + r < seqlen
-            for cc in range(HEAD_DIM // 32):
-                c = lane + 32 * cc
-                value = float32(0.0)
-                if row_visible and (EVEN_HEAD_DIM or c < head_dim):
-                    value = scale * to_float(x[uint64(row_offset + (c if UNIT_STRIDE_D else c * stride_d))])
-                tile[uint64(r), uint64(c)] = value
-            row_offset += NUM_WARPS * stride_n
+    load_tile = _tile_loader(HEAD_DIM, NUM_WARPS, EVEN_HEAD_DIM, UNIT_STRIDE_D, to_float)
 
     def _attn_fwd(
         q, k, v, o, lse,
