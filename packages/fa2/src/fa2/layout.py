@@ -18,7 +18,8 @@ def as_bhnd(x: torch.Tensor) -> torch.Tensor:
         return x
     if x.dim() < 4:
         return x.reshape((1,) * (4 - x.dim()) + tuple(x.shape))
-    return x.reshape(-1, *x.shape[-3:])
+    # The merged size spelled out, not -1: with a 0 anywhere in the shape, -1 is ambiguous to reshape.
+    return x.reshape(math.prod(x.shape[:-3]), *x.shape[-3:])
 
 
 def forward_any_rank(
