@@ -92,16 +92,16 @@ def flash_attn_forward(
                 S.masked_fill_(cols > rows + diag, -math.inf)
 
             p = torch.softmax(S, dim=-1)  # exp(S - lse_j), normalised within the tile
-            # The row's largest p sits at its max score m_j, and equals exp(m_j - lse_j).
-            p_max, argmax = p.max(dim=-1, keepdim=True)
-            m_j = S.gather(-1, argmax)
-            lse_j = m_j - torch.log(p_max)  # [BH, M, 1]
+            # At the row's max score m_j, p = exp(m_j - lse_j). The max of S, not of p: where softmax gives
+            # NaN (scores all -inf, or one +inf or NaN), only S's max tells the first case from the others.
+            m_j, argmax = S.max(dim=-1, keepdim=True)
+            lse_j = m_j - torch.log(p.gather(-1, argmax))  # [BH, M, 1]
             pv = torch.bmm(p, v_j)  # [BH, M, HEAD_DIM]
-            if masked:
-                # A row with no visible key in this tile: softmax gives NaN, m_j = -inf; it adds nothing.
-                nothing = m_j == -math.inf
-                lse_j.masked_fill_(nothing, -math.inf)
-                pv.masked_fill_(nothing, 0.0)
+            # A row that sees no key of this tile (masked, or every score -inf): softmax gives NaN and
+            # m_j = -inf; it adds nothing. A +inf or NaN score keeps its NaN, as in the reference.
+            nothing = m_j == -math.inf
+            lse_j.masked_fill_(nothing, -math.inf)
+            pv.masked_fill_(nothing, 0.0)
 
             m_old = m_i[:, start_m:]
             m_new = torch.maximum(m_old, lse_j)
