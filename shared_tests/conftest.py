@@ -18,6 +18,19 @@ def pytest_addoption(parser):
                      help="device the tensors live on (default cpu; backends that need CUDA run emulated)")
 
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: needs a CUDA GPU (--device cuda); skipped, with the reason, on the CPU")
+
+
+def pytest_collection_modifyitems(config, items):
+    if config.getoption("--device") == "cuda":
+        return
+    skip = pytest.mark.skip(reason="GPU-only: run with --device cuda on a machine with a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
 def pytest_generate_tests(metafunc):
     if "backend" in metafunc.fixturenames:
         names = metafunc.config.getoption("--backend") or sorted(fa2.backends())

@@ -64,6 +64,18 @@ def attention(
             +inf, not the -inf of an empty logsumexp, so that the backward's P = exp(S - L) is exactly 0
             on such rows instead of NaN (FlashAttention-2's convention).
 
+    Empty inputs:
+        seqlen_q = 0, or any leading dim 0: O and L are empty; in the backward dk = dv = 0.
+        seqlen_k = 0: every row sees no key: O = 0 and L = +inf; in the backward dq = 0.
+
+    NaN and inf inputs are computed through, as the fp64 reference (``fa2.reference.attention``) does,
+    never refused: the outputs a bad value reaches are NaN or inf, every other output is what it would be
+    without it. A NaN in q row i makes O row i and L_i NaN; a NaN in k row j does that to every row that
+    sees key j; a NaN in v[j, c] makes O[i, c] NaN for every row i that sees key j, and may do so for the
+    rows of key j's tile that do not see it (0 · NaN in P·V, which the reference's P @ V does for every
+    row). An inf gives scores of ±inf: a +inf makes the row's O NaN and its L NaN or +inf; a -inf just
+    drops that key from the row (a row whose every score is -inf counts as seeing no key).
+
     Raises:
         ValueError: wrong rank, mismatched shapes or devices, bad scale, unknown backend.
         TypeError: non-floating or mismatched dtypes.
