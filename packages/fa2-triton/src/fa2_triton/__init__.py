@@ -1,9 +1,11 @@
-"""fa2-triton: FlashAttention-2's forward as a Triton kernel, on CUDA or in Triton's CPU interpreter."""
+"""fa2-triton: FlashAttention-2's forward and backward as Triton kernels, on CUDA or in Triton's CPU
+interpreter."""
 
 import torch
 import triton
 
 from fa2_triton.autograd import FlashAttention2
+from fa2_triton.backward import flash_attn_backward
 from fa2_triton.forward import INTERPRETED, flash_attn_forward
 
 NAME = "triton"
@@ -22,4 +24,4 @@ def availability() -> tuple[str, str]:
     )
 
 
-__all__ = ["NAME", "FlashAttention2", "availability", "flash_attn_forward"]
+__all__ = ["NAME", "FlashAttention2", "availability", "flash_attn_backward", "flash_attn_forward"]

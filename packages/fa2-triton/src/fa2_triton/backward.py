@@ -1,0 +1,460 @@
+"""FlashAttention-2 backward as Triton kernels.
+
+The FA2 paper's Algorithm 2 in FA2's two-kernel split. From L, each tile's probabilities are recomputed
+instead of stored, P = exp(S - L), and
+
+    delta  = rowsum(dO ∘ O)              _attn_bwd_preprocess: once, fp32
+    dV_j  += Pᵀ dO_i                     dP = dO_i V_jᵀ
+    dS     = P ∘ (dP - delta_i)
+    dK_j  += scale · dSᵀ Q_i             _attn_bwd_dkdv: one program per (key tile, batch·head), looping
+                                         over the query tiles that see the key tile
+    dQ_i  += scale · dS K_j              _attn_bwd_dq: one program per (query tile, batch·head), looping
+                                         over the key tiles the query tile sees
+
+Every program writes its own rows of dK, dV or dQ once: no atomics, so the result is deterministic. The
+price is computing S, P and dP twice (once per kernel). ``deterministic=False`` skips the dQ kernel and
+adds each tile's dS K into a zeroed fp32 dQ from the dK/dV kernel with atomics instead, as FA2's CUDA
+kernel does: five matmuls per tile instead of seven, but dq's last bits depend on the order of the adds.
+
+Scores live in the log2 domain as in the forward: P = exp2(qk · scale · log2(e) - L · log2(e)). A row that
+saw no key has L = +inf, so P = exp2(finite - inf) = 0 there and it gets zero gradients; query rows past
+seqlen_q are loaded with L = +inf for the same effect. The dK/dV kernel works transposed (Sᵀ, Pᵀ, dPᵀ,
+dSᵀ: [BLOCK_N, BLOCK_M]) so that Pᵀ and dSᵀ are the left operands of their matmuls, as in the tutorial.
+
+Each loop runs in parts like the forward's: the tiles cut by the causal diagonal (the band) are masked;
+the rest are loaded and used without masks; a last partial tile is loaded with row masks. Causal skips
+whole tiles: the dK/dV loop starts at the first query tile that sees any key of its tile, the dQ loop
+stops at the last key tile its tile sees. Key rows past seqlen_k need no mask in the dK/dV kernel (their
+gradient rows are never stored and feed no other row).
+
+Credits: the structure (a preprocess kernel for delta, the transposed dK/dV loop, the dQ loop) follows
+Triton's tutorial ``06-fused-attention.py`` (Tillet et al.), itself after FA2's backward (Dao, 2023).
+
+Limits: as the forward (``fa2_triton.forward``): head_dim a multiple of 8 from 8 to 256, padded to a power
+of two and masked; float32, float16, bfloat16; CUDA, or CPU tensors under Triton's interpreter; plain
+pointer loads. Matmuls ask for ``input_precision="ieee"``: fp32 gets no TF32; fp16 and bf16 run on
+tensor cores with fp32 accumulation, P and dS rounded to the input dtype before their matmuls (as FA2).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from fa2_triton.forward import INTERPRETED, LOG2_E, MAX_HEAD_DIM, _check_device, _load_tile
+
+
+@triton.jit
+def _attn_bwd_preprocess(
+    O, dO, Delta,
+    stride_ob, stride_oh, stride_om, stride_od,
+    stride_dob, stride_doh, stride_dom, stride_dod,
+    H, N_Q, head_dim,
+    BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, EVEN_D: tl.constexpr,
+):
+    # delta = rowsum(dO ∘ O) in fp32, one program per (query tile, batch·head); Delta is (B·H, N_Q).
+    pid = tl.program_id(0)
+    num_m_tiles = tl.cdiv(N_Q, BLOCK_M)
+    off_bh = (pid // num_m_tiles).to(tl.int64)
+    off_b = off_bh // H
+    off_h = off_bh % H
+    start_m = (pid % num_m_tiles) * BLOCK_M
+
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_m64 = offs_m.to(tl.int64)
+    offs_d64 = offs_d.to(tl.int64)
+    o_ptrs = (O + off_b * stride_ob + off_h * stride_oh
+              + offs_m64[:, None] * stride_om + offs_d64[None, :] * stride_od)
+    do_ptrs = (dO + off_b * stride_dob + off_h * stride_doh
+               + offs_m64[:, None] * stride_dom + offs_d64[None, :] * stride_dod)
+    o = _load_tile(o_ptrs, offs_m, N_Q, offs_d, head_dim, True, EVEN_D)  # [BLOCK_M, HEAD_DIM]
+    do = _load_tile(do_ptrs, offs_m, N_Q, offs_d, head_dim, True, EVEN_D)  # [BLOCK_M, HEAD_DIM]
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    tl.store(Delta + off_bh * N_Q + offs_m, delta, mask=offs_m < N_Q)
+
+
+@triton.jit
+def _attn_bwd_dkdv_inner(
+    dk, dv, k, v,
+    q_ptrs, do_ptrs, l_ptrs, delta_ptrs, dq_acc_ptrs, stride_qm, stride_dom, stride_lm,
+    offs_m, offs_n, offs_d, head_dim, N_Q, diag, qk_scale, lo, hi,
+    IN_BAND: tl.constexpr, IS_CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr,
+    EVEN_D: tl.constexpr, ATOMIC_DQ: tl.constexpr,
+):
+    """dK and dV of one key tile over query tiles [lo, hi): loads row-masked and, under causal, scores
+    masked iff IN_BAND. With ATOMIC_DQ, also adds this key tile's dS K into the fp32 dQ accumulator."""
+    for start_m in tl.range(lo, hi, BLOCK_M):
+        start_m = tl.multiple_of(start_m, BLOCK_M)
+        rows = start_m + offs_m
+        start_m64 = tl.cast(start_m, tl.int64)
+        q = _load_tile(q_ptrs + start_m64 * stride_qm, rows, N_Q, offs_d, head_dim,
+                       IN_BAND, EVEN_D)  # [BLOCK_M, HEAD_DIM]
+        if IN_BAND:
+            # Rows past seqlen_q: L = +inf makes their P zero.
+            lse = tl.load(l_ptrs + start_m64 * stride_lm, mask=rows < N_Q, other=float("inf"))
+            delta = tl.load(delta_ptrs + start_m, mask=rows < N_Q, other=0.0)
+        else:
+            lse = tl.load(l_ptrs + start_m64 * stride_lm)
+            delta = tl.load(delta_ptrs + start_m)
+        qkT = tl.dot(k, tl.trans(q), input_precision="ieee")  # [BLOCK_N, BLOCK_M]
+        # exp(S - L) in log2 units; a row with L = +inf gets exp2(-inf) = 0.
+        pT = tl.math.exp2(qkT * qk_scale - (lse * 1.4426950408889634)[None, :])
+        if IN_BAND and IS_CAUSAL:
+            # Key j is visible to query i iff j <= i + diag; zeroing after exp2 keeps -inf out of it.
+            pT = tl.where(offs_n[:, None] <= rows[None, :] + diag, pT, 0.0)
+        do = _load_tile(do_ptrs + start_m64 * stride_dom, rows, N_Q, offs_d, head_dim,
+                        IN_BAND, EVEN_D)  # [BLOCK_M, HEAD_DIM]
+        dv = tl.dot(pT.to(do.dtype), do, dv, input_precision="ieee")
+        dpT = tl.dot(v, tl.trans(do), input_precision="ieee")  # [BLOCK_N, BLOCK_M]
+        dsT = pT * (dpT - delta[None, :])
+        dk = tl.dot(dsT.to(q.dtype), q, dk, input_precision="ieee")
+        if ATOMIC_DQ:
+            dq = tl.dot(tl.trans(dsT.to(k.dtype)), k, input_precision="ieee")  # [BLOCK_M, HEAD_DIM]
+            # The accumulator is padded to whole tiles: no mask.
+            tl.atomic_add(dq_acc_ptrs + start_m64 * HEAD_DIM, dq, sem="relaxed")
+    return dk, dv
+
+
+@triton.jit
+def _attn_bwd_dkdv(
+    Q, K, V, dO, L, Delta, dK, dV, dQ_acc, scale, qk_scale,
+    stride_qb, stride_qh, stride_qm, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_dob, stride_doh, stride_dom, stride_dod,
+    stride_lb, stride_lh, stride_lm,
+    stride_dkb, stride_dkh, stride_dkn, stride_dkd,
+    stride_dvb, stride_dvh, stride_dvn, stride_dvd,
+    H, N_Q, N_K, head_dim,
+    IS_CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+    EVEN_D: tl.constexpr, ATOMIC_DQ: tl.constexpr,
+):
+    """dQ_acc: with ATOMIC_DQ, a zeroed fp32 (B·H, cdiv(N_Q, BLOCK_M) · BLOCK_M, HEAD_DIM) accumulator."""
+    # One program per (key tile, batch·head), flattened to one grid axis, key tiles fastest; under causal
+    # the first key tiles are seen by the most query rows, so the longest programs start first.
+    pid = tl.program_id(0)
+    num_n_tiles = tl.cdiv(N_K, BLOCK_N)
+    off_bh = (pid // num_n_tiles).to(tl.int64)
+    off_b = off_bh // H
+    off_h = off_bh % H
+    start_n = (pid % num_n_tiles) * BLOCK_N
+    # Key j is visible to query i iff j <= i + diag.
+    diag = N_K - N_Q
+
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    # 64-bit offsets, as B·H·N·D can pass 2^31 elements; the query loop adds start_m · stride in 64 bits.
+    offs_m64 = offs_m.to(tl.int64)
+    offs_n64 = offs_n.to(tl.int64)
+    offs_d64 = offs_d.to(tl.int64)
+    k_ptrs = (K + off_b * stride_kb + off_h * stride_kh
+              + offs_n64[:, None] * stride_kn + offs_d64[None, :] * stride_kd)
+    v_ptrs = (V + off_b * stride_vb + off_h * stride_vh
+              + offs_n64[:, None] * stride_vn + offs_d64[None, :] * stride_vd)
+    q_ptrs = (Q + off_b * stride_qb + off_h * stride_qh
+              + offs_m64[:, None] * stride_qm + offs_d64[None, :] * stride_qd)
+    do_ptrs = (dO + off_b * stride_dob + off_h * stride_doh
+               + offs_m64[:, None] * stride_dom + offs_d64[None, :] * stride_dod)
+    l_ptrs = L + off_b * stride_lb + off_h * stride_lh + offs_m64 * stride_lm
+    delta_ptrs = Delta + off_bh * N_Q + offs_m
+    dq_acc_ptrs = (dQ_acc + off_bh * tl.cdiv(N_Q, BLOCK_M) * BLOCK_M * HEAD_DIM
+                   + offs_m64[:, None] * HEAD_DIM + offs_d64[None, :])
+
+    k = _load_tile(k_ptrs, offs_n, N_K, offs_d, head_dim, True, EVEN_D)  # [BLOCK_N, HEAD_DIM]
+    v = _load_tile(v_ptrs, offs_n, N_K, offs_d, head_dim, True, EVEN_D)  # [BLOCK_N, HEAD_DIM]
+    dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+
+    # Query tiles: [lo, mid) the causal band, [mid, end_full) whole tiles unmasked, [end_tail, N_Q) the
+    # last partial tile, row-masked.
+    end_full = N_Q // BLOCK_M * BLOCK_M
+    if IS_CAUSAL:
+        # Query i sees a key of this tile iff i >= start_n - diag; it sees all of them iff
+        # i >= start_n + BLOCK_N - 1 - diag.
+        lo = tl.maximum(start_n - diag, 0) // BLOCK_M * BLOCK_M
+        band_hi = tl.cdiv(tl.maximum(start_n + BLOCK_N - 1 - diag, 0), BLOCK_M) * BLOCK_M
+        mid = tl.maximum(tl.minimum(band_hi, end_full), lo)
+        end_tail = tl.maximum(lo, end_full)
+    else:
+        lo = 0
+        mid = 0
+        end_tail = end_full
+    dk, dv = _attn_bwd_dkdv_inner(
+        dk, dv, k, v, q_ptrs, do_ptrs, l_ptrs, delta_ptrs, dq_acc_ptrs, stride_qm, stride_dom, stride_lm,
+        offs_m, offs_n, offs_d, head_dim, N_Q, diag, qk_scale, lo, mid,
+        True, IS_CAUSAL, BLOCK_M, HEAD_DIM, EVEN_D, ATOMIC_DQ,
+    )
+    dk, dv = _attn_bwd_dkdv_inner(
+        dk, dv, k, v, q_ptrs, do_ptrs, l_ptrs, delta_ptrs, dq_acc_ptrs, stride_qm, stride_dom, stride_lm,
+        offs_m, offs_n, offs_d, head_dim, N_Q, diag, qk_scale, mid, end_full,
+        False, IS_CAUSAL, BLOCK_M, HEAD_DIM, EVEN_D, ATOMIC_DQ,
+    )
+    dk, dv = _attn_bwd_dkdv_inner(
+        dk, dv, k, v, q_ptrs, do_ptrs, l_ptrs, delta_ptrs, dq_acc_ptrs, stride_qm, stride_dom, stride_lm,
+        offs_m, offs_n, offs_d, head_dim, N_Q, diag, qk_scale, end_tail, N_Q,
+        True, IS_CAUSAL, BLOCK_M, HEAD_DIM, EVEN_D, ATOMIC_DQ,
+    )
+    dk = dk * scale
+
+    # A key tile that no query sees keeps dk = dv = 0, and stores them.
+    mask = offs_n[:, None] < N_K
+    if not EVEN_D:
+        mask = mask & (offs_d[None, :] < head_dim)
+    dk_ptrs = (dK + off_b * stride_dkb + off_h * stride_dkh
+               + offs_n64[:, None] * stride_dkn + offs_d64[None, :] * stride_dkd)
+    dv_ptrs = (dV + off_b * stride_dvb + off_h * stride_dvh
+               + offs_n64[:, None] * stride_dvn + offs_d64[None, :] * stride_dvd)
+    tl.store(dk_ptrs, dk.to(dK.dtype.element_ty), mask=mask)
+    tl.store(dv_ptrs, dv.to(dV.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _attn_bwd_dq_inner(
+    dq, q, do, lse, delta,
+    k_ptrs, v_ptrs, stride_kn, stride_vn,
+    offs_m, offs_n, offs_d, head_dim, N_K, diag, qk_scale, lo, hi,
+    IN_BAND: tl.constexpr, IS_CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr,
+):
+    """dQ of one query tile over key tiles [lo, hi): masked iff IN_BAND."""
+    for start_n in tl.range(lo, hi, BLOCK_N):
+        start_n = tl.multiple_of(start_n, BLOCK_N)
+        cols = start_n + offs_n
+        start_n64 = tl.cast(start_n, tl.int64)
+        k = _load_tile(k_ptrs + start_n64 * stride_kn, cols, N_K, offs_d, head_dim,
+                       IN_BAND, EVEN_D)  # [BLOCK_N, HEAD_DIM]
+        qk = tl.dot(q, tl.trans(k), input_precision="ieee")  # [BLOCK_M, BLOCK_N]
+        p = tl.math.exp2(qk * qk_scale - lse[:, None])
+        if IN_BAND:
+            # Key j is visible to query i iff j < seqlen_k and, under causal, j <= i + diag; zeroing after
+            # exp2 keeps -inf out of it.
+            visible = cols[None, :] < N_K
+            if IS_CAUSAL:
+                visible = visible & (cols[None, :] <= offs_m[:, None] + diag)
+            p = tl.where(visible, p, 0.0)
+        v = _load_tile(v_ptrs + start_n64 * stride_vn, cols, N_K, offs_d, head_dim,
+                       IN_BAND, EVEN_D)  # [BLOCK_N, HEAD_DIM]
+        dp = tl.dot(do, tl.trans(v), input_precision="ieee")  # [BLOCK_M, BLOCK_N]
+        ds = p * (dp - delta[:, None])
+        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision="ieee")
+    return dq
+
+
+@triton.jit
+def _attn_bwd_dq(
+    Q, K, V, dO, L, Delta, dQ, scale, qk_scale,
+    stride_qb, stride_qh, stride_qm, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_dob, stride_doh, stride_dom, stride_dod,
+    stride_lb, stride_lh, stride_lm,
+    stride_dqb, stride_dqh, stride_dqm, stride_dqd,
+    H, N_Q, N_K, head_dim,
+    IS_CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+    EVEN_D: tl.constexpr,
+):
+    # One program per (query tile, batch·head), flattened to one grid axis, query tiles fastest and last
+    # first: under causal the last query tiles see the most keys, so the longest programs start first.
+    pid = tl.program_id(0)
+    num_m_tiles = tl.cdiv(N_Q, BLOCK_M)
+    off_bh = (pid // num_m_tiles).to(tl.int64)
+    off_b = off_bh // H
+    off_h = off_bh % H
+    start_m = (num_m_tiles - 1 - pid % num_m_tiles) * BLOCK_M
+    # Key j is visible to query i iff j <= i + diag.
+    diag = N_K - N_Q
+
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    # 64-bit offsets, as B·H·N·D can pass 2^31 elements; the key loop adds start_n · stride in 64 bits.
+    offs_m64 = offs_m.to(tl.int64)
+    offs_n64 = offs_n.to(tl.int64)
+    offs_d64 = offs_d.to(tl.int64)
+    q_ptrs = (Q + off_b * stride_qb + off_h * stride_qh
+              + offs_m64[:, None] * stride_qm + offs_d64[None, :] * stride_qd)
+    do_ptrs = (dO + off_b * stride_dob + off_h * stride_doh
+               + offs_m64[:, None] * stride_dom + offs_d64[None, :] * stride_dod)
+    k_ptrs = (K + off_b * stride_kb + off_h * stride_kh
+              + offs_n64[:, None] * stride_kn + offs_d64[None, :] * stride_kd)
+    v_ptrs = (V + off_b * stride_vb + off_h * stride_vh
+              + offs_n64[:, None] * stride_vn + offs_d64[None, :] * stride_vd)
+
+    q = _load_tile(q_ptrs, offs_m, N_Q, offs_d, head_dim, True, EVEN_D)  # [BLOCK_M, HEAD_DIM]
+    do = _load_tile(do_ptrs, offs_m, N_Q, offs_d, head_dim, True, EVEN_D)  # [BLOCK_M, HEAD_DIM]
+    # Rows past seqlen_q: L = +inf makes their P zero. L in log2 units, as the scores.
+    lse = tl.load(L + off_b * stride_lb + off_h * stride_lh + offs_m64 * stride_lm, mask=offs_m < N_Q,
+                  other=float("inf")) * 1.4426950408889634
+    delta = tl.load(Delta + off_bh * N_Q + offs_m, mask=offs_m < N_Q, other=0.0)
+    dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+
+    if IS_CAUSAL:
+        # Every row of the tile sees keys < start_m + diag + 1; some row sees keys < start_m + BLOCK_M + diag.
+        lo_band = tl.maximum(start_m + diag + 1, 0) // BLOCK_N * BLOCK_N
+        hi = tl.minimum(tl.maximum(start_m + BLOCK_M + diag, 0), N_K)
+    else:
+        lo_band = N_K // BLOCK_N * BLOCK_N
+        hi = N_K
+    dq = _attn_bwd_dq_inner(
+        dq, q, do, lse, delta, k_ptrs, v_ptrs, stride_kn, stride_vn,
+        offs_m, offs_n, offs_d, head_dim, N_K, diag, qk_scale, 0, lo_band,
+        False, IS_CAUSAL, BLOCK_N, EVEN_D,
+    )
+    dq = _attn_bwd_dq_inner(
+        dq, q, do, lse, delta, k_ptrs, v_ptrs, stride_kn, stride_vn,
+        offs_m, offs_n, offs_d, head_dim, N_K, diag, qk_scale, lo_band, hi,
+        True, IS_CAUSAL, BLOCK_N, EVEN_D,
+    )
+    dq = dq * scale
+
+    # Rows that see no key keep dq = 0, and store it.
+    mask = offs_m[:, None] < N_Q
+    if not EVEN_D:
+        mask = mask & (offs_d[None, :] < head_dim)
+    dq_ptrs = (dQ + off_b * stride_dqb + off_h * stride_dqh
+               + offs_m64[:, None] * stride_dqm + offs_d64[None, :] * stride_dqd)
+    tl.store(dq_ptrs, dq.to(dQ.dtype.element_ty), mask=mask)
+
+
+class BwdTiles(NamedTuple):
+    """block_m1 x block_n1: the dK/dV kernel's query step and key tile; block_m2 x block_n2: the dQ
+    kernel's query tile and key step; num_warps and num_stages for both."""
+
+    block_m1: int
+    block_n1: int
+    block_m2: int
+    block_n2: int
+    num_warps: int
+    num_stages: int
+
+
+# Defaults for Hopper (H100/H200) with pointer loads, by HEAD_DIM (head_dim padded to a power of two);
+# each compiles for sm_90a on Triton 3.6 and 3.9 without register spills (contiguous inputs), except
+# where noted. 16-bit inputs, wgmma: the dK/dV kernel holds two fp32 [BLOCK_N1, HEAD_DIM] accumulators,
+# so its tiles shrink as HEAD_DIM grows. D = 256 spills a few bytes in the dK/dV kernel.
+BWD_TILES_16BIT = {
+    16: BwdTiles(64, 128, 128, 64, 8, 3),
+    32: BwdTiles(64, 128, 128, 64, 8, 3),
+    64: BwdTiles(64, 128, 128, 64, 8, 3),
+    128: BwdTiles(32, 128, 128, 64, 8, 3),
+    256: BwdTiles(16, 64, 64, 32, 8, 2),
+}
+# A padded head_dim (not a multiple of 16: loads masked along it and not vectorised) needs more registers
+# for the same tiles: smaller ones. They still spill a few hundred bytes from HEAD_DIM = 128 (as the
+# forward does).
+BWD_TILES_16BIT_PADDED = {
+    16: BwdTiles(64, 128, 128, 64, 8, 3),
+    32: BwdTiles(64, 128, 128, 64, 8, 3),
+    64: BwdTiles(32, 128, 128, 32, 8, 3),
+    128: BwdTiles(32, 64, 128, 32, 8, 3),
+    256: BwdTiles(16, 32, 64, 16, 8, 2),
+}
+# fp32, FMA matmuls (no TF32): each thread holds whole rows of the operands, so small tiles from D = 64.
+BWD_TILES_FP32 = {
+    16: BwdTiles(32, 32, 32, 32, 4, 2),
+    32: BwdTiles(32, 32, 32, 32, 4, 2),
+    64: BwdTiles(16, 32, 32, 32, 8, 2),
+    128: BwdTiles(16, 32, 32, 32, 8, 2),
+    256: BwdTiles(16, 32, 32, 16, 8, 2),
+}
+# The preprocess kernel reads O and dO once: 4096 elements of each per program, 8 warps.
+PREPROCESS_ELEMENTS = 4096
+
+
+def bwd_tiles_for(head_dim: int, dtype: torch.dtype) -> BwdTiles:
+    """The launch configuration for a head_dim and an input dtype. The interpreter gets the same tiles as
+    the GPU (it ignores num_warps and num_stages), so CPU tests cover the GPU's tiling."""
+    HEAD_DIM = max(16, triton.next_power_of_2(head_dim))
+    if dtype == torch.float32:
+        return BWD_TILES_FP32[HEAD_DIM]
+    return (BWD_TILES_16BIT if head_dim % 16 == 0 else BWD_TILES_16BIT_PADDED)[HEAD_DIM]
+
+
+def flash_attn_backward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    O: torch.Tensor,
+    L: torch.Tensor,
+    dO: torch.Tensor,
+    causal: bool,
+    scale: float,
+    tiles: BwdTiles | None = None,
+    deterministic: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Arguments:
+        q: (batch, heads, seqlen_q, head_dim); k, v: (batch, heads, seqlen_k, head_dim); any strides.
+        O, dO: (batch, heads, seqlen_q, head_dim); L: (batch, heads, seqlen_q), float32, natural log,
+            from the forward (+inf on rows that see no key).
+        causal, scale: as in ``flash_attn_forward``.
+        tiles: the kernels' tiles (powers of two >= 16), num_warps, num_stages; default ``bwd_tiles_for``.
+        deterministic: True (the default) computes dq in its own kernel, every element written once, so
+            that the same inputs give the same bits. False adds dq into a zeroed fp32 accumulator from the
+            dK/dV kernel with atomics instead (as FA2's CUDA kernel): S and dP are computed once instead of
+            twice, but the order of the additions, and so the last bits of dq, vary from run to run.
+
+    Returns:
+        dq, dk, dv in the shapes and dtypes of q, k, v, contiguous; rows that see no key get dq = 0, keys
+        that no row sees dk = dv = 0.
+
+    Raises:
+        NotImplementedError: head_dim not a multiple of 8 from 8 to 256.
+        RuntimeError: tensors on a device this build of the kernels cannot run on.
+    """
+    batch, heads, seqlen_q, head_dim = q.shape
+    seqlen_k = k.shape[2]
+    _check_device(q.device)
+    if head_dim % 8 or not 8 <= head_dim <= MAX_HEAD_DIM:
+        raise NotImplementedError(
+            f"fa2-triton supports head_dim a multiple of 8 from 8 to {MAX_HEAD_DIM}, got {head_dim}"
+        )
+
+    dk = torch.empty(k.shape, device=k.device, dtype=k.dtype)
+    dv = torch.empty(v.shape, device=v.device, dtype=v.dtype)
+    delta = torch.empty(batch, heads, seqlen_q, device=q.device, dtype=torch.float32)
+
+    HEAD_DIM = max(16, triton.next_power_of_2(head_dim))
+    EVEN_D = HEAD_DIM == head_dim
+    tiles = tiles or bwd_tiles_for(head_dim, q.dtype)
+    bh = batch * heads
+    qk_scale = scale * LOG2_E
+    pre_block_m = PREPROCESS_ELEMENTS // HEAD_DIM
+    meta = dict(IS_CAUSAL=causal, HEAD_DIM=HEAD_DIM, EVEN_D=EVEN_D,
+                num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+    if deterministic:
+        dq = torch.empty(q.shape, device=q.device, dtype=q.dtype)
+        dq_acc = delta  # a placeholder: the dK/dV kernel reads dQ_acc only with ATOMIC_DQ
+    else:
+        # Padded to whole query tiles and to HEAD_DIM, so the atomic adds need no mask.
+        padded_q = triton.cdiv(seqlen_q, tiles.block_m1) * tiles.block_m1
+        dq_acc = torch.zeros(batch, heads, padded_q, HEAD_DIM, device=q.device, dtype=torch.float32)
+    # One program per tile and batch·head, on one grid axis each (CUDA caps the other two at 65535).
+    on_device = contextlib.nullcontext() if INTERPRETED else torch.cuda.device(q.device)
+    with on_device:
+        if bh and seqlen_q:
+            _attn_bwd_preprocess[(triton.cdiv(seqlen_q, pre_block_m) * bh,)](
+                O, dO, delta, *O.stride(), *dO.stride(), heads, seqlen_q, head_dim,
+                BLOCK_M=pre_block_m, HEAD_DIM=HEAD_DIM, EVEN_D=EVEN_D, num_warps=8,
+            )
+        if bh and seqlen_q and deterministic:
+            _attn_bwd_dq[(triton.cdiv(seqlen_q, tiles.block_m2) * bh,)](
+                q, k, v, dO, L, delta, dq, scale, qk_scale,
+                *q.stride(), *k.stride(), *v.stride(), *dO.stride(), *L.stride(), *dq.stride(),
+                heads, seqlen_q, seqlen_k, head_dim,
+                BLOCK_M=tiles.block_m2, BLOCK_N=tiles.block_n2, **meta,
+            )
+        if bh and seqlen_k:
+            _attn_bwd_dkdv[(triton.cdiv(seqlen_k, tiles.block_n1) * bh,)](
+                q, k, v, dO, L, delta, dk, dv, dq_acc, scale, qk_scale,
+                *q.stride(), *k.stride(), *v.stride(), *dO.stride(), *L.stride(), *dk.stride(),
+                *dv.stride(), heads, seqlen_q, seqlen_k, head_dim,
+                BLOCK_M=tiles.block_m1, BLOCK_N=tiles.block_n1, ATOMIC_DQ=not deterministic, **meta,
+            )
+    if not deterministic:
+        dq = (dq_acc[:, :, :seqlen_q, :head_dim] * scale).to(q.dtype)
+    return dq, dk, dv
