@@ -1,9 +1,11 @@
 """The side-by-side forward benchmark: every installed fa2 backend against the attention a user would pick
-instead, each checked against ``fa2.reference`` before it is timed.
+instead, each checked against ``fa2.reference`` before it is timed; with ``--modes fwd,bwd`` the backward
+too (FLOPs 2.5 times the forward's), against SDPA's flash and cuDNN backward.
 
     python -m fa2.bench                                  # GPU: the FlashAttention-2 paper's sweep
     python -m fa2.bench --providers fa2-triton,sdpa-flash --seqlens 1024,4096 --dtypes bf16
     python -m fa2.bench --quick                          # a few shapes; <name>-quick.*
+    python -m fa2.bench --quick --modes fwd,bwd          # the same, forward and backward
     nox -s bench                                         # without a GPU: emulated, tiny shapes
 
 Modules: ``providers`` (what is compared), ``check`` (the correctness check), ``timing`` (clocks, memory,
@@ -15,5 +17,5 @@ Files, under ``--out`` (default docs/benchmarks), named after the GPU (``h200``)
     <name>-skipped.csv   every (provider, shape) not measured: skipped, wrong or failed, with the reason
     <name>-run.json      the environment, the command, the wall time and the matmul ceilings
     <name>.md            ratio tables (fa2 against sdpa-flash and sdpa-cudnn), TFLOP/s, memory
-    <name>-fwd-D<D>.png  TFLOP/s against N, a panel per (dtype, causal), the matmul ceiling as a line
+    <name>-<mode>-D<D>.png  TFLOP/s against N, a panel per (dtype, causal), the matmul ceiling as a line
 """

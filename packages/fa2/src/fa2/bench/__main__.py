@@ -1,4 +1,4 @@
-"""``python -m fa2.bench``: the side-by-side forward benchmark (see fa2/bench/__init__.py)."""
+"""``python -m fa2.bench``: the side-by-side forward (and backward) benchmark (see fa2/bench/__init__.py)."""
 
 from __future__ import annotations
 
@@ -37,7 +37,8 @@ def _choices(valid):
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="python -m fa2.bench",
-        description="fa2's forward against SDPA (flash, cuDNN, memory-efficient, math) and FlexAttention. "
+        description="fa2's forward (with --modes fwd,bwd also its backward) against SDPA (flash, cuDNN, "
+        "memory-efficient, math) and FlexAttention. "
         "Defaults: on a GPU the FlashAttention-2 paper's sweep; without one, an emulated run on tiny shapes.",
     )
     parser.add_argument("--providers", type=_choices(list(PROVIDERS)), default=tuple(PROVIDERS),
@@ -46,6 +47,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--head-dims", type=_list(int), help="comma-separated D")
     parser.add_argument("--causal", type=_choices(["no", "yes"]), default=("no", "yes"), help="no,yes (default both)")
     parser.add_argument("--dtypes", type=_choices(list(DTYPES)), help="comma-separated, of bf16,fp16,fp32")
+    parser.add_argument("--modes", type=_choices(list(sweep.MODES)), default=("fwd",),
+                        help="fwd (default); bwd: the backward alone (fa2's backends, sdpa-flash, -cudnn, -math)")
     parser.add_argument("--quick", action="store_true",
                         help="a few shapes in one dtype (GPU: bf16, N 1k and 4k), written as <name>-quick")
     parser.add_argument("--out", type=Path, default=Path("docs/benchmarks"), help="default docs/benchmarks")
@@ -118,6 +121,7 @@ def main(argv: list[str] | None = None) -> None:
         name=name,
         math_max_seqlen=args.math_max_seqlen,
         append=args.append,
+        modes=args.modes,
         command=shlex.join(["python", "-m", "fa2.bench", *argv]),
     )
     if not args.report_only:

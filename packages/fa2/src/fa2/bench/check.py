@@ -6,6 +6,10 @@ error of rounding the fp64 result to that dtype; fp32 gets fixed tolerances. The
 N = 16k would materialise B·H·N² fp64 scores, so it runs on a sample instead: the first and last batch
 entries and heads, and 64 query rows including the first and the last (``fa2.reference.attention(...,
 rows=...)`` keeps the causal alignment of the full matrix).
+
+The backward (mode "bwd"): row i of dq depends on row i of dO alone, so dq is checked on the same sample
+by the rule of shared_tests/test_gradients.py (three times the naive error plus twice the rounding error;
+fp32 within ``FP32_GRAD_ATOL``); dk and dv sum over every query row and are checked for NaN and inf only.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from fa2 import reference
 
 SAMPLE_ROWS = 64
 FP32_ATOL = {"O": 5e-5, "L": 5e-5}
+FP32_GRAD_ATOL = 1e-4
 L_FLOOR = 1e-5
 
 
@@ -32,14 +37,19 @@ class Sample:
     L_ref: torch.Tensor
     tol_O: float
     tol_L: float
+    dq_ref: torch.Tensor | None = None
+    tol_dq: float = 0.0
 
 
 def _max_err(x: torch.Tensor, ref: torch.Tensor) -> float:
     return (x.double() - ref).abs().max().item()
 
 
-def reference_sample(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, seed: int = 0) -> Sample:
-    """The fp64 reference (and, in fp16/bf16, the naive same-precision one) on the sample of q's rows."""
+def reference_sample(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, seed: int = 0, dO: torch.Tensor | None = None
+) -> Sample:
+    """The fp64 reference (and, in fp16/bf16, the naive same-precision one) on the sample of q's rows;
+    with ``dO``, also dq there."""
     batch, heads, seqlen, _ = q.shape
     device = q.device
     batch_idx = torch.tensor([0, batch - 1], device=device).unique()
@@ -54,7 +64,26 @@ def reference_sample(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: 
         O_naive, L_naive = reference.attention(q, k, v, causal, upcast=False, rows=rows)
         tol_O = 2 * _max_err(O_naive, O_ref) + 2 * _max_err(O_ref.to(q.dtype), O_ref)
         tol_L = 2 * _max_err(L_naive, L_ref) + L_FLOOR
-    return Sample(batch_idx, head_idx, rows, O_ref, L_ref, tol_O, tol_L)
+    sample = Sample(batch_idx, head_idx, rows, O_ref, L_ref, tol_O, tol_L)
+    if dO is not None:
+        dO = _sampled(dO, sample)
+        sample.dq_ref = _dq_on_rows(q.double(), k.double(), v.double(), dO, causal, rows)
+        sample.tol_dq = FP32_GRAD_ATOL
+        if q.dtype != torch.float32:
+            dq_naive = _dq_on_rows(q, k, v, dO, causal, rows, upcast=False)
+            dq_ref = sample.dq_ref
+            sample.tol_dq = 3 * _max_err(dq_naive, dq_ref) + 2 * _max_err(dq_ref.to(q.dtype), dq_ref)
+    return sample
+
+
+def _dq_on_rows(q, k, v, dO_rows, causal, rows, upcast=True) -> torch.Tensor:
+    """dq at ``rows`` of q: the gradient of those rows' outputs (fa2.reference, in q's dtype without
+    ``upcast``) against dO_rows."""
+    with torch.enable_grad():
+        q = q.detach().requires_grad_()
+        O, _ = reference.attention(q, k, v, causal, upcast=upcast, rows=rows)
+        (dq,) = torch.autograd.grad(O, q, dO_rows.to(O.dtype))
+    return dq.index_select(2, rows)
 
 
 def _sampled(x: torch.Tensor, s: Sample) -> torch.Tensor:
@@ -79,4 +108,17 @@ def problem(O: torch.Tensor, L: torch.Tensor | None, q: torch.Tensor, s: Sample)
         err = _max_err(x, ref)
         if err > tol:
             return f"max |{name} - {name}_ref| = {err:.3g} > tolerance {tol:.3g} on the sampled rows"
+    return None
+
+
+def grad_problem(grads, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s: Sample) -> str | None:
+    """None if (dq, dk, dv) pass (see the module docstring), else what is wrong."""
+    for name, g, x in zip(("dq", "dk", "dv"), grads, (q, k, v)):
+        if g.shape != x.shape or g.dtype != x.dtype:
+            return f"{name} is {tuple(g.shape)} {g.dtype}, want {tuple(x.shape)} {x.dtype}"
+        if not torch.isfinite(g).all():
+            return f"{name} has NaN or inf"
+    err = _max_err(_sampled(grads[0], s), s.dq_ref)
+    if err > s.tol_dq:
+        return f"max |dq - dq_ref| = {err:.3g} > tolerance {s.tol_dq:.3g} on the sampled rows"
     return None

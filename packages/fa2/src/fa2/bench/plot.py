@@ -1,12 +1,13 @@
-"""TFLOP/s against N, one figure per head_dim (``<name>-fwd-D64.png``): a panel per (dtype, causal), a
-line per provider, the measured matmul ceiling of that precision as a horizontal line."""
+"""TFLOP/s against N, one figure per mode and head_dim (``<name>-fwd-D64.png``, ``<name>-bwd-D64.png``): a
+panel per (dtype, causal), a line per provider, the measured matmul ceiling of that precision as a
+horizontal line."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 from fa2.bench.providers import PROVIDERS
-from fa2.bench.report import Run, groups, seqlen_label
+from fa2.bench.report import MODE_NAMES, Run, groups, seqlen_label
 
 # Only bf16 and fp32 matmuls are measured; fp16 panels draw the bf16 ceiling (Hopper's fp16 and bf16
 # tensor-core peaks are equal).
@@ -14,6 +15,10 @@ CEILING_OF = {"bf16": "bf16", "fp16": "bf16", "fp32": "fp32"}
 
 
 def plot(run: Run, out_dir: Path, name: str) -> list[Path]:
+    return [path for mode in run.modes() for path in _plot_mode(run.of_mode(mode), mode, out_dir, name)]
+
+
+def _plot_mode(run: Run, mode: str, out_dir: Path, name: str) -> list[Path]:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -22,7 +27,7 @@ def plot(run: Run, out_dir: Path, name: str) -> list[Path]:
     colors = dict(zip(PROVIDERS, plt.get_cmap("tab10").colors))
     ceilings = run.info.get("ceilings", {})
     gpu = run.info.get("gpu", run.results[0]["gpu"])
-    title = f"fa2 forward on {gpu}"
+    title = f"fa2 {MODE_NAMES[mode]} on {gpu}"
     if run.emulated:
         title += "\nEMULATED: CPU, Triton interpreter, numba simulator, tiny shapes (not GPU speed)"
     seqlens = sorted({r["seqlen"] for r in run.results})
@@ -53,7 +58,7 @@ def plot(run: Run, out_dir: Path, name: str) -> list[Path]:
                 ax.legend(fontsize=7, loc="lower right")
         fig.suptitle(title)
         fig.tight_layout()
-        path = out_dir / f"{name}-fwd-D{head_dim}.png"
+        path = out_dir / f"{name}-{mode}-D{head_dim}.png"
         fig.savefig(path, dpi=110)
         plt.close(fig)
         paths.append(path)

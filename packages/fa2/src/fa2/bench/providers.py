@@ -15,6 +15,12 @@ dispatcher), so that a kernel that cannot run fails instead of falling back to a
 
 SDPA's causal mask is aligned top-left and fa2's bottom-right; they agree because every benchmark shape
 has seqlen_q = seqlen_k.
+
+Mode ``bwd`` times the backward alone: the provider's forward runs once on inputs that require grad, then
+``torch.autograd.grad(O, (q, k, v), dO, retain_graph=True)`` is timed. It runs for the fa2 backends and
+for sdpa-flash, sdpa-cudnn and sdpa-math, whose aten ops above are what ``F.scaled_dot_product_attention``
+calls under ``sdpa_kernel([SDPBackend.FLASH_ATTENTION])`` (``CUDNN_ATTENTION``, ``MATH``): their autograd
+runs FlashAttention-2's, cuDNN's and the math backward.
 """
 
 from __future__ import annotations
@@ -36,7 +42,8 @@ Attention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], "tuple[torch.Te
 
 @dataclass(frozen=True)
 class Shape:
-    """One point of the sweep: inputs (batch, heads, seqlen, head_dim) of ``dtype`` ("bf16", ...)."""
+    """One point of the sweep: inputs (batch, heads, seqlen, head_dim) of ``dtype`` ("bf16", ...), timed
+    in ``mode`` "fwd" (the forward) or "bwd" (the backward alone)."""
 
     dtype: str
     head_dim: int
@@ -44,12 +51,14 @@ class Shape:
     seqlen: int
     batch: int
     heads: int
+    mode: str = "fwd"
 
     @property
     def flops(self) -> int:
-        """4·B·H·N²·D (two matmuls), halved when causal."""
+        """4·B·H·N²·D (two matmuls), halved when causal; the backward 2.5 times that (five matmuls)."""
         flops = 4 * self.batch * self.heads * self.seqlen**2 * self.head_dim
-        return flops // 2 if self.causal else flops
+        flops = flops // 2 if self.causal else flops
+        return flops * 5 // 2 if self.mode == "bwd" else flops
 
     @property
     def work(self) -> int:
@@ -58,13 +67,14 @@ class Shape:
 
     def __str__(self) -> str:
         causal = "causal" if self.causal else "full"
-        return f"{self.dtype} B{self.batch} H{self.heads} N{self.seqlen} D{self.head_dim} {causal}"
+        return f"{self.mode} {self.dtype} B{self.batch} H{self.heads} N{self.seqlen} D{self.head_dim} {causal}"
 
 
 @dataclass(frozen=True)
 class Provider:
     """``build(shape, device)`` returns the timed callable for one shape (setup such as a block mask
-    happens there, untimed). ``dtypes`` are those it takes, ``dtype_reason`` says why not the others."""
+    happens there, untimed). ``dtypes`` are those it takes, ``dtype_reason`` says why not the others;
+    ``modes`` the modes it is timed in."""
 
     name: str
     build: Callable[[Shape, torch.device], Attention]
@@ -73,6 +83,7 @@ class Provider:
     cuda_only: bool = True
     returns_lse: bool = True
     backend: str | None = None
+    modes: tuple[str, ...] = ("fwd",)
 
     def unavailable(self, device: torch.device) -> str | None:
         """Why this provider cannot run at all on ``device``, or None."""
@@ -163,19 +174,22 @@ def _flex(shape: Shape, device: torch.device) -> Attention:
 
 
 _FP16_BF16 = ("bf16", "fp16")
+_FWD_BWD = ("fwd", "bwd")
 # The fp32 comparison: the CUDA-core numba kernel and the PyTorch backend, against SDPA's fp32 paths.
 _NOT_IN_FP32 = "the fp32 comparison is fa2-pytorch, fa2-numba-cuda, sdpa-math and sdpa-efficient only"
 
 PROVIDERS = {
     p.name: p
     for p in [
-        Provider("fa2-pytorch", _fa2("pytorch"), backend="pytorch"),
-        Provider("fa2-triton", _fa2("triton"), _FP16_BF16, _NOT_IN_FP32, backend="triton"),
-        Provider("fa2-numba-cuda", _fa2("numba-cuda"), backend="numba-cuda"),
-        Provider("sdpa-flash", _sdpa_flash, _FP16_BF16, "SDPA's FlashAttention-2 kernel takes fp16/bf16 only"),
-        Provider("sdpa-cudnn", _sdpa_cudnn, _FP16_BF16, "SDPA's cuDNN kernel takes fp16/bf16 only"),
+        Provider("fa2-pytorch", _fa2("pytorch"), backend="pytorch", modes=_FWD_BWD),
+        Provider("fa2-triton", _fa2("triton"), _FP16_BF16, _NOT_IN_FP32, backend="triton", modes=_FWD_BWD),
+        Provider("fa2-numba-cuda", _fa2("numba-cuda"), backend="numba-cuda", modes=_FWD_BWD),
+        Provider("sdpa-flash", _sdpa_flash, _FP16_BF16, "SDPA's FlashAttention-2 kernel takes fp16/bf16 only",
+                 modes=_FWD_BWD),
+        Provider("sdpa-cudnn", _sdpa_cudnn, _FP16_BF16, "SDPA's cuDNN kernel takes fp16/bf16 only",
+                 modes=_FWD_BWD),
         Provider("sdpa-efficient", _sdpa_efficient),
-        Provider("sdpa-math", _sdpa_math, cuda_only=False, returns_lse=False),
+        Provider("sdpa-math", _sdpa_math, cuda_only=False, returns_lse=False, modes=_FWD_BWD),
         Provider("flex", _flex, _FP16_BF16, _NOT_IN_FP32),
     ]
 }

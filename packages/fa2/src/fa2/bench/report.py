@@ -1,5 +1,6 @@
 """From a run's files to its summary: ``<name>.md`` (ratio tables, TFLOP/s, memory, what was not
-measured) and the ratio tables on stdout. Reads only the files, so a summary can be redrawn anywhere."""
+measured) and the ratio tables on stdout, each per mode (forward, backward). Reads only the files, so a
+summary can be redrawn anywhere."""
 
 from __future__ import annotations
 
@@ -10,11 +11,12 @@ from pathlib import Path
 
 from fa2.bench.check import SAMPLE_ROWS
 from fa2.bench.providers import FA2_PROVIDERS, PROVIDERS
-from fa2.bench.sweep import read_csv, read_runs
+from fa2.bench.sweep import MODES, read_csv, read_runs
 
 # What the fa2 backends are measured against: the GPU kernels a user would pick instead; without a GPU,
 # the only baseline that runs on the CPU.
 BASELINES = {False: ("sdpa-flash", "sdpa-cudnn"), True: ("sdpa-math",)}
+MODE_NAMES = {"fwd": "forward", "bwd": "backward"}
 
 
 @dataclass
@@ -34,6 +36,13 @@ class Run:
 
     def tflops(self) -> dict[tuple, float]:
         return {_key(r): r["tflops"] for r in self.results}
+
+    def modes(self) -> list[str]:
+        return [m for m in MODES if any(r["mode"] == m for r in self.results)]
+
+    def of_mode(self, mode: str) -> Run:
+        """This run's measurements in one mode (the tables and plots take one mode at a time)."""
+        return Run([r for r in self.results if r["mode"] == mode], self.issues, self.runs)
 
 
 def load(out_dir: Path, name: str) -> Run:
@@ -84,7 +93,16 @@ def ratios(run: Run, fa2: str, baseline: str) -> dict[tuple, float]:
 
 
 def ratio_tables(run: Run) -> list[str]:
-    """The headline (min and geomean per fa2 backend and baseline), then one table per baseline, per shape."""
+    """Per mode: the headline (min and geomean per fa2 backend and baseline), then one table per baseline,
+    per shape."""
+    out = []
+    for mode in run.modes():
+        out += [f"## {MODE_NAMES[mode]}", ""] if run.modes() != ["fwd"] else []
+        out += _ratio_tables(run.of_mode(mode)) + [""]
+    return out[:-1]
+
+
+def _ratio_tables(run: Run) -> list[str]:
     baselines = BASELINES[run.emulated]
     fa2s = [p for p in FA2_PROVIDERS if any(r["provider"] == p for r in run.results)]
     seqlens = sorted({r["seqlen"] for r in run.results})
@@ -143,7 +161,9 @@ def markdown(run: Run, name: str, plots: list[Path]) -> str:
     gpu = info.get("gpu", run.results[0]["gpu"])
     ceil = info.get("ceilings", {})
     n = ceil.get("matmul_size", "?")
-    lines = [f"# fa2 forward benchmark: {'EMULATED on the CPU' if emulated else gpu}", ""]
+    modes = run.modes()
+    title = " and ".join(MODE_NAMES[m] for m in modes)
+    lines = [f"# fa2 {title} benchmark: {'EMULATED on the CPU' if emulated else gpu}", ""]
     if emulated:
         lines += ["> **EMULATED.** No GPU: fa2-pytorch and SDPA math on the CPU, fa2-triton in Triton's interpreter",
                   "> and fa2-numba-cuda in numba's CUDA simulator, on tiny shapes. These times show that the",
@@ -156,7 +176,8 @@ def markdown(run: Run, name: str, plots: list[Path]) -> str:
         f"- Wall time {sum(r.get('wall_s', 0) for r in run.runs):.0f} s, from:",
         *(f"  - `{r.get('command', '?')}`, started {r.get('started', '?')}, {r.get('wall_s', '?')} s" for r in run.runs),
         f"- Shapes: {shapes}; inputs (B, H, N, D) contiguous, standard normal. "
-        "FLOPs = 4·B·H·N²·D, halved when causal.",
+        "FLOPs = 4·B·H·N²·D, halved when causal"
+        + ("; the backward (timed alone, after one forward) 2.5 times that." if "bwd" in modes else "."),
         f"- Timing: {info.get('timing', '?')}. Peak memory: the most one call allocates beyond what was live "
         "before it (its outputs included); not measured on the CPU.",
         f"- Matmul ceilings ({n}³): bf16 {_num(ceil.get('bf16_matmul_tflops', math.nan))} TFLOP/s, "
@@ -164,17 +185,17 @@ def markdown(run: Run, name: str, plots: list[Path]) -> str:
         "- Correctness: before timing, each provider's O and L on each shape are checked against "
         f"`fa2.reference` on {SAMPLE_ROWS} sampled query rows of the first and last batch entries and heads (the rule of "
         "`shared_tests/checks.py`); a provider that fails is not timed. sdpa-math's op returns the attention "
-        "weights, not L: its check covers O only.",
-        "",
-        "## fa2 against " + " and ".join(BASELINES[emulated]),
-        "",
-        *ratio_tables(run),
-        "",
-        "## TFLOP/s",
-        *value_tables(run, "tflops", _num),
+        "weights, not L: its check covers O only."
+        + (" The backward's dq is checked on the same rows (the rule of `shared_tests/test_gradients.py`), "
+           "dk and dv for NaN and inf." if "bwd" in modes else ""),
     ]
-    if not emulated:
-        lines += ["", "## Peak memory per call (GB)", *value_tables(run, "peak_mem_gb", lambda x: f"{x:.3g}")]
+    for mode in modes:
+        sub, which = run.of_mode(mode), "" if mode == "fwd" else f" ({MODE_NAMES[mode]})"
+        lines += ["", f"## fa2 against {' and '.join(BASELINES[emulated])}{which}", "", *_ratio_tables(sub),
+                  "", f"## TFLOP/s{which}", *value_tables(sub, "tflops", _num)]
+        if not emulated:
+            lines += ["", f"## Peak memory per call (GB){which}",
+                      *value_tables(sub, "peak_mem_gb", lambda x: f"{x:.3g}")]
     lines += ["", "## Plots", ""]
     lines += [f"![{p.stem}]({p.name})" for p in plots] or [
         f"None drawn (no matplotlib here): `python -m fa2.bench --report-only --name {name}` draws them."]

@@ -9,6 +9,10 @@ For each shape: fresh standard-normal inputs, the reference on a sample of rows 
 provider: one call, checked (status "wrong" if it fails: not timed), peak memory, median time. A
 provider that cannot run a shape is "skipped", one that raises is "failed"; both with the reason, and the
 sweep goes on. Rows are written as they come, so an interrupted run keeps what it measured.
+
+Mode "bwd" (``--modes fwd,bwd``) times the backward alone: the forward runs once on inputs that require
+grad (its O and L checked), then ``torch.autograd.grad(O, (q, k, v), dO, retain_graph=True)`` is checked
+(dq on the sampled rows, dk and dv finite) and timed like a forward call.
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ COLUMNS = ("provider", "mode", "dtype", "head_dim", "causal", "seqlen", "batch",
 ISSUE_COLUMNS = ("provider", "mode", "dtype", "head_dim", "causal", "seqlen", "batch", "heads", "status",
                  "reason", "timestamp")
 KEY = ("provider", "mode", "dtype", "head_dim", "causal", "seqlen")
-MODE = "fwd"
+MODES = ("fwd", "bwd")
 EMULATED_GPU = "cpu (emulated)"
 
 GPU_TOKENS, GPU_HIDDEN = 16384, 2048
@@ -69,6 +73,7 @@ class Config:
     math_max_seqlen: int = MATH_MAX_SEQLEN
     append: bool = False
     command: str = ""
+    modes: tuple[str, ...] = ("fwd",)
 
     @property
     def emulated(self) -> bool:
@@ -76,15 +81,16 @@ class Config:
 
     def shapes(self) -> list[Shape]:
         out = []
-        for dtype in self.dtypes:
-            for head_dim in self.head_dims:
-                for causal in self.causals:
-                    for n in self.seqlens:
-                        if self.emulated:
-                            batch, heads = EMULATED_BATCH, EMULATED_HEADS
-                        else:
-                            batch, heads = max(1, GPU_TOKENS // n), max(1, GPU_HIDDEN // head_dim)
-                        out.append(Shape(dtype, head_dim, causal, n, batch, heads))
+        for mode in self.modes:
+            for dtype in self.dtypes:
+                for head_dim in self.head_dims:
+                    for causal in self.causals:
+                        for n in self.seqlens:
+                            if self.emulated:
+                                batch, heads = EMULATED_BATCH, EMULATED_HEADS
+                            else:
+                                batch, heads = max(1, GPU_TOKENS // n), max(1, GPU_HIDDEN // head_dim)
+                            out.append(Shape(dtype, head_dim, causal, n, batch, heads, mode))
         return out
 
     def path(self, suffix: str) -> Path:
@@ -93,6 +99,8 @@ class Config:
 
 def skip_reason(p: Provider, shape: Shape, cfg: Config) -> str | None:
     """Why ``p`` does not run ``shape`` in this sweep (it can run on this machine at all: checked before)."""
+    if shape.mode not in p.modes:
+        return f"{shape.mode}: {p.name} is timed in {', '.join(p.modes)} only"
     if shape.dtype not in p.dtypes:
         return f"{shape.dtype}: {p.dtype_reason}"
     if cfg.emulated and (p.name, shape.dtype) in EMULATOR_GAPS:
@@ -181,7 +189,7 @@ def read_csv(path: Path) -> list[dict[str, str]]:
 
 
 def _shape_columns(provider: str, s: Shape) -> dict:
-    return {"provider": provider, "mode": MODE, "dtype": s.dtype, "head_dim": s.head_dim, "causal": s.causal,
+    return {"provider": provider, "mode": s.mode, "dtype": s.dtype, "head_dim": s.head_dim, "causal": s.causal,
             "seqlen": s.seqlen, "batch": s.batch, "heads": s.heads}
 
 
@@ -190,14 +198,27 @@ def _key(provider: str, s: Shape) -> tuple[str, ...]:
     return tuple(str(columns[c]) for c in KEY)
 
 
-def measure(p: Provider, shape: Shape, q, k, v, sample: check.Sample, device: torch.device):
-    """("ok", (ms, peak_mem_gb)) or (status, reason) with status "wrong", "skipped" or "failed"."""
+def measure(p: Provider, shape: Shape, q, k, v, sample: check.Sample, device: torch.device, dO=None):
+    """("ok", (ms, peak_mem_gb)) or (status, reason) with status "wrong", "skipped" or "failed". Mode "bwd"
+    times the backward alone, given dO."""
     try:
         fn = p.build(shape, device)
         call = lambda: fn(q, k, v)
-        (O, L), first_s = timing.timed_once(call, device)
-        problem = check.problem(O, L if p.returns_lse else None, q, sample)
-        del O, L
+        if shape.mode == "bwd":
+            inputs = tuple(t.detach().requires_grad_() for t in (q, k, v))
+            with torch.enable_grad():
+                O, L = fn(*inputs)
+            problem = check.problem(O.detach(), L if p.returns_lse else None, q, sample)
+            if problem:
+                return "wrong", f"forward: {problem}"
+            call = lambda: torch.autograd.grad(O, inputs, dO, retain_graph=True)
+            grads, first_s = timing.timed_once(call, device)
+            problem = check.grad_problem(grads, q, k, v, sample)
+            del grads, L
+        else:
+            (O, L), first_s = timing.timed_once(call, device)
+            problem = check.problem(O, L if p.returns_lse else None, q, sample)
+            del O, L
         if problem:
             return "wrong", problem
         mem = timing.peak_mem_gb(call, device)
@@ -253,8 +274,9 @@ def _measure_shape(shape: Shape, providers: list[Provider], cfg: Config, env: di
     torch.manual_seed(seed)
     size = (shape.batch, shape.heads, shape.seqlen, shape.head_dim)
     q, k, v = (torch.randn(size, device=cfg.device, dtype=DTYPES[shape.dtype]) for _ in range(3))
+    dO = torch.randn_like(q) if shape.mode == "bwd" else None
     try:
-        sample = check.reference_sample(q, k, v, shape.causal, seed)
+        sample = check.reference_sample(q, k, v, shape.causal, seed, dO)
     except Exception as e:
         for p in providers:
             records.issue(p.name, shape, "failed", f"the reference check could not run: {_reason(e)}")
@@ -262,7 +284,7 @@ def _measure_shape(shape: Shape, providers: list[Provider], cfg: Config, env: di
         return
     for p in providers:
         bar.set_postfix_str(f"{p.name} {shape}")
-        status, outcome = measure(p, shape, q, k, v, sample, cfg.device)
+        status, outcome = measure(p, shape, q, k, v, sample, cfg.device, dO)
         if status == "ok":
             ms, mem = outcome
             records.result({**_shape_columns(p.name, shape), "ms": f"{ms:.6g}",
