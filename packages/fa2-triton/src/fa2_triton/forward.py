@@ -6,7 +6,9 @@ running row sum ``l_i`` and an unnormalised accumulator ``acc`` (all fp32), resc
 ``alpha = exp(m_old - m_new)`` when the max moves, divides once at the end and writes O and L once.
 
 Scores live in the log2 domain: ``qk_scale = scale · log2(e)`` so that ``exp2`` replaces ``exp``; the
-epilogue converts back, L = (m_i + log2(l_i)) · ln(2) = m + log(l) in natural log.
+epilogue converts back, L = (m_i + log2(l_i)) · ln(2) = m + log(l) in natural log. With scale > 0 (decided
+on the host: FUSED_EXP2) the max is taken over the unscaled scores and scaled once per row, and the scale
+and the subtraction of the max meet in one FMA, ``exp2(fma(qk, qk_scale, -m))``.
 
 The key loop runs in two parts. Off the band: whole key tiles that every query row of the tile sees
 (under causal, the tiles left of the diagonal; otherwise all full tiles), loaded and used without masks.
@@ -14,14 +16,24 @@ The band: the tiles that straddle the causal diagonal or run past seqlen_k, mask
 wholly above the diagonal are never visited. A row that sees no key keeps m_i = -inf; the band subtracts
 0 for it instead of m_i, so p and alpha stay 0 (not NaN) and the epilogue writes O = 0, L = +inf.
 
+Two ways to reach memory, one kernel (USE_TMA, chosen on the host): tensor descriptors (TMA on Hopper)
+over (B, H, N, D) with blocks [1, 1, BLOCK, HEAD_DIM], where ``tma_layout`` holds (unit stride along
+head_dim, 16-byte aligned strides and data, head_dim a power of two >= 16) and the tile table asks for
+them; otherwise pointer loads with masks. A descriptor block never crosses into another head: rows past
+seqlen read as zeros and are not written. The levers that change the speed but not the result (the tile
+sizes, the order of the programs, a lazy rescale, maxnreg) are the fields of ``Tiles``, chosen per
+(head_dim, dtype class, causal, seqlen bucket) from ``TILES``, which ``python -m fa2_triton.tune``
+measures on a GPU.
+
 Credits: the structure and names follow Triton's tutorial ``06-fused-attention.py`` (Tillet et al.); the
-log2-domain softmax and the unmasked/masked split of the key loop are from there too. Masking on padded
-head dims as in Tri Dao's ``flash_attn_triton.py``.
+log2-domain softmax, the fused max subtraction, the unmasked/masked split of the key loop and the host-side
+tensor descriptors are from there too. Masking on padded head dims as in Tri Dao's ``flash_attn_triton.py``.
+The lazy rescale (threshold 8 in log2 units) is FlashAttention-4's.
 
 Limits: head_dim a multiple of 8 from 8 to 256 (HEAD_DIM, the tile width, is padded to a power of two
 >= 16 and masked); float32, float16, bfloat16. CUDA tensors, or CPU tensors under Triton's interpreter
-(``TRITON_INTERPRET=1`` in the environment when this module is imported). Plain pointer loads, no
-``tl.make_block_ptr`` (removed in Triton 3.9) and no tensor descriptors: the kernel compiles on Triton
+(``TRITON_INTERPRET=1`` in the environment when this module is imported; the interpreter runs the
+descriptor path too). No ``tl.make_block_ptr`` (removed in Triton 3.9): the kernel compiles on Triton
 3.6 and later. Both matmuls ask for ``input_precision="ieee"``: fp32 inputs get no TF32 (FMA matmuls);
 fp16 and bf16 products are exact in fp32, so those still run on tensor cores (wgmma on Hopper) with fp32
 accumulation, p rounded to v's dtype for the second.
@@ -36,12 +48,15 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 # The kernel below was decorated for Triton's CPU interpreter iff TRITON_INTERPRET was set at import.
 INTERPRETED: bool = bool(triton.knobs.runtime.interpret)
 
 MAX_HEAD_DIM = 256
 LOG2_E = math.log2(math.e)
+# LAZY_RESCALE keeps a row's max until a tile's is this much larger (log2 units): p <= 2^8 (FA4's choice).
+RESCALE_THRESHOLD = tl.constexpr(8.0)
 
 
 @triton.jit
@@ -63,17 +78,25 @@ def _load_tile(ptrs, rows, n_rows, offs_d, head_dim, MASK_ROWS: tl.constexpr, EV
 @triton.jit
 def _attn_fwd_inner(
     acc, l_i, m_i, q,
-    k_ptrs, v_ptrs, stride_kn, stride_vn,
+    k_src, v_src, stride_kn, stride_vn, off_b, off_h,
     offs_m, offs_n, offs_d, head_dim, N_K, diag, qk_scale, lo, hi,
-    IN_BAND: tl.constexpr, IS_CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr,
+    IN_BAND: tl.constexpr, IS_CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+    EVEN_D: tl.constexpr, USE_TMA: tl.constexpr, FUSED_EXP2: tl.constexpr, LAZY_RESCALE: tl.constexpr,
 ):
-    """The online softmax over key tiles [lo, hi): masked iff IN_BAND."""
+    """The online softmax over key tiles [lo, hi): masked iff IN_BAND. k_src, v_src: tensor descriptors
+    (USE_TMA) or [BLOCK_N, HEAD_DIM] pointers to the first key tile of this batch·head."""
     for start_n in tl.range(lo, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         cols = start_n + offs_n
-        k = _load_tile(k_ptrs + tl.cast(start_n, tl.int64) * stride_kn, cols, N_K, offs_d, head_dim,
-                       IN_BAND, EVEN_D)  # [BLOCK_N, HEAD_DIM]
-        qk = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale  # [BLOCK_M, BLOCK_N], log2 units
+        if USE_TMA:
+            # Rows past seqlen_k come back as zeros (the descriptor's bounds); the band masks their scores.
+            k = k_src.load([off_b, off_h, start_n, 0]).reshape(BLOCK_N, HEAD_DIM)
+        else:
+            k = _load_tile(k_src + tl.cast(start_n, tl.int64) * stride_kn, cols, N_K, offs_d, head_dim,
+                           IN_BAND, EVEN_D)  # [BLOCK_N, HEAD_DIM]
+        qk = tl.dot(q, tl.trans(k), input_precision="ieee")  # [BLOCK_M, BLOCK_N]
+        if not FUSED_EXP2:
+            qk = qk * qk_scale  # log2 units
         if IN_BAND:
             # Key j is visible to query i iff j < seqlen_k and, under causal, j <= i + diag.
             visible = cols[None, :] < N_K
@@ -81,21 +104,42 @@ def _attn_fwd_inner(
                 visible = visible & (cols[None, :] <= offs_m[:, None] + diag)
             qk = tl.where(visible, qk, float("-inf"))
 
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        if FUSED_EXP2:
+            # qk_scale > 0, so the max commutes with it (and -inf stays -inf): the scaled max, then scale
+            # and subtract in one FMA.
+            m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+        else:
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+        if LAZY_RESCALE:
+            # Keep a row's old max unless the new one is more than RESCALE_THRESHOLD above it: p stays
+            # <= 2^RESCALE_THRESHOLD (no overflow in fp32 or in v's dtype; O and L are unchanged, as l_i,
+            # acc and L all use the same m_i), and most tiles skip the rescale.
+            m_new = tl.where(m_new - m_i > RESCALE_THRESHOLD, m_new, m_i)
         if IN_BAND:
             # A row with nothing visible yet has m_new = -inf; subtracting 0 instead keeps exp2() at 0,
             # not NaN.
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         else:
             m_safe = m_new
-        p = tl.math.exp2(qk - m_safe[:, None])
+        if FUSED_EXP2:
+            p = tl.math.exp2(tl.math.fma(qk, qk_scale, -m_safe[:, None]))
+        else:
+            p = tl.math.exp2(qk - m_safe[:, None])
         alpha = tl.math.exp2(m_i - m_safe)
 
-        l_i = alpha * l_i + tl.sum(p, 1)
-        v = _load_tile(v_ptrs + tl.cast(start_n, tl.int64) * stride_vn, cols, N_K, offs_d, head_dim,
-                       IN_BAND, EVEN_D)  # [BLOCK_N, HEAD_DIM]
-        acc = acc * alpha[:, None]
+        if LAZY_RESCALE:
+            # One branch for the whole tile: rescale acc only if some row's max moved.
+            if tl.max((m_new != m_i).to(tl.int32), 0) != 0:
+                acc = acc * alpha[:, None]
+        else:
+            acc = acc * alpha[:, None]
+        if USE_TMA:
+            v = v_src.load([off_b, off_h, start_n, 0]).reshape(BLOCK_N, HEAD_DIM)
+        else:
+            v = _load_tile(v_src + tl.cast(start_n, tl.int64) * stride_vn, cols, N_K, offs_d, head_dim,
+                           IN_BAND, EVEN_D)  # [BLOCK_N, HEAD_DIM]
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision="ieee")
+        l_i = l_i * alpha + tl.sum(p, 1)
         m_i = m_new
     return acc, l_i, m_i
 
@@ -110,36 +154,56 @@ def _attn_fwd(
     stride_lb, stride_lh, stride_lm,
     H, N_Q, N_K, head_dim,
     IS_CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-    EVEN_D: tl.constexpr,
+    EVEN_D: tl.constexpr, USE_TMA: tl.constexpr, FUSED_EXP2: tl.constexpr, LAZY_RESCALE: tl.constexpr,
+    GRID_ORDER: tl.constexpr,
 ):
-    # One program per (query tile, batch·head), flattened to one grid axis, query tiles fastest.
+    """Q, K, V, O: pointers, or with USE_TMA (B, H, N, D) tensor descriptors of blocks [1, 1, BLOCK, HEAD_DIM]
+    (their strides are then unused)."""
+    # One program per (query tile, batch·head), flattened to one grid axis; GRID_ORDER picks the order.
     pid = tl.program_id(0)
     num_m_tiles = tl.cdiv(N_Q, BLOCK_M)
-    off_bh = (pid // num_m_tiles).to(tl.int64)
+    if GRID_ORDER == 2:
+        # Batch·heads fastest, the last (under causal the longest) query tiles of every head first.
+        num_bh = tl.num_programs(0) // num_m_tiles
+        off_bh = pid % num_bh
+        tile_m = num_m_tiles - 1 - pid // num_bh
+    else:
+        # Query tiles fastest (the programs running together share K and V in L2); GRID_ORDER 1: last first.
+        off_bh = pid // num_m_tiles
+        tile_m = pid % num_m_tiles
+        if GRID_ORDER == 1:
+            tile_m = num_m_tiles - 1 - tile_m
     off_b = off_bh // H
     off_h = off_bh % H
-    start_m = (pid % num_m_tiles) * BLOCK_M
+    start_m = tile_m * BLOCK_M
     # Key j is visible to query i iff j <= i + diag.
     diag = N_K - N_Q
 
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
-    # 64-bit offsets, as B·H·N·D can pass 2^31 elements; the key loop adds start_n · stride in 64 bits too.
-    offs_m64 = offs_m.to(tl.int64)
-    offs_n64 = offs_n.to(tl.int64)
-    offs_d64 = offs_d.to(tl.int64)
-    q_ptrs = (Q + off_b * stride_qb + off_h * stride_qh
-              + offs_m64[:, None] * stride_qm + offs_d64[None, :] * stride_qd)
-    k_ptrs = (K + off_b * stride_kb + off_h * stride_kh
-              + offs_n64[:, None] * stride_kn + offs_d64[None, :] * stride_kd)
-    v_ptrs = (V + off_b * stride_vb + off_h * stride_vh
-              + offs_n64[:, None] * stride_vn + offs_d64[None, :] * stride_vd)
+    if USE_TMA:
+        q = Q.load([off_b, off_h, start_m, 0]).reshape(BLOCK_M, HEAD_DIM)
+        k_src = K
+        v_src = V
+    else:
+        # 64-bit offsets, as B·H·N·D can pass 2^31 elements; the key loop adds start_n · stride in 64 bits.
+        off_b64 = off_b.to(tl.int64)
+        off_h64 = off_h.to(tl.int64)
+        offs_m64 = offs_m.to(tl.int64)
+        offs_n64 = offs_n.to(tl.int64)
+        offs_d64 = offs_d.to(tl.int64)
+        q_ptrs = (Q + off_b64 * stride_qb + off_h64 * stride_qh
+                  + offs_m64[:, None] * stride_qm + offs_d64[None, :] * stride_qd)
+        k_src = (K + off_b64 * stride_kb + off_h64 * stride_kh
+                 + offs_n64[:, None] * stride_kn + offs_d64[None, :] * stride_kd)
+        v_src = (V + off_b64 * stride_vb + off_h64 * stride_vh
+                 + offs_n64[:, None] * stride_vn + offs_d64[None, :] * stride_vd)
+        q = _load_tile(q_ptrs, offs_m, N_Q, offs_d, head_dim, True, EVEN_D)  # [BLOCK_M, HEAD_DIM]
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    q = _load_tile(q_ptrs, offs_m, N_Q, offs_d, head_dim, True, EVEN_D)  # [BLOCK_M, HEAD_DIM]
 
     if IS_CAUSAL:
         # Every row of the tile sees keys < start_m + diag + 1; some row sees keys < start_m + BLOCK_M + diag.
@@ -149,14 +213,14 @@ def _attn_fwd(
         lo_band = N_K // BLOCK_N * BLOCK_N
         hi = N_K
     acc, l_i, m_i = _attn_fwd_inner(
-        acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn,
+        acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_vn, off_b, off_h,
         offs_m, offs_n, offs_d, head_dim, N_K, diag, qk_scale, 0, lo_band,
-        False, IS_CAUSAL, BLOCK_N, EVEN_D,
+        False, IS_CAUSAL, BLOCK_N, HEAD_DIM, EVEN_D, USE_TMA, FUSED_EXP2, LAZY_RESCALE,
     )
     acc, l_i, m_i = _attn_fwd_inner(
-        acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn,
+        acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_vn, off_b, off_h,
         offs_m, offs_n, offs_d, head_dim, N_K, diag, qk_scale, lo_band, hi,
-        True, IS_CAUSAL, BLOCK_N, EVEN_D,
+        True, IS_CAUSAL, BLOCK_N, HEAD_DIM, EVEN_D, USE_TMA, FUSED_EXP2, LAZY_RESCALE,
     )
 
     # Rows that saw no key have l_i = 0: O = 0 and L = +inf (see fa2.attention).
@@ -166,47 +230,109 @@ def _attn_fwd(
     # m_i + log2(l_i) is the log2-domain logsumexp; times ln(2) it is the natural-log one.
     lse = tl.where(empty, float("inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)
 
-    l_ptrs = L + off_b * stride_lb + off_h * stride_lh + offs_m * stride_lm
+    l_ptrs = L + off_b.to(tl.int64) * stride_lb + off_h.to(tl.int64) * stride_lh + offs_m * stride_lm
     tl.store(l_ptrs, lse, mask=offs_m < N_Q)
-    o_ptrs = (O + off_b * stride_ob + off_h * stride_oh
-              + offs_m64[:, None] * stride_om + offs_d64[None, :] * stride_od)
-    o_mask = offs_m[:, None] < N_Q
-    if not EVEN_D:
-        o_mask = o_mask & (offs_d[None, :] < head_dim)
-    tl.store(o_ptrs, acc.to(O.dtype.element_ty), mask=o_mask)
+    if USE_TMA:
+        # Rows past seqlen_q fall outside the descriptor's bounds and are not written.
+        O.store([off_b, off_h, start_m, 0], acc.to(O.dtype).reshape(1, 1, BLOCK_M, HEAD_DIM))
+    else:
+        o_ptrs = (O + off_b64 * stride_ob + off_h64 * stride_oh
+                  + offs_m64[:, None] * stride_om + offs_d64[None, :] * stride_od)
+        o_mask = offs_m[:, None] < N_Q
+        if not EVEN_D:
+            o_mask = o_mask & (offs_d[None, :] < head_dim)
+        tl.store(o_ptrs, acc.to(O.dtype.element_ty), mask=o_mask)
 
 
 class Tiles(NamedTuple):
+    """One launch configuration: the tiles, and levers that change the speed but not the result."""
+
     block_m: int
     block_n: int
     num_warps: int
     num_stages: int
+    # Read q, k, v and write O through tensor descriptors (TMA on Hopper) when ``tma_layout`` allows it;
+    # otherwise, or if False, pointer loads. Either way the same kernel, the same arithmetic.
+    tma: bool = False
+    # The order of the programs: 0 query tiles fastest; 1 query tiles fastest, the last (under causal the
+    # longest) first; 2 batch·heads fastest, the last query tiles first.
+    grid_order: int = 0
+    # Rescale acc only when some row's max moved by more than RESCALE_THRESHOLD (one branch per tile).
+    lazy_rescale: bool = False
+    # Scale and subtract the max in one FMA inside exp2; taken only when scale > 0.
+    fused_exp2: bool = True
+    # Registers per thread at most (PTX .maxnreg), so that more programs fit on one SM; None: the compiler's.
+    maxnreg: int | None = None
 
 
-# Defaults for Hopper (H100/H200) with pointer loads, by HEAD_DIM (head_dim padded to a power of two);
-# each compiles for sm_90a on Triton 3.6 and 3.9 without register spills (contiguous inputs).
-# 16-bit inputs, wgmma: D = 256 halves BLOCK_M and keeps two stages (160 KiB of shared memory).
-TILES_16BIT = {
-    16: Tiles(128, 64, 4, 3),
-    32: Tiles(128, 64, 4, 3),
-    64: Tiles(128, 64, 4, 3),
-    128: Tiles(128, 64, 8, 3),
-    256: Tiles(64, 64, 8, 2),
-}
+# Keys of TILES: HEAD_DIM (head_dim padded to a power of two), the dtype class, causal.
+DTYPE_CLASS = {torch.float16: "16-bit", torch.bfloat16: "16-bit", torch.float32: "fp32"}
+
+# (HEAD_DIM, dtype class, causal) -> ((largest seqlen_k, Tiles), ..., (None, Tiles)): the first entry whose
+# bound holds seqlen_k wins. Each compiles for sm_90a on Triton 3.6 and 3.9 without register spills for
+# head_dim = HEAD_DIM (a padded head_dim such as 72 takes the pointer path with column masks and spills).
+# 16-bit inputs, wgmma. D = 64 and 128 are the benchmark's; `python -m fa2_triton.tune` on a GPU times
+# candidates on its shapes and prints these entries, tuned, ready to replace the ones below.
+# D = 256 halves BLOCK_M and keeps two stages (160 KiB of shared memory).
 # fp32, FMA matmuls (no TF32): each thread holds whole rows of the operands, so small tiles from D = 64.
-TILES_FP32 = {
-    16: Tiles(64, 32, 4, 2),
-    32: Tiles(64, 32, 4, 2),
-    64: Tiles(32, 32, 8, 2),
-    128: Tiles(32, 32, 8, 2),
-    256: Tiles(32, 32, 8, 2),
+_UNTUNED = {
+    (16, "16-bit"): Tiles(128, 64, 4, 3, tma=True),
+    (32, "16-bit"): Tiles(128, 64, 4, 3, tma=True),
+    (256, "16-bit"): Tiles(64, 64, 8, 2, tma=True),
+    (16, "fp32"): Tiles(64, 32, 4, 2),
+    (32, "fp32"): Tiles(64, 32, 4, 2),
+    (64, "fp32"): Tiles(32, 32, 8, 2),
+    (128, "fp32"): Tiles(32, 32, 8, 2),
+    (256, "fp32"): Tiles(32, 32, 8, 2),
+}
+TILES: dict[tuple[int, str, bool], tuple[tuple[int | None, Tiles], ...]] = {
+    **{(d, c, causal): ((None, t),) for (d, c), t in _UNTUNED.items() for causal in (False, True)},
+    # Not yet tuned: the first H200 run's tiles with tensor descriptors, longest causal tiles first.
+    (64, "16-bit", False): ((None, Tiles(128, 64, 4, 3, tma=True)),),
+    (64, "16-bit", True): ((None, Tiles(128, 64, 4, 3, tma=True, grid_order=1)),),
+    (128, "16-bit", False): ((None, Tiles(128, 64, 8, 3, tma=True)),),
+    (128, "16-bit", True): ((None, Tiles(128, 64, 8, 3, tma=True, grid_order=1)),),
 }
 
 
-def tiles_for(head_dim_padded: int, dtype: torch.dtype) -> Tiles:
-    """The launch configuration for a padded head_dim and an input dtype. The interpreter gets the same
-    tiles as the GPU (it ignores num_warps and num_stages), so CPU tests cover the GPU's tiling."""
-    return (TILES_FP32 if dtype == torch.float32 else TILES_16BIT)[head_dim_padded]
+def tiles_for(head_dim_padded: int, dtype: torch.dtype, causal: bool = False, seqlen_k: int | None = None) -> Tiles:
+    """The launch configuration for a padded head_dim, an input dtype, causal and seqlen_k (None: the
+    largest bucket). The interpreter gets the same tiles as the GPU (it ignores num_warps and num_stages),
+    so CPU tests cover the GPU's tiling."""
+    for bound, tiles in TILES[head_dim_padded, DTYPE_CLASS[dtype], causal]:
+        if bound is None or (seqlen_k is not None and seqlen_k <= bound):
+            return tiles
+    raise AssertionError(f"TILES[{head_dim_padded}, {DTYPE_CLASS[dtype]}, {causal}] lacks its last (None) entry")
+
+
+def tma_layout(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, head_dim_padded: int) -> bool:
+    """Whether q, k, v can be read through (B, H, N, D) tensor descriptors: a Hopper or later GPU (or the
+    interpreter), head_dim already a power of two >= 16 (HEAD_DIM == head_dim, so a block never reaches past
+    a row), no empty dimension, unit stride along head_dim, every other stride (of a dimension longer than
+    one) positive and a multiple of 16 bytes, and 16-byte aligned data. O, fresh and contiguous, always
+    qualifies then. The block is [1, 1, BLOCK, HEAD_DIM], so a tile never crosses into another head: rows
+    past seqlen come back as zeros and are not written."""
+    if q.shape[-1] != head_dim_padded:
+        return False
+    if not INTERPRETED and torch.cuda.get_device_capability(q.device)[0] < 9:
+        return False
+    for t in (q, k, v):
+        if t.numel() == 0 or t.stride(-1) != 1 or t.data_ptr() % 16:
+            return False
+        for size, stride in zip(t.shape[:-1], t.stride()[:-1]):
+            if size > 1 and (stride <= 0 or stride * t.element_size() % 16):
+                return False
+    return True
+
+
+def _descriptor(t: torch.Tensor, block_rows: int) -> TensorDescriptor:
+    """A (B, H, N, D) descriptor of blocks [1, 1, block_rows, D]. A dimension of length one gets the stride
+    it would have if t were contiguous there: any stride reaches the same elements, and this one is valid."""
+    strides = list(t.stride())
+    for i in (2, 1, 0):
+        if t.shape[i] == 1:
+            strides[i] = strides[i + 1] * t.shape[i + 1]
+    return TensorDescriptor(t, list(t.shape), strides, [1, 1, block_rows, t.shape[-1]])
 
 
 def flash_attn_forward(
@@ -226,7 +352,8 @@ def flash_attn_forward(
             seqlen_q = 2, seqlen_k = 5:   1 1 1 1 0
                                           1 1 1 1 1
         scale: multiplies q kᵀ before the softmax.
-        tiles: BLOCK_M, BLOCK_N (powers of two >= 16), num_warps, num_stages; default ``tiles_for``.
+        tiles: BLOCK_M, BLOCK_N (powers of two >= 16), num_warps, num_stages and the levers; default
+            ``tiles_for``.
 
     Returns:
         O: (batch, heads, seqlen_q, head_dim), q's dtype, contiguous. L: (batch, heads, seqlen_q), float32,
@@ -237,7 +364,6 @@ def flash_attn_forward(
         RuntimeError: tensors on a device this build of the kernel cannot run on.
     """
     batch, heads, seqlen_q, head_dim = q.shape
-    seqlen_k = k.shape[2]
     _check_device(q.device)
     if head_dim % 8 or not 8 <= head_dim <= MAX_HEAD_DIM:
         raise NotImplementedError(
@@ -248,23 +374,39 @@ def flash_attn_forward(
     L = torch.empty(batch, heads, seqlen_q, device=q.device, dtype=torch.float32)
     if O.numel() == 0:
         return O, L
+    _launch(q, k, v, O, L, causal, scale, tiles)
+    return O, L
 
+
+def _launch(q, k, v, O, L, causal: bool, scale: float, tiles: Tiles | None = None):
+    """Runs the kernel into O and L (both written in full); returns what the launch returns (on a GPU the
+    compiled kernel, whose n_regs and n_spills the tuner records)."""
+    batch, heads, seqlen_q, head_dim = q.shape
+    seqlen_k = k.shape[2]
     HEAD_DIM = max(16, triton.next_power_of_2(head_dim))
-    tiles = tiles or tiles_for(HEAD_DIM, q.dtype)
+    tiles = tiles or tiles_for(HEAD_DIM, q.dtype, causal, seqlen_k)
+    qk_scale = scale * LOG2_E
+    if tiles.tma and tma_layout(q, k, v, HEAD_DIM):
+        use_tma = True
+        q_arg, o_arg = _descriptor(q, tiles.block_m), _descriptor(O, tiles.block_m)
+        k_arg, v_arg = _descriptor(k, tiles.block_n), _descriptor(v, tiles.block_n)
+    else:
+        use_tma = False
+        q_arg, k_arg, v_arg, o_arg = q, k, v, O
     # One program per (query tile, batch·head), on one grid axis: CUDA caps the other two at 65535, and
     # (batch, seqlen, head_dim) inputs arrive with the batch as heads.
     grid = (triton.cdiv(seqlen_q, tiles.block_m) * batch * heads,)
     on_device = contextlib.nullcontext() if INTERPRETED else torch.cuda.device(q.device)
     with on_device:
-        _attn_fwd[grid](
-            q, k, v, O, L, scale * LOG2_E,
+        return _attn_fwd[grid](
+            q_arg, k_arg, v_arg, o_arg, L, qk_scale,
             *q.stride(), *k.stride(), *v.stride(), *O.stride(), *L.stride(),
             heads, seqlen_q, seqlen_k, head_dim,
             IS_CAUSAL=causal, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, HEAD_DIM=HEAD_DIM,
-            EVEN_D=HEAD_DIM == head_dim,
-            num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+            EVEN_D=HEAD_DIM == head_dim, USE_TMA=use_tma, FUSED_EXP2=tiles.fused_exp2 and qk_scale > 0,
+            LAZY_RESCALE=tiles.lazy_rescale, GRID_ORDER=tiles.grid_order,
+            num_warps=tiles.num_warps, num_stages=tiles.num_stages, maxnreg=tiles.maxnreg,
         )
-    return O, L
 
 
 def _check_device(device: torch.device) -> None:
