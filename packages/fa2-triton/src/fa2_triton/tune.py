@@ -14,8 +14,9 @@ once on a small input: one that fails to compile, runs out of shared memory or c
 recorded with the reason and never run here. Before it is timed, each candidate's output on the real
 shape (O and L poisoned with NaN first) must pass the benchmark's own check (``fa2.bench.check``: a
 sample of rows against the fp64 reference): a wrong configuration is recorded as wrong, never timed.
-Timing: ``triton.testing.do_bench`` median (warm-up/rep 10/40 ms while searching; the final table re-times
-each shape's winner, the current table's choice, sdpa-flash and sdpa-cudnn at the benchmark's 25/100 ms).
+Timing: ``triton.testing.do_bench`` median, warm-up/rep 10/40 ms while searching; the final table re-times
+each shape's winner, the current table's choice, sdpa-flash and sdpa-cudnn with the benchmark's own clock
+(``fa2.bench.timing``: do_bench median, 25/100 ms).
 ``--budget-s`` bounds compiling and searching (the final table adds ~15 s): once a stage's share is
 spent, its remaining compiles are left to this process and its remaining timings are skipped (and
 recorded as such); candidates go in the order of the list above, each on every shape before the next.
@@ -36,7 +37,6 @@ import math
 import multiprocessing
 import os
 import re
-import statistics
 import sys
 import time
 from dataclasses import dataclass, field
@@ -45,13 +45,18 @@ from pathlib import Path
 import torch
 import triton
 
+from fa2.bench import check, timing
+from fa2.bench.__main__ import default_name
+from fa2.bench.providers import PROVIDERS, Shape
+from fa2.bench.report import seqlen_label
+
 from fa2_triton import forward
 from fa2_triton.forward import INTERPRETED, Tiles
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 TOKENS, HIDDEN = 16384, 2048
-SEARCH_BENCH = {"warmup": 10, "rep": 40}
-FINAL_BENCH = {"warmup": 25, "rep": 100}
+# do_bench while searching on a GPU; the final table uses the benchmark's own clock (fa2.bench.timing).
+SEARCH_WARMUP_MS, SEARCH_REP_MS = 10, 40
 # Where in --budget-s each stage must end: compiling the tiles, their maxnreg variants, the tile search,
 # compiling and timing the levers; the final table comes after.
 COMPILE_SHARE, MAXNREG_SHARE, SEARCH_SHARE, LEVER_COMPILE_SHARE, LEVER_SHARE = 0.25, 0.35, 0.72, 0.8, 0.9
@@ -82,7 +87,7 @@ class Point:
 
     @property
     def label(self) -> str:
-        return f"D{self.head_dim} {'causal' if self.causal else 'full'} {_seqlen_label(self.seqlen)}"
+        return f"D{self.head_dim} {'causal' if self.causal else 'full'} {seqlen_label(self.seqlen)}"
 
 
 @dataclass
@@ -113,10 +118,6 @@ class Run:
         return self.elapsed() < share * self.args.budget_s
 
 
-def _seqlen_label(n: int) -> str:
-    return f"{n // 1024}k" if n % 1024 == 0 else str(n)
-
-
 def describe(t: Tiles) -> str:
     """Tiles as Python: the four tile numbers positional, the levers that differ from the defaults by name."""
     levers = [f"{name}={getattr(t, name)!r}" for name in Tiles._fields[4:]
@@ -134,6 +135,8 @@ def _short(t: Tiles) -> str:
 
 
 def _reason(e: BaseException) -> str:
+    """An exception in one line: its type and the last line of its message (a Triton compile error's
+    first lines are the source location; fa2.bench.sweep keeps the first line of the benchmark's)."""
     lines = [line for line in str(e).splitlines() if line.strip()]
     text = f"{type(e).__name__}: {lines[-1] if lines else ''}"
     return re.sub(r"\s+", " ", text)[:200]
@@ -285,9 +288,7 @@ class Bench:
     """One point's inputs, the reference sample and the timer."""
 
     def __init__(self, run: Run, p: Point):
-        from fa2.bench import check
-
-        self.run, self.p, self.check = run, p, check
+        self.run, self.p = run, p
         g = torch.Generator(device=run.device).manual_seed(p.seqlen * 7 + p.head_dim)
         shape = (p.batch, p.heads, p.seqlen, p.head_dim)
         self.q, self.k, self.v = (
@@ -297,7 +298,7 @@ class Bench:
         self.sample = check.reference_sample(self.q, self.k, self.v, p.causal)
         self.results: dict[Tiles, Result] = {}
 
-    def measure(self, tiles: Tiles, bench: dict) -> Result:
+    def measure(self, tiles: Tiles, search: bool) -> Result:
         compiled = self.run.compiled.get((self.p.dtype, self.p.head_dim, self.p.causal, tiles))
         if compiled is not None and compiled.status != "ok":
             return compiled
@@ -310,13 +311,13 @@ class Bench:
                 torch.cuda.synchronize()
                 if time.monotonic() - t0 > 1.0:
                     self.run.compiled_here += 1  # not precompiled, or the workers' kernel was not this one
-            problem = self.check.problem(O, L, self.q, self.sample)
+            problem = check.problem(O, L, self.q, self.sample)
             if problem is None and (torch.isnan(O).any() or torch.isnan(L).any()):
                 problem = "NaN left in O or L (rows never written)"
             if problem is not None:
                 return Result("wrong", problem)
             q, k, v, causal, scale = self.q, self.k, self.v, self.p.causal, self.scale
-            ms = self.time(lambda: forward.flash_attn_forward(q, k, v, causal, scale, tiles), bench)
+            ms = self.time(lambda: forward.flash_attn_forward(q, k, v, causal, scale, tiles), search)
         except Exception as e:
             if _context_lost(e):
                 raise  # the CUDA context is gone: nothing after this can be trusted
@@ -326,17 +327,14 @@ class Bench:
             result.n_regs, result.n_spills, result.shared = compiled.n_regs, compiled.n_spills, compiled.shared
         return result
 
-    def time(self, fn, bench: dict) -> float:
-        if self.run.device.type == "cuda":
+    def time(self, fn, search: bool) -> float:
+        """Median milliseconds: the benchmark's clock, with a shorter do_bench while searching on a GPU."""
+        if search and self.run.device.type == "cuda":
             from triton.testing import do_bench
 
-            return do_bench(fn, warmup=bench["warmup"], rep=bench["rep"], return_mode="median")
-        times = []
-        for _ in range(3):
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-        return 1e3 * statistics.median(times)
+            return do_bench(fn, warmup=SEARCH_WARMUP_MS, rep=SEARCH_REP_MS, return_mode="median")
+        _, first_s = timing.timed_once(fn, self.run.device)
+        return timing.median_ms(fn, self.run.device, first_s)
 
 
 def record(run: Run, p: Point, stage: str, config: str, r: Result) -> None:
@@ -365,7 +363,7 @@ def search(run: Run, pts: list[Point], benches: dict, per_point: dict, stage: st
             if not run.left(share):
                 r = Result("skipped", f"budget: {stage} share of --budget-s {run.args.budget_s:g} s spent")
             else:
-                r = benches[p].measure(t, SEARCH_BENCH)
+                r = benches[p].measure(t, search=True)
             benches[p].results[t] = r
             record(run, p, stage, describe(t), r)
 
@@ -502,8 +500,6 @@ def main(argv: list[str]) -> int:
     search(run, pts, benches, levers, "levers", LEVER_SHARE)
 
     # Stage 3: the final table at the benchmark's timing.
-    from fa2.bench.providers import PROVIDERS, Shape
-
     table = []
     for p in pts:
         b = benches[p]
@@ -511,7 +507,7 @@ def main(argv: list[str]) -> int:
         current = forward.tiles_for(max(16, triton.next_power_of_2(p.head_dim)), DTYPES[p.dtype], p.causal, p.seqlen)
         row = {"p": p, "tiles": winners[0] if winners else None, "ms": {}}
         for name, t in (("winner", row["tiles"]), ("current", current)):
-            r = b.measure(t, FINAL_BENCH) if t is not None else Result("failed", "no configuration passed")
+            r = b.measure(t, search=False) if t is not None else Result("failed", "no configuration passed")
             record(run, p, f"final-{name}", describe(t) if t else "", r)
             row["ms"][name] = r.ms if r.status == "ok" else math.nan
         for provider in ("sdpa-flash", "sdpa-cudnn"):
@@ -521,7 +517,7 @@ def main(argv: list[str]) -> int:
                               heads=p.heads)
                 fn = PROVIDERS[provider].build(shape, device)
                 try:
-                    ms = b.time(lambda: fn(b.q, b.k, b.v), FINAL_BENCH)
+                    ms = b.time(lambda: fn(b.q, b.k, b.v), search=False)
                 except Exception as e:
                     record(run, p, "final", provider, Result("failed", _reason(e)))
             if not math.isnan(ms):
@@ -529,7 +525,7 @@ def main(argv: list[str]) -> int:
             row["ms"][provider] = ms
         table.append(row)
 
-    path = args.csv or Path("docs/benchmarks") / f"{_file_stem(gpu)}-tune.csv"
+    path = args.csv or Path("docs/benchmarks") / f"{default_name(device)}-tune.csv"
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("w", newline="") as f:
         w = csv.DictWriter(f, CSV_COLUMNS)
@@ -542,11 +538,7 @@ def main(argv: list[str]) -> int:
 
 
 def _point_tag(p: Point) -> str:
-    return f"{p.head_dim}{'c' if p.causal else 'f'}{_seqlen_label(p.seqlen)}"
-
-
-def _file_stem(gpu: str) -> str:
-    return re.sub(r"[^a-z0-9]+", "-", re.sub(r"^nvidia\s+", "", gpu.lower())).strip("-")
+    return f"{p.head_dim}{'c' if p.causal else 'f'}{seqlen_label(p.seqlen)}"
 
 
 def print_summary(run: Run, pts: list[Point], benches: dict, table: list[dict]) -> None:
