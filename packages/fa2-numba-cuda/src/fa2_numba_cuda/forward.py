@@ -360,6 +360,7 @@ def flash_attn_forward(
     causal: bool,
     scale: float,
     config: BlockConfig | None = None,
+    tensor_cores: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Arguments:
         q: (batch, heads, seqlen_q, head_dim); k, v: (batch, heads, seqlen_k, head_dim); any strides;
@@ -369,12 +370,23 @@ def flash_attn_forward(
             seqlen_q = 2, seqlen_k = 5:   1 1 1 1 0
                                           1 1 1 1 1
         scale: multiplies q kᵀ before the softmax.
-        config: the block shape, for tuning; default ``block_config(padded_head_dim(head_dim))``.
+        config: the block shape, for tuning; default ``block_config(padded_head_dim(head_dim))``, or for
+            the tensor-core kernel ``forward_tc.tc_config(...)`` (a ``forward_tc.TensorCoreConfig``).
+        tensor_cores: which kernel. None: the tensor-core kernel (``forward_tc``) for fp16 and bf16 with
+            head_dim <= 128 on compute capability 8.0+ (``forward_tc.uses_tensor_cores``), this module's SIMT
+            kernel otherwise (fp32, head_dim > 128, older GPUs, the simulator); True or False forces one (an
+            input the forced kernel cannot take is an error). Neither falls back to the other.
 
     Returns:
         O: (batch, heads, seqlen_q, head_dim), q's dtype. L: (batch, heads, seqlen_q), float32, natural log;
         rows that see no key get O = 0 and L = +inf.
     """
+    from fa2_numba_cuda import forward_tc  # imported here: forward_tc imports this module's helpers
+
+    if tensor_cores is None:
+        tensor_cores = forward_tc.uses_tensor_cores(q)
+    if tensor_cores:
+        return forward_tc.flash_attn_forward(q, k, v, causal, scale, config)
     batch, heads, seqlen_q, head_dim = q.shape
     if head_dim > MAX_HEAD_DIM:
         raise NotImplementedError(f"fa2-numba-cuda supports head_dim up to {MAX_HEAD_DIM}, got {head_dim}")
@@ -434,7 +446,10 @@ def _flat(t: torch.Tensor):
 
 def kernel_resources() -> list[dict]:
     """Registers and local memory per thread, static shared memory per block, of every kernel compiled so
-    far in this process (one row per compiled specialisation); empty under the simulator."""
+    far in this process (one row per compiled specialisation; then the tensor-core kernels', with
+    "kernel": "tensor-core"); empty under the simulator."""
+    from fa2_numba_cuda import forward_tc
+
     if simulated():
         return []
     rows = []
@@ -450,4 +465,4 @@ def kernel_resources() -> list[dict]:
                 "registers_per_thread": regs[signature], "shared_bytes_per_block": shared[signature],
                 "local_bytes_per_thread": local[signature],
             })
-    return rows
+    return rows + forward_tc.kernel_resources()

@@ -1,0 +1,535 @@
+"""FlashAttention-2 forward on tensor cores: fp16 and bf16, ``mma.sync`` from numba-cuda through inline PTX.
+
+The algorithm of ``fa2_numba_cuda.forward`` (FA2, Algorithm 1: running max ``m_i``, running sum ``l_i``,
+unnormalised ``acc``, rescaled by ``alpha`` per key tile; scores in base 2; O and L written once), with
+both matrix products on tensor cores, as FlashAttention-2's own CUDA kernel does (``mma.py`` has the
+instructions and their register layouts):
+
+- A block of NUM_WARPS warps owns BLOCK_M = 16 · NUM_WARPS query rows of one (batch, head); warp w owns rows
+  16 w .. 16 w + 15 and never exchanges data with another warp. Q's fragments (A operands, one per 16 head
+  dims) are loaded once with ``ldmatrix`` and stay in registers.
+- S = Q Kᵀ: per 16 keys and 16 head dims one ``ldmatrix.x4`` of K gives the B fragments of two 8-key tiles,
+  each an ``mma.m16n8k16`` into fp32 accumulators ``s`` [BLOCK_N / 8, 4]. Lane 4 g + t holds rows g and
+  g + 8 of the warp's slice (``s[j, 0:2]`` and ``s[j, 2:4]``), keys 8 j + 2 t, 8 j + 2 t + 1.
+- Online softmax in fp32, per lane on its two rows: mask, the tile's row max over the lane's keys then over
+  its quad (two ``shfl_xor``), ``p = exp2(s · qk_scale - m)`` (qk_scale = |scale| · log2 e > 0, so the max
+  of raw scores gives the max of scaled ones; a negative scale flips the sign bits of Q's fragments; one
+  FFMA and one ex2.approx). ``l_i`` is the lane's partial sum, added over the quad once, after the last
+  tile; ``acc`` is rescaled only when some row of the warp got a new max (a warp vote).
+- O += P V: the accumulator layout of S is the A operand's, so P is rounded to fp16/bf16 in registers (two
+  values per .b32) and fed straight to ``mma`` against V's B fragments (``ldmatrix.x4.trans``: V is stored
+  keys x head dims, B wants head dims as columns). ``acc`` [HEAD_DIM / 8, 4] is fp32.
+- Shared memory: one buffer of max(BLOCK_M, 2 BLOCK_N) rows of HEAD_DIM + 8 16-bit elements (16 B of
+  padding per row: the 8 row addresses of an ``ldmatrix`` fall in distinct banks); it holds Q until every
+  warp has its fragments, then K (rows 0 .. BLOCK_N) and V (rows BLOCK_N .. 2 BLOCK_N). Under 48 KB, static.
+- Loads overlap compute as in FA2's kernel: V's tile is copied while S = Q Kᵀ runs, the next K tile while
+  the softmax and P V run, with ``cp.async`` (16 B per thread, zero-filled past the keys or head_dim) where
+  q, k and v are contiguous along head_dim with 16 B aligned rows, else with plain loads (any strides).
+
+Causal is bottom-right aligned (key j visible to query i iff j <= i + seqlen_k - seqlen_q): key tiles wholly
+above the diagonal are not visited, and only tiles that cross the diagonal or the end of the keys are
+masked. Causal blocks are launched longest-first. Rows that see no key get O = 0 and L = +inf. seqlen_q and
+seqlen_k need not be multiples of anything (tiles are zero-padded, padded keys masked), head_dim is padded
+to a multiple of 16 with zeros.
+
+Which kernel runs: ``fa2_numba_cuda.forward.flash_attn_forward`` calls this one for fp16 and bf16 inputs
+with head_dim <= 128 on a CUDA device of compute capability 8.0 or newer (``uses_tensor_cores``), and its
+SIMT kernel otherwise (fp32, head_dim > 128, older GPUs, numba's simulator). An error in this kernel is
+raised, never answered by the other. Under numba's simulator this kernel runs only when asked for
+(``tensor_cores=True``), on ``mma.py``'s Python emulation of the instructions: slow, for tests.
+
+Launch: on torch's current CUDA stream; one compiled kernel per (padded head dim, TensorCoreConfig,
+causal, bf16 or fp16, head_dim == padded, cp.async or plain loads, head_dim even: O stored in pairs),
+cached; ``kernel_resources`` reports registers, shared and local memory of each.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import numpy as np
+import torch
+from numba import cuda, float32, int16, int32, uint32, uint64
+
+from fa2_numba_cuda.forward import LN2, LOG2E, SHARED_ALIGN, _check_device, _flat, simulated
+from fa2_numba_cuda.mma import (
+    all_lanes,
+    cp_async_16,
+    cp_async_commit,
+    cp_async_wait_all,
+    device_function,
+    exp2_approx,
+    global_address,
+    ldmatrix_a_row_col,
+    ldmatrix_b_row_col,
+    ldmatrix_x4,
+    ldmatrix_x4_trans,
+    mma_bf16,
+    mma_f16,
+    pack_bf16x2,
+    pack_f16x2,
+    shared_address,
+    shfl_xor,
+)
+
+MAX_HEAD_DIM = 128
+MIN_COMPUTE_CAPABILITY = (8, 0)
+
+
+class TensorCoreConfig(NamedTuple):
+    """One block's shape: NUM_WARPS warps of 16 query rows each (BLOCK_M = 16 · NUM_WARPS), BLOCK_N keys per
+    tile (a multiple of 16). MAX_REGISTERS caps ptxas (0: no cap)."""
+
+    NUM_WARPS: int
+    BLOCK_N: int
+    MAX_REGISTERS: int
+
+
+def padded_head_dim(head_dim: int) -> int:
+    """The head dim the block computes with: a multiple of 16 (an mma's k), the extra columns zero-filled."""
+    return max(16, -(-head_dim // 16) * 16)
+
+
+def tc_config(HEAD_DIM: int) -> TensorCoreConfig:
+    """The block shape for a padded head dim: 128 query rows (8 warps) against 64-key tiles, the static
+    shared memory 2 · max(128, 2 · 64) · (HEAD_DIM + 8) bytes. Per thread, one warp's slice holds Q's
+    fragments (HEAD_DIM / 4 registers), S's accumulators (32) and O's (HEAD_DIM / 2). As ptxas (sm_90)
+    reports them:
+
+        HEAD_DIM   registers        local memory   shared    blocks of 8 warps per SM (registers)
+        16, 32     109, 124         0              6, 10 KB  2
+        48, 64     128 (capped)     24 B           14, 18 KB 2  (the spills are outside the key loop)
+        80, 96     173, 169         0              22, 26 KB 1
+        112, 128   224, 206         0              30, 34 KB 1
+    """
+    if HEAD_DIM <= 64:
+        return TensorCoreConfig(8, 64, 128)
+    return TensorCoreConfig(8, 64, 0)
+
+
+def uses_tensor_cores(q: torch.Tensor) -> bool:
+    """Whether ``fa2_numba_cuda.forward.flash_attn_forward`` runs this kernel for q: fp16 or bf16, head_dim
+    <= 128, a CUDA tensor on a device of compute capability 8.0 or newer, numba not simulating."""
+    return (
+        not simulated()
+        and q.dtype in (torch.float16, torch.bfloat16)
+        and q.shape[-1] <= MAX_HEAD_DIM
+        and q.device.type == "cuda"
+        and torch.cuda.get_device_capability(q.device) >= MIN_COMPUTE_CAPABILITY
+    )
+
+
+def _build_kernel(HEAD_DIM, config, IS_CAUSAL, IS_BF16, EVEN_HEAD_DIM, ASYNC_LOADS, O_PAIRS):
+    """The kernel for one padded head dim, block shape, causality and input type; EVEN_HEAD_DIM: head_dim is
+    HEAD_DIM (no column checks); ASYNC_LOADS: cp.async copies 16 B chunks (q, k, v contiguous along
+    head_dim, rows 16 B aligned); O_PAIRS: head_dim is even and o is an int32 view (two elements a store)."""
+    NUM_WARPS, BLOCK_N, _ = config
+    BLOCK_M = 16 * NUM_WARPS
+    NUM_THREADS = 32 * NUM_WARPS
+    LD = HEAD_DIM + 8  # shared row length in 16-bit elements
+    SMEM_SIZE = max(BLOCK_M, 2 * BLOCK_N) * LD
+    V_ROW = BLOCK_N  # K at rows 0 .. BLOCK_N, V at BLOCK_N .. 2 BLOCK_N (Q at 0 .. BLOCK_M before them)
+    D_STEPS = HEAD_DIM // 16  # k steps of S = Q Kᵀ; pairs of 8-column tiles of O
+    N_TILES = BLOCK_N // 8  # 8-key tiles of S
+    O_TILES = HEAD_DIM // 8  # 8-column tiles of O
+    SIGN_BITS = -0x7FFF8000  # 0x80008000 as an int32: the sign bits of a pair of 16-bit floats
+    CHUNKS = HEAD_DIM // 8  # 16 B chunks per row
+    assert BLOCK_N % 16 == 0 and HEAD_DIM % 16 == 0
+    mma = mma_bf16 if IS_BF16 else mma_f16
+    pack = pack_bf16x2 if IS_BF16 else pack_f16x2
+
+    def tile_loader(ROWS):
+        """load(smem, smem_base, row0, x, x_base, offset, stride_n, stride_d, start, seqlen, head_dim): rows
+        start .. start + ROWS of x (element offset + n · stride_n + c · stride_d) into shared rows row0 ..,
+        zeros past seqlen and head_dim. ASYNC_LOADS: issued with cp.async, complete at wait_tiles."""
+        if ASYNC_LOADS and NUM_THREADS % CHUNKS == 0:
+            # Thread i copies chunk i % CHUNKS of rows i // CHUNKS, + ROW_STEP, + 2 ROW_STEP, ...
+            ROW_STEP = NUM_THREADS // CHUNKS
+
+            @device_function
+            def load(smem, smem_base, row0, x, x_base, offset, stride_n, stride_d, start, seqlen, head_dim):
+                r = cuda.threadIdx.x // CHUNKS
+                c = cuda.threadIdx.x % CHUNKS * 8
+                nbytes = 16 if EVEN_HEAD_DIM else 2 * min(max(head_dim - c, 0), 8)
+                src = x_base + uint64(2 * (offset + (start + r) * stride_n + c))
+                nowhere = x_base + uint64(2 * offset)  # a valid address for copies that read nothing
+                dst = smem_base + uint32(2 * ((row0 + r) * LD + c))
+                for it in range(-(-ROWS // ROW_STEP)):
+                    if ROWS % ROW_STEP == 0 or r + it * ROW_STEP < ROWS:
+                        if start + r + it * ROW_STEP < seqlen and nbytes > 0:
+                            cp_async_16(dst + uint32(2 * it * ROW_STEP * LD), src, int32(nbytes))
+                        else:
+                            cp_async_16(dst + uint32(2 * it * ROW_STEP * LD), nowhere, int32(0))
+                    src += uint64(2 * ROW_STEP * stride_n)
+                cp_async_commit()
+
+        elif ASYNC_LOADS:
+            ITEMS = ROWS * CHUNKS
+
+            @device_function
+            def load(smem, smem_base, row0, x, x_base, offset, stride_n, stride_d, start, seqlen, head_dim):
+                for it in range(-(-ITEMS // NUM_THREADS)):
+                    item = cuda.threadIdx.x + it * NUM_THREADS
+                    if ITEMS % NUM_THREADS == 0 or item < ITEMS:
+                        r = item // CHUNKS
+                        c = item % CHUNKS * 8
+                        n = start + r
+                        nbytes = 0
+                        element = offset  # a valid address for copies that read nothing
+                        if n < seqlen:
+                            nbytes = 16 if EVEN_HEAD_DIM else 2 * min(max(head_dim - c, 0), 8)
+                            if nbytes > 0:
+                                element = offset + n * stride_n + c
+                        dst = smem_base + uint32(2 * ((row0 + r) * LD + c))
+                        cp_async_16(dst, x_base + uint64(2 * element), int32(nbytes))
+                cp_async_commit()
+
+        else:
+            ITEMS = ROWS * HEAD_DIM
+
+            @device_function
+            def load(smem, smem_base, row0, x, x_base, offset, stride_n, stride_d, start, seqlen, head_dim):
+                for it in range(-(-ITEMS // NUM_THREADS)):
+                    item = cuda.threadIdx.x + it * NUM_THREADS
+                    if ITEMS % NUM_THREADS == 0 or item < ITEMS:
+                        r = item // HEAD_DIM
+                        c = item % HEAD_DIM
+                        n = start + r
+                        value = int16(0)
+                        if n < seqlen and (EVEN_HEAD_DIM or c < head_dim):
+                            value = x[offset + n * stride_n + c * stride_d]
+                        smem[(row0 + r) * LD + c] = value
+
+        return load
+
+    load_q = tile_loader(BLOCK_M)
+    load_kv = tile_loader(BLOCK_N)
+
+    @device_function
+    def wait_tiles():
+        """This thread's tile copies have landed (a barrier after it makes the whole tile visible)."""
+        if ASYNC_LOADS:
+            cp_async_wait_all()
+
+    def _attn_fwd_tc(
+        q, k, v, o, lse,
+        stride_qb, stride_qh, stride_qm, stride_qd,
+        stride_kb, stride_kh, stride_kn, stride_kd,
+        stride_vb, stride_vh, stride_vn, stride_vd,
+        heads, seqlen_q, seqlen_k, head_dim, qk_scale, negate_q, num_m_tiles,
+    ):
+        """One block: BLOCK_M query rows of one (batch, head). q, k, v: flat int16 views (fp16 or bf16 bit
+        patterns) of (B, H, N, D) tensors with the given element strides; o: (B, H, seqlen_q, head_dim),
+        flat, contiguous, int32 pairs (O_PAIRS) or int16; lse: (B, H, seqlen_q) fp32, flat."""
+        # Key j is visible to query i iff j <= i + diag.
+        diag = seqlen_k - seqlen_q
+        m_block = cuda.blockIdx.x % num_m_tiles
+        if IS_CAUSAL:
+            m_block = num_m_tiles - 1 - m_block  # the longest rows first
+        start_m = m_block * BLOCK_M
+        off_bh = cuda.blockIdx.x // num_m_tiles
+        off_b = off_bh // heads
+        off_h = off_bh % heads
+        warp = cuda.threadIdx.x // 32
+        lane = cuda.threadIdx.x % 32
+        g = lane // 4  # the lane holds rows g and g + 8 of the warp's 16, columns 2 t and 2 t + 1 of each 8
+        t = lane % 4
+
+        smem = cuda.shared.array(SMEM_SIZE, int16, alignment=SHARED_ALIGN)
+        smem_base = shared_address(smem)
+        q_base, k_base, v_base = global_address(q), global_address(k), global_address(v)
+        q_offset = off_b * stride_qb + off_h * stride_qh
+        k_offset = off_b * stride_kb + off_h * stride_kh
+        v_offset = off_b * stride_vb + off_h * stride_vh
+
+        # The byte addresses this lane gives ldmatrix: Q's rows (A), K's (B, keys as rows), V's (B, .trans).
+        a_row, a_col = ldmatrix_a_row_col(lane)
+        b_row, b_col = ldmatrix_b_row_col(lane)
+        q_lane = smem_base + uint32(2 * ((16 * warp + a_row) * LD + a_col))
+        k_lane = smem_base + uint32(2 * (b_row * LD + b_col))
+        v_lane = smem_base + uint32(2 * ((V_ROW + a_row) * LD + a_col))
+
+        # Q: global -> shared -> the warp's A fragments, one per 16 head dims.
+        load_q(smem, smem_base, 0, q, q_base, q_offset, stride_qm, stride_qd, start_m, seqlen_q, head_dim)
+        wait_tiles()
+        cuda.syncthreads()
+        q_frag = cuda.local.array((D_STEPS, 4), int32)  # [16 rows, HEAD_DIM] as D_STEPS A fragments
+        for kk in range(D_STEPS):
+            a0, a1, a2, a3 = ldmatrix_x4(q_lane + uint32(32 * kk))
+            q_frag[kk, 0] = a0
+            q_frag[kk, 1] = a1
+            q_frag[kk, 2] = a2
+            q_frag[kk, 3] = a3
+            if negate_q:  # scale < 0 runs as -q against |scale| (flipping a sign bit is exact)
+                for e in range(4):
+                    q_frag[kk, e] ^= SIGN_BITS
+        cuda.syncthreads()  # every warp has its fragments: the buffer now takes K and V
+
+        m_i = cuda.local.array(2, float32)
+        l_i = cuda.local.array(2, float32)
+        alpha = cuda.local.array(2, float32)
+        acc = cuda.local.array((O_TILES, 4), float32)  # [16 rows, HEAD_DIM] as 8-column C tiles
+        s = cuda.local.array((N_TILES, 4), float32)  # [16 rows, BLOCK_N] as 8-key C tiles
+        for h in range(2):
+            m_i[h] = -math.inf
+            l_i[h] = 0.0
+        for c in range(O_TILES):
+            for e in range(4):
+                acc[c, e] = 0.0
+
+        # Causal: the block's last row sees keys up to start_m + BLOCK_M - 1 + diag; later tiles are skipped.
+        end_n = min(seqlen_k, start_m + BLOCK_M + diag) if IS_CAUSAL else seqlen_k
+        if end_n > 0:
+            load_kv(smem, smem_base, 0, k, k_base, k_offset, stride_kn, stride_kd, 0, seqlen_k, head_dim)
+        row0 = start_m + 16 * warp + g
+        for start_n in range(0, end_n, BLOCK_N):
+            wait_tiles()
+            cuda.syncthreads()  # K's tile has landed; every warp is done with the previous V tile
+            load_kv(smem, smem_base, V_ROW, v, v_base, v_offset, stride_vn, stride_vd, start_n, seqlen_k, head_dim)
+
+            # S = Q K^T: per 16 keys and 16 head dims, one ldmatrix (two B fragments) and two mma.
+            for j in range(N_TILES):
+                for e in range(4):
+                    s[j, e] = 0.0
+            for jj in range(N_TILES // 2):
+                for kk in range(D_STEPS):
+                    b0, b1, b2, b3 = ldmatrix_x4(k_lane + uint32(2 * (16 * jj * LD + 16 * kk)))
+                    d0, d1, d2, d3 = mma(
+                        q_frag[kk, 0], q_frag[kk, 1], q_frag[kk, 2], q_frag[kk, 3], b0, b1,
+                        s[2 * jj, 0], s[2 * jj, 1], s[2 * jj, 2], s[2 * jj, 3],
+                    )
+                    s[2 * jj, 0] = d0
+                    s[2 * jj, 1] = d1
+                    s[2 * jj, 2] = d2
+                    s[2 * jj, 3] = d3
+                    d0, d1, d2, d3 = mma(
+                        q_frag[kk, 0], q_frag[kk, 1], q_frag[kk, 2], q_frag[kk, 3], b2, b3,
+                        s[2 * jj + 1, 0], s[2 * jj + 1, 1], s[2 * jj + 1, 2], s[2 * jj + 1, 3],
+                    )
+                    s[2 * jj + 1, 0] = d0
+                    s[2 * jj + 1, 1] = d1
+                    s[2 * jj + 1, 2] = d2
+                    s[2 * jj + 1, 3] = d3
+
+            # The mask, only on tiles that cross the end of the keys or the causal diagonal.
+            if start_n + BLOCK_N > seqlen_k or (IS_CAUSAL and start_n + BLOCK_N - 1 > start_m + diag):
+                for j in range(N_TILES):
+                    for e in range(4):
+                        key = start_n + 8 * j + 2 * t + e % 2
+                        row = row0 + 8 * (e // 2)
+                        if key >= seqlen_k or (IS_CAUSAL and key > row + diag):
+                            s[j, e] = -math.inf
+
+            wait_tiles()
+            cuda.syncthreads()  # V's tile has landed; every warp is done with K's
+            if start_n + BLOCK_N < end_n:
+                load_kv(smem, smem_base, 0, k, k_base, k_offset, stride_kn, stride_kd, start_n + BLOCK_N,
+                        seqlen_k, head_dim)
+
+            # Online softmax, rows g (h = 0: s[:, 0:2]) and g + 8 (h = 1: s[:, 2:4]), in base 2: the max of the
+            # raw scores times qk_scale > 0 is the max of the scaled ones, and exp2(s · qk_scale - m) one FFMA.
+            unchanged = True
+            for h in range(2):
+                m_tile = s[0, 2 * h]
+                for j in range(N_TILES):
+                    m_tile = max(m_tile, max(s[j, 2 * h], s[j, 2 * h + 1]))
+                m_tile = max(m_tile, shfl_xor(m_tile, 1))
+                m_tile = max(m_tile, shfl_xor(m_tile, 2))
+                m_new = max(m_i[h], m_tile * qk_scale)
+                unchanged = unchanged and m_new == m_i[h]
+                # A row with nothing visible yet has m_new = -inf; subtracting 0 instead keeps exp2 at 0, not NaN.
+                m_safe = m_new if m_new != -math.inf else float32(0.0)
+                alpha[h] = exp2_approx(m_i[h] - m_safe)
+                l_part = float32(0.0)
+                for j in range(N_TILES):
+                    for e in range(2 * h, 2 * h + 2):
+                        p = exp2_approx(s[j, e] * qk_scale - m_safe)
+                        s[j, e] = p
+                        l_part += p
+                l_i[h] = alpha[h] * l_i[h] + l_part
+                m_i[h] = m_new
+            # Rescale acc only when some row of the warp has a new max (alpha != 1): late tiles rarely do.
+            if not all_lanes(unchanged):
+                for c in range(O_TILES):
+                    for e in range(4):
+                        acc[c, e] *= alpha[e // 2]
+
+            # acc += P V: P's A fragment for 16 keys is two C tiles of S, rounded to 16 bits in pairs.
+            for kk in range(N_TILES // 2):
+                a0 = pack(s[2 * kk, 0], s[2 * kk, 1])
+                a1 = pack(s[2 * kk, 2], s[2 * kk, 3])
+                a2 = pack(s[2 * kk + 1, 0], s[2 * kk + 1, 1])
+                a3 = pack(s[2 * kk + 1, 2], s[2 * kk + 1, 3])
+                for dd in range(D_STEPS):
+                    b0, b1, b2, b3 = ldmatrix_x4_trans(v_lane + uint32(2 * (16 * kk * LD + 16 * dd)))
+                    d0, d1, d2, d3 = mma(
+                        a0, a1, a2, a3, b0, b1, acc[2 * dd, 0], acc[2 * dd, 1], acc[2 * dd, 2], acc[2 * dd, 3]
+                    )
+                    acc[2 * dd, 0] = d0
+                    acc[2 * dd, 1] = d1
+                    acc[2 * dd, 2] = d2
+                    acc[2 * dd, 3] = d3
+                    d0, d1, d2, d3 = mma(
+                        a0, a1, a2, a3, b2, b3,
+                        acc[2 * dd + 1, 0], acc[2 * dd + 1, 1], acc[2 * dd + 1, 2], acc[2 * dd + 1, 3],
+                    )
+                    acc[2 * dd + 1, 0] = d0
+                    acc[2 * dd + 1, 1] = d1
+                    acc[2 * dd + 1, 2] = d2
+                    acc[2 * dd + 1, 3] = d3
+
+        # Epilogue: the row sums over each quad, then O = acc / l and L = m + log(l), each once.
+        for h in range(2):
+            l_sum = l_i[h] + shfl_xor(l_i[h], 1)
+            l_sum += shfl_xor(l_sum, 2)
+            row = row0 + 8 * h
+            if row < seqlen_q:
+                # Rows that saw no key have l = 0: O = 0 and L = +inf (see fa2.attention).
+                inv_l = float32(1.0) / l_sum if l_sum > 0.0 else float32(0.0)
+                o_row = (off_bh * seqlen_q + row) * head_dim
+                for c in range(O_TILES):
+                    col = 8 * c + 2 * t
+                    pair = pack(acc[c, 2 * h] * inv_l, acc[c, 2 * h + 1] * inv_l)
+                    if O_PAIRS:
+                        if EVEN_HEAD_DIM or col < head_dim:
+                            o[uint64((o_row + col) // 2)] = pair
+                    else:
+                        if col < head_dim:
+                            o[uint64(o_row + col)] = int16(pair & 0xFFFF)
+                        if col + 1 < head_dim:
+                            o[uint64(o_row + col + 1)] = int16(pair >> 16)
+                if t == 0:
+                    L = (m_i[h] + math.log2(l_sum)) * LN2 if l_sum > 0.0 else math.inf
+                    lse[uint64(off_bh * seqlen_q + row)] = L
+
+    if simulated():
+        return cuda.jit(_attn_fwd_tc)
+    if config.MAX_REGISTERS:
+        return cuda.jit(max_registers=config.MAX_REGISTERS)(_attn_fwd_tc)
+    return cuda.jit(_attn_fwd_tc)
+
+
+# Compiled kernels by (HEAD_DIM, TensorCoreConfig, IS_CAUSAL, IS_BF16, EVEN_HEAD_DIM, ASYNC_LOADS, O_PAIRS).
+_KERNELS: dict[tuple, object] = {}
+
+
+def _kernel(*key):
+    kernel = _KERNELS.get(key)
+    if kernel is None:
+        kernel = _KERNELS[key] = _build_kernel(*key)
+    return kernel
+
+
+def shared_bytes(HEAD_DIM: int, config: TensorCoreConfig) -> int:
+    """The block's static shared memory: max(BLOCK_M, 2 BLOCK_N) rows of HEAD_DIM + 8 16-bit elements."""
+    return 2 * max(16 * config.NUM_WARPS, 2 * config.BLOCK_N) * (HEAD_DIM + 8)
+
+
+def _check_config(HEAD_DIM: int, config: TensorCoreConfig) -> None:
+    if config.NUM_WARPS < 1 or config.BLOCK_N < 16 or config.BLOCK_N % 16:
+        raise ValueError(f"TensorCoreConfig needs NUM_WARPS >= 1 and BLOCK_N a multiple of 16, got {config}")
+    if shared_bytes(HEAD_DIM, config) > 48 * 1024:
+        raise ValueError(
+            f"{config} at head dim {HEAD_DIM} needs {shared_bytes(HEAD_DIM, config)} B of shared memory, over "
+            "the 48 KB a block may have statically"
+        )
+
+
+def _rows_16b_aligned(t: torch.Tensor) -> bool:
+    """Whether cp.async can copy t's rows in 16 B chunks: contiguous along head_dim, first element and every
+    row, head and batch start 16 B aligned."""
+    return t.stride(3) == 1 and t.data_ptr() % 16 == 0 and all(s % 8 == 0 for s in t.stride()[:3])
+
+
+def _qk_scale(scale: float) -> np.float32:
+    """The kernel's qk_scale: |scale| · log2 e (a negative scale flips q's sign in the kernel), at least the
+    smallest normal fp32 (1.2e-38) so that it is > 0: for scale = 0, scaled scores are then below 1e-26 in
+    magnitude (|q kᵀ| < 1e12 for fp16 inputs), and exp2 of them is 1.0 in fp32, as it is for 0."""
+    return np.float32(max(abs(scale) * LOG2E, float(np.finfo(np.float32).tiny)))
+
+
+def flash_attn_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool,
+    scale: float,
+    config: TensorCoreConfig | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Arguments:
+        q: (batch, heads, seqlen_q, head_dim); k, v: (batch, heads, seqlen_k, head_dim); any strides; fp16
+            or bf16, head_dim <= 128; CUDA tensors on compute capability 8.0+, or CPU tensors under numba's
+            simulator (emulated instructions, tiny shapes).
+        causal: bottom-right aligned, key j visible to query i iff j <= i + seqlen_k - seqlen_q::
+
+            seqlen_q = 2, seqlen_k = 5:   1 1 1 1 0
+                                          1 1 1 1 1
+        scale: multiplies q kᵀ before the softmax.
+        config: the block shape, for tuning; default ``tc_config(padded_head_dim(head_dim))``.
+
+    Returns:
+        O: (batch, heads, seqlen_q, head_dim), q's dtype. L: (batch, heads, seqlen_q), float32, natural log;
+        rows that see no key get O = 0 and L = +inf.
+    """
+    batch, heads, seqlen_q, head_dim = q.shape
+    if q.dtype not in (torch.float16, torch.bfloat16):
+        raise NotImplementedError(f"fa2-numba-cuda's tensor-core kernel takes fp16 or bf16, got {q.dtype}")
+    if head_dim > MAX_HEAD_DIM:
+        raise NotImplementedError(
+            f"fa2-numba-cuda's tensor-core kernel supports head_dim up to {MAX_HEAD_DIM}, got {head_dim}"
+        )
+    _check_device(q)
+    if not simulated() and torch.cuda.get_device_capability(q.device) < MIN_COMPUTE_CAPABILITY:
+        raise NotImplementedError(
+            f"fa2-numba-cuda's tensor-core kernel needs compute capability 8.0 or newer (mma.sync m16n8k16 with "
+            f"bf16, ldmatrix, cp.async), got {torch.cuda.get_device_capability(q.device)} on {q.device}"
+        )
+    O = torch.empty(batch, heads, seqlen_q, head_dim, dtype=q.dtype, device=q.device)
+    L = torch.empty(batch, heads, seqlen_q, dtype=torch.float32, device=q.device)
+    if O.numel() == 0:
+        return O, L
+
+    HEAD_DIM = padded_head_dim(head_dim)
+    config = TensorCoreConfig(*config) if config is not None else tc_config(HEAD_DIM)
+    _check_config(HEAD_DIM, config)
+    async_loads = all(_rows_16b_aligned(t) for t in (q, k, v))
+    o_pairs = head_dim % 2 == 0
+    kernel = _kernel(HEAD_DIM, config, bool(causal), q.dtype == torch.bfloat16, head_dim == HEAD_DIM,
+                     async_loads, o_pairs)
+    num_m_tiles = -(-seqlen_q // (16 * config.NUM_WARPS))
+    grid, block = num_m_tiles * batch * heads, 32 * config.NUM_WARPS
+    o_view = O.view(torch.int32) if o_pairs else O.view(torch.int16)
+    args = (
+        *(_flat(t.view(torch.int16)) for t in (q, k, v)), _flat(o_view), _flat(L),
+        *q.stride(), *k.stride(), *v.stride(),
+        heads, seqlen_q, k.shape[2], head_dim, _qk_scale(scale), scale < 0, num_m_tiles,
+    )
+    if simulated():
+        kernel[grid, block](*args)
+    else:
+        with cuda.gpus[q.device.index]:
+            stream = cuda.external_stream(torch.cuda.current_stream(q.device).cuda_stream)
+            kernel[grid, block, stream](*args)
+    return O, L
+
+
+def kernel_resources() -> list[dict]:
+    """Registers and local memory per thread, static shared memory per block, of every tensor-core kernel
+    compiled so far in this process (one row per specialisation); empty under the simulator."""
+    if simulated():
+        return []
+    rows = []
+    for (HEAD_DIM, config, IS_CAUSAL, IS_BF16, EVEN_HEAD_DIM, ASYNC_LOADS, O_PAIRS), kernel in _KERNELS.items():
+        regs = kernel.get_regs_per_thread()
+        shared = kernel.get_shared_mem_per_block()
+        local = kernel.get_local_mem_per_thread()
+        for signature in regs:
+            rows.append({
+                "kernel": "tensor-core", "HEAD_DIM": HEAD_DIM, **config._asdict(), "causal": IS_CAUSAL,
+                "bf16": IS_BF16, "even_head_dim": EVEN_HEAD_DIM, "async_loads": ASYNC_LOADS,
+                "o_pairs": O_PAIRS, "signature": ", ".join(str(t) for t in signature),
+                "registers_per_thread": regs[signature], "shared_bytes_per_block": shared[signature],
+                "local_bytes_per_thread": local[signature],
+            })
+    return rows

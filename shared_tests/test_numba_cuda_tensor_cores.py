@@ -1,0 +1,295 @@
+"""fa2-numba-cuda's tensor-core kernel (``fa2_numba_cuda.forward_tc``, instructions in ``fa2_numba_cuda.mma``).
+
+On the GPU the conformance suite runs it: ``fa2.attention`` on fp16/bf16 CUDA tensors with head_dim <= 128
+dispatches to it (``test_dispatch_on_the_gpu`` checks that, and that no kernel spills). numba's simulator
+cannot run inline PTX, so the suite's fp16 cases run the SIMT kernel there; this file checks the tensor-core
+kernel's index math on the CPU instead, in two ways:
+
+- numpy, anywhere: the PTX ISA's fragment tables (``mma.py``'s layout functions) against literal entries of
+  the ISA's figures, and composed as the kernel composes them (ldmatrix row addresses from
+  ``ldmatrix_a_row_col`` / ``ldmatrix_b_row_col``, mma, S's accumulators repacked as P's A fragment, V
+  through ldmatrix.trans) into the warp's 16-row S = Q Kᵀ and P V, against numpy matmuls;
+- the kernel itself under numba's simulator, with ``mma.py``'s Python emulation of ldmatrix, mma, cp.async
+  and the warp shuffles (from the same tables; cp.async lands only at the wait, shared memory starts as NaN,
+  every address is bounds-checked), on small blocks, against the fp64 reference with the suite's tolerances.
+
+Both check the kernel against the ISA's tables, not the hardware: the GPU run is what shows the tables and
+the hardware agree.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from checks import assert_matches_reference, random_qkv
+
+pytest.importorskip("fa2_numba_cuda")
+from fa2_numba_cuda import forward, forward_tc, mma  # noqa: E402
+
+SIMULATED = forward.simulated()
+
+
+@pytest.fixture(autouse=True)
+def _numba_cuda_selected(request):
+    selected = request.config.getoption("--backend")
+    if selected and "numba-cuda" not in selected:
+        pytest.skip(f"numba-cuda's own tests; --backend {selected}")
+
+
+# --- the ISA's tables ---------------------------------------------------------------------------------
+
+# Literal entries of the PTX ISA's figures ("Matrix Fragments for mma.m16n8k16 with floating point type",
+# "ldmatrix"): lanes 0, 5 (g = 1, t = 1) and 31 (g = 7, t = 3).
+ISA_A = {
+    0: [(0, 0), (0, 1), (8, 0), (8, 1), (0, 8), (0, 9), (8, 8), (8, 9)],
+    5: [(1, 2), (1, 3), (9, 2), (9, 3), (1, 10), (1, 11), (9, 10), (9, 11)],
+    31: [(7, 6), (7, 7), (15, 6), (15, 7), (7, 14), (7, 15), (15, 14), (15, 15)],
+}
+ISA_B = {
+    0: [(0, 0), (1, 0), (8, 0), (9, 0)],
+    5: [(2, 1), (3, 1), (10, 1), (11, 1)],
+    31: [(6, 7), (7, 7), (14, 7), (15, 7)],
+}
+ISA_C = {
+    0: [(0, 0), (0, 1), (8, 0), (8, 1)],
+    5: [(1, 2), (1, 3), (9, 2), (9, 3)],
+    31: [(7, 6), (7, 7), (15, 6), (15, 7)],
+}
+
+
+@pytest.mark.parametrize("lane", [0, 5, 31])
+def test_fragment_tables_match_the_isa(lane):
+    assert mma.mma_a_layout(lane) == ISA_A[lane]
+    assert mma.mma_b_layout(lane) == ISA_B[lane]
+    assert mma.mma_c_layout(lane) == ISA_C[lane]
+    g, t = lane // 4, lane % 4
+    assert mma.ldmatrix_layout(lane, False)[:2] == [(0, g, 2 * t), (0, g, 2 * t + 1)]
+    assert mma.ldmatrix_layout(lane, True)[6:] == [(3, 2 * t, g), (3, 2 * t + 1, g)]
+
+
+@pytest.mark.parametrize(
+    "layout, shape",
+    [
+        pytest.param(mma.mma_a_layout, (16, 16), id="A"),
+        pytest.param(mma.mma_b_layout, (16, 8), id="B"),
+        pytest.param(mma.mma_c_layout, (16, 8), id="C"),
+        pytest.param(lambda lane: mma.ldmatrix_layout(lane, False), (4, 8, 8), id="ldmatrix"),
+        pytest.param(lambda lane: mma.ldmatrix_layout(lane, True), (4, 8, 8), id="ldmatrix.trans"),
+    ],
+)
+def test_each_element_in_exactly_one_lane(layout, shape):
+    seen = np.zeros(shape, dtype=int)
+    for lane in range(32):
+        for index in layout(lane):
+            seen[index] += 1
+    assert (seen == 1).all()
+
+
+@pytest.mark.parametrize("kind, dtype", [("f16", torch.float16), ("bf16", torch.bfloat16)])
+def test_16_bit_encoding_rounds_as_torch(kind, dtype):
+    g = torch.Generator().manual_seed(0)
+    x = torch.cat([torch.randn(1000, generator=g) * 100, torch.tensor([1 + 2**-8, 1 + 3 * 2**-8, 1 + 2**-11, -0.0])])
+    bits = mma.encode16(x.numpy(), kind)
+    assert np.array_equal(bits, x.to(dtype).view(torch.int16).numpy().view(np.uint16))
+    assert np.array_equal(mma.decode16(bits, kind), x.to(dtype).double().numpy())
+
+
+def test_register_pairs_low_half_first():
+    halves = np.array([[0x1234, 0xABCD, 0x0001, 0x8000]], dtype=np.uint16)
+    regs = mma._pack(halves)
+    assert regs.dtype == np.int32 and [hex(r) for r in regs[0].view(np.uint32)] == ["0xabcd1234", "0x80000001"]
+    assert np.array_equal(mma._halves(regs), halves)
+
+
+# --- the kernel's composition of them, one warp, numpy ------------------------------------------------
+
+
+def _smem(x: np.ndarray, LD: int) -> np.ndarray:
+    """x (rows, cols) as 16-bit patterns in a shared tile with rows padded to LD elements (poison after)."""
+    tile = np.full((x.shape[0], LD), 0xFFFF, dtype=np.uint16)
+    tile[:, : x.shape[1]] = x
+    return tile
+
+
+def _ldmatrix(tile: np.ndarray, row0: int, col0: int, row_col, trans: bool) -> np.ndarray:
+    """ldmatrix.x4 for a warp whose lanes point at (row0, col0) + row_col.py_func(lane) of ``tile``."""
+    rows = []
+    for lane in range(32):
+        r, c = row_col.py_func(lane)
+        rows.append(tile[row0 + r, col0 + c : col0 + c + 8])
+    return mma.emulate_ldmatrix(rows, trans)
+
+
+@pytest.mark.parametrize("kind, dtype", [("f16", torch.float16), ("bf16", torch.bfloat16)])
+@pytest.mark.parametrize("HEAD_DIM, BLOCK_N", [(16, 16), (64, 32), (128, 64)])
+def test_one_warp_s_and_pv_compose(kind, dtype, HEAD_DIM, BLOCK_N):
+    """S = Q Kᵀ and O = P V for one warp's 16 rows, as the kernel's loops build them from the tables."""
+    g = torch.Generator().manual_seed(HEAD_DIM)
+    q, k, v = (torch.randn(n, HEAD_DIM, generator=g).to(dtype) for n in (16, BLOCK_N, BLOCK_N))
+    bits = lambda t: t.view(torch.int16).numpy().view(np.uint16)
+    LD = HEAD_DIM + 8
+    q_tile, k_tile, v_tile = _smem(bits(q), LD), _smem(bits(k), LD), _smem(bits(v), LD)
+
+    q_frag = [_ldmatrix(q_tile, 0, 16 * kk, mma.ldmatrix_a_row_col, False) for kk in range(HEAD_DIM // 16)]
+    s = np.zeros((BLOCK_N // 8, 32, 4), dtype=np.float32)  # [8-key tile, lane, c0..c3]
+    for jj in range(BLOCK_N // 16):
+        for kk in range(HEAD_DIM // 16):
+            b = _ldmatrix(k_tile, 16 * jj, 16 * kk, mma.ldmatrix_b_row_col, False)
+            s[2 * jj] = mma.emulate_mma(q_frag[kk], b[:, 0:2], s[2 * jj], kind)
+            s[2 * jj + 1] = mma.emulate_mma(q_frag[kk], b[:, 2:4], s[2 * jj + 1], kind)
+    S = np.zeros((16, BLOCK_N))
+    for j in range(BLOCK_N // 8):
+        for lane in range(32):
+            for e, (m, n) in enumerate(mma.mma_c_layout(lane)):
+                S[m, 8 * j + n] = s[j, lane, e]
+    S_ref = q.double().numpy() @ k.double().numpy().T
+    np.testing.assert_allclose(S, S_ref, rtol=0, atol=1e-4 * np.abs(S_ref).max())
+
+    # P: any values in S's accumulator layout; the kernel packs (c0, c1) and (c2, c3) of tiles 2kk, 2kk+1.
+    p = np.random.default_rng(0).random(s.shape, dtype=np.float32)
+    acc = np.zeros((HEAD_DIM // 8, 32, 4), dtype=np.float32)
+    for kk in range(BLOCK_N // 16):
+        pairs = [(2 * kk, 0), (2 * kk, 2), (2 * kk + 1, 0), (2 * kk + 1, 2)]
+        a = np.stack([mma._pack(mma.encode16(p[j, :, e : e + 2], kind))[:, 0] for j, e in pairs], axis=1)
+        for dd in range(HEAD_DIM // 16):
+            b = _ldmatrix(v_tile, 16 * kk, 16 * dd, mma.ldmatrix_a_row_col, True)
+            acc[2 * dd] = mma.emulate_mma(a, b[:, 0:2], acc[2 * dd], kind)
+            acc[2 * dd + 1] = mma.emulate_mma(a, b[:, 2:4], acc[2 * dd + 1], kind)
+    P, O = np.zeros((16, BLOCK_N)), np.zeros((16, HEAD_DIM))
+    for lane in range(32):
+        for e, (m, n) in enumerate(mma.mma_c_layout(lane)):
+            for j in range(BLOCK_N // 8):
+                P[m, 8 * j + n] = mma.decode16(mma.encode16(p[j, lane, e], kind), kind)
+            for c in range(HEAD_DIM // 8):
+                O[m, 8 * c + n] = acc[c, lane, e]
+    O_ref = P @ v.double().numpy()
+    np.testing.assert_allclose(O, O_ref, rtol=0, atol=1e-5 * np.abs(O_ref).max())
+
+
+# --- the kernel under numba's simulator ---------------------------------------------------------------
+
+needs_simulator = pytest.mark.skipif(
+    not SIMULATED, reason="runs the kernel on mma.py's emulated instructions: needs NUMBA_ENABLE_CUDASIM=1 "
+    "(on a GPU, the conformance suite runs the kernel itself)"
+)
+
+
+def _run_tc(q, k, v, causal, scale, config):
+    return forward.flash_attn_forward(q, k, v, causal, scale, config, tensor_cores=True)
+
+
+def _case(dtype, b, h, n_q, n_k, d, causal, warps, block_n, scale=None):
+    kind, mask = "bf16" if dtype == torch.bfloat16 else "fp16", "causal" if causal else "full"
+    name = f"{kind}-B{b}-H{h}-{n_q}x{n_k}-D{d}-{mask}"
+    return pytest.param(dtype, (b, h, n_q, n_k, d), causal, (warps, block_n, 0), scale,
+                        id=f"{name}-{warps}w{block_n}" + (f"-scale{scale}" if scale is not None else ""))
+
+
+SIM_CASES = [
+    # several key and query tiles, masked key tiles, head_dim padded 24 -> 32
+    _case(torch.float16, 1, 2, 37, 53, 24, True, 2, 16),
+    # seqlen_q > seqlen_k: causal rows that see no key (O = 0, L = +inf)
+    _case(torch.bfloat16, 1, 1, 37, 19, 16, True, 1, 16),
+    _case(torch.bfloat16, 2, 1, 33, 70, 40, False, 2, 32, 2.5),
+    # odd head_dim: O stored element by element; rows not 16 B apart: plain loads
+    _case(torch.float16, 1, 1, 21, 30, 13, True, 1, 16),
+    # scale < 0 (q's sign flipped in registers) and scale = 0
+    _case(torch.bfloat16, 1, 1, 19, 37, 16, True, 1, 16, -0.7),
+    _case(torch.float16, 1, 1, 19, 37, 16, False, 1, 16, 0.0),
+    # the GPU's block shapes (tc_config): 8 warps, 64-key tiles
+    _case(torch.float16, 1, 1, 100, 70, 64, False, 8, 64),
+    _case(torch.bfloat16, 1, 1, 70, 80, 128, True, 8, 64),
+]
+
+
+@needs_simulator
+@pytest.mark.parametrize("dtype, shape, causal, config, scale", SIM_CASES)
+def test_simulated_kernel_matches_reference(dtype, shape, causal, config, scale):
+    b, h, n_q, n_k, d = shape
+    q, k, v = random_qkv((b, h, n_q, d), (b, h, n_k, d), dtype, "cpu", seed=n_q + n_k)
+    O, L = _run_tc(q, k, v, causal, d**-0.5 if scale is None else scale, config)
+    assert_matches_reference(O, L, q, k, v, causal, scale)
+
+
+def _layouts(dtype):
+    """q as (B, N, H, D) memory (cp.async with strides), k with a head_dim stride of 2 and v starting one
+    element into its buffer (both: plain loads)."""
+    g = torch.Generator().manual_seed(3)
+    make = lambda *s: torch.randn(*s, generator=g).to(dtype)
+    q = make(1, 20, 2, 32).transpose(1, 2)
+    k = make(1, 2, 41, 64)[..., ::2]
+    v = make(2 * 41 * 32 + 1)[1:].view(1, 2, 41, 32)
+    return q, k, v
+
+
+@needs_simulator
+def test_simulated_kernel_strided_inputs():
+    q, k, v = _layouts(torch.float16)
+    assert forward_tc._rows_16b_aligned(q) and not forward_tc._rows_16b_aligned(k)
+    assert not forward_tc._rows_16b_aligned(v)
+    O, L = _run_tc(q, k, v, True, 32**-0.5, (2, 16, 0))
+    assert_matches_reference(O, L, q, k, v, True)
+    O2, L2 = _run_tc(q, k.contiguous(), v.contiguous(), True, 32**-0.5, (2, 16, 0))
+    assert torch.equal(O, O2) and torch.equal(L, L2), "cp.async and plain loads gave different bits"
+
+
+@needs_simulator
+def test_simulated_kernel_huge_scores():
+    """Inputs ×60 (scores ~10⁴): the running max moves by thousands between key tiles."""
+    q, k, v = (60 * t for t in random_qkv((1, 1, 20, 32), (1, 1, 50, 32), torch.float16, "cpu", seed=7))
+    O, L = _run_tc(q, k, v, False, 32**-0.5, (1, 16, 0))
+    assert torch.isfinite(O).all() and torch.isfinite(L).all()
+    assert_matches_reference(O, L, q, k, v, False)
+
+
+@needs_simulator
+def test_simulated_kernel_no_keys():
+    q = torch.randn(1, 2, 5, 16, dtype=torch.float16)
+    k = v = torch.randn(1, 2, 0, 16, dtype=torch.float16)
+    O, L = _run_tc(q, k, v, False, 0.25, (1, 16, 0))
+    assert (O == 0).all() and torch.isposinf(L).all()
+
+
+def test_cpu_tensors_and_fp32_keep_the_simt_kernel():
+    q = torch.zeros(1, 1, 4, 64)
+    assert not forward_tc.uses_tensor_cores(q) and not forward_tc.uses_tensor_cores(q.half())
+
+
+def test_refusals_name_the_limit():
+    q = torch.zeros(1, 1, 4, 160, dtype=torch.float16)
+    with pytest.raises(NotImplementedError, match="head_dim up to 128, got 160"):
+        forward_tc.flash_attn_forward(q, q, q, False, 1.0)
+    with pytest.raises(NotImplementedError, match="fp16 or bf16, got torch.float32"):
+        forward_tc.flash_attn_forward(q[..., :64].float(), q[..., :64].float(), q[..., :64].float(), False, 1.0)
+
+
+# --- on the GPU -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(SIMULATED or not torch.cuda.is_available(), reason=(
+    "numba's simulator cannot run inline PTX (mma.sync, ldmatrix, cp.async): the tensor-core kernel runs on "
+    "a CUDA GPU of compute capability 8.0+ only"))
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("head_dim", [64, 128], ids=lambda d: f"D{d}")
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_dispatch_on_the_gpu(dtype, head_dim, causal):
+    """fp16/bf16 with head_dim <= 128 on sm80+ take the tensor-core kernel, which matches the reference
+    across several blocks and key tiles; its registers stay registers (tc_config: at most 24 B of local
+    memory, spilled outside the key loop; fragments left in local arrays would take hundreds)."""
+    if torch.cuda.get_device_capability() < forward_tc.MIN_COMPUTE_CAPABILITY:
+        pytest.skip(f"compute capability {torch.cuda.get_device_capability()} < 8.0: the SIMT kernel runs")
+    q, k, v = random_qkv((2, 3, 300, head_dim), (2, 3, 333, head_dim), dtype, "cuda", seed=head_dim)
+    assert forward_tc.uses_tensor_cores(q)
+    before = len(forward_tc._KERNELS)
+    import fa2
+
+    O, L = fa2.attention(q, k, v, causal=causal, backend="numba-cuda")
+    assert_matches_reference(O, L, q, k, v, causal)
+    assert len(forward_tc._KERNELS) >= max(before, 1)
+    key = (head_dim, forward_tc.tc_config(head_dim), causal, dtype == torch.bfloat16, True, True, True)
+    assert key in forward_tc._KERNELS, f"the tensor-core kernel {key} did not run"
+    rows = [r for r in forward_tc.kernel_resources()
+            if (r["HEAD_DIM"], r["causal"], r["bf16"], r["async_loads"]) == (head_dim, causal, key[3], True)]
+    assert rows and all(r["local_bytes_per_thread"] <= 64 for r in rows), f"local memory: {rows}"
