@@ -72,6 +72,15 @@ if simulated():
     def _float_as_int(x):
         return np.float32(x).view(np.int32)
 
+    # numba's scalar types are slow to call in the simulator, a type-system call each: uint64(i) takes about
+    # 4 µs (and indexing with its result 8 µs), float32(x) about 10 µs, most of a simulated kernel's time.
+    # The kernels' uint64 index casts (see the module docstring) stay Python ints there, as the indices are
+    # never negative; float32 is numpy's, the same rounding (and a dtype for the shared and local arrays).
+    def uint64(i):
+        return i
+
+    float32 = np.float32
+
 else:
     SHARED_ALIGN = 16
     _int_as_float = cuda.libdevice.int_as_float
@@ -219,6 +228,7 @@ def _build_kernel(HEAD_DIM, config, IS_CAUSAL, IS_BF16, EVEN_HEAD_DIM, UNIT_STRI
         p_tile = cuda.shared.array((BLOCK_M, LD_N), float32, alignment=SHARED_ALIGN)  # [BLOCK_M, BLOCK_N]
         row_part = cuda.shared.array((BLOCK_M, THREADS_N), float32, alignment=SHARED_ALIGN)
 
+        # side-by-side: state
         m_i = cuda.local.array(TM, float32)
         l_i = cuda.local.array(TM, float32)
         acc = cuda.local.array((TM, TD), float32)  # [TM, TD] of O's [BLOCK_M, HEAD_DIM]
@@ -238,7 +248,9 @@ def _build_kernel(HEAD_DIM, config, IS_CAUSAL, IS_BF16, EVEN_HEAD_DIM, UNIT_STRI
         q_offset = off_b * stride_qb + off_h * stride_qh
         # Q pre-scaled by qk_scale = scale · log2 e: S comes out of the loop ready for exp2.
         load_tile(q_tile, q, q_offset, stride_qm, stride_qd, start_m, seqlen_q, head_dim, qk_scale)
+        # side-by-side: end
 
+        # side-by-side: loop
         # Causal: the tile's last row sees keys up to start_m + BLOCK_M - 1 + diag; later tiles are skipped.
         end_n = min(seqlen_k, start_m + BLOCK_M + diag) if IS_CAUSAL else seqlen_k
         for start_n in range(0, end_n, BLOCK_N):
@@ -247,7 +259,9 @@ def _build_kernel(HEAD_DIM, config, IS_CAUSAL, IS_BF16, EVEN_HEAD_DIM, UNIT_STRI
             if not SHARE_KV:
                 load_tile(v_tile, v, v_offset, stride_vn, stride_vd, start_n, seqlen_k, head_dim, float32(1.0))
             cuda.syncthreads()
+        # side-by-side: end
 
+            # side-by-side: scores
             # S = Q K^T: the thread's TM x TN micro-tile, S_STEP head-dim columns a step.
             for i in range(TM):
                 for j in range(TN):
@@ -263,7 +277,9 @@ def _build_kernel(HEAD_DIM, config, IS_CAUSAL, IS_BF16, EVEN_HEAD_DIM, UNIT_STRI
                     for j in range(TN):
                         for e in range(S_STEP):
                             s[i, j] += q_frag[i, e] * k_frag[j, e]
+            # side-by-side: end
 
+            # side-by-side: mask
             # Mask only the tiles that cross the end of the keys or the causal diagonal.
             if start_n + BLOCK_N > seqlen_k or (IS_CAUSAL and start_n + BLOCK_N - 1 > start_m + diag):
                 for i in range(TM):
@@ -272,7 +288,9 @@ def _build_kernel(HEAD_DIM, config, IS_CAUSAL, IS_BF16, EVEN_HEAD_DIM, UNIT_STRI
                         key = start_n + tx + THREADS_N * j
                         if key >= seqlen_k or (IS_CAUSAL and key > row + diag):
                             s[i, j] = -math.inf
+            # side-by-side: end
 
+            # side-by-side: softmax
             # The row max over the tile: the thread's own keys, then the row's THREADS_N threads.
             for i in range(TM):
                 m_part = s[i, 0]
@@ -314,7 +332,9 @@ def _build_kernel(HEAD_DIM, config, IS_CAUSAL, IS_BF16, EVEN_HEAD_DIM, UNIT_STRI
                     for i in range(TM):
                         for c in range(TD):
                             acc[i, c] += p_frag[i, e] * v_frag[c]
+            # side-by-side: end
 
+        # side-by-side: epilogue
         # Epilogue: the row sum of the THREADS_N partials, then O = acc / l and L = m + log(l), each once.
         cuda.syncthreads()
         for i in range(TM):
@@ -337,6 +357,7 @@ def _build_kernel(HEAD_DIM, config, IS_CAUSAL, IS_BF16, EVEN_HEAD_DIM, UNIT_STRI
                 if tx == 0:
                     L = (m_i[i] + math.log2(l_sum)) * LN2 if l_sum > 0.0 else math.inf
                     lse[uint64(off_bh * seqlen_q + row)] = L
+        # side-by-side: end
 
     # The simulator's jit takes no max_registers.
     return cuda.jit(_attn_fwd) if simulated() else cuda.jit(max_registers=MAX_REGISTERS)(_attn_fwd)
