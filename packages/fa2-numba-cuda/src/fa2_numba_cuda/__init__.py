@@ -1,7 +1,8 @@
-"""fa2-numba-cuda: FlashAttention-2's forward as a numba-cuda kernel on CUDA cores, or in numba's CUDA
-simulator on the CPU (NUMBA_ENABLE_CUDASIM=1, set before numba is imported)."""
+"""fa2-numba-cuda: FlashAttention-2's forward and backward as numba-cuda kernels on CUDA cores, or in numba's
+CUDA simulator on the CPU (NUMBA_ENABLE_CUDASIM=1, set before numba is imported)."""
 
 from fa2_numba_cuda.autograd import FlashAttention2
+from fa2_numba_cuda.backward import flash_attn_backward
 from fa2_numba_cuda.forward import flash_attn_forward, kernel_resources, simulated
 
 NAME = "numba-cuda"
@@ -28,4 +29,4 @@ def _version() -> str:
     return version("numba-cuda")
 
 
-__all__ = ["NAME", "FlashAttention2", "availability", "flash_attn_forward", "kernel_resources"]
+__all__ = ["NAME", "FlashAttention2", "availability", "flash_attn_backward", "flash_attn_forward", "kernel_resources"]

@@ -1,10 +1,11 @@
-"""``FlashAttention2``: the torch.autograd.Function of the CS336 contract around ``flash_attn_forward``."""
+"""``FlashAttention2``: the torch.autograd.Function of the CS336 contract around the forward and backward."""
 
 from __future__ import annotations
 
 import torch
-from fa2.layout import forward_any_rank
+from fa2.layout import backward_any_rank, forward_any_rank
 
+from fa2_numba_cuda.backward import flash_attn_backward
 from fa2_numba_cuda.forward import flash_attn_forward
 
 
@@ -27,4 +28,6 @@ class FlashAttention2(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dO, *unused):
-        raise NotImplementedError("fa2-numba-cuda has no backward pass yet: its forward is inference-only")
+        q, k, v, O, L = ctx.saved_tensors
+        dq, dk, dv = backward_any_rank(flash_attn_backward, q, k, v, O, L, dO, ctx.is_causal, ctx.scale)
+        return dq, dk, dv, None, None, None

@@ -1,0 +1,665 @@
+"""FlashAttention-2 backward as numba-cuda kernels on CUDA cores (SIMT, fp32 arithmetic).
+
+The FA2 paper's Algorithm 2 in FA2's two-kernel split, as ``fa2_triton.backward``. From L, each tile's
+probabilities are recomputed instead of stored, P = exp(S - L), and
+
+    delta  = rowsum(dO ∘ O)              _attn_bwd_preprocess: once, fp32
+    dV_j  += Pᵀ dO_i                     dP = dO_i V_jᵀ
+    dS     = P ∘ (dP - delta_i)
+    dK_j  += scale · dSᵀ Q_i             _attn_bwd_dkdv: one block per (key tile, batch·head), looping
+                                         over the query tiles that see the key tile
+    dQ_i  += scale · dS K_j              _attn_bwd_dq: one block per (query tile, batch·head), looping
+                                         over the key tiles the query tile sees
+
+Every block writes its own rows of dK, dV or dQ once: no atomics, so the result is deterministic. The
+price is computing S, P and dP twice (once per kernel), as FA2's own split does.
+
+Scores live in the log2 domain as in the forward (the operand used only for S is pre-scaled by ``qk_scale
+= scale · log2 e``, L is read as L · log2 e): P = exp2(S' - L'). A row that saw no key has L = +inf, so P =
+exp2(finite - inf) = 0 there and it gets zero gradients; query rows past seqlen_q are read with L = +inf
+for the same effect. Masked scores (keys past seqlen_k, and under causal keys past the diagonal) are set
+to -inf before exp2, as in the forward, only on the tiles that cross the end of the keys or the diagonal.
+Causal skips whole tiles: the dK/dV loop starts at the first query tile that sees any key of its tile,
+the dQ loop stops at the last key tile its tile sees.
+
+Both main kernels are the forward's block (``fa2_numba_cuda.forward``) with other operands: padded fp32
+shared tiles loaded by the forward's ``load_tile``, register micro-tiles indexed only by loops over
+constants, 4-float shared loads through uint64 indices, row statistics in registers.
+
+- ``_attn_bwd_dkdv`` works transposed (Sᵀ, Pᵀ, dPᵀ, dSᵀ: [BLOCK_N, BLOCK_M]), so that Pᵀ and dSᵀ are the
+  left operands of their products: THREADS_N x THREADS_M threads, thread (ty, tx) owns keys ``ty +
+  THREADS_N·i`` (i < TN) of every tile and of dk, dv; queries ``tx + THREADS_M·j`` (j < TM) of Sᵀ and dPᵀ;
+  dk's and dv's columns ``4·tx + 4·THREADS_M·jj + f``. Shared: ``k_tile`` (pre-scaled) and ``v_tile`` for
+  the whole block; ``q_tile`` and ``do_tile`` a step (with SHARE_QDO one buffer: Q, then dO, then Q again
+  for dK); ``pT_tile`` and ``dsT_tile``.
+- ``_attn_bwd_dq`` is the forward's layout (``BlockConfig``): ``q_tile`` (pre-scaled) and ``do_tile`` for
+  the whole block; ``v_tile`` and ``k_tile`` a step (with SHARE_KV one buffer: V for dP, then K for S and
+  dQ, with no reload); ``ds_tile``.
+
+Inputs as the forward's: fp32, fp16, or bf16 (as int16 bit patterns); any strides; head_dim up to 256;
+kernels compiled once per specialisation and launched on torch's current CUDA stream; numba's CUDA
+simulator runs them on CPU tensors (use tiny shapes there).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import numpy as np
+import torch
+from numba import cuda
+
+from fa2_numba_cuda.forward import (
+    LOG2E,
+    MAX_HEAD_DIM,
+    SHARED_ALIGN,
+    BlockConfig,
+    _bf16_to_float,
+    _check_device,
+    _flat,
+    _float_to_bf16,
+    _identity,
+    _tile_loader,
+    _to_float,
+    float32,
+    padded_head_dim,
+    simulated,
+    uint64,
+)
+
+# The preprocess kernel: PRE_BLOCK_M rows a block, one warp per row at a time, lanes along head_dim.
+PRE_BLOCK_M = 32
+PRE_WARPS = 4
+
+
+class DkDvConfig(NamedTuple):
+    """The dK/dV kernel's block: THREADS_N x THREADS_M threads; BLOCK_N keys held for the whole block,
+    BLOCK_M queries a step. Each thread owns BLOCK_N / THREADS_N keys, BLOCK_M / THREADS_M queries of Sᵀ
+    and HEAD_DIM / THREADS_M columns of dk and dv. SHARE_QDO: Q and dO take turns in one shared buffer (Q
+    loaded twice a step) where two would not fit in the 48 KB of static shared memory. MAX_REGISTERS caps
+    ptxas, as in the forward's ``BlockConfig``."""
+
+    BLOCK_N: int
+    BLOCK_M: int
+    THREADS_N: int
+    THREADS_M: int
+    SHARE_QDO: bool
+    MAX_REGISTERS: int
+
+
+def bwd_block_config(HEAD_DIM: int) -> tuple[DkDvConfig, BlockConfig]:
+    """The blocks of the dK/dV kernel and of the dQ kernel for a padded head dim: fp32 shared tiles under
+    48 KB, 128 threads. Per thread, the score micro-tiles (rows x columns) and the accumulators' (rows x
+    columns, dk and dv alike), and static shared memory per block:
+
+        HEAD_DIM   dK/dV kernel                          dQ kernel
+        32, 64     2x4, 2x4 to 2x8          27, 43 KB    2x4, 2x4 to 2x8          22.5, 38.5 KB
+        96         2x4, 2x12, Q/dO sharing  46.5 KB      2x4, 2x12, K/V sharing   42 KB
+        128        2x2, 2x16, Q/dO sharing  46.3 KB      2x2, 2x8, K/V sharing    35.3 KB
+        160-256    1x1, 1x20 to 1x32, Q/dO  27-42 KB     1x1, 1x20 to 1x32, K/V   26-41 KB
+
+    ptxas for sm_90, 128 registers at most (4 blocks per SM, as many as shared memory allows at HEAD_DIM
+    96 and 128): no spills, except 12 to 44 bytes in the dK/dV kernel at HEAD_DIM 96, 128 and 256 (a few
+    hundred where head_dim is padded and q, k, v, dO are not contiguous along it).
+    """
+    if HEAD_DIM <= 64:
+        return DkDvConfig(32, 32, 16, 8, False, 128), BlockConfig(32, 32, 16, 8, False, 128)
+    if HEAD_DIM == 96:
+        return DkDvConfig(32, 32, 16, 8, True, 128), BlockConfig(32, 32, 16, 8, True, 128)
+    if HEAD_DIM == 128:
+        return DkDvConfig(32, 16, 16, 8, True, 128), BlockConfig(16, 32, 8, 16, True, 128)
+    return DkDvConfig(16, 8, 16, 8, True, 128), BlockConfig(16, 8, 16, 8, True, 128)
+
+
+def _converters(IS_BF16):
+    """(to_float, from_float): bf16 as int16 bit patterns, fp16 and fp32 as themselves."""
+    return (_bf16_to_float, _float_to_bf16) if IS_BF16 else (_to_float, _identity)
+
+
+def _jit(kernel, MAX_REGISTERS):
+    # The simulator's jit takes no max_registers.
+    return cuda.jit(kernel) if simulated() else cuda.jit(max_registers=MAX_REGISTERS)(kernel)
+
+
+def _build_preprocess(HEAD_DIM, IS_BF16, EVEN_HEAD_DIM):
+    """delta = rowsum(dO ∘ O), fp32, for one padded head dim and input kind."""
+    to_float, _ = _converters(IS_BF16)
+
+    def _attn_bwd_preprocess(
+        o, do, delta,
+        stride_ob, stride_oh, stride_om, stride_od,
+        stride_dob, stride_doh, stride_dom, stride_dod,
+        heads, seqlen_q, head_dim, num_m_tiles,
+    ):
+        """One block: PRE_BLOCK_M query rows of one (batch, head); delta: (B·H, seqlen_q), flat. Warp w
+        takes rows w, w + PRE_WARPS, ...; lane l the columns l, l + 32, ...; the 32 partial sums of a row
+        are added through shared memory."""
+        start_m = (cuda.blockIdx.x % num_m_tiles) * PRE_BLOCK_M
+        off_bh = cuda.blockIdx.x // num_m_tiles
+        off_b = off_bh // heads
+        off_h = off_bh % heads
+        warp = cuda.threadIdx.x // 32
+        lane = cuda.threadIdx.x % 32
+        # 33 columns: the thread that adds up a row reads it without bank conflicts.
+        row_part = cuda.shared.array((PRE_BLOCK_M, 33), float32)
+
+        o_offset = off_b * stride_ob + off_h * stride_oh
+        do_offset = off_b * stride_dob + off_h * stride_doh
+        for rr in range(PRE_BLOCK_M // PRE_WARPS):
+            r = warp + PRE_WARPS * rr
+            row = start_m + r
+            part = float32(0.0)
+            if row < seqlen_q:
+                for cc in range(HEAD_DIM // 32):
+                    c = lane + 32 * cc
+                    if EVEN_HEAD_DIM or c < head_dim:
+                        o_c = to_float(o[uint64(o_offset + row * stride_om + c * stride_od)])
+                        do_c = to_float(do[uint64(do_offset + row * stride_dom + c * stride_dod)])
+                        part += o_c * do_c
+            row_part[r, lane] = part
+        cuda.syncthreads()
+        if cuda.threadIdx.x < PRE_BLOCK_M:
+            r = cuda.threadIdx.x
+            if start_m + r < seqlen_q:
+                total = float32(0.0)
+                for t in range(32):
+                    total += row_part[r, t]
+                delta[uint64(off_bh * seqlen_q + start_m + r)] = total
+
+    return _jit(_attn_bwd_preprocess, 128)
+
+
+def _build_dkdv(HEAD_DIM, config, IS_CAUSAL, IS_BF16, EVEN_HEAD_DIM, UNIT_STRIDE_D):
+    """The dK/dV kernel for one padded head dim, block shape, causality, input kind, whether head_dim is
+    HEAD_DIM and whether q, k, v and dO are contiguous along head_dim, all compile-time constants."""
+    BLOCK_N, BLOCK_M, THREADS_N, THREADS_M, SHARE_QDO, MAX_REGISTERS = config
+    NUM_WARPS = THREADS_N * THREADS_M // 32
+    TN = BLOCK_N // THREADS_N  # keys of Sᵀ, dPᵀ, dk and dv per thread
+    TM = BLOCK_M // THREADS_M  # queries of Sᵀ and dPᵀ per thread
+    TD = HEAD_DIM // THREADS_M  # head-dim columns of dk and dv per thread, in TD // 4 groups of 4
+    LD_D = HEAD_DIM + 4  # padded row lengths of the shared tiles
+    LD_M = BLOCK_M + 4
+    QDO_ROWS = BLOCK_M if SHARE_QDO else 2 * BLOCK_M
+    D_ROWS = 2 * BLOCK_N + QDO_ROWS  # rows of the head-dim tiles: K, V, Q and dO
+    PDS_ROWS = 2 * BLOCK_N  # rows of the query-wide tiles: Pᵀ and dSᵀ
+    S_STEP = 32 // TM  # head-dim columns a step of the Sᵀ and dPᵀ loops
+    assert THREADS_N * THREADS_M % 32 == 0 and BLOCK_M % NUM_WARPS == 0 and BLOCK_N % NUM_WARPS == 0
+    assert BLOCK_N % THREADS_N == 0 and BLOCK_M % THREADS_M == 0 and BLOCK_M % 4 == 0 and 32 % TM == 0
+    assert HEAD_DIM % (4 * THREADS_M) == 0 and HEAD_DIM % S_STEP == 0
+
+    to_float, from_float = _converters(IS_BF16)
+    load_tile = _tile_loader(HEAD_DIM, NUM_WARPS, EVEN_HEAD_DIM, UNIT_STRIDE_D, to_float)
+
+    def _attn_bwd_dkdv(
+        q, k, v, do, lse, delta, dk, dv,
+        stride_qb, stride_qh, stride_qm, stride_qd,
+        stride_kb, stride_kh, stride_kn, stride_kd,
+        stride_vb, stride_vh, stride_vn, stride_vd,
+        stride_dob, stride_doh, stride_dom, stride_dod,
+        stride_lb, stride_lh, stride_lm,
+        heads, seqlen_q, seqlen_k, head_dim, scale, qk_scale, num_n_tiles,
+    ):
+        """One block: BLOCK_N keys of one (batch, head). q, k, v, do: flat views of (B, H, N, D) tensors,
+        lse of (B, H, seqlen_q), with the given element strides; delta: (B·H, seqlen_q), fp32; dk, dv:
+        (B, H, seqlen_k, head_dim), flat, contiguous, in k's dtype."""
+        # Key j is visible to query i iff j <= i + diag.
+        diag = seqlen_k - seqlen_q
+        # Key tiles fastest: under causal the first key tiles are seen by the most query rows, so the
+        # longest blocks start first.
+        start_n = (cuda.blockIdx.x % num_n_tiles) * BLOCK_N
+        off_bh = cuda.blockIdx.x // num_n_tiles
+        off_b = off_bh // heads
+        off_h = off_bh % heads
+        tx = cuda.threadIdx.x % THREADS_M
+        ty = cuda.threadIdx.x // THREADS_M
+
+        # The tiles are row ranges of two shared arrays (one per row length: the simulator pays for each
+        # shared array a thread declares). Q and dO: two tiles, or with SHARE_QDO one that holds Q, then dO,
+        # then Q again.
+        d_tiles = cuda.shared.array((D_ROWS, LD_D), float32, alignment=SHARED_ALIGN)
+        k_tile = d_tiles[:BLOCK_N]  # [BLOCK_N, HEAD_DIM]
+        v_tile = d_tiles[BLOCK_N : 2 * BLOCK_N]  # [BLOCK_N, HEAD_DIM]
+        q_tile = d_tiles[2 * BLOCK_N : 2 * BLOCK_N + BLOCK_M]  # [BLOCK_M, HEAD_DIM]
+        do_tile = d_tiles[D_ROWS - BLOCK_M :]  # [BLOCK_M, HEAD_DIM]
+        m_tiles = cuda.shared.array((PDS_ROWS, LD_M), float32, alignment=SHARED_ALIGN)
+        pT_tile = m_tiles[:BLOCK_N]  # [BLOCK_N, BLOCK_M]
+        dsT_tile = m_tiles[BLOCK_N:]  # [BLOCK_N, BLOCK_M]
+
+        dk_acc = cuda.local.array((TN, TD), float32)  # [TN, TD] of dK's [BLOCK_N, HEAD_DIM]
+        dv_acc = cuda.local.array((TN, TD), float32)  # [TN, TD] of dV's [BLOCK_N, HEAD_DIM]
+        sT = cuda.local.array((TN, TM), float32)  # [TN, TM] of Sᵀ's [BLOCK_N, BLOCK_M]
+        dpT = cuda.local.array((TN, TM), float32)  # [TN, TM] of dPᵀ's [BLOCK_N, BLOCK_M]
+        lse_m = cuda.local.array(TM, float32)  # L · log2 e of the thread's queries
+        delta_m = cuda.local.array(TM, float32)
+        kv_frag = cuda.local.array((TN, S_STEP), float32)
+        qdo_frag = cuda.local.array((TM, S_STEP), float32)
+        p_frag = cuda.local.array((TN, 4), float32)
+        x_frag = cuda.local.array(TD, float32)
+        for i in range(TN):
+            for c in range(TD):
+                dk_acc[i, c] = 0.0
+                dv_acc[i, c] = 0.0
+
+        q_offset = off_b * stride_qb + off_h * stride_qh
+        do_offset = off_b * stride_dob + off_h * stride_doh
+        l_offset = off_b * stride_lb + off_h * stride_lh
+        # K pre-scaled by qk_scale = scale · log2 e: Sᵀ comes out of its loop ready for exp2.
+        load_tile(k_tile, k, off_b * stride_kb + off_h * stride_kh, stride_kn, stride_kd, start_n, seqlen_k,
+                  head_dim, qk_scale)
+        load_tile(v_tile, v, off_b * stride_vb + off_h * stride_vh, stride_vn, stride_vd, start_n, seqlen_k,
+                  head_dim, float32(1.0))
+
+        # Causal: query i sees a key of this tile iff i >= start_n - diag; earlier query tiles are skipped.
+        lo = max(start_n - diag, 0) // BLOCK_M * BLOCK_M if IS_CAUSAL else 0
+        for start_m in range(lo, seqlen_q, BLOCK_M):
+            cuda.syncthreads()  # the previous step's q_tile, do_tile, pT_tile and dsT_tile have been read
+            load_tile(q_tile, q, q_offset, stride_qm, stride_qd, start_m, seqlen_q, head_dim, float32(1.0))
+            if not SHARE_QDO:
+                load_tile(do_tile, do, do_offset, stride_dom, stride_dod, start_m, seqlen_q, head_dim,
+                          float32(1.0))
+            for j in range(TM):
+                row = start_m + tx + THREADS_M * j
+                # Rows past seqlen_q: L = +inf makes their P zero.
+                lse_m[j] = float32(math.inf)
+                delta_m[j] = 0.0
+                if row < seqlen_q:
+                    lse_m[j] = lse[uint64(l_offset + row * stride_lm)] * float32(LOG2E)
+                    delta_m[j] = delta[uint64(off_bh * seqlen_q + row)]
+            cuda.syncthreads()
+
+            # Sᵀ = K Qᵀ: the thread's TN x TM micro-tile, S_STEP head-dim columns a step.
+            for i in range(TN):
+                for j in range(TM):
+                    sT[i, j] = 0.0
+            for dd in range(HEAD_DIM // S_STEP):
+                for i in range(TN):
+                    for e in range(S_STEP):
+                        kv_frag[i, e] = k_tile[uint64(ty + THREADS_N * i), uint64(S_STEP * dd + e)]
+                for j in range(TM):
+                    for e in range(S_STEP):
+                        qdo_frag[j, e] = q_tile[uint64(tx + THREADS_M * j), uint64(S_STEP * dd + e)]
+                for i in range(TN):
+                    for j in range(TM):
+                        for e in range(S_STEP):
+                            sT[i, j] += kv_frag[i, e] * qdo_frag[j, e]
+
+            if SHARE_QDO:
+                cuda.syncthreads()  # q_tile has been read
+                load_tile(do_tile, do, do_offset, stride_dom, stride_dod, start_m, seqlen_q, head_dim,
+                          float32(1.0))
+                cuda.syncthreads()
+
+            # dPᵀ = V dOᵀ, as Sᵀ.
+            for i in range(TN):
+                for j in range(TM):
+                    dpT[i, j] = 0.0
+            for dd in range(HEAD_DIM // S_STEP):
+                for i in range(TN):
+                    for e in range(S_STEP):
+                        kv_frag[i, e] = v_tile[uint64(ty + THREADS_N * i), uint64(S_STEP * dd + e)]
+                for j in range(TM):
+                    for e in range(S_STEP):
+                        qdo_frag[j, e] = do_tile[uint64(tx + THREADS_M * j), uint64(S_STEP * dd + e)]
+                for i in range(TN):
+                    for j in range(TM):
+                        for e in range(S_STEP):
+                            dpT[i, j] += kv_frag[i, e] * qdo_frag[j, e]
+
+            # Mask only the tiles that cross the end of the keys or the causal diagonal.
+            if start_n + BLOCK_N > seqlen_k or (IS_CAUSAL and start_n + BLOCK_N - 1 > start_m + diag):
+                for i in range(TN):
+                    for j in range(TM):
+                        key = start_n + ty + THREADS_N * i
+                        row = start_m + tx + THREADS_M * j
+                        if key >= seqlen_k or (IS_CAUSAL and key > row + diag):
+                            sT[i, j] = -math.inf
+
+            # Pᵀ = exp2(Sᵀ - L) and dSᵀ = Pᵀ ∘ (dPᵀ - delta), to shared memory for the two products.
+            for i in range(TN):
+                for j in range(TM):
+                    pT = math.exp2(sT[i, j] - lse_m[j])
+                    pT_tile[ty + THREADS_N * i, tx + THREADS_M * j] = pT
+                    dsT_tile[ty + THREADS_N * i, tx + THREADS_M * j] = pT * (dpT[i, j] - delta_m[j])
+            cuda.syncthreads()
+
+            # dv += Pᵀ dO: the thread's TN x TD micro-tile, 4 queries a step.
+            for mm in range(BLOCK_M // 4):
+                for i in range(TN):
+                    for e in range(4):
+                        p_frag[i, e] = pT_tile[uint64(ty + THREADS_N * i), uint64(4 * mm + e)]
+                for e in range(4):
+                    for jj in range(TD // 4):
+                        for f in range(4):
+                            col = 4 * tx + 4 * THREADS_M * jj + f
+                            x_frag[4 * jj + f] = do_tile[uint64(4 * mm + e), uint64(col)]
+                    for i in range(TN):
+                        for c in range(TD):
+                            dv_acc[i, c] += p_frag[i, e] * x_frag[c]
+
+            if SHARE_QDO:
+                cuda.syncthreads()  # do_tile has been read
+                load_tile(q_tile, q, q_offset, stride_qm, stride_qd, start_m, seqlen_q, head_dim, float32(1.0))
+                cuda.syncthreads()
+
+            # dk += dSᵀ Q, as dv.
+            for mm in range(BLOCK_M // 4):
+                for i in range(TN):
+                    for e in range(4):
+                        p_frag[i, e] = dsT_tile[uint64(ty + THREADS_N * i), uint64(4 * mm + e)]
+                for e in range(4):
+                    for jj in range(TD // 4):
+                        for f in range(4):
+                            col = 4 * tx + 4 * THREADS_M * jj + f
+                            x_frag[4 * jj + f] = q_tile[uint64(4 * mm + e), uint64(col)]
+                    for i in range(TN):
+                        for c in range(TD):
+                            dk_acc[i, c] += p_frag[i, e] * x_frag[c]
+
+        # Epilogue: dk · scale and dv, each once; a key tile that no query sees stores zeros.
+        for i in range(TN):
+            key = start_n + ty + THREADS_N * i
+            if key < seqlen_k:
+                kv_row = (off_bh * seqlen_k + key) * head_dim
+                for jj in range(TD // 4):
+                    for f in range(4):
+                        col = 4 * tx + 4 * THREADS_M * jj + f
+                        if EVEN_HEAD_DIM or col < head_dim:
+                            dk[uint64(kv_row + col)] = from_float(dk_acc[i, 4 * jj + f] * scale)
+                            dv[uint64(kv_row + col)] = from_float(dv_acc[i, 4 * jj + f])
+
+    return _jit(_attn_bwd_dkdv, MAX_REGISTERS)
+
+
+def _build_dq(HEAD_DIM, config, IS_CAUSAL, IS_BF16, EVEN_HEAD_DIM, UNIT_STRIDE_D):
+    """The dQ kernel for one padded head dim, block shape (the forward's ``BlockConfig``), causality, input
+    kind, whether head_dim is HEAD_DIM and whether q, k, v and dO are contiguous along head_dim."""
+    BLOCK_M, BLOCK_N, THREADS_M, THREADS_N, SHARE_KV, MAX_REGISTERS = config
+    NUM_WARPS = THREADS_M * THREADS_N // 32
+    TM = BLOCK_M // THREADS_M  # rows of S, dP and dq per thread
+    TN = BLOCK_N // THREADS_N  # keys of S and dP per thread
+    TD = HEAD_DIM // THREADS_N  # head-dim columns of dq per thread, in TD // 4 groups of 4
+    LD_D = HEAD_DIM + 4  # padded row lengths of the shared tiles
+    LD_N = BLOCK_N + 4
+    KV_ROWS = BLOCK_N if SHARE_KV else 2 * BLOCK_N
+    D_ROWS = 2 * BLOCK_M + KV_ROWS  # rows of the head-dim tiles: Q, dO, K and V
+    S_STEP = 32 // TN  # head-dim columns a step of the S and dP loops
+    assert THREADS_M * THREADS_N % 32 == 0 and BLOCK_M % NUM_WARPS == 0 and BLOCK_N % NUM_WARPS == 0
+    assert BLOCK_M % THREADS_M == 0 and BLOCK_N % THREADS_N == 0 and BLOCK_N % 4 == 0 and 32 % TN == 0
+    assert HEAD_DIM % (4 * THREADS_N) == 0 and HEAD_DIM % S_STEP == 0
+
+    to_float, from_float = _converters(IS_BF16)
+    load_tile = _tile_loader(HEAD_DIM, NUM_WARPS, EVEN_HEAD_DIM, UNIT_STRIDE_D, to_float)
+
+    def _attn_bwd_dq(
+        q, k, v, do, lse, delta, dq,
+        stride_qb, stride_qh, stride_qm, stride_qd,
+        stride_kb, stride_kh, stride_kn, stride_kd,
+        stride_vb, stride_vh, stride_vn, stride_vd,
+        stride_dob, stride_doh, stride_dom, stride_dod,
+        stride_lb, stride_lh, stride_lm,
+        heads, seqlen_q, seqlen_k, head_dim, scale, qk_scale, num_m_tiles,
+    ):
+        """One block: BLOCK_M query rows of one (batch, head). Arguments as ``_attn_bwd_dkdv``'s; dq:
+        (B, H, seqlen_q, head_dim), flat, contiguous, in q's dtype."""
+        # Key j is visible to query i iff j <= i + diag.
+        diag = seqlen_k - seqlen_q
+        # Query tiles fastest and last first: under causal the last query tiles see the most keys, so the
+        # longest blocks start first.
+        start_m = (num_m_tiles - 1 - cuda.blockIdx.x % num_m_tiles) * BLOCK_M
+        off_bh = cuda.blockIdx.x // num_m_tiles
+        off_b = off_bh // heads
+        off_h = off_bh % heads
+        tx = cuda.threadIdx.x % THREADS_N
+        ty = cuda.threadIdx.x // THREADS_N
+
+        # The tiles of head-dim rows are row ranges of one shared array (the simulator pays for each shared
+        # array a thread declares). V and K: two tiles, or with SHARE_KV one that holds V until dP is
+        # computed, then K.
+        d_tiles = cuda.shared.array((D_ROWS, LD_D), float32, alignment=SHARED_ALIGN)
+        q_tile = d_tiles[:BLOCK_M]  # [BLOCK_M, HEAD_DIM]
+        do_tile = d_tiles[BLOCK_M : 2 * BLOCK_M]  # [BLOCK_M, HEAD_DIM]
+        k_tile = d_tiles[2 * BLOCK_M : 2 * BLOCK_M + BLOCK_N]  # [BLOCK_N, HEAD_DIM]
+        v_tile = d_tiles[D_ROWS - BLOCK_N :]  # [BLOCK_N, HEAD_DIM]
+        ds_tile = cuda.shared.array((BLOCK_M, LD_N), float32, alignment=SHARED_ALIGN)  # [BLOCK_M, BLOCK_N]
+
+        acc = cuda.local.array((TM, TD), float32)  # [TM, TD] of dQ's [BLOCK_M, HEAD_DIM]
+        s = cuda.local.array((TM, TN), float32)  # [TM, TN] of S's [BLOCK_M, BLOCK_N]
+        dp = cuda.local.array((TM, TN), float32)  # [TM, TN] of dP's [BLOCK_M, BLOCK_N]
+        lse_m = cuda.local.array(TM, float32)  # L · log2 e of the thread's rows
+        delta_m = cuda.local.array(TM, float32)
+        qdo_frag = cuda.local.array((TM, S_STEP), float32)
+        kv_frag = cuda.local.array((TN, S_STEP), float32)
+        ds_frag = cuda.local.array((TM, 4), float32)
+        k_frag = cuda.local.array(TD, float32)
+        l_offset = off_b * stride_lb + off_h * stride_lh
+        for i in range(TM):
+            for c in range(TD):
+                acc[i, c] = 0.0
+            row = start_m + ty + THREADS_M * i
+            # Rows past seqlen_q: L = +inf makes their P zero.
+            lse_m[i] = float32(math.inf)
+            delta_m[i] = 0.0
+            if row < seqlen_q:
+                lse_m[i] = lse[uint64(l_offset + row * stride_lm)] * float32(LOG2E)
+                delta_m[i] = delta[uint64(off_bh * seqlen_q + row)]
+
+        k_offset = off_b * stride_kb + off_h * stride_kh
+        v_offset = off_b * stride_vb + off_h * stride_vh
+        # Q pre-scaled by qk_scale = scale · log2 e: S comes out of its loop ready for exp2.
+        load_tile(q_tile, q, off_b * stride_qb + off_h * stride_qh, stride_qm, stride_qd, start_m, seqlen_q,
+                  head_dim, qk_scale)
+        load_tile(do_tile, do, off_b * stride_dob + off_h * stride_doh, stride_dom, stride_dod, start_m,
+                  seqlen_q, head_dim, float32(1.0))
+
+        # Causal: the tile's last row sees keys up to start_m + BLOCK_M - 1 + diag; later tiles are skipped.
+        end_n = min(seqlen_k, start_m + BLOCK_M + diag) if IS_CAUSAL else seqlen_k
+        for start_n in range(0, end_n, BLOCK_N):
+            cuda.syncthreads()  # the previous tile's k_tile, v_tile and ds_tile have been read
+            load_tile(v_tile, v, v_offset, stride_vn, stride_vd, start_n, seqlen_k, head_dim, float32(1.0))
+            if not SHARE_KV:
+                load_tile(k_tile, k, k_offset, stride_kn, stride_kd, start_n, seqlen_k, head_dim, float32(1.0))
+            cuda.syncthreads()
+
+            # dP = dO Vᵀ: the thread's TM x TN micro-tile, S_STEP head-dim columns a step.
+            for i in range(TM):
+                for j in range(TN):
+                    dp[i, j] = 0.0
+            for dd in range(HEAD_DIM // S_STEP):
+                for i in range(TM):
+                    for e in range(S_STEP):
+                        qdo_frag[i, e] = do_tile[uint64(ty + THREADS_M * i), uint64(S_STEP * dd + e)]
+                for j in range(TN):
+                    for e in range(S_STEP):
+                        kv_frag[j, e] = v_tile[uint64(tx + THREADS_N * j), uint64(S_STEP * dd + e)]
+                for i in range(TM):
+                    for j in range(TN):
+                        for e in range(S_STEP):
+                            dp[i, j] += qdo_frag[i, e] * kv_frag[j, e]
+
+            if SHARE_KV:
+                cuda.syncthreads()  # v_tile has been read
+                load_tile(k_tile, k, k_offset, stride_kn, stride_kd, start_n, seqlen_k, head_dim, float32(1.0))
+                cuda.syncthreads()
+
+            # S = Q Kᵀ, as dP.
+            for i in range(TM):
+                for j in range(TN):
+                    s[i, j] = 0.0
+            for dd in range(HEAD_DIM // S_STEP):
+                for i in range(TM):
+                    for e in range(S_STEP):
+                        qdo_frag[i, e] = q_tile[uint64(ty + THREADS_M * i), uint64(S_STEP * dd + e)]
+                for j in range(TN):
+                    for e in range(S_STEP):
+                        kv_frag[j, e] = k_tile[uint64(tx + THREADS_N * j), uint64(S_STEP * dd + e)]
+                for i in range(TM):
+                    for j in range(TN):
+                        for e in range(S_STEP):
+                            s[i, j] += qdo_frag[i, e] * kv_frag[j, e]
+
+            # Mask only the tiles that cross the end of the keys or the causal diagonal.
+            if start_n + BLOCK_N > seqlen_k or (IS_CAUSAL and start_n + BLOCK_N - 1 > start_m + diag):
+                for i in range(TM):
+                    for j in range(TN):
+                        row = start_m + ty + THREADS_M * i
+                        key = start_n + tx + THREADS_N * j
+                        if key >= seqlen_k or (IS_CAUSAL and key > row + diag):
+                            s[i, j] = -math.inf
+
+            # P = exp2(S - L) and dS = P ∘ (dP - delta), to shared memory for dS K.
+            for i in range(TM):
+                for j in range(TN):
+                    p = math.exp2(s[i, j] - lse_m[i])
+                    ds_tile[ty + THREADS_M * i, tx + THREADS_N * j] = p * (dp[i, j] - delta_m[i])
+            cuda.syncthreads()
+
+            # acc += dS K: the thread's TM x TD micro-tile, 4 keys a step.
+            for nn in range(BLOCK_N // 4):
+                for i in range(TM):
+                    for e in range(4):
+                        ds_frag[i, e] = ds_tile[uint64(ty + THREADS_M * i), uint64(4 * nn + e)]
+                for e in range(4):
+                    for jj in range(TD // 4):
+                        for f in range(4):
+                            col = 4 * tx + 4 * THREADS_N * jj + f
+                            k_frag[4 * jj + f] = k_tile[uint64(4 * nn + e), uint64(col)]
+                    for i in range(TM):
+                        for c in range(TD):
+                            acc[i, c] += ds_frag[i, e] * k_frag[c]
+
+        # Epilogue: dq = acc · scale, once; rows that see no key store zeros.
+        for i in range(TM):
+            row = start_m + ty + THREADS_M * i
+            if row < seqlen_q:
+                q_row = (off_bh * seqlen_q + row) * head_dim
+                for jj in range(TD // 4):
+                    for f in range(4):
+                        col = 4 * tx + 4 * THREADS_N * jj + f
+                        if EVEN_HEAD_DIM or col < head_dim:
+                            dq[uint64(q_row + col)] = from_float(acc[i, 4 * jj + f] * scale)
+
+    return _jit(_attn_bwd_dq, MAX_REGISTERS)
+
+
+# Compiled kernels by (name, *the builder's arguments): ("preprocess", HEAD_DIM, IS_BF16, EVEN_HEAD_DIM),
+# ("dkdv" or "dq", HEAD_DIM, config, IS_CAUSAL, IS_BF16, EVEN_HEAD_DIM, UNIT_STRIDE_D).
+_KERNELS: dict[tuple, object] = {}
+_BUILDERS = {"preprocess": _build_preprocess, "dkdv": _build_dkdv, "dq": _build_dq}
+
+
+def _kernel(name, *key):
+    kernel = _KERNELS.get((name, *key))
+    if kernel is None:
+        kernel = _KERNELS[name, *key] = _BUILDERS[name](*key)
+    return kernel
+
+
+def flash_attn_backward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    O: torch.Tensor,
+    L: torch.Tensor,
+    dO: torch.Tensor,
+    causal: bool,
+    scale: float,
+    config: tuple[DkDvConfig, BlockConfig] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Arguments:
+        q: (batch, heads, seqlen_q, head_dim); k, v: (batch, heads, seqlen_k, head_dim); any strides;
+            fp32, fp16 or bf16; CUDA tensors, or CPU tensors under numba's simulator.
+        O, dO: (batch, heads, seqlen_q, head_dim), q's dtype; L: (batch, heads, seqlen_q), float32, natural
+            log, from the forward (+inf on rows that see no key); any strides.
+        causal, scale: as in ``flash_attn_forward``.
+        config: the two kernels' blocks, for tuning; default ``bwd_block_config(padded_head_dim(head_dim))``.
+
+    Returns:
+        dq, dk, dv in the shapes and dtypes of q, k, v, contiguous; rows that see no key get dq = 0, keys
+        that no row sees dk = dv = 0.
+    """
+    batch, heads, seqlen_q, head_dim = q.shape
+    seqlen_k = k.shape[2]
+    if head_dim > MAX_HEAD_DIM:
+        raise NotImplementedError(f"fa2-numba-cuda supports head_dim up to {MAX_HEAD_DIM}, got {head_dim}")
+    _check_device(q)
+    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    if head_dim == 0 or batch * heads == 0:
+        return dq, dk, dv
+    dO = dO.to(q.dtype)
+    delta = torch.empty(batch * heads * seqlen_q, dtype=torch.float32, device=q.device)
+
+    HEAD_DIM = padded_head_dim(head_dim)
+    dkdv_config, dq_config = config if config is not None else bwd_block_config(HEAD_DIM)
+    dkdv_config, dq_config = DkDvConfig(*dkdv_config), BlockConfig(*dq_config)
+    is_bf16, even_head_dim = q.dtype == torch.bfloat16, head_dim == HEAD_DIM
+    unit_stride_d = q.stride(3) == k.stride(3) == v.stride(3) == dO.stride(3) == 1
+    flags = (bool(causal), is_bf16, even_head_dim, unit_stride_d)
+    # The kernels' views of the tensors: flat arrays over their memory, indexed with their element strides.
+    flat_q, flat_k, flat_v, flat_do, flat_lse, flat_delta = (_flat(t) for t in (q, k, v, dO, L, delta))
+    inputs = (flat_q, flat_k, flat_v, flat_do, flat_lse, flat_delta)
+    strides = (*q.stride(), *k.stride(), *v.stride(), *dO.stride(), *L.stride())
+    sizes = (heads, seqlen_q, seqlen_k, head_dim, np.float32(scale), np.float32(scale * LOG2E))
+    pre_m_tiles = -(-seqlen_q // PRE_BLOCK_M)
+    num_n_tiles = -(-seqlen_k // dkdv_config.BLOCK_N)
+    num_m_tiles = -(-seqlen_q // dq_config.BLOCK_M)
+
+    # (kernel, grid, block, arguments), in order; a kernel with no rows to write is not launched.
+    launches = []
+    if seqlen_q:
+        launches.append((
+            _kernel("preprocess", HEAD_DIM, is_bf16, even_head_dim), pre_m_tiles * batch * heads,
+            32 * PRE_WARPS,
+            (_flat(O), flat_do, flat_delta, *O.stride(), *dO.stride(), heads, seqlen_q, head_dim, pre_m_tiles),
+        ))
+    if seqlen_k:
+        launches.append((
+            _kernel("dkdv", HEAD_DIM, dkdv_config, *flags), num_n_tiles * batch * heads,
+            dkdv_config.THREADS_N * dkdv_config.THREADS_M,
+            (*inputs, _flat(dk), _flat(dv), *strides, *sizes, num_n_tiles),
+        ))
+    if seqlen_q:
+        launches.append((
+            _kernel("dq", HEAD_DIM, dq_config, *flags), num_m_tiles * batch * heads,
+            dq_config.THREADS_M * dq_config.THREADS_N,
+            (*inputs, _flat(dq), *strides, *sizes, num_m_tiles),
+        ))
+    if simulated():
+        for kernel, grid, block, args in launches:
+            kernel[grid, block](*args)
+    else:
+        with cuda.gpus[q.device.index]:
+            stream = cuda.external_stream(torch.cuda.current_stream(q.device).cuda_stream)
+            for kernel, grid, block, args in launches:
+                kernel[grid, block, stream](*args)
+    return dq, dk, dv
+
+
+def kernel_resources() -> list[dict]:
+    """Registers and local memory per thread, static shared memory per block, of every backward kernel
+    compiled so far in this process (one row per compiled specialisation); empty under the simulator."""
+    if simulated():
+        return []
+    rows = []
+    for (name, *key), kernel in _KERNELS.items():
+        if name == "preprocess":
+            HEAD_DIM, IS_BF16, EVEN_HEAD_DIM = key
+            spec = {"HEAD_DIM": HEAD_DIM, "bf16": IS_BF16, "even_head_dim": EVEN_HEAD_DIM}
+        else:
+            HEAD_DIM, config, IS_CAUSAL, IS_BF16, EVEN_HEAD_DIM, UNIT_STRIDE_D = key
+            spec = {
+                "HEAD_DIM": HEAD_DIM, **config._asdict(), "causal": IS_CAUSAL, "bf16": IS_BF16,
+                "even_head_dim": EVEN_HEAD_DIM, "unit_stride_d": UNIT_STRIDE_D,
+            }
+        regs = kernel.get_regs_per_thread()
+        shared = kernel.get_shared_mem_per_block()
+        local = kernel.get_local_mem_per_thread()
+        for signature in regs:
+            rows.append({
+                "kernel": name, **spec, "signature": ", ".join(str(t) for t in signature),
+                "registers_per_thread": regs[signature], "shared_bytes_per_block": shared[signature],
+                "local_bytes_per_thread": local[signature],
+            })
+    return rows
