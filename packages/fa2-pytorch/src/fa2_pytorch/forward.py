@@ -68,13 +68,16 @@ def flash_attn_forward(
     # Key j is visible to query i iff j <= i + diag.
     diag = seqlen_k - seqlen_q
 
+    # side-by-side: state
     # Batch and heads merged into one matmul batch dim: [BH, N, HEAD_DIM].
     acc = torch.zeros(bh, seqlen_q, head_dim, device=q.device, dtype=torch.float32)
     m_i = torch.full((bh, seqlen_q, 1), -math.inf, device=q.device, dtype=torch.float32)
     l_i = torch.zeros(bh, seqlen_q, 1, device=q.device, dtype=torch.float32)
     q32 = q.float().reshape(bh, seqlen_q, head_dim)
+    # side-by-side: end
 
     with _tf32_matmul(q.dtype != torch.float32):
+        # side-by-side: loop
         for start_n in range(0, seqlen_k, block_n):
             end_n = min(start_n + block_n, seqlen_k)
             # Causal: query tiles wholly above this key tile's first key see none of it; skip them.
@@ -84,16 +87,22 @@ def flash_attn_forward(
             q_i = q32[:, start_m:]
             k_j = k[:, :, start_n:end_n].float().reshape(bh, end_n - start_n, head_dim)
             v_j = v[:, :, start_n:end_n].float().reshape(bh, end_n - start_n, head_dim)
+        # side-by-side: end
 
+            # side-by-side: scores
             # The scale rides in the matmul's epilogue (beta = 0: S's initial contents are ignored).
             S = torch.empty(bh, seqlen_q - start_m, end_n - start_n, device=q.device, dtype=torch.float32)
             torch.baddbmm(S, q_i, k_j.transpose(1, 2), beta=0.0, alpha=scale, out=S)  # [BH, M, BLOCK_N]
+            # side-by-side: end
+            # side-by-side: mask
             masked = causal and end_n - 1 > start_m + diag
             if masked:
                 rows = torch.arange(start_m, seqlen_q, device=q.device)[:, None]
                 cols = torch.arange(start_n, end_n, device=q.device)[None, :]
                 S.masked_fill_(cols > rows + diag, -math.inf)
+            # side-by-side: end
 
+            # side-by-side: softmax
             p = torch.softmax(S, dim=-1)  # exp(S - lse_j), normalised within the tile
             # At the row's max score m_j, p = exp(m_j - lse_j). The max of S, not of p: where softmax gives
             # NaN (scores all -inf, or one +inf or NaN), only S's max tells the first case from the others.
@@ -116,12 +125,15 @@ def flash_attn_forward(
             l_i[:, start_m:].mul_(alpha).add_(beta)
             acc[:, start_m:].mul_(alpha).add_(pv.mul_(beta))
             m_i[:, start_m:] = m_new
+            # side-by-side: end
 
+    # side-by-side: epilogue
     # Rows that saw no key have l_i = 0: O = 0 and L = +inf (see fa2.attention).
     empty = l_i == 0
     O = (acc / l_i.masked_fill(empty, 1.0)).to(q.dtype).view(batch, heads, seqlen_q, head_dim)
     L = (m_i + torch.log(l_i)).masked_fill(empty, math.inf).view(batch, heads, seqlen_q)
     return O, L
+    # side-by-side: end
 
 
 @contextlib.contextmanager

@@ -85,6 +85,7 @@ def _attn_fwd_inner(
 ):
     """The online softmax over key tiles [lo, hi): masked iff IN_BAND. k_src, v_src: tensor descriptors
     (USE_TMA) or [BLOCK_N, HEAD_DIM] pointers to the first key tile of this batch·head."""
+    # side-by-side: scores
     for start_n in tl.range(lo, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         cols = start_n + offs_n
@@ -97,13 +98,17 @@ def _attn_fwd_inner(
         qk = tl.dot(q, tl.trans(k), input_precision="ieee")  # [BLOCK_M, BLOCK_N]
         if not FUSED_EXP2:
             qk = qk * qk_scale  # log2 units
+    # side-by-side: end
+        # side-by-side: mask
         if IN_BAND:
             # Key j is visible to query i iff j < seqlen_k and, under causal, j <= i + diag.
             visible = cols[None, :] < N_K
             if IS_CAUSAL:
                 visible = visible & (cols[None, :] <= offs_m[:, None] + diag)
             qk = tl.where(visible, qk, float("-inf"))
+        # side-by-side: end
 
+        # side-by-side: softmax
         if FUSED_EXP2:
             # qk_scale > 0, so the max commutes with it (and -inf stays -inf): the scaled max, then scale
             # and subtract in one FMA.
@@ -141,6 +146,7 @@ def _attn_fwd_inner(
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision="ieee")
         l_i = l_i * alpha + tl.sum(p, 1)
         m_i = m_new
+        # side-by-side: end
     return acc, l_i, m_i
 
 
@@ -179,6 +185,7 @@ def _attn_fwd(
     # Key j is visible to query i iff j <= i + diag.
     diag = N_K - N_Q
 
+    # side-by-side: state
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -204,7 +211,9 @@ def _attn_fwd(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    # side-by-side: end
 
+    # side-by-side: loop
     if IS_CAUSAL:
         # Every row of the tile sees keys < start_m + diag + 1; some row sees keys < start_m + BLOCK_M + diag.
         lo_band = tl.maximum(start_m + diag + 1, 0) // BLOCK_N * BLOCK_N
@@ -222,7 +231,9 @@ def _attn_fwd(
         offs_m, offs_n, offs_d, head_dim, N_K, diag, qk_scale, lo_band, hi,
         True, IS_CAUSAL, BLOCK_N, HEAD_DIM, EVEN_D, USE_TMA, FUSED_EXP2, LAZY_RESCALE,
     )
+    # side-by-side: end
 
+    # side-by-side: epilogue
     # Rows that saw no key have l_i = 0: O = 0 and L = +inf (see fa2.attention).
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)
@@ -242,6 +253,7 @@ def _attn_fwd(
         if not EVEN_D:
             o_mask = o_mask & (offs_d[None, :] < head_dim)
         tl.store(o_ptrs, acc.to(O.dtype.element_ty), mask=o_mask)
+    # side-by-side: end
 
 
 class Tiles(NamedTuple):
