@@ -180,27 +180,34 @@ def _run_tc(q, k, v, causal, scale, config):
     return forward.flash_attn_forward(q, k, v, causal, scale, config, tensor_cores=True)
 
 
-def _case(dtype, b, h, n_q, n_k, d, causal, warps, block_n, scale=None):
+def _case(dtype, b, h, n_q, n_k, d, causal, config, scale=None):
     kind, mask = "bf16" if dtype == torch.bfloat16 else "fp16", "causal" if causal else "full"
-    name = f"{kind}-B{b}-H{h}-{n_q}x{n_k}-D{d}-{mask}"
-    return pytest.param(dtype, (b, h, n_q, n_k, d), causal, (warps, block_n, 0), scale,
-                        id=f"{name}-{warps}w{block_n}" + (f"-scale{scale}" if scale is not None else ""))
+    warps, block_n, _, ahead = config
+    name = f"{kind}-B{b}-H{h}-{n_q}x{n_k}-D{d}-{mask}-{warps}w{block_n}" + ("-ahead" if ahead else "")
+    return pytest.param(dtype, (b, h, n_q, n_k, d), causal, config, scale,
+                        id=name + (f"-scale{scale}" if scale is not None else ""))
 
 
+SMALL, SMALL_AHEAD, ONE_WARP = (2, 16, 0, False), (2, 16, 0, True), (1, 16, 0, False)
 SIM_CASES = [
     # several key and query tiles, masked key tiles, head_dim padded 24 -> 32
-    _case(torch.float16, 1, 2, 37, 53, 24, True, 2, 16),
+    _case(torch.float16, 1, 2, 37, 53, 24, True, SMALL),
+    _case(torch.float16, 1, 2, 37, 53, 24, True, SMALL_AHEAD),
     # seqlen_q > seqlen_k: causal rows that see no key (O = 0, L = +inf)
-    _case(torch.bfloat16, 1, 1, 37, 19, 16, True, 1, 16),
-    _case(torch.bfloat16, 2, 1, 33, 70, 40, False, 2, 32, 2.5),
+    _case(torch.bfloat16, 1, 1, 37, 19, 16, True, ONE_WARP),
+    _case(torch.bfloat16, 1, 1, 37, 19, 16, True, SMALL_AHEAD),
+    # S_AHEAD's pairs of key tiles: one tile, an odd number, an even number
+    _case(torch.bfloat16, 1, 1, 20, 16, 16, False, SMALL_AHEAD),
+    _case(torch.float16, 1, 1, 20, 48, 48, True, SMALL_AHEAD),
+    _case(torch.bfloat16, 2, 1, 33, 70, 40, False, (2, 32, 0, True), 2.5),
     # odd head_dim: O stored element by element; rows not 16 B apart: plain loads
-    _case(torch.float16, 1, 1, 21, 30, 13, True, 1, 16),
+    _case(torch.float16, 1, 1, 21, 30, 13, True, ONE_WARP),
     # scale < 0 (q's sign flipped in registers) and scale = 0
-    _case(torch.bfloat16, 1, 1, 19, 37, 16, True, 1, 16, -0.7),
-    _case(torch.float16, 1, 1, 19, 37, 16, False, 1, 16, 0.0),
-    # the GPU's block shapes (tc_config): 8 warps, 64-key tiles
-    _case(torch.float16, 1, 1, 100, 70, 64, False, 8, 64),
-    _case(torch.bfloat16, 1, 1, 70, 80, 128, True, 8, 64),
+    _case(torch.bfloat16, 1, 1, 19, 37, 16, True, ONE_WARP, -0.7),
+    _case(torch.float16, 1, 1, 19, 37, 16, False, SMALL_AHEAD, 0.0),
+    # the GPU's block shapes (tc_config)
+    _case(torch.float16, 1, 1, 100, 70, 64, False, forward_tc.tc_config(64)),
+    _case(torch.bfloat16, 1, 1, 70, 80, 128, True, forward_tc.tc_config(128)),
 ]
 
 
@@ -229,9 +236,9 @@ def test_simulated_kernel_strided_inputs():
     q, k, v = _layouts(torch.float16)
     assert forward_tc._rows_16b_aligned(q) and not forward_tc._rows_16b_aligned(k)
     assert not forward_tc._rows_16b_aligned(v)
-    O, L = _run_tc(q, k, v, True, 32**-0.5, (2, 16, 0))
+    O, L = _run_tc(q, k, v, True, 32**-0.5, SMALL)
     assert_matches_reference(O, L, q, k, v, True)
-    O2, L2 = _run_tc(q, k.contiguous(), v.contiguous(), True, 32**-0.5, (2, 16, 0))
+    O2, L2 = _run_tc(q, k.contiguous(), v.contiguous(), True, 32**-0.5, SMALL)
     assert torch.equal(O, O2) and torch.equal(L, L2), "cp.async and plain loads gave different bits"
 
 
@@ -239,7 +246,7 @@ def test_simulated_kernel_strided_inputs():
 def test_simulated_kernel_huge_scores():
     """Inputs ×60 (scores ~10⁴): the running max moves by thousands between key tiles."""
     q, k, v = (60 * t for t in random_qkv((1, 1, 20, 32), (1, 1, 50, 32), torch.float16, "cpu", seed=7))
-    O, L = _run_tc(q, k, v, False, 32**-0.5, (1, 16, 0))
+    O, L = _run_tc(q, k, v, False, 32**-0.5, SMALL_AHEAD)
     assert torch.isfinite(O).all() and torch.isfinite(L).all()
     assert_matches_reference(O, L, q, k, v, False)
 
@@ -248,7 +255,7 @@ def test_simulated_kernel_huge_scores():
 def test_simulated_kernel_no_keys():
     q = torch.randn(1, 2, 5, 16, dtype=torch.float16)
     k = v = torch.randn(1, 2, 0, 16, dtype=torch.float16)
-    O, L = _run_tc(q, k, v, False, 0.25, (1, 16, 0))
+    O, L = _run_tc(q, k, v, False, 0.25, ONE_WARP)
     assert (O == 0).all() and torch.isposinf(L).all()
 
 

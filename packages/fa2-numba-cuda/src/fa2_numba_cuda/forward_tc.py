@@ -79,11 +79,14 @@ MIN_COMPUTE_CAPABILITY = (8, 0)
 
 class TensorCoreConfig(NamedTuple):
     """One block's shape: NUM_WARPS warps of 16 query rows each (BLOCK_M = 16 · NUM_WARPS), BLOCK_N keys per
-    tile (a multiple of 16). MAX_REGISTERS caps ptxas (0: no cap)."""
+    tile (a multiple of 16). MAX_REGISTERS caps ptxas (0: no cap; cp.async kernels only). S_AHEAD: each warp
+    computes S = Q Kᵀ of the next key tile during the softmax of the current one, their instructions
+    interleaved, so that its mma and FP32 work overlap (two S tiles in registers: BLOCK_N / 2 more each)."""
 
     NUM_WARPS: int
     BLOCK_N: int
     MAX_REGISTERS: int
+    S_AHEAD: bool = False
 
 
 def padded_head_dim(head_dim: int) -> int:
@@ -94,18 +97,26 @@ def padded_head_dim(head_dim: int) -> int:
 def tc_config(HEAD_DIM: int) -> TensorCoreConfig:
     """The block shape for a padded head dim: 128 query rows (8 warps) against 64-key tiles, the static
     shared memory 2 · max(128, 2 · 64) · (HEAD_DIM + 8) bytes. Per thread, one warp's slice holds Q's
-    fragments (HEAD_DIM / 4 registers), S's accumulators (32) and O's (HEAD_DIM / 2). As ptxas (sm_90)
-    reports them:
+    fragments (HEAD_DIM / 4 registers), S's accumulators (32, or 64 with S_AHEAD) and O's (HEAD_DIM / 2).
+    Up to HEAD_DIM 64, registers are capped at 128 so that two blocks share an SM (their barriers and
+    softmax phases then interleave); above, one block fills an SM's registers and S_AHEAD overlaps each
+    warp's softmax with the next tile's Q Kᵀ instead (not at 112, where ptxas keeps S_AHEAD's two S tiles in
+    local memory). As ptxas (sm_90) reports them:
 
-        HEAD_DIM   registers        local memory   shared    blocks of 8 warps per SM (registers)
-        16, 32     109, 124         0              6, 10 KB  2
-        48, 64     128 (capped)     24 B           14, 18 KB 2  (the spills are outside the key loop)
-        80, 96     173, 169         0              22, 26 KB 1
-        112, 128   224, 206         0              30, 34 KB 1
+        HEAD_DIM   registers          local memory            shared     blocks per SM
+        16         111                0                       6 KB       2
+        32-64      128 (capped)       16-32 B (spills, set    10-18 KB   2
+                                      outside the key loop)
+        80, 96     234, 246           0                       22, 26 KB  1
+        112        249                0                       30 KB      1
+        128        244                0                       34 KB      1
+
+    Measured choices these are not: they come from the offline compile, to be tuned on the GPU
+    (``flash_attn_forward(..., config=TensorCoreConfig(...))``).
     """
     if HEAD_DIM <= 64:
-        return TensorCoreConfig(8, 64, 128)
-    return TensorCoreConfig(8, 64, 0)
+        return TensorCoreConfig(8, 64, 128, False)
+    return TensorCoreConfig(8, 64, 0, HEAD_DIM != 112)
 
 
 def uses_tensor_cores(q: torch.Tensor) -> bool:
@@ -124,7 +135,7 @@ def _build_kernel(HEAD_DIM, config, IS_CAUSAL, IS_BF16, EVEN_HEAD_DIM, ASYNC_LOA
     """The kernel for one padded head dim, block shape, causality and input type; EVEN_HEAD_DIM: head_dim is
     HEAD_DIM (no column checks); ASYNC_LOADS: cp.async copies 16 B chunks (q, k, v contiguous along
     head_dim, rows 16 B aligned); O_PAIRS: head_dim is even and o is an int32 view (two elements a store)."""
-    NUM_WARPS, BLOCK_N, _ = config
+    NUM_WARPS, BLOCK_N, _, S_AHEAD = config
     BLOCK_M = 16 * NUM_WARPS
     NUM_THREADS = 32 * NUM_WARPS
     LD = HEAD_DIM + 8  # shared row length in 16-bit elements
@@ -132,6 +143,7 @@ def _build_kernel(HEAD_DIM, config, IS_CAUSAL, IS_BF16, EVEN_HEAD_DIM, ASYNC_LOA
     V_ROW = BLOCK_N  # K at rows 0 .. BLOCK_N, V at BLOCK_N .. 2 BLOCK_N (Q at 0 .. BLOCK_M before them)
     D_STEPS = HEAD_DIM // 16  # k steps of S = Q Kᵀ; pairs of 8-column tiles of O
     N_TILES = BLOCK_N // 8  # 8-key tiles of S
+    S_BUFFERS = 2 if S_AHEAD else 1  # S tiles held at once
     O_TILES = HEAD_DIM // 8  # 8-column tiles of O
     SIGN_BITS = -0x7FFF8000  # 0x80008000 as an int32: the sign bits of a pair of 16-bit floats
     CHUNKS = HEAD_DIM // 8  # 16 B chunks per row
@@ -212,6 +224,170 @@ def _build_kernel(HEAD_DIM, config, IS_CAUSAL, IS_BF16, EVEN_HEAD_DIM, ASYNC_LOA
         if ASYNC_LOADS:
             cp_async_wait_all()
 
+    def qk(BUF):
+        @device_function
+        def s_from_qk(s, q_frag, k_lane):
+            """s[BUF] = Q Kᵀ for the K tile in shared memory: per 16 keys and 16 head dims, one ldmatrix (the
+            B fragments of two 8-key tiles) and two mma."""
+            for j in range(N_TILES):
+                for e in range(4):
+                    s[BUF, j, e] = 0.0
+            for jj in range(N_TILES // 2):
+                for kk in range(D_STEPS):
+                    b0, b1, b2, b3 = ldmatrix_x4(k_lane + uint32(2 * (16 * jj * LD + 16 * kk)))
+                    d0, d1, d2, d3 = mma(
+                        q_frag[kk, 0], q_frag[kk, 1], q_frag[kk, 2], q_frag[kk, 3], b0, b1,
+                        s[BUF, 2 * jj, 0], s[BUF, 2 * jj, 1], s[BUF, 2 * jj, 2], s[BUF, 2 * jj, 3],
+                    )
+                    s[BUF, 2 * jj, 0] = d0
+                    s[BUF, 2 * jj, 1] = d1
+                    s[BUF, 2 * jj, 2] = d2
+                    s[BUF, 2 * jj, 3] = d3
+                    d0, d1, d2, d3 = mma(
+                        q_frag[kk, 0], q_frag[kk, 1], q_frag[kk, 2], q_frag[kk, 3], b2, b3,
+                        s[BUF, 2 * jj + 1, 0], s[BUF, 2 * jj + 1, 1], s[BUF, 2 * jj + 1, 2], s[BUF, 2 * jj + 1, 3],
+                    )
+                    s[BUF, 2 * jj + 1, 0] = d0
+                    s[BUF, 2 * jj + 1, 1] = d1
+                    s[BUF, 2 * jj + 1, 2] = d2
+                    s[BUF, 2 * jj + 1, 3] = d3
+
+        return s_from_qk
+
+    def softmax_max(BUF):
+        @device_function
+        def row_max(s, m_i, alpha, m_safe, start_n, seqlen_k, start_m, diag, row0, t, qk_scale):
+            """The first half of the online softmax of s[BUF] (the key tile at start_n), for rows g (h = 0:
+            s[BUF, :, 0:2]) and g + 8 (h = 1: s[BUF, :, 2:4]): the mask, the new row max m_i, alpha and m_safe,
+            the max to subtract. In base 2: the max of the raw scores times qk_scale > 0 is the max of the
+            scaled ones. Returns whether acc must be rescaled: some row of the warp has a new max (alpha != 1)."""
+            # The mask, only on tiles that cross the end of the keys or the causal diagonal.
+            if start_n + BLOCK_N > seqlen_k or (IS_CAUSAL and start_n + BLOCK_N - 1 > start_m + diag):
+                for j in range(N_TILES):
+                    for e in range(4):
+                        key = start_n + 8 * j + 2 * t + e % 2
+                        row = row0 + 8 * (e // 2)
+                        if key >= seqlen_k or (IS_CAUSAL and key > row + diag):
+                            s[BUF, j, e] = -math.inf
+            unchanged = True
+            for h in range(2):
+                m_tile = s[BUF, 0, 2 * h]
+                for j in range(N_TILES):
+                    m_tile = max(m_tile, max(s[BUF, j, 2 * h], s[BUF, j, 2 * h + 1]))
+                m_tile = max(m_tile, shfl_xor(m_tile, 1))
+                m_tile = max(m_tile, shfl_xor(m_tile, 2))
+                m_new = max(m_i[h], m_tile * qk_scale)
+                unchanged = unchanged and m_new == m_i[h]
+                # A row with nothing visible yet has m_new = -inf; subtracting 0 instead keeps exp2 at 0, not NaN.
+                m_safe[h] = m_new if m_new != -math.inf else float32(0.0)
+                alpha[h] = exp2_approx(m_i[h] - m_safe[h])
+                m_i[h] = m_new
+            return not all_lanes(unchanged)
+
+        return row_max
+
+    def softmax_exp(BUF, H):
+        @device_function
+        def row_exp(s, l_i, alpha, m_safe, qk_scale):
+            """The second half for row H: p = exp2(s · qk_scale - m_safe) in place (one FFMA and one MUFU),
+            l_i = alpha l_i + the lane's sum of p."""
+            l_part = float32(0.0)
+            for j in range(N_TILES):
+                for e in range(2 * H, 2 * H + 2):
+                    p = exp2_approx(s[BUF, j, e] * qk_scale - m_safe[H])
+                    s[BUF, j, e] = p
+                    l_part += p
+            l_i[H] = alpha[H] * l_i[H] + l_part
+
+        return row_exp
+
+    def qk_with_exp(CUR):
+        NXT = 1 - CUR
+        STEPS = N_TILES // 2 * D_STEPS  # ldmatrix + two mma each
+        PER_STEP = -(-4 * N_TILES // STEPS)  # elements of s[CUR] exponentiated after each
+
+        @device_function
+        def s_ahead(s, q_frag, k_lane, l_i, alpha, m_safe, qk_scale):
+            """s[NXT] = Q Kᵀ for the K tile in shared memory (as s_from_qk), with the second half of s[CUR]'s
+            softmax (as row_exp, both rows) spread between its mma, PER_STEP elements after each, so that each
+            warp issues tensor-core and FP32 instructions side by side."""
+            l_part = cuda.local.array(2, float32)
+            l_part[0] = 0.0
+            l_part[1] = 0.0
+            for j in range(N_TILES):
+                for e in range(4):
+                    s[NXT, j, e] = 0.0
+            for jj in range(N_TILES // 2):
+                for kk in range(D_STEPS):
+                    b0, b1, b2, b3 = ldmatrix_x4(k_lane + uint32(2 * (16 * jj * LD + 16 * kk)))
+                    d0, d1, d2, d3 = mma(
+                        q_frag[kk, 0], q_frag[kk, 1], q_frag[kk, 2], q_frag[kk, 3], b0, b1,
+                        s[NXT, 2 * jj, 0], s[NXT, 2 * jj, 1], s[NXT, 2 * jj, 2], s[NXT, 2 * jj, 3],
+                    )
+                    s[NXT, 2 * jj, 0] = d0
+                    s[NXT, 2 * jj, 1] = d1
+                    s[NXT, 2 * jj, 2] = d2
+                    s[NXT, 2 * jj, 3] = d3
+                    d0, d1, d2, d3 = mma(
+                        q_frag[kk, 0], q_frag[kk, 1], q_frag[kk, 2], q_frag[kk, 3], b2, b3,
+                        s[NXT, 2 * jj + 1, 0], s[NXT, 2 * jj + 1, 1], s[NXT, 2 * jj + 1, 2], s[NXT, 2 * jj + 1, 3],
+                    )
+                    s[NXT, 2 * jj + 1, 0] = d0
+                    s[NXT, 2 * jj + 1, 1] = d1
+                    s[NXT, 2 * jj + 1, 2] = d2
+                    s[NXT, 2 * jj + 1, 3] = d3
+                    for i in range(PER_STEP):
+                        x = (jj * D_STEPS + kk) * PER_STEP + i  # element x % 4 of s[CUR]'s tile x // 4
+                        if x < 4 * N_TILES:
+                            p = exp2_approx(s[CUR, x // 4, x % 4] * qk_scale - m_safe[x % 4 // 2])
+                            s[CUR, x // 4, x % 4] = p
+                            l_part[x % 4 // 2] += p
+            for h in range(2):
+                l_i[h] = alpha[h] * l_i[h] + l_part[h]
+
+        return s_ahead
+
+    def pv(BUF):
+        @device_function
+        def acc_plus_pv(s, acc, alpha, rescale, v_lane):
+            """acc = alpha · acc (if rescale) + P V for the V tile in shared memory, P = s[BUF]: P's A fragment
+            for 16 keys is two of S's C tiles, rounded to 16 bits in pairs."""
+            if rescale:  # late tiles rarely move any row's max: a warp-uniform skip
+                for c in range(O_TILES):
+                    for e in range(4):
+                        acc[c, e] *= alpha[e // 2]
+            for kk in range(N_TILES // 2):
+                a0 = pack(s[BUF, 2 * kk, 0], s[BUF, 2 * kk, 1])
+                a1 = pack(s[BUF, 2 * kk, 2], s[BUF, 2 * kk, 3])
+                a2 = pack(s[BUF, 2 * kk + 1, 0], s[BUF, 2 * kk + 1, 1])
+                a3 = pack(s[BUF, 2 * kk + 1, 2], s[BUF, 2 * kk + 1, 3])
+                for dd in range(D_STEPS):
+                    b0, b1, b2, b3 = ldmatrix_x4_trans(v_lane + uint32(2 * (16 * kk * LD + 16 * dd)))
+                    d0, d1, d2, d3 = mma(
+                        a0, a1, a2, a3, b0, b1, acc[2 * dd, 0], acc[2 * dd, 1], acc[2 * dd, 2], acc[2 * dd, 3]
+                    )
+                    acc[2 * dd, 0] = d0
+                    acc[2 * dd, 1] = d1
+                    acc[2 * dd, 2] = d2
+                    acc[2 * dd, 3] = d3
+                    d0, d1, d2, d3 = mma(
+                        a0, a1, a2, a3, b2, b3,
+                        acc[2 * dd + 1, 0], acc[2 * dd + 1, 1], acc[2 * dd + 1, 2], acc[2 * dd + 1, 3],
+                    )
+                    acc[2 * dd + 1, 0] = d0
+                    acc[2 * dd + 1, 1] = d1
+                    acc[2 * dd + 1, 2] = d2
+                    acc[2 * dd + 1, 3] = d3
+
+        return acc_plus_pv
+
+    qk_0 = qk(0)
+    ahead_0, ahead_1 = qk_with_exp(0), qk_with_exp(1)
+    max_0, max_1 = softmax_max(0), softmax_max(1)
+    exp_0_row_g, exp_0_row_g8 = softmax_exp(0, 0), softmax_exp(0, 1)
+    exp_1_row_g, exp_1_row_g8 = softmax_exp(1, 0), softmax_exp(1, 1)
+    pv_0, pv_1 = pv(0), pv(1)
+
     def _attn_fwd_tc(
         q, k, v, o, lse,
         stride_qb, stride_qh, stride_qm, stride_qd,
@@ -269,8 +445,9 @@ def _build_kernel(HEAD_DIM, config, IS_CAUSAL, IS_BF16, EVEN_HEAD_DIM, ASYNC_LOA
         m_i = cuda.local.array(2, float32)
         l_i = cuda.local.array(2, float32)
         alpha = cuda.local.array(2, float32)
+        m_safe = cuda.local.array(2, float32)
         acc = cuda.local.array((O_TILES, 4), float32)  # [16 rows, HEAD_DIM] as 8-column C tiles
-        s = cuda.local.array((N_TILES, 4), float32)  # [16 rows, BLOCK_N] as 8-key C tiles
+        s = cuda.local.array((S_BUFFERS, N_TILES, 4), float32)  # [16 rows, BLOCK_N] as 8-key C tiles
         for h in range(2):
             m_i[h] = -math.inf
             l_i[h] = 0.0
@@ -280,104 +457,68 @@ def _build_kernel(HEAD_DIM, config, IS_CAUSAL, IS_BF16, EVEN_HEAD_DIM, ASYNC_LOA
 
         # Causal: the block's last row sees keys up to start_m + BLOCK_M - 1 + diag; later tiles are skipped.
         end_n = min(seqlen_k, start_m + BLOCK_M + diag) if IS_CAUSAL else seqlen_k
+        row0 = start_m + 16 * warp + g
         if end_n > 0:
             load_kv(smem, smem_base, 0, k, k_base, k_offset, stride_kn, stride_kd, 0, seqlen_k, head_dim)
-        row0 = start_m + 16 * warp + g
-        for start_n in range(0, end_n, BLOCK_N):
-            wait_tiles()
-            cuda.syncthreads()  # K's tile has landed; every warp is done with the previous V tile
-            load_kv(smem, smem_base, V_ROW, v, v_base, v_offset, stride_vn, stride_vd, start_n, seqlen_k, head_dim)
-
-            # S = Q K^T: per 16 keys and 16 head dims, one ldmatrix (two B fragments) and two mma.
-            for j in range(N_TILES):
-                for e in range(4):
-                    s[j, e] = 0.0
-            for jj in range(N_TILES // 2):
-                for kk in range(D_STEPS):
-                    b0, b1, b2, b3 = ldmatrix_x4(k_lane + uint32(2 * (16 * jj * LD + 16 * kk)))
-                    d0, d1, d2, d3 = mma(
-                        q_frag[kk, 0], q_frag[kk, 1], q_frag[kk, 2], q_frag[kk, 3], b0, b1,
-                        s[2 * jj, 0], s[2 * jj, 1], s[2 * jj, 2], s[2 * jj, 3],
-                    )
-                    s[2 * jj, 0] = d0
-                    s[2 * jj, 1] = d1
-                    s[2 * jj, 2] = d2
-                    s[2 * jj, 3] = d3
-                    d0, d1, d2, d3 = mma(
-                        q_frag[kk, 0], q_frag[kk, 1], q_frag[kk, 2], q_frag[kk, 3], b2, b3,
-                        s[2 * jj + 1, 0], s[2 * jj + 1, 1], s[2 * jj + 1, 2], s[2 * jj + 1, 3],
-                    )
-                    s[2 * jj + 1, 0] = d0
-                    s[2 * jj + 1, 1] = d1
-                    s[2 * jj + 1, 2] = d2
-                    s[2 * jj + 1, 3] = d3
-
-            # The mask, only on tiles that cross the end of the keys or the causal diagonal.
-            if start_n + BLOCK_N > seqlen_k or (IS_CAUSAL and start_n + BLOCK_N - 1 > start_m + diag):
-                for j in range(N_TILES):
-                    for e in range(4):
-                        key = start_n + 8 * j + 2 * t + e % 2
-                        row = row0 + 8 * (e // 2)
-                        if key >= seqlen_k or (IS_CAUSAL and key > row + diag):
-                            s[j, e] = -math.inf
-
-            wait_tiles()
-            cuda.syncthreads()  # V's tile has landed; every warp is done with K's
-            if start_n + BLOCK_N < end_n:
-                load_kv(smem, smem_base, 0, k, k_base, k_offset, stride_kn, stride_kd, start_n + BLOCK_N,
-                        seqlen_k, head_dim)
-
-            # Online softmax, rows g (h = 0: s[:, 0:2]) and g + 8 (h = 1: s[:, 2:4]), in base 2: the max of the
-            # raw scores times qk_scale > 0 is the max of the scaled ones, and exp2(s · qk_scale - m) one FFMA.
-            unchanged = True
-            for h in range(2):
-                m_tile = s[0, 2 * h]
-                for j in range(N_TILES):
-                    m_tile = max(m_tile, max(s[j, 2 * h], s[j, 2 * h + 1]))
-                m_tile = max(m_tile, shfl_xor(m_tile, 1))
-                m_tile = max(m_tile, shfl_xor(m_tile, 2))
-                m_new = max(m_i[h], m_tile * qk_scale)
-                unchanged = unchanged and m_new == m_i[h]
-                # A row with nothing visible yet has m_new = -inf; subtracting 0 instead keeps exp2 at 0, not NaN.
-                m_safe = m_new if m_new != -math.inf else float32(0.0)
-                alpha[h] = exp2_approx(m_i[h] - m_safe)
-                l_part = float32(0.0)
-                for j in range(N_TILES):
-                    for e in range(2 * h, 2 * h + 2):
-                        p = exp2_approx(s[j, e] * qk_scale - m_safe)
-                        s[j, e] = p
-                        l_part += p
-                l_i[h] = alpha[h] * l_i[h] + l_part
-                m_i[h] = m_new
-            # Rescale acc only when some row of the warp has a new max (alpha != 1): late tiles rarely do.
-            if not all_lanes(unchanged):
-                for c in range(O_TILES):
-                    for e in range(4):
-                        acc[c, e] *= alpha[e // 2]
-
-            # acc += P V: P's A fragment for 16 keys is two C tiles of S, rounded to 16 bits in pairs.
-            for kk in range(N_TILES // 2):
-                a0 = pack(s[2 * kk, 0], s[2 * kk, 1])
-                a1 = pack(s[2 * kk, 2], s[2 * kk, 3])
-                a2 = pack(s[2 * kk + 1, 0], s[2 * kk + 1, 1])
-                a3 = pack(s[2 * kk + 1, 2], s[2 * kk + 1, 3])
-                for dd in range(D_STEPS):
-                    b0, b1, b2, b3 = ldmatrix_x4_trans(v_lane + uint32(2 * (16 * kk * LD + 16 * dd)))
-                    d0, d1, d2, d3 = mma(
-                        a0, a1, a2, a3, b0, b1, acc[2 * dd, 0], acc[2 * dd, 1], acc[2 * dd, 2], acc[2 * dd, 3]
-                    )
-                    acc[2 * dd, 0] = d0
-                    acc[2 * dd, 1] = d1
-                    acc[2 * dd, 2] = d2
-                    acc[2 * dd, 3] = d3
-                    d0, d1, d2, d3 = mma(
-                        a0, a1, a2, a3, b2, b3,
-                        acc[2 * dd + 1, 0], acc[2 * dd + 1, 1], acc[2 * dd + 1, 2], acc[2 * dd + 1, 3],
-                    )
-                    acc[2 * dd + 1, 0] = d0
-                    acc[2 * dd + 1, 1] = d1
-                    acc[2 * dd + 1, 2] = d2
-                    acc[2 * dd + 1, 3] = d3
+        if S_AHEAD:
+            # S of the next key tile is computed while the softmax of this one runs, their instructions
+            # interleaved in the source (ptxas keeps that order), so that each warp has mma and FP32 work to
+            # issue at once: s[0] and s[1] take turns.
+            if end_n > 0:
+                wait_tiles()
+                cuda.syncthreads()
+                qk_0(s, q_frag, k_lane)
+                cuda.syncthreads()  # every warp is done with K's first tile
+                if BLOCK_N < end_n:
+                    load_kv(smem, smem_base, 0, k, k_base, k_offset, stride_kn, stride_kd, BLOCK_N, seqlen_k,
+                            head_dim)
+            for start_n in range(0, end_n, 2 * BLOCK_N):
+                for half in range(2):  # the tiles at start_n (S in s[0]) and start_n + BLOCK_N (in s[1])
+                    n0 = start_n + half * BLOCK_N
+                    if n0 < end_n:
+                        wait_tiles()
+                        cuda.syncthreads()  # K's next tile has landed; every warp is done with V's tile
+                        load_kv(smem, smem_base, V_ROW, v, v_base, v_offset, stride_vn, stride_vd, n0, seqlen_k,
+                                head_dim)
+                        if half == 0:
+                            rescale = max_0(s, m_i, alpha, m_safe, n0, seqlen_k, start_m, diag, row0, t, qk_scale)
+                            if n0 + BLOCK_N < end_n:
+                                ahead_0(s, q_frag, k_lane, l_i, alpha, m_safe, qk_scale)
+                            else:
+                                exp_0_row_g(s, l_i, alpha, m_safe, qk_scale)
+                                exp_0_row_g8(s, l_i, alpha, m_safe, qk_scale)
+                        else:
+                            rescale = max_1(s, m_i, alpha, m_safe, n0, seqlen_k, start_m, diag, row0, t, qk_scale)
+                            if n0 + BLOCK_N < end_n:
+                                ahead_1(s, q_frag, k_lane, l_i, alpha, m_safe, qk_scale)
+                            else:
+                                exp_1_row_g(s, l_i, alpha, m_safe, qk_scale)
+                                exp_1_row_g8(s, l_i, alpha, m_safe, qk_scale)
+                        wait_tiles()
+                        cuda.syncthreads()  # V's tile has landed; every warp is done with K's
+                        if n0 + 2 * BLOCK_N < end_n:
+                            load_kv(smem, smem_base, 0, k, k_base, k_offset, stride_kn, stride_kd, n0 + 2 * BLOCK_N,
+                                    seqlen_k, head_dim)
+                        if half == 0:
+                            pv_0(s, acc, alpha, rescale, v_lane)
+                        else:
+                            pv_1(s, acc, alpha, rescale, v_lane)
+        else:
+            for start_n in range(0, end_n, BLOCK_N):
+                wait_tiles()
+                cuda.syncthreads()  # K's tile has landed; every warp is done with the previous V tile
+                load_kv(smem, smem_base, V_ROW, v, v_base, v_offset, stride_vn, stride_vd, start_n, seqlen_k,
+                        head_dim)
+                qk_0(s, q_frag, k_lane)
+                wait_tiles()
+                cuda.syncthreads()  # V's tile has landed; every warp is done with K's
+                if start_n + BLOCK_N < end_n:
+                    load_kv(smem, smem_base, 0, k, k_base, k_offset, stride_kn, stride_kd, start_n + BLOCK_N,
+                            seqlen_k, head_dim)
+                rescale = max_0(s, m_i, alpha, m_safe, start_n, seqlen_k, start_m, diag, row0, t, qk_scale)
+                exp_0_row_g(s, l_i, alpha, m_safe, qk_scale)
+                exp_0_row_g8(s, l_i, alpha, m_safe, qk_scale)
+                pv_0(s, acc, alpha, rescale, v_lane)
 
         # Epilogue: the row sums over each quad, then O = acc / l and L = m + log(l), each once.
         for h in range(2):
@@ -405,7 +546,9 @@ def _build_kernel(HEAD_DIM, config, IS_CAUSAL, IS_BF16, EVEN_HEAD_DIM, ASYNC_LOA
 
     if simulated():
         return cuda.jit(_attn_fwd_tc)
-    if config.MAX_REGISTERS:
+    # The cap is for the cp.async kernels: with plain loads, whose unrolled 16-bit loads ptxas hoists for
+    # latency, 128 registers spill hundreds of bytes (offline, sm_90).
+    if config.MAX_REGISTERS and ASYNC_LOADS:
         return cuda.jit(max_registers=config.MAX_REGISTERS)(_attn_fwd_tc)
     return cuda.jit(_attn_fwd_tc)
 
