@@ -9,8 +9,8 @@ instructions and their register layouts):
   16 w .. 16 w + 15 and never exchanges data with another warp. Q's fragments (A operands, one per 16 head
   dims) are loaded once with ``ldmatrix`` and stay in registers.
 - S = Q Kᵀ: per 16 keys and 16 head dims one ``ldmatrix.x4`` of K gives the B fragments of two 8-key tiles,
-  each an ``mma.m16n8k16`` into fp32 accumulators ``s`` [BLOCK_N / 8, 4]. Lane 4 g + t holds rows g and
-  g + 8 of the warp's slice (``s[j, 0:2]`` and ``s[j, 2:4]``), keys 8 j + 2 t, 8 j + 2 t + 1.
+  each an ``mma.m16n8k16`` into fp32 accumulators ``s[buf]`` [BLOCK_N / 8, 4]. Lane 4 g + t holds rows g
+  and g + 8 of the warp's slice (``s[buf, j, 0:2]`` and ``s[buf, j, 2:4]``), keys 8 j + 2 t and 8 j + 2 t + 1.
 - Online softmax in fp32, per lane on its two rows: mask, the tile's row max over the lane's keys then over
   its quad (two ``shfl_xor``), ``p = exp2(s · qk_scale - m)`` (qk_scale = |scale| · log2 e > 0, so the max
   of raw scores gives the max of scaled ones; a negative scale flips the sign bits of Q's fragments; one
@@ -22,9 +22,15 @@ instructions and their register layouts):
 - Shared memory: one buffer of max(BLOCK_M, 2 BLOCK_N) rows of HEAD_DIM + 8 16-bit elements (16 B of
   padding per row: the 8 row addresses of an ``ldmatrix`` fall in distinct banks); it holds Q until every
   warp has its fragments, then K (rows 0 .. BLOCK_N) and V (rows BLOCK_N .. 2 BLOCK_N). Under 48 KB, static.
-- Loads overlap compute as in FA2's kernel: V's tile is copied while S = Q Kᵀ runs, the next K tile while
-  the softmax and P V run, with ``cp.async`` (16 B per thread, zero-filled past the keys or head_dim) where
-  q, k and v are contiguous along head_dim with 16 B aligned rows, else with plain loads (any strides).
+- Loads overlap compute as in FA2's kernel (one K and one V buffer, two barriers per key tile): V's tile is
+  copied while S = Q Kᵀ runs, the next K tile while the softmax and P V run (with S_AHEAD: V's during the
+  softmax and the next S, K's during P V), with ``cp.async`` (16 B per thread, zero-filled past the keys or
+  head_dim) where q, k and v are contiguous along head_dim with 16 B aligned rows, else with plain loads
+  (any strides).
+- S_AHEAD (``TensorCoreConfig``): each warp computes S of the next key tile while it exponentiates this
+  one, one ldmatrix and two mma then a few exp2 and so on, in that order in the source (ptxas keeps it), so
+  that tensor-core and FP32 instructions issue side by side within the warp; s[0] and s[1] take turns.
+  Without it the same happens only between warps of different blocks, where two fit on an SM.
 
 Causal is bottom-right aligned (key j visible to query i iff j <= i + seqlen_k - seqlen_q): key tiles wholly
 above the diagonal are not visited, and only tiles that cross the diagonal or the end of the keys are
