@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 import torch
 
+import fa2
 from checks import assert_matches_reference, random_qkv
 
 pytest.importorskip("fa2_numba_cuda")
@@ -290,8 +291,6 @@ def test_dispatch_on_the_gpu(dtype, head_dim, causal):
     q, k, v = random_qkv((2, 3, 300, head_dim), (2, 3, 333, head_dim), dtype, "cuda", seed=head_dim)
     assert forward_tc.uses_tensor_cores(q)
     before = len(forward_tc._KERNELS)
-    import fa2
-
     O, L = fa2.attention(q, k, v, causal=causal, backend="numba-cuda")
     assert_matches_reference(O, L, q, k, v, causal)
     assert len(forward_tc._KERNELS) >= max(before, 1)
