@@ -201,9 +201,16 @@ if numba.config.ENABLE_CUDASIM:
 
     _lock = threading.Lock()
     _SHARED_BASE, _GLOBAL_BASE, _GAP = 0x1000, 1 << 40, 1 << 12
-    _regions: dict[int, tuple[int, np.ndarray]] = {}  # id(array) -> (virtual base, the array's bytes)
-    _next_base = {"shared": _SHARED_BASE, "global": _GLOBAL_BASE}
     _pending = threading.local()  # cp.async copies issued by this thread and not yet waited for
+
+    class _Block:
+        """What a simulated block's threads share here: its warps' exchanges and the virtual addresses of
+        the arrays they have taken the address of (id(array) -> (base, the array's bytes, the array))."""
+
+        def __init__(self):
+            self.warps = {}
+            self.regions = {}
+            self.next_base = {"shared": _SHARED_BASE, "global": _GLOBAL_BASE}
 
     class _Warp:
         def __init__(self):
@@ -211,11 +218,16 @@ if numba.config.ENABLE_CUDASIM:
             self.inputs = [None] * WARP_SIZE
             self.outputs = None
 
+    def _block():
+        manager = threading.current_thread()._manager  # numba's BlockManager, one per simulated block
+        with _lock:
+            return manager.__dict__.setdefault("_fa2_block", _Block())
+
     def _lane_and_warp():
         thread = threading.current_thread()
+        block = _block()
         with _lock:
-            warps = thread._manager.__dict__.setdefault("_fa2_warps", {})
-            warp = warps.setdefault(thread.thread_id // WARP_SIZE, _Warp())
+            warp = block.warps.setdefault(thread.thread_id // WARP_SIZE, _Warp())
         return thread.thread_id % WARP_SIZE, warp
 
     def _collective(value, compute):
@@ -229,21 +241,24 @@ if numba.config.ENABLE_CUDASIM:
         return warp.outputs[lane]
 
     def _register(array, space: str) -> int:
+        """The array's virtual base address in this block. A shared array is filled with 0xFF bytes when the
+        block first takes its address: NaN in fp16 and bf16, so that a tile read before it is written shows."""
         data = getattr(array, "_item", None)
         data = data._ary if data is not None else array  # a kernel argument's numpy array
+        block = _block()
         with _lock:
-            entry = _regions.get(id(data))
+            entry = block.regions.get(id(data))
             if entry is None:
-                base = _next_base[space]
-                _next_base[space] = base + -(-data.nbytes // _GAP) * _GAP + _GAP
+                base = block.next_base[space]
+                block.next_base[space] = base + -(-data.nbytes // _GAP) * _GAP + _GAP
                 if space == "shared":
-                    data.view(np.uint8)[:] = 0xFF  # NaN in fp16 and bf16: an unwritten tile reads as NaN
-                entry = _regions[id(data)] = (base, data.reshape(-1).view(np.uint8), data)
+                    data.view(np.uint8)[:] = 0xFF
+                entry = block.regions[id(data)] = (base, data.reshape(-1).view(np.uint8), data)
         return entry[0]
 
     def _bytes(address: int, nbytes: int) -> np.ndarray:
         address = int(address)
-        for base, data, _ in _regions.values():
+        for base, data, _ in _block().regions.values():
             if base <= address and address + nbytes <= base + data.size:
                 return data[address - base : address - base + nbytes]
         raise IndexError(f"address {address:#x} (+{nbytes} B) is outside every shared and global array")
