@@ -292,7 +292,7 @@ POISONED = {"q": (0, 1, 30, 3), "k": (0, 1, 20, 3), "v": (0, 1, 20, 3)}
 @pytest.mark.parametrize("causal", CAUSAL)
 @pytest.mark.parametrize("value", NON_FINITE)
 @pytest.mark.parametrize("tensor", ["q", "k", "v"])
-def test_non_finite_input(request, backend, status, device, tensor, value, causal):
+def test_non_finite_input(backend, status, device, tensor, value, causal):
     """One NaN or ±inf in fp32 q, k or v (batch 0, head 1): the outputs it reaches are as the fp64 reference
     (``strict_reference``), the others unchanged; no crash, no hang. Per case:
 
@@ -306,14 +306,10 @@ def test_non_finite_input(request, backend, status, device, tensor, value, causa
 
     Broke: fa2-pytorch gave a row with a +inf score (causal, in the diagonal's key tile) O = 0 and
     L = +inf, a row that "sees no key", instead of NaN: it took the tile's max score at the argmax of the
-    softmax, which for an all-NaN softmax is key 0 (here a -inf score). numba-cuda writes L = +inf instead
-    of NaN for a row whose sum l is NaN (its epilogue tests l > 0): see the xfail.
+    softmax, which for an all-NaN softmax is key 0 (here a -inf score). fa2-numba-cuda (both kernels) wrote
+    O = 0 and L = +inf for a row whose sum l was NaN: its epilogue took `l > 0` (False for NaN) to mean "no
+    key"; it now tests l != 0, so such rows get NaN and their gradients NaN, not zeros.
     """
-    if backend == "numba-cuda" and math.isnan(value) and tensor in ("q", "k"):
-        request.applymarker(pytest.mark.xfail(strict=True, reason=(
-            "fa2-numba-cuda bug: a NaN score gives L = +inf (the 'sees no key' marker) instead of NaN: the "
-            "epilogue's `l_sum > 0.0` is False for NaN, so L = inf and inv_l = 0; a backward would then "
-            "give such rows zero gradients instead of NaN")))
     require_runnable(backend, status, device, torch.float32, (1, 2, 37, 29, 16))
     clean = random_qkv((1, 2, 37, 16), (1, 2, 29, 16), torch.float32, device, seed=11)
     tol_O, tol_L = tolerances(*clean, causal)
@@ -340,20 +336,17 @@ MINUS_INF_KEYS = {
 
 
 @pytest.mark.parametrize("case", list(MINUS_INF_KEYS))
-def test_key_tiles_of_minus_inf_scores(request, backend, status, device, case):
+def test_key_tiles_of_minus_inf_scores(backend, status, device, case):
     """Keys whose scores are -inf for every row (k = -inf in column 0, q > 0 there) drop out, as in the
     reference: O and L are those of attention over the other keys, even where the -inf keys fill whole
     key tiles (leading: keys 0..255 of 300, every backend's first tiles; trailing: key 256 of 257, alone in
     fa2-pytorch's last key tile of 128 or 256); with every key -inf, each row counts as seeing no key: O = 0, L = +inf.
 
     Broke: fa2-pytorch gave those rows NaN (softmax of an all -inf tile row is NaN, and only tiles on the
-    causal diagonal discarded it). Triton: see the xfail."""
+    causal diagonal discarded it). fa2-triton gave NaN for the leading cases: a key tile off the causal band
+    (unmasked) whose scores were all -inf for a row that had seen no key yet made p = exp2(-inf - (-inf));
+    only the band's loop subtracted 0 instead of a -inf max, now both do."""
     n_k, poisoned = MINUS_INF_KEYS[case]
-    if backend == "triton" and poisoned.start == 0:
-        request.applymarker(pytest.mark.xfail(strict=True, reason=(
-            "fa2-triton bug: a key tile outside the causal band whose scores are all -inf for a row that has "
-            "seen no key yet gives p = exp2(-inf - (-inf)) = NaN: the unmasked loop subtracts m_new without "
-            "the band's m_safe guard")))
     require_runnable(backend, status, device, torch.float32, (1, 1, 37, n_k, 16))
     q, k, v = random_qkv((1, 1, 37, 16), (1, 1, n_k, 16), torch.float32, device, seed=12)
     q[..., 0] = q[..., 0].abs() + 0.1

@@ -346,8 +346,9 @@ def _build_kernel(HEAD_DIM, config, IS_CAUSAL, IS_BF16, EVEN_HEAD_DIM, UNIT_STRI
             for t in range(THREADS_N):
                 l_sum += row_part[uint64(ty + THREADS_M * i), uint64(t)]
             if row < seqlen_q:
-                # Rows that saw no key have l = 0: O = 0 and L = +inf (see fa2.attention).
-                inv_l = float32(1.0) / l_sum if l_sum > 0.0 else float32(0.0)
+                # Rows that saw no key have l = 0: O = 0 and L = +inf (see fa2.attention). A NaN score
+                # makes l NaN, and O and L must then be NaN, not the no-key marker: != 0, not > 0.
+                inv_l = float32(1.0) / l_sum if l_sum != 0.0 else float32(0.0)
                 o_row = (off_bh * seqlen_q + row) * head_dim
                 for jj in range(TD // 4):
                     for f in range(4):
@@ -355,7 +356,7 @@ def _build_kernel(HEAD_DIM, config, IS_CAUSAL, IS_BF16, EVEN_HEAD_DIM, UNIT_STRI
                         if EVEN_HEAD_DIM or col < head_dim:
                             o[uint64(o_row + col)] = from_float(acc[i, 4 * jj + f] * inv_l)
                 if tx == 0:
-                    L = (m_i[i] + math.log2(l_sum)) * LN2 if l_sum > 0.0 else math.inf
+                    L = (m_i[i] + math.log2(l_sum)) * LN2 if l_sum != 0.0 else math.inf
                     lse[uint64(off_bh * seqlen_q + row)] = L
         # side-by-side: end
 

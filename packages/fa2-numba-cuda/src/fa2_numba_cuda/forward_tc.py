@@ -532,8 +532,9 @@ def _build_kernel(HEAD_DIM, config, IS_CAUSAL, IS_BF16, EVEN_HEAD_DIM, ASYNC_LOA
             l_sum += shfl_xor(l_sum, 2)
             row = row0 + 8 * h
             if row < seqlen_q:
-                # Rows that saw no key have l = 0: O = 0 and L = +inf (see fa2.attention).
-                inv_l = float32(1.0) / l_sum if l_sum > 0.0 else float32(0.0)
+                # Rows that saw no key have l = 0: O = 0 and L = +inf (see fa2.attention). A NaN score
+                # makes l NaN, and O and L must then be NaN, not the no-key marker: != 0, not > 0.
+                inv_l = float32(1.0) / l_sum if l_sum != 0.0 else float32(0.0)
                 o_row = (off_bh * seqlen_q + row) * head_dim
                 for c in range(O_TILES):
                     col = 8 * c + 2 * t
@@ -547,7 +548,7 @@ def _build_kernel(HEAD_DIM, config, IS_CAUSAL, IS_BF16, EVEN_HEAD_DIM, ASYNC_LOA
                         if col + 1 < head_dim:
                             o[uint64(o_row + col + 1)] = int16(pair >> 16)
                 if t == 0:
-                    L = (m_i[h] + math.log2(l_sum)) * LN2 if l_sum > 0.0 else math.inf
+                    L = (m_i[h] + math.log2(l_sum)) * LN2 if l_sum != 0.0 else math.inf
                     lse[uint64(off_bh * seqlen_q + row)] = L
 
     if simulated():

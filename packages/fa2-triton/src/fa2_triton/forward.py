@@ -120,12 +120,10 @@ def _attn_fwd_inner(
             # <= 2^RESCALE_THRESHOLD (no overflow in fp32 or in v's dtype; O and L are unchanged, as l_i,
             # acc and L all use the same m_i), and most tiles skip the rescale.
             m_new = tl.where(m_new - m_i > RESCALE_THRESHOLD, m_new, m_i)
-        if IN_BAND:
-            # A row with nothing visible yet has m_new = -inf; subtracting 0 instead keeps exp2() at 0,
-            # not NaN.
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        else:
-            m_safe = m_new
+        # A row with nothing visible yet has m_new = -inf; subtracting 0 instead keeps exp2() at 0, not
+        # NaN. Off the band too: a key tile that the causal mask leaves whole can still hold only -inf
+        # scores (keys of -inf in the input).
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         if FUSED_EXP2:
             p = tl.math.exp2(tl.math.fma(qk, qk_scale, -m_safe[:, None]))
         else:
