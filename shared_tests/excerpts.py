@@ -2,16 +2,20 @@
 
 A source file marks a region with two comment lines (the same in Python for every backend):
 
-    # side-by-side: load-q
+    # side-by-side: scores
     ...code...
     # side-by-side: end
 
 and the page quotes it as a fenced block right after a marker comment naming file and region:
 
-    <!-- excerpt: packages/fa2-triton/src/fa2_triton/forward.py#load-q -->
+    <!-- excerpt: packages/fa2-triton/src/fa2_triton/forward.py#scores -->
     ```python
+    # packages/fa2-triton/src/fa2_triton/forward.py, in _attn_fwd_inner(), at "# side-by-side: scores"
     ...code, dedented...
     ```
+
+The first line of the block is not source: it tells a reader of the rendered page (where the marker
+comment is invisible) which file, function and marker to look for.
 
 ``python shared_tests/excerpts.py`` rewrites every such block from the source; test_docs.py fails when a
 block and its region differ.
@@ -19,6 +23,7 @@ block and its region differ.
 
 from __future__ import annotations
 
+import ast
 import re
 import sys
 import textwrap
@@ -34,17 +39,36 @@ _EXCERPT = re.compile(
 )
 
 
+def _functions(source: str) -> list[tuple[int, int, str]]:
+    """(first line, last line, name) of every function in a source file, outermost first."""
+    spans = [(node.lineno, node.end_lineno, node.name) for node in ast.walk(ast.parse(source))
+             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))]
+    return sorted(spans, key=lambda span: (span[0], -span[1]))
+
+
+def _location(path: Path, lineno: int, name: str, functions: list[tuple[int, int, str]]) -> str:
+    """The block's first line: file, enclosing function (innermost, with the ones around it), marker."""
+    inside = [f for first, last, f in functions if first <= lineno <= last]
+    where = "at top level"
+    if inside:
+        where = f"in {inside[-1]}()" + "".join(f" inside {f}()" for f in reversed(inside[:-1]))
+    return f'# {path.relative_to(ROOT).as_posix()}, {where}, at "# side-by-side: {name}"\n'
+
+
 def regions(path: Path) -> dict[str, str]:
-    """Every marked region of a source file, dedented, by name."""
+    """Every marked region of a source file, dedented, under a line saying where it is, by name."""
+    source = path.read_text()
+    functions = _functions(source)
     found: dict[str, str] = {}
-    name, lines = None, []
-    for line in path.read_text().splitlines():
+    name, lines, start = None, [], 0
+    for lineno, line in enumerate(source.splitlines(), start=1):
         if name is None:
             m = _START.match(line)
             if m:
-                name, lines = m["name"], []
+                name, lines, start = m["name"], [], lineno
         elif _END.match(line):
-            found[name] = textwrap.dedent("\n".join(lines)) + "\n"
+            code = textwrap.dedent("\n".join(lines)) + "\n"
+            found[name] = _location(path, start, name, functions) + code
             name = None
         else:
             lines.append(line)
