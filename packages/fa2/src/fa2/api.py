@@ -1,8 +1,12 @@
 """The public entry point: validate once, pick a backend, dispatch.
 
-Every backend is reached the same way, through its custom op ``fa2::<name>_fwd`` (``fa2.ops``) with the
-caller's tensors as (batch, heads, seqlen, head_dim) views (``fa2.layout.as_bhnd``), a bool ``causal`` and a
-float ``scale``; torch.compile traces the op as one node and autograd runs the backend's backward op.
+Every backend is reached the same way, with the caller's tensors as (batch, heads, seqlen, head_dim) views
+(``fa2.layout.as_bhnd``), a bool ``causal`` and a float ``scale``. Under torch.compile, through the backend's
+custom op ``fa2::<name>_fwd`` (``fa2.ops``), which the graph holds as one node and whose autograd runs the
+backend's backward op. Eagerly, straight to the backend: its ``flash_attn_forward``, or its ``FlashAttention2``
+autograd function when a gradient is wanted. The two compute the same thing with the same kernels; the eager
+path skips the custom op's Python dispatch, which costs ~60 µs a call on the H200's host (measured there,
+fa2-triton, 227 µs a call through the op against 163 µs direct) and shows in the time of a short call.
 Nothing below this module validates again.
 """
 
@@ -13,8 +17,8 @@ from typing import NamedTuple
 
 import torch
 
-from fa2 import ops
-from fa2.layout import as_bhnd
+from fa2 import ops, registry
+from fa2.layout import as_bhnd, forward_any_rank
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MAX_HEAD_DIM = 256
@@ -89,9 +93,15 @@ def attention(
         scale = float(scale)
         if not math.isfinite(scale):
             raise ValueError(f"scale must be finite, got {scale}")
-    forward = ops.forward_op(backend, q.device)
-    O, L = forward(as_bhnd(q), as_bhnd(k), as_bhnd(v), bool(causal), scale)
-    return AttentionOutput(O.reshape(q.shape), L.reshape(q.shape[:-1]))
+    causal = bool(causal)
+    if torch.compiler.is_compiling():
+        forward = ops.forward_op(backend, q.device)
+        O, L = forward(as_bhnd(q), as_bhnd(k), as_bhnd(v), causal, scale)
+        return AttentionOutput(O.reshape(q.shape), L.reshape(q.shape[:-1]))
+    impl = registry.load(backend if backend is not None else registry.default_backend(q.device))
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        return AttentionOutput(*impl.FlashAttention2.apply(q, k, v, causal, scale, True))
+    return AttentionOutput(*forward_any_rank(impl.flash_attn_forward, q, k, v, causal, scale))
 
 
 def _validate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
