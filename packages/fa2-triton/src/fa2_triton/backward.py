@@ -27,6 +27,10 @@ whole tiles: the dK/dV loop starts at the first query tile that sees any key of 
 stops at the last key tile its tile sees. Key rows past seqlen_k need no mask in the dK/dV kernel (their
 gradient rows are never stored and feed no other row).
 
+Each kernel has its own launch configuration (``KernelTiles``: tiles, num_warps, num_stages), chosen per
+(head_dim, dtype class, causal, seqlen bucket) from ``BWD_TILES``, which ``python -m
+fa2_triton.tune_backward`` measures on a GPU, timing the dK/dV and dQ kernels apart.
+
 Credits: the structure (a preprocess kernel for delta, the transposed dK/dV loop, the dQ loop) follows
 Triton's tutorial ``06-fused-attention.py`` (Tillet et al.), itself after FA2's backward (Dao, 2023).
 
@@ -45,7 +49,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fa2_triton.forward import INTERPRETED, LOG2_E, MAX_HEAD_DIM, _check_device, _load_tile
+from fa2_triton.forward import DTYPE_CLASS, INTERPRETED, LOG2_E, MAX_HEAD_DIM, _check_device, _load_tile
 
 
 @triton.jit
@@ -321,58 +325,73 @@ def _attn_bwd_dq(
     tl.store(dq_ptrs, dq.to(dQ.dtype.element_ty), mask=mask)
 
 
-class BwdTiles(NamedTuple):
-    """block_m1 x block_n1: the dK/dV kernel's query step and key tile; block_m2 x block_n2: the dQ
-    kernel's query tile and key step; num_warps and num_stages for both."""
+class KernelTiles(NamedTuple):
+    """One kernel's launch configuration. dK/dV kernel: block_m the query step, block_n the key tile;
+    dQ kernel: block_m the query tile, block_n the key step."""
 
-    block_m1: int
-    block_n1: int
-    block_m2: int
-    block_n2: int
+    block_m: int
+    block_n: int
     num_warps: int
     num_stages: int
+
+
+class BwdTiles(NamedTuple):
+    """The two kernels' configurations, tuned apart (``python -m fa2_triton.tune_backward``)."""
+
+    dkdv: KernelTiles
+    dq: KernelTiles
 
 
 # Defaults for Hopper (H100/H200) with pointer loads, by HEAD_DIM (head_dim padded to a power of two);
 # each compiles for sm_90a on Triton 3.6 and 3.9 without register spills (contiguous inputs), except
 # where noted. 16-bit inputs, wgmma: the dK/dV kernel holds two fp32 [BLOCK_N1, HEAD_DIM] accumulators,
 # so its tiles shrink as HEAD_DIM grows. D = 256 spills a few bytes in the dK/dV kernel.
-BWD_TILES_16BIT = {
-    16: BwdTiles(64, 128, 128, 64, 8, 3),
-    32: BwdTiles(64, 128, 128, 64, 8, 3),
-    64: BwdTiles(64, 128, 128, 64, 8, 3),
-    128: BwdTiles(32, 128, 128, 64, 8, 3),
-    256: BwdTiles(16, 64, 64, 32, 8, 2),
-}
-# A padded head_dim (not a multiple of 16: loads masked along it and not vectorised) needs more registers
-# for the same tiles: smaller ones. They still spill a few hundred bytes from HEAD_DIM = 128 (as the
-# forward does).
-BWD_TILES_16BIT_PADDED = {
-    16: BwdTiles(64, 128, 128, 64, 8, 3),
-    32: BwdTiles(64, 128, 128, 64, 8, 3),
-    64: BwdTiles(32, 128, 128, 32, 8, 3),
-    128: BwdTiles(32, 64, 128, 32, 8, 3),
-    256: BwdTiles(16, 32, 64, 16, 8, 2),
-}
 # fp32, FMA matmuls (no TF32): each thread holds whole rows of the operands, so small tiles from D = 64.
-BWD_TILES_FP32 = {
-    16: BwdTiles(32, 32, 32, 32, 4, 2),
-    32: BwdTiles(32, 32, 32, 32, 4, 2),
-    64: BwdTiles(16, 32, 32, 32, 8, 2),
-    128: BwdTiles(16, 32, 32, 32, 8, 2),
-    256: BwdTiles(16, 32, 32, 16, 8, 2),
+_UNTUNED = {
+    (16, "16-bit"): BwdTiles(KernelTiles(64, 128, 8, 3), KernelTiles(128, 64, 8, 3)),
+    (32, "16-bit"): BwdTiles(KernelTiles(64, 128, 8, 3), KernelTiles(128, 64, 8, 3)),
+    (64, "16-bit"): BwdTiles(KernelTiles(64, 128, 8, 3), KernelTiles(128, 64, 8, 3)),
+    (128, "16-bit"): BwdTiles(KernelTiles(32, 128, 8, 3), KernelTiles(128, 64, 8, 3)),
+    (256, "16-bit"): BwdTiles(KernelTiles(16, 64, 8, 2), KernelTiles(64, 32, 8, 2)),
+    (16, "fp32"): BwdTiles(KernelTiles(32, 32, 4, 2), KernelTiles(32, 32, 4, 2)),
+    (32, "fp32"): BwdTiles(KernelTiles(32, 32, 4, 2), KernelTiles(32, 32, 4, 2)),
+    (64, "fp32"): BwdTiles(KernelTiles(16, 32, 8, 2), KernelTiles(32, 32, 8, 2)),
+    (128, "fp32"): BwdTiles(KernelTiles(16, 32, 8, 2), KernelTiles(32, 32, 8, 2)),
+    (256, "fp32"): BwdTiles(KernelTiles(16, 32, 8, 2), KernelTiles(16, 32, 8, 2)),
+}
+# (HEAD_DIM, dtype class, causal) -> ((largest seqlen_k, BwdTiles), ..., (None, BwdTiles)): the first entry
+# whose bound holds seqlen_k wins, as forward.TILES. `python -m fa2_triton.tune_backward` on a GPU times
+# each kernel's candidates on the benchmark's shapes and prints these entries, tuned, ready to replace
+# the ones below.
+BWD_TILES: dict[tuple[int, str, bool], tuple[tuple[int | None, BwdTiles], ...]] = {
+    (d, c, causal): ((None, t),) for (d, c), t in _UNTUNED.items() for causal in (False, True)
+}
+# A padded head_dim (16-bit, not a multiple of 16: loads masked along it and not vectorised) needs more
+# registers for the same tiles: smaller ones, by HEAD_DIM. They still spill a few hundred bytes from
+# HEAD_DIM = 128 (as the forward does). Not tuned: no benchmark shape has one.
+BWD_TILES_16BIT_PADDED = {
+    16: BwdTiles(KernelTiles(64, 128, 8, 3), KernelTiles(128, 64, 8, 3)),
+    32: BwdTiles(KernelTiles(64, 128, 8, 3), KernelTiles(128, 64, 8, 3)),
+    64: BwdTiles(KernelTiles(32, 128, 8, 3), KernelTiles(128, 32, 8, 3)),
+    128: BwdTiles(KernelTiles(32, 64, 8, 3), KernelTiles(128, 32, 8, 3)),
+    256: BwdTiles(KernelTiles(16, 32, 8, 2), KernelTiles(64, 16, 8, 2)),
 }
 # The preprocess kernel reads O and dO once: 4096 elements of each per program, 8 warps.
 PREPROCESS_ELEMENTS = 4096
 
 
-def bwd_tiles_for(head_dim: int, dtype: torch.dtype) -> BwdTiles:
-    """The launch configuration for a head_dim and an input dtype. The interpreter gets the same tiles as
-    the GPU (it ignores num_warps and num_stages), so CPU tests cover the GPU's tiling."""
+def bwd_tiles_for(head_dim: int, dtype: torch.dtype, causal: bool = False, seqlen_k: int | None = None) -> BwdTiles:
+    """The launch configuration for a head_dim (unpadded), an input dtype, causal and seqlen_k (None: the
+    largest bucket). The interpreter gets the same tiles as the GPU (it ignores num_warps and num_stages),
+    so CPU tests cover the GPU's tiling."""
     HEAD_DIM = max(16, triton.next_power_of_2(head_dim))
-    if dtype == torch.float32:
-        return BWD_TILES_FP32[HEAD_DIM]
-    return (BWD_TILES_16BIT if head_dim % 16 == 0 else BWD_TILES_16BIT_PADDED)[HEAD_DIM]
+    dtype_class = DTYPE_CLASS[dtype]
+    if dtype_class == "16-bit" and head_dim % 16:
+        return BWD_TILES_16BIT_PADDED[HEAD_DIM]
+    for bound, tiles in BWD_TILES[HEAD_DIM, dtype_class, causal]:
+        if bound is None or (seqlen_k is not None and seqlen_k <= bound):
+            return tiles
+    raise AssertionError(f"BWD_TILES[{HEAD_DIM}, {dtype_class}, {causal}] lacks its last (None) entry")
 
 
 def flash_attn_backward(
@@ -392,7 +411,7 @@ def flash_attn_backward(
         O, dO: (batch, heads, seqlen_q, head_dim); L: (batch, heads, seqlen_q), float32, natural log,
             from the forward (+inf on rows that see no key).
         causal, scale: as in ``flash_attn_forward``.
-        tiles: the kernels' tiles (powers of two >= 16), num_warps, num_stages; default ``bwd_tiles_for``.
+        tiles: each kernel's tiles (powers of two >= 16), num_warps, num_stages; default ``bwd_tiles_for``.
         deterministic: True (the default) computes dq in its own kernel, every element written once, so
             that the same inputs give the same bits. False adds dq into a zeroed fp32 accumulator from the
             dK/dV kernel with atomics instead (as FA2's CUDA kernel): S and dP are computed once instead of
@@ -416,45 +435,76 @@ def flash_attn_backward(
 
     dk = torch.empty(k.shape, device=k.device, dtype=k.dtype)
     dv = torch.empty(v.shape, device=v.device, dtype=v.dtype)
-    delta = torch.empty(batch, heads, seqlen_q, device=q.device, dtype=torch.float32)
-
-    HEAD_DIM = max(16, triton.next_power_of_2(head_dim))
-    EVEN_D = HEAD_DIM == head_dim
-    tiles = tiles or bwd_tiles_for(head_dim, q.dtype)
-    bh = batch * heads
-    qk_scale = scale * LOG2_E
-    pre_block_m = PREPROCESS_ELEMENTS // HEAD_DIM
-    meta = dict(IS_CAUSAL=causal, HEAD_DIM=HEAD_DIM, EVEN_D=EVEN_D,
-                num_warps=tiles.num_warps, num_stages=tiles.num_stages)
-    if deterministic:
-        dq = torch.empty(q.shape, device=q.device, dtype=q.dtype)
-        dq_acc = delta  # a placeholder: the dK/dV kernel reads dQ_acc only with ATOMIC_DQ
-    else:
-        # Padded to whole query tiles and to HEAD_DIM, so the atomic adds need no mask.
-        padded_q = triton.cdiv(seqlen_q, tiles.block_m1) * tiles.block_m1
-        dq_acc = torch.zeros(batch, heads, padded_q, HEAD_DIM, device=q.device, dtype=torch.float32)
-    # One program per tile and batch·head, on one grid axis each (CUDA caps the other two at 65535).
-    on_device = contextlib.nullcontext() if INTERPRETED else torch.cuda.device(q.device)
-    with on_device:
-        if bh and seqlen_q:
-            _attn_bwd_preprocess[(triton.cdiv(seqlen_q, pre_block_m) * bh,)](
-                O, dO, delta, *O.stride(), *dO.stride(), heads, seqlen_q, head_dim,
-                BLOCK_M=pre_block_m, HEAD_DIM=HEAD_DIM, EVEN_D=EVEN_D, num_warps=8,
-            )
-        if bh and seqlen_q and deterministic:
-            _attn_bwd_dq[(triton.cdiv(seqlen_q, tiles.block_m2) * bh,)](
-                q, k, v, dO, L, delta, dq, scale, qk_scale,
-                *q.stride(), *k.stride(), *v.stride(), *dO.stride(), *L.stride(), *dq.stride(),
-                heads, seqlen_q, seqlen_k, head_dim,
-                BLOCK_M=tiles.block_m2, BLOCK_N=tiles.block_n2, **meta,
-            )
-        if bh and seqlen_k:
-            _attn_bwd_dkdv[(triton.cdiv(seqlen_k, tiles.block_n1) * bh,)](
-                q, k, v, dO, L, delta, dk, dv, dq_acc, scale, qk_scale,
-                *q.stride(), *k.stride(), *v.stride(), *dO.stride(), *L.stride(), *dk.stride(),
-                *dv.stride(), heads, seqlen_q, seqlen_k, head_dim,
-                BLOCK_M=tiles.block_m1, BLOCK_N=tiles.block_n1, ATOMIC_DQ=not deterministic, **meta,
-            )
-    if not deterministic:
-        dq = (dq_acc[:, :, :seqlen_q, :head_dim] * scale).to(q.dtype)
+    tiles = tiles or bwd_tiles_for(head_dim, q.dtype, causal, seqlen_k)
+    with on_device(q.device):
+        delta = launch_preprocess(O, dO)
+        if deterministic:
+            dq = torch.empty(q.shape, device=q.device, dtype=q.dtype)
+            launch_dq(q, k, v, dO, L, delta, dq, causal, scale, tiles.dq)
+            launch_dkdv(q, k, v, dO, L, delta, dk, dv, None, causal, scale, tiles.dkdv)
+        else:
+            # Padded to whole query tiles and to HEAD_DIM, so the atomic adds need no mask.
+            HEAD_DIM = max(16, triton.next_power_of_2(head_dim))
+            padded_q = triton.cdiv(seqlen_q, tiles.dkdv.block_m) * tiles.dkdv.block_m
+            dq_acc = torch.zeros(batch, heads, padded_q, HEAD_DIM, device=q.device, dtype=torch.float32)
+            launch_dkdv(q, k, v, dO, L, delta, dk, dv, dq_acc, causal, scale, tiles.dkdv)
+            dq = (dq_acc[:, :, :seqlen_q, :head_dim] * scale).to(q.dtype)
     return dq, dk, dv
+
+
+# The launchers below run one kernel each, on the current CUDA device (the tuner times them apart), and
+# return what the launch returns: on a GPU the compiled kernel, whose n_regs and n_spills the tuner
+# records; None if there is nothing to launch. One program per tile and batch·head, on one grid axis each
+# (CUDA caps the other two at 65535).
+
+
+def on_device(device: torch.device):
+    """Makes ``device`` current for the launchers (nothing to do under the interpreter)."""
+    return contextlib.nullcontext() if INTERPRETED else torch.cuda.device(device)
+
+
+def launch_preprocess(O: torch.Tensor, dO: torch.Tensor) -> torch.Tensor:
+    """delta = rowsum(dO ∘ O): (batch, heads, seqlen_q), float32."""
+    batch, heads, seqlen_q, head_dim = O.shape
+    delta = torch.empty(batch, heads, seqlen_q, device=O.device, dtype=torch.float32)
+    HEAD_DIM = max(16, triton.next_power_of_2(head_dim))
+    pre_block_m = PREPROCESS_ELEMENTS // HEAD_DIM
+    if batch * heads and seqlen_q:
+        _attn_bwd_preprocess[(triton.cdiv(seqlen_q, pre_block_m) * batch * heads,)](
+            O, dO, delta, *O.stride(), *dO.stride(), heads, seqlen_q, head_dim,
+            BLOCK_M=pre_block_m, HEAD_DIM=HEAD_DIM, EVEN_D=HEAD_DIM == head_dim, num_warps=8,
+        )
+    return delta
+
+
+def launch_dq(q, k, v, dO, L, delta, dq, causal: bool, scale: float, t: KernelTiles):
+    """The dQ kernel into dq (written in full)."""
+    batch, heads, seqlen_q, head_dim = q.shape
+    HEAD_DIM = max(16, triton.next_power_of_2(head_dim))
+    if not (batch * heads and seqlen_q):
+        return None
+    return _attn_bwd_dq[(triton.cdiv(seqlen_q, t.block_m) * batch * heads,)](
+        q, k, v, dO, L, delta, dq, scale, scale * LOG2_E,
+        *q.stride(), *k.stride(), *v.stride(), *dO.stride(), *L.stride(), *dq.stride(),
+        heads, seqlen_q, k.shape[2], head_dim,
+        IS_CAUSAL=causal, BLOCK_M=t.block_m, BLOCK_N=t.block_n, HEAD_DIM=HEAD_DIM,
+        EVEN_D=HEAD_DIM == head_dim, num_warps=t.num_warps, num_stages=t.num_stages,
+    )
+
+
+def launch_dkdv(q, k, v, dO, L, delta, dk, dv, dq_acc, causal: bool, scale: float, t: KernelTiles):
+    """The dK/dV kernel into dk and dv (written in full); with dq_acc (a zeroed fp32 (batch, heads,
+    cdiv(seqlen_q, t.block_m) · t.block_m, HEAD_DIM) tensor), also dq / scale added into it atomically."""
+    batch, heads, seqlen_q, head_dim = q.shape
+    seqlen_k = k.shape[2]
+    HEAD_DIM = max(16, triton.next_power_of_2(head_dim))
+    if not (batch * heads and seqlen_k):
+        return None
+    return _attn_bwd_dkdv[(triton.cdiv(seqlen_k, t.block_n) * batch * heads,)](
+        q, k, v, dO, L, delta, dk, dv, delta if dq_acc is None else dq_acc, scale, scale * LOG2_E,
+        *q.stride(), *k.stride(), *v.stride(), *dO.stride(), *L.stride(), *dk.stride(), *dv.stride(),
+        heads, seqlen_q, seqlen_k, head_dim,
+        IS_CAUSAL=causal, BLOCK_M=t.block_m, BLOCK_N=t.block_n, HEAD_DIM=HEAD_DIM,
+        EVEN_D=HEAD_DIM == head_dim, ATOMIC_DQ=dq_acc is not None,
+        num_warps=t.num_warps, num_stages=t.num_stages,
+    )
