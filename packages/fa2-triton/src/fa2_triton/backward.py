@@ -364,7 +364,28 @@ _UNTUNED = {
 # each kernel's candidates on the benchmark's shapes and prints these entries, tuned, ready to replace
 # the ones below.
 BWD_TILES: dict[tuple[int, str, bool], tuple[tuple[int | None, BwdTiles], ...]] = {
-    (d, c, causal): ((None, t),) for (d, c), t in _UNTUNED.items() for causal in (False, True)
+    **{(d, c, causal): ((None, t),) for (d, c), t in _UNTUNED.items() for causal in (False, True)},
+    # Tuned on the H200 (python -m fa2_triton.tune_backward --budget-s 110, bf16, N = 1k / 4k / 16k; its CSV
+    # is docs/benchmarks/h200-tune-bwd.csv): the winner per bucket, seqlen_k <= bound.
+    (64, "16-bit", False): (
+        (2048, BwdTiles(KernelTiles(32, 64, 4, 3), KernelTiles(64, 64, 4, 3))),
+        (8192, BwdTiles(KernelTiles(32, 128, 8, 4), KernelTiles(64, 64, 4, 3))),
+        (None, BwdTiles(KernelTiles(32, 128, 8, 3), KernelTiles(64, 64, 4, 3))),
+    ),
+    (64, "16-bit", True): (
+        (2048, BwdTiles(KernelTiles(32, 64, 4, 4), KernelTiles(128, 64, 8, 3))),
+        (8192, BwdTiles(KernelTiles(64, 128, 4, 3), KernelTiles(128, 64, 8, 4))),
+        (None, BwdTiles(KernelTiles(64, 128, 4, 3), KernelTiles(128, 64, 4, 3))),
+    ),
+    (128, "16-bit", False): (
+        (2048, BwdTiles(KernelTiles(64, 128, 8, 3), KernelTiles(128, 64, 8, 3))),
+        (8192, BwdTiles(KernelTiles(64, 128, 8, 3), KernelTiles(128, 64, 8, 4))),
+        (None, BwdTiles(KernelTiles(64, 128, 8, 3), KernelTiles(128, 64, 8, 3))),
+    ),
+    (128, "16-bit", True): (
+        (2048, BwdTiles(KernelTiles(64, 128, 8, 3), KernelTiles(64, 64, 4, 2))),
+        (None, BwdTiles(KernelTiles(64, 128, 8, 3), KernelTiles(128, 64, 8, 4))),
+    ),
 }
 # A padded head_dim (16-bit, not a multiple of 16: loads masked along it and not vectorised) needs more
 # registers for the same tiles: smaller ones, by HEAD_DIM. They still spill a few hundred bytes from

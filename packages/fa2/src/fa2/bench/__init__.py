@@ -1,11 +1,11 @@
-"""The side-by-side forward benchmark: every installed fa2 backend against the attention a user would pick
-instead, each checked against ``fa2.reference`` before it is timed; with ``--modes fwd,bwd`` the backward
-too (FLOPs 2.5 times the forward's), against SDPA's flash and cuDNN backward.
+"""The side-by-side benchmark: every installed fa2 backend against the attention a user would pick
+instead, each checked against ``fa2.reference`` before it is timed; the forward, and the backward (FLOPs
+2.5 times the forward's) against SDPA's flash, cuDNN and math backward on fewer shapes.
 
-    python -m fa2.bench                                  # GPU: the FlashAttention-2 paper's sweep
+    python -m fa2.bench                                  # GPU: the FlashAttention-2 paper's sweep, fwd and bwd
     python -m fa2.bench --providers fa2-triton,sdpa-flash --seqlens 1024,4096 --dtypes bf16
     python -m fa2.bench --quick                          # a few shapes; <name>-quick.*
-    python -m fa2.bench --quick --modes fwd,bwd          # the same, forward and backward
+    python -m fa2.bench --quick --modes fwd              # the same, forward only
     nox -s bench                                         # without a GPU: emulated, tiny shapes
 
 Modules: ``providers`` (what is compared), ``check`` (the correctness check), ``timing`` (clocks, memory,

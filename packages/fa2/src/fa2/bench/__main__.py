@@ -47,8 +47,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--head-dims", type=_list(int), help="comma-separated D")
     parser.add_argument("--causal", type=_choices(["no", "yes"]), default=("no", "yes"), help="no,yes (default both)")
     parser.add_argument("--dtypes", type=_choices(list(DTYPES)), help="comma-separated, of bf16,fp16,fp32")
-    parser.add_argument("--modes", type=_choices(list(sweep.MODES)), default=("fwd",),
-                        help="fwd (default); bwd: the backward alone (fa2's backends, sdpa-flash, -cudnn, -math)")
+    parser.add_argument("--modes", type=_choices(list(sweep.MODES)), default=sweep.MODES,
+                        help="fwd,bwd (default): the forward; the backward alone (fa2's backends, sdpa-flash, "
+                        "-cudnn, -math), by default on fewer seqlens and dtypes (GPU: bf16, N 1k, 4k, 16k) unless "
+                        "--seqlens or --dtypes name them")
     parser.add_argument("--quick", action="store_true",
                         help="a few shapes in one dtype (GPU: bf16, N 1k and 4k), written as <name>-quick")
     parser.add_argument("--out", type=Path, default=Path("docs/benchmarks"), help="default docs/benchmarks")
@@ -109,6 +111,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"fa2.bench: no GPU; running again with {' '.join(f'{k}={v}' for k, v in unset.items())}", flush=True)
         os.execve(sys.executable, [sys.executable, "-m", "fa2.bench", *argv], {**os.environ, **unset})
     seqlens, head_dims, dtypes = sweep.DEFAULTS[emulated, args.quick]
+    bwd_seqlens, bwd_dtypes = sweep.BWD_DEFAULTS[emulated, args.quick]
     name = args.name or default_name(device) + ("-quick" if args.quick else "")
     cfg = sweep.Config(
         providers=args.providers,
@@ -122,6 +125,8 @@ def main(argv: list[str] | None = None) -> None:
         math_max_seqlen=args.math_max_seqlen,
         append=args.append,
         modes=args.modes,
+        bwd_seqlens=args.seqlens or bwd_seqlens,
+        bwd_dtypes=args.dtypes or bwd_dtypes,
         command=shlex.join(["python", "-m", "fa2.bench", *argv]),
     )
     if not args.report_only:

@@ -10,7 +10,7 @@ provider: one call, checked (status "wrong" if it fails: not timed), peak memory
 provider that cannot run a shape is "skipped", one that raises is "failed"; both with the reason, and the
 sweep goes on. Rows are written as they come, so an interrupted run keeps what it measured.
 
-Mode "bwd" (``--modes fwd,bwd``) times the backward alone: the forward runs once on inputs that require
+Mode "bwd" (in the default ``--modes fwd,bwd``; fewer seqlens and dtypes: BWD_DEFAULTS) times the backward alone: the forward runs once on inputs that require
 grad (its O and L checked), then ``torch.autograd.grad(O, (q, k, v), dO, retain_graph=True)`` is checked
 (dq on the sampled rows, dk and dv finite) and timed like a forward call.
 """
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 import subprocess
 import time
 from dataclasses import dataclass
@@ -48,6 +49,15 @@ DEFAULTS = {
     (True, False): ((16, 32, 64, 128, 256, 512, 1024), (16, 64), ("fp32", "fp16", "bf16")),
     (True, True): ((16, 32, 64, 128), (16,), ("fp32", "fp16")),
 }
+# Mode "bwd", (emulated, quick): seqlens, dtypes (the head dims are the forward's). Fewer points than the
+# forward: a backward call takes ~2.5 times as long, and the slower providers (fa2-pytorch, fa2-numba-cuda)
+# far longer at N = 16k.
+BWD_DEFAULTS = {
+    (False, False): ((1024, 4096, 16384), ("bf16",)),
+    (False, True): ((1024, 4096), ("bf16",)),
+    (True, False): ((16, 64, 256), ("fp32",)),
+    (True, True): ((16, 64), ("fp32",)),
+}
 # SDPA math materialises B·H·N² scores: at N = 16k that is tens of GB (anchors.md: 39.5 GB at D = 128).
 MATH_MAX_SEQLEN = 4096
 # What the emulators lack, and the most work (B·H·N²·D) one emulated call may take: the conformance suite's
@@ -74,6 +84,9 @@ class Config:
     append: bool = False
     command: str = ""
     modes: tuple[str, ...] = ("fwd",)
+    # Mode "bwd"'s seqlens and dtypes; None: the forward's.
+    bwd_seqlens: tuple[int, ...] | None = None
+    bwd_dtypes: tuple[str, ...] | None = None
 
     @property
     def emulated(self) -> bool:
@@ -82,10 +95,13 @@ class Config:
     def shapes(self) -> list[Shape]:
         out = []
         for mode in self.modes:
-            for dtype in self.dtypes:
+            bwd = mode == "bwd"
+            dtypes = self.bwd_dtypes if bwd and self.bwd_dtypes else self.dtypes
+            seqlens = self.bwd_seqlens if bwd and self.bwd_seqlens else self.seqlens
+            for dtype in dtypes:
                 for head_dim in self.head_dims:
                     for causal in self.causals:
-                        for n in self.seqlens:
+                        for n in seqlens:
                             if self.emulated:
                                 batch, heads = EMULATED_BATCH, EMULATED_HEADS
                             else:
@@ -132,7 +148,10 @@ def _version(dist: str) -> str:
 
 
 def _commit() -> str:
-    """HEAD of the checkout this package lives in, "+dirty" with uncommitted changes to tracked files."""
+    """HEAD of the checkout this package lives in, "+dirty" with uncommitted changes to tracked files; or
+    $FA2_BENCH_COMMIT, for a copy of the tree without its .git (an offline GPU machine)."""
+    if os.environ.get("FA2_BENCH_COMMIT"):
+        return os.environ["FA2_BENCH_COMMIT"]
     here = Path(__file__).parent
     try:
         git = lambda *a: subprocess.run(["git", *a], cwd=here, capture_output=True, text=True, check=True).stdout
