@@ -232,17 +232,21 @@ def _context_lost(e: BaseException) -> bool:
     return "CUDA" in text and any(s in text for s in ("illegal", "launch failure", "misaligned", "unspecified"))
 
 
-def precompile(run: Run, jobs: list[tuple], until_s: float) -> None:
+def precompile(run: Run, jobs: list[tuple], until_s: float, compile_job=None, ckey=None) -> None:
     """Compiles jobs (dtype, head_dim, heads, causal, Tiles) in parallel worker processes into Triton's
     cache and records each outcome in run.compiled. Jobs not started ``until_s`` seconds into the run are
     cancelled and stay unrecorded: the main process compiles those itself if the budget allows. No job
-    is left running on return (its kernel would disturb the timings)."""
-    jobs = [j for j in jobs if _ckey(j) not in run.compiled]
+    is left running on return (its kernel would disturb the timings). ``compile_job`` (a module-level
+    function, run in the workers) and ``ckey`` (a job's key in run.compiled) default to this module's;
+    ``fa2_triton.tune_backward`` passes its own."""
+    compile_job = compile_job or _compile_job
+    ckey = ckey or _ckey
+    jobs = [j for j in jobs if ckey(j) not in run.compiled]
     if not jobs or run.device.type != "cuda":
         return
     if run.pool is None:
         run.pool = cf.ProcessPoolExecutor(max_workers=run.args.workers, mp_context=multiprocessing.get_context("spawn"))
-    futures = {run.pool.submit(_compile_job, j): j for j in jobs}
+    futures = {run.pool.submit(compile_job, j): j for j in jobs}
     cf.wait(futures, timeout=max(1.0, until_s - run.elapsed()))
     for f in futures:
         f.cancel()
@@ -257,7 +261,7 @@ def precompile(run: Run, jobs: list[tuple], until_s: float) -> None:
             result = None  # some worker died: which job killed it is unknown; the next stage starts a new pool
             broken = True
         if result is not None:
-            run.compiled[_ckey(job)] = result
+            run.compiled[ckey(job)] = result
     if broken:
         run.pool.shutdown()
         run.pool = None
@@ -401,8 +405,11 @@ def proposal(pts: list[Point], benches: dict) -> dict:
     return out
 
 
-def table_entries(prop: dict) -> list[str]:
-    """forward.TILES entries: bounds halfway (geometrically) between the tuned seqlens; equal neighbours merged."""
+def table_entries(prop: dict, show=None) -> list[str]:
+    """forward.TILES entries: bounds halfway (geometrically) between the tuned seqlens; equal neighbours
+    merged. ``show`` writes a configuration as Python (default ``describe``; the backward tuner's own for
+    BWD_TILES)."""
+    show = show or describe
     lines = []
     for (d, causal), tuned in sorted(prop.items()):
         entries = []
@@ -412,7 +419,7 @@ def table_entries(prop: dict) -> list[str]:
                 entries[-1] = (bound, t)
             else:
                 entries.append((bound, t))
-        body = ", ".join(f"({b}, {describe(t)})" for b, t in entries)
+        body = ", ".join(f"({b}, {show(t)})" for b, t in entries)
         lines.append(f'    ({d}, "16-bit", {causal}): ({body},),')
     return lines
 

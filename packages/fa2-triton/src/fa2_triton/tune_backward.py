@@ -35,10 +35,8 @@ Without a GPU it runs in Triton's interpreter (``TRITON_INTERPRET=1``) on tiny s
 from __future__ import annotations
 
 import argparse
-import concurrent.futures as cf
 import csv
 import math
-import multiprocessing
 import os
 import re
 import sys
@@ -60,7 +58,7 @@ from fa2_triton.backward import BwdTiles, KernelTiles
 from fa2_triton.forward import INTERPRETED
 from fa2_triton.tune import (
     CSV_COLUMNS, DTYPES, HIDDEN, MAX_REASONS, SEARCH_REP_MS, SEARCH_WARMUP_MS, SMEM_PER_SM, SMEM_RESERVED,
-    TOKENS, WARM_SEQLEN, Result, Run, _context_lost, _gpu_name, _reason,
+    TOKENS, WARM_SEQLEN, Result, Run, _context_lost, _gpu_name, _reason, precompile, table_entries,
 )
 
 KINDS = ("dkdv", "dq")
@@ -220,37 +218,6 @@ def _compile_job(job):
 def _ckey(job) -> tuple:
     dtype, head_dim, _heads, causal, kind, tiles = job
     return dtype, head_dim, causal, kind, tiles
-
-
-def precompile(run: Run, jobs: list[tuple], until_s: float) -> None:
-    """Compiles jobs (dtype, head_dim, heads, causal, kind, KernelTiles) in parallel worker processes into
-    Triton's cache and records each outcome in run.compiled, as ``fa2_triton.tune.precompile``: jobs not
-    started ``until_s`` seconds into the run are cancelled (this process compiles those if the budget
-    allows); none is left running on return."""
-    jobs = [j for j in jobs if _ckey(j) not in run.compiled]
-    if not jobs or run.device.type != "cuda":
-        return
-    if run.pool is None:
-        run.pool = cf.ProcessPoolExecutor(max_workers=run.args.workers, mp_context=multiprocessing.get_context("spawn"))
-    futures = {run.pool.submit(_compile_job, j): j for j in jobs}
-    cf.wait(futures, timeout=max(1.0, until_s - run.elapsed()))
-    for f in futures:
-        f.cancel()
-    cf.wait(futures)
-    broken = False
-    for f, job in futures.items():
-        if f.cancelled():
-            continue
-        try:
-            result = f.result()
-        except cf.process.BrokenProcessPool:
-            result = None  # some worker died: which job killed it is unknown; the next stage starts a new pool
-            broken = True
-        if result is not None:
-            run.compiled[_ckey(job)] = result
-    if broken:
-        run.pool.shutdown()
-        run.pool = None
 
 
 def _jobs(pts: list[Point], per_point: dict) -> list[tuple]:
@@ -481,22 +448,6 @@ def proposal(pts: list[Point], benches: dict, table: list[dict]) -> dict:
     return out
 
 
-def table_entries(prop: dict) -> list[str]:
-    """BWD_TILES entries: bounds halfway (geometrically) between the tuned seqlens; equal neighbours merged."""
-    lines = []
-    for (d, causal), tuned in sorted(prop.items()):
-        entries = []
-        for i, (n, t) in enumerate(tuned):
-            bound = None if i == len(tuned) - 1 else int(math.sqrt(n * tuned[i + 1][0]))
-            if entries and entries[-1][1] == t:
-                entries[-1] = (bound, t)
-            else:
-                entries.append((bound, t))
-        body = ", ".join(f"({b}, {describe(t)})" for b, t in entries)
-        lines.append(f'    ({d}, "16-bit", {causal}): ({body},),')
-    return lines
-
-
 # ---------------------------------------------------------------------------------------------------------
 
 
@@ -552,7 +503,7 @@ def main(argv: list[str]) -> int:
                 if need > limit:
                     run.compiled[p.dtype, p.head_dim, p.causal, kind, t] = Result(
                         "failed", f"needs ~{need // 1024} KiB of shared memory, over {limit // 1024} KiB")
-    precompile(run, _jobs(pts, per_point), COMPILE_SHARE * args.budget_s)
+    precompile(run, _jobs(pts, per_point), COMPILE_SHARE * args.budget_s, _compile_job, _ckey)
     print(f"compiled {sum(r.status == 'ok' for r in run.compiled.values())}/{len(run.compiled)} "
           f"in {run.elapsed():.0f} s", flush=True)
 
@@ -567,7 +518,7 @@ def main(argv: list[str]) -> int:
     for p in pts:
         winner = fastest(benches[p].results["dkdv"])
         atomic[p] = {"dkdv-atomic": [winner] if winner else []}
-    precompile(run, _jobs(pts, atomic), ATOMIC_COMPILE_SHARE * args.budget_s)
+    precompile(run, _jobs(pts, atomic), ATOMIC_COMPILE_SHARE * args.budget_s, _compile_job, _ckey)
     if run.pool is not None:
         run.pool.shutdown()
 
@@ -611,7 +562,7 @@ def print_summary(run: Run, table: list[dict], prop: dict) -> None:
         print(f"{p.label:15} {p.dtype:5} {kernels[0]:12} {kernels[1]:12} " + " ".join(f"{c:5.0f}" for c in cells)
               + " " + " ".join(f"{r:5.2f}" for r in ratios) + f" {ms['winner'] / ms['atomic-dq']:6.2f}")
     print("BWD_TILES entries for backward.py (16-bit; replace the ones with the same keys):")
-    for line in table_entries(prop):
+    for line in table_entries(prop, describe):
         print(line)
 
 
