@@ -425,29 +425,29 @@ def table_entries(prop: dict, show=None) -> list[str]:
 
 
 # ---------------------------------------------------------------------------------------------------------
+# What both tuners (this one and fa2_triton.tune_backward) share: the shape arguments, the run's arguments
+# and the device.
 
 
-def parse_args(argv: list[str]) -> argparse.Namespace:
-    ints = lambda text: tuple(int(x) for x in text.split(",") if x)
-    parser = argparse.ArgumentParser(prog="python -m fa2_triton.tune", description=__doc__.split("\n\n")[0])
+def add_shape_arguments(parser: argparse.ArgumentParser, ints) -> None:
     parser.add_argument("--seqlens", type=ints, default=(1024, 4096, 16384), help="default 1024,4096,16384")
     parser.add_argument("--head-dims", type=ints, default=(64, 128), help="default 64,128")
     parser.add_argument("--causal", type=lambda s: tuple(x == "yes" for x in s.split(",")), default=(False, True),
                         help="no,yes (default both)")
     parser.add_argument("--dtypes", type=lambda s: tuple(s.split(",")), default=("bf16",),
                         help="bf16,fp16 (default bf16)")
-    parser.add_argument("--block-m", type=ints, default=(128, 64))
-    parser.add_argument("--block-n", type=ints, default=(64, 128, 32))
-    parser.add_argument("--warps", type=ints, default=(8, 4))
-    parser.add_argument("--stages", type=ints, default=(2, 3, 4))
-    parser.add_argument("--no-maxnreg", action="store_true", help="skip the maxnreg (one more program per SM) variants")
-    parser.add_argument("--top", type=int, default=2, help="how many of the fastest per shape get the lever variants")
-    parser.add_argument("--budget-s", type=float, default=270.0,
-                        help="seconds for compiling and searching; the final table adds ~15 s (default 270)")
+
+
+def parse_with_run_arguments(parser: argparse.ArgumentParser, argv: list[str], budget_s: float, final_s: int,
+                             csv_suffix: str) -> argparse.Namespace:
+    """Adds the budget, workers, tokens, hidden and csv arguments, parses argv and checks --dtypes."""
+    parser.add_argument("--budget-s", type=float, default=budget_s,
+                        help=f"seconds for compiling and searching; the final table adds ~{final_s} s "
+                        f"(default {budget_s:g})")
     parser.add_argument("--workers", type=int, default=min(16, os.cpu_count() or 1), help="compile processes")
     parser.add_argument("--tokens", type=int, default=TOKENS, help=f"B = tokens / N (default {TOKENS})")
     parser.add_argument("--hidden", type=int, default=HIDDEN, help=f"H = hidden / D (default {HIDDEN})")
-    parser.add_argument("--csv", type=Path, help="default docs/benchmarks/<gpu>-tune.csv")
+    parser.add_argument("--csv", type=Path, help=f"default docs/benchmarks/<gpu>-{csv_suffix}.csv")
     args = parser.parse_args(argv)
     unknown = [d for d in args.dtypes if d not in DTYPES]
     if unknown:
@@ -455,14 +455,33 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return args
 
 
+def tuning_device() -> torch.device | None:
+    """The CPU under the interpreter, else the GPU; None (having said why) without either."""
+    if INTERPRETED:
+        return torch.device("cpu")
+    if torch.cuda.is_available():
+        return torch.device("cuda")
+    print("no CUDA device: run on a GPU, or with TRITON_INTERPRET=1 on tiny shapes to check this tool")
+    return None
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    ints = lambda text: tuple(int(x) for x in text.split(",") if x)
+    parser = argparse.ArgumentParser(prog="python -m fa2_triton.tune", description=__doc__.split("\n\n")[0])
+    add_shape_arguments(parser, ints)
+    parser.add_argument("--block-m", type=ints, default=(128, 64))
+    parser.add_argument("--block-n", type=ints, default=(64, 128, 32))
+    parser.add_argument("--warps", type=ints, default=(8, 4))
+    parser.add_argument("--stages", type=ints, default=(2, 3, 4))
+    parser.add_argument("--no-maxnreg", action="store_true", help="skip the maxnreg (one more program per SM) variants")
+    parser.add_argument("--top", type=int, default=2, help="how many of the fastest per shape get the lever variants")
+    return parse_with_run_arguments(parser, argv, budget_s=270.0, final_s=15, csv_suffix="tune")
+
+
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
-    if INTERPRETED:
-        device = torch.device("cpu")
-    elif torch.cuda.is_available():
-        device = torch.device("cuda")
-    else:
-        print("no CUDA device: run on a GPU, or with TRITON_INTERPRET=1 on tiny shapes to check this tool")
+    device = tuning_device()
+    if device is None:
         return 2
     run = Run(args, device)
     pts = points(args)

@@ -37,7 +37,6 @@ from __future__ import annotations
 import argparse
 import csv
 import math
-import os
 import re
 import sys
 import time
@@ -55,10 +54,10 @@ from fa2.bench.report import seqlen_label
 
 from fa2_triton import backward, forward
 from fa2_triton.backward import BwdTiles, KernelTiles
-from fa2_triton.forward import INTERPRETED
 from fa2_triton.tune import (
-    CSV_COLUMNS, DTYPES, HIDDEN, MAX_REASONS, SEARCH_REP_MS, SEARCH_WARMUP_MS, SMEM_PER_SM, SMEM_RESERVED,
-    TOKENS, WARM_SEQLEN, Result, Run, _context_lost, _gpu_name, _reason, precompile, table_entries,
+    CSV_COLUMNS, DTYPES, MAX_REASONS, SEARCH_REP_MS, SEARCH_WARMUP_MS, SMEM_PER_SM, SMEM_RESERVED,
+    WARM_SEQLEN, Result, Run, _context_lost, _gpu_name, _reason, add_shape_arguments,
+    parse_with_run_arguments, precompile, table_entries, tuning_device,
 )
 
 KINDS = ("dkdv", "dq")
@@ -455,39 +454,20 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ints = lambda text: tuple(int(x) for x in text.split(",") if x)
     pairs = lambda text: tuple(tuple(int(y) for y in x.split("x")) for x in text.split(",") if x)
     parser = argparse.ArgumentParser(prog="python -m fa2_triton.tune_backward", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--seqlens", type=ints, default=(1024, 4096, 16384), help="default 1024,4096,16384")
-    parser.add_argument("--head-dims", type=ints, default=(64, 128), help="default 64,128")
-    parser.add_argument("--causal", type=lambda s: tuple(x == "yes" for x in s.split(",")), default=(False, True),
-                        help="no,yes (default both)")
-    parser.add_argument("--dtypes", type=lambda s: tuple(s.split(",")), default=("bf16",),
-                        help="bf16,fp16 (default bf16)")
+    add_shape_arguments(parser, ints)
     parser.add_argument("--dkdv-tiles", type=pairs, default=((32, 64), (32, 128), (64, 64), (64, 128)),
                         help="dK/dV kernel's block_m x block_n (default 32x64,32x128,64x64,64x128)")
     parser.add_argument("--dq-tiles", type=pairs, default=((64, 32), (64, 64), (128, 32), (128, 64)),
                         help="dQ kernel's block_m x block_n (default 64x32,64x64,128x32,128x64)")
     parser.add_argument("--warps", type=ints, default=(8, 4))
     parser.add_argument("--stages", type=ints, default=(3, 2, 4))
-    parser.add_argument("--budget-s", type=float, default=100.0,
-                        help="seconds for compiling and searching; the final table adds ~20 s (default 100)")
-    parser.add_argument("--workers", type=int, default=min(16, os.cpu_count() or 1), help="compile processes")
-    parser.add_argument("--tokens", type=int, default=TOKENS, help=f"B = tokens / N (default {TOKENS})")
-    parser.add_argument("--hidden", type=int, default=HIDDEN, help=f"H = hidden / D (default {HIDDEN})")
-    parser.add_argument("--csv", type=Path, help="default docs/benchmarks/<gpu>-tune-bwd.csv")
-    args = parser.parse_args(argv)
-    unknown = [d for d in args.dtypes if d not in DTYPES]
-    if unknown:
-        parser.error(f"--dtypes: unknown {unknown}; choose from {list(DTYPES)}")
-    return args
+    return parse_with_run_arguments(parser, argv, budget_s=100.0, final_s=20, csv_suffix="tune-bwd")
 
 
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
-    if INTERPRETED:
-        device = torch.device("cpu")
-    elif torch.cuda.is_available():
-        device = torch.device("cuda")
-    else:
-        print("no CUDA device: run on a GPU, or with TRITON_INTERPRET=1 on tiny shapes to check this tool")
+    device = tuning_device()
+    if device is None:
         return 2
     run = Run(args, device)
     pts = points(args)
