@@ -65,16 +65,22 @@ def backends() -> dict[str, BackendInfo]:
 
 def default_backend(device: torch.device) -> str:
     """CUDA tensors: the first of KNOWN that is installed and native here. Other devices: pytorch."""
-    if device.type == "cuda":
-        infos = backends()
-        for name in KNOWN:
-            if name in infos and infos[name].status == "native":
-                return name
-        raise BackendNotInstalledError(
-            f"no installed fa2 backend runs natively on CUDA here ({_describe(infos)}); "
-            "pip install \"fa2[triton]\""
-        )
-    return "pytorch"
+    return _default_cuda_backend() if device.type == "cuda" else "pytorch"
+
+
+@functools.cache
+def _default_cuda_backend() -> str:
+    # Asked on every fa2.attention call without a backend: decided once, as the installed backends
+    # (_entry_points) and whether each runs natively (its import-time mode, the CUDA driver) stay fixed for
+    # the process. A failure is not cached.
+    infos = backends()
+    for name in KNOWN:
+        if name in infos and infos[name].status == "native":
+            return name
+    raise BackendNotInstalledError(
+        f"no installed fa2 backend runs natively on CUDA here ({_describe(infos)}); "
+        "pip install \"fa2[triton]\""
+    )
 
 
 def _describe(infos: dict[str, BackendInfo]) -> str:
