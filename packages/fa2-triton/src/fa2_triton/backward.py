@@ -42,14 +42,14 @@ tensor cores with fp32 accumulation, P and dS rounded to the input dtype before 
 
 from __future__ import annotations
 
-import contextlib
 from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
-from fa2_triton.forward import DTYPE_CLASS, INTERPRETED, LOG2_E, MAX_HEAD_DIM, _check_device, _load_tile
+from fa2_triton.forward import DTYPE_CLASS, LOG2_E, MAX_HEAD_DIM, _check_device, _load_tile
+from fa2_triton.launch import launch, on_device
 
 
 @triton.jit
@@ -479,11 +479,6 @@ def flash_attn_backward(
 # (CUDA caps the other two at 65535).
 
 
-def on_device(device: torch.device):
-    """Makes ``device`` current for the launchers (nothing to do under the interpreter)."""
-    return contextlib.nullcontext() if INTERPRETED else torch.cuda.device(device)
-
-
 def launch_preprocess(O: torch.Tensor, dO: torch.Tensor) -> torch.Tensor:
     """delta = rowsum(dO ∘ O): (batch, heads, seqlen_q), float32."""
     batch, heads, seqlen_q, head_dim = O.shape
@@ -491,9 +486,10 @@ def launch_preprocess(O: torch.Tensor, dO: torch.Tensor) -> torch.Tensor:
     HEAD_DIM = max(16, triton.next_power_of_2(head_dim))
     pre_block_m = PREPROCESS_ELEMENTS // HEAD_DIM
     if batch * heads and seqlen_q:
-        _attn_bwd_preprocess[(triton.cdiv(seqlen_q, pre_block_m) * batch * heads,)](
-            O, dO, delta, *O.stride(), *dO.stride(), heads, seqlen_q, head_dim,
-            BLOCK_M=pre_block_m, HEAD_DIM=HEAD_DIM, EVEN_D=HEAD_DIM == head_dim, num_warps=8,
+        launch(
+            _attn_bwd_preprocess, triton.cdiv(seqlen_q, pre_block_m) * batch * heads,
+            (O, dO, delta, *O.stride(), *dO.stride(), heads, seqlen_q, head_dim),
+            dict(BLOCK_M=pre_block_m, HEAD_DIM=HEAD_DIM, EVEN_D=HEAD_DIM == head_dim), dict(num_warps=8),
         )
     return delta
 
@@ -504,12 +500,13 @@ def launch_dq(q, k, v, dO, L, delta, dq, causal: bool, scale: float, t: KernelTi
     HEAD_DIM = max(16, triton.next_power_of_2(head_dim))
     if not (batch * heads and seqlen_q):
         return None
-    return _attn_bwd_dq[(triton.cdiv(seqlen_q, t.block_m) * batch * heads,)](
-        q, k, v, dO, L, delta, dq, scale, scale * LOG2_E,
-        *q.stride(), *k.stride(), *v.stride(), *dO.stride(), *L.stride(), *dq.stride(),
-        heads, seqlen_q, k.shape[2], head_dim,
-        IS_CAUSAL=causal, BLOCK_M=t.block_m, BLOCK_N=t.block_n, HEAD_DIM=HEAD_DIM,
-        EVEN_D=HEAD_DIM == head_dim, num_warps=t.num_warps, num_stages=t.num_stages,
+    return launch(
+        _attn_bwd_dq, triton.cdiv(seqlen_q, t.block_m) * batch * heads,
+        (q, k, v, dO, L, delta, dq, scale, scale * LOG2_E,
+         *q.stride(), *k.stride(), *v.stride(), *dO.stride(), *L.stride(), *dq.stride(),
+         heads, seqlen_q, k.shape[2], head_dim),
+        dict(IS_CAUSAL=causal, BLOCK_M=t.block_m, BLOCK_N=t.block_n, HEAD_DIM=HEAD_DIM, EVEN_D=HEAD_DIM == head_dim),
+        dict(num_warps=t.num_warps, num_stages=t.num_stages),
     )
 
 
@@ -521,11 +518,12 @@ def launch_dkdv(q, k, v, dO, L, delta, dk, dv, dq_acc, causal: bool, scale: floa
     HEAD_DIM = max(16, triton.next_power_of_2(head_dim))
     if not (batch * heads and seqlen_k):
         return None
-    return _attn_bwd_dkdv[(triton.cdiv(seqlen_k, t.block_n) * batch * heads,)](
-        q, k, v, dO, L, delta, dk, dv, delta if dq_acc is None else dq_acc, scale, scale * LOG2_E,
-        *q.stride(), *k.stride(), *v.stride(), *dO.stride(), *L.stride(), *dk.stride(), *dv.stride(),
-        heads, seqlen_q, seqlen_k, head_dim,
-        IS_CAUSAL=causal, BLOCK_M=t.block_m, BLOCK_N=t.block_n, HEAD_DIM=HEAD_DIM,
-        EVEN_D=HEAD_DIM == head_dim, ATOMIC_DQ=dq_acc is not None,
-        num_warps=t.num_warps, num_stages=t.num_stages,
+    return launch(
+        _attn_bwd_dkdv, triton.cdiv(seqlen_k, t.block_n) * batch * heads,
+        (q, k, v, dO, L, delta, dk, dv, delta if dq_acc is None else dq_acc, scale, scale * LOG2_E,
+         *q.stride(), *k.stride(), *v.stride(), *dO.stride(), *L.stride(), *dk.stride(), *dv.stride(),
+         heads, seqlen_q, seqlen_k, head_dim),
+        dict(IS_CAUSAL=causal, BLOCK_M=t.block_m, BLOCK_N=t.block_n, HEAD_DIM=HEAD_DIM,
+             EVEN_D=HEAD_DIM == head_dim, ATOMIC_DQ=dq_acc is not None),
+        dict(num_warps=t.num_warps, num_stages=t.num_stages),
     )

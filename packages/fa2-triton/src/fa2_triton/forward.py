@@ -41,7 +41,6 @@ accumulation, p rounded to v's dtype for the second.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
 from typing import NamedTuple
@@ -50,6 +49,8 @@ import torch
 import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
+
+from fa2_triton.launch import launch, on_device
 
 # The kernel below was decorated for Triton's CPU interpreter iff TRITON_INTERPRET was set at import.
 INTERPRETED: bool = bool(triton.knobs.runtime.interpret)
@@ -425,17 +426,17 @@ def _launch(q, k, v, O, L, causal: bool, scale: float, tiles: Tiles | None = Non
         q_arg, k_arg, v_arg, o_arg = q, k, v, O
     # One program per (query tile, batch·head), on one grid axis: CUDA caps the other two at 65535, and
     # (batch, seqlen, head_dim) inputs arrive with the batch as heads.
-    grid = (triton.cdiv(seqlen_q, tiles.block_m) * batch * heads,)
-    on_device = contextlib.nullcontext() if INTERPRETED else torch.cuda.device(q.device)
-    with on_device:
-        return _attn_fwd[grid](
-            q_arg, k_arg, v_arg, o_arg, L, qk_scale,
-            *q.stride(), *k.stride(), *v.stride(), *O.stride(), *L.stride(),
-            heads, seqlen_q, seqlen_k, head_dim,
-            IS_CAUSAL=causal, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, HEAD_DIM=HEAD_DIM,
-            EVEN_D=HEAD_DIM == head_dim, USE_TMA=use_tma, FUSED_EXP2=tiles.fused_exp2 and qk_scale > 0,
-            LAZY_RESCALE=tiles.lazy_rescale, GRID_ORDER=tiles.grid_order,
-            num_warps=tiles.num_warps, num_stages=tiles.num_stages, maxnreg=tiles.maxnreg,
+    grid = triton.cdiv(seqlen_q, tiles.block_m) * batch * heads
+    with on_device(q.device):
+        return launch(
+            _attn_fwd, grid,
+            (q_arg, k_arg, v_arg, o_arg, L, qk_scale,
+             *q.stride(), *k.stride(), *v.stride(), *O.stride(), *L.stride(),
+             heads, seqlen_q, seqlen_k, head_dim),
+            dict(IS_CAUSAL=causal, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, HEAD_DIM=HEAD_DIM,
+                 EVEN_D=HEAD_DIM == head_dim, USE_TMA=use_tma, FUSED_EXP2=tiles.fused_exp2 and qk_scale > 0,
+                 LAZY_RESCALE=tiles.lazy_rescale, GRID_ORDER=tiles.grid_order),
+            dict(num_warps=tiles.num_warps, num_stages=tiles.num_stages, maxnreg=tiles.maxnreg),
         )
 
 

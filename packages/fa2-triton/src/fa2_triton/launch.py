@@ -1,0 +1,91 @@
+"""Launching fa2-triton's kernels with less host time per call.
+
+``kernel[grid](*args, **constexprs, **options)`` costs ~75 µs of host time per call on the lent H200's
+host (Triton 3.6, the forward's 28 arguments, four of them tensor descriptors), most of it before the
+kernel's own launcher runs: binding the arguments, classifying each one for specialisation, building and
+hashing the cache key. A short attention call is then bound by the host, not the GPU
+(docs/notes/host-overhead.md). fa2 launches the same few kernels with arguments of the same kinds again
+and again, so ``launch`` keeps the compiled kernel Triton returned for one class of arguments and sends
+later calls of that class straight to that kernel's launcher.
+
+The class must hold everything Triton specialises a compilation on, or a kernel compiled for other inputs
+would run: a wrong class is a wrong result, not a slow one. ``arg_class`` is finer than Triton's rules
+(3.6 and 3.9): an integer by whether it equals 1, is divisible by 16 and fits in 32 or 64 bits; a
+tensor by dtype and 16-byte alignment of its data; a tensor descriptor by dtype, block shape, padding and
+the same facts about its data, shape and strides; a float by its type. With the constexprs, the launch
+options, the device and Triton's debug and instrumentation settings, two calls of one class are two calls
+Triton would send to the same compiled kernel, which ``test_triton_launch`` checks against Triton's own
+classifier. Kernels that Triton's interpreter runs, and kernels with pre-run hooks, are launched as
+written.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+import triton
+from triton.runtime.jit import JITFunction
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+# (kernel, device, constexprs, options, Triton settings, argument classes) -> the compiled kernel. One entry
+# per class of arguments met, so it stays as small as Triton's own cache of compilations.
+_COMPILED: dict[tuple, Any] = {}
+
+
+def on_device(device: torch.device):
+    """Makes ``device`` the current CUDA device for a launch (nothing to do on CPU or when it already is):
+    Triton compiles for, and launches on, the current device."""
+    if device.type != "cuda" or device.index == torch.cuda.current_device():
+        return contextlib.nullcontext()
+    return torch.cuda.device(device)
+
+
+def arg_class(arg: Any) -> Any:
+    """What a compiled kernel may have been specialised on, for one runtime argument (see the module's
+    docstring)."""
+    if type(arg) is int:
+        return (arg == 1) | (arg % 16 == 0) << 1 | (not -(2**31) <= arg < 2**31) << 2 | (arg >= 2**63) << 3
+    if isinstance(arg, torch.Tensor):
+        return arg.dtype, arg.data_ptr() % 16 == 0
+    if isinstance(arg, TensorDescriptor):
+        return (
+            arg.base.dtype, arg.base.data_ptr() % 16 == 0, tuple(arg.block_shape), arg.padding,
+            tuple(map(arg_class, arg.shape)), tuple(map(arg_class, arg.strides)),
+        )
+    if type(arg) is float:
+        return float
+    raise TypeError(f"fa2_triton.launch: no argument class for {type(arg).__name__}")
+
+
+def launch(kernel, grid: int, args: tuple, constexprs: dict[str, Any], options: dict[str, Any]):
+    """Runs ``kernel[(grid,)](*args, **constexprs, **options)`` on the current device and stream; returns
+    the compiled kernel (on a GPU; what the launch returns under the interpreter).
+
+    ``constexprs`` must be the kernel's last parameters, in order (checked when a class is first met).
+    """
+    if not isinstance(kernel, JITFunction) or kernel.pre_run_hooks:
+        return kernel[(grid,)](*args, **constexprs, **options)
+    device = torch.cuda.current_device()
+    knobs = triton.knobs
+    key = (
+        kernel, device, *constexprs.values(), *options.values(),
+        knobs.runtime.debug, knobs.compilation.instrumentation_mode, *map(arg_class, args),
+    )
+    compiled = _COMPILED.get(key)
+    if compiled is None:
+        if kernel.arg_names[len(args):] != list(constexprs):
+            raise AssertionError(f"{kernel.arg_names[len(args):]} are not the constexprs {list(constexprs)}")
+        compiled = kernel[(grid,)](*args, **constexprs, **options)
+        _COMPILED[key] = compiled
+        return compiled
+    # What JITFunction.run does once it has found the compiled kernel (Triton 3.6 and 3.9).
+    bound = (*args, *constexprs.values())
+    stream = triton.runtime.driver.active.get_current_stream(device)
+    compiled.run(
+        grid, 1, 1, stream, compiled.function, compiled.packed_metadata,
+        compiled.launch_metadata((grid, 1, 1), stream, *bound),
+        knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook, *bound,
+    )
+    return compiled

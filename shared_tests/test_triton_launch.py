@@ -1,0 +1,90 @@
+"""fa2-triton's launch cache (``fa2_triton.launch``): it reuses a compiled kernel for every call whose
+arguments fall in one class, so the class must be at least as fine as what Triton specialises a
+compilation on. Checked against Triton's own classifier on the CPU (any Triton version this runs with),
+and on a GPU by calls that must, and must not, share a compiled kernel."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+fa2_triton = pytest.importorskip("fa2_triton")
+from checks import assert_matches_reference, random_qkv  # noqa: E402
+from fa2_triton import launch  # noqa: E402
+from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: E402
+
+INTS = [0, 1, 2, 8, 15, 16, 17, 32, 48, 200, 208, 2**31 - 16, 2**31 - 1, 2**31, 2**31 + 16, 2**32,
+        2**63 - 16, 2**63, 2**63 + 16, -1, -16, -(2**31), -(2**31) - 16]
+FLOATS = [0.0, 0.5, -1.25]
+
+
+def _tensors():
+    out = []
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        t = torch.zeros(64, dtype=dtype)
+        out += [t, t[1:], t[8:]]
+    return out
+
+
+def _descriptors():
+    out = []
+    for dtype in (torch.float16, torch.bfloat16, torch.float32):
+        for shape in ((2, 3, 64, 64), (1, 1, 48, 64), (2, 3, 200, 64)):
+            t = torch.zeros(shape, dtype=dtype)
+            for rows in (16, 64):
+                out.append(TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, rows, 64]))
+    return out
+
+
+def test_arg_class_is_at_least_as_fine_as_tritons():
+    """Any two arguments of one class get the same specialisation from Triton: a kernel compiled for one
+    is the kernel Triton would run for the other."""
+    try:
+        from triton._C.libtriton import native_specialize_impl
+        from triton.backends.compiler import BaseBackend
+    except ImportError as e:
+        pytest.skip(f"this Triton has no native_specialize_impl to compare with ({e})")
+
+    def tritons(arg):
+        return native_specialize_impl(BaseBackend, arg, False, True, True)
+
+    samples = INTS + FLOATS + _tensors() + _descriptors()
+    shared = 0
+    for a, b in itertools.combinations(samples, 2):
+        if launch.arg_class(a) == launch.arg_class(b):
+            shared += 1
+            assert tritons(a) == tritons(b), (a, b, launch.arg_class(a))
+    # Not vacuous: classes do merge values (e.g. 32 and 48, two aligned fp16 tensors).
+    assert shared > 20
+
+
+def test_arg_class_refuses_what_it_cannot_classify():
+    with pytest.raises(TypeError, match="no argument class for bool"):
+        launch.arg_class(True)
+
+
+@pytest.mark.gpu
+def test_calls_share_a_compiled_kernel_only_within_a_class(device):
+    """New data of the same class reuses the cached kernel; a seqlen that changes divisibility by 16, or
+    misaligned data (which also leaves the descriptor path), gets its own entry. Each matches the
+    reference."""
+    if fa2_triton.availability()[0] != "native":
+        pytest.skip("fa2-triton does not run natively here")
+    launch._COMPILED.clear()
+
+    def forward(n, seed, misaligned=False):
+        q, k, v = random_qkv((2, 3, n, 64), (2, 3, n, 64), torch.bfloat16, device, seed=seed)
+        if misaligned:
+            buf = torch.empty(q.numel() + 1, device=device, dtype=q.dtype)
+            q = buf[1:].view(q.shape).copy_(q)
+            assert q.data_ptr() % 16
+        O, L = fa2_triton.flash_attn_forward(q, k, v, True, 0.125)
+        assert_matches_reference(O, L, q, k, v, True, scale=0.125)
+        return len(launch._COMPILED)
+
+    assert forward(200, seed=1) == 1
+    assert forward(200, seed=2) == 1
+    assert forward(208, seed=3) == 2
+    assert forward(200, seed=4, misaligned=True) == 3
