@@ -23,7 +23,8 @@ them; otherwise pointer loads with masks. A descriptor block never crosses into 
 seqlen read as zeros and are not written. The levers that change the speed but not the result (the tile
 sizes, the order of the programs, a lazy rescale, maxnreg) are the fields of ``Tiles``, chosen per
 (head_dim, dtype class, causal, seqlen bucket) from ``TILES``, which ``python -m fa2_triton.tune``
-measures on a GPU.
+measures on a GPU. Launches go through ``fa2_triton.launch``, which reuses the compiled kernel for
+arguments of one class and so spends less host time per call than ``kernel[grid](...)``.
 
 Credits: the structure and names follow Triton's tutorial ``06-fused-attention.py`` (Tillet et al.); the
 log2-domain softmax, the fused max subtraction, the unmasked/masked split of the key loop and the host-side
