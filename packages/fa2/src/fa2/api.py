@@ -18,7 +18,7 @@ from typing import NamedTuple
 import torch
 
 from fa2 import ops, registry
-from fa2.layout import as_bhnd, forward_any_rank
+from fa2.layout import forward_any_rank
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MAX_HEAD_DIM = 256
@@ -95,9 +95,7 @@ def attention(
             raise ValueError(f"scale must be finite, got {scale}")
     causal = bool(causal)
     if torch.compiler.is_compiling():
-        forward = ops.forward_op(backend, q.device)
-        O, L = forward(as_bhnd(q), as_bhnd(k), as_bhnd(v), causal, scale)
-        return AttentionOutput(O.reshape(q.shape), L.reshape(q.shape[:-1]))
+        return AttentionOutput(*forward_any_rank(ops.forward_op(backend, q.device), q, k, v, causal, scale))
     impl = registry.load(backend if backend is not None else registry.default_backend(q.device))
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         return AttentionOutput(*impl.FlashAttention2.apply(q, k, v, causal, scale, True))
