@@ -142,14 +142,16 @@ def _reason(e: BaseException) -> str:
     return re.sub(r"\s+", " ", text)[:200]
 
 
-def points(args: argparse.Namespace) -> list[Point]:
+def points(args: argparse.Namespace, point: type[Point] = Point) -> list[Point]:
+    """The sweep's shapes as ``point`` (the backward tuner passes its own, which counts the backward's
+    FLOPs)."""
     out = []
     for dtype in args.dtypes:
         for head_dim in args.head_dims:
             for causal in args.causal:
                 for n in args.seqlens:
                     batch, heads = max(1, args.tokens // n), max(1, args.hidden // head_dim)
-                    out.append(Point(dtype, head_dim, causal, n, batch, heads))
+                    out.append(point(dtype, head_dim, causal, n, batch, heads))
     return out
 
 

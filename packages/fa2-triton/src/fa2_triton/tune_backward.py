@@ -40,7 +40,6 @@ import math
 import re
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
@@ -50,9 +49,8 @@ import triton
 from fa2.bench import check, timing
 from fa2.bench.__main__ import default_name
 from fa2.bench.providers import PROVIDERS, Shape
-from fa2.bench.report import seqlen_label
 
-from fa2_triton import backward, forward
+from fa2_triton import backward, forward, tune
 from fa2_triton.backward import BwdTiles, KernelTiles
 from fa2_triton.tune import (
     CSV_COLUMNS, DTYPES, MAX_REASONS, SEARCH_REP_MS, SEARCH_WARMUP_MS, SMEM_PER_SM, SMEM_RESERVED,
@@ -69,28 +67,16 @@ COMPILE_SHARE, SEARCH_SHARE, ATOMIC_COMPILE_SHARE = 0.4, 0.9, 1.0
 CROSS_ULPS = 4
 
 
-@dataclass(frozen=True)
-class Point:
+class Point(tune.Point):
     """One shape of the sweep; ``flops``: the backward's, 2.5 times the forward's (as fa2.bench)."""
-
-    dtype: str
-    head_dim: int
-    causal: bool
-    seqlen: int
-    batch: int
-    heads: int
 
     @property
     def fwd_flops(self) -> float:
-        return 4 * self.batch * self.heads * self.seqlen**2 * self.head_dim / (2 if self.causal else 1)
+        return super().flops
 
     @property
     def flops(self) -> float:
         return 2.5 * self.fwd_flops
-
-    @property
-    def label(self) -> str:
-        return f"D{self.head_dim} {'causal' if self.causal else 'full'} {seqlen_label(self.seqlen)}"
 
 
 # The matmuls each kernel does per (query, key) tile, in forward FLOPs (two matmuls): dK/dV four (S, dP,
@@ -109,10 +95,7 @@ def _short(t: KernelTiles) -> str:
 
 
 def points(args: argparse.Namespace) -> list[Point]:
-    return [
-        Point(dtype, head_dim, causal, n, max(1, args.tokens // n), max(1, args.hidden // head_dim))
-        for dtype in args.dtypes for head_dim in args.head_dims for causal in args.causal for n in args.seqlens
-    ]
+    return tune.points(args, Point)
 
 
 def current_tiles(p: Point) -> BwdTiles:
