@@ -323,7 +323,7 @@ class Bench:
             if problem is not None:
                 return Result("wrong", problem)
             q, k, v, causal, scale = self.q, self.k, self.v, self.p.causal, self.scale
-            ms = self.time(lambda: forward.flash_attn_forward(q, k, v, causal, scale, tiles), search)
+            ms = median_ms(self.run.device, lambda: forward.flash_attn_forward(q, k, v, causal, scale, tiles), search)
         except Exception as e:
             if _context_lost(e):
                 raise  # the CUDA context is gone: nothing after this can be trusted
@@ -333,14 +333,15 @@ class Bench:
             result.n_regs, result.n_spills, result.shared = compiled.n_regs, compiled.n_spills, compiled.shared
         return result
 
-    def time(self, fn, search: bool) -> float:
-        """Median milliseconds: the benchmark's clock, with a shorter do_bench while searching on a GPU."""
-        if search and self.run.device.type == "cuda":
-            from triton.testing import do_bench
 
-            return do_bench(fn, warmup=SEARCH_WARMUP_MS, rep=SEARCH_REP_MS, return_mode="median")
-        _, first_s = timing.timed_once(fn, self.run.device)
-        return timing.median_ms(fn, self.run.device, first_s)
+def median_ms(device: torch.device, fn, search: bool) -> float:
+    """Median milliseconds: the benchmark's clock, with a shorter do_bench while searching on a GPU."""
+    if search and device.type == "cuda":
+        from triton.testing import do_bench
+
+        return do_bench(fn, warmup=SEARCH_WARMUP_MS, rep=SEARCH_REP_MS, return_mode="median")
+    _, first_s = timing.timed_once(fn, device)
+    return timing.median_ms(fn, device, first_s)
 
 
 def record(run: Run, p: Point, stage: str, config: str, r: Result) -> None:
@@ -545,7 +546,7 @@ def main(argv: list[str]) -> int:
                               heads=p.heads)
                 fn = PROVIDERS[provider].build(shape, device)
                 try:
-                    ms = b.time(lambda: fn(b.q, b.k, b.v), search=False)
+                    ms = median_ms(run.device, lambda: fn(b.q, b.k, b.v), search=False)
                 except Exception as e:
                     record(run, p, "final", provider, Result("failed", _reason(e)))
             if not math.isnan(ms):

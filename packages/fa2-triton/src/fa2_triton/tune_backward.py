@@ -53,9 +53,9 @@ from fa2.bench.providers import PROVIDERS, Shape
 from fa2_triton import backward, forward, tune
 from fa2_triton.backward import BwdTiles, KernelTiles
 from fa2_triton.tune import (
-    CSV_COLUMNS, DTYPES, MAX_REASONS, SEARCH_REP_MS, SEARCH_WARMUP_MS, SMEM_PER_SM, SMEM_RESERVED,
-    WARM_SEQLEN, Result, Run, _context_lost, _gpu_name, _reason, add_shape_arguments,
-    parse_with_run_arguments, precompile, table_entries, tuning_device,
+    CSV_COLUMNS, DTYPES, MAX_REASONS, SMEM_PER_SM, SMEM_RESERVED, WARM_SEQLEN, Result, Run, _context_lost,
+    _gpu_name, _reason, add_shape_arguments, median_ms, parse_with_run_arguments, precompile, table_entries,
+    tuning_device,
 )
 
 KINDS = ("dkdv", "dq")
@@ -278,7 +278,7 @@ class Bench:
             problem = self.grad_problem(grads)
             if problem is not None:
                 return Result("wrong", problem)
-            ms = self.time(lambda: _launch(self.prob, kind, t, out), search=True)
+            ms = median_ms(self.run.device, lambda: _launch(self.prob, kind, t, out), search=True)
         except Exception as e:
             if _context_lost(e):
                 raise  # the CUDA context is gone: nothing after this can be trusted
@@ -287,15 +287,6 @@ class Bench:
         if compiled is not None:
             result.n_regs, result.n_spills, result.shared = compiled.n_regs, compiled.n_spills, compiled.shared
         return result
-
-    def time(self, fn, search: bool) -> float:
-        """Median milliseconds: the benchmark's clock, with a shorter do_bench while searching on a GPU."""
-        if search and self.run.device.type == "cuda":
-            from triton.testing import do_bench
-
-            return do_bench(fn, warmup=SEARCH_WARMUP_MS, rep=SEARCH_REP_MS, return_mode="median")
-        _, first_s = timing.timed_once(fn, self.run.device)
-        return timing.median_ms(fn, self.run.device, first_s)
 
     def fa2_grad(self, tiles: BwdTiles, deterministic: bool = True) -> tuple[str | None, object]:
         """(problem, the timed call): torch.autograd.grad through a Function whose backward is fa2-triton's
@@ -383,7 +374,7 @@ def final(run: Run, b: Bench) -> dict:
         else:
             try:
                 problem, call = b.fa2_grad(tiles, deterministic)
-                r = Result("wrong", problem) if problem else Result("ok", ms=b.time(call, search=False))
+                r = Result("wrong", problem) if problem else Result("ok", ms=median_ms(run.device, call, search=False))
             except Exception as e:
                 if _context_lost(e):
                     raise
@@ -396,7 +387,7 @@ def final(run: Run, b: Bench) -> dict:
         ms = math.nan
         if run.device.type == "cuda":
             try:
-                ms = b.time(b.sdpa_grad(provider), search=False)
+                ms = median_ms(run.device, b.sdpa_grad(provider), search=False)
                 record(run, p, "final", provider, Result("ok", ms=ms), p.flops)
             except Exception as e:
                 record(run, p, "final", provider, Result("failed", _reason(e)), p.flops)
