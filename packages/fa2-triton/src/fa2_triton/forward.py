@@ -16,25 +16,32 @@ The band: the tiles that straddle the causal diagonal or run past seqlen_k, mask
 wholly above the diagonal are never visited. A row that sees no key keeps m_i = -inf; the band subtracts
 0 for it instead of m_i, so p and alpha stay 0 (not NaN) and the epilogue writes O = 0, L = +inf.
 
-Two ways to reach memory, one kernel (USE_TMA, chosen on the host): tensor descriptors (TMA on Hopper)
+Three ways to reach memory, one kernel (chosen on the host). USE_TMA: tensor descriptors (TMA on Hopper)
 over (B, H, N, D) with blocks [1, 1, BLOCK, HEAD_DIM], where ``tma_layout`` holds (unit stride along
 head_dim, 16-byte aligned strides and data, head_dim a power of two >= 16) and the tile table asks for
-them; otherwise pointer loads with masks. A descriptor block never crosses into another head: rows past
-seqlen read as zeros and are not written. The levers that change the speed but not the result (the tile
-sizes, the order of the programs, a lazy rescale, maxnreg) are the fields of ``Tiles``, chosen per
-(head_dim, dtype class, causal, seqlen bucket) from ``TILES``, which ``python -m fa2_triton.tune``
-measures on a GPU. Launches go through ``fa2_triton.launch``, which reuses the compiled kernel for
-arguments of one class and so spends less host time per call than ``kernel[grid](...)``.
+them; a descriptor block never crosses into another head: rows past seqlen read as zeros and are not
+written. WARP_SPECIALIZE: one key loop that Triton splits into a producer warp group issuing the loads and
+two consumer warp groups of BLOCK_M / 2 rows, so that one group's softmax runs while the other's matmuls
+do (FlashAttention-3's overlap, left to Triton's Hopper warp specialisation); it needs descriptors built
+in the kernel, 2-D over the rows of contiguous inputs, so it is taken where ``ws_layout`` holds (not causal,
+whole tiles; the tile table asks for it at D = 128 from N = 2k). Otherwise pointer loads with masks. The
+levers that change the speed but not the result (the tile sizes, the order of the programs, a lazy rescale,
+maxnreg, warp specialisation) are the fields of ``Tiles``, chosen per (head_dim, dtype class, causal,
+seqlen bucket) from ``TILES``, which ``python -m fa2_triton.tune`` measures on a GPU. Launches go through
+``fa2_triton.launch``, which reuses the compiled kernel for arguments of one class and so spends less host
+time per call than ``kernel[grid](...)``.
 
 Credits: the structure and names follow Triton's tutorial ``06-fused-attention.py`` (Tillet et al.); the
 log2-domain softmax, the fused max subtraction, the unmasked/masked split of the key loop and the host-side
 tensor descriptors are from there too. Masking on padded head dims as in Tri Dao's ``flash_attn_triton.py``.
-The lazy rescale (threshold 8 in log2 units) is FlashAttention-4's.
+The lazy rescale (threshold 8 in log2 units) is FlashAttention-4's. Warp specialisation with descriptors
+built in the kernel follows what Triton's Hopper warp specialisation supports (triton-lang/triton#7658).
 
 Limits: head_dim a multiple of 8 from 8 to 256 (HEAD_DIM, the tile width, is padded to a power of two
 >= 16 and masked); float32, float16, bfloat16. CUDA tensors, or CPU tensors under Triton's interpreter
-(``TRITON_INTERPRET=1`` in the environment when this module is imported; the interpreter runs the
-descriptor path too). No ``tl.make_block_ptr`` (removed in Triton 3.9): the kernel compiles on Triton
+(``TRITON_INTERPRET=1`` in the environment when this module is imported; the interpreter runs both
+descriptor paths too, the warp-specialised loop unspecialised). The warp-specialised loop asks Triton's
+allocator for its descriptors' global memory (``launch.scratch_allocator``: torch's, during the launch). No ``tl.make_block_ptr`` (removed in Triton 3.9): the kernel compiles on Triton
 3.6 and later. Both matmuls ask for ``input_precision="ieee"``: fp32 inputs get no TF32 (FMA matmuls);
 fp16 and bf16 products are exact in fp32, so those still run on tensor cores (wgmma on Hopper) with fp32
 accumulation, p rounded to v's dtype for the second.
@@ -42,6 +49,7 @@ accumulation, p rounded to v's dtype for the second.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 from typing import NamedTuple
@@ -51,7 +59,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from fa2_triton.launch import launch, on_device
+from fa2_triton.launch import launch, on_device, scratch_allocator
 
 # The kernel below was decorated for Triton's CPU interpreter iff TRITON_INTERPRET was set at import.
 INTERPRETED: bool = bool(triton.knobs.runtime.interpret)
@@ -81,18 +89,22 @@ def _load_tile(ptrs, rows, n_rows, offs_d, head_dim, MASK_ROWS: tl.constexpr, EV
 @triton.jit
 def _attn_fwd_inner(
     acc, l_i, m_i, q,
-    k_src, v_src, stride_kn, stride_vn, off_b, off_h,
+    k_src, v_src, stride_kn, stride_vn, off_b, off_h, kv_row,
     offs_m, offs_n, offs_d, head_dim, N_K, diag, qk_scale, lo, hi,
     IN_BAND: tl.constexpr, IS_CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
     EVEN_D: tl.constexpr, USE_TMA: tl.constexpr, FUSED_EXP2: tl.constexpr, LAZY_RESCALE: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr,
 ):
-    """The online softmax over key tiles [lo, hi): masked iff IN_BAND. k_src, v_src: tensor descriptors
-    (USE_TMA) or [BLOCK_N, HEAD_DIM] pointers to the first key tile of this batch·head."""
+    """The online softmax over key tiles [lo, hi): masked iff IN_BAND. k_src, v_src: 4-D tensor descriptors
+    (USE_TMA), 2-D ones whose rows of this batch·head start at kv_row (WARP_SPECIALIZE), or [BLOCK_N,
+    HEAD_DIM] pointers to the first key tile of this batch·head."""
     # side-by-side: scores
-    for start_n in tl.range(lo, hi, BLOCK_N):
+    for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         cols = start_n + offs_n
-        if USE_TMA:
+        if WARP_SPECIALIZE:
+            k = k_src.load([kv_row + start_n, 0])
+        elif USE_TMA:
             # Rows past seqlen_k come back as zeros (the descriptor's bounds); the band masks their scores.
             k = k_src.load([off_b, off_h, start_n, 0]).reshape(BLOCK_N, HEAD_DIM)
         else:
@@ -139,7 +151,9 @@ def _attn_fwd_inner(
                 acc = acc * alpha[:, None]
         else:
             acc = acc * alpha[:, None]
-        if USE_TMA:
+        if WARP_SPECIALIZE:
+            v = v_src.load([kv_row + start_n, 0])
+        elif USE_TMA:
             v = v_src.load([off_b, off_h, start_n, 0]).reshape(BLOCK_N, HEAD_DIM)
         else:
             v = _load_tile(v_src + tl.cast(start_n, tl.int64) * stride_vn, cols, N_K, offs_d, head_dim,
@@ -162,10 +176,12 @@ def _attn_fwd(
     H, N_Q, N_K, head_dim,
     IS_CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
     EVEN_D: tl.constexpr, USE_TMA: tl.constexpr, FUSED_EXP2: tl.constexpr, LAZY_RESCALE: tl.constexpr,
-    GRID_ORDER: tl.constexpr,
+    GRID_ORDER: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
 ):
     """Q, K, V, O: pointers, or with USE_TMA (B, H, N, D) tensor descriptors of blocks [1, 1, BLOCK, HEAD_DIM]
-    (their strides are then unused)."""
+    (their strides are then unused). WARP_SPECIALIZE (never with causal): contiguous (B, H, N, D) pointers
+    with seqlen_q a multiple of BLOCK_M and seqlen_k of BLOCK_N, read and written through descriptors
+    built here."""
     # One program per (query tile, batch·head), flattened to one grid axis; GRID_ORDER picks the order.
     pid = tl.program_id(0)
     num_m_tiles = tl.cdiv(N_Q, BLOCK_M)
@@ -183,6 +199,7 @@ def _attn_fwd(
     off_b = off_bh // H
     off_h = off_bh % H
     start_m = tile_m * BLOCK_M
+    kv_row = off_bh * N_K
     # Key j is visible to query i iff j <= i + diag.
     diag = N_K - N_Q
 
@@ -190,7 +207,16 @@ def _attn_fwd(
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
-    if USE_TMA:
+    if WARP_SPECIALIZE:
+        # Triton's Hopper warp specialisation splits the query rows over two consumer warp groups only for
+        # descriptors built on the device and one key loop. 2-D over the (B·H·N, D) rows: no tile crosses
+        # into another head, as BLOCK_M divides seqlen_q and BLOCK_N seqlen_k.
+        num_bh = tl.num_programs(0) // num_m_tiles
+        q_desc = tl.make_tensor_descriptor(Q, [num_bh * N_Q, HEAD_DIM], [HEAD_DIM, 1], [BLOCK_M, HEAD_DIM])
+        k_src = tl.make_tensor_descriptor(K, [num_bh * N_K, HEAD_DIM], [HEAD_DIM, 1], [BLOCK_N, HEAD_DIM])
+        v_src = tl.make_tensor_descriptor(V, [num_bh * N_K, HEAD_DIM], [HEAD_DIM, 1], [BLOCK_N, HEAD_DIM])
+        q = q_desc.load([off_bh * N_Q + start_m, 0])
+    elif USE_TMA:
         q = Q.load([off_b, off_h, start_m, 0]).reshape(BLOCK_M, HEAD_DIM)
         k_src = K
         v_src = V
@@ -223,15 +249,16 @@ def _attn_fwd(
         lo_band = N_K // BLOCK_N * BLOCK_N
         hi = N_K
     acc, l_i, m_i = _attn_fwd_inner(
-        acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_vn, off_b, off_h,
+        acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_vn, off_b, off_h, kv_row,
         offs_m, offs_n, offs_d, head_dim, N_K, diag, qk_scale, 0, lo_band,
-        False, IS_CAUSAL, BLOCK_N, HEAD_DIM, EVEN_D, USE_TMA, FUSED_EXP2, LAZY_RESCALE,
+        False, IS_CAUSAL, BLOCK_N, HEAD_DIM, EVEN_D, USE_TMA, FUSED_EXP2, LAZY_RESCALE, WARP_SPECIALIZE,
     )
-    acc, l_i, m_i = _attn_fwd_inner(
-        acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_vn, off_b, off_h,
-        offs_m, offs_n, offs_d, head_dim, N_K, diag, qk_scale, lo_band, hi,
-        True, IS_CAUSAL, BLOCK_N, HEAD_DIM, EVEN_D, USE_TMA, FUSED_EXP2, LAZY_RESCALE,
-    )
+    if not WARP_SPECIALIZE:  # no band then (BLOCK_N divides seqlen_k), and a second loop would not compile
+        acc, l_i, m_i = _attn_fwd_inner(
+            acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_vn, off_b, off_h, kv_row,
+            offs_m, offs_n, offs_d, head_dim, N_K, diag, qk_scale, lo_band, hi,
+            True, IS_CAUSAL, BLOCK_N, HEAD_DIM, EVEN_D, USE_TMA, FUSED_EXP2, LAZY_RESCALE, False,
+        )
     # side-by-side: end
 
     # side-by-side: epilogue
@@ -244,7 +271,10 @@ def _attn_fwd(
 
     l_ptrs = L + off_b.to(tl.int64) * stride_lb + off_h.to(tl.int64) * stride_lh + offs_m * stride_lm
     tl.store(l_ptrs, lse, mask=offs_m < N_Q)
-    if USE_TMA:
+    if WARP_SPECIALIZE:
+        o_desc = tl.make_tensor_descriptor(O, [num_bh * N_Q, HEAD_DIM], [HEAD_DIM, 1], [BLOCK_M, HEAD_DIM])
+        o_desc.store([off_bh * N_Q + start_m, 0], acc.to(O.dtype.element_ty))
+    elif USE_TMA:
         # Rows past seqlen_q fall outside the descriptor's bounds and are not written.
         O.store([off_b, off_h, start_m, 0], acc.to(O.dtype).reshape(1, 1, BLOCK_M, HEAD_DIM))
     else:
@@ -276,13 +306,18 @@ class Tiles(NamedTuple):
     fused_exp2: bool = True
     # Registers per thread at most (PTX .maxnreg), so that more programs fit on one SM; None: the compiler's.
     maxnreg: int | None = None
+    # One key loop that Triton splits into a producer warp group (the loads) and two consumer warp groups of
+    # BLOCK_M / 2 rows each, so that one group's softmax overlaps the other's matmuls; taken when
+    # ``ws_layout`` holds (else the path the fields above choose; ``tiles_for`` picks a table's fallback).
+    warp_specialize: bool = False
 
 
 # Keys of TILES: HEAD_DIM (head_dim padded to a power of two), the dtype class, causal.
 DTYPE_CLASS = {torch.float16: "16-bit", torch.bfloat16: "16-bit", torch.float32: "fp32"}
 
 # (HEAD_DIM, dtype class, causal) -> ((largest seqlen_k, Tiles), ..., (None, Tiles)): the first entry whose
-# bound holds seqlen_k wins. Each compiles for sm_90a on Triton 3.6 and 3.9 without register spills for
+# bound holds seqlen_k wins, passing over one that asks for warp specialisation where the inputs cannot take
+# it: each such entry is followed by its fallback, with the same bound. Each compiles for sm_90a on Triton 3.6 and 3.9 without register spills for
 # head_dim = HEAD_DIM (a padded head_dim such as 72 takes the pointer path with column masks and spills).
 # 16-bit inputs, wgmma. D = 64 and 128 are the benchmark's; `python -m fa2_triton.tune` on a GPU times
 # candidates on its shapes and prints these entries, tuned, ready to replace the ones below.
@@ -321,11 +356,16 @@ TILES: dict[tuple[int, str, bool], tuple[tuple[int | None, Tiles], ...]] = {
 }
 
 
-def tiles_for(head_dim_padded: int, dtype: torch.dtype, causal: bool = False, seqlen_k: int | None = None) -> Tiles:
+def tiles_for(head_dim_padded: int, dtype: torch.dtype, causal: bool = False, seqlen_k: int | None = None,
+              can_specialize=None) -> Tiles:
     """The launch configuration for a padded head_dim, an input dtype, causal and seqlen_k (None: the
-    largest bucket). The interpreter gets the same tiles as the GPU (it ignores num_warps and num_stages),
-    so CPU tests cover the GPU's tiling."""
+    largest bucket). ``can_specialize(tiles)``: whether the inputs can take the warp-specialised loop with
+    those tiles (None: as if they could); an entry that asks for it where they cannot is passed over for
+    its fallback. The interpreter gets the same tiles as the GPU (it ignores num_warps and num_stages), so
+    CPU tests cover the GPU's tiling."""
     for bound, tiles in TILES[head_dim_padded, DTYPE_CLASS[dtype], causal]:
+        if tiles.warp_specialize and can_specialize is not None and not can_specialize(tiles):
+            continue
         if bound is None or (seqlen_k is not None and seqlen_k <= bound):
             return tiles
     raise AssertionError(f"TILES[{head_dim_padded}, {DTYPE_CLASS[dtype]}, {causal}] lacks its last (None) entry")
@@ -349,6 +389,35 @@ def tma_layout(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, head_dim_padde
             if size > 1 and (stride <= 0 or stride * t.element_size() % 16):
                 return False
     return True
+
+
+def ws_tiles(tiles: Tiles, causal: bool) -> bool:
+    """Whether ``tiles`` take the warp-specialised loop where the inputs allow it: asked for, not causal
+    (Triton 3.6 does not specialise causal's two key loops; one loop masking every tile ran at 0.83-1.01x
+    the unspecialised kernel at D = 128 and 0.59-0.78x at D = 64), and the configuration measured correct on
+    the H200 with Triton 3.6: BLOCK_M 128 (two consumer groups of 64 rows), 4 warps a group, 2 stages (3
+    gave NaN there), without lazy_rescale (its branch keeps Triton from specialising the loop) or maxnreg
+    (the groups set their own)."""
+    return (tiles.warp_specialize and not causal and (tiles.block_m, tiles.num_warps, tiles.num_stages) == (128, 4, 2)
+            and not tiles.lazy_rescale and tiles.maxnreg is None)
+
+
+def ws_layout(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, head_dim_padded: int,
+              tiles: Tiles) -> bool:
+    """Whether the warp-specialised loop runs: ``ws_tiles``, a Hopper GPU (sm_90; or the interpreter,
+    which runs the loop without specialising it), contiguous q, k, v with head_dim a power of two >= 16
+    (descriptors built in the kernel over the (B·H·N, D) rows, 16-byte aligned), seqlen_q a multiple of
+    BLOCK_M and seqlen_k of BLOCK_N (so no tile crosses into another head and no key needs a mask), and
+    fewer than 2^31 rows."""
+    if not ws_tiles(tiles, causal):
+        return False
+    if not INTERPRETED and _capability(q.device.index)[0] != 9:
+        return False
+    if q.shape[-1] != head_dim_padded or q.shape[2] % tiles.block_m or k.shape[2] % tiles.block_n:
+        return False
+    if max(q.shape[0] * q.shape[1] * q.shape[2], k.shape[0] * k.shape[1] * k.shape[2]) >= 2**31:
+        return False
+    return all(t.numel() > 0 and t.is_contiguous() and t.data_ptr() % 16 == 0 for t in (q, k, v))
 
 
 @functools.cache
@@ -416,9 +485,11 @@ def _launch(q, k, v, O, L, causal: bool, scale: float, tiles: Tiles | None = Non
     batch, heads, seqlen_q, head_dim = q.shape
     seqlen_k = k.shape[2]
     HEAD_DIM = max(16, triton.next_power_of_2(head_dim))
-    tiles = tiles or tiles_for(HEAD_DIM, q.dtype, causal, seqlen_k)
+    can_specialize = functools.partial(ws_layout, q, k, v, causal, HEAD_DIM)
+    tiles = tiles or tiles_for(HEAD_DIM, q.dtype, causal, seqlen_k, can_specialize)
     qk_scale = scale * LOG2_E
-    if tiles.tma and tma_layout(q, k, v, HEAD_DIM):
+    warp_specialize = can_specialize(tiles)
+    if not warp_specialize and tiles.tma and tma_layout(q, k, v, HEAD_DIM):
         use_tma = True
         q_arg, o_arg = _descriptor(q, tiles.block_m), _descriptor(O, tiles.block_m)
         k_arg, v_arg = _descriptor(k, tiles.block_n), _descriptor(v, tiles.block_n)
@@ -428,7 +499,8 @@ def _launch(q, k, v, O, L, causal: bool, scale: float, tiles: Tiles | None = Non
     # One program per (query tile, batch·head), on one grid axis: CUDA caps the other two at 65535, and
     # (batch, seqlen, head_dim) inputs arrive with the batch as heads.
     grid = triton.cdiv(seqlen_q, tiles.block_m) * batch * heads
-    with on_device(q.device):
+    # The kernel's own descriptors live in global memory that Triton asks its allocator for.
+    with on_device(q.device), scratch_allocator() if warp_specialize else contextlib.nullcontext():
         return launch(
             _attn_fwd, grid,
             (q_arg, k_arg, v_arg, o_arg, L, qk_scale,
@@ -436,7 +508,7 @@ def _launch(q, k, v, O, L, causal: bool, scale: float, tiles: Tiles | None = Non
              heads, seqlen_q, seqlen_k, head_dim),
             dict(IS_CAUSAL=causal, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, HEAD_DIM=HEAD_DIM,
                  EVEN_D=HEAD_DIM == head_dim, USE_TMA=use_tma, FUSED_EXP2=tiles.fused_exp2 and qk_scale > 0,
-                 LAZY_RESCALE=tiles.lazy_rescale, GRID_ORDER=tiles.grid_order),
+                 LAZY_RESCALE=tiles.lazy_rescale, GRID_ORDER=tiles.grid_order, WARP_SPECIALIZE=warp_specialize),
             dict(num_warps=tiles.num_warps, num_stages=tiles.num_stages, maxnreg=tiles.maxnreg),
         )
 

@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 import triton
+from triton.runtime import _allocation
 from triton.runtime.jit import JITFunction
 from triton.tools.tensor_descriptor import TensorDescriptor
 
@@ -40,6 +41,24 @@ def on_device(device: torch.device):
     if device.type != "cuda" or device.index == torch.cuda.current_device():
         return contextlib.nullcontext()
     return torch.cuda.device(device)
+
+
+@contextlib.contextmanager
+def scratch_allocator():
+    """Lets kernels that build tensor descriptors on the device get their global scratch memory from
+    torch's caching allocator, on the current device and stream, for the launches inside the block. Triton
+    asks the allocator in its context variable (``triton.set_allocator`` sets it for good; none is set by
+    default); the caller's is back in place afterwards."""
+    token = _allocation._allocator.set(_torch_scratch)
+    try:
+        yield
+    finally:
+        _allocation._allocator.reset(token)
+
+
+def _torch_scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
+    # torch's blocks are 512-byte aligned, more than the 128 bytes a descriptor needs.
+    return torch.empty(size, dtype=torch.int8, device="cuda")
 
 
 def arg_class(arg: Any) -> Any:

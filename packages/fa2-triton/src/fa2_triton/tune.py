@@ -4,10 +4,11 @@ the tile table (``forward.TILES``) entries for the benchmark's shapes.
 Shapes: the benchmark's (16k tokens, hidden 2048: B = 16384 / N, H = 2048 / D), contiguous (B, H, N, D).
 Candidates: every BLOCK_M ∈ {64, 128}, BLOCK_N ∈ {32, 64, 128}, num_warps ∈ {4, 8}, num_stages ∈ {2, 3, 4}
 with tensor descriptors on and, under causal, the longest query tiles first; each also with ``maxnreg``
-lowered so that one more program fits on an SM by registers (where shared memory allows it). Then the
-levers one at a time on the two fastest of those per shape: pointer loads instead of descriptors,
-``fused_exp2`` off, ``lazy_rescale`` on, the other grid orders (causal), and the winner is the fastest
-of everything measured.
+lowered so that one more program fits on an SM by registers (where shared memory allows it), and with
+``warp_specialize`` where ``forward.ws_tiles`` allows it. Then the levers one at a time on the two
+fastest of those per shape: pointer loads instead of descriptors, ``fused_exp2`` off, ``lazy_rescale``
+on, the other grid orders (causal), warp specialisation off, and the winner is the fastest of everything
+measured.
 
 Every candidate is compiled first, in parallel worker processes (one CUDA context each) that also run it
 once on a small input: one that fails to compile, runs out of shared memory or crashes there is
@@ -131,6 +132,7 @@ def _short(t: Tiles) -> str:
     flags += ["lazy"] if t.lazy_rescale else []
     flags += [] if t.fused_exp2 else ["nofma"]
     flags += [f"r{t.maxnreg}"] if t.maxnreg else []
+    flags += ["ws"] if t.warp_specialize else []
     return f"{t.block_m}x{t.block_n} w{t.num_warps} s{t.num_stages} {' '.join(flags)}"
 
 
@@ -156,10 +158,11 @@ def points(args: argparse.Namespace, point: type[Point] = Point) -> list[Point]:
 
 
 def base_candidates(args: argparse.Namespace, causal: bool) -> list[Tiles]:
-    return [
+    tiles = [
         Tiles(bm, bn, w, s, tma=True, grid_order=1 if causal else 0)
         for bm in args.block_m for bn in args.block_n for w in args.warps for s in args.stages
     ]
+    return [v for t in tiles for v in (t, t._replace(warp_specialize=True)) if v is t or forward.ws_tiles(v, causal)]
 
 
 def smem_estimate(t: Tiles, head_dim: int, elem_bytes: int = 2) -> int:
@@ -177,6 +180,8 @@ def lever_variants(t: Tiles, causal: bool) -> list[Tiles]:
         out += [t._replace(grid_order=g) for g in (0, 1, 2) if g != t.grid_order]
     if t.maxnreg is not None:
         out.append(t._replace(maxnreg=None))
+    if t.warp_specialize:
+        out.append(t._replace(warp_specialize=False))
     return out
 
 
@@ -385,8 +390,9 @@ def best(results: dict, k: int = 1) -> list[Tiles]:
 
 
 def proposal(pts: list[Point], benches: dict) -> dict:
-    """(head_dim, causal) -> [(seqlen, Tiles)]: per seqlen the configuration with the smallest geometric
-    mean of time / best time over the dtypes measured there (all one dtype class, 16-bit)."""
+    """(head_dim, causal) -> [(seqlen, Tiles, ...)]: per seqlen the configuration with the smallest geometric
+    mean of time / best time over the dtypes measured there (all one dtype class, 16-bit); after a
+    warp-specialised one, the best of those without it (its fallback in forward.TILES)."""
     groups: dict = {}
     for p in pts:
         groups.setdefault((p.head_dim, p.causal, p.seqlen), []).append(p)
@@ -403,26 +409,30 @@ def proposal(pts: list[Point], benches: dict) -> dict:
                 scores.setdefault(t, []).append(ms / fastest)
         full = {t: s for t, s in scores.items() if len(s) == len(ps)}
         if full:
-            winner = min(full, key=lambda t: math.prod(full[t]))
-            out.setdefault((d, causal), []).append((n, winner))
+            score = lambda t: math.prod(full[t])
+            winner = min(full, key=score)
+            fallbacks = [t for t in full if not t.warp_specialize]
+            chosen = (winner, min(fallbacks, key=score)) if winner.warp_specialize and fallbacks else (winner,)
+            out.setdefault((d, causal), []).append((n, *chosen))
     return out
 
 
 def table_entries(prop: dict, show=None) -> list[str]:
-    """forward.TILES entries: bounds halfway (geometrically) between the tuned seqlens; equal neighbours
-    merged. ``show`` writes a configuration as Python (default ``describe``; the backward tuner's own for
-    BWD_TILES)."""
+    """forward.TILES entries from ``proposal``'s (seqlen, configuration, [fallback]): bounds halfway
+    (geometrically) between the tuned seqlens, equal neighbours merged, a fallback after its entry with the
+    same bound. ``show`` writes a configuration as Python (default ``describe``; the backward tuner's own
+    for BWD_TILES)."""
     show = show or describe
     lines = []
     for (d, causal), tuned in sorted(prop.items()):
         entries = []
-        for i, (n, t) in enumerate(tuned):
+        for i, (n, *configs) in enumerate(tuned):
             bound = None if i == len(tuned) - 1 else int(math.sqrt(n * tuned[i + 1][0]))
-            if entries and entries[-1][1] == t:
-                entries[-1] = (bound, t)
+            if entries and entries[-1][1] == configs:
+                entries[-1] = (bound, configs)
             else:
-                entries.append((bound, t))
-        body = ", ".join(f"({b}, {show(t)})" for b, t in entries)
+                entries.append((bound, configs))
+        body = ", ".join(f"({b}, {show(t)})" for b, configs in entries for t in configs)
         lines.append(f'    ({d}, "16-bit", {causal}): ({body},),')
     return lines
 
@@ -507,7 +517,7 @@ def main(argv: list[str]) -> int:
         for t in base[p]:
             cands.append(t)
             c = run.compiled.get((p.dtype, p.head_dim, p.causal, t))
-            if not args.no_maxnreg and c is not None and c.status == "ok" and c.n_regs:
+            if not args.no_maxnreg and not t.warp_specialize and c is not None and c.status == "ok" and c.n_regs:
                 maxnreg = one_more_program(t, c.n_regs, c.shared)
                 if maxnreg is not None:
                     cands.append(t._replace(maxnreg=maxnreg))
@@ -589,6 +599,7 @@ def print_summary(run: Run, pts: list[Point], benches: dict, table: list[dict]) 
         "fused_exp2": (lambda t: t.fused_exp2, lambda t: t._replace(fused_exp2=False)),
         "lazy_rescale": (lambda t: t.lazy_rescale, lambda t: t._replace(lazy_rescale=False)),
         "maxnreg": (lambda t: t.maxnreg is not None, lambda t: t._replace(maxnreg=None)),
+        "warp_spec.": (lambda t: t.warp_specialize, lambda t: t._replace(warp_specialize=False)),
         "grid_order 1": (lambda t: t.grid_order == 1, lambda t: t._replace(grid_order=0)),
         "grid_order 2": (lambda t: t.grid_order == 2, lambda t: t._replace(grid_order=0)),
     }

@@ -1,0 +1,113 @@
+"""fa2-triton's speed levers (the fields of ``forward.Tiles``) change how the forward runs, never what it
+returns: every lever on its own, and the configurations the tile table ships, against the fp64 reference,
+into NaN-poisoned outputs. Shapes where a lever's path applies (the descriptor paths need whole tiles for
+the warp-specialised loop) and where it does not (a ragged seqlen, causal), so that both the lever's path
+and its fallback are checked. On the CPU in Triton's interpreter (fp16 only: the interpreter gets bf16
+``tl.dot`` wrong), on a GPU natively, where the warp-specialised loop must also really be specialised."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+fa2_triton = pytest.importorskip("fa2_triton")
+from checks import assert_matches_reference, random_qkv  # noqa: E402
+from fa2_triton import forward  # noqa: E402
+from fa2_triton.forward import Tiles  # noqa: E402
+
+BASE = Tiles(128, 64, 4, 2, tma=True)
+LEVERS = {
+    "pointers": BASE._replace(tma=False),
+    "descriptors": BASE,
+    "grid_order_1": BASE._replace(grid_order=1),
+    "grid_order_2": BASE._replace(grid_order=2),
+    "lazy_rescale": BASE._replace(lazy_rescale=True),
+    "no_fused_exp2": BASE._replace(fused_exp2=False),
+    "maxnreg_168": BASE._replace(maxnreg=168),
+    "warp_specialize": BASE._replace(warp_specialize=True),
+    "warp_specialize_n128": Tiles(128, 128, 4, 2, tma=True, warp_specialize=True),
+}
+# (seqlen_q, seqlen_k): whole tiles; a ragged seqlen_k (the descriptor path reads zeros past it, the
+# warp-specialised loop falls back); fewer queries than keys (causal's bottom-right diagonal).
+SEQLENS = {"256x256": (256, 256), "256x200": (256, 200), "128x384": (128, 384)}
+
+
+def _dtypes(device):
+    return [torch.float16] if device.type == "cpu" else [torch.float16, torch.bfloat16]
+
+
+@pytest.fixture
+def native_or_interpreted(device):
+    mode = fa2_triton.availability()[0]
+    if device.type == "cuda" and mode != "native":
+        pytest.skip(f"fa2-triton does not run natively here ({mode})")
+    if device.type == "cpu" and not forward.INTERPRETED:
+        pytest.skip("fa2-triton was imported without TRITON_INTERPRET=1: its kernel needs a GPU")
+
+
+@pytest.mark.parametrize("seqlens", list(SEQLENS.values()), ids=list(SEQLENS))
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("head_dim", [64, 128], ids=lambda d: f"d{d}")
+@pytest.mark.parametrize("lever", list(LEVERS), ids=str)
+def test_lever_matches_reference(native_or_interpreted, device, lever, head_dim, causal, seqlens):
+    tiles = LEVERS[lever]
+    n_q, n_k = seqlens
+    for dtype in _dtypes(device):
+        q, k, v = random_qkv((2, 2, n_q, head_dim), (2, 2, n_k, head_dim), dtype, device, seed=n_k + head_dim)
+        O = torch.full_like(q, math.nan)
+        L = torch.full(q.shape[:-1], math.nan, device=device)
+        compiled = forward._launch(q, k, v, O, L, causal, head_dim**-0.5, tiles)
+        assert_matches_reference(O, L, q, k, v, causal)
+        specialised = forward.ws_layout(q, k, v, causal, head_dim, tiles)
+        # Not green by accident: the warp-specialised path runs exactly where its conditions say.
+        assert specialised == (tiles.warp_specialize and not causal and n_q % 128 == 0 and n_k % tiles.block_n == 0)
+        if specialised and device.type == "cuda":
+            # A producer warp group and two consumer groups: 12 warps where 4 were asked for.
+            assert compiled.metadata.num_warps == 3 * tiles.num_warps, compiled.metadata.num_warps
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("head_dim", [64, 128], ids=lambda d: f"d{d}")
+def test_shipped_tiles_match_reference(native_or_interpreted, device, head_dim, causal):
+    """Every configuration of the 16-bit tile table, at a seqlen of whole tiles (so each path it asks for
+    is taken)."""
+    entries = forward.TILES[head_dim, "16-bit", causal]
+    for _, tiles in entries:
+        q, k, v = random_qkv((1, 2, 256, head_dim), (1, 2, 256, head_dim), torch.float16, device, seed=3)
+        O = torch.full_like(q, math.nan)
+        L = torch.full(q.shape[:-1], math.nan, device=device)
+        forward._launch(q, k, v, O, L, causal, head_dim**-0.5, tiles)
+        assert_matches_reference(O, L, q, k, v, causal)
+
+
+def test_tile_table_entries_are_ordered_with_fallbacks():
+    """Bounds grow to a last unbounded entry; an entry asking for warp specialisation is followed by its
+    fallback, with the same bound and without it."""
+    for key, entries in forward.TILES.items():
+        bounds = [b for b, _ in entries]
+        assert bounds[-1] is None, key
+        finite = [b for b in bounds if b is not None]
+        assert finite == sorted(finite) and bounds[:len(finite)] == finite, key
+        for (bound, tiles), following in zip(entries, [*entries[1:], None]):
+            if tiles.warp_specialize:
+                assert following is not None and following[0] == bound and not following[1].warp_specialize, key
+
+
+def test_tiles_for_passes_over_warp_specialisation_where_the_inputs_cannot_take_it(monkeypatch):
+    small, ws, fallback = Tiles(64, 64, 4, 2), Tiles(128, 128, 4, 2, warp_specialize=True), Tiles(128, 64, 4, 2)
+    monkeypatch.setitem(forward.TILES, (128, "16-bit", False), ((1024, small), (None, ws), (None, fallback)))
+    assert forward.tiles_for(128, torch.float16, False, 1024) == small
+    assert forward.tiles_for(128, torch.float16, False, 4096) == ws
+    assert forward.tiles_for(128, torch.float16, False, 4096, lambda t: True) == ws
+    assert forward.tiles_for(128, torch.bfloat16, False, 4096, lambda t: False) == fallback
+    assert forward.tiles_for(128, torch.bfloat16, False, 1000, lambda t: False) == small
+
+
+def test_tuner_writes_a_fallback_after_a_warp_specialised_entry():
+    tune = pytest.importorskip("fa2_triton.tune")
+    small, ws = Tiles(128, 64, 4, 2, tma=True), Tiles(128, 128, 4, 2, tma=True, warp_specialize=True)
+    [line] = tune.table_entries({(128, False): [(1024, small), (2048, ws, small), (4096, ws, small)]})
+    assert line == (f'    (128, "16-bit", False): ((1448, {tune.describe(small)}), (None, {tune.describe(ws)}), '
+                    f'(None, {tune.describe(small)}),),')
