@@ -346,12 +346,19 @@ TILES: dict[tuple[int, str, bool], tuple[tuple[int | None, Tiles], ...]] = {
         (8192, Tiles(64, 128, 4, 2, tma=True)),
         (None, Tiles(64, 128, 4, 2, tma=True, grid_order=1)),
     ),
-    # One entry for every bucket: the 4k winner differed from it only in fused_exp2, by 1% (noise).
-    (128, "16-bit", False): ((None, Tiles(128, 64, 4, 2, tma=True)),),
+    # Tuned again with warp specialisation (fp16 and bf16, N = 512 ... 16k; docs/benchmarks/h200-tune-ws.csv):
+    # 1.01-1.02x the unspecialised winner at 2k, 1.07-1.12x from 4k.
+    (128, "16-bit", False): (
+        (1448, Tiles(128, 64, 4, 2, tma=True)),
+        (None, Tiles(128, 128, 4, 2, tma=True, warp_specialize=True)),
+        (None, Tiles(128, 64, 4, 2, tma=True)),
+    ),
+    # The 16k entry reads through descriptors since a run over both dtypes and every N (h200-tune-all-n.csv):
+    # 1.04-1.05x the pointer loads it had, in both dtypes.
     (128, "16-bit", True): (
         (2048, Tiles(64, 64, 4, 3, tma=True)),
         (8192, Tiles(128, 64, 4, 2, tma=True)),
-        (None, Tiles(128, 128, 8, 3, grid_order=1)),
+        (None, Tiles(128, 128, 8, 3, tma=True, grid_order=1)),
     ),
 }
 
