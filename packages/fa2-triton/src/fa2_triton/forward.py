@@ -41,8 +41,8 @@ Limits: head_dim a multiple of 8 from 8 to 256 (HEAD_DIM, the tile width, is pad
 >= 16 and masked); float32, float16, bfloat16. CUDA tensors, or CPU tensors under Triton's interpreter
 (``TRITON_INTERPRET=1`` in the environment when this module is imported; the interpreter runs both
 descriptor paths too, the warp-specialised loop unspecialised). The warp-specialised loop asks Triton's
-allocator for its descriptors' global memory (``launch.scratch_allocator``: torch's, during the launch). No ``tl.make_block_ptr`` (removed in Triton 3.9): the kernel compiles on Triton
-3.6 and later. Both matmuls ask for ``input_precision="ieee"``: fp32 inputs get no TF32 (FMA matmuls);
+allocator for its descriptors' global memory (``launch.scratch_allocator``: torch's, during the launch).
+No ``tl.make_block_ptr`` (removed in Triton 3.9): the kernel compiles on Triton 3.6 and later. Both matmuls ask for ``input_precision="ieee"``: fp32 inputs get no TF32 (FMA matmuls);
 fp16 and bf16 products are exact in fp32, so those still run on tensor cores (wgmma on Hopper) with fp32
 accumulation, p rounded to v's dtype for the second.
 """
@@ -317,8 +317,9 @@ DTYPE_CLASS = {torch.float16: "16-bit", torch.bfloat16: "16-bit", torch.float32:
 
 # (HEAD_DIM, dtype class, causal) -> ((largest seqlen_k, Tiles), ..., (None, Tiles)): the first entry whose
 # bound holds seqlen_k wins, passing over one that asks for warp specialisation where the inputs cannot take
-# it: each such entry is followed by its fallback, with the same bound. Each compiles for sm_90a on Triton 3.6 and 3.9 without register spills for
-# head_dim = HEAD_DIM (a padded head_dim such as 72 takes the pointer path with column masks and spills).
+# it: each such entry is followed by its fallback, with the same bound. Each compiles for sm_90a on Triton
+# 3.6 and 3.9 without register spills for head_dim = HEAD_DIM (a padded head_dim such as 72 takes the
+# pointer path with column masks and spills).
 # 16-bit inputs, wgmma. D = 64 and 128 are the benchmark's; `python -m fa2_triton.tune` on a GPU times
 # candidates on its shapes and prints these entries, tuned, ready to replace the ones below.
 # D = 256 halves BLOCK_M and keeps two stages (160 KiB of shared memory).
@@ -405,8 +406,9 @@ def ws_tiles(tiles: Tiles, causal: bool) -> bool:
     the H200 with Triton 3.6: BLOCK_M 128 (two consumer groups of 64 rows), 4 warps a group, 2 stages (3
     gave NaN there), without lazy_rescale (its branch keeps Triton from specialising the loop) or maxnreg
     (the groups set their own)."""
-    return (tiles.warp_specialize and not causal and (tiles.block_m, tiles.num_warps, tiles.num_stages) == (128, 4, 2)
-            and not tiles.lazy_rescale and tiles.maxnreg is None)
+    shape = (tiles.block_m, tiles.num_warps, tiles.num_stages)
+    return (tiles.warp_specialize and not causal and shape == (128, 4, 2) and not tiles.lazy_rescale
+            and tiles.maxnreg is None)
 
 
 def ws_layout(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, head_dim_padded: int,

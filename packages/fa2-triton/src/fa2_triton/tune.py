@@ -171,17 +171,17 @@ def smem_estimate(t: Tiles, head_dim: int, elem_bytes: int = 2) -> int:
 
 
 def lever_variants(t: Tiles, causal: bool) -> list[Tiles]:
-    out = [
-        t._replace(tma=not t.tma),
-        t._replace(fused_exp2=not t.fused_exp2),
-        t._replace(lazy_rescale=not t.lazy_rescale),
-    ]
+    if t.warp_specialize:
+        # On the tuner's shapes it builds its own descriptors (tma changes nothing) and takes no lazy
+        # rescale (forward.ws_tiles): of those levers only turning it off gives another kernel.
+        out = [t._replace(warp_specialize=False), t._replace(fused_exp2=not t.fused_exp2)]
+    else:
+        out = [t._replace(tma=not t.tma), t._replace(fused_exp2=not t.fused_exp2),
+               t._replace(lazy_rescale=not t.lazy_rescale)]
     if causal:
         out += [t._replace(grid_order=g) for g in (0, 1, 2) if g != t.grid_order]
     if t.maxnreg is not None:
         out.append(t._replace(maxnreg=None))
-    if t.warp_specialize:
-        out.append(t._replace(warp_specialize=False))
     return out
 
 
