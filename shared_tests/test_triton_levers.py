@@ -2,8 +2,8 @@
 returns: every lever on its own, and the configurations the tile table ships, against the fp64 reference,
 into NaN-poisoned outputs. Shapes where a lever's path applies (the descriptor paths need whole tiles for
 the warp-specialised loop) and where it does not (a ragged seqlen, causal), so that both the lever's path
-and its fallback are checked. On the CPU in Triton's interpreter (fp16 only: the interpreter gets bf16
-``tl.dot`` wrong), on a GPU natively, where the warp-specialised loop must also really be specialised."""
+and its fallback are checked. On the CPU in Triton's interpreter (bf16 skipped there: the interpreter gets
+bf16 ``tl.dot`` wrong), on a GPU natively, where the warp-specialised loop must also really be specialised."""
 
 from __future__ import annotations
 
@@ -34,10 +34,6 @@ LEVERS = {
 SEQLENS = {"256x256": (256, 256), "256x200": (256, 200), "128x384": (128, 384)}
 
 
-def _dtypes(device):
-    return [torch.float16] if device.type == "cpu" else [torch.float16, torch.bfloat16]
-
-
 @pytest.fixture
 def native_or_interpreted(device):
     mode = fa2_triton.availability()[0]
@@ -51,21 +47,23 @@ def native_or_interpreted(device):
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("head_dim", [64, 128], ids=lambda d: f"d{d}")
 @pytest.mark.parametrize("lever", list(LEVERS), ids=str)
-def test_lever_matches_reference(native_or_interpreted, device, lever, head_dim, causal, seqlens):
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_lever_matches_reference(native_or_interpreted, device, dtype, lever, head_dim, causal, seqlens):
+    if device.type == "cpu" and dtype == torch.bfloat16:
+        pytest.skip("Triton's interpreter computes bf16 tl.dot wrongly; bf16 is tested on the GPU")
     tiles = LEVERS[lever]
     n_q, n_k = seqlens
-    for dtype in _dtypes(device):
-        q, k, v = random_qkv((2, 2, n_q, head_dim), (2, 2, n_k, head_dim), dtype, device, seed=n_k + head_dim)
-        O = torch.full_like(q, math.nan)
-        L = torch.full(q.shape[:-1], math.nan, device=device)
-        compiled = forward._launch(q, k, v, O, L, causal, head_dim**-0.5, tiles)
-        assert_matches_reference(O, L, q, k, v, causal)
-        specialised = forward.ws_layout(q, k, v, causal, head_dim, tiles)
-        # Not green by accident: the warp-specialised path runs exactly where its conditions say.
-        assert specialised == (tiles.warp_specialize and not causal and n_q % 128 == 0 and n_k % tiles.block_n == 0)
-        if specialised and device.type == "cuda":
-            # A producer warp group and two consumer groups: 12 warps where 4 were asked for.
-            assert compiled.metadata.num_warps == 3 * tiles.num_warps, compiled.metadata.num_warps
+    q, k, v = random_qkv((2, 2, n_q, head_dim), (2, 2, n_k, head_dim), dtype, device, seed=n_k + head_dim)
+    O = torch.full_like(q, math.nan)
+    L = torch.full(q.shape[:-1], math.nan, device=device)
+    compiled = forward._launch(q, k, v, O, L, causal, head_dim**-0.5, tiles)
+    assert_matches_reference(O, L, q, k, v, causal)
+    specialised = forward.ws_layout(q, k, v, causal, head_dim, tiles)
+    # Not green by accident: the warp-specialised path runs exactly where its conditions say.
+    assert specialised == (tiles.warp_specialize and not causal and n_q % 128 == 0 and n_k % tiles.block_n == 0)
+    if specialised and device.type == "cuda":
+        # A producer warp group and two consumer groups: 12 warps where 4 were asked for.
+        assert compiled.metadata.num_warps == 3 * tiles.num_warps, compiled.metadata.num_warps
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
