@@ -6,13 +6,15 @@ providers of the fp32 comparison. Without a GPU (emulated): B = 1, H = 2, N = 16
 Triton's interpreter and numba's simulator only on the smallest shapes (their budgets below).
 
 For each shape: fresh standard-normal inputs, the reference on a sample of rows (check.py), then per
-provider: one call, checked (status "wrong" if it fails: not timed), peak memory, median time. A
+provider: one call, checked (status "wrong" if it fails: not timed), peak memory; then the providers that
+passed are timed together in rounds (timing.py: on a GPU the median of 3, every other round reversed). A
 provider that cannot run a shape is "skipped", one that raises is "failed"; both with the reason, and the
 sweep goes on. Rows are written as they come, so an interrupted run keeps what it measured.
 
-Mode "bwd" (in the default ``--modes fwd,bwd``; fewer seqlens and dtypes: BWD_DEFAULTS) times the backward alone: the forward runs once on inputs that require
-grad (its O and L checked), then ``torch.autograd.grad(O, (q, k, v), dO, retain_graph=True)`` is checked
-(dq on the sampled rows, dk and dv finite) and timed like a forward call.
+Mode "bwd" (in the default ``--modes fwd,bwd``; fewer seqlens and dtypes: BWD_DEFAULTS) times the backward
+alone: the forward runs once on inputs that require grad (its O and L checked), then
+``torch.autograd.grad(O, (q, k, v), dO, retain_graph=True)`` is checked (dq on the sampled rows, dk and dv
+finite) and timed like a forward call.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import statistics
 import subprocess
 import time
 from dataclasses import dataclass
@@ -218,8 +221,8 @@ def _key(provider: str, s: Shape) -> tuple[str, ...]:
 
 
 def measure(p: Provider, shape: Shape, q, k, v, sample: check.Sample, device: torch.device, dO=None):
-    """("ok", (ms, peak_mem_gb)) or (status, reason) with status "wrong", "skipped" or "failed". Mode "bwd"
-    times the backward alone, given dO."""
+    """("ok", (call, first_s, peak_mem_gb)) or (status, reason) with status "wrong", "skipped" or "failed":
+    ``call`` runs what is timed, its first run took ``first_s``. Mode "bwd" times the backward alone, given dO."""
     try:
         fn = p.build(shape, device)
         call = lambda: fn(q, k, v)
@@ -240,8 +243,7 @@ def measure(p: Provider, shape: Shape, q, k, v, sample: check.Sample, device: to
             del O, L
         if problem:
             return "wrong", problem
-        mem = timing.peak_mem_gb(call, device)
-        return "ok", (timing.median_ms(call, device, first_s), mem)
+        return "ok", (call, first_s, timing.peak_mem_gb(call, device))
     except NotImplementedError as e:  # a backend's documented refusal of this input
         return "skipped", _reason(e)
     except Exception as e:
@@ -249,6 +251,24 @@ def measure(p: Provider, shape: Shape, q, k, v, sample: check.Sample, device: to
     finally:
         if device.type == "cuda":
             torch.cuda.empty_cache()
+
+
+def time_rounds(calls: dict[str, tuple], device: torch.device) -> dict[str, tuple[str, object]]:
+    """name -> ("ok", ms) or ("failed", reason) for ``calls`` (name -> (call, first_s)): each timed in
+    ``timing.rounds(device)`` rounds, every other round in reverse order; ms is the median of its rounds."""
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    failed: dict[str, str] = {}
+    for r in range(timing.rounds(device)):
+        for name in list(calls)[:: -1 if r % 2 else 1]:
+            if name in failed:
+                continue
+            call, first_s = calls[name]
+            try:
+                times[name].append(timing.median_ms(call, device, first_s))
+            except Exception as e:
+                failed[name] = _reason(e)
+    return {name: ("failed", failed[name]) if name in failed else ("ok", statistics.median(times[name]))
+            for name in calls}
 
 
 def run(cfg: Config, progress) -> None:
@@ -301,19 +321,28 @@ def _measure_shape(shape: Shape, providers: list[Provider], cfg: Config, env: di
             records.issue(p.name, shape, "failed", f"the reference check could not run: {_reason(e)}")
             bar.update()
         return
+    checked = {}
     for p in providers:
         bar.set_postfix_str(f"{p.name} {shape}")
         status, outcome = measure(p, shape, q, k, v, sample, cfg.device, dO)
         if status == "ok":
-            ms, mem = outcome
-            records.result({**_shape_columns(p.name, shape), "ms": f"{ms:.6g}",
-                            "tflops": f"{shape.flops / (ms * 1e-3) / 1e12:.6g}",
-                            "peak_mem_gb": "" if mem is None else f"{mem:.4g}", **env, "timestamp": _now()})
+            checked[p.name] = outcome
         else:
             records.issue(p.name, shape, status, outcome)
             if status != "skipped":
                 bar.write(f"{p.name} {shape}: {status}: {outcome}")
         bar.update()
+    bar.set_postfix_str(f"timing {shape}")
+    timed = time_rounds({name: (call, first_s) for name, (call, first_s, _) in checked.items()}, cfg.device)
+    for name, (status, outcome) in timed.items():
+        if status == "ok":
+            mem = checked[name][2]
+            records.result({**_shape_columns(name, shape), "ms": f"{outcome:.6g}",
+                            "tflops": f"{shape.flops / (outcome * 1e-3) / 1e12:.6g}",
+                            "peak_mem_gb": "" if mem is None else f"{mem:.4g}", **env, "timestamp": _now()})
+        else:
+            records.issue(name, shape, status, outcome)
+            bar.write(f"{name} {shape}: {status}: {outcome}")
 
 
 def read_runs(path: Path) -> list[dict]:

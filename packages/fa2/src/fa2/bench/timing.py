@@ -1,6 +1,9 @@
 """Clocks: ``triton.testing.do_bench`` on a GPU, ``time.perf_counter`` on the CPU; peak memory; ceilings.
 
-GPU: median of do_bench (warm-up 25 ms, then 100 ms of repetitions; it flushes the L2 cache before each).
+GPU: median of do_bench (warm-up 25 ms, then 100 ms of repetitions; it flushes the L2 cache before each),
+taken in ``GPU_ROUNDS`` rounds over the providers of a shape, every other round in reverse order; a provider's
+time is the median of its rounds, so one slow stretch of the machine (a host hiccup, a clock dip) in one
+round does not decide a ratio, and no provider always runs right after the same other one.
 CPU (emulated runs): the correctness call has warmed the provider up; then the median of as many calls as
 fit in ``CPU_BUDGET_S`` (at least one, at most ``CPU_MAX_REPS``).
 """
@@ -17,14 +20,21 @@ WARMUP_MS = 25
 REP_MS = 100
 CPU_BUDGET_S = 1.0
 CPU_MAX_REPS = 10
+GPU_ROUNDS = 3
 CEILING_SIZE = {"cuda": 8192, "cpu": 1024}
 
 
 def describe(device: torch.device) -> str:
     if device.type == "cuda":
-        return f"triton.testing.do_bench median, warmup {WARMUP_MS} ms, rep {REP_MS} ms"
+        return (f"median of {GPU_ROUNDS} rounds (providers interleaved, every other round reversed) of "
+                f"triton.testing.do_bench median, warmup {WARMUP_MS} ms, rep {REP_MS} ms")
     return (f"time.perf_counter median of up to {CPU_MAX_REPS} calls within {CPU_BUDGET_S} s after one warm-up "
             f"call, {torch.get_num_threads()} CPU thread(s)")
+
+
+def rounds(device: torch.device) -> int:
+    """How many times each provider of a shape is timed; the emulated run's CPU clock takes its own median."""
+    return GPU_ROUNDS if device.type == "cuda" else 1
 
 
 def sync(device: torch.device) -> None:
