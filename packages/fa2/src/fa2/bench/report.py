@@ -174,13 +174,15 @@ def markdown(run: Run, name: str, plots: list[Path]) -> str:
         f"- Environment: commit `{info.get('commit', '?')}`, torch {info.get('torch', '?')}, "
         f"triton {info.get('triton') or '—'}, numba-cuda {info.get('numba_cuda') or '—'}.",
         f"- Wall time {sum(r.get('wall_s', 0) for r in run.runs):.0f} s, from:",
-        *(f"  - `{r.get('command', '?')}`, started {r.get('started', '?')}, {r.get('wall_s', '?')} s" for r in run.runs),
+        *(f"  - `{r.get('command', '?')}`, started {r.get('started', '?')}, {r.get('wall_s', '?')} s, bf16 matmul "
+          f"{_num(r.get('ceilings', {}).get('bf16_matmul_tflops', math.nan))} TFLOP/s" for r in run.runs),
         f"- Shapes: {shapes}; inputs (B, H, N, D) contiguous, standard normal. "
         "FLOPs = 4·B·H·N²·D, halved when causal"
         + ("; the backward (timed alone, after one forward) 2.5 times that." if "bwd" in modes else "."),
         f"- Timing: {info.get('timing', '?')}. Peak memory: the most one call allocates beyond what was live "
         "before it (its outputs included); not measured on the CPU.",
-        f"- Matmul ceilings ({n}³): bf16 {_num(ceil.get('bf16_matmul_tflops', math.nan))} TFLOP/s, "
+        f"- Matmul ceilings ({n}³{', of the last part' if len(run.runs) > 1 else ''}): "
+        f"bf16 {_num(ceil.get('bf16_matmul_tflops', math.nan))} TFLOP/s, "
         f"fp32 without TF32 {_num(ceil.get('fp32_matmul_tflops', math.nan))} TFLOP/s.",
         "- Correctness: before timing, each provider's O and L on each shape are checked against "
         f"`fa2.reference` on {SAMPLE_ROWS} sampled query rows of the first and last batch entries and heads (the rule of "
