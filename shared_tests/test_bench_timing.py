@@ -1,0 +1,62 @@
+"""The benchmark's clock in rounds (``fa2.bench.sweep.time_rounds``), on the CPU with a scripted clock: on a
+GPU every provider of a shape is timed three times, every other round in reverse order, and keeps the
+median of its rounds, so that one slow stretch of the machine cannot decide a ratio; a provider whose
+timing raises is reported failed with the reason while the others keep their times."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fa2.bench import sweep, timing
+
+CUDA = torch.device("cuda")
+
+
+@pytest.fixture
+def scripted_clock(monkeypatch):
+    """Replaces timing.median_ms by the next of a provider's scripted times (an exception is raised); the
+    order of the calls lands in the returned list."""
+    order: list[str] = []
+    script: dict[str, list] = {}
+
+    def median_ms(call, device, first_s):
+        name = call()
+        order.append(name)
+        value = script[name].pop(0)
+        if isinstance(value, Exception):
+            raise value
+        return value
+
+    monkeypatch.setattr(timing, "median_ms", median_ms)
+    return order, script
+
+
+def calls(*names):
+    return {name: (lambda name=name: name, 0.001) for name in names}
+
+
+def test_rounds_alternate_order_and_take_the_median(scripted_clock):
+    order, script = scripted_clock
+    # One slow round each: the median ignores it, a mean or the first round would not.
+    script.update(a=[1.0, 9.0, 1.2], b=[2.0, 2.1, 30.0], c=[5.0, 4.0, 4.5])
+    result = sweep.time_rounds(calls("a", "b", "c"), CUDA)
+    assert order == ["a", "b", "c", "c", "b", "a", "a", "b", "c"]
+    assert result == {"a": ("ok", 1.2), "b": ("ok", 2.1), "c": ("ok", 4.5)}
+
+
+def test_a_provider_that_raises_fails_alone(scripted_clock):
+    order, script = scripted_clock
+    script.update(a=[1.0, 1.0, 1.0], b=[2.0, RuntimeError("CUDA out of memory.\nTried to allocate 2 GiB")])
+    result = sweep.time_rounds(calls("a", "b"), CUDA)
+    assert result["a"] == ("ok", 1.0)
+    assert result["b"] == ("failed", "RuntimeError: CUDA out of memory.")
+    assert order == ["a", "b", "b", "a", "a"]  # not timed again after it failed
+
+
+def test_cpu_times_once(scripted_clock):
+    order, script = scripted_clock
+    script.update(a=[3.0], b=[4.0])
+    assert timing.rounds(torch.device("cpu")) == 1
+    assert sweep.time_rounds(calls("a", "b"), torch.device("cpu")) == {"a": ("ok", 3.0), "b": ("ok", 4.0)}
+    assert order == ["a", "b"]
