@@ -1,6 +1,6 @@
 """TFLOP/s against N, one figure per mode and head_dim (``<name>-fwd-D64.png``, ``<name>-bwd-D64.png``): a
-panel per (dtype, causal), a line per provider, the measured matmul ceiling of that precision as a
-horizontal line."""
+panel per (dtype, causal), a line per provider, the matmul ceiling of that precision, as measured by the run
+(or the part of an --append sequence) that measured the panel, as a horizontal line."""
 
 from __future__ import annotations
 
@@ -25,7 +25,6 @@ def _plot_mode(run: Run, mode: str, out_dir: Path, name: str) -> list[Path]:
     import matplotlib.pyplot as plt
 
     colors = dict(zip(PROVIDERS, plt.get_cmap("tab10").colors))
-    ceilings = run.info.get("ceilings", {})
     gpu = run.info.get("gpu", run.results[0]["gpu"])
     title = f"fa2 {MODE_NAMES[mode]} on {gpu}"
     if run.emulated:
@@ -43,6 +42,8 @@ def _plot_mode(run: Run, mode: str, out_dir: Path, name: str) -> list[Path]:
                     if pts:
                         ax.plot(*zip(*pts), marker="o", color=colors[p], label=p,
                                 linestyle="-" if p.startswith("fa2-") else "--")
+                rows = [r for r in run.results if (r["dtype"], r["head_dim"]) == (dtype, head_dim)]
+                ceilings = run.ceilings_of(rows)
                 ceiling = ceilings.get(f"{CEILING_OF[dtype]}_matmul_tflops")
                 if ceiling:
                     n = ceilings["matmul_size"]

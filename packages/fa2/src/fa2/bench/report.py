@@ -30,6 +30,13 @@ class Run:
         """The latest run: its environment and matmul ceilings describe the report."""
         return self.runs[-1] if self.runs else {}
 
+    def ceilings_of(self, rows: list[dict]) -> dict:
+        """The matmul ceilings measured by the run that measured ``rows``: of an --append sequence, the last
+        part that started before the first of them (ISO timestamps, one clock)."""
+        first = min(r["timestamp"] for r in rows)
+        parts = [r for r in self.runs if r.get("started", "") <= first] or self.runs[:1]
+        return parts[-1].get("ceilings", {}) if parts else {}
+
     @property
     def emulated(self) -> bool:
         return bool(self.info.get("emulated"))

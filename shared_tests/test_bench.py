@@ -1,14 +1,16 @@
-"""The benchmark's clock in rounds (``fa2.bench.sweep.time_rounds``), on the CPU with a scripted clock: on a
-GPU every provider of a shape is timed three times, every other round in reverse order, and keeps the
-median of its rounds, so that one slow stretch of the machine cannot decide a ratio; a provider whose
-timing raises is reported failed with the reason while the others keep their times."""
+"""The benchmark's harness, on the CPU. Its clock in rounds (``fa2.bench.sweep.time_rounds``), with a
+scripted clock: on a GPU every provider of a shape is timed three times, every other round in reverse
+order, and keeps the median of its rounds, so that one slow stretch of the machine cannot decide a ratio;
+a provider whose timing raises is reported failed with the reason while the others keep their times. And
+the report's matmul ceilings for rows of a sweep run in --append parts: those of the part that measured
+them."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from fa2.bench import sweep, timing
+from fa2.bench import report, sweep, timing
 
 CUDA = torch.device("cuda")
 
@@ -60,3 +62,14 @@ def test_cpu_times_once(scripted_clock):
     assert timing.rounds(torch.device("cpu")) == 1
     assert sweep.time_rounds(calls("a", "b"), torch.device("cpu")) == {"a": ("ok", 3.0), "b": ("ok", 4.0)}
     assert order == ["a", "b"]
+
+
+def test_rows_get_the_ceilings_of_the_part_that_measured_them():
+    parts = [{"started": "2026-11-30T06:38:47+00:00", "ceilings": {"bf16_matmul_tflops": 799.0}},
+             {"started": "2026-11-30T06:46:27+00:00", "ceilings": {"bf16_matmul_tflops": 770.0}}]
+    run = report.Run([], [], parts)
+    first = [{"timestamp": "2026-11-30T06:39:04+00:00"}, {"timestamp": "2026-11-30T06:44:10+00:00"}]
+    last = [{"timestamp": "2026-11-30T06:47:00+00:00"}]
+    assert run.ceilings_of(first) == {"bf16_matmul_tflops": 799.0}
+    assert run.ceilings_of(last) == {"bf16_matmul_tflops": 770.0}
+    assert run.ceilings_of(first + last) == {"bf16_matmul_tflops": 799.0}
