@@ -35,6 +35,8 @@ def _plot_mode(run: Run, mode: str, out_dir: Path, name: str) -> list[Path]:
         dtypes = list(dict.fromkeys(g[0] for g in groups(run.results) if g[1] == head_dim))
         fig, axes = plt.subplots(len(dtypes), 2, figsize=(12, 3.8 * len(dtypes)), squeeze=False)
         for ax_row, dtype in zip(axes, dtypes):
+            ceilings = run.ceilings_of([r for r in run.results if (r["dtype"], r["head_dim"]) == (dtype, head_dim)])
+            ceiling = ceilings.get(f"{CEILING_OF[dtype]}_matmul_tflops")
             for ax, causal in zip(ax_row, (False, True)):
                 for p in PROVIDERS:
                     pts = sorted((r["seqlen"], r["tflops"]) for r in run.results
@@ -42,9 +44,6 @@ def _plot_mode(run: Run, mode: str, out_dir: Path, name: str) -> list[Path]:
                     if pts:
                         ax.plot(*zip(*pts), marker="o", color=colors[p], label=p,
                                 linestyle="-" if p.startswith("fa2-") else "--")
-                rows = [r for r in run.results if (r["dtype"], r["head_dim"]) == (dtype, head_dim)]
-                ceilings = run.ceilings_of(rows)
-                ceiling = ceilings.get(f"{CEILING_OF[dtype]}_matmul_tflops")
                 if ceiling:
                     n = ceilings["matmul_size"]
                     ax.axhline(ceiling, color="gray", linestyle=":",
