@@ -71,9 +71,8 @@ def test_lever_matches_reference(native_or_interpreted, device, dtype, lever, he
 def test_shipped_tiles_match_reference(native_or_interpreted, device, head_dim, causal):
     """Every configuration of the 16-bit tile table, at a seqlen of whole tiles (so each path it asks for
     is taken)."""
-    entries = forward.TILES[head_dim, "16-bit", causal]
-    for _, tiles in entries:
-        q, k, v = random_qkv((1, 2, 256, head_dim), (1, 2, 256, head_dim), torch.float16, device, seed=3)
+    q, k, v = random_qkv((1, 2, 256, head_dim), (1, 2, 256, head_dim), torch.float16, device, seed=3)
+    for _, tiles in forward.TILES[head_dim, "16-bit", causal]:
         O = torch.full_like(q, math.nan)
         L = torch.full(q.shape[:-1], math.nan, device=device)
         forward._launch(q, k, v, O, L, causal, head_dim**-0.5, tiles)
