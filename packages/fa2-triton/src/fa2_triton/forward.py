@@ -42,9 +42,10 @@ Limits: head_dim a multiple of 8 from 8 to 256 (HEAD_DIM, the tile width, is pad
 (``TRITON_INTERPRET=1`` in the environment when this module is imported; the interpreter runs both
 descriptor paths too, the warp-specialised loop unspecialised). The warp-specialised loop asks Triton's
 allocator for its descriptors' global memory (``launch.scratch_allocator``: torch's, during the launch).
-No ``tl.make_block_ptr`` (removed in Triton 3.9): the kernel compiles on Triton 3.6 and later. Both matmuls ask for ``input_precision="ieee"``: fp32 inputs get no TF32 (FMA matmuls);
-fp16 and bf16 products are exact in fp32, so those still run on tensor cores (wgmma on Hopper) with fp32
-accumulation, p rounded to v's dtype for the second.
+No ``tl.make_block_ptr`` (removed in Triton 3.9): the kernel compiles on Triton 3.6 and later. Both
+matmuls ask for ``input_precision="ieee"``: fp32 inputs get no TF32 (FMA matmuls); fp16 and bf16 products
+are exact in fp32, so those still run on tensor cores (wgmma on Hopper) with fp32 accumulation, p rounded
+to v's dtype for the second.
 """
 
 from __future__ import annotations
