@@ -3,11 +3,12 @@ the tile table (``forward.TILES``) entries for the benchmark's shapes.
 
 Shapes: the benchmark's (16k tokens, hidden 2048: B = 16384 / N, H = 2048 / D), contiguous (B, H, N, D).
 Candidates: every BLOCK_M ∈ {64, 128}, BLOCK_N ∈ {32, 64, 128}, num_warps ∈ {4, 8}, num_stages ∈ {2, 3, 4}
-with tensor descriptors on and, under causal, the longest query tiles first; each also with ``maxnreg``
-lowered so that one more program fits on an SM by registers (where shared memory allows it), and with
-``warp_specialize`` where ``forward.ws_tiles`` allows it. Then the levers one at a time on the two
-fastest of those per shape: pointer loads instead of descriptors, ``fused_exp2`` off, ``lazy_rescale``
-on, the other grid orders (causal), warp specialisation off, and the winner is the fastest of everything
+with tensor descriptors and with pointer loads (``--loads``: which of the two go with the tiles decides
+the registers, and so how many programs share an SM) and, under causal, the longest query tiles first;
+each also with ``maxnreg`` lowered so that one more program fits on an SM by registers (where shared
+memory allows it), and with ``warp_specialize`` where ``forward.ws_tiles`` allows it. Then the levers one
+at a time on the two fastest of those per shape: the other loads, ``fused_exp2`` off, ``lazy_rescale`` on,
+the other grid orders (causal), warp specialisation off, and the winner is the fastest of everything
 measured.
 
 Every candidate is compiled first, in parallel worker processes (one CUDA context each) that also run it
@@ -159,10 +160,13 @@ def points(args: argparse.Namespace, point: type[Point] = Point) -> list[Point]:
 
 def base_candidates(args: argparse.Namespace, causal: bool) -> list[Tiles]:
     tiles = [
-        Tiles(bm, bn, w, s, tma=True, grid_order=1 if causal else 0)
-        for bm in args.block_m for bn in args.block_n for w in args.warps for s in args.stages
+        Tiles(bm, bn, w, s, tma=loads == "tma", grid_order=1 if causal else 0)
+        for bm in args.block_m for bn in args.block_n for w in args.warps for s in args.stages for loads in args.loads
     ]
-    return [v for t in tiles for v in (t, t._replace(warp_specialize=True)) if v is t or forward.ws_tiles(v, causal)]
+    # The warp-specialised loop builds its own descriptors whatever ``tma`` says: one such variant per tiling.
+    out = [v for t in tiles for v in (t, t._replace(tma=True, warp_specialize=True))
+           if v is t or forward.ws_tiles(v, causal)]
+    return list(dict.fromkeys(out))
 
 
 def smem_estimate(t: Tiles, head_dim: int, elem_bytes: int = 2) -> int:
@@ -486,9 +490,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--block-n", type=ints, default=(64, 128, 32))
     parser.add_argument("--warps", type=ints, default=(8, 4))
     parser.add_argument("--stages", type=ints, default=(2, 3, 4))
+    parser.add_argument("--loads", type=lambda s: tuple(s.split(",")), default=("tma", "ptr"),
+                        help="tma,ptr (default both): tensor descriptors, pointer loads")
     parser.add_argument("--no-maxnreg", action="store_true", help="skip the maxnreg (one more program per SM) variants")
     parser.add_argument("--top", type=int, default=2, help="how many of the fastest per shape get the lever variants")
-    return parse_with_run_arguments(parser, argv, budget_s=270.0, final_s=15, csv_suffix="tune")
+    args = parse_with_run_arguments(parser, argv, budget_s=270.0, final_s=15, csv_suffix="tune")
+    if not args.loads or set(args.loads) - {"tma", "ptr"}:
+        parser.error(f"--loads: {','.join(args.loads)}; choose from tma, ptr")
+    return args
 
 
 def main(argv: list[str]) -> int:
