@@ -108,3 +108,19 @@ def test_tuner_writes_a_fallback_after_a_warp_specialised_entry():
     [line] = tune.table_entries({(128, False): [(1024, small), (2048, ws, small), (4096, ws, small)]})
     assert line == (f'    (128, "16-bit", False): ((1448, {tune.describe(small)}), (None, {tune.describe(ws)}), '
                     f'(None, {tune.describe(small)}),),')
+
+
+def test_tuner_searches_both_loads_and_each_warp_specialised_tiling_once():
+    tune = pytest.importorskip("fa2_triton.tune")
+    args = tune.parse_args(["--block-m", "128", "--block-n", "64,128", "--warps", "4", "--stages", "2"])
+    full = tune.base_candidates(args, causal=False)
+    plain = [t for t in full if not t.warp_specialize]
+    assert {(t.block_n, t.tma) for t in plain} == {(64, True), (64, False), (128, True), (128, False)}
+    # The specialised loop builds its own descriptors: one variant per tiling, whichever loads it came from.
+    assert [(t.block_n, t.tma) for t in full if t.warp_specialize] == [(64, True), (128, True)]
+    assert not any(t.warp_specialize for t in tune.base_candidates(args, causal=True))
+    ptr_only = tune.parse_args(["--block-m", "128", "--block-n", "64", "--warps", "4", "--stages", "2",
+                                "--loads", "ptr"])
+    assert [t.tma for t in tune.base_candidates(ptr_only, causal=True)] == [False]
+    with pytest.raises(SystemExit):
+        tune.parse_args(["--loads", "tma,cp.async"])
