@@ -340,7 +340,8 @@ TILES: dict[tuple[int, str, bool], tuple[tuple[int | None, Tiles], ...]] = {
     # Tuned on the H200 (python -m fa2_triton.tune --budget-s 270, bf16, N = 1k / 4k / 16k; its CSV is
     # docs/benchmarks/h200-tune.csv): the winner per bucket, seqlen_k <= bound.
     # From N = 1k: pointer loads, 8 warps, two programs per SM (maxnreg), since a search with pointer loads
-    # among the tiles (docs/benchmarks/h200-tune-w8.csv): 1.03-1.11x the 64x128 entry at 1k-8k in both dtypes.
+    # among the tiles (docs/benchmarks/h200-tune-w8.csv): 1.03-1.11x the 64x128 entry at 1k-8k in that run,
+    # 1.01-1.08x in one process over four alternating rounds (fp16 and bf16, N = 1k ... 16k).
     (64, "16-bit", False): (
         (724, Tiles(64, 128, 4, 2, tma=True)),
         (None, Tiles(128, 128, 8, 3, maxnreg=128)),
