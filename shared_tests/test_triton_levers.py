@@ -102,6 +102,27 @@ def test_tiles_for_passes_over_warp_specialisation_where_the_inputs_cannot_take_
     assert forward.tiles_for(128, torch.bfloat16, False, 1000, lambda t: False) == small
 
 
+@pytest.mark.parametrize("seqlen", [256, 200], ids=["whole_tiles", "ragged"])
+def test_default_tiles_specialise_exactly_where_the_inputs_can(native_or_interpreted, device, monkeypatch, seqlen):
+    """Without tiles given, the table's warp-specialised entry runs where the inputs can take it and its
+    fallback elsewhere (a ragged seqlen would read across heads in the specialised loop)."""
+    ws, fallback = Tiles(128, 64, 4, 2, tma=True, warp_specialize=True), Tiles(128, 64, 4, 2, tma=True)
+    monkeypatch.setitem(forward.TILES, (64, "16-bit", False), ((None, ws), (None, fallback)))
+    taken = []
+    real_launch = forward.launch
+
+    def launch(kernel, grid, args, constexprs, options):
+        taken.append(constexprs["WARP_SPECIALIZE"])
+        return real_launch(kernel, grid, args, constexprs, options)
+
+    monkeypatch.setattr(forward, "launch", launch)
+    q, k, v = random_qkv((2, 2, seqlen, 64), (2, 2, seqlen, 64), torch.float16, device, seed=seqlen)
+    O = torch.full_like(q, math.nan)
+    L = torch.full(q.shape[:-1], math.nan, device=device)
+    forward._launch(q, k, v, O, L, False, 64**-0.5)
+    assert taken == [seqlen % 128 == 0]
+    assert_matches_reference(O, L, q, k, v, False)
+
 def test_tuner_writes_a_fallback_after_a_warp_specialised_entry():
     tune = pytest.importorskip("fa2_triton.tune")
     small, ws = Tiles(128, 64, 4, 2, tma=True), Tiles(128, 128, 4, 2, tma=True, warp_specialize=True)

@@ -499,9 +499,13 @@ def _launch(q, k, v, O, L, causal: bool, scale: float, tiles: Tiles | None = Non
     seqlen_k = k.shape[2]
     HEAD_DIM = max(16, triton.next_power_of_2(head_dim))
     can_specialize = functools.partial(ws_layout, q, k, v, causal, HEAD_DIM)
-    tiles = tiles or tiles_for(HEAD_DIM, q.dtype, causal, seqlen_k, can_specialize)
+    if tiles is None:
+        tiles = tiles_for(HEAD_DIM, q.dtype, causal, seqlen_k, can_specialize)
+        # tiles_for has passed over every warp-specialised entry that these inputs cannot take.
+        warp_specialize = tiles.warp_specialize
+    else:
+        warp_specialize = can_specialize(tiles)
     qk_scale = scale * LOG2_E
-    warp_specialize = can_specialize(tiles)
     if not warp_specialize and tiles.tma and tma_layout(q, k, v, HEAD_DIM):
         use_tma = True
         q_arg, o_arg = _descriptor(q, tiles.block_m), _descriptor(O, tiles.block_m)
