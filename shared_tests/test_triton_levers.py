@@ -123,6 +123,7 @@ def test_default_tiles_specialise_exactly_where_the_inputs_can(native_or_interpr
     assert taken == [seqlen % 128 == 0]
     assert_matches_reference(O, L, q, k, v, False)
 
+
 def test_tuner_writes_a_fallback_after_a_warp_specialised_entry():
     tune = pytest.importorskip("fa2_triton.tune")
     small, ws = Tiles(128, 64, 4, 2, tma=True), Tiles(128, 128, 4, 2, tma=True, warp_specialize=True)
