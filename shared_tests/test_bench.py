@@ -3,13 +3,16 @@ scripted clock: on a GPU every provider of a shape is timed three times, every o
 order, and keeps the median of its rounds, so that one slow stretch of the machine cannot decide a ratio;
 a provider whose timing raises is reported failed with the reason while the others keep their times. And
 the report's matmul ceilings for rows of a sweep run in --append parts: those of the part that measured
-them."""
+them. And the command line: what it does by default, where it writes, and that a run which measures
+nothing leaves the earlier results as they were."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from fa2 import registry
+from fa2.bench import __main__ as cli
 from fa2.bench import report, sweep, timing
 
 CUDA = torch.device("cuda")
@@ -73,3 +76,43 @@ def test_rows_get_the_ceilings_of_the_part_that_measured_them():
     assert run.ceilings_of(first) == {"bf16_matmul_tflops": 799.0}
     assert run.ceilings_of(last) == {"bf16_matmul_tflops": 770.0}
     assert run.ceilings_of(first + last) == {"bf16_matmul_tflops": 799.0}
+
+
+def test_cli_defaults_are_said_and_the_results_land_in_the_checkout(monkeypatch, tmp_path, capsys):
+    monkeypatch.chdir(tmp_path)
+    args = cli.parse_args([])
+    assert args.out == registry.checkout() / "docs" / "benchmarks"
+    assert args.modes == ("fwd", "bwd") and args.causal == ("no", "yes")
+    with pytest.raises(SystemExit):
+        cli.parse_args(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "By default both modes" in text and "(default: fwd,bwd)" in text
+    assert "default on a GPU 512,1024,2048,4096,8192,16384, emulated 16,32,64,128,256,512,1024" in text
+    assert "dtypes on a GPU bf16, emulated fp32" in text
+
+
+@pytest.mark.parametrize("append", [False, True], ids=["fresh", "append"])
+def test_a_run_that_measures_nothing_keeps_the_earlier_results(tmp_path, append):
+    row = "fa2-triton,fwd,bf16,64,False,4096,4,32,1.0,500,0.1,NVIDIA H200,2.11,3.6,0.30,f3a8288,2026-11-30"
+    earlier = {".csv": ",".join(sweep.COLUMNS) + "\n" + row + "\n", "-skipped.csv": ",".join(sweep.ISSUE_COLUMNS) + "\n",
+               "-run.json": '{"runs": []}\n'}
+    for suffix, text in earlier.items():
+        (tmp_path / f"h200{suffix}").write_text(text)
+    # sdpa-flash needs CUDA: on the CPU every shape is skipped.
+    cfg = sweep.Config(providers=("sdpa-flash",), seqlens=(16,), head_dims=(16,), causals=(False,),
+                       dtypes=("fp32",), device=torch.device("cpu"), out_dir=tmp_path, name="h200", append=append)
+    with pytest.raises(SystemExit, match=r"nothing was measured; .*h200\.csv and the files beside it are kept"):
+        sweep.run(cfg, lambda total: cli._PlainProgress(total))
+    for suffix, text in earlier.items():
+        assert (tmp_path / f"h200{suffix}").read_text() == text
+    assert "a CUDA kernel" in (tmp_path / "h200.partial-skipped.csv").read_text()
+
+
+def test_a_run_that_measures_replaces_the_earlier_results(tmp_path):
+    (tmp_path / "cpu.csv").write_text("stale\n")
+    cfg = sweep.Config(providers=("sdpa-math",), seqlens=(16,), head_dims=(16,), causals=(False,),
+                       dtypes=("fp32",), device=torch.device("cpu"), out_dir=tmp_path, name="cpu")
+    sweep.run(cfg, lambda total: cli._PlainProgress(total))
+    rows = sweep.read_csv(tmp_path / "cpu.csv")
+    assert [(r["provider"], r["seqlen"]) for r in rows] == [("sdpa-math", "16")]
+    assert not list(tmp_path.glob("*.partial*"))

@@ -3,6 +3,8 @@ per backend since each nox session installs only one."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -55,11 +57,35 @@ def test_unknown_backend_lists_installed(backend):
 
 
 @pytest.mark.parametrize("name", registry.KNOWN)
-def test_known_backend_not_installed_gives_pip_line(backend, name):
+def test_known_backend_not_installed_gives_install_command(backend, name):
     if name in fa2.backends():
         pytest.skip(f"{name} is installed here")
-    with pytest.raises(fa2.BackendNotInstalledError, match=rf'pip install "fa2\[{name}\]"'):
+    with pytest.raises(fa2.BackendNotInstalledError, match=re.escape(registry.install_command(name))):
         fa2.attention(*_qkv(), backend=name)
+
+
+@pytest.mark.parametrize("name", registry.KNOWN)
+def test_install_command_from_a_checkout_names_existing_folders(name):
+    """The suite runs from a checkout with fa2 installed editable: the command names the interface's folder
+    with the extra and the backend's folder, both of which exist (pip resolves no sibling by itself)."""
+    root = registry.checkout()
+    assert root is not None, f"fa2 imported from {fa2.__file__}, not from a checkout"
+    command = registry.install_command(name)
+    interface, backend_dir = root / "packages" / "fa2-attention", root / "packages" / f"fa2-{name}"
+    assert command == f'pip install -e "{interface}[{name}]" -e {backend_dir}'
+    assert (interface / "pyproject.toml").is_file() and (backend_dir / "pyproject.toml").is_file()
+
+
+def test_install_command_from_wheels_names_the_distribution(monkeypatch):
+    monkeypatch.setattr(registry, "checkout", lambda: None)
+    assert registry.install_command("triton") == 'pip install --find-links WHEELS_DIR "fa2-attention[triton]"'
+    assert registry.install_command("transformers") == 'pip install "fa2-attention[transformers]"'
+
+
+@pytest.mark.parametrize("causal", ["no", 1, None, torch.tensor(True)], ids=["str", "int", "None", "tensor"])
+def test_causal_must_be_a_bool(backend, causal):
+    with pytest.raises(TypeError, match=r"causal must be a bool, got "):
+        fa2.attention(*_qkv(), causal=causal, backend=backend)
 
 
 def test_backends_lists_this_one(backend):

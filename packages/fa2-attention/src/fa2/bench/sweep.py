@@ -9,7 +9,9 @@ For each shape: fresh standard-normal inputs, the reference on a sample of rows 
 provider: one call, checked (status "wrong" if it fails: not timed), peak memory; then the providers that
 passed are timed together in rounds (timing.py: on a GPU the median of 3, every other round reversed). A
 provider that cannot run a shape is "skipped", one that raises is "failed"; both with the reason, and the
-sweep goes on. Rows are written as they come, so an interrupted run keeps what it measured.
+sweep goes on. Rows are written as they come into ``<name>.partial*``, which replace the earlier files
+only at the end of a run that measured something: an interrupted run keeps what it measured there, and a
+run that measured nothing leaves the earlier results as they were.
 
 Mode "bwd" (in the default ``--modes fwd,bwd``; fewer seqlens and dtypes: BWD_DEFAULTS) times the backward
 alone: the forward runs once on inputs that require grad (its O and L checked), then
@@ -67,7 +69,7 @@ MATH_MAX_SEQLEN = 4096
 # (shared_tests/test_conformance.py) EMULATOR_GAPS and CPU_BUDGET. Emulators run a GPU's threads one at a
 # time in Python; within these budgets the whole emulated run takes a minute or two on two cores.
 EMULATOR_GAPS = {
-    ("fa2-triton", "bf16"): "Triton's interpreter computes bf16 tl.dot wrongly (shared_tests: EMULATOR_GAPS)",
+    ("fa2-triton", "bf16"): "Triton's interpreter computes bf16 tl.dot wrongly; fa2-triton refuses it there",
     ("fa2-numba-cuda", "bf16"): "numba's CUDA simulator has no bfloat16 (shared_tests: EMULATOR_GAPS)",
 }
 EMULATED_BUDGET = {"fa2-triton": 1e7, "fa2-numba-cuda": 6e4}
@@ -114,6 +116,10 @@ class Config:
 
     def path(self, suffix: str) -> Path:
         return self.out_dir / f"{self.name}{suffix}"
+
+    def partial_path(self, suffix: str) -> Path:
+        """Where a run writes ``path(suffix)`` until it ends (``Records.commit``)."""
+        return self.out_dir / f"{self.name}.partial{suffix}"
 
 
 def skip_reason(p: Provider, shape: Shape, cfg: Config) -> str | None:
@@ -176,21 +182,37 @@ def _reason(e: BaseException) -> str:
 
 
 class Records:
-    """The CSV of measurements and the CSV of everything not measured, appended to row by row.
-    ``append`` keeps the earlier rows of both files except those this run measures again."""
+    """The CSV of measurements, the CSV of everything not measured and the runs' JSON, written row by row
+    into their ``partial_path`` and moved over the earlier files by ``commit``. ``append`` keeps the earlier
+    rows of both CSVs except those this run measures again."""
+
+    SUFFIXES = (".csv", "-skipped.csv", "-run.json")
 
     def __init__(self, cfg: Config, shapes: list[Shape]):
-        self.results, self.issues = cfg.path(".csv"), cfg.path("-skipped.csv")
+        self.cfg, self.measured = cfg, 0
+        self.results, self.issues = cfg.partial_path(".csv"), cfg.partial_path("-skipped.csv")
         cfg.out_dir.mkdir(parents=True, exist_ok=True)
         planned = {_key(p, s) for s in shapes for p in cfg.providers}
-        for path, columns in ((self.results, COLUMNS), (self.issues, ISSUE_COLUMNS)):
-            kept = [r for r in read_csv(path) if tuple(r[c] for c in KEY) not in planned] if cfg.append else []
+        for suffix, path, columns in ((".csv", self.results, COLUMNS), ("-skipped.csv", self.issues, ISSUE_COLUMNS)):
+            earlier = read_csv(cfg.path(suffix)) if cfg.append else []
             with path.open("w", newline="") as f:
                 writer = csv.DictWriter(f, columns)
                 writer.writeheader()
-                writer.writerows(kept)
+                writer.writerows(r for r in earlier if tuple(r[c] for c in KEY) not in planned)
+
+    def commit(self) -> None:
+        """The run's files replace the earlier ones, if it measured anything; otherwise the earlier ones stay
+        and SystemExit says where the reasons are."""
+        if not self.measured:
+            raise SystemExit(
+                f"fa2.bench: nothing was measured; {self.cfg.path('.csv')} and the files beside it are kept as "
+                f"they were, and {self.issues} says why each (provider, shape) was not measured"
+            )
+        for suffix in self.SUFFIXES:
+            os.replace(self.cfg.partial_path(suffix), self.cfg.path(suffix))
 
     def result(self, row: dict) -> None:
+        self.measured += 1
         self._append(self.results, COLUMNS, row)
 
     def issue(self, p: str, shape: Shape, status: str, reason: str) -> None:
@@ -274,7 +296,8 @@ def time_rounds(calls: dict[str, tuple], device: torch.device) -> dict[str, tupl
 def run(cfg: Config, progress) -> None:
     """Measures every (shape, provider) of ``cfg`` into ``<name>.csv``, ``<name>-skipped.csv`` and
     ``<name>-run.json`` (the environment, the command, the matmul ceilings, the wall time) under
-    ``cfg.out_dir``. ``progress(total)``: a tqdm-like bar."""
+    ``cfg.out_dir``, through ``Records`` (nothing measured: the earlier files stay, and SystemExit says so).
+    ``progress(total)``: a tqdm-like bar."""
     started = time.perf_counter()
     if cfg.emulated:
         # On a few shared cores torch's thread pool makes CPU times swing a hundredfold; one thread is steady.
@@ -306,6 +329,7 @@ def run(cfg: Config, progress) -> None:
     bar.close()
     info["wall_s"] = round(time.perf_counter() - started, 1)
     write_runs(cfg, earlier + [info])
+    records.commit()
 
 
 def _measure_shape(shape: Shape, providers: list[Provider], cfg: Config, env: dict, records: Records, bar):
@@ -351,4 +375,4 @@ def read_runs(path: Path) -> list[dict]:
 
 
 def write_runs(cfg: Config, runs: list[dict]) -> None:
-    cfg.path("-run.json").write_text(json.dumps({"runs": runs}, indent=2) + "\n")
+    cfg.partial_path("-run.json").write_text(json.dumps({"runs": runs}, indent=2) + "\n")

@@ -7,12 +7,14 @@ from __future__ import annotations
 import functools
 import importlib
 from importlib.metadata import entry_points
+from pathlib import Path
 from types import ModuleType
 from typing import NamedTuple
 
 import torch
 
 GROUP = "fa2.backends"
+DISTRIBUTION = "fa2-attention"
 # Known backends, fastest first: the order ``backend=None`` tries on CUDA tensors.
 KNOWN = ("triton", "numba-cuda", "pytorch")
 
@@ -45,10 +47,28 @@ def load(name: str) -> ModuleType:
     if name in eps:
         return importlib.import_module(eps[name])
     if name in KNOWN:
-        raise BackendNotInstalledError(
-            f"fa2 backend {name!r} is not installed: pip install \"fa2[{name}]\""
-        )
+        raise BackendNotInstalledError(f"fa2 backend {name!r} is not installed: {install_command(name)}")
     raise ValueError(f"unknown fa2 backend {name!r}; installed: {', '.join(installed()) or 'none'}")
+
+
+def install_command(extra: str) -> str:
+    """The command that adds ``extra`` (a backend's name, or "transformers") to this installation of fa2.
+    From a checkout: editable, naming the backend's folder too (pip knows no workspace). Otherwise the
+    distribution's extra; a backend's distribution comes from the folder of fa2's wheels (``nox -s build``)
+    until fa2 is on PyPI, and nothing else on PyPI carries its name."""
+    root = checkout()
+    if root is None:
+        wheels = "--find-links WHEELS_DIR " if extra in KNOWN else ""
+        return f'pip install {wheels}"{DISTRIBUTION}[{extra}]"'
+    sibling = f" -e {root / 'packages' / f'fa2-{extra}'}" if extra in KNOWN else ""
+    return f'pip install -e "{root / "packages" / DISTRIBUTION}[{extra}]"{sibling}'
+
+
+@functools.cache
+def checkout() -> Path | None:
+    """The root of the fa2 checkout this package is imported from (an editable install), else None."""
+    root = Path(__file__).resolve().parents[4]
+    return root if (root / "packages" / DISTRIBUTION / "src" / "fa2" / "__init__.py").is_file() else None
 
 
 def backends() -> dict[str, BackendInfo]:
@@ -78,8 +98,7 @@ def _default_cuda_backend() -> str:
         if name in infos and infos[name].status == "native":
             return name
     raise BackendNotInstalledError(
-        f"no installed fa2 backend runs natively on CUDA here ({_describe(infos)}); "
-        "pip install \"fa2[triton]\""
+        f"no installed fa2 backend runs natively on CUDA here ({_describe(infos)}); {install_command('triton')}"
     )
 
 

@@ -4,7 +4,7 @@
     fa2_transformers.register()                     # or register(backend="triton")
     model = AutoModel.from_pretrained(path, attn_implementation="fa2")
 
-transformers is an optional dependency: ``pip install "fa2[transformers]"``.
+transformers is an optional dependency: ``pip install "fa2-attention[transformers]"``.
 
 ``register`` adds one name to two of transformers' global registries:
 - ``AttentionInterface``: ``attention_forward``, which every attention layer of a model then calls.
@@ -30,13 +30,14 @@ import functools
 import torch
 
 from fa2.api import attention
+from fa2.registry import install_command
 from fa2.sdpa import group_query_heads
 
 try:
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
 except ImportError as e:
-    raise ImportError(f'fa2.integrations.transformers needs transformers: pip install "fa2[transformers]" ({e})') from e
+    raise ImportError(f"fa2.integrations.transformers needs transformers: {install_command('transformers')} ({e})") from e
 
 NAME = "fa2"
 # Keywords transformers passes for features fa2 does not have; any of them not None is refused.

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from fa2 import registry
 from fa2.bench import report, sweep
 from fa2.bench.providers import DTYPES, PROVIDERS
 
@@ -34,29 +35,54 @@ def _choices(valid):
     return parse
 
 
+def _defaults(table: dict, column: int, lead: str = "default") -> str:
+    """A DEFAULTS column as help text: the GPU's and the emulated run's values."""
+    text = lambda values: ",".join(map(str, values))
+    return f"{lead} on a GPU {text(table[False, False][column])}, emulated {text(table[True, False][column])}"
+
+
+class _Help(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows a default where there is one; those that depend on the machine are in the help text."""
+
+    def _get_help_string(self, action):
+        return action.help if action.default in (None, False) else super()._get_help_string(action)
+
+
+def default_out() -> Path:
+    """docs/benchmarks of the checkout fa2 is imported from, wherever the command starts; ./fa2-bench for
+    an installation from wheels."""
+    root = registry.checkout()
+    return root / "docs" / "benchmarks" if root is not None else Path("fa2-bench")
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="python -m fa2.bench",
-        description="fa2's forward (with --modes fwd,bwd also its backward) against SDPA (flash, cuDNN, "
-        "memory-efficient, math) and FlexAttention. "
-        "Defaults: on a GPU the FlashAttention-2 paper's sweep; without one, an emulated run on tiny shapes.",
+        formatter_class=_Help,
+        description="fa2's forward and backward against SDPA (flash, cuDNN, memory-efficient, math) and "
+        "FlexAttention, every provider checked against the fp64 reference before it is timed. By default both "
+        "modes: on a GPU the FlashAttention-2 paper's sweep (16k tokens, hidden 2048), without one an emulated "
+        "run on tiny shapes (TRITON_INTERPRET=1, NUMBA_ENABLE_CUDASIM=1). A run that measures nothing keeps the "
+        "earlier files.",
     )
-    parser.add_argument("--providers", type=_choices(list(PROVIDERS)), default=tuple(PROVIDERS),
-                        help=f"comma-separated, default all: {','.join(PROVIDERS)}")
-    parser.add_argument("--seqlens", type=_list(int), help="comma-separated N")
-    parser.add_argument("--head-dims", type=_list(int), help="comma-separated D")
-    parser.add_argument("--causal", type=_choices(["no", "yes"]), default=("no", "yes"), help="no,yes (default both)")
-    parser.add_argument("--dtypes", type=_choices(list(DTYPES)), help="comma-separated, of bf16,fp16,fp32")
-    parser.add_argument("--modes", type=_choices(list(sweep.MODES)), default=sweep.MODES,
-                        help="fwd,bwd (default): the forward; the backward alone (fa2's backends, sdpa-flash, "
-                        "-cudnn, -math), by default on fewer seqlens and dtypes (GPU: bf16, N 1k, 4k, 16k) unless "
-                        "--seqlens or --dtypes name them")
+    parser.add_argument("--providers", type=_choices(list(PROVIDERS)), default=",".join(PROVIDERS),
+                        help="comma-separated")
+    parser.add_argument("--seqlens", type=_list(int), help=f"comma-separated N; {_defaults(sweep.DEFAULTS, 0)}")
+    parser.add_argument("--head-dims", type=_list(int), help=f"comma-separated D; {_defaults(sweep.DEFAULTS, 1)}")
+    parser.add_argument("--causal", type=_choices(["no", "yes"]), default="no,yes", help="no, yes or both")
+    parser.add_argument("--dtypes", type=_choices(list(DTYPES)),
+                        help=f"comma-separated, of {','.join(DTYPES)}; {_defaults(sweep.DEFAULTS, 2)}")
+    parser.add_argument("--modes", type=_choices(list(sweep.MODES)), default=",".join(sweep.MODES),
+                        help="fwd: the forward; bwd: the backward alone (fa2's backends, sdpa-flash, -cudnn, "
+                        "-math), on fewer shapes unless --seqlens or --dtypes are given: "
+                        f"{_defaults(sweep.BWD_DEFAULTS, 0, 'N')}; {_defaults(sweep.BWD_DEFAULTS, 1, 'dtypes')}")
     parser.add_argument("--quick", action="store_true",
                         help="a few shapes in one dtype (GPU: bf16, N 1k and 4k), written as <name>-quick")
-    parser.add_argument("--out", type=Path, default=Path("docs/benchmarks"), help="default docs/benchmarks")
+    parser.add_argument("--out", type=Path, default=default_out(),
+                        help="folder of the results (a relative path is taken from the current directory)")
     parser.add_argument("--name", help="file stem; default from the GPU's name (h200), or cpu-emulated")
     parser.add_argument("--math-max-seqlen", type=int, default=sweep.MATH_MAX_SEQLEN,
-                        help=f"largest N for sdpa-math, which materialises the scores (default {sweep.MATH_MAX_SEQLEN})")
+                        help="largest N for sdpa-math, which materialises the scores")
     parser.add_argument("--append", action="store_true",
                         help="keep the earlier rows of <name>.csv, replacing those measured again (a sweep in parts)")
     parser.add_argument("--report-only", action="store_true",

@@ -11,7 +11,8 @@ instead, each checked against ``fa2.reference`` before it is timed; the forward,
 Modules: ``providers`` (what is compared), ``check`` (the correctness check), ``timing`` (clocks, memory,
 matmul ceilings), ``sweep`` (shapes, the loop, the CSV), ``report`` and ``plot`` (the summary).
 
-Files, under ``--out`` (default docs/benchmarks), named after the GPU (``h200``) or ``cpu-emulated``:
+Files, under ``--out`` (default: the checkout's docs/benchmarks), named after the GPU (``h200``) or
+``cpu-emulated``; a run writes ``<name>.partial*`` and moves them over these once it has measured anything:
 
     <name>.csv           one row per measured (provider, dtype, shape), columns ``sweep.COLUMNS``
     <name>-skipped.csv   every (provider, shape) not measured: skipped, wrong or failed, with the reason

@@ -82,7 +82,7 @@ def attention(
 
     Raises:
         ValueError: wrong rank, mismatched shapes or devices, bad scale, unknown backend.
-        TypeError: non-floating or mismatched dtypes.
+        TypeError: non-floating or mismatched dtypes, a causal that is not a bool.
         fa2.BackendNotInstalledError: a known backend whose package is not installed.
         NotImplementedError: the chosen backend does not support this input (its message names the limit).
     """
@@ -93,7 +93,8 @@ def attention(
         scale = float(scale)
         if not math.isfinite(scale):
             raise ValueError(f"scale must be finite, got {scale}")
-    causal = bool(causal)
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__} {causal!r}")
     if torch.compiler.is_compiling():
         return AttentionOutput(*forward_any_rank(ops.forward_op(backend, q.device), q, k, v, causal, scale))
     impl = registry.load(backend if backend is not None else registry.default_backend(q.device))
