@@ -51,7 +51,8 @@ CPU_BUDGET = {"pytorch": 3e8, "triton": 3e8, "numba-cuda": 2e5}
 
 # Combinations an emulator gets wrong or lacks; each is covered natively on the GPU.
 EMULATOR_GAPS = {
-    ("triton", torch.bfloat16): "Triton's interpreter computes bf16 tl.dot wrongly; bf16 is tested on the GPU",
+    ("triton", torch.bfloat16): "Triton's interpreter computes bf16 tl.dot wrongly, so fa2-triton refuses bf16 "
+    "there (test_triton_launch checks the refusal); bf16 is tested on the GPU",
     ("numba-cuda", torch.bfloat16): "numba's CUDA simulator has no bfloat16; bf16 is tested on the GPU",
 }
 

@@ -1,7 +1,8 @@
 """fa2-triton's launch cache (``fa2_triton.launch``): it reuses a compiled kernel for every call whose
 arguments fall in one class, so the class must be at least as fine as what Triton specialises a
 compilation on. Checked against Triton's own classifier on the CPU (any Triton version this runs with),
-and on a GPU by calls that must, and must not, share a compiled kernel."""
+and on a GPU by calls that must, and must not, share a compiled kernel. Also what the kernels refuse to
+run: bfloat16 in the interpreter, whose bf16 tl.dot is wrong."""
 
 from __future__ import annotations
 
@@ -10,9 +11,12 @@ import itertools
 import pytest
 import torch
 
+import fa2
+
 fa2_triton = pytest.importorskip("fa2_triton")
 from checks import assert_matches_reference, random_qkv  # noqa: E402
 from fa2_triton import launch  # noqa: E402
+from fa2_triton.forward import INTERPRETED  # noqa: E402
 from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: E402
 
 INTS = [0, 1, 2, 8, 15, 16, 17, 32, 48, 200, 208, 2**31 - 16, 2**31 - 1, 2**31, 2**31 + 16, 2**32,
@@ -88,3 +92,18 @@ def test_calls_share_a_compiled_kernel_only_within_a_class(device):
     assert forward(200, seed=2) == 1
     assert forward(208, seed=3) == 2
     assert forward(200, seed=4, misaligned=True) == 3
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="the interpreter's refusal (TRITON_INTERPRET=1); a GPU runs bfloat16")
+def test_interpreter_refuses_bfloat16():
+    """Forward and backward raise NotImplementedError naming the gap instead of returning the interpreter's
+    wrong, partly non-finite bf16 products (max error inf before the refusal)."""
+    q, k, v = random_qkv((1, 2, 32, 16), (1, 2, 32, 16), torch.bfloat16, "cpu")
+    gap = r"does not run bfloat16 in Triton .*'s interpreter \(TRITON_INTERPRET=1\): .* bf16 tl\.dot wrongly"
+    with pytest.raises(NotImplementedError, match=gap):
+        fa2_triton.flash_attn_forward(q, k, v, False, 0.25)
+    with pytest.raises(NotImplementedError, match=gap):
+        fa2.attention(q.requires_grad_(), k, v, backend="triton")
+    L = torch.zeros(1, 2, 32)
+    with pytest.raises(NotImplementedError, match=gap):
+        fa2_triton.flash_attn_backward(q.detach(), k, v, q.detach(), L, q.detach(), False, 0.25)

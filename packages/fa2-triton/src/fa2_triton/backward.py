@@ -443,12 +443,12 @@ def flash_attn_backward(
         that no row sees dk = dv = 0.
 
     Raises:
-        NotImplementedError: head_dim not a multiple of 8 from 8 to 256.
+        NotImplementedError: head_dim not a multiple of 8 from 8 to 256; bfloat16 under the interpreter.
         RuntimeError: tensors on a device this build of the kernels cannot run on.
     """
     batch, heads, seqlen_q, head_dim = q.shape
     seqlen_k = k.shape[2]
-    _check_device(q.device)
+    _check_device(q)
     if head_dim % 8 or not 8 <= head_dim <= MAX_HEAD_DIM:
         raise NotImplementedError(
             f"fa2-triton supports head_dim a multiple of 8 from 8 to {MAX_HEAD_DIM}, got {head_dim}"

@@ -474,11 +474,11 @@ def flash_attn_forward(
         natural log; rows that see no key get O = 0 and L = +inf.
 
     Raises:
-        NotImplementedError: head_dim not a multiple of 8 from 8 to 256.
+        NotImplementedError: head_dim not a multiple of 8 from 8 to 256; bfloat16 under the interpreter.
         RuntimeError: tensors on a device this build of the kernel cannot run on.
     """
     batch, heads, seqlen_q, head_dim = q.shape
-    _check_device(q.device)
+    _check_device(q)
     if head_dim % 8 or not 8 <= head_dim <= MAX_HEAD_DIM:
         raise NotImplementedError(
             f"fa2-triton supports head_dim a multiple of 8 from 8 to {MAX_HEAD_DIM}, got {head_dim}"
@@ -530,15 +530,23 @@ def _launch(q, k, v, O, L, causal: bool, scale: float, tiles: Tiles | None = Non
         )
 
 
-def _check_device(device: torch.device) -> None:
-    if INTERPRETED and device.type != "cpu":
+def _check_device(q: torch.Tensor) -> None:
+    """Refuses inputs this build of the kernels cannot run, or cannot run correctly."""
+    if INTERPRETED and q.device.type != "cpu":
         raise RuntimeError(
             f"fa2-triton was imported with TRITON_INTERPRET=1, so its kernel runs in Triton's CPU interpreter "
-            f"and takes CPU tensors, got tensors on {device}; run without TRITON_INTERPRET to use the GPU"
+            f"and takes CPU tensors, got tensors on {q.device}; run without TRITON_INTERPRET to use the GPU"
         )
-    if not INTERPRETED and device.type != "cuda":
+    if not INTERPRETED and q.device.type != "cuda":
         raise RuntimeError(
-            f"fa2-triton's kernel runs on CUDA tensors, got tensors on {device}; without a GPU, set "
+            f"fa2-triton's kernel runs on CUDA tensors, got tensors on {q.device}; without a GPU, set "
             "TRITON_INTERPRET=1 in the environment before fa2_triton is imported to run it in Triton's CPU "
             "interpreter (slow; for tests)"
+        )
+    # The interpreter runs tl.dot in NumPy, which has no bfloat16: its bf16 products come out wrong and
+    # partly non-finite (max error inf on a (1, 2, 32, 16) input, Triton 3.9), so they are refused.
+    if INTERPRETED and q.dtype == torch.bfloat16:
+        raise NotImplementedError(
+            f"fa2-triton does not run bfloat16 in Triton {triton.__version__}'s interpreter (TRITON_INTERPRET=1): "
+            "the interpreter computes bf16 tl.dot wrongly; use float16 or float32 there, or a GPU for bfloat16"
         )
