@@ -94,8 +94,8 @@ def test_cli_defaults_are_said_and_the_results_land_in_the_checkout(monkeypatch,
 @pytest.mark.parametrize("append", [False, True], ids=["fresh", "append"])
 def test_a_run_that_measures_nothing_keeps_the_earlier_results(tmp_path, append):
     row = "fa2-triton,fwd,bf16,64,False,4096,4,32,1.0,500,0.1,NVIDIA H200,2.11,3.6,0.30,f3a8288,2026-11-30"
-    earlier = {".csv": ",".join(sweep.COLUMNS) + "\n" + row + "\n", "-skipped.csv": ",".join(sweep.ISSUE_COLUMNS) + "\n",
-               "-run.json": '{"runs": []}\n'}
+    earlier = {".csv": ",".join(sweep.COLUMNS) + "\n" + row + "\n",
+               "-skipped.csv": ",".join(sweep.ISSUE_COLUMNS) + "\n", "-run.json": '{"runs": []}\n'}
     for suffix, text in earlier.items():
         (tmp_path / f"h200{suffix}").write_text(text)
     # sdpa-flash needs CUDA: on the CPU every shape is skipped.
