@@ -116,3 +116,16 @@ def test_a_run_that_measures_replaces_the_earlier_results(tmp_path):
     rows = sweep.read_csv(tmp_path / "cpu.csv")
     assert [(r["provider"], r["seqlen"]) for r in rows] == [("sdpa-math", "16")]
     assert not list(tmp_path.glob("*.partial*"))
+
+
+def test_grouped_query_shapes_give_k_and_v_fewer_heads(tmp_path):
+    """--group 2: k and v with half the heads, the check's reference on each query head's key/value head."""
+    cfg = sweep.Config(providers=("sdpa-math",), seqlens=(16,), head_dims=(16,), causals=(False, True),
+                       dtypes=("fp32",), device=torch.device("cpu"), out_dir=tmp_path, name="cpu-gqa2", group=2)
+    assert [(s.heads, s.heads_k) for s in cfg.shapes()] == [(2, 1), (2, 1)]
+    sweep.run(cfg, lambda total: cli._PlainProgress(total))
+    rows = sweep.read_csv(tmp_path / "cpu-gqa2.csv")
+    assert [(r["provider"], r["causal"]) for r in rows] == [("sdpa-math", "False"), ("sdpa-math", "True")]
+    with pytest.raises(ValueError, match="--group 3 does not divide the 2 query heads"):
+        sweep.Config(providers=(), seqlens=(16,), head_dims=(16,), causals=(False,), dtypes=("fp32",),
+                     device=torch.device("cpu"), out_dir=tmp_path, name="x", group=3).shapes()

@@ -76,6 +76,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         help="fwd: the forward; bwd: the backward alone (fa2's backends, sdpa-flash, -cudnn, "
                         "-math), on fewer shapes unless --seqlens or --dtypes are given: "
                         f"{_defaults(sweep.BWD_DEFAULTS, 0, 'N')}; {_defaults(sweep.BWD_DEFAULTS, 1, 'dtypes')}")
+    parser.add_argument("--group", type=int, default=1,
+                        help="query heads per key/value head: grouped-query attention, k and v with heads / GROUP "
+                        "heads (GPU: 2048 / D query heads); above 1 the files are named <name>-gqa<GROUP>")
     parser.add_argument("--quick", action="store_true",
                         help="a few shapes in one dtype (GPU: bf16, N 1k and 4k), written as <name>-quick")
     parser.add_argument("--out", type=Path, default=default_out(),
@@ -138,7 +141,8 @@ def main(argv: list[str] | None = None) -> None:
         os.execve(sys.executable, [sys.executable, "-m", "fa2.bench", *argv], {**os.environ, **unset})
     seqlens, head_dims, dtypes = sweep.DEFAULTS[emulated, args.quick]
     bwd_seqlens, bwd_dtypes = sweep.BWD_DEFAULTS[emulated, args.quick]
-    name = args.name or default_name(device) + ("-quick" if args.quick else "")
+    name = args.name or default_name(device) + ("-quick" if args.quick else "") + (
+        f"-gqa{args.group}" if args.group > 1 else "")
     cfg = sweep.Config(
         providers=args.providers,
         seqlens=args.seqlens or seqlens,
@@ -151,6 +155,7 @@ def main(argv: list[str] | None = None) -> None:
         math_max_seqlen=args.math_max_seqlen,
         append=args.append,
         modes=args.modes,
+        group=args.group,
         bwd_seqlens=args.seqlens or bwd_seqlens,
         bwd_dtypes=args.dtypes or bwd_dtypes,
         command=shlex.join(["python", "-m", "fa2.bench", *argv]),

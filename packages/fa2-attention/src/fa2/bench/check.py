@@ -57,7 +57,10 @@ def reference_sample(
     g = torch.Generator().manual_seed(seed)
     rows = torch.cat([torch.tensor([0, seqlen - 1]), torch.randperm(seqlen, generator=g)[: SAMPLE_ROWS - 2]])
     rows = rows.unique().to(device)
-    q, k, v = (t.index_select(0, batch_idx).index_select(1, head_idx) for t in (q, k, v))
+    # Grouped-query attention: query head h reads key/value head h // group.
+    head_idx_k = head_idx // (heads // k.shape[1])
+    q = q.index_select(0, batch_idx).index_select(1, head_idx)
+    k, v = (t.index_select(0, batch_idx).index_select(1, head_idx_k) for t in (k, v))
     O_ref, L_ref = reference.attention(q, k, v, causal, rows=rows)
     tol_O, tol_L = FP32_ATOL["O"], FP32_ATOL["L"]
     if q.dtype != torch.float32:

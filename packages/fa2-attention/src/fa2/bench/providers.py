@@ -14,7 +14,9 @@ dispatcher), so that a kernel that cannot run fails instead of falling back to a
                      mask made once per shape
 
 SDPA's causal mask is aligned top-left and fa2's bottom-right; they agree because every benchmark shape
-has seqlen_q = seqlen_k.
+has seqlen_q = seqlen_k. With ``--group`` (grouped-query attention) k and v have fewer heads: the fa2
+backends, sdpa-flash and sdpa-cudnn take them as they are (an op that refuses them is recorded as failed),
+sdpa-math and flex with ``enable_gqa=True``.
 
 Mode ``bwd`` times the backward alone: the provider's forward runs once on inputs that require grad, then
 ``torch.autograd.grad(O, (q, k, v), dO, retain_graph=True)`` is timed. It runs for the fa2 backends and
@@ -42,8 +44,9 @@ Attention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], "tuple[torch.Te
 
 @dataclass(frozen=True)
 class Shape:
-    """One point of the sweep: inputs (batch, heads, seqlen, head_dim) of ``dtype`` ("bf16", ...), timed
-    in ``mode`` "fwd" (the forward) or "bwd" (the backward alone)."""
+    """One point of the sweep: q (batch, heads, seqlen, head_dim) of ``dtype`` ("bf16", ...), k and v with
+    heads // group heads (grouped-query attention where group > 1), timed in ``mode`` "fwd" (the forward)
+    or "bwd" (the backward alone)."""
 
     dtype: str
     head_dim: int
@@ -52,6 +55,11 @@ class Shape:
     batch: int
     heads: int
     mode: str = "fwd"
+    group: int = 1
+
+    @property
+    def heads_k(self) -> int:
+        return self.heads // self.group
 
     @property
     def flops(self) -> int:
@@ -67,7 +75,8 @@ class Shape:
 
     def __str__(self) -> str:
         causal = "causal" if self.causal else "full"
-        return f"{self.mode} {self.dtype} B{self.batch} H{self.heads} N{self.seqlen} D{self.head_dim} {causal}"
+        heads = f"H{self.heads}" + (f"/{self.heads_k}" if self.group > 1 else "")
+        return f"{self.mode} {self.dtype} B{self.batch} {heads} N{self.seqlen} D{self.head_dim} {causal}"
 
 
 @dataclass(frozen=True)
@@ -143,7 +152,8 @@ def _sdpa_efficient(shape: Shape, device: torch.device) -> Attention:
 
 def _sdpa_math(shape: Shape, device: torch.device) -> Attention:
     def call(q, k, v):
-        O, _attn_weights = torch.ops.aten._scaled_dot_product_attention_math(q, k, v, None, 0.0, shape.causal)
+        O, _attn_weights = torch.ops.aten._scaled_dot_product_attention_math(
+            q, k, v, None, 0.0, shape.causal, enable_gqa=shape.group > 1)
         return O, None
 
     return call
@@ -170,7 +180,8 @@ def _flex(shape: Shape, device: torch.device) -> Attention:
     flex_attention = _compiled_flex_attention()
     n = shape.seqlen
     block_mask = create_block_mask(_causal_mask_mod, None, None, n, n, device=device) if shape.causal else None
-    return lambda q, k, v: flex_attention(q, k, v, block_mask=block_mask, return_lse=True)
+    return lambda q, k, v: flex_attention(q, k, v, block_mask=block_mask, return_lse=True,
+                                          enable_gqa=shape.group > 1)
 
 
 _FP16_BF16 = ("bf16", "fp16")

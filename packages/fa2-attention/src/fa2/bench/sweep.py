@@ -89,6 +89,8 @@ class Config:
     append: bool = False
     command: str = ""
     modes: tuple[str, ...] = ("fwd",)
+    # Query heads per key/value head (grouped-query attention); 1: every head its own.
+    group: int = 1
     # Mode "bwd"'s seqlens and dtypes; None: the forward's.
     bwd_seqlens: tuple[int, ...] | None = None
     bwd_dtypes: tuple[str, ...] | None = None
@@ -111,7 +113,10 @@ class Config:
                                 batch, heads = EMULATED_BATCH, EMULATED_HEADS
                             else:
                                 batch, heads = max(1, GPU_TOKENS // n), max(1, GPU_HIDDEN // head_dim)
-                            out.append(Shape(dtype, head_dim, causal, n, batch, heads, mode))
+                            if heads % self.group:
+                                raise ValueError(f"--group {self.group} does not divide the {heads} query heads "
+                                                 f"of D = {head_dim}")
+                            out.append(Shape(dtype, head_dim, causal, n, batch, heads, mode, self.group))
         return out
 
     def path(self, suffix: str) -> Path:
@@ -335,8 +340,8 @@ def run(cfg: Config, progress) -> None:
 def _measure_shape(shape: Shape, providers: list[Provider], cfg: Config, env: dict, records: Records, bar):
     seed = shape.seqlen * 7 + shape.head_dim
     torch.manual_seed(seed)
-    size = (shape.batch, shape.heads, shape.seqlen, shape.head_dim)
-    q, k, v = (torch.randn(size, device=cfg.device, dtype=DTYPES[shape.dtype]) for _ in range(3))
+    q, k, v = (torch.randn(shape.batch, heads, shape.seqlen, shape.head_dim, device=cfg.device,
+                           dtype=DTYPES[shape.dtype]) for heads in (shape.heads, shape.heads_k, shape.heads_k))
     dO = torch.randn_like(q) if shape.mode == "bwd" else None
     try:
         sample = check.reference_sample(q, k, v, shape.causal, seed, dO)
