@@ -104,6 +104,65 @@ def test_any_leading_dims(backend, status, device, causal, shape_q, shape_k):
     assert_matches_reference(O, L, q, k, v, causal)
 
 
+# (heads, heads_k): groups of 1, 2, 3 and 8 query heads per key/value head, and one key/value head (MQA).
+GROUPS = [
+    pytest.param((2, 2), id="H2-Hk2"),
+    pytest.param((4, 2), id="H4-Hk2"),
+    pytest.param((6, 2), id="H6-Hk2"),
+    pytest.param((8, 1), id="H8-Hk1-mqa"),
+    pytest.param((16, 2), id="H16-Hk2"),
+]
+GQA_SHAPES = [
+    pytest.param((2, 17, 29, 16), id="B2-17x29-D16"),
+    pytest.param((1, 37, 19, 32), id="B1-37x19-D32"),
+    pytest.param((1, 130, 257, 64), id="B1-130x257-D64"),
+    pytest.param((2, 300, 300, 128), id="B2-300x300-D128"),
+]
+
+
+@pytest.mark.parametrize("shape", GQA_SHAPES)
+@pytest.mark.parametrize("heads", GROUPS)
+@pytest.mark.parametrize("causal", CAUSAL)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_grouped_query_heads(backend, status, device, dtype, causal, heads, shape):
+    """k and v with fewer heads than q: query head h attends to key/value head h // (heads // heads_k)."""
+    (h, h_k), (b, n_q, n_k, d) = heads, shape
+    require_runnable(backend, status, device, dtype, (b, h, n_q, n_k, d))
+    q, k, v = random_qkv((b, h, n_q, d), (b, h_k, n_k, d), dtype, device, seed=h * 31 + n_q)
+    O, L = run(backend, q, k, v, causal)
+    assert_matches_reference(O, L, q, k, v, causal)
+
+
+@pytest.mark.parametrize("causal", CAUSAL)
+def test_grouped_query_heads_strided(backend, status, device, causal):
+    """GQA on (batch, seqlen, heads, head_dim) tensors transposed to (batch, heads, seqlen, head_dim)."""
+    require_runnable(backend, status, device, torch.float16, (2, 6, 21, 33, 16))
+    g = torch.Generator().manual_seed(8)
+    make = lambda *s: torch.randn(*s, generator=g).to(device=device, dtype=torch.float16).transpose(1, 2)
+    q, k, v = make(2, 21, 6, 16), make(2, 33, 3, 16), make(2, 33, 3, 16)
+    O, L = run(backend, q, k, v, causal)
+    assert_matches_reference(O, L, q, k, v, causal)
+
+
+def test_grouped_query_heads_reach_the_kernel_uncopied(backend, status, device, monkeypatch):
+    """fa2.attention and fa2.scaled_dot_product_attention(enable_gqa=True) hand the backend k and v with
+    their own heads and storage: no repeated or expanded copy per query head is made on the way."""
+    require_runnable(backend, status, device, torch.float32, (1, 4, 9, 11, 16))
+    impl = registry.load(backend)
+    seen = []
+
+    def spy(q, k, v, *args, **kwargs):
+        seen.append((k.shape, k.data_ptr(), v.data_ptr()))
+        return real(q, k, v, *args, **kwargs)
+
+    real = impl.flash_attn_forward
+    monkeypatch.setattr(impl, "flash_attn_forward", spy)
+    q, k, v = random_qkv((1, 4, 9, 16), (1, 2, 11, 16), torch.float32, device, seed=9)
+    fa2.attention(q, k, v, backend=backend)
+    fa2.scaled_dot_product_attention(q, k, v, enable_gqa=True, backend=backend)
+    assert seen == [((1, 2, 11, 16), k.data_ptr(), v.data_ptr())] * 2
+
+
 def _strided_views(device, dtype):
     """Non-contiguous q, k, v in three layouts: (B, N, H, D) transposed to (B, H, N, D); a head_dim
     stride of 2 (every other element of a wider tensor); k and v as slices of one packed kv tensor."""

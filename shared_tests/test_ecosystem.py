@@ -217,7 +217,7 @@ SDPA_REFUSALS = [
     pytest.param(dict(dropout_p=0.1), (2, 2), NotImplementedError, r"does not support dropout_p=0.1", id="dropout"),
     pytest.param(dict(enable_gqa=True), (3, 2), ValueError, r"enable_gqa needs query heads a multiple of key heads",
                  id="gqa-heads"),
-    pytest.param(dict(), (4, 2), ValueError, r"same leading dims", id="heads-without-gqa"),
+    pytest.param(dict(), (4, 2), ValueError, r"same heads \(dim -3\) unless enable_gqa=True", id="heads-without-gqa"),
 ]
 
 

@@ -14,7 +14,7 @@ import torch
 import fa2
 from checks import max_err, random_qkv
 from fa2 import reference, registry
-from test_conformance import CAUSAL, DTYPES, require_runnable
+from test_conformance import CAUSAL, DTYPES, GROUPS, require_runnable
 
 FP32_GRAD_ATOL = 1e-4
 
@@ -60,6 +60,21 @@ def test_gradients_match_reference(backend, status, device, dtype, causal, shape
     require_runnable(backend, status, device, dtype, shape)
     q, k, v = (t.requires_grad_() for t in random_qkv((b, h, n_q, d), (b, h, n_k, d), dtype, device, seed=n_q))
     dO = torch.randn(q.shape, generator=torch.Generator().manual_seed(1)).to(device=device, dtype=dtype)
+    O, _ = fa2.attention(q, k, v, causal=causal, backend=backend)
+    assert_grads_match(*grads(O, (q, k, v), dO), q, k, v, dO, causal)
+
+
+@pytest.mark.parametrize("shape", [pytest.param((2, 17, 29, 16), id="B2-17x29-D16"),
+                                   pytest.param((1, 203, 113, 64), id="B1-203x113-D64")])
+@pytest.mark.parametrize("heads", GROUPS[1:4])
+@pytest.mark.parametrize("causal", CAUSAL)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_grouped_query_gradients(backend, status, device, dtype, causal, heads, shape):
+    """dk and dv of a key/value head: the sum over the query heads of its group."""
+    (h, h_k), (b, n_q, n_k, d) = heads, shape
+    require_runnable(backend, status, device, dtype, (b, h, n_q, n_k, d))
+    q, k, v = (t.requires_grad_() for t in random_qkv((b, h, n_q, d), (b, h_k, n_k, d), dtype, device, seed=h))
+    dO = torch.randn(q.shape, generator=torch.Generator().manual_seed(2)).to(device=device, dtype=dtype)
     O, _ = fa2.attention(q, k, v, causal=causal, backend=backend)
     assert_grads_match(*grads(O, (q, k, v), dO), q, k, v, dO, causal)
 

@@ -44,7 +44,10 @@ def attention(
 
     Arguments:
         q: (..., seqlen_q, head_dim), e.g. (batch, seqlen_q, head_dim) or (batch, heads, seqlen_q, head_dim).
-        k: (..., seqlen_k, head_dim), the same leading dims as q.
+        k: (..., seqlen_k, head_dim), the same leading dims as q, but for dim -3 (the heads of rank 3 and
+            up), which may be a divisor of q's: grouped-query attention (heads_k = 1: multi-query), query
+            head h attends to key/value head h // (heads // heads_k). The kernels read that head in place:
+            k and v are never repeated or copied per query head.
         v: (..., seqlen_k, head_dim), the same shape as k.
             q, k and v: float32, float16 or bfloat16, all the same dtype, on one device, any strides.
             head_dim from 1 to 256; a backend may support fewer and then raises NotImplementedError.
@@ -81,7 +84,8 @@ def attention(
     drops that key from the row (a row whose every score is -inf counts as seeing no key).
 
     Raises:
-        ValueError: wrong rank, mismatched shapes or devices, bad scale, unknown backend.
+        ValueError: wrong rank, mismatched shapes or devices, q's heads not a multiple of k's, bad scale,
+            unknown backend.
         TypeError: non-floating or mismatched dtypes, a causal that is not a bool.
         fa2.BackendNotInstalledError: a known backend whose package is not installed.
         NotImplementedError: the chosen backend does not support this input (its message names the limit).
@@ -113,11 +117,17 @@ def _validate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         raise ValueError(
             f"q, k and v must have the same rank, got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
         )
-    if q.shape[:-2] != k.shape[:-2] or k.shape[:-2] != v.shape[:-2]:
+    if q.shape[:-3] != k.shape[:-3] or k.shape[:-2] != v.shape[:-2]:
         raise ValueError(
             "q, k and v must have the same leading dims, got "
             f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
         )
+    if q.dim() > 2 and q.shape[-3] != k.shape[-3]:
+        if k.shape[-3] == 0 or q.shape[-3] % k.shape[-3]:
+            raise ValueError(
+                "q's heads (dim -3) must be a multiple of k's and v's (grouped-query attention), got "
+                f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
+            )
     if k.shape[-2] != v.shape[-2]:
         raise ValueError(
             f"k and v must have the same sequence length, got k {tuple(k.shape)} and v {tuple(v.shape)}"

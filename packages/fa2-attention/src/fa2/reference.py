@@ -21,6 +21,15 @@ def causal_mask(
     return j <= i + (seqlen_k - seqlen_q)
 
 
+def repeat_kv_heads(q: torch.Tensor, *kv: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Grouped-query attention the plain way: k and v (..., heads_k, seqlen_k, head_dim) with each head
+    repeated heads // heads_k times, so that query head h meets key/value head h // (heads // heads_k).
+    A copy, which is what the kernels never make; unchanged where the heads already agree."""
+    if q.dim() < 3 or all(t.shape[-3] == q.shape[-3] for t in kv):
+        return kv
+    return tuple(t.repeat_interleave(q.shape[-3] // t.shape[-3], dim=-3) for t in kv)
+
+
 def attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -34,7 +43,9 @@ def attention(
     """softmax(q kᵀ · scale) v and its natural-log logsumexp, the contract of ``fa2.attention``.
 
     Arguments:
-        q: (..., seqlen_q, head_dim); k, v: (..., seqlen_k, head_dim).
+        q: (..., heads, seqlen_q, head_dim); k, v: (..., heads_k, seqlen_k, head_dim), heads a multiple of
+            heads_k (grouped-query attention; heads_k = 1 is multi-query): query head h attends to key/value
+            head h // (heads // heads_k). Rank 2 inputs have no heads dim.
         upcast: True computes in float64 and returns float64 O and L (the ground truth). False computes
             every step in the inputs' own dtype, as a naive low-precision attention would: its error is
             the yardstick of FlashAttention-2's accuracy rule.
@@ -54,6 +65,7 @@ def attention(
         q = q[..., rows, :]
     dtype = torch.float64 if upcast else q.dtype
     q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    k, v = repeat_kv_heads(q, k, v)
     S = (q @ k.transpose(-2, -1)) * scale
     if causal:
         visible = causal_mask(seqlen_q, k.shape[-2], q.device, rows)

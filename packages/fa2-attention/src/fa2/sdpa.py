@@ -44,10 +44,9 @@ def scaled_dot_product_attention(
             without the mask, in a second call whose output is concatenated.
         scale: multiplies query keyᵀ; default 1 / sqrt(head_dim).
         enable_gqa: grouped-query attention: heads_q a multiple of heads_kv, query head h attends with
-            key/value head h // (heads_q // heads_kv), as SDPA. The query heads are grouped as a view, and
-            key and value expanded over the group with stride 0; fa2.layout copies those expanded views only
-            where their batch and head dims cannot be merged as a view (e.g. key transposed from
-            (batch, seqlen, heads, head_dim)).
+            key/value head h // (heads_q // heads_kv), as SDPA. key and value go to fa2.attention as they
+            are: the kernels read each query head's key/value head in place, with no expanded copy.
+            Without it, heads_q and heads_kv must be equal (ValueError otherwise, as SDPA).
         backend: "pytorch", "triton", "numba-cuda" or None, as fa2.attention.
 
     Returns:
@@ -55,8 +54,8 @@ def scaled_dot_product_attention(
 
     Raises:
         NotImplementedError: a non-None ``attn_mask`` or a nonzero ``dropout_p``.
-        ValueError: ``enable_gqa`` with inputs of rank < 3 or heads_q not a multiple of heads_kv; and
-            everything fa2.attention raises.
+        ValueError: ``enable_gqa`` with inputs of rank < 3 or heads_q not a multiple of heads_kv; heads_q
+            and heads_kv that differ without ``enable_gqa``; and everything fa2.attention raises.
     """
     if attn_mask is not None:
         raise NotImplementedError(
@@ -69,41 +68,32 @@ def scaled_dot_product_attention(
             f"fa2.scaled_dot_product_attention does not support dropout_p={dropout_p}: fa2 has no attention "
             "dropout; pass dropout_p=0.0"
         )
-    if enable_gqa:
-        query, key, value = group_query_heads(query, key, value)
+    check_heads(query, key, value, enable_gqa)
     if is_causal:
         _validate(query, key, value)
-        O = _top_left_causal(query, key, value, scale, backend)
-    else:
-        O = attention(query, key, value, scale=scale, backend=backend).O
-    return O.flatten(-4, -3) if enable_gqa else O
+        return _top_left_causal(query, key, value, scale, backend)
+    return attention(query, key, value, scale=scale, backend=backend).O
 
 
-def group_query_heads(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Grouped-query attention as plain attention one rank up, without copying.
-
-    query (..., heads_q, seqlen_q, D) becomes the view (..., heads_kv, group, seqlen_q, D), group =
-    heads_q // heads_kv, and key and value (..., heads_kv, seqlen_k, D) the stride-0 expansions
-    (..., heads_kv, group, seqlen_k, D): query head h meets key/value head h // group. Attention on these
-    gives O of the grouped query's shape; ``O.flatten(-4, -3)`` is (..., heads_q, seqlen_q, D).
-    """
-    for name, t in (("query", query), ("key", key), ("value", value)):
-        if t.dim() < 3:
+def check_heads(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, enable_gqa: bool) -> None:
+    """SDPA's rule for the heads (dim -3): equal, or with ``enable_gqa`` heads_q a multiple of heads_kv."""
+    if enable_gqa:
+        for name, t in (("query", query), ("key", key), ("value", value)):
+            if t.dim() < 3:
+                raise ValueError(
+                    f"enable_gqa needs {name} of shape (..., heads, seqlen, head_dim), got {tuple(t.shape)}"
+                )
+        heads_q, heads_kv = query.shape[-3], key.shape[-3]
+        if heads_kv == 0 or heads_q % heads_kv or value.shape[-3] != heads_kv:
             raise ValueError(
-                f"enable_gqa needs {name} of shape (..., heads, seqlen, head_dim), got {tuple(t.shape)}"
+                "enable_gqa needs query heads a multiple of key heads and value heads equal to key heads, got "
+                f"query {tuple(query.shape)}, key {tuple(key.shape)}, value {tuple(value.shape)}"
             )
-    heads_q, heads_kv = query.shape[-3], key.shape[-3]
-    if heads_kv == 0 or heads_q % heads_kv or value.shape[-3] != heads_kv:
+    elif query.dim() > 2 and not query.shape[-3] == key.shape[-3] == value.shape[-3]:
         raise ValueError(
-            "enable_gqa needs query heads a multiple of key heads and value heads equal to key heads, got "
+            "query, key and value must have the same heads (dim -3) unless enable_gqa=True, got "
             f"query {tuple(query.shape)}, key {tuple(key.shape)}, value {tuple(value.shape)}"
         )
-    group = heads_q // heads_kv
-    grouped = query.unflatten(-3, (heads_kv, group))
-    expand = lambda t: t.unsqueeze(-3).expand(*t.shape[:-2], group, *t.shape[-2:])
-    return grouped, expand(key), expand(value)
 
 
 def _top_left_causal(q, k, v, scale, backend) -> torch.Tensor:

@@ -6,13 +6,21 @@ probabilities are recomputed instead of stored, P = exp(S - L), and
     delta  = rowsum(dO ∘ O)              _attn_bwd_preprocess: once, fp32
     dV_j  += Pᵀ dO_i                     dP = dO_i V_jᵀ
     dS     = P ∘ (dP - delta_i)
-    dK_j  += scale · dSᵀ Q_i             _attn_bwd_dkdv: one block per (key tile, batch·head), looping
-                                         over the query tiles that see the key tile
+    dK_j  += scale · dSᵀ Q_i             _attn_bwd_dkdv: one block per (key tile, batch·key/value head),
+                                         looping over its group's query heads and the query tiles that
+                                         see the key tile
     dQ_i  += scale · dS K_j              _attn_bwd_dq: one block per (query tile, batch·head), looping
                                          over the key tiles the query tile sees
 
 Every block writes its own rows of dK, dV or dQ once: no atomics, so the result is deterministic. The
 price is computing S, P and dP twice (once per kernel), as FA2's own split does.
+
+Grouped-query attention (GQA; MQA with one key/value head): k and v have heads_k heads, heads a multiple of
+heads_k, group = heads // heads_k. Query head h reads key/value head ``off_hk = h // group`` in place (K and
+V are never repeated). dK and dV of head off_hk are the sums over its group's query heads: the dK/dV block
+of (key tile, batch·off_hk) runs its query loop once per query head of the group, accumulating into the
+same registers, so that dk and dv are still written once per element and have k's and v's shapes. delta
+stays per query head. ``group`` is a runtime argument: one compiled kernel serves every group size.
 
 Scores live in the log2 domain as in the forward (the operand used only for S is pre-scaled by ``qk_scale
 = scale · log2 e``, L is read as L · log2 e): P = exp2(S' - L'). A row that saw no key has L = +inf, so P =
@@ -198,19 +206,22 @@ def _build_dkdv(HEAD_DIM, config, IS_CAUSAL, IS_BF16, EVEN_HEAD_DIM, UNIT_STRIDE
         stride_vb, stride_vh, stride_vn, stride_vd,
         stride_dob, stride_doh, stride_dom, stride_dod,
         stride_lb, stride_lh, stride_lm,
-        heads, seqlen_q, seqlen_k, head_dim, scale, qk_scale, num_n_tiles,
+        heads, group, seqlen_q, seqlen_k, head_dim, scale, qk_scale, num_n_tiles,
     ):
-        """One block: BLOCK_N keys of one (batch, head). q, k, v, do: flat views of (B, H, N, D) tensors,
-        lse of (B, H, seqlen_q), with the given element strides; delta: (B·H, seqlen_q), fp32; dk, dv:
-        (B, H, seqlen_k, head_dim), flat, contiguous, in k's dtype."""
+        """One block: BLOCK_N keys of one (batch, key/value head), for the group's query heads. q, do: flat
+        views of (B, H, N, D) tensors, k, v of (B, H // group, N, D) tensors, lse of (B, H, seqlen_q), with
+        the given element strides; delta: (B·H, seqlen_q), fp32; dk, dv: (B, H // group, seqlen_k,
+        head_dim), flat, contiguous, in k's dtype."""
         # Key j is visible to query i iff j <= i + diag.
         diag = seqlen_k - seqlen_q
         # Key tiles fastest: under causal the first key tiles are seen by the most query rows, so the
         # longest blocks start first.
         start_n = (cuda.blockIdx.x % num_n_tiles) * BLOCK_N
-        off_bh = cuda.blockIdx.x // num_n_tiles
-        off_b = off_bh // heads
-        off_h = off_bh % heads
+        # One block per (key tile, batch·key/value head): off_hk's group of query heads is looped over below.
+        heads_k = heads // group
+        off_bhk = cuda.blockIdx.x // num_n_tiles
+        off_b = off_bhk // heads_k
+        off_hk = off_bhk % heads_k
         tx = cuda.threadIdx.x % THREADS_M
         ty = cuda.threadIdx.x // THREADS_M
 
@@ -241,126 +252,131 @@ def _build_dkdv(HEAD_DIM, config, IS_CAUSAL, IS_BF16, EVEN_HEAD_DIM, UNIT_STRIDE
                 dk_acc[i, c] = 0.0
                 dv_acc[i, c] = 0.0
 
-        q_offset = off_b * stride_qb + off_h * stride_qh
-        do_offset = off_b * stride_dob + off_h * stride_doh
-        l_offset = off_b * stride_lb + off_h * stride_lh
         # K pre-scaled by qk_scale = scale · log2 e: Sᵀ comes out of its loop ready for exp2.
-        load_tile(k_tile, k, off_b * stride_kb + off_h * stride_kh, stride_kn, stride_kd, start_n, seqlen_k,
+        load_tile(k_tile, k, off_b * stride_kb + off_hk * stride_kh, stride_kn, stride_kd, start_n, seqlen_k,
                   head_dim, qk_scale)
-        load_tile(v_tile, v, off_b * stride_vb + off_h * stride_vh, stride_vn, stride_vd, start_n, seqlen_k,
+        load_tile(v_tile, v, off_b * stride_vb + off_hk * stride_vh, stride_vn, stride_vd, start_n, seqlen_k,
                   head_dim, float32(1.0))
 
         # Causal: query i sees a key of this tile iff i >= start_n - diag; earlier query tiles are skipped.
         lo = max(start_n - diag, 0) // BLOCK_M * BLOCK_M if IS_CAUSAL else 0
-        for start_m in range(lo, seqlen_q, BLOCK_M):
-            cuda.syncthreads()  # the previous step's q_tile, do_tile, pT_tile and dsT_tile have been read
-            load_tile(q_tile, q, q_offset, stride_qm, stride_qd, start_m, seqlen_q, head_dim, float32(1.0))
-            if not SHARE_QDO:
-                load_tile(do_tile, do, do_offset, stride_dom, stride_dod, start_m, seqlen_q, head_dim,
-                          float32(1.0))
-            for j in range(TM):
-                row = start_m + tx + THREADS_M * j
-                # Rows past seqlen_q: L = +inf makes their P zero.
-                lse_m[j] = float32(math.inf)
-                delta_m[j] = 0.0
-                if row < seqlen_q:
-                    lse_m[j] = lse[uint64(l_offset + row * stride_lm)] * float32(LOG2E)
-                    delta_m[j] = delta[uint64(off_bh * seqlen_q + row)]
-            cuda.syncthreads()
-
-            # Sᵀ = K Qᵀ: the thread's TN x TM micro-tile, S_STEP head-dim columns a step.
-            for i in range(TN):
-                for j in range(TM):
-                    sT[i, j] = 0.0
-            for dd in range(HEAD_DIM // S_STEP):
-                for i in range(TN):
-                    for e in range(S_STEP):
-                        kv_frag[i, e] = k_tile[uint64(ty + THREADS_N * i), uint64(S_STEP * dd + e)]
-                for j in range(TM):
-                    for e in range(S_STEP):
-                        qdo_frag[j, e] = q_tile[uint64(tx + THREADS_M * j), uint64(S_STEP * dd + e)]
-                for i in range(TN):
-                    for j in range(TM):
-                        for e in range(S_STEP):
-                            sT[i, j] += kv_frag[i, e] * qdo_frag[j, e]
-
-            if SHARE_QDO:
-                cuda.syncthreads()  # q_tile has been read
-                load_tile(do_tile, do, do_offset, stride_dom, stride_dod, start_m, seqlen_q, head_dim,
-                          float32(1.0))
-                cuda.syncthreads()
-
-            # dPᵀ = V dOᵀ, as Sᵀ.
-            for i in range(TN):
-                for j in range(TM):
-                    dpT[i, j] = 0.0
-            for dd in range(HEAD_DIM // S_STEP):
-                for i in range(TN):
-                    for e in range(S_STEP):
-                        kv_frag[i, e] = v_tile[uint64(ty + THREADS_N * i), uint64(S_STEP * dd + e)]
-                for j in range(TM):
-                    for e in range(S_STEP):
-                        qdo_frag[j, e] = do_tile[uint64(tx + THREADS_M * j), uint64(S_STEP * dd + e)]
-                for i in range(TN):
-                    for j in range(TM):
-                        for e in range(S_STEP):
-                            dpT[i, j] += kv_frag[i, e] * qdo_frag[j, e]
-
-            # Mask only the tiles that cross the end of the keys or the causal diagonal.
-            if start_n + BLOCK_N > seqlen_k or (IS_CAUSAL and start_n + BLOCK_N - 1 > start_m + diag):
-                for i in range(TN):
-                    for j in range(TM):
-                        key = start_n + ty + THREADS_N * i
-                        row = start_m + tx + THREADS_M * j
-                        if key >= seqlen_k or (IS_CAUSAL and key > row + diag):
-                            sT[i, j] = -math.inf
-
-            # Pᵀ = exp2(Sᵀ - L) and dSᵀ = Pᵀ ∘ (dPᵀ - delta), to shared memory for the two products.
-            for i in range(TN):
-                for j in range(TM):
-                    pT = math.exp2(sT[i, j] - lse_m[j])
-                    pT_tile[ty + THREADS_N * i, tx + THREADS_M * j] = pT
-                    dsT_tile[ty + THREADS_N * i, tx + THREADS_M * j] = pT * (dpT[i, j] - delta_m[j])
-            cuda.syncthreads()
-
-            # dv += Pᵀ dO: the thread's TN x TD micro-tile, 4 queries a step.
-            for mm in range(BLOCK_M // 4):
-                for i in range(TN):
-                    for e in range(4):
-                        p_frag[i, e] = pT_tile[uint64(ty + THREADS_N * i), uint64(4 * mm + e)]
-                for e in range(4):
-                    for jj in range(TD // 4):
-                        for f in range(4):
-                            col = 4 * tx + 4 * THREADS_M * jj + f
-                            x_frag[4 * jj + f] = do_tile[uint64(4 * mm + e), uint64(col)]
-                    for i in range(TN):
-                        for c in range(TD):
-                            dv_acc[i, c] += p_frag[i, e] * x_frag[c]
-
-            if SHARE_QDO:
-                cuda.syncthreads()  # do_tile has been read
+        # GQA: dK and dV of key/value head off_hk are sums over the group's query heads. The block loops over
+        # them with its K and V tiles held and dk_acc, dv_acc accumulating in registers, so that dk and dv
+        # are still written once per element (no atomics, no per-query-head dk, dv summed afterwards).
+        for off_h in range(off_hk * group, off_hk * group + group):
+            q_offset = off_b * stride_qb + off_h * stride_qh
+            do_offset = off_b * stride_dob + off_h * stride_doh
+            l_offset = off_b * stride_lb + off_h * stride_lh
+            delta_offset = (off_b * heads + off_h) * seqlen_q  # delta is per query head
+            for start_m in range(lo, seqlen_q, BLOCK_M):
+                cuda.syncthreads()  # the previous step's q_tile, do_tile, pT_tile and dsT_tile have been read
                 load_tile(q_tile, q, q_offset, stride_qm, stride_qd, start_m, seqlen_q, head_dim, float32(1.0))
+                if not SHARE_QDO:
+                    load_tile(do_tile, do, do_offset, stride_dom, stride_dod, start_m, seqlen_q, head_dim,
+                              float32(1.0))
+                for j in range(TM):
+                    row = start_m + tx + THREADS_M * j
+                    # Rows past seqlen_q: L = +inf makes their P zero.
+                    lse_m[j] = float32(math.inf)
+                    delta_m[j] = 0.0
+                    if row < seqlen_q:
+                        lse_m[j] = lse[uint64(l_offset + row * stride_lm)] * float32(LOG2E)
+                        delta_m[j] = delta[uint64(delta_offset + row)]
                 cuda.syncthreads()
 
-            # dk += dSᵀ Q, as dv.
-            for mm in range(BLOCK_M // 4):
+                # Sᵀ = K Qᵀ: the thread's TN x TM micro-tile, S_STEP head-dim columns a step.
                 for i in range(TN):
-                    for e in range(4):
-                        p_frag[i, e] = dsT_tile[uint64(ty + THREADS_N * i), uint64(4 * mm + e)]
-                for e in range(4):
-                    for jj in range(TD // 4):
-                        for f in range(4):
-                            col = 4 * tx + 4 * THREADS_M * jj + f
-                            x_frag[4 * jj + f] = q_tile[uint64(4 * mm + e), uint64(col)]
+                    for j in range(TM):
+                        sT[i, j] = 0.0
+                for dd in range(HEAD_DIM // S_STEP):
                     for i in range(TN):
-                        for c in range(TD):
-                            dk_acc[i, c] += p_frag[i, e] * x_frag[c]
+                        for e in range(S_STEP):
+                            kv_frag[i, e] = k_tile[uint64(ty + THREADS_N * i), uint64(S_STEP * dd + e)]
+                    for j in range(TM):
+                        for e in range(S_STEP):
+                            qdo_frag[j, e] = q_tile[uint64(tx + THREADS_M * j), uint64(S_STEP * dd + e)]
+                    for i in range(TN):
+                        for j in range(TM):
+                            for e in range(S_STEP):
+                                sT[i, j] += kv_frag[i, e] * qdo_frag[j, e]
+
+                if SHARE_QDO:
+                    cuda.syncthreads()  # q_tile has been read
+                    load_tile(do_tile, do, do_offset, stride_dom, stride_dod, start_m, seqlen_q, head_dim,
+                              float32(1.0))
+                    cuda.syncthreads()
+
+                # dPᵀ = V dOᵀ, as Sᵀ.
+                for i in range(TN):
+                    for j in range(TM):
+                        dpT[i, j] = 0.0
+                for dd in range(HEAD_DIM // S_STEP):
+                    for i in range(TN):
+                        for e in range(S_STEP):
+                            kv_frag[i, e] = v_tile[uint64(ty + THREADS_N * i), uint64(S_STEP * dd + e)]
+                    for j in range(TM):
+                        for e in range(S_STEP):
+                            qdo_frag[j, e] = do_tile[uint64(tx + THREADS_M * j), uint64(S_STEP * dd + e)]
+                    for i in range(TN):
+                        for j in range(TM):
+                            for e in range(S_STEP):
+                                dpT[i, j] += kv_frag[i, e] * qdo_frag[j, e]
+
+                # Mask only the tiles that cross the end of the keys or the causal diagonal.
+                if start_n + BLOCK_N > seqlen_k or (IS_CAUSAL and start_n + BLOCK_N - 1 > start_m + diag):
+                    for i in range(TN):
+                        for j in range(TM):
+                            key = start_n + ty + THREADS_N * i
+                            row = start_m + tx + THREADS_M * j
+                            if key >= seqlen_k or (IS_CAUSAL and key > row + diag):
+                                sT[i, j] = -math.inf
+
+                # Pᵀ = exp2(Sᵀ - L) and dSᵀ = Pᵀ ∘ (dPᵀ - delta), to shared memory for the two products.
+                for i in range(TN):
+                    for j in range(TM):
+                        pT = math.exp2(sT[i, j] - lse_m[j])
+                        pT_tile[ty + THREADS_N * i, tx + THREADS_M * j] = pT
+                        dsT_tile[ty + THREADS_N * i, tx + THREADS_M * j] = pT * (dpT[i, j] - delta_m[j])
+                cuda.syncthreads()
+
+                # dv += Pᵀ dO: the thread's TN x TD micro-tile, 4 queries a step.
+                for mm in range(BLOCK_M // 4):
+                    for i in range(TN):
+                        for e in range(4):
+                            p_frag[i, e] = pT_tile[uint64(ty + THREADS_N * i), uint64(4 * mm + e)]
+                    for e in range(4):
+                        for jj in range(TD // 4):
+                            for f in range(4):
+                                col = 4 * tx + 4 * THREADS_M * jj + f
+                                x_frag[4 * jj + f] = do_tile[uint64(4 * mm + e), uint64(col)]
+                        for i in range(TN):
+                            for c in range(TD):
+                                dv_acc[i, c] += p_frag[i, e] * x_frag[c]
+
+                if SHARE_QDO:
+                    cuda.syncthreads()  # do_tile has been read
+                    load_tile(q_tile, q, q_offset, stride_qm, stride_qd, start_m, seqlen_q, head_dim, float32(1.0))
+                    cuda.syncthreads()
+
+                # dk += dSᵀ Q, as dv.
+                for mm in range(BLOCK_M // 4):
+                    for i in range(TN):
+                        for e in range(4):
+                            p_frag[i, e] = dsT_tile[uint64(ty + THREADS_N * i), uint64(4 * mm + e)]
+                    for e in range(4):
+                        for jj in range(TD // 4):
+                            for f in range(4):
+                                col = 4 * tx + 4 * THREADS_M * jj + f
+                                x_frag[4 * jj + f] = q_tile[uint64(4 * mm + e), uint64(col)]
+                        for i in range(TN):
+                            for c in range(TD):
+                                dk_acc[i, c] += p_frag[i, e] * x_frag[c]
 
         # Epilogue: dk · scale and dv, each once; a key tile that no query sees stores zeros.
         for i in range(TN):
             key = start_n + ty + THREADS_N * i
             if key < seqlen_k:
-                kv_row = (off_bh * seqlen_k + key) * head_dim
+                kv_row = (off_bhk * seqlen_k + key) * head_dim
                 for jj in range(TD // 4):
                     for f in range(4):
                         col = 4 * tx + 4 * THREADS_M * jj + f
@@ -398,7 +414,7 @@ def _build_dq(HEAD_DIM, config, IS_CAUSAL, IS_BF16, EVEN_HEAD_DIM, UNIT_STRIDE_D
         stride_vb, stride_vh, stride_vn, stride_vd,
         stride_dob, stride_doh, stride_dom, stride_dod,
         stride_lb, stride_lh, stride_lm,
-        heads, seqlen_q, seqlen_k, head_dim, scale, qk_scale, num_m_tiles,
+        heads, group, seqlen_q, seqlen_k, head_dim, scale, qk_scale, num_m_tiles,
     ):
         """One block: BLOCK_M query rows of one (batch, head). Arguments as ``_attn_bwd_dkdv``'s; dq:
         (B, H, seqlen_q, head_dim), flat, contiguous, in q's dtype."""
@@ -410,6 +426,8 @@ def _build_dq(HEAD_DIM, config, IS_CAUSAL, IS_BF16, EVEN_HEAD_DIM, UNIT_STRIDE_D
         off_bh = cuda.blockIdx.x // num_m_tiles
         off_b = off_bh // heads
         off_h = off_bh % heads
+        # GQA: the group's query heads share key/value head off_hk, read in place (no repeated K, V).
+        off_hk = off_h // group
         tx = cuda.threadIdx.x % THREADS_N
         ty = cuda.threadIdx.x // THREADS_N
 
@@ -444,8 +462,8 @@ def _build_dq(HEAD_DIM, config, IS_CAUSAL, IS_BF16, EVEN_HEAD_DIM, UNIT_STRIDE_D
                 lse_m[i] = lse[uint64(l_offset + row * stride_lm)] * float32(LOG2E)
                 delta_m[i] = delta[uint64(off_bh * seqlen_q + row)]
 
-        k_offset = off_b * stride_kb + off_h * stride_kh
-        v_offset = off_b * stride_vb + off_h * stride_vh
+        k_offset = off_b * stride_kb + off_hk * stride_kh
+        v_offset = off_b * stride_vb + off_hk * stride_vh
         # Q pre-scaled by qk_scale = scale · log2 e: S comes out of its loop ready for exp2.
         load_tile(q_tile, q, off_b * stride_qb + off_h * stride_qh, stride_qm, stride_qd, start_m, seqlen_q,
                   head_dim, qk_scale)
@@ -567,19 +585,22 @@ def flash_attn_backward(
     config: tuple[DkDvConfig, BlockConfig] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Arguments:
-        q: (batch, heads, seqlen_q, head_dim); k, v: (batch, heads, seqlen_k, head_dim); any strides;
-            fp32, fp16 or bf16; CUDA tensors, or CPU tensors under numba's simulator.
+        q: (batch, heads, seqlen_q, head_dim); k, v: (batch, heads_k, seqlen_k, head_dim), heads a multiple
+            of heads_k (grouped-query attention; heads_k = 1 is multi-query): query head h attends to key/value
+            head h // (heads // heads_k); any strides; fp32, fp16 or bf16; CUDA tensors, or CPU tensors under
+            numba's simulator.
         O, dO: (batch, heads, seqlen_q, head_dim), q's dtype; L: (batch, heads, seqlen_q), float32, natural
             log, from the forward (+inf on rows that see no key); any strides.
         causal, scale: as in ``flash_attn_forward``.
         config: the two kernels' blocks, for tuning; default ``bwd_block_config(padded_head_dim(head_dim))``.
 
     Returns:
-        dq, dk, dv in the shapes and dtypes of q, k, v, contiguous; rows that see no key get dq = 0, keys
-        that no row sees dk = dv = 0.
+        dq, dk, dv in the shapes and dtypes of q, k, v (dk, dv: (batch, heads_k, seqlen_k, head_dim), each
+        key/value head's gradient summed over its group's query heads), contiguous; rows that see no key
+        get dq = 0, keys that no row sees dk = dv = 0.
     """
     batch, heads, seqlen_q, head_dim = q.shape
-    seqlen_k = k.shape[2]
+    heads_k, seqlen_k = k.shape[1], k.shape[2]
     if head_dim > MAX_HEAD_DIM:
         raise NotImplementedError(f"fa2-numba-cuda supports head_dim up to {MAX_HEAD_DIM}, got {head_dim}")
     _check_device(q)
@@ -601,7 +622,8 @@ def flash_attn_backward(
     flat_q, flat_k, flat_v, flat_do, flat_lse, flat_delta = (_flat(t) for t in (q, k, v, dO, L, delta))
     inputs = (flat_q, flat_k, flat_v, flat_do, flat_lse, flat_delta)
     strides = (*q.stride(), *k.stride(), *v.stride(), *dO.stride(), *L.stride())
-    sizes = (heads, seqlen_q, seqlen_k, head_dim, np.float32(scale), np.float32(scale * LOG2E))
+    group = heads // heads_k  # query heads per key/value head (the interface checked the division)
+    sizes = (heads, group, seqlen_q, seqlen_k, head_dim, np.float32(scale), np.float32(scale * LOG2E))
     pre_m_tiles = -(-seqlen_q // PRE_BLOCK_M)
     num_n_tiles = -(-seqlen_k // dkdv_config.BLOCK_N)
     num_m_tiles = -(-seqlen_q // dq_config.BLOCK_M)
@@ -616,7 +638,7 @@ def flash_attn_backward(
         ))
     if seqlen_k:
         launches.append((
-            _kernel("dkdv", HEAD_DIM, dkdv_config, *flags), num_n_tiles * batch * heads,
+            _kernel("dkdv", HEAD_DIM, dkdv_config, *flags), num_n_tiles * batch * heads_k,
             dkdv_config.THREADS_N * dkdv_config.THREADS_M,
             (*inputs, _flat(dk), _flat(dv), *strides, *sizes, num_n_tiles),
         ))

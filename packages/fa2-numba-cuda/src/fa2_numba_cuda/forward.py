@@ -24,6 +24,11 @@ The block, THREADS_M x THREADS_N threads (``BlockConfig``, chosen per head dim b
 - shared-memory indices are cast to uint64: numba wraps negative signed indices, a select per access that
   would keep LLVM from merging the 4-float loads into one ``ld.shared.v4.f32``.
 
+Grouped-query attention (GQA; MQA with one key/value head): k and v may have heads_k heads, heads a multiple
+of heads_k; query head h reads key/value head ``off_hk = h // group``, group = heads // heads_k, by index
+arithmetic on the head as FlashAttention-2 does (K and V are never repeated or copied). ``group`` is a
+runtime argument: one compiled kernel serves every group size.
+
 Causal is bottom-right aligned (key j visible to query i iff j <= i + seqlen_k - seqlen_q); key tiles wholly
 above the diagonal are never visited, and the mask is applied only to tiles that cross the diagonal or the
 end of the keys. A row that sees no key gets O = 0 and L = +inf.
@@ -206,17 +211,21 @@ def _build_kernel(HEAD_DIM, config, IS_CAUSAL, IS_BF16, EVEN_HEAD_DIM, UNIT_STRI
         stride_qb, stride_qh, stride_qm, stride_qd,
         stride_kb, stride_kh, stride_kn, stride_kd,
         stride_vb, stride_vh, stride_vn, stride_vd,
-        heads, seqlen_q, seqlen_k, head_dim, qk_scale, num_m_tiles,
+        heads, group, seqlen_q, seqlen_k, head_dim, qk_scale, num_m_tiles,
     ):
-        """One block: BLOCK_M query rows of one (batch, head). q, k, v: flat views of (B, H, N, D) tensors
-        with the given element strides; o: (B, H, seqlen_q, head_dim) and lse: (B, H, seqlen_q), flat,
-        contiguous; o in q's dtype, lse fp32."""
+        """One block: BLOCK_M query rows of one (batch, head). q: a flat view of a (B, H, N, D) tensor, k, v
+        of (B, H // group, N, D) tensors, with the given element strides; o: (B, H, seqlen_q, head_dim) and
+        lse: (B, H, seqlen_q), flat, contiguous; o in q's dtype, lse fp32."""
         # Key j is visible to query i iff j <= i + diag.
         diag = seqlen_k - seqlen_q
         start_m = (cuda.blockIdx.x % num_m_tiles) * BLOCK_M
         off_bh = cuda.blockIdx.x // num_m_tiles
         off_b = off_bh // heads
         off_h = off_bh % heads
+        # side-by-side: group
+        # GQA: the group's query heads share key/value head off_hk, read in place (no repeated K, V).
+        off_hk = off_h // group
+        # side-by-side: end
         tx = cuda.threadIdx.x % THREADS_N
         ty = cuda.threadIdx.x // THREADS_N
 
@@ -243,8 +252,8 @@ def _build_kernel(HEAD_DIM, config, IS_CAUSAL, IS_BF16, EVEN_HEAD_DIM, UNIT_STRI
             for c in range(TD):
                 acc[i, c] = 0.0
 
-        k_offset = off_b * stride_kb + off_h * stride_kh
-        v_offset = off_b * stride_vb + off_h * stride_vh
+        k_offset = off_b * stride_kb + off_hk * stride_kh
+        v_offset = off_b * stride_vb + off_hk * stride_vh
         q_offset = off_b * stride_qb + off_h * stride_qh
         # Q pre-scaled by qk_scale = scale · log2 e: S comes out of the loop ready for exp2.
         load_tile(q_tile, q, q_offset, stride_qm, stride_qd, start_m, seqlen_q, head_dim, qk_scale)
@@ -385,8 +394,10 @@ def flash_attn_forward(
     tensor_cores: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Arguments:
-        q: (batch, heads, seqlen_q, head_dim); k, v: (batch, heads, seqlen_k, head_dim); any strides;
-            fp32, fp16 or bf16; CUDA tensors, or CPU tensors under numba's simulator.
+        q: (batch, heads, seqlen_q, head_dim); k, v: (batch, heads_k, seqlen_k, head_dim), heads a multiple
+            of heads_k (grouped-query attention; heads_k = 1 is multi-query): query head h attends to key/value
+            head h // (heads // heads_k); any strides; fp32, fp16 or bf16; CUDA tensors, or CPU tensors under
+            numba's simulator.
         causal: bottom-right aligned, key j visible to query i iff j <= i + seqlen_k - seqlen_q::
 
             seqlen_q = 2, seqlen_k = 5:   1 1 1 1 0
@@ -424,10 +435,11 @@ def flash_attn_forward(
     is_bf16, even_head_dim = q.dtype == torch.bfloat16, head_dim == HEAD_DIM
     kernel = _kernel(HEAD_DIM, config, bool(causal), is_bf16, even_head_dim, unit_stride_d)
     num_m_tiles = -(-seqlen_q // config.BLOCK_M)
+    group = heads // k.shape[1]  # query heads per key/value head (the interface checked the division)
     grid, block = num_m_tiles * batch * heads, config.THREADS_M * config.THREADS_N
     args = (
         *(_flat(t) for t in (q, k, v, O, L)), *q.stride(), *k.stride(), *v.stride(),
-        heads, seqlen_q, k.shape[2], head_dim, np.float32(scale * LOG2E), num_m_tiles,
+        heads, group, seqlen_q, k.shape[2], head_dim, np.float32(scale * LOG2E), num_m_tiles,
     )
     if simulated():
         kernel[grid, block](*args)

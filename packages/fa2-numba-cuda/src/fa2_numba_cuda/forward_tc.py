@@ -32,6 +32,9 @@ instructions and their register layouts):
   that tensor-core and FP32 instructions issue side by side within the warp; s[0] and s[1] take turns.
   Without it the same happens only between warps of different blocks, where two fit on an SM.
 
+Grouped-query attention (GQA; MQA with one key/value head), as ``fa2_numba_cuda.forward``: query head h
+reads key/value head ``off_hk = h // group`` (group = heads // heads_k, a runtime argument) in place.
+
 Causal is bottom-right aligned (key j visible to query i iff j <= i + seqlen_k - seqlen_q): key tiles wholly
 above the diagonal are not visited, and only tiles that cross the diagonal or the end of the keys are
 masked. Causal blocks are launched longest-first. Rows that see no key get O = 0 and L = +inf. seqlen_q and
@@ -404,11 +407,12 @@ def _build_kernel(HEAD_DIM, config, IS_CAUSAL, IS_BF16, EVEN_HEAD_DIM, ASYNC_LOA
         stride_qb, stride_qh, stride_qm, stride_qd,
         stride_kb, stride_kh, stride_kn, stride_kd,
         stride_vb, stride_vh, stride_vn, stride_vd,
-        heads, seqlen_q, seqlen_k, head_dim, qk_scale, negate_q, num_m_tiles,
+        heads, group, seqlen_q, seqlen_k, head_dim, qk_scale, negate_q, num_m_tiles,
     ):
         """One block: BLOCK_M query rows of one (batch, head). q, k, v: flat int16 views (fp16 or bf16 bit
-        patterns) of (B, H, N, D) tensors with the given element strides; o: (B, H, seqlen_q, head_dim),
-        flat, contiguous, int32 pairs (O_PAIRS) or int16; lse: (B, H, seqlen_q) fp32, flat."""
+        patterns) of (B, H, N, D) tensors, k and v with H // group heads, with the given element strides;
+        o: (B, H, seqlen_q, head_dim), flat, contiguous, int32 pairs (O_PAIRS) or int16; lse: (B, H,
+        seqlen_q) fp32, flat."""
         # Key j is visible to query i iff j <= i + diag.
         diag = seqlen_k - seqlen_q
         m_block = cuda.blockIdx.x % num_m_tiles
@@ -418,6 +422,8 @@ def _build_kernel(HEAD_DIM, config, IS_CAUSAL, IS_BF16, EVEN_HEAD_DIM, ASYNC_LOA
         off_bh = cuda.blockIdx.x // num_m_tiles
         off_b = off_bh // heads
         off_h = off_bh % heads
+        # GQA: the group's query heads share key/value head off_hk, read in place (no repeated K, V).
+        off_hk = off_h // group
         warp = cuda.threadIdx.x // 32
         lane = cuda.threadIdx.x % 32
         g = lane // 4  # the lane holds rows g and g + 8 of the warp's 16, columns 2 t and 2 t + 1 of each 8
@@ -427,8 +433,8 @@ def _build_kernel(HEAD_DIM, config, IS_CAUSAL, IS_BF16, EVEN_HEAD_DIM, ASYNC_LOA
         smem_base = shared_address(smem)
         q_base, k_base, v_base = global_address(q), global_address(k), global_address(v)
         q_offset = off_b * stride_qb + off_h * stride_qh
-        k_offset = off_b * stride_kb + off_h * stride_kh
-        v_offset = off_b * stride_vb + off_h * stride_vh
+        k_offset = off_b * stride_kb + off_hk * stride_kh
+        v_offset = off_b * stride_vb + off_hk * stride_vh
 
         # The byte addresses this lane gives ldmatrix: Q's rows (A), K's (B, keys as rows), V's (B, .trans).
         a_row, a_col = ldmatrix_a_row_col(lane)
@@ -613,9 +619,10 @@ def flash_attn_forward(
     config: TensorCoreConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Arguments:
-        q: (batch, heads, seqlen_q, head_dim); k, v: (batch, heads, seqlen_k, head_dim); any strides; fp16
-            or bf16, head_dim <= 128; CUDA tensors on compute capability 8.0+, or CPU tensors under numba's
-            simulator (emulated instructions, tiny shapes).
+        q: (batch, heads, seqlen_q, head_dim); k, v: (batch, heads_k, seqlen_k, head_dim), heads a multiple
+            of heads_k (grouped-query attention; heads_k = 1 is multi-query): query head h attends to key/value
+            head h // (heads // heads_k); any strides; fp16 or bf16, head_dim <= 128; CUDA tensors on compute
+            capability 8.0+, or CPU tensors under numba's simulator (emulated instructions, tiny shapes).
         causal: bottom-right aligned, key j visible to query i iff j <= i + seqlen_k - seqlen_q::
 
             seqlen_q = 2, seqlen_k = 5:   1 1 1 1 0
@@ -653,12 +660,13 @@ def flash_attn_forward(
     kernel = _kernel(HEAD_DIM, config, bool(causal), q.dtype == torch.bfloat16, head_dim == HEAD_DIM,
                      async_loads, o_pairs)
     num_m_tiles = -(-seqlen_q // (16 * config.NUM_WARPS))
+    group = heads // k.shape[1]  # query heads per key/value head (the interface checked the division)
     grid, block = num_m_tiles * batch * heads, 32 * config.NUM_WARPS
     o_view = O.view(torch.int32) if o_pairs else O.view(torch.int16)
     args = (
         *(_flat(t.view(torch.int16)) for t in (q, k, v)), _flat(o_view), _flat(L),
         *q.stride(), *k.stride(), *v.stride(),
-        heads, seqlen_q, k.shape[2], head_dim, _qk_scale(scale), scale < 0, num_m_tiles,
+        heads, group, seqlen_q, k.shape[2], head_dim, _qk_scale(scale), scale < 0, num_m_tiles,
     )
     if simulated():
         kernel[grid, block](*args)

@@ -12,7 +12,8 @@ from fa2_pytorch.forward import flash_attn_forward
 class FlashAttention2(torch.autograd.Function):
     """``FlashAttention2.apply(q, k, v, is_causal=False, scale=None, return_lse=False)``.
 
-    q: (..., seqlen_q, head_dim); k, v: (..., seqlen_k, head_dim). Returns O, or (O, L) with
+    q: (..., seqlen_q, head_dim); k, v: (..., seqlen_k, head_dim), whose heads (dim -3) may be a divisor of
+    q's (grouped-query attention; dk and dv then sum over each group). Returns O, or (O, L) with
     ``return_lse``; saves (q, k, v, O, L) for the backward, L: q.shape[:-1], float32.
     """
 

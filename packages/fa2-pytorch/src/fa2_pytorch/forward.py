@@ -11,6 +11,14 @@ the Python loop to seqlen_k / BLOCK_N iterations and the extra memory to O(seqle
 (whole BLOCK_M-row tiles above the diagonal) are sliced away before the tile's matmul, and the mask is
 built only for tiles that straddle the diagonal.
 
+Grouped-query attention (heads a multiple of heads_k; heads_k = 1 is multi-query): query head h uses
+key/value head h // group, group = heads // heads_k, and K/V are never repeated. The ``group`` query heads
+that share a key/value head are folded into the matmul's rows: q is held as [B·H_K, N·GROUP, HEAD_DIM] with
+row n·group + g for position n of the group's head g, so one bmm against the un-expanded K tile
+[B·H_K, BLOCK_N, HEAD_DIM] serves the whole group (torch.matmul's broadcast of a size-1 group dim would
+copy the K tile group times inside the call), and slicing the causal rows from ``start_m`` keeps the rows
+one contiguous block. With group = 1 this is exactly the layout and the arithmetic of plain attention.
+
 Eager PyTorch cannot fuse ``exp(S - m)`` into one pass, and each pass over a (rows, BLOCK_N) fp32 tile
 costs as much as the tile's matmuls. So a tile's softmax statistics come from two fused kernels:
 ``torch.softmax`` gives p normalised within the tile, and the row max of p, which sits at the row's
@@ -50,7 +58,8 @@ def flash_attn_forward(
     block_n: int = BLOCK_N,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Arguments:
-        q: (batch, heads, seqlen_q, head_dim); k, v: (batch, heads, seqlen_k, head_dim); any strides.
+        q: (batch, heads, seqlen_q, head_dim); k, v: (batch, heads_k, seqlen_k, head_dim), heads a multiple
+            of heads_k: query head h attends to key/value head h // (heads // heads_k); any strides.
         causal: bottom-right aligned, key j visible to query i iff j <= i + seqlen_k - seqlen_q::
 
             seqlen_q = 2, seqlen_k = 5:   1 1 1 1 0
@@ -63,17 +72,22 @@ def flash_attn_forward(
         see no key get O = 0 and L = +inf.
     """
     batch, heads, seqlen_q, head_dim = q.shape
-    seqlen_k = k.shape[2]
-    bh = batch * heads
+    # side-by-side: group
+    heads_k, seqlen_k = k.shape[1], k.shape[2]
+    # heads_k = 0 only with heads = 0 (the interface checks the rest); group 1 keeps the shapes valid.
+    group = heads // heads_k if heads_k else 1
+    bh_k = batch * heads_k
+    # side-by-side: end
     # Key j is visible to query i iff j <= i + diag.
     diag = seqlen_k - seqlen_q
 
     # side-by-side: state
-    # Batch and heads merged into one matmul batch dim: [BH, N, HEAD_DIM].
-    acc = torch.zeros(bh, seqlen_q, head_dim, device=q.device, dtype=torch.float32)
-    m_i = torch.full((bh, seqlen_q, 1), -math.inf, device=q.device, dtype=torch.float32)
-    l_i = torch.zeros(bh, seqlen_q, 1, device=q.device, dtype=torch.float32)
-    q32 = q.float().reshape(bh, seqlen_q, head_dim)
+    # Batch and key/value heads merged into one matmul batch dim, each group's query heads folded into the
+    # rows (row n·group + g): [BH_K, N·GROUP, HEAD_DIM]. A view when group = 1, one copy of q otherwise.
+    acc = torch.zeros(bh_k, seqlen_q * group, head_dim, device=q.device, dtype=torch.float32)
+    m_i = torch.full((bh_k, seqlen_q * group, 1), -math.inf, device=q.device, dtype=torch.float32)
+    l_i = torch.zeros(bh_k, seqlen_q * group, 1, device=q.device, dtype=torch.float32)
+    q32 = q.float().unflatten(1, (heads_k, group)).transpose(2, 3).reshape(bh_k, seqlen_q * group, head_dim)
     # side-by-side: end
 
     with _tf32_matmul(q.dtype != torch.float32):
@@ -84,22 +98,25 @@ def flash_attn_forward(
             start_m = (max(start_n - diag, 0) // block_m) * block_m if causal else 0
             if start_m >= seqlen_q:
                 break
-            q_i = q32[:, start_m:]
-            k_j = k[:, :, start_n:end_n].float().reshape(bh, end_n - start_n, head_dim)
-            v_j = v[:, :, start_n:end_n].float().reshape(bh, end_n - start_n, head_dim)
+            # Rows from position start_m on, all of the group: one contiguous block of the folded rows.
+            row_m = start_m * group
+            q_i = q32[:, row_m:]
+            k_j = k[:, :, start_n:end_n].float().reshape(bh_k, end_n - start_n, head_dim)
+            v_j = v[:, :, start_n:end_n].float().reshape(bh_k, end_n - start_n, head_dim)
         # side-by-side: end
 
             # side-by-side: scores
             # The scale rides in the matmul's epilogue (beta = 0: S's initial contents are ignored).
-            S = torch.empty(bh, seqlen_q - start_m, end_n - start_n, device=q.device, dtype=torch.float32)
-            torch.baddbmm(S, q_i, k_j.transpose(1, 2), beta=0.0, alpha=scale, out=S)  # [BH, M, BLOCK_N]
+            S = torch.empty(bh_k, seqlen_q * group - row_m, end_n - start_n, device=q.device, dtype=torch.float32)
+            torch.baddbmm(S, q_i, k_j.transpose(1, 2), beta=0.0, alpha=scale, out=S)  # [BH_K, M·GROUP, BLOCK_N]
             # side-by-side: end
             # side-by-side: mask
             masked = causal and end_n - 1 > start_m + diag
             if masked:
-                rows = torch.arange(start_m, seqlen_q, device=q.device)[:, None]
-                cols = torch.arange(start_n, end_n, device=q.device)[None, :]
-                S.masked_fill_(cols > rows + diag, -math.inf)
+                # The mask depends on the query position only: one (M, 1, BLOCK_N) mask for the whole group.
+                rows = torch.arange(start_m, seqlen_q, device=q.device)[:, None, None]
+                cols = torch.arange(start_n, end_n, device=q.device)[None, None, :]
+                S.view(bh_k, seqlen_q - start_m, group, end_n - start_n).masked_fill_(cols > rows + diag, -math.inf)
             # side-by-side: end
 
             # side-by-side: softmax
@@ -107,31 +124,35 @@ def flash_attn_forward(
             # At the row's max score m_j, p = exp(m_j - lse_j). The max of S, not of p: where softmax gives
             # NaN (scores all -inf, or one +inf or NaN), only S's max tells the first case from the others.
             m_j, argmax = S.max(dim=-1, keepdim=True)
-            lse_j = m_j - torch.log(p.gather(-1, argmax))  # [BH, M, 1]
-            pv = torch.bmm(p, v_j)  # [BH, M, HEAD_DIM]
+            lse_j = m_j - torch.log(p.gather(-1, argmax))  # [BH_K, M·GROUP, 1]
+            pv = torch.bmm(p, v_j)  # [BH_K, M·GROUP, HEAD_DIM]
             # A row that sees no key of this tile (masked, or every score -inf): softmax gives NaN and
             # m_j = -inf; it adds nothing. A +inf or NaN score keeps its NaN, as in the reference.
             nothing = m_j == -math.inf
             lse_j.masked_fill_(nothing, -math.inf)
             pv.masked_fill_(nothing, 0.0)
 
-            m_old = m_i[:, start_m:]
+            m_old = m_i[:, row_m:]
             m_new = torch.maximum(m_old, lse_j)
             # A row with nothing visible yet has m_new = -inf; subtracting 0 instead keeps exp() at 0, not NaN.
             m_safe = m_new.masked_fill(m_new == -math.inf, 0.0)
             alpha = torch.exp(m_old - m_safe)
             beta = torch.exp(lse_j - m_safe)
 
-            l_i[:, start_m:].mul_(alpha).add_(beta)
-            acc[:, start_m:].mul_(alpha).add_(pv.mul_(beta))
-            m_i[:, start_m:] = m_new
+            l_i[:, row_m:].mul_(alpha).add_(beta)
+            acc[:, row_m:].mul_(alpha).add_(pv.mul_(beta))
+            m_i[:, row_m:] = m_new
             # side-by-side: end
 
     # side-by-side: epilogue
     # Rows that saw no key have l_i = 0: O = 0 and L = +inf (see fa2.attention).
     empty = l_i == 0
-    O = (acc / l_i.masked_fill(empty, 1.0)).to(q.dtype).view(batch, heads, seqlen_q, head_dim)
-    L = (m_i + torch.log(l_i)).masked_fill(empty, math.inf).view(batch, heads, seqlen_q)
+    # Unfold the group from the rows back into the heads, contiguous as always: views when group = 1, one
+    # copy each otherwise.
+    O = (acc / l_i.masked_fill(empty, 1.0)).to(q.dtype).view(batch, heads_k, seqlen_q, group, head_dim)
+    O = O.transpose(2, 3).contiguous().view(batch, heads, seqlen_q, head_dim)
+    L = (m_i + torch.log(l_i)).masked_fill(empty, math.inf).view(batch, heads_k, seqlen_q, group)
+    L = L.transpose(2, 3).contiguous().view(batch, heads, seqlen_q)
     return O, L
     # side-by-side: end
 

@@ -6,10 +6,17 @@ instead of stored, P = exp(S - L), and
     delta  = rowsum(dO ∘ O)              _attn_bwd_preprocess: once, fp32
     dV_j  += Pᵀ dO_i                     dP = dO_i V_jᵀ
     dS     = P ∘ (dP - delta_i)
-    dK_j  += scale · dSᵀ Q_i             _attn_bwd_dkdv: one program per (key tile, batch·head), looping
-                                         over the query tiles that see the key tile
+    dK_j  += scale · dSᵀ Q_i             _attn_bwd_dkdv: one program per (key tile, batch·heads_k),
+                                         looping over the group's query heads and, for each, the query
+                                         tiles that see the key tile
     dQ_i  += scale · dS K_j              _attn_bwd_dq: one program per (query tile, batch·head), looping
                                          over the key tiles the query tile sees
+
+Grouped-query attention (heads a multiple of heads_k; heads_k = 1 is multi-query): query head h reads
+key/value head ``off_hk = h // group``, group = heads // heads_k, by index arithmetic on the head, as the
+forward. The dK/dV of a key/value head sum over its group's query heads: the dK/dV kernel has one program
+per (key tile, batch·heads_k), which loops over the group's query heads (and each one's query tiles) with
+dk and dv in registers, so no per-query-head dK or dV is ever written. delta and dQ stay per query head.
 
 Every program writes its own rows of dK, dV or dQ once: no atomics, so the result is deterministic. The
 price is computing S, P and dP twice (once per kernel). ``deterministic=False`` skips the dQ kernel and
@@ -48,7 +55,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fa2_triton.forward import DTYPE_CLASS, LOG2_E, MAX_HEAD_DIM, _check_device, _load_tile
+from fa2_triton.forward import DTYPE_CLASS, LOG2_E, MAX_HEAD_DIM, _check_device, _load_tile, group_size
 from fa2_triton.launch import launch, on_device
 
 
@@ -134,18 +141,21 @@ def _attn_bwd_dkdv(
     stride_lb, stride_lh, stride_lm,
     stride_dkb, stride_dkh, stride_dkn, stride_dkd,
     stride_dvb, stride_dvh, stride_dvn, stride_dvd,
-    H, N_Q, N_K, head_dim,
+    H, GROUP, N_Q, N_K, head_dim,
     IS_CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
     EVEN_D: tl.constexpr, ATOMIC_DQ: tl.constexpr,
 ):
-    """dQ_acc: with ATOMIC_DQ, a zeroed fp32 (B·H, cdiv(N_Q, BLOCK_M) · BLOCK_M, HEAD_DIM) accumulator."""
-    # One program per (key tile, batch·head), flattened to one grid axis, key tiles fastest; under causal
-    # the first key tiles are seen by the most query rows, so the longest programs start first.
+    """Q, dO: (B, H, N_Q, D); K, V, dK, dV: (B, H // GROUP, N_K, D); L: (B, H, N_Q); Delta: (B·H, N_Q).
+    dQ_acc: with ATOMIC_DQ, a zeroed fp32 (B·H, cdiv(N_Q, BLOCK_M) · BLOCK_M, HEAD_DIM) accumulator. GROUP:
+    query heads per key/value head, a runtime int as in the forward."""
+    # One program per (key tile, batch·key/value head), flattened to one grid axis, key tiles fastest; under
+    # causal the first key tiles are seen by the most query rows, so the longest programs start first.
     pid = tl.program_id(0)
     num_n_tiles = tl.cdiv(N_K, BLOCK_N)
-    off_bh = (pid // num_n_tiles).to(tl.int64)
-    off_b = off_bh // H
-    off_h = off_bh % H
+    H_K = H // GROUP
+    off_bhk = (pid // num_n_tiles).to(tl.int64)
+    off_b = off_bhk // H_K
+    off_hk = off_bhk % H_K
     start_n = (pid % num_n_tiles) * BLOCK_N
     # Key j is visible to query i iff j <= i + diag.
     diag = N_K - N_Q
@@ -157,18 +167,10 @@ def _attn_bwd_dkdv(
     offs_m64 = offs_m.to(tl.int64)
     offs_n64 = offs_n.to(tl.int64)
     offs_d64 = offs_d.to(tl.int64)
-    k_ptrs = (K + off_b * stride_kb + off_h * stride_kh
+    k_ptrs = (K + off_b * stride_kb + off_hk * stride_kh
               + offs_n64[:, None] * stride_kn + offs_d64[None, :] * stride_kd)
-    v_ptrs = (V + off_b * stride_vb + off_h * stride_vh
+    v_ptrs = (V + off_b * stride_vb + off_hk * stride_vh
               + offs_n64[:, None] * stride_vn + offs_d64[None, :] * stride_vd)
-    q_ptrs = (Q + off_b * stride_qb + off_h * stride_qh
-              + offs_m64[:, None] * stride_qm + offs_d64[None, :] * stride_qd)
-    do_ptrs = (dO + off_b * stride_dob + off_h * stride_doh
-               + offs_m64[:, None] * stride_dom + offs_d64[None, :] * stride_dod)
-    l_ptrs = L + off_b * stride_lb + off_h * stride_lh + offs_m64 * stride_lm
-    delta_ptrs = Delta + off_bh * N_Q + offs_m
-    dq_acc_ptrs = (dQ_acc + off_bh * tl.cdiv(N_Q, BLOCK_M) * BLOCK_M * HEAD_DIM
-                   + offs_m64[:, None] * HEAD_DIM + offs_d64[None, :])
 
     k = _load_tile(k_ptrs, offs_n, N_K, offs_d, head_dim, True, EVEN_D)  # [BLOCK_N, HEAD_DIM]
     v = _load_tile(v_ptrs, offs_n, N_K, offs_d, head_dim, True, EVEN_D)  # [BLOCK_N, HEAD_DIM]
@@ -189,30 +191,43 @@ def _attn_bwd_dkdv(
         lo = 0
         mid = 0
         end_tail = end_full
-    dk, dv = _attn_bwd_dkdv_inner(
-        dk, dv, k, v, q_ptrs, do_ptrs, l_ptrs, delta_ptrs, dq_acc_ptrs, stride_qm, stride_dom, stride_lm,
-        offs_m, offs_n, offs_d, head_dim, N_Q, diag, qk_scale, lo, mid,
-        True, IS_CAUSAL, BLOCK_M, HEAD_DIM, EVEN_D, ATOMIC_DQ,
-    )
-    dk, dv = _attn_bwd_dkdv_inner(
-        dk, dv, k, v, q_ptrs, do_ptrs, l_ptrs, delta_ptrs, dq_acc_ptrs, stride_qm, stride_dom, stride_lm,
-        offs_m, offs_n, offs_d, head_dim, N_Q, diag, qk_scale, mid, end_full,
-        False, IS_CAUSAL, BLOCK_M, HEAD_DIM, EVEN_D, ATOMIC_DQ,
-    )
-    dk, dv = _attn_bwd_dkdv_inner(
-        dk, dv, k, v, q_ptrs, do_ptrs, l_ptrs, delta_ptrs, dq_acc_ptrs, stride_qm, stride_dom, stride_lm,
-        offs_m, offs_n, offs_d, head_dim, N_Q, diag, qk_scale, end_tail, N_Q,
-        True, IS_CAUSAL, BLOCK_M, HEAD_DIM, EVEN_D, ATOMIC_DQ,
-    )
+    # The group's query heads, one after another in a fixed order (deterministic), all accumulating into
+    # this key tile's dk and dv in registers: dK and dV of a key/value head are sums over its query heads.
+    for g in range(GROUP):
+        off_h = off_hk * GROUP + g
+        off_bh = off_b * H + off_h
+        q_ptrs = (Q + off_b * stride_qb + off_h * stride_qh
+                  + offs_m64[:, None] * stride_qm + offs_d64[None, :] * stride_qd)
+        do_ptrs = (dO + off_b * stride_dob + off_h * stride_doh
+                   + offs_m64[:, None] * stride_dom + offs_d64[None, :] * stride_dod)
+        l_ptrs = L + off_b * stride_lb + off_h * stride_lh + offs_m64 * stride_lm
+        delta_ptrs = Delta + off_bh * N_Q + offs_m
+        dq_acc_ptrs = (dQ_acc + off_bh * tl.cdiv(N_Q, BLOCK_M) * BLOCK_M * HEAD_DIM
+                       + offs_m64[:, None] * HEAD_DIM + offs_d64[None, :])
+        dk, dv = _attn_bwd_dkdv_inner(
+            dk, dv, k, v, q_ptrs, do_ptrs, l_ptrs, delta_ptrs, dq_acc_ptrs, stride_qm, stride_dom, stride_lm,
+            offs_m, offs_n, offs_d, head_dim, N_Q, diag, qk_scale, lo, mid,
+            True, IS_CAUSAL, BLOCK_M, HEAD_DIM, EVEN_D, ATOMIC_DQ,
+        )
+        dk, dv = _attn_bwd_dkdv_inner(
+            dk, dv, k, v, q_ptrs, do_ptrs, l_ptrs, delta_ptrs, dq_acc_ptrs, stride_qm, stride_dom, stride_lm,
+            offs_m, offs_n, offs_d, head_dim, N_Q, diag, qk_scale, mid, end_full,
+            False, IS_CAUSAL, BLOCK_M, HEAD_DIM, EVEN_D, ATOMIC_DQ,
+        )
+        dk, dv = _attn_bwd_dkdv_inner(
+            dk, dv, k, v, q_ptrs, do_ptrs, l_ptrs, delta_ptrs, dq_acc_ptrs, stride_qm, stride_dom, stride_lm,
+            offs_m, offs_n, offs_d, head_dim, N_Q, diag, qk_scale, end_tail, N_Q,
+            True, IS_CAUSAL, BLOCK_M, HEAD_DIM, EVEN_D, ATOMIC_DQ,
+        )
     dk = dk * scale
 
     # A key tile that no query sees keeps dk = dv = 0, and stores them.
     mask = offs_n[:, None] < N_K
     if not EVEN_D:
         mask = mask & (offs_d[None, :] < head_dim)
-    dk_ptrs = (dK + off_b * stride_dkb + off_h * stride_dkh
+    dk_ptrs = (dK + off_b * stride_dkb + off_hk * stride_dkh
                + offs_n64[:, None] * stride_dkn + offs_d64[None, :] * stride_dkd)
-    dv_ptrs = (dV + off_b * stride_dvb + off_h * stride_dvh
+    dv_ptrs = (dV + off_b * stride_dvb + off_hk * stride_dvh
                + offs_n64[:, None] * stride_dvn + offs_d64[None, :] * stride_dvd)
     tl.store(dk_ptrs, dk.to(dK.dtype.element_ty), mask=mask)
     tl.store(dv_ptrs, dv.to(dV.dtype.element_ty), mask=mask)
@@ -258,10 +273,11 @@ def _attn_bwd_dq(
     stride_dob, stride_doh, stride_dom, stride_dod,
     stride_lb, stride_lh, stride_lm,
     stride_dqb, stride_dqh, stride_dqm, stride_dqd,
-    H, N_Q, N_K, head_dim,
+    H, GROUP, N_Q, N_K, head_dim,
     IS_CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
     EVEN_D: tl.constexpr,
 ):
+    """Q, dO, dQ: (B, H, N_Q, D); K, V: (B, H // GROUP, N_K, D); L: (B, H, N_Q); Delta: (B·H, N_Q)."""
     # One program per (query tile, batch·head), flattened to one grid axis, query tiles fastest and last
     # first: under causal the last query tiles see the most keys, so the longest programs start first.
     pid = tl.program_id(0)
@@ -269,6 +285,8 @@ def _attn_bwd_dq(
     off_bh = (pid // num_m_tiles).to(tl.int64)
     off_b = off_bh // H
     off_h = off_bh % H
+    # Grouped-query attention: the query heads h of one group share key/value head h // GROUP.
+    off_hk = off_h // GROUP
     start_m = (num_m_tiles - 1 - pid % num_m_tiles) * BLOCK_M
     # Key j is visible to query i iff j <= i + diag.
     diag = N_K - N_Q
@@ -284,9 +302,9 @@ def _attn_bwd_dq(
               + offs_m64[:, None] * stride_qm + offs_d64[None, :] * stride_qd)
     do_ptrs = (dO + off_b * stride_dob + off_h * stride_doh
                + offs_m64[:, None] * stride_dom + offs_d64[None, :] * stride_dod)
-    k_ptrs = (K + off_b * stride_kb + off_h * stride_kh
+    k_ptrs = (K + off_b * stride_kb + off_hk * stride_kh
               + offs_n64[:, None] * stride_kn + offs_d64[None, :] * stride_kd)
-    v_ptrs = (V + off_b * stride_vb + off_h * stride_vh
+    v_ptrs = (V + off_b * stride_vb + off_hk * stride_vh
               + offs_n64[:, None] * stride_vn + offs_d64[None, :] * stride_vd)
 
     q = _load_tile(q_ptrs, offs_m, N_Q, offs_d, head_dim, True, EVEN_D)  # [BLOCK_M, HEAD_DIM]
@@ -428,7 +446,9 @@ def flash_attn_backward(
     deterministic: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Arguments:
-        q: (batch, heads, seqlen_q, head_dim); k, v: (batch, heads, seqlen_k, head_dim); any strides.
+        q: (batch, heads, seqlen_q, head_dim); k, v: (batch, heads_k, seqlen_k, head_dim), heads a multiple
+            of heads_k (grouped-query attention; heads_k = 1 is multi-query): query head h attends to
+            key/value head h // (heads // heads_k). Any strides.
         O, dO: (batch, heads, seqlen_q, head_dim); L: (batch, heads, seqlen_q), float32, natural log,
             from the forward (+inf on rows that see no key).
         causal, scale: as in ``flash_attn_forward``.
@@ -439,8 +459,9 @@ def flash_attn_backward(
             twice, but the order of the additions, and so the last bits of dq, vary from run to run.
 
     Returns:
-        dq, dk, dv in the shapes and dtypes of q, k, v, contiguous; rows that see no key get dq = 0, keys
-        that no row sees dk = dv = 0.
+        dq, dk, dv in the shapes and dtypes of q, k, v (dk, dv: (batch, heads_k, seqlen_k, head_dim), each
+        key/value head's the sum over the query heads of its group), contiguous; rows that see no key get
+        dq = 0, keys that no row sees dk = dv = 0.
 
     Raises:
         NotImplementedError: head_dim not a multiple of 8 from 8 to 256; bfloat16 under the interpreter.
@@ -504,7 +525,7 @@ def launch_dq(q, k, v, dO, L, delta, dq, causal: bool, scale: float, t: KernelTi
         _attn_bwd_dq, triton.cdiv(seqlen_q, t.block_m) * batch * heads,
         (q, k, v, dO, L, delta, dq, scale, scale * LOG2_E,
          *q.stride(), *k.stride(), *v.stride(), *dO.stride(), *L.stride(), *dq.stride(),
-         heads, seqlen_q, k.shape[2], head_dim),
+         heads, group_size(q, k), seqlen_q, k.shape[2], head_dim),
         dict(IS_CAUSAL=causal, BLOCK_M=t.block_m, BLOCK_N=t.block_n, HEAD_DIM=HEAD_DIM, EVEN_D=HEAD_DIM == head_dim),
         dict(num_warps=t.num_warps, num_stages=t.num_stages),
     )
@@ -512,17 +533,24 @@ def launch_dq(q, k, v, dO, L, delta, dq, causal: bool, scale: float, t: KernelTi
 
 def launch_dkdv(q, k, v, dO, L, delta, dk, dv, dq_acc, causal: bool, scale: float, t: KernelTiles):
     """The dK/dV kernel into dk and dv (written in full); with dq_acc (a zeroed fp32 (batch, heads,
-    cdiv(seqlen_q, t.block_m) · t.block_m, HEAD_DIM) tensor), also dq / scale added into it atomically."""
+    cdiv(seqlen_q, t.block_m) · t.block_m, HEAD_DIM) tensor), also dq / scale added into it atomically.
+    One program per key tile and batch·heads_k: each sums its group's query heads into dk and dv."""
     batch, heads, seqlen_q, head_dim = q.shape
-    seqlen_k = k.shape[2]
+    heads_k, seqlen_k = k.shape[1], k.shape[2]
+    group = group_size(q, k)
     HEAD_DIM = max(16, triton.next_power_of_2(head_dim))
-    if not (batch * heads and seqlen_k):
+    if not (batch * heads_k and seqlen_k):
+        return None
+    if not heads:
+        # Key/value heads with no query head (group 0): nothing sees any key, and the kernel divides by GROUP.
+        dk.zero_()
+        dv.zero_()
         return None
     return launch(
-        _attn_bwd_dkdv, triton.cdiv(seqlen_k, t.block_n) * batch * heads,
+        _attn_bwd_dkdv, triton.cdiv(seqlen_k, t.block_n) * batch * heads_k,
         (q, k, v, dO, L, delta, dk, dv, delta if dq_acc is None else dq_acc, scale, scale * LOG2_E,
          *q.stride(), *k.stride(), *v.stride(), *dO.stride(), *L.stride(), *dk.stride(), *dv.stride(),
-         heads, seqlen_q, seqlen_k, head_dim),
+         heads, group, seqlen_q, seqlen_k, head_dim),
         dict(IS_CAUSAL=causal, BLOCK_M=t.block_m, BLOCK_N=t.block_n, HEAD_DIM=HEAD_DIM,
              EVEN_D=HEAD_DIM == head_dim, ATOMIC_DQ=dq_acc is not None),
         dict(num_warps=t.num_warps, num_stages=t.num_stages),

@@ -5,6 +5,10 @@ its BLOCK_M query rows once, visits the key/value tiles in order keeping a runni
 running row sum ``l_i`` and an unnormalised accumulator ``acc`` (all fp32), rescales both by
 ``alpha = exp(m_old - m_new)`` when the max moves, divides once at the end and writes O and L once.
 
+Grouped-query attention (multi-query at heads_k = 1): k and v have heads_k heads, heads a multiple of it,
+and query head h reads key/value head ``off_hk = h // group``, group = heads // heads_k, by index
+arithmetic on the head as FlashAttention-2 does: K and V are never repeated or copied per query head.
+
 Scores live in the log2 domain: ``qk_scale = scale · log2(e)`` so that ``exp2`` replaces ``exp``; the
 epilogue converts back, L = (m_i + log2(l_i)) · ln(2) = m + log(l) in natural log. With scale > 0 (decided
 on the host: FUSED_EXP2) the max is taken over the unscaled scores and scaled once per row, and the scale
@@ -17,13 +21,14 @@ wholly above the diagonal are never visited. A row that sees no key keeps m_i = 
 0 for it instead of m_i, so p and alpha stay 0 (not NaN) and the epilogue writes O = 0, L = +inf.
 
 Three ways to reach memory, one kernel (chosen on the host). USE_TMA: tensor descriptors (TMA on Hopper)
-over (B, H, N, D) with blocks [1, 1, BLOCK, HEAD_DIM], where ``tma_layout`` holds (unit stride along
-head_dim, 16-byte aligned strides and data, head_dim a power of two >= 16) and the tile table asks for
-them; a descriptor block never crosses into another head: rows past seqlen read as zeros and are not
-written. WARP_SPECIALIZE: one key loop that Triton splits into a producer warp group issuing the loads and
-two consumer warp groups of BLOCK_M / 2 rows, so that one group's softmax runs while the other's matmuls
-do (FlashAttention-3's overlap, left to Triton's Hopper warp specialisation); it needs descriptors built
-in the kernel, 2-D over the rows of contiguous inputs, so it is taken where ``ws_layout`` holds (not causal,
+over q's and O's (B, H, N, D) and k's and v's (B, H_K, N, D) with blocks [1, 1, BLOCK, HEAD_DIM], where
+``tma_layout`` holds (unit stride along head_dim, 16-byte aligned strides and data, head_dim a power of two
+>= 16) and the tile table asks for them; a descriptor block never crosses into another head: rows past
+seqlen read as zeros and are not written. WARP_SPECIALIZE: one key loop that Triton splits into a producer
+warp group issuing the loads and two consumer warp groups of BLOCK_M / 2 rows, so that one group's softmax
+runs while the other's matmuls do (FlashAttention-3's overlap, left to Triton's Hopper warp
+specialisation); it needs descriptors built in the kernel, 2-D over the rows of contiguous inputs (q's
+(B·H·N, D), k's and v's (B·H_K·N, D)), so it is taken where ``ws_layout`` holds (not causal,
 whole tiles; the tile table asks for it at D = 128 from N = 2k). Otherwise pointer loads with masks. The
 levers that change the speed but not the result (the tile sizes, the order of the programs, a lazy rescale,
 maxnreg, warp specialisation) are the fields of ``Tiles``, chosen per (head_dim, dtype class, causal,
@@ -90,15 +95,15 @@ def _load_tile(ptrs, rows, n_rows, offs_d, head_dim, MASK_ROWS: tl.constexpr, EV
 @triton.jit
 def _attn_fwd_inner(
     acc, l_i, m_i, q,
-    k_src, v_src, stride_kn, stride_vn, off_b, off_h, kv_row,
+    k_src, v_src, stride_kn, stride_vn, off_b, off_hk, kv_row,
     offs_m, offs_n, offs_d, head_dim, N_K, diag, qk_scale, lo, hi,
     IN_BAND: tl.constexpr, IS_CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
     EVEN_D: tl.constexpr, USE_TMA: tl.constexpr, FUSED_EXP2: tl.constexpr, LAZY_RESCALE: tl.constexpr,
     WARP_SPECIALIZE: tl.constexpr,
 ):
     """The online softmax over key tiles [lo, hi): masked iff IN_BAND. k_src, v_src: 4-D tensor descriptors
-    (USE_TMA), 2-D ones whose rows of this batch·head start at kv_row (WARP_SPECIALIZE), or [BLOCK_N,
-    HEAD_DIM] pointers to the first key tile of this batch·head."""
+    read at key/value head off_hk (USE_TMA), 2-D ones whose rows of this batch and key/value head start at
+    kv_row (WARP_SPECIALIZE), or [BLOCK_N, HEAD_DIM] pointers to the first key tile of that head."""
     # side-by-side: scores
     for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
         start_n = tl.multiple_of(start_n, BLOCK_N)
@@ -107,7 +112,7 @@ def _attn_fwd_inner(
             k = k_src.load([kv_row + start_n, 0])
         elif USE_TMA:
             # Rows past seqlen_k come back as zeros (the descriptor's bounds); the band masks their scores.
-            k = k_src.load([off_b, off_h, start_n, 0]).reshape(BLOCK_N, HEAD_DIM)
+            k = k_src.load([off_b, off_hk, start_n, 0]).reshape(BLOCK_N, HEAD_DIM)
         else:
             k = _load_tile(k_src + tl.cast(start_n, tl.int64) * stride_kn, cols, N_K, offs_d, head_dim,
                            IN_BAND, EVEN_D)  # [BLOCK_N, HEAD_DIM]
@@ -155,7 +160,7 @@ def _attn_fwd_inner(
         if WARP_SPECIALIZE:
             v = v_src.load([kv_row + start_n, 0])
         elif USE_TMA:
-            v = v_src.load([off_b, off_h, start_n, 0]).reshape(BLOCK_N, HEAD_DIM)
+            v = v_src.load([off_b, off_hk, start_n, 0]).reshape(BLOCK_N, HEAD_DIM)
         else:
             v = _load_tile(v_src + tl.cast(start_n, tl.int64) * stride_vn, cols, N_K, offs_d, head_dim,
                            IN_BAND, EVEN_D)  # [BLOCK_N, HEAD_DIM]
@@ -174,15 +179,17 @@ def _attn_fwd(
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_ob, stride_oh, stride_om, stride_od,
     stride_lb, stride_lh, stride_lm,
-    H, N_Q, N_K, head_dim,
+    H, GROUP, N_Q, N_K, head_dim,
     IS_CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
     EVEN_D: tl.constexpr, USE_TMA: tl.constexpr, FUSED_EXP2: tl.constexpr, LAZY_RESCALE: tl.constexpr,
     GRID_ORDER: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
 ):
-    """Q, K, V, O: pointers, or with USE_TMA (B, H, N, D) tensor descriptors of blocks [1, 1, BLOCK, HEAD_DIM]
-    (their strides are then unused). WARP_SPECIALIZE (never with causal): contiguous (B, H, N, D) pointers
-    with seqlen_q a multiple of BLOCK_M and seqlen_k of BLOCK_N, read and written through descriptors
-    built here."""
+    """Q, K, V, O: pointers, or with USE_TMA tensor descriptors of blocks [1, 1, BLOCK, HEAD_DIM], Q's and O's
+    over (B, H, N_Q, D), K's and V's over (B, H // GROUP, N_K, D) (their strides are then unused).
+    WARP_SPECIALIZE (never with causal): contiguous pointers of those shapes with seqlen_q a multiple of
+    BLOCK_M and seqlen_k of BLOCK_N, read and written through descriptors built here. GROUP: query heads
+    per key/value head, a runtime int so that group sizes share compilations (Triton still specialises on
+    GROUP = 1, where the divisions by it fold away)."""
     # One program per (query tile, batch·head), flattened to one grid axis; GRID_ORDER picks the order.
     pid = tl.program_id(0)
     num_m_tiles = tl.cdiv(N_Q, BLOCK_M)
@@ -200,7 +207,11 @@ def _attn_fwd(
     off_b = off_bh // H
     off_h = off_bh % H
     start_m = tile_m * BLOCK_M
-    kv_row = off_bh * N_K
+    # side-by-side: group
+    # Grouped-query attention: the query heads h of one group share key/value head h // GROUP.
+    off_hk = off_h // GROUP
+    kv_row = (off_b * (H // GROUP) + off_hk) * N_K
+    # side-by-side: end
     # Key j is visible to query i iff j <= i + diag.
     diag = N_K - N_Q
 
@@ -210,12 +221,14 @@ def _attn_fwd(
     offs_d = tl.arange(0, HEAD_DIM)
     if WARP_SPECIALIZE:
         # Triton's Hopper warp specialisation splits the query rows over two consumer warp groups only for
-        # descriptors built on the device and one key loop. 2-D over the (B·H·N, D) rows: no tile crosses
-        # into another head, as BLOCK_M divides seqlen_q and BLOCK_N seqlen_k.
+        # descriptors built on the device and one key loop. 2-D over the (B·H·N_Q, D) rows of q and the
+        # (B·H_K·N_K, D) rows of k and v: no tile crosses into another head, as BLOCK_M divides seqlen_q and
+        # BLOCK_N seqlen_k.
         num_bh = tl.num_programs(0) // num_m_tiles
+        num_bhk = num_bh // GROUP
         q_desc = tl.make_tensor_descriptor(Q, [num_bh * N_Q, HEAD_DIM], [HEAD_DIM, 1], [BLOCK_M, HEAD_DIM])
-        k_src = tl.make_tensor_descriptor(K, [num_bh * N_K, HEAD_DIM], [HEAD_DIM, 1], [BLOCK_N, HEAD_DIM])
-        v_src = tl.make_tensor_descriptor(V, [num_bh * N_K, HEAD_DIM], [HEAD_DIM, 1], [BLOCK_N, HEAD_DIM])
+        k_src = tl.make_tensor_descriptor(K, [num_bhk * N_K, HEAD_DIM], [HEAD_DIM, 1], [BLOCK_N, HEAD_DIM])
+        v_src = tl.make_tensor_descriptor(V, [num_bhk * N_K, HEAD_DIM], [HEAD_DIM, 1], [BLOCK_N, HEAD_DIM])
         q = q_desc.load([off_bh * N_Q + start_m, 0])
     elif USE_TMA:
         q = Q.load([off_b, off_h, start_m, 0]).reshape(BLOCK_M, HEAD_DIM)
@@ -225,14 +238,15 @@ def _attn_fwd(
         # 64-bit offsets, as B·H·N·D can pass 2^31 elements; the key loop adds start_n · stride in 64 bits.
         off_b64 = off_b.to(tl.int64)
         off_h64 = off_h.to(tl.int64)
+        off_hk64 = off_hk.to(tl.int64)
         offs_m64 = offs_m.to(tl.int64)
         offs_n64 = offs_n.to(tl.int64)
         offs_d64 = offs_d.to(tl.int64)
         q_ptrs = (Q + off_b64 * stride_qb + off_h64 * stride_qh
                   + offs_m64[:, None] * stride_qm + offs_d64[None, :] * stride_qd)
-        k_src = (K + off_b64 * stride_kb + off_h64 * stride_kh
+        k_src = (K + off_b64 * stride_kb + off_hk64 * stride_kh
                  + offs_n64[:, None] * stride_kn + offs_d64[None, :] * stride_kd)
-        v_src = (V + off_b64 * stride_vb + off_h64 * stride_vh
+        v_src = (V + off_b64 * stride_vb + off_hk64 * stride_vh
                  + offs_n64[:, None] * stride_vn + offs_d64[None, :] * stride_vd)
         q = _load_tile(q_ptrs, offs_m, N_Q, offs_d, head_dim, True, EVEN_D)  # [BLOCK_M, HEAD_DIM]
 
@@ -250,13 +264,13 @@ def _attn_fwd(
         lo_band = N_K // BLOCK_N * BLOCK_N
         hi = N_K
     acc, l_i, m_i = _attn_fwd_inner(
-        acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_vn, off_b, off_h, kv_row,
+        acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_vn, off_b, off_hk, kv_row,
         offs_m, offs_n, offs_d, head_dim, N_K, diag, qk_scale, 0, lo_band,
         False, IS_CAUSAL, BLOCK_N, HEAD_DIM, EVEN_D, USE_TMA, FUSED_EXP2, LAZY_RESCALE, WARP_SPECIALIZE,
     )
     if not WARP_SPECIALIZE:  # no band then (BLOCK_N divides seqlen_k), and a second loop would not compile
         acc, l_i, m_i = _attn_fwd_inner(
-            acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_vn, off_b, off_h, kv_row,
+            acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_vn, off_b, off_hk, kv_row,
             offs_m, offs_n, offs_d, head_dim, N_K, diag, qk_scale, lo_band, hi,
             True, IS_CAUSAL, BLOCK_N, HEAD_DIM, EVEN_D, USE_TMA, FUSED_EXP2, LAZY_RESCALE, False,
         )
@@ -384,7 +398,7 @@ def tiles_for(head_dim_padded: int, dtype: torch.dtype, causal: bool = False, se
 
 
 def tma_layout(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, head_dim_padded: int) -> bool:
-    """Whether q, k, v can be read through (B, H, N, D) tensor descriptors: a Hopper or later GPU (or the
+    """Whether q, k, v can be read through (B, H or H_K, N, D) tensor descriptors: a Hopper or later GPU (or the
     interpreter), head_dim already a power of two >= 16 (HEAD_DIM == head_dim, so a block never reaches past
     a row), no empty dimension, unit stride along head_dim, every other stride (of a dimension longer than
     one) positive and a multiple of 16 bytes, and 16-byte aligned data. O, fresh and contiguous, always
@@ -419,7 +433,8 @@ def ws_layout(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, h
               tiles: Tiles) -> bool:
     """Whether the warp-specialised loop runs: ``ws_tiles``, a Hopper GPU (sm_90; or the interpreter,
     which runs the loop without specialising it), contiguous q, k, v with head_dim a power of two >= 16
-    (descriptors built in the kernel over the (B·H·N, D) rows, 16-byte aligned), seqlen_q a multiple of
+    (descriptors built in the kernel over the (B·H·N, D) rows of q and the (B·H_K·N, D) rows of k and v,
+    16-byte aligned), seqlen_q a multiple of
     BLOCK_M and seqlen_k of BLOCK_N (so no tile crosses into another head and no key needs a mask), and
     fewer than 2^31 rows."""
     if not ws_tiles(tiles, causal):
@@ -458,9 +473,10 @@ def flash_attn_forward(
     tiles: Tiles | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Arguments:
-        q: (batch, heads, seqlen_q, head_dim); k, v: (batch, heads, seqlen_k, head_dim); any strides.
-            CUDA tensors, or CPU tensors when this module was imported with TRITON_INTERPRET=1.
-            head_dim: a multiple of 8 from 8 to 256.
+        q: (batch, heads, seqlen_q, head_dim); k, v: (batch, heads_k, seqlen_k, head_dim), heads a multiple
+            of heads_k (grouped-query attention; heads_k = 1 is multi-query): query head h attends to
+            key/value head h // (heads // heads_k). Any strides. CUDA tensors, or CPU tensors when this
+            module was imported with TRITON_INTERPRET=1. head_dim: a multiple of 8 from 8 to 256.
         causal: bottom-right aligned, key j visible to query i iff j <= i + seqlen_k - seqlen_q::
 
             seqlen_q = 2, seqlen_k = 5:   1 1 1 1 0
@@ -497,6 +513,7 @@ def _launch(q, k, v, O, L, causal: bool, scale: float, tiles: Tiles | None = Non
     compiled kernel, whose n_regs and n_spills the tuner records)."""
     batch, heads, seqlen_q, head_dim = q.shape
     seqlen_k = k.shape[2]
+    group = group_size(q, k)
     HEAD_DIM = max(16, triton.next_power_of_2(head_dim))
     can_specialize = functools.partial(ws_layout, q, k, v, causal, HEAD_DIM)
     if tiles is None:
@@ -522,12 +539,18 @@ def _launch(q, k, v, O, L, causal: bool, scale: float, tiles: Tiles | None = Non
             _attn_fwd, grid,
             (q_arg, k_arg, v_arg, o_arg, L, qk_scale,
              *q.stride(), *k.stride(), *v.stride(), *O.stride(), *L.stride(),
-             heads, seqlen_q, seqlen_k, head_dim),
+             heads, group, seqlen_q, seqlen_k, head_dim),
             dict(IS_CAUSAL=causal, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, HEAD_DIM=HEAD_DIM,
                  EVEN_D=HEAD_DIM == head_dim, USE_TMA=use_tma, FUSED_EXP2=tiles.fused_exp2 and qk_scale > 0,
                  LAZY_RESCALE=tiles.lazy_rescale, GRID_ORDER=tiles.grid_order, WARP_SPECIALIZE=warp_specialize),
             dict(num_warps=tiles.num_warps, num_stages=tiles.num_stages, maxnreg=tiles.maxnreg),
         )
+
+
+def group_size(q: torch.Tensor, k: torch.Tensor) -> int:
+    """group = heads // heads_k, the query heads that share one key/value head (fa2.attention has checked
+    that heads is a multiple of heads_k; heads_k = 0 only with heads = 0)."""
+    return q.shape[1] // k.shape[1] if k.shape[1] else 1
 
 
 def _check_device(q: torch.Tensor) -> None:

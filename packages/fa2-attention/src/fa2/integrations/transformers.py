@@ -31,7 +31,7 @@ import torch
 
 from fa2.api import attention
 from fa2.registry import install_command
-from fa2.sdpa import group_query_heads
+from fa2.sdpa import check_heads
 
 try:
     from transformers import AttentionInterface
@@ -69,7 +69,7 @@ def attention_forward(
         module: the attention layer; ``module.is_causal`` unless an ``is_causal`` keyword is given.
         query: (batch, heads_q, seqlen_q, head_dim).
         key, value: (batch, heads_kv, seqlen_k, head_dim); heads_q a multiple of heads_kv (grouped-query
-            attention: key and value are expanded as views, see fa2.sdpa.group_query_heads).
+            attention, which fa2's kernels compute on key and value as they are).
         attention_mask: None, or the (batch, seqlen_k) padding mask of the mask function ``register`` sets
             (True: visible), or a 4-D mask that hides nothing (see the module docstring).
         scaling: multiplies q kᵀ; default 1 / sqrt(head_dim).
@@ -95,12 +95,11 @@ def attention_forward(
         is_causal = getattr(module, "is_causal", None)
         if is_causal is None:
             raise ValueError(f"{type(module).__name__} has no is_causal attribute and none was passed")
-    grouped = key.shape[1] != query.shape[1]
-    q, k, v = group_query_heads(query, key, value) if grouped else (query, key, value)
+    check_heads(query, key, value, enable_gqa=True)
 
     keep = _visible_keys(attention_mask, key)
     if keep is None:
-        O = attention(q, k, v, causal=bool(is_causal), scale=scaling, backend=backend).O
+        O = attention(query, key, value, causal=bool(is_causal), scale=scaling, backend=backend).O
     elif is_causal:
         raise NotImplementedError(
             f"fa2 does not support a padding mask with a causal layer ({type(module).__name__}): "
@@ -108,11 +107,10 @@ def attention_forward(
         )
     else:
         O = torch.stack([
-            attention(q[b], k[b][..., keep[b], :], v[b][..., keep[b], :], scale=scaling, backend=backend).O
-            for b in range(q.shape[0])
+            attention(query[b], key[b][..., keep[b], :], value[b][..., keep[b], :], scale=scaling,
+                      backend=backend).O
+            for b in range(query.shape[0])
         ])
-    if grouped:
-        O = O.flatten(-4, -3)
     return O.transpose(1, 2).contiguous(), None
 
 
