@@ -67,7 +67,11 @@ def install_command(extra: str) -> str:
 @functools.cache
 def checkout() -> Path | None:
     """The root of the fa2 checkout this package is imported from (an editable install), else None."""
-    root = Path(__file__).resolve().parents[4]
+    # <root>/packages/fa2-attention/src/fa2/registry.py; an installed copy sits elsewhere (site-packages).
+    parents = Path(__file__).resolve().parents
+    if len(parents) < 5:
+        return None
+    root = parents[4]
     return root if (root / "packages" / DISTRIBUTION / "src" / "fa2" / "__init__.py").is_file() else None
 
 
