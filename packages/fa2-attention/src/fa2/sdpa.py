@@ -68,14 +68,14 @@ def scaled_dot_product_attention(
             f"fa2.scaled_dot_product_attention does not support dropout_p={dropout_p}: fa2 has no attention "
             "dropout; pass dropout_p=0.0"
         )
-    check_heads(query, key, value, enable_gqa)
+    _check_heads(query, key, value, enable_gqa)
     if is_causal:
         _validate(query, key, value)
         return _top_left_causal(query, key, value, scale, backend)
     return attention(query, key, value, scale=scale, backend=backend).O
 
 
-def check_heads(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, enable_gqa: bool) -> None:
+def _check_heads(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, enable_gqa: bool) -> None:
     """SDPA's rule for the heads (dim -3): equal, or with ``enable_gqa`` heads_q a multiple of heads_kv."""
     if enable_gqa:
         for name, t in (("query", query), ("key", key), ("value", value)):

@@ -31,7 +31,6 @@ import torch
 
 from fa2.api import attention
 from fa2.registry import install_command
-from fa2.sdpa import check_heads
 
 try:
     from transformers import AttentionInterface
@@ -95,7 +94,6 @@ def attention_forward(
         is_causal = getattr(module, "is_causal", None)
         if is_causal is None:
             raise ValueError(f"{type(module).__name__} has no is_causal attribute and none was passed")
-    check_heads(query, key, value, enable_gqa=True)
 
     keep = _visible_keys(attention_mask, key)
     if keep is None:
