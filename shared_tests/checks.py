@@ -49,7 +49,7 @@ def score_error(q: torch.Tensor, k: torch.Tensor, scale: float | None = None, ro
     return (2 * math.sqrt(q.shape[-1]) + 2) * U32 * magnitude
 
 
-def tolerances(q, k, v, causal, scale=None, rows=None, ref=None) -> tuple[float, float]:
+def tolerances(q, k, v, causal, scale=None, rows=None, ref=None, **features) -> tuple[float, float]:
     """(tol_O, tol_L): the max errors of O and of the finite L allowed against the fp64 reference.
 
     fp32: the fixed FP32_ATOL; fp16 and bf16: FlashAttention-2's rule (twice the naive same-precision
@@ -59,19 +59,25 @@ def tolerances(q, k, v, causal, scale=None, rows=None, ref=None) -> tuple[float,
     logsumexp_j S_ij, which moves by at most max_j |δS_ij|; O_ic = Σ_j P_ij v_jc moves, to first order, by
     Σ_j P_ij δS_ij (v_jc - O_ic), at most max_j |δS_ij| · sqrt(Σ_j P_ij (v_jc - O_ic)²) (Cauchy-Schwarz),
     the spread of v's column c under row i's softmax: near 0 where one key dominates the row.
-    ``ref``: the fp64 reference's (O, L) on these rows, if the caller has it.
+    ``ref``: the fp64 reference's (O, L) on these rows, if the caller has it. ``features``: window, softcap,
+    alibi_slopes, as fa2.reference.attention takes them. The softcap's tanh only shrinks a score's error;
+    an ALiBi bias computed in fp32 adds up to 2u of its own size (slope · distance, up to ~10³ at 16k keys).
     """
-    O_ref, L_ref = ref if ref is not None else reference.attention(q, k, v, causal, scale, rows=rows)
+    O_ref, L_ref = ref if ref is not None else reference.attention(q, k, v, causal, scale, rows=rows, **features)
     seen = torch.isfinite(L_ref)
     dS = score_error(q, k, scale, rows)
-    O2_ref, _ = reference.attention(q, k, v.double().square(), causal, scale, rows=rows)
+    slopes = features.get("alibi_slopes")
+    if slopes is not None and k.shape[-2]:
+        bias = reference.alibi_bias(slopes.double(), q.shape[-2], k.shape[-2], rows).abs().amax(dim=-1)
+        dS = dS + 4 * U32 * bias
+    O2_ref, _ = reference.attention(q, k, v.double().square(), causal, scale, rows=rows, **features)
     spread = (O2_ref - O_ref.square()).clamp_min(0).sqrt()
     score_O = (dS[..., None] * spread).max().item() if spread.numel() else 0.0
     score_L = dS[seen].max().item() if seen.any() else 0.0
 
     if q.dtype == torch.float32:
         return FP32_ATOL["O"] + score_O, FP32_ATOL["L"] + score_L
-    O_naive, L_naive = reference.attention(q, k, v, causal, scale, upcast=False, rows=rows)
+    O_naive, L_naive = reference.attention(q, k, v, causal, scale, upcast=False, rows=rows, **features)
     # fp16 scores past 65504 overflow in the naive attention: only where it stays finite is it a yardstick.
     naive_O = torch.isfinite(O_naive)
     naive_L = seen & torch.isfinite(L_naive)
@@ -85,9 +91,10 @@ def tolerances(q, k, v, causal, scale=None, rows=None, ref=None) -> tuple[float,
     return tol_O + score_O, tol_L + score_L
 
 
-def assert_matches_reference(O, L, q, k, v, causal, scale=None, rows=None):
+def assert_matches_reference(O, L, q, k, v, causal, scale=None, rows=None, **features):
     """O: q's shape and dtype; L: q.shape[:-1], float32; both against the fp64 reference. ``rows`` (a 1-D
-    index tensor): only those query rows are checked, against ``fa2.reference.attention(..., rows=rows)``."""
+    index tensor): only those query rows are checked, against ``fa2.reference.attention(..., rows=rows)``.
+    ``features``: window, softcap, alibi_slopes, passed to the reference as fa2.attention took them."""
     assert O.shape == q.shape, f"O shape {tuple(O.shape)} != q shape {tuple(q.shape)}"
     assert O.dtype == q.dtype, f"O dtype {O.dtype} != q dtype {q.dtype}"
     assert O.device == q.device, f"O on {O.device}, q on {q.device}"
@@ -99,13 +106,13 @@ def assert_matches_reference(O, L, q, k, v, causal, scale=None, rows=None):
     assert not torch.isnan(O).any(), "NaN in O (an unwritten or 0/0 element)"
     assert not torch.isnan(L).any(), "NaN in L"
 
-    O_ref, L_ref = reference.attention(q, k, v, causal, scale, rows=rows)
+    O_ref, L_ref = reference.attention(q, k, v, causal, scale, rows=rows, **features)
     empty = torch.isinf(L_ref)
     assert torch.equal(L[empty], L_ref[empty].float()), "rows that see no key must have L = +inf"
     assert torch.isfinite(L[~empty]).all(), "L must be finite on rows that see a key"
     assert (O[empty] == 0).all(), "rows that see no key must have O = 0"
 
-    tol_O, tol_L = tolerances(q, k, v, causal, scale, rows, ref=(O_ref, L_ref))
+    tol_O, tol_L = tolerances(q, k, v, causal, scale, rows, ref=(O_ref, L_ref), **features)
     err_O = max_err(O, O_ref)
     err_L = max_err(L[~empty], L_ref[~empty])
     assert err_O <= tol_O, f"max |O - O_ref| = {err_O:.3g} > tolerance {tol_O:.3g} ({q.dtype})"

@@ -36,14 +36,17 @@ def grads(O, inputs, dO):
         pytest.skip(str(e))
 
 
-def assert_grads_match(dq, dk, dv, q, k, v, dO, causal):
+def assert_grads_match(dq, dk, dv, q, k, v, dO, causal, **features):
+    """``features``: window, softcap, alibi_slopes, as fa2.reference.attention takes them."""
     q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
-    ref = torch.autograd.grad(reference.attention(q64, k64, v64, causal)[0], (q64, k64, v64), dO.double())
+    O64 = reference.attention(q64, k64, v64, causal, **features)[0]
+    ref = torch.autograd.grad(O64, (q64, k64, v64), dO.double())
     if q.dtype == torch.float32:
         tols = [FP32_GRAD_ATOL] * 3
     else:
         ql, kl, vl = (t.detach().requires_grad_() for t in (q, k, v))
-        naive = torch.autograd.grad(reference.attention(ql, kl, vl, causal, upcast=False)[0], (ql, kl, vl), dO)
+        O_naive = reference.attention(ql, kl, vl, causal, upcast=False, **features)[0]
+        naive = torch.autograd.grad(O_naive, (ql, kl, vl), dO)
         tols = [3 * max_err(n, r) + 2 * max_err(r.to(q.dtype), r) for n, r in zip(naive, ref)]
     for name, g, r, tol, x in zip(("dq", "dk", "dv"), (dq, dk, dv), ref, tols, (q, k, v)):
         assert g.shape == x.shape and g.dtype == x.dtype, f"{name}: {tuple(g.shape)} {g.dtype}"

@@ -13,12 +13,14 @@ Nothing below this module validates again.
 from __future__ import annotations
 
 import math
+import operator
 from typing import NamedTuple
 
 import torch
 
 from fa2 import ops, registry
 from fa2.layout import forward_any_rank
+from fa2.spec import AttentionSpec
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MAX_HEAD_DIM = 256
@@ -38,9 +40,12 @@ def attention(
     *,
     causal: bool = False,
     scale: float | None = None,
+    window: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
     backend: str | None = None,
 ) -> AttentionOutput:
-    """FlashAttention-2 forward: softmax(q kᵀ · scale) v, and its logsumexp.
+    """FlashAttention-2 forward: softmax(mask(bias(cap(q kᵀ · scale)))) v, and its logsumexp.
 
     Arguments:
         q: (..., seqlen_q, head_dim), e.g. (batch, seqlen_q, head_dim) or (batch, heads, seqlen_q, head_dim).
@@ -59,6 +64,24 @@ def attention(
 
             With seqlen_q > seqlen_k the first seqlen_q - seqlen_k queries see no key at all.
         scale: multiplies q kᵀ before the softmax; default 1 / sqrt(head_dim).
+        window: (left, right) sliding window, each an int >= 0 or -1 for no bound on that side, aligned
+            bottom-right like causal: query i sees key j iff i + Nk - Nq - left <= j <= i + Nk - Nq + right
+            (Nq, Nk: seqlen_q, seqlen_k). With causal, right becomes 0 (FlashAttention-2's rule): causal is
+            window (-1, 0), and causal with window (w, w) is (w, 0). With Nq = Nk = 5 and window (1, 1)::
+
+                1 1 0 0 0
+                1 1 1 0 0
+                0 1 1 1 0
+                0 0 1 1 1
+                0 0 0 1 1
+
+            Key tiles wholly outside the window are skipped: the cost follows the window, not Nq · Nk.
+        softcap: 0.0 (off), or > 0: logit softcapping (Gemma 2), the scaled scores s become
+            softcap · tanh(s / softcap) before the ALiBi bias and the mask; its gradient flows through tanh.
+        alibi_slopes: None, or float32 slopes on q's device, shape (heads,) or q.shape[:-2] (e.g.
+            (batch, heads)): adds -slope · |i + Nk - Nq - j| to the (capped) scores of each head, as
+            flash-attn (which, under causal, adds slope · j instead: the same softmax and O, an L shifted
+            per row). No gradient flows to the slopes. Needs q of rank 3 or more (a heads dim).
         backend: "pytorch", "triton", "numba-cuda" or None. None picks, for CUDA tensors, the fastest
             installed backend that runs natively on CUDA (triton, then numba-cuda, then pytorch); for CPU
             tensors, pytorch. An explicit backend is used or fails: fa2 never falls back to another.
@@ -67,7 +90,8 @@ def attention(
         AttentionOutput(O, L):
         O: (..., seqlen_q, head_dim), q's dtype and device.
         L: (..., seqlen_q), float32, L = m + log(l), the natural-log logsumexp of the scaled scores of each
-            query row. A row that sees no key (causal with seqlen_q > seqlen_k) gets O = 0 and L = +inf.
+            query row. A row that sees no key (causal with seqlen_q > seqlen_k, a window that misses every
+            key) gets O = 0 and L = +inf.
             +inf, not the -inf of an empty logsumexp, so that the backward's P = exp(S - L) is exactly 0
             on such rows instead of NaN (FlashAttention-2's convention).
 
@@ -85,26 +109,105 @@ def attention(
 
     Raises:
         ValueError: wrong rank, mismatched shapes or devices, q's heads not a multiple of k's, bad scale,
-            unknown backend.
-        TypeError: non-floating or mismatched dtypes, a causal that is not a bool.
+            window entries below -1, a negative or non-finite softcap, alibi_slopes of the wrong shape or
+            device, unknown backend.
+        TypeError: non-floating or mismatched dtypes, a causal that is not a bool, window entries that are
+            not integers, alibi_slopes that are not a float32 tensor.
         fa2.BackendNotInstalledError: a known backend whose package is not installed.
         NotImplementedError: the chosen backend does not support this input (its message names the limit).
     """
     _validate(q, k, v)
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__} {causal!r}")
+    spec = make_spec(q, k, causal, scale, window, softcap, alibi_slopes)
+    if torch.compiler.is_compiling():
+        op = ops.forward_op(backend, q.device)
+        return AttentionOutput(*forward_any_rank(lambda *a: ops.call_forward(op, *a), q, k, v, spec))
+    impl = registry.load(backend if backend is not None else registry.default_backend(q.device))
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        return AttentionOutput(*impl.FlashAttention2.apply(q, k, v, spec.causal, spec.scale, True, spec))
+    return AttentionOutput(*forward_any_rank(impl.flash_attn_forward, q, k, v, spec))
+
+
+def make_spec(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    causal: bool,
+    scale: float | None,
+    window=(-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
+) -> AttentionSpec:
+    """The AttentionSpec of validated q and k (``_validate``) and the caller's options, checked here; the
+    ALiBi slopes come out as the (batch, heads) of q's (B, H, N, D) view (``fa2.layout.as_bhnd``)."""
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
     else:
         scale = float(scale)
         if not math.isfinite(scale):
             raise ValueError(f"scale must be finite, got {scale}")
-    if not isinstance(causal, bool):
-        raise TypeError(f"causal must be a bool, got {type(causal).__name__} {causal!r}")
-    if torch.compiler.is_compiling():
-        return AttentionOutput(*forward_any_rank(ops.forward_op(backend, q.device), q, k, v, causal, scale))
-    impl = registry.load(backend if backend is not None else registry.default_backend(q.device))
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        return AttentionOutput(*impl.FlashAttention2.apply(q, k, v, causal, scale, True))
-    return AttentionOutput(*forward_any_rank(impl.flash_attn_forward, q, k, v, causal, scale))
+    left, right = _window(window)
+    if causal:
+        right = 0
+    softcap = _softcap(softcap)
+    slopes = None if alibi_slopes is None else _alibi(alibi_slopes, q)
+    group = q.shape[-3] // k.shape[-3] if q.dim() > 2 and k.shape[-3] else 1
+    return AttentionSpec(scale, (left, right), softcap, slopes, group)
+
+
+def _window(window) -> tuple[int, int]:
+    try:
+        left, right = window
+    except (TypeError, ValueError):
+        raise TypeError(f"window must be a pair (left, right) of ints, got {window!r}") from None
+    sides = []
+    for name, side in (("left", left), ("right", right)):
+        if isinstance(side, bool) or not _is_integer(side):
+            raise TypeError(f"window {name} must be an int (-1 for unbounded), got {type(side).__name__} {side!r}")
+        side = int(side)
+        if side < -1:
+            raise ValueError(f"window {name} must be >= 0, or -1 for unbounded, got {side} (window {window!r})")
+        sides.append(side)
+    return sides[0], sides[1]
+
+
+def _is_integer(x) -> bool:
+    if isinstance(x, torch.Tensor):
+        return x.dim() == 0 and not x.is_floating_point() and not x.is_complex() and x.dtype != torch.bool
+    try:
+        operator.index(x)
+    except TypeError:
+        return False
+    return True
+
+
+def _softcap(softcap) -> float:
+    try:
+        value = float(softcap)
+    except (TypeError, ValueError):
+        raise TypeError(f"softcap must be a float, got {type(softcap).__name__} {softcap!r}") from None
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"softcap must be finite and >= 0 (0 turns it off), got {value}")
+    return value
+
+
+def _alibi(slopes, q: torch.Tensor) -> torch.Tensor:
+    if not isinstance(slopes, torch.Tensor):
+        raise TypeError(f"alibi_slopes must be a float32 torch.Tensor, got {type(slopes).__name__}")
+    if slopes.dtype != torch.float32:
+        raise TypeError(f"alibi_slopes must be float32, got {slopes.dtype}")
+    if q.dim() < 3:
+        raise ValueError(f"alibi_slopes needs q with a heads dim (rank >= 3), got q {tuple(q.shape)}")
+    if slopes.device != q.device:
+        raise ValueError(f"alibi_slopes must be on q's device {q.device}, got {slopes.device}")
+    heads = q.shape[-3]
+    if tuple(slopes.shape) not in ((heads,), tuple(q.shape[:-2])):
+        raise ValueError(
+            f"alibi_slopes must have shape ({heads},) or {tuple(q.shape[:-2])} (heads, or q's dims before "
+            f"seqlen_q), got {tuple(slopes.shape)} for q {tuple(q.shape)}"
+        )
+    batch = math.prod(q.shape[:-3])
+    return slopes.expand(q.shape[:-2]).reshape(batch, heads)
 
 
 def _validate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:

@@ -1,4 +1,5 @@
-"""The one canonical layout every backend kernel sees: (batch, heads, seqlen, head_dim), any strides."""
+"""The one canonical layout every backend kernel sees: (batch, heads, seqlen, head_dim), any strides, with
+an ``fa2.spec.AttentionSpec`` saying what to compute."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ import math
 from typing import Callable
 
 import torch
+
+from fa2.spec import AttentionSpec
 
 Forward = Callable[..., "tuple[torch.Tensor, torch.Tensor]"]
 Backward = Callable[..., "tuple[torch.Tensor, torch.Tensor, torch.Tensor]"]
@@ -23,11 +26,11 @@ def as_bhnd(x: torch.Tensor) -> torch.Tensor:
 
 
 def forward_any_rank(
-    forward: Forward, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float | None
+    forward: Forward, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionSpec
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Runs a backend's (B, H, N, D) forward on (..., N, D) inputs; O comes back in q's shape and
-    L: q.shape[:-1], float32."""
-    O, L = forward(as_bhnd(q), as_bhnd(k), as_bhnd(v), bool(causal), _scale(q, scale))
+    L: q.shape[:-1], float32. ``spec`` is already in the (B, H, N, D) view's terms (``fa2.api.make_spec``)."""
+    O, L = forward(as_bhnd(q), as_bhnd(k), as_bhnd(v), spec)
     if q.dim() == 4:
         # Already in q's shape; two reshapes cost ~6-10 µs of host time a call on the H200's host.
         return O, L
@@ -42,17 +45,18 @@ def backward_any_rank(
     O: torch.Tensor,
     L: torch.Tensor,
     dO: torch.Tensor,
-    causal: bool,
-    scale: float | None,
+    spec: AttentionSpec,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Runs a backend's (B, H, N, D) backward on (..., N, D) tensors; L: q.shape[:-1]. dq, dk, dv come
     back in the shapes of q, k, v."""
     dq, dk, dv = backward(
-        as_bhnd(q), as_bhnd(k), as_bhnd(v), as_bhnd(O), as_bhnd(L.unsqueeze(-1)).squeeze(-1), as_bhnd(dO),
-        bool(causal), _scale(q, scale),
+        as_bhnd(q), as_bhnd(k), as_bhnd(v), as_bhnd(O), as_bhnd(L.unsqueeze(-1)).squeeze(-1), as_bhnd(dO), spec
     )
     return dq.reshape(q.shape), dk.reshape(k.shape), dv.reshape(v.shape)
 
 
-def _scale(q: torch.Tensor, scale: float | None) -> float:
-    return 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+def spec_for(q: torch.Tensor, k: torch.Tensor, is_causal: bool, scale: float | None) -> AttentionSpec:
+    """The AttentionSpec of the CS336 call ``FlashAttention2.apply(q, k, v, is_causal, scale)``."""
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    group = q.shape[-3] // k.shape[-3] if q.dim() > 2 and k.shape[-3] else 1
+    return AttentionSpec(scale, (-1, 0) if is_causal else (-1, -1), group=group)

@@ -3,13 +3,16 @@ opaque node per attention call instead of tracing into (or breaking on) a backen
 
 A backend named ``name`` gets, on its first use (``load(name)``, or fa2.attention through ``forward_op``):
 
-    fa2::<name>_fwd(q, k, v, causal, scale) -> (O, L)          name with "-" as "_", e.g. fa2::numba_cuda_fwd
-    fa2::<name>_bwd(q, k, v, O, L, dO, causal, scale) -> (dq, dk, dv)    only if it has flash_attn_backward
+    fa2::<name>_fwd(q, k, v, alibi_slopes, scale, window_left, window_right, softcap) -> (O, L)
+    fa2::<name>_bwd(q, k, v, O, L, dO, alibi_slopes, scale, window_left, window_right, softcap)
+        -> (dq, dk, dv), only if it has flash_attn_backward
 
-on (batch, heads, seqlen, head_dim) tensors of any strides, with fake implementations (O: q's shape and
-dtype, L: (batch, heads, seqlen_q) float32, dq, dk, dv: the shapes and dtype of q, k, v; all contiguous)
-and autograd through the backward op. A backend without a backward still gets autograd, which raises
-NotImplementedError on the backward pass. L is not differentiable, as in the backends' FlashAttention2.
+(name with "-" as "_", e.g. fa2::numba_cuda_fwd) on (batch, heads, seqlen, head_dim) tensors of any strides:
+an ``fa2.spec.AttentionSpec`` spelled out as the op schema's plain types, and rebuilt inside the op for the
+backend. Fake implementations (O: q's shape and dtype, L: (batch, heads, seqlen_q) float32, dq, dk, dv: the
+shapes and dtype of q, k, v; all contiguous) and autograd through the backward op. A backend without a
+backward still gets autograd, which raises NotImplementedError on the backward pass. L is not
+differentiable, as in the backends' FlashAttention2; neither are the ALiBi slopes.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from typing import NamedTuple
 import torch
 
 from fa2 import registry
+from fa2.spec import AttentionSpec
 
 NAMESPACE = "fa2"
 
@@ -63,6 +67,16 @@ def op_names(name: str) -> tuple[str, str]:
     return f"{ident}_fwd", f"{ident}_bwd"
 
 
+def call_forward(op: torch._ops.OpOverload, q, k, v, spec: AttentionSpec):
+    """``op`` (a fa2::<name>_fwd) on (B, H, N, D) tensors and a spec: the layout's Forward signature."""
+    return op(q, k, v, spec.alibi_slopes, spec.scale, spec.window[0], spec.window[1], spec.softcap)
+
+
+def _spec(q, k, alibi_slopes, scale, window_left, window_right, softcap) -> AttentionSpec:
+    group = q.shape[1] // k.shape[1] if k.shape[1] else 1
+    return AttentionSpec(scale, (window_left, window_right), softcap, alibi_slopes, group)
+
+
 def _overload(op_name: str) -> torch._ops.OpOverload:
     return getattr(getattr(torch.ops, NAMESPACE), op_name).default
 
@@ -74,21 +88,28 @@ def _register(name: str, impl) -> BackendOps:
 
     @torch.library.custom_op(f"{NAMESPACE}::{fwd_name}", mutates_args=())
     def fwd(
-        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        alibi_slopes: torch.Tensor | None,
+        scale: float,
+        window_left: int,
+        window_right: int,
+        softcap: float,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        O, L = forward(q, k, v, causal, scale)
+        O, L = forward(q, k, v, _spec(q, k, alibi_slopes, scale, window_left, window_right, softcap))
         return O.contiguous(), L.contiguous()
 
     @fwd.register_fake
-    def _(q, k, v, causal, scale):
+    def _(q, k, v, alibi_slopes, scale, window_left, window_right, softcap):
         return q.new_empty(q.shape), q.new_empty(q.shape[:-1], dtype=torch.float32)
 
     def setup_context(ctx, inputs, output):
-        q, k, v, causal, scale = inputs
+        q, k, v, alibi_slopes, *options = inputs
         O, L = output
         ctx.mark_non_differentiable(L)
-        ctx.save_for_backward(q, k, v, O, L)
-        ctx.causal, ctx.scale = causal, scale
+        ctx.save_for_backward(q, k, v, O, L, alibi_slopes)
+        ctx.options = options
 
     if backward is None:
 
@@ -106,20 +127,24 @@ def _register(name: str, impl) -> BackendOps:
         O: torch.Tensor,
         L: torch.Tensor,
         dO: torch.Tensor,
-        causal: bool,
+        alibi_slopes: torch.Tensor | None,
         scale: float,
+        window_left: int,
+        window_right: int,
+        softcap: float,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        dq, dk, dv = backward(q, k, v, O, L, dO, causal, scale)
+        spec = _spec(q, k, alibi_slopes, scale, window_left, window_right, softcap)
+        dq, dk, dv = backward(q, k, v, O, L, dO, spec)
         return dq.contiguous(), dk.contiguous(), dv.contiguous()
 
     @bwd.register_fake
-    def _(q, k, v, O, L, dO, causal, scale):
+    def _(q, k, v, O, L, dO, alibi_slopes, scale, window_left, window_right, softcap):
         return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
     def fwd_backward(ctx, dO, dL):
-        q, k, v, O, L = ctx.saved_tensors
-        dq, dk, dv = bwd(q, k, v, O, L, dO, ctx.causal, ctx.scale)
-        return dq, dk, dv, None, None
+        q, k, v, O, L, alibi_slopes = ctx.saved_tensors
+        dq, dk, dv = bwd(q, k, v, O, L, dO, alibi_slopes, *ctx.options)
+        return dq, dk, dv, None, None, None, None, None
 
     fwd.register_autograd(fwd_backward, setup_context=setup_context)
     return BackendOps(_overload(fwd_name), _overload(bwd_name))

@@ -16,9 +16,39 @@ def causal_mask(
     """(seqlen_q, seqlen_k) bool, True where key j is visible to query i: j <= i + seqlen_k - seqlen_q
     (bottom-right alignment, as FlashAttention-2). With ``rows`` (1-D query indices): only those rows,
     (len(rows), seqlen_k)."""
+    return window_mask(seqlen_q, seqlen_k, (-1, 0), device, rows)
+
+
+def window_mask(
+    seqlen_q: int,
+    seqlen_k: int,
+    window: tuple[int, int],
+    device: torch.device | str = "cpu",
+    rows: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """(seqlen_q, seqlen_k) bool, True where query i sees key j under window (left, right), -1 unbounded:
+    i + seqlen_k - seqlen_q - left <= j <= i + seqlen_k - seqlen_q + right. ``rows`` as in causal_mask."""
     i = (torch.arange(seqlen_q, device=device) if rows is None else rows.to(device))[:, None]
     j = torch.arange(seqlen_k, device=device)[None, :]
-    return j <= i + (seqlen_k - seqlen_q)
+    diag = i + (seqlen_k - seqlen_q)
+    left, right = window
+    visible = torch.ones(i.shape[0], seqlen_k, dtype=torch.bool, device=device)
+    if right >= 0:
+        visible &= j <= diag + right
+    if left >= 0:
+        visible &= j >= diag - left
+    return visible
+
+
+def alibi_bias(
+    slopes: torch.Tensor, seqlen_q: int, seqlen_k: int, rows: torch.Tensor | None = None
+) -> torch.Tensor:
+    """-slope · |i + seqlen_k - seqlen_q - j|: slopes (..., heads) -> (..., heads, seqlen_q, seqlen_k) in
+    slopes' dtype (or len(rows) query rows)."""
+    i = (torch.arange(seqlen_q, device=slopes.device) if rows is None else rows.to(slopes.device))[:, None]
+    j = torch.arange(seqlen_k, device=slopes.device)[None, :]
+    distance = (i + (seqlen_k - seqlen_q) - j).abs().to(slopes.dtype)
+    return -slopes[..., None, None] * distance
 
 
 def repeat_kv_heads(q: torch.Tensor, *kv: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -37,20 +67,27 @@ def attention(
     causal: bool = False,
     scale: float | None = None,
     *,
+    window: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
     upcast: bool = True,
     rows: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """softmax(q kᵀ · scale) v and its natural-log logsumexp, the contract of ``fa2.attention``.
+    """softmax(mask(bias(cap(q kᵀ · scale)))) v and its natural-log logsumexp, the contract of
+    ``fa2.attention``, step by step on the whole (seqlen_q, seqlen_k) score matrix.
 
     Arguments:
         q: (..., heads, seqlen_q, head_dim); k, v: (..., heads_k, seqlen_k, head_dim), heads a multiple of
             heads_k (grouped-query attention; heads_k = 1 is multi-query): query head h attends to key/value
             head h // (heads // heads_k). Rank 2 inputs have no heads dim.
+        causal, window: the mask, as fa2.attention: causal makes the window's right side 0.
+        softcap: > 0: scores s -> softcap · tanh(s / softcap), before the bias and the mask.
+        alibi_slopes: None, or (heads,) or q.shape[:-2]: adds -slope · |i + seqlen_k - seqlen_q - j|.
         upcast: True computes in float64 and returns float64 O and L (the ground truth). False computes
             every step in the inputs' own dtype, as a naive low-precision attention would: its error is
             the yardstick of FlashAttention-2's accuracy rule.
         rows: None, or a 1-D integer tensor of query indices: only those rows of O and L are computed,
-            as the matching rows of the full result (same causal alignment), at (len(rows), seqlen_k)
+            as the matching rows of the full result (same mask alignment), at (len(rows), seqlen_k)
             memory instead of (seqlen_q, seqlen_k). For checking long sequences on a sample of rows.
 
     Returns:
@@ -59,7 +96,7 @@ def attention(
     """
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
-    seqlen_q = q.shape[-2]
+    seqlen_q, seqlen_k = q.shape[-2], k.shape[-2]
     if rows is not None:
         rows = rows.to(q.device)
         q = q[..., rows, :]
@@ -67,12 +104,17 @@ def attention(
     q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
     k, v = repeat_kv_heads(q, k, v)
     S = (q @ k.transpose(-2, -1)) * scale
-    if causal:
-        visible = causal_mask(seqlen_q, k.shape[-2], q.device, rows)
+    if softcap > 0:
+        S = softcap * torch.tanh(S / softcap)
+    if alibi_slopes is not None:
+        S = S + alibi_bias(alibi_slopes.to(dtype), seqlen_q, seqlen_k, rows)
+    left, right = window[0], 0 if causal else window[1]
+    if (left, right) != (-1, -1):
+        visible = window_mask(seqlen_q, seqlen_k, (left, right), q.device, rows)
         S = S.masked_fill(~visible, -math.inf)
         empty = ~visible.any(dim=-1)
     else:
-        empty = torch.full((q.shape[-2],), k.shape[-2] == 0, dtype=torch.bool, device=q.device)
+        empty = torch.full((q.shape[-2],), seqlen_k == 0, dtype=torch.bool, device=q.device)
     L = torch.logsumexp(S, dim=-1).masked_fill(empty, math.inf)
     P = torch.softmax(S, dim=-1).masked_fill(empty[:, None], 0.0)
     O = P @ v

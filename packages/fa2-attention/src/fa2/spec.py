@@ -1,0 +1,73 @@
+"""``AttentionSpec``: the one frozen description of what to compute that every backend receives with q, k, v.
+
+fa2.attention validates the caller's arguments and builds it once; a backend reads its fields and turns them
+into its own switches (Triton constexprs, numba-cuda compile-time flags, PyTorch branches) instead of taking
+a growing list of arguments. Nothing here validates: by the time a spec exists its values are legal.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+UNBOUNDED = -1
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """What to compute: softmax(mask(bias(cap(q kᵀ · scale)))) v, for (batch, heads, seqlen, head_dim) inputs.
+
+    Fields:
+        scale: multiplies q kᵀ.
+        window: (left, right), each >= 0 or -1 (UNBOUNDED). Aligned bottom-right like causal: query i sees
+            key j iff i + Nk - Nq - left <= j <= i + Nk - Nq + right (a -1 side has no bound). Causal is
+            (-1, 0). With Nq = 4, Nk = 6 and window (1, 0)::
+
+                0 1 1 0 0 0
+                0 0 1 1 0 0
+                0 0 0 1 1 0
+                0 0 0 0 1 1
+
+        softcap: 0.0, or > 0: scores become softcap · tanh(scores / softcap) before the bias and the mask.
+        alibi_slopes: None, or (batch, heads) float32 on q's device, any strides (a slope per head is
+            expanded over batch with stride 0): adds -slope · |i + Nk - Nq - j| to the capped scores.
+        group: heads // heads_k, the query heads that share one key/value head (1: multi-head attention).
+    """
+
+    scale: float
+    window: tuple[int, int] = (UNBOUNDED, UNBOUNDED)
+    softcap: float = 0.0
+    alibi_slopes: torch.Tensor | None = None
+    group: int = 1
+
+    @property
+    def causal(self) -> bool:
+        """The window is exactly the causal mask (-1, 0)."""
+        return self.window == (UNBOUNDED, 0)
+
+    @property
+    def masked(self) -> bool:
+        """Some key is out of some query's window."""
+        return self.window != (UNBOUNDED, UNBOUNDED)
+
+    def key_range(self, q_start: int, q_end: int, seqlen_q: int, seqlen_k: int) -> tuple[int, int]:
+        """[lo, hi): the keys that some query of rows [q_start, q_end) sees, clipped to [0, seqlen_k). Empty
+        (lo >= hi) where no row sees a key. Key tiles outside it are the ones a kernel skips."""
+        left, right = self.window
+        shift = seqlen_k - seqlen_q
+        lo = 0 if left == UNBOUNDED else max(0, q_start + shift - left)
+        hi = seqlen_k if right == UNBOUNDED else min(seqlen_k, q_end - 1 + shift + right + 1)
+        return lo, hi
+
+    def visible(self, rows: torch.Tensor, cols: torch.Tensor, seqlen_q: int, seqlen_k: int) -> torch.Tensor:
+        """(len(rows), len(cols)) bool: True where query rows[a] sees key cols[b]. For the PyTorch backend's
+        tiles and for the reference."""
+        left, right = self.window
+        diag = rows[:, None] + (seqlen_k - seqlen_q)
+        ok = torch.ones(len(rows), len(cols), dtype=torch.bool, device=rows.device)
+        if right != UNBOUNDED:
+            ok &= cols[None, :] <= diag + right
+        if left != UNBOUNDED:
+            ok &= cols[None, :] >= diag - left
+        return ok
