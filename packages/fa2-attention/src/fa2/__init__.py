@@ -3,6 +3,7 @@
     import fa2
     O, L = fa2.attention(q, k, v, causal=True)          # picks a backend
     O, L = fa2.attention(q, k, v, backend="triton")     # or names one; never falls back
+    O, L = fa2.attention(q, k, v, causal=True, window=(4096, 0), softcap=50.0)   # sliding window, softcap
     fa2.backends()                                      # what is installed and where it runs
     O = fa2.scaled_dot_product_attention(q, k, v, is_causal=True)   # SDPA's signature and causal mask
 """
