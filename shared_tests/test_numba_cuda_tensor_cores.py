@@ -25,6 +25,7 @@ import torch
 
 import fa2
 from checks import assert_matches_reference, random_qkv
+from fa2.spec import AttentionSpec
 
 pytest.importorskip("fa2_numba_cuda")
 from fa2_numba_cuda import forward, forward_tc, mma  # noqa: E402
@@ -177,8 +178,10 @@ needs_simulator = pytest.mark.skipif(
 )
 
 
-def _run_tc(q, k, v, causal, scale, config):
-    return forward.flash_attn_forward(q, k, v, causal, scale, config, tensor_cores=True)
+def _run_tc(q, k, v, causal, scale, config, window=(-1, -1), softcap=0.0, alibi_slopes=None):
+    window = (window[0], 0) if causal else window
+    spec = AttentionSpec(scale, window, softcap, alibi_slopes, q.shape[1] // k.shape[1])
+    return forward.flash_attn_forward(q, k, v, spec, config, tensor_cores=True)
 
 
 def _case(dtype, b, h, n_q, n_k, d, causal, config, scale=None):
@@ -252,6 +255,73 @@ def test_simulated_kernel_huge_scores():
     assert_matches_reference(O, L, q, k, v, False)
 
 
+def _feature_case(dtype, b, h, h_k, n_q, n_k, d, config, causal=False, window=(-1, -1), softcap=0.0,
+                  alibi=None, gain=1.0, scale=None):
+    """alibi: None, "head" (one slope per head, expanded over batch with stride 0) or "batch"."""
+    kind = "bf16" if dtype == torch.bfloat16 else "fp16"
+    warps, block_n, _, ahead = config
+    parts = [kind, f"B{b}-H{h}" + (f"-Hk{h_k}" if h_k != h else ""), f"{n_q}x{n_k}-D{d}"]
+    parts += ["causal"] if causal else []
+    parts += [f"w{window[0]}.{window[1]}"] if window != (-1, -1) else []
+    parts += [f"cap{softcap:g}-x{gain:g}"] if softcap else []
+    parts += [f"alibi-{alibi}"] if alibi else []
+    parts += [f"scale{scale}"] if scale is not None else []
+    parts += [f"{warps}w{block_n}" + ("-ahead" if ahead else "")]
+    case = dict(shape=(b, h, h_k, n_q, n_k, d), config=config, causal=causal, window=window, softcap=softcap,
+                alibi=alibi, gain=gain, scale=scale)
+    return pytest.param(dtype, case, id="-".join(parts))
+
+
+FEATURE_SIM_CASES = [
+    # both window edges inside the keys: later blocks start past key tile 0, edge tiles masked per warp
+    _feature_case(torch.float16, 1, 1, 1, 37, 53, 16, SMALL, window=(5, 3)),
+    _feature_case(torch.float16, 1, 1, 1, 37, 53, 16, SMALL_AHEAD, window=(5, 3)),
+    # seqlen_q > seqlen_k with a window: rows that see no key (O = 0, L = +inf), left = 0 with right > 0
+    _feature_case(torch.bfloat16, 1, 1, 1, 37, 19, 16, ONE_WARP, window=(0, 2)),
+    # causal with a left bound, GQA, S_AHEAD's pairs of tiles starting past 0
+    _feature_case(torch.float16, 1, 2, 1, 40, 70, 32, SMALL_AHEAD, causal=True, window=(20, 0)),
+    # softcap on large scores, with and without S_AHEAD; a negative scale (q's sign flipped)
+    _feature_case(torch.float16, 1, 1, 1, 20, 48, 16, SMALL_AHEAD, softcap=5.0, gain=4.0),
+    _feature_case(torch.bfloat16, 1, 1, 1, 29, 17, 32, SMALL, causal=True, softcap=2.0, gain=3.0, scale=-0.4),
+    # ALiBi per head (batch stride 0) and per (batch, head), alone and with everything else
+    _feature_case(torch.float16, 2, 2, 2, 17, 29, 16, ONE_WARP, alibi="head"),
+    _feature_case(torch.bfloat16, 2, 2, 1, 33, 47, 16, SMALL_AHEAD, causal=True, window=(9, 0), softcap=8.0,
+                  gain=3.0, alibi="batch"),
+]
+
+
+@needs_simulator
+@pytest.mark.parametrize("dtype, case", FEATURE_SIM_CASES)
+def test_simulated_kernel_features(dtype, case):
+    """Windows, softcap and ALiBi in the tensor-core kernel against the fp64 reference."""
+    b, h, h_k, n_q, n_k, d = case["shape"]
+    q, k, v = random_qkv((b, h, n_q, d), (b, h_k, n_k, d), dtype, "cpu", seed=n_q + n_k + d)
+    q, k = q * case["gain"], k * case["gain"]
+    slopes = None
+    if case["alibi"] is not None:
+        g = torch.Generator().manual_seed(n_q)
+        slopes = torch.rand(h, generator=g) * 0.3
+        slopes = slopes.expand(b, h) if case["alibi"] == "head" else torch.rand(b, h, generator=g) * 0.3
+    scale = d**-0.5 if case["scale"] is None else case["scale"]
+    window = (case["window"][0], 0) if case["causal"] else case["window"]
+    O, L = _run_tc(q, k, v, case["causal"], scale, case["config"], window, case["softcap"], slopes)
+    assert_matches_reference(O, L, q, k, v, case["causal"], scale, window=window, softcap=case["softcap"],
+                             alibi_slopes=slopes)
+
+
+@needs_simulator
+def test_simulated_kernel_window_skips_key_tiles():
+    """Key tiles no row's window reaches are never loaded: NaN there changes nothing (a kernel that loaded
+    and masked them would still meet 0 · NaN in P V)."""
+    q, k, v = random_qkv((1, 1, 16, 16), (1, 1, 96, 16), torch.float16, "cpu", seed=11)
+    # Query i sees keys [i + 80 - 8, i + 80]: from 72 on; the 16-key tiles below 64 are skipped.
+    k[..., :64, :] = float("nan")
+    v[..., :64, :] = float("nan")
+    O, L = _run_tc(q, k, v, False, 0.25, ONE_WARP, window=(8, 0))
+    assert not torch.isnan(O).any() and not torch.isnan(L).any(), "a key tile outside the window was read"
+    assert_matches_reference(O, L, q, k[..., 64:, :], v[..., 64:, :], False, 0.25, window=(8, 0))
+
+
 @needs_simulator
 def test_simulated_kernel_no_keys():
     q = torch.randn(1, 2, 5, 16, dtype=torch.float16)
@@ -268,9 +338,10 @@ def test_cpu_tensors_and_fp32_keep_the_simt_kernel():
 def test_refusals_name_the_limit():
     q = torch.zeros(1, 1, 4, 160, dtype=torch.float16)
     with pytest.raises(NotImplementedError, match="head_dim up to 128, got 160"):
-        forward_tc.flash_attn_forward(q, q, q, False, 1.0)
+        forward_tc.flash_attn_forward(q, q, q, AttentionSpec(1.0))
     with pytest.raises(NotImplementedError, match="fp16 or bf16, got torch.float32"):
-        forward_tc.flash_attn_forward(q[..., :64].float(), q[..., :64].float(), q[..., :64].float(), False, 1.0)
+        forward_tc.flash_attn_forward(q[..., :64].float(), q[..., :64].float(), q[..., :64].float(),
+                                      AttentionSpec(1.0))
 
 
 # --- on the GPU -----------------------------------------------------------------------------------------
@@ -294,8 +365,11 @@ def test_dispatch_on_the_gpu(dtype, head_dim, causal):
     O, L = fa2.attention(q, k, v, causal=causal, backend="numba-cuda")
     assert_matches_reference(O, L, q, k, v, causal)
     assert len(forward_tc._KERNELS) >= max(before, 1)
-    key = (head_dim, forward_tc.tc_config(head_dim), causal, dtype == torch.bfloat16, True, True, True)
+    is_bf16 = dtype == torch.bfloat16
+    # Features (LEFT, RIGHT, SOFTCAP, ALIBI): causal is a right bound.
+    key = (head_dim, forward_tc.tc_config(head_dim), False, causal, False, False, is_bf16, True, True, True)
     assert key in forward_tc._KERNELS, f"the tensor-core kernel {key} did not run"
     rows = [r for r in forward_tc.kernel_resources()
-            if (r["HEAD_DIM"], r["causal"], r["bf16"], r["async_loads"]) == (head_dim, causal, key[3], True)]
+            if (r["HEAD_DIM"], r["left"], r["right"], r["softcap"], r["alibi"], r["bf16"], r["async_loads"])
+            == (head_dim, False, causal, False, False, is_bf16, True)]
     assert rows and all(r["local_bytes_per_thread"] <= 64 for r in rows), f"local memory: {rows}"

@@ -25,10 +25,16 @@ stays per query head. ``group`` is a runtime argument: one compiled kernel serve
 Scores live in the log2 domain as in the forward (the operand used only for S is pre-scaled by ``qk_scale
 = scale · log2 e``, L is read as L · log2 e): P = exp2(S' - L'). A row that saw no key has L = +inf, so P =
 exp2(finite - inf) = 0 there and it gets zero gradients; query rows past seqlen_q are read with L = +inf
-for the same effect. Masked scores (keys past seqlen_k, and under causal keys past the diagonal) are set
-to -inf before exp2, as in the forward, only on the tiles that cross the end of the keys or the diagonal.
-Causal skips whole tiles: the dK/dV loop starts at the first query tile that sees any key of its tile,
-the dQ loop stops at the last key tile its tile sees.
+for the same effect. The scores are recomputed as the forward computes them (``fa2_numba_cuda.forward``'s
+``Features``, the same compile-time switches): softcap c (the operand pre-scaled by scale / c, then
+tanh · c · log2 e), ALiBi's bias, then the window's mask (keys past seqlen_k, and keys outside the window)
+set to -inf before exp2, only on the tiles that cross the end of the keys or a window edge. With a
+softcap, dS is multiplied by the cap's derivative, 1 - tanh², before dq = scale · dS K and dk = scale · dSᵀ
+Q; ALiBi adds nothing to dS, and the slopes get no gradient.
+
+The window skips whole tiles (causal is the window (-1, 0)): the dK/dV loop visits only the query tiles
+[begin_m, end_m) that see some key of its tile (query i sees key j iff j - diag - right <= i <= j - diag +
+left), the dQ loop only the key tiles its tile sees, as the forward's.
 
 Both main kernels are the forward's block (``fa2_numba_cuda.forward``) with other operands: padded fp32
 shared tiles loaded by the forward's ``load_tile``, register micro-tiles indexed only by loops over
@@ -58,6 +64,8 @@ import numpy as np
 import torch
 from numba import cuda
 
+from fa2.spec import AttentionSpec
+
 from fa2_numba_cuda.forward import (
     LOG2E,
     MAX_HEAD_DIM,
@@ -67,11 +75,16 @@ from fa2_numba_cuda.forward import (
     _check_device,
     _flat,
     _float_to_bf16,
+    _feature_columns,
     _identity,
+    _tanh,
     _tile_loader,
     _to_float,
+    feature_args,
+    features,
     float32,
     padded_head_dim,
+    score_scale,
     simulated,
     uint64,
 )
@@ -178,9 +191,10 @@ def _build_preprocess(HEAD_DIM, IS_BF16, EVEN_HEAD_DIM):
     return _jit(_attn_bwd_preprocess, 128)
 
 
-def _build_dkdv(HEAD_DIM, config, IS_CAUSAL, IS_BF16, EVEN_HEAD_DIM, UNIT_STRIDE_D):
-    """The dK/dV kernel for one padded head dim, block shape, causality, input kind, whether head_dim is
-    HEAD_DIM and whether q, k, v and dO are contiguous along head_dim, all compile-time constants."""
+def _build_dkdv(HEAD_DIM, config, LEFT, RIGHT, SOFTCAP, ALIBI, IS_BF16, EVEN_HEAD_DIM, UNIT_STRIDE_D):
+    """The dK/dV kernel for one padded head dim, block shape, ``Features`` (LEFT, RIGHT, SOFTCAP, ALIBI),
+    input kind, whether head_dim is HEAD_DIM and whether q, k, v and dO are contiguous along head_dim, all
+    compile-time constants."""
     BLOCK_N, BLOCK_M, THREADS_N, THREADS_M, SHARE_QDO, MAX_REGISTERS = config
     NUM_WARPS = THREADS_N * THREADS_M // 32
     TN = BLOCK_N // THREADS_N  # keys of Sᵀ, dPᵀ, dk and dv per thread
@@ -206,13 +220,15 @@ def _build_dkdv(HEAD_DIM, config, IS_CAUSAL, IS_BF16, EVEN_HEAD_DIM, UNIT_STRIDE
         stride_vb, stride_vh, stride_vn, stride_vd,
         stride_dob, stride_doh, stride_dom, stride_dod,
         stride_lb, stride_lh, stride_lm,
-        heads, group, seqlen_q, seqlen_k, head_dim, scale, qk_scale, num_n_tiles,
+        heads, group, seqlen_q, seqlen_k, head_dim, scale, qk_scale,
+        window_left, window_right, softcap_log2, slopes, stride_ab, stride_ah, num_n_tiles,
     ):
         """One block: BLOCK_N keys of one (batch, key/value head), for the group's query heads. q, do: flat
         views of (B, H, N, D) tensors, k, v of (B, H // group, N, D) tensors, lse of (B, H, seqlen_q), with
         the given element strides; delta: (B·H, seqlen_q), fp32; dk, dv: (B, H // group, seqlen_k,
-        head_dim), flat, contiguous, in k's dtype."""
-        # Key j is visible to query i iff j <= i + diag.
+        head_dim), flat, contiguous, in k's dtype. qk_scale: K's pre-scale (``score_scale``); the window,
+        softcap and slopes arguments as ``feature_args`` gives them."""
+        # Key j is visible to query i iff i + diag - window_left <= j <= i + diag + window_right.
         diag = seqlen_k - seqlen_q
         # Key tiles fastest: under causal the first key tiles are seen by the most query rows, so the
         # longest blocks start first.
@@ -241,6 +257,7 @@ def _build_dkdv(HEAD_DIM, config, IS_CAUSAL, IS_BF16, EVEN_HEAD_DIM, UNIT_STRIDE
         dv_acc = cuda.local.array((TN, TD), float32)  # [TN, TD] of dV's [BLOCK_N, HEAD_DIM]
         sT = cuda.local.array((TN, TM), float32)  # [TN, TM] of Sᵀ's [BLOCK_N, BLOCK_M]
         dpT = cuda.local.array((TN, TM), float32)  # [TN, TM] of dPᵀ's [BLOCK_N, BLOCK_M]
+        dcapT = cuda.local.array((TN, TM), float32)  # softcap: 1 - tanh² of Sᵀ's raw scores
         lse_m = cuda.local.array(TM, float32)  # L · log2 e of the thread's queries
         delta_m = cuda.local.array(TM, float32)
         kv_frag = cuda.local.array((TN, S_STEP), float32)
@@ -252,14 +269,18 @@ def _build_dkdv(HEAD_DIM, config, IS_CAUSAL, IS_BF16, EVEN_HEAD_DIM, UNIT_STRIDE
                 dk_acc[i, c] = 0.0
                 dv_acc[i, c] = 0.0
 
-        # K pre-scaled by qk_scale = scale · log2 e: Sᵀ comes out of its loop ready for exp2.
+        # K pre-scaled by qk_scale = scale · log2 e (with a softcap c: scale / c): Sᵀ comes out of its loop
+        # ready for exp2 (for tanh).
         load_tile(k_tile, k, off_b * stride_kb + off_hk * stride_kh, stride_kn, stride_kd, start_n, seqlen_k,
                   head_dim, qk_scale)
         load_tile(v_tile, v, off_b * stride_vb + off_hk * stride_vh, stride_vn, stride_vd, start_n, seqlen_k,
                   head_dim, float32(1.0))
 
-        # Causal: query i sees a key of this tile iff i >= start_n - diag; earlier query tiles are skipped.
-        lo = max(start_n - diag, 0) // BLOCK_M * BLOCK_M if IS_CAUSAL else 0
+        # The query tiles that see a key of this tile: query i sees key j iff j - diag - window_right <= i <=
+        # j - diag + window_left; the others are skipped (causal: window_right = 0).
+        last_key = min(start_n + BLOCK_N, seqlen_k) - 1
+        begin_m = max(start_n - diag - window_right, 0) // BLOCK_M * BLOCK_M if RIGHT else 0
+        end_m = min(seqlen_q, last_key - diag + window_left + 1) if LEFT else seqlen_q
         # GQA: dK and dV of key/value head off_hk are sums over the group's query heads. The block loops over
         # them with its K and V tiles held and dk_acc, dv_acc accumulating in registers, so that dk and dv
         # are still written once per element (no atomics, no per-query-head dk, dv summed afterwards).
@@ -268,7 +289,9 @@ def _build_dkdv(HEAD_DIM, config, IS_CAUSAL, IS_BF16, EVEN_HEAD_DIM, UNIT_STRIDE
             do_offset = off_b * stride_dob + off_h * stride_doh
             l_offset = off_b * stride_lb + off_h * stride_lh
             delta_offset = (off_b * heads + off_h) * seqlen_q  # delta is per query head
-            for start_m in range(lo, seqlen_q, BLOCK_M):
+            # ALiBi's slope of this query head, in base 2.
+            slope = slopes[uint64(off_b * stride_ab + off_h * stride_ah)] * float32(LOG2E) if ALIBI else float32(0.0)
+            for start_m in range(begin_m, end_m, BLOCK_M):
                 cuda.syncthreads()  # the previous step's q_tile, do_tile, pT_tile and dsT_tile have been read
                 load_tile(q_tile, q, q_offset, stride_qm, stride_qd, start_m, seqlen_q, head_dim, float32(1.0))
                 if not SHARE_QDO:
@@ -322,21 +345,41 @@ def _build_dkdv(HEAD_DIM, config, IS_CAUSAL, IS_BF16, EVEN_HEAD_DIM, UNIT_STRIDE
                             for e in range(S_STEP):
                                 dpT[i, j] += kv_frag[i, e] * qdo_frag[j, e]
 
-                # Mask only the tiles that cross the end of the keys or the causal diagonal.
-                if start_n + BLOCK_N > seqlen_k or (IS_CAUSAL and start_n + BLOCK_N - 1 > start_m + diag):
+                # The forward's scores: softcap (keeping tanh's derivative), ALiBi, then the mask.
+                if SOFTCAP:
+                    for i in range(TN):
+                        for j in range(TM):
+                            t = _tanh(sT[i, j])
+                            dcapT[i, j] = float32(1.0) - t * t
+                            sT[i, j] = t * softcap_log2
+                if ALIBI:
                     for i in range(TN):
                         for j in range(TM):
                             key = start_n + ty + THREADS_N * i
                             row = start_m + tx + THREADS_M * j
-                            if key >= seqlen_k or (IS_CAUSAL and key > row + diag):
+                            sT[i, j] -= slope * float32(abs(row + diag - key))
+                # Mask only the tiles that cross the end of the keys or a window edge.
+                if (start_n + BLOCK_N > seqlen_k
+                        or (RIGHT and start_n + BLOCK_N - 1 > start_m + diag + window_right)
+                        or (LEFT and start_n < start_m + BLOCK_M - 1 + diag - window_left)):
+                    for i in range(TN):
+                        for j in range(TM):
+                            key = start_n + ty + THREADS_N * i
+                            row = start_m + tx + THREADS_M * j
+                            if (key >= seqlen_k or (RIGHT and key > row + diag + window_right)
+                                    or (LEFT and key < row + diag - window_left)):
                                 sT[i, j] = -math.inf
 
-                # Pᵀ = exp2(Sᵀ - L) and dSᵀ = Pᵀ ∘ (dPᵀ - delta), to shared memory for the two products.
+                # Pᵀ = exp2(Sᵀ - L) and dSᵀ = Pᵀ ∘ (dPᵀ - delta) (softcap: times 1 - tanh²), to shared memory
+                # for the two products.
                 for i in range(TN):
                     for j in range(TM):
                         pT = math.exp2(sT[i, j] - lse_m[j])
+                        dsT = pT * (dpT[i, j] - delta_m[j])
+                        if SOFTCAP:
+                            dsT *= dcapT[i, j]
                         pT_tile[ty + THREADS_N * i, tx + THREADS_M * j] = pT
-                        dsT_tile[ty + THREADS_N * i, tx + THREADS_M * j] = pT * (dpT[i, j] - delta_m[j])
+                        dsT_tile[ty + THREADS_N * i, tx + THREADS_M * j] = dsT
                 cuda.syncthreads()
 
                 # dv += Pᵀ dO: the thread's TN x TD micro-tile, 4 queries a step.
@@ -387,9 +430,9 @@ def _build_dkdv(HEAD_DIM, config, IS_CAUSAL, IS_BF16, EVEN_HEAD_DIM, UNIT_STRIDE
     return _jit(_attn_bwd_dkdv, MAX_REGISTERS)
 
 
-def _build_dq(HEAD_DIM, config, IS_CAUSAL, IS_BF16, EVEN_HEAD_DIM, UNIT_STRIDE_D):
-    """The dQ kernel for one padded head dim, block shape (the forward's ``BlockConfig``), causality, input
-    kind, whether head_dim is HEAD_DIM and whether q, k, v and dO are contiguous along head_dim."""
+def _build_dq(HEAD_DIM, config, LEFT, RIGHT, SOFTCAP, ALIBI, IS_BF16, EVEN_HEAD_DIM, UNIT_STRIDE_D):
+    """The dQ kernel for one padded head dim, block shape (the forward's ``BlockConfig``), ``Features``,
+    input kind, whether head_dim is HEAD_DIM and whether q, k, v and dO are contiguous along head_dim."""
     BLOCK_M, BLOCK_N, THREADS_M, THREADS_N, SHARE_KV, MAX_REGISTERS = config
     NUM_WARPS = THREADS_M * THREADS_N // 32
     TM = BLOCK_M // THREADS_M  # rows of S, dP and dq per thread
@@ -414,11 +457,12 @@ def _build_dq(HEAD_DIM, config, IS_CAUSAL, IS_BF16, EVEN_HEAD_DIM, UNIT_STRIDE_D
         stride_vb, stride_vh, stride_vn, stride_vd,
         stride_dob, stride_doh, stride_dom, stride_dod,
         stride_lb, stride_lh, stride_lm,
-        heads, group, seqlen_q, seqlen_k, head_dim, scale, qk_scale, num_m_tiles,
+        heads, group, seqlen_q, seqlen_k, head_dim, scale, qk_scale,
+        window_left, window_right, softcap_log2, slopes, stride_ab, stride_ah, num_m_tiles,
     ):
-        """One block: BLOCK_M query rows of one (batch, head). Arguments as ``_attn_bwd_dkdv``'s; dq:
-        (B, H, seqlen_q, head_dim), flat, contiguous, in q's dtype."""
-        # Key j is visible to query i iff j <= i + diag.
+        """One block: BLOCK_M query rows of one (batch, head). Arguments as ``_attn_bwd_dkdv``'s (qk_scale
+        pre-scales Q here); dq: (B, H, seqlen_q, head_dim), flat, contiguous, in q's dtype."""
+        # Key j is visible to query i iff i + diag - window_left <= j <= i + diag + window_right.
         diag = seqlen_k - seqlen_q
         # Query tiles fastest and last first: under causal the last query tiles see the most keys, so the
         # longest blocks start first.
@@ -444,6 +488,7 @@ def _build_dq(HEAD_DIM, config, IS_CAUSAL, IS_BF16, EVEN_HEAD_DIM, UNIT_STRIDE_D
         acc = cuda.local.array((TM, TD), float32)  # [TM, TD] of dQ's [BLOCK_M, HEAD_DIM]
         s = cuda.local.array((TM, TN), float32)  # [TM, TN] of S's [BLOCK_M, BLOCK_N]
         dp = cuda.local.array((TM, TN), float32)  # [TM, TN] of dP's [BLOCK_M, BLOCK_N]
+        dcap = cuda.local.array((TM, TN), float32)  # softcap: 1 - tanh² of S's raw scores
         lse_m = cuda.local.array(TM, float32)  # L · log2 e of the thread's rows
         delta_m = cuda.local.array(TM, float32)
         qdo_frag = cuda.local.array((TM, S_STEP), float32)
@@ -464,15 +509,19 @@ def _build_dq(HEAD_DIM, config, IS_CAUSAL, IS_BF16, EVEN_HEAD_DIM, UNIT_STRIDE_D
 
         k_offset = off_b * stride_kb + off_hk * stride_kh
         v_offset = off_b * stride_vb + off_hk * stride_vh
-        # Q pre-scaled by qk_scale = scale · log2 e: S comes out of its loop ready for exp2.
+        # Q pre-scaled by qk_scale = scale · log2 e (with a softcap c: scale / c): S comes out of its loop
+        # ready for exp2 (for tanh).
         load_tile(q_tile, q, off_b * stride_qb + off_h * stride_qh, stride_qm, stride_qd, start_m, seqlen_q,
                   head_dim, qk_scale)
+        # ALiBi's slope for this (batch, head), in base 2.
+        slope = slopes[uint64(off_b * stride_ab + off_h * stride_ah)] * float32(LOG2E) if ALIBI else float32(0.0)
         load_tile(do_tile, do, off_b * stride_dob + off_h * stride_doh, stride_dom, stride_dod, start_m,
                   seqlen_q, head_dim, float32(1.0))
 
-        # Causal: the tile's last row sees keys up to start_m + BLOCK_M - 1 + diag; later tiles are skipped.
-        end_n = min(seqlen_k, start_m + BLOCK_M + diag) if IS_CAUSAL else seqlen_k
-        for start_n in range(0, end_n, BLOCK_N):
+        # The key tiles the tile's rows see, as the forward's; the others are skipped.
+        begin_n = max(start_m + diag - window_left, 0) // BLOCK_N * BLOCK_N if LEFT else 0
+        end_n = min(seqlen_k, min(start_m + BLOCK_M, seqlen_q) + diag + window_right) if RIGHT else seqlen_k
+        for start_n in range(begin_n, end_n, BLOCK_N):
             cuda.syncthreads()  # the previous tile's k_tile, v_tile and ds_tile have been read
             load_tile(v_tile, v, v_offset, stride_vn, stride_vd, start_n, seqlen_k, head_dim, float32(1.0))
             if not SHARE_KV:
@@ -516,20 +565,39 @@ def _build_dq(HEAD_DIM, config, IS_CAUSAL, IS_BF16, EVEN_HEAD_DIM, UNIT_STRIDE_D
                         for e in range(S_STEP):
                             s[i, j] += qdo_frag[i, e] * kv_frag[j, e]
 
-            # Mask only the tiles that cross the end of the keys or the causal diagonal.
-            if start_n + BLOCK_N > seqlen_k or (IS_CAUSAL and start_n + BLOCK_N - 1 > start_m + diag):
+            # The forward's scores: softcap (keeping tanh's derivative), ALiBi, then the mask.
+            if SOFTCAP:
+                for i in range(TM):
+                    for j in range(TN):
+                        t = _tanh(s[i, j])
+                        dcap[i, j] = float32(1.0) - t * t
+                        s[i, j] = t * softcap_log2
+            if ALIBI:
                 for i in range(TM):
                     for j in range(TN):
                         row = start_m + ty + THREADS_M * i
                         key = start_n + tx + THREADS_N * j
-                        if key >= seqlen_k or (IS_CAUSAL and key > row + diag):
+                        s[i, j] -= slope * float32(abs(row + diag - key))
+            # Mask only the tiles that cross the end of the keys or a window edge.
+            if (start_n + BLOCK_N > seqlen_k
+                    or (RIGHT and start_n + BLOCK_N - 1 > start_m + diag + window_right)
+                    or (LEFT and start_n < start_m + BLOCK_M - 1 + diag - window_left)):
+                for i in range(TM):
+                    for j in range(TN):
+                        row = start_m + ty + THREADS_M * i
+                        key = start_n + tx + THREADS_N * j
+                        if (key >= seqlen_k or (RIGHT and key > row + diag + window_right)
+                                or (LEFT and key < row + diag - window_left)):
                             s[i, j] = -math.inf
 
-            # P = exp2(S - L) and dS = P ∘ (dP - delta), to shared memory for dS K.
+            # P = exp2(S - L) and dS = P ∘ (dP - delta) (softcap: times 1 - tanh²), to shared memory for dS K.
             for i in range(TM):
                 for j in range(TN):
                     p = math.exp2(s[i, j] - lse_m[i])
-                    ds_tile[ty + THREADS_M * i, tx + THREADS_N * j] = p * (dp[i, j] - delta_m[i])
+                    ds = p * (dp[i, j] - delta_m[i])
+                    if SOFTCAP:
+                        ds *= dcap[i, j]
+                    ds_tile[ty + THREADS_M * i, tx + THREADS_N * j] = ds
             cuda.syncthreads()
 
             # acc += dS K: the thread's TM x TD micro-tile, 4 keys a step.
@@ -561,7 +629,7 @@ def _build_dq(HEAD_DIM, config, IS_CAUSAL, IS_BF16, EVEN_HEAD_DIM, UNIT_STRIDE_D
 
 
 # Compiled kernels by (name, *the builder's arguments): ("preprocess", HEAD_DIM, IS_BF16, EVEN_HEAD_DIM),
-# ("dkdv" or "dq", HEAD_DIM, config, IS_CAUSAL, IS_BF16, EVEN_HEAD_DIM, UNIT_STRIDE_D).
+# ("dkdv" or "dq", HEAD_DIM, config, LEFT, RIGHT, SOFTCAP, ALIBI, IS_BF16, EVEN_HEAD_DIM, UNIT_STRIDE_D).
 _KERNELS: dict[tuple, object] = {}
 _BUILDERS = {"preprocess": _build_preprocess, "dkdv": _build_dkdv, "dq": _build_dq}
 
@@ -580,8 +648,7 @@ def flash_attn_backward(
     O: torch.Tensor,
     L: torch.Tensor,
     dO: torch.Tensor,
-    causal: bool,
-    scale: float,
+    spec: AttentionSpec,
     config: tuple[DkDvConfig, BlockConfig] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Arguments:
@@ -591,7 +658,8 @@ def flash_attn_backward(
             numba's simulator.
         O, dO: (batch, heads, seqlen_q, head_dim), q's dtype; L: (batch, heads, seqlen_q), float32, natural
             log, from the forward (+inf on rows that see no key); any strides.
-        causal, scale: as in ``flash_attn_forward``.
+        spec: what the forward computed (``fa2.spec.AttentionSpec``: scale, window, softcap, ALiBi slopes),
+            as in ``flash_attn_forward``; the slopes get no gradient.
         config: the two kernels' blocks, for tuning; default ``bwd_block_config(padded_head_dim(head_dim))``.
 
     Returns:
@@ -617,13 +685,16 @@ def flash_attn_backward(
     dkdv_config, dq_config = DkDvConfig(*dkdv_config), BlockConfig(*dq_config)
     is_bf16, even_head_dim = q.dtype == torch.bfloat16, head_dim == HEAD_DIM
     unit_stride_d = q.stride(3) == k.stride(3) == v.stride(3) == dO.stride(3) == 1
-    flags = (bool(causal), is_bf16, even_head_dim, unit_stride_d)
+    flags = (*features(spec), is_bf16, even_head_dim, unit_stride_d)
     # The kernels' views of the tensors: flat arrays over their memory, indexed with their element strides.
     flat_q, flat_k, flat_v, flat_do, flat_lse, flat_delta = (_flat(t) for t in (q, k, v, dO, L, delta))
     inputs = (flat_q, flat_k, flat_v, flat_do, flat_lse, flat_delta)
     strides = (*q.stride(), *k.stride(), *v.stride(), *dO.stride(), *L.stride())
     group = heads // heads_k  # query heads per key/value head (the interface checked the division)
-    sizes = (heads, group, seqlen_q, seqlen_k, head_dim, np.float32(scale), np.float32(scale * LOG2E))
+    sizes = (
+        heads, group, seqlen_q, seqlen_k, head_dim, np.float32(spec.scale), np.float32(score_scale(spec)),
+        *feature_args(spec, seqlen_q, seqlen_k, q.device),
+    )
     pre_m_tiles = -(-seqlen_q // PRE_BLOCK_M)
     num_n_tiles = -(-seqlen_k // dkdv_config.BLOCK_N)
     num_m_tiles = -(-seqlen_q // dq_config.BLOCK_M)
@@ -670,9 +741,9 @@ def kernel_resources() -> list[dict]:
             HEAD_DIM, IS_BF16, EVEN_HEAD_DIM = key
             spec = {"HEAD_DIM": HEAD_DIM, "bf16": IS_BF16, "even_head_dim": EVEN_HEAD_DIM}
         else:
-            HEAD_DIM, config, IS_CAUSAL, IS_BF16, EVEN_HEAD_DIM, UNIT_STRIDE_D = key
+            HEAD_DIM, config, *switches, IS_BF16, EVEN_HEAD_DIM, UNIT_STRIDE_D = key
             spec = {
-                "HEAD_DIM": HEAD_DIM, **config._asdict(), "causal": IS_CAUSAL, "bf16": IS_BF16,
+                "HEAD_DIM": HEAD_DIM, **config._asdict(), **_feature_columns(switches), "bf16": IS_BF16,
                 "even_head_dim": EVEN_HEAD_DIM, "unit_stride_d": UNIT_STRIDE_D,
             }
         regs = kernel.get_regs_per_thread()

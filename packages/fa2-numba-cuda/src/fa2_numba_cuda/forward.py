@@ -29,9 +29,26 @@ of heads_k; query head h reads key/value head ``off_hk = h // group``, group = h
 arithmetic on the head as FlashAttention-2 does (K and V are never repeated or copied). ``group`` is a
 runtime argument: one compiled kernel serves every group size.
 
-Causal is bottom-right aligned (key j visible to query i iff j <= i + seqlen_k - seqlen_q); key tiles wholly
-above the diagonal are never visited, and the mask is applied only to tiles that cross the diagonal or the
-end of the keys. A row that sees no key gets O = 0 and L = +inf.
+What is computed comes as an ``fa2.spec.AttentionSpec``; its features are compile-time switches of the
+kernel (``Features``: window bounded on the left, on the right, softcap, ALiBi), their values runtime
+arguments (one kernel serves every window size, softcap and slope). Per query row i and key j, with diag =
+seqlen_k - seqlen_q, in this order:
+
+- softcap c > 0: Q is pre-scaled by scale / c instead of scale · log2 e, and the score becomes
+  tanh(s) · c · log2 e (``_tanh``: fp32, from exp2, which runs in the simulator as on the GPU);
+- ALiBi: minus slope[b, h] · log2 e · |i + diag - j|, slopes a (batch, heads) fp32 tensor of any strides;
+- window (left, right), bottom-right aligned like causal (causal is (-1, 0)): key j is visible iff
+  i + diag - left <= j <= i + diag + right. With seqlen_q = 4, seqlen_k = 6 and window (1, 0)::
+
+      0 1 1 0 0 0
+      0 0 1 1 0 0
+      0 0 0 1 1 0
+      0 0 0 0 1 1
+
+  A block visits only the key tiles that hold some key its rows see (``[begin_n, end_n)``), so that the
+  cost follows the window; only tiles that cross a window edge or the end of the keys are masked.
+
+A row that sees no key gets O = 0 and L = +inf.
 
 Inputs: fp32, fp16, or bf16 (passed as its raw 16-bit patterns, an int16 view, and widened in-kernel by a
 shift: numba has no bf16 arrays); any strides, nothing copied: the kernel gets flat views of the memory each
@@ -39,7 +56,7 @@ tensor spans and its element strides (``stride_qb, stride_qh, stride_qm, stride_
 to 256, padded to a multiple of 32 inside the block.
 
 Launch: on torch's current CUDA stream, no host synchronisation; one compiled kernel per (padded head dim,
-block shape, causal, bf16 or not, head_dim == padded, unit head-dim strides), built once by
+block shape, Features, bf16 or not, head_dim == padded, unit head-dim strides), built once by
 ``_build_kernel`` and cached; ``kernel_resources`` reports registers, shared and local memory of each.
 Under numba's CUDA simulator (NUMBA_ENABLE_CUDASIM=1) the same kernel runs on CPU tensors, one Python
 thread per CUDA thread: use tiny shapes there.
@@ -53,6 +70,7 @@ from typing import NamedTuple
 import numba
 import numpy as np
 import torch
+from fa2.spec import UNBOUNDED, AttentionSpec
 from numba import cuda, float32, int16, int32, uint64
 
 MAX_HEAD_DIM = 256
@@ -114,6 +132,67 @@ def _to_float(x):
 @cuda.jit(device=True)
 def _identity(x):
     return x
+
+
+@cuda.jit(device=True)
+def _tanh(x):
+    """tanh(x) in fp32 from exp2, for the softcap: sign(x) · (1 - e) / (1 + e) with e = exp(-2|x|) in [0, 1],
+    so that nothing overflows: exactly ±1 once e is below fp32's resolution at 1 (|x| > 9), NaN for NaN;
+    absolute error about 1e-7 (the rounding of 1 - e). numba's simulator may give math.tanh as a libdevice
+    stub; this runs the same in the simulator and on the GPU."""
+    e = math.exp2(float32(-2.0 * LOG2E) * abs(x))
+    t = (float32(1.0) - e) / (float32(1.0) + e)
+    return t if x >= float32(0.0) else -t
+
+
+class Features(NamedTuple):
+    """The compile-time switches an ``AttentionSpec`` becomes, part of every kernel's key (the forward's,
+    the tensor-core forward's and the backward's): LEFT, RIGHT: the window bounds keys on that side (causal:
+    RIGHT with window_right = 0); SOFTCAP: scores are capped; ALIBI: scores get the ALiBi bias. The window
+    sizes, the softcap and the slopes are runtime arguments (``feature_args``)."""
+
+    LEFT: bool
+    RIGHT: bool
+    SOFTCAP: bool
+    ALIBI: bool
+
+
+def features(spec: AttentionSpec) -> Features:
+    left, right = spec.window
+    return Features(left != UNBOUNDED, right != UNBOUNDED, spec.softcap > 0, spec.alibi_slopes is not None)
+
+
+def feature_args(spec: AttentionSpec, seqlen_q: int, seqlen_k: int, device: torch.device) -> tuple:
+    """The kernels' runtime arguments for the spec's features: window_left, window_right (each clamped to
+    seqlen_q + seqlen_k, past which a bound excludes nothing more; 0 where unbounded, unread), softcap_log2 =
+    softcap · log2 e (0 without), and the slopes as a flat fp32 array with their batch and head strides
+    (without ALiBi, one fp32 zero on ``device`` with strides 0, unread)."""
+    far = seqlen_q + seqlen_k
+    left, right = (min(w, far) if w != UNBOUNDED else 0 for w in spec.window)
+    slopes = spec.alibi_slopes
+    if slopes is None:
+        slopes_args = (_no_slopes(device), 0, 0)
+    else:
+        slopes_args = (_flat(slopes), *slopes.stride())
+    return (left, right, np.float32(spec.softcap * LOG2E), *slopes_args)
+
+
+_NO_SLOPES: dict[torch.device, object] = {}
+
+
+def _no_slopes(device: torch.device):
+    """The slopes argument of kernels without ALiBi: a flat fp32 array of one zero, one per device, made once
+    (not an alias of another argument: the simulator copies each array argument back after the launch)."""
+    flat = _NO_SLOPES.get(device)
+    if flat is None:
+        flat = _NO_SLOPES[device] = _flat(torch.zeros(1, dtype=torch.float32, device=device))
+    return flat
+
+
+def score_scale(spec: AttentionSpec) -> float:
+    """What the SIMT kernels pre-scale Q (or K) by: scale · log2 e, so that S comes out ready for exp2; with
+    a softcap c, scale / c, the argument of tanh (the kernel then multiplies tanh by c · log2 e)."""
+    return spec.scale / spec.softcap if spec.softcap > 0 else spec.scale * LOG2E
 
 
 class BlockConfig(NamedTuple):
@@ -182,10 +261,11 @@ def _tile_loader(HEAD_DIM, NUM_WARPS, EVEN_HEAD_DIM, UNIT_STRIDE_D, to_float):
     return load_tile
 
 
-def _build_kernel(HEAD_DIM, config, IS_CAUSAL, IS_BF16, EVEN_HEAD_DIM, UNIT_STRIDE_D):
-    """The kernel for one padded head dim, block shape, input kind, causality, whether head_dim is HEAD_DIM
-    (EVEN_HEAD_DIM: no column checks) and whether q, k and v are contiguous along head_dim (UNIT_STRIDE_D:
-    column addresses are constant offsets), all compile-time constants."""
+def _build_kernel(HEAD_DIM, config, LEFT, RIGHT, SOFTCAP, ALIBI, IS_BF16, EVEN_HEAD_DIM, UNIT_STRIDE_D):
+    """The kernel for one padded head dim, block shape, ``Features`` (LEFT, RIGHT, SOFTCAP, ALIBI), input
+    kind, whether head_dim is HEAD_DIM (EVEN_HEAD_DIM: no column checks) and whether q, k and v are
+    contiguous along head_dim (UNIT_STRIDE_D: column addresses are constant offsets), all compile-time
+    constants."""
     BLOCK_M, BLOCK_N, THREADS_M, THREADS_N, SHARE_KV, MAX_REGISTERS = config
     NUM_WARPS = THREADS_M * THREADS_N // 32
     TM = BLOCK_M // THREADS_M  # rows of S, P and O per thread
@@ -212,11 +292,14 @@ def _build_kernel(HEAD_DIM, config, IS_CAUSAL, IS_BF16, EVEN_HEAD_DIM, UNIT_STRI
         stride_kb, stride_kh, stride_kn, stride_kd,
         stride_vb, stride_vh, stride_vn, stride_vd,
         heads, group, seqlen_q, seqlen_k, head_dim, qk_scale, num_m_tiles,
+        window_left, window_right, softcap_log2, slopes, stride_ab, stride_ah,
     ):
         """One block: BLOCK_M query rows of one (batch, head). q: a flat view of a (B, H, N, D) tensor, k, v
         of (B, H // group, N, D) tensors, with the given element strides; o: (B, H, seqlen_q, head_dim) and
-        lse: (B, H, seqlen_q), flat, contiguous; o in q's dtype, lse fp32."""
-        # Key j is visible to query i iff j <= i + diag.
+        lse: (B, H, seqlen_q), flat, contiguous; o in q's dtype, lse fp32. qk_scale: Q's pre-scale
+        (``score_scale``); window_left, window_right, softcap_log2, slopes and their strides: as
+        ``feature_args`` gives them, read only where the kernel's Features say so."""
+        # Key j is visible to query i iff i + diag - window_left <= j <= i + diag + window_right.
         diag = seqlen_k - seqlen_q
         start_m = (cuda.blockIdx.x % num_m_tiles) * BLOCK_M
         off_bh = cuda.blockIdx.x // num_m_tiles
@@ -255,14 +338,22 @@ def _build_kernel(HEAD_DIM, config, IS_CAUSAL, IS_BF16, EVEN_HEAD_DIM, UNIT_STRI
         k_offset = off_b * stride_kb + off_hk * stride_kh
         v_offset = off_b * stride_vb + off_hk * stride_vh
         q_offset = off_b * stride_qb + off_h * stride_qh
-        # Q pre-scaled by qk_scale = scale · log2 e: S comes out of the loop ready for exp2.
+        # Q pre-scaled by qk_scale = scale · log2 e (with a softcap c: scale / c): S comes out of the loop
+        # ready for exp2 (for tanh).
         load_tile(q_tile, q, q_offset, stride_qm, stride_qd, start_m, seqlen_q, head_dim, qk_scale)
+        # ALiBi's slope for this (batch, head), in base 2.
+        slope = slopes[uint64(off_b * stride_ab + off_h * stride_ah)] * float32(LOG2E) if ALIBI else float32(0.0)
+        # side-by-side: end
+
+        # side-by-side: window
+        # The key tiles that hold a key some row of the tile sees: from the first row's left edge to the last
+        # row's right edge, clipped to [0, seqlen_k); the others are skipped (causal: window_right = 0).
+        begin_n = max(start_m + diag - window_left, 0) // BLOCK_N * BLOCK_N if LEFT else 0
+        end_n = min(seqlen_k, min(start_m + BLOCK_M, seqlen_q) + diag + window_right) if RIGHT else seqlen_k
         # side-by-side: end
 
         # side-by-side: loop
-        # Causal: the tile's last row sees keys up to start_m + BLOCK_M - 1 + diag; later tiles are skipped.
-        end_n = min(seqlen_k, start_m + BLOCK_M + diag) if IS_CAUSAL else seqlen_k
-        for start_n in range(0, end_n, BLOCK_N):
+        for start_n in range(begin_n, end_n, BLOCK_N):
             cuda.syncthreads()  # the previous tile's k_tile, v_tile and p_tile have been read
             load_tile(k_tile, k, k_offset, stride_kn, stride_kd, start_n, seqlen_k, head_dim, float32(1.0))
             if not SHARE_KV:
@@ -288,14 +379,36 @@ def _build_kernel(HEAD_DIM, config, IS_CAUSAL, IS_BF16, EVEN_HEAD_DIM, UNIT_STRI
                             s[i, j] += q_frag[i, e] * k_frag[j, e]
             # side-by-side: end
 
-            # side-by-side: mask
-            # Mask only the tiles that cross the end of the keys or the causal diagonal.
-            if start_n + BLOCK_N > seqlen_k or (IS_CAUSAL and start_n + BLOCK_N - 1 > start_m + diag):
+            # side-by-side: softcap
+            # Softcap c: Q was pre-scaled by scale / c, so c · log2 e · tanh(s) is the capped score in base 2.
+            if SOFTCAP:
+                for i in range(TM):
+                    for j in range(TN):
+                        s[i, j] = _tanh(s[i, j]) * softcap_log2
+            # side-by-side: end
+
+            # side-by-side: alibi
+            # ALiBi: minus slope · log2 e times the key's distance from the query's diagonal, |i + diag - j|.
+            if ALIBI:
                 for i in range(TM):
                     for j in range(TN):
                         row = start_m + ty + THREADS_M * i
                         key = start_n + tx + THREADS_N * j
-                        if key >= seqlen_k or (IS_CAUSAL and key > row + diag):
+                        s[i, j] -= slope * float32(abs(row + diag - key))
+            # side-by-side: end
+
+            # side-by-side: mask
+            # Mask only the tiles that cross the end of the keys or a window edge: the tile's last key past the
+            # first row's right edge, or its first key before the last row's left edge.
+            if (start_n + BLOCK_N > seqlen_k
+                    or (RIGHT and start_n + BLOCK_N - 1 > start_m + diag + window_right)
+                    or (LEFT and start_n < start_m + BLOCK_M - 1 + diag - window_left)):
+                for i in range(TM):
+                    for j in range(TN):
+                        row = start_m + ty + THREADS_M * i
+                        key = start_n + tx + THREADS_N * j
+                        if (key >= seqlen_k or (RIGHT and key > row + diag + window_right)
+                                or (LEFT and key < row + diag - window_left)):
                             s[i, j] = -math.inf
             # side-by-side: end
 
@@ -373,7 +486,7 @@ def _build_kernel(HEAD_DIM, config, IS_CAUSAL, IS_BF16, EVEN_HEAD_DIM, UNIT_STRI
     return cuda.jit(_attn_fwd) if simulated() else cuda.jit(max_registers=MAX_REGISTERS)(_attn_fwd)
 
 
-# Compiled kernels by (HEAD_DIM, BlockConfig, IS_CAUSAL, IS_BF16, EVEN_HEAD_DIM, UNIT_STRIDE_D).
+# Compiled kernels by (HEAD_DIM, BlockConfig, LEFT, RIGHT, SOFTCAP, ALIBI, IS_BF16, EVEN_HEAD_DIM, UNIT_STRIDE_D).
 _KERNELS: dict[tuple, object] = {}
 
 
@@ -388,8 +501,7 @@ def flash_attn_forward(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    causal: bool,
-    scale: float,
+    spec: AttentionSpec,
     config: BlockConfig | None = None,
     tensor_cores: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -398,11 +510,20 @@ def flash_attn_forward(
             of heads_k (grouped-query attention; heads_k = 1 is multi-query): query head h attends to key/value
             head h // (heads // heads_k); any strides; fp32, fp16 or bf16; CUDA tensors, or CPU tensors under
             numba's simulator.
-        causal: bottom-right aligned, key j visible to query i iff j <= i + seqlen_k - seqlen_q::
+        spec: what to compute (``fa2.spec.AttentionSpec``): scale; window (left, right), bottom-right aligned,
+            key j visible to query i iff i + seqlen_k - seqlen_q - left <= j <= i + seqlen_k - seqlen_q + right
+            (-1: no bound on that side; causal is (-1, 0))::
 
-            seqlen_q = 2, seqlen_k = 5:   1 1 1 1 0
-                                          1 1 1 1 1
-        scale: multiplies q kᵀ before the softmax.
+                causal, seqlen_q = 2, seqlen_k = 5:   1 1 1 1 0
+                                                      1 1 1 1 1
+
+                window (1, 0), seqlen_q = 4, seqlen_k = 6:   0 1 1 0 0 0
+                                                             0 0 1 1 0 0
+                                                             0 0 0 1 1 0
+                                                             0 0 0 0 1 1
+            softcap (scores become softcap · tanh(scores / softcap), fp32); alibi_slopes ((batch, heads)
+            float32 on q's device, any strides: scores get -slope · |i + seqlen_k - seqlen_q - j|). Every
+            combination runs in both kernels.
         config: the block shape, for tuning; default ``block_config(padded_head_dim(head_dim))``, or for
             the tensor-core kernel ``forward_tc.tc_config(...)`` (a ``forward_tc.TensorCoreConfig``).
         tensor_cores: which kernel. None: the tensor-core kernel (``forward_tc``) for fp16 and bf16 with
@@ -411,15 +532,15 @@ def flash_attn_forward(
             input the forced kernel cannot take is an error). Neither falls back to the other.
 
     Returns:
-        O: (batch, heads, seqlen_q, head_dim), q's dtype. L: (batch, heads, seqlen_q), float32, natural log;
-        rows that see no key get O = 0 and L = +inf.
+        O: (batch, heads, seqlen_q, head_dim), q's dtype. L: (batch, heads, seqlen_q), float32, natural log
+        of the sum of exp of the final (capped, biased) scores; rows that see no key get O = 0 and L = +inf.
     """
     from fa2_numba_cuda import forward_tc  # imported here: forward_tc imports this module's helpers
 
     if tensor_cores is None:
         tensor_cores = forward_tc.uses_tensor_cores(q)
     if tensor_cores:
-        return forward_tc.flash_attn_forward(q, k, v, causal, scale, config)
+        return forward_tc.flash_attn_forward(q, k, v, spec, config)
     batch, heads, seqlen_q, head_dim = q.shape
     if head_dim > MAX_HEAD_DIM:
         raise NotImplementedError(f"fa2-numba-cuda supports head_dim up to {MAX_HEAD_DIM}, got {head_dim}")
@@ -433,13 +554,14 @@ def flash_attn_forward(
     config = BlockConfig(*config) if config is not None else block_config(HEAD_DIM)
     unit_stride_d = q.stride(3) == k.stride(3) == v.stride(3) == 1
     is_bf16, even_head_dim = q.dtype == torch.bfloat16, head_dim == HEAD_DIM
-    kernel = _kernel(HEAD_DIM, config, bool(causal), is_bf16, even_head_dim, unit_stride_d)
+    kernel = _kernel(HEAD_DIM, config, *features(spec), is_bf16, even_head_dim, unit_stride_d)
     num_m_tiles = -(-seqlen_q // config.BLOCK_M)
     group = heads // k.shape[1]  # query heads per key/value head (the interface checked the division)
     grid, block = num_m_tiles * batch * heads, config.THREADS_M * config.THREADS_N
     args = (
         *(_flat(t) for t in (q, k, v, O, L)), *q.stride(), *k.stride(), *v.stride(),
-        heads, group, seqlen_q, k.shape[2], head_dim, np.float32(scale * LOG2E), num_m_tiles,
+        heads, group, seqlen_q, k.shape[2], head_dim, np.float32(score_scale(spec)), num_m_tiles,
+        *feature_args(spec, seqlen_q, k.shape[2], q.device),
     )
     if simulated():
         kernel[grid, block](*args)
@@ -448,6 +570,11 @@ def flash_attn_forward(
             stream = cuda.external_stream(torch.cuda.current_stream(q.device).cuda_stream)
             kernel[grid, block, stream](*args)
     return O, L
+
+
+def _feature_columns(switches) -> dict:
+    """kernel_resources' columns for a kernel's Features."""
+    return {name.lower(): bool(on) for name, on in zip(Features._fields, switches)}
 
 
 def _check_device(q: torch.Tensor) -> None:
@@ -487,13 +614,13 @@ def kernel_resources() -> list[dict]:
     if simulated():
         return []
     rows = []
-    for (HEAD_DIM, config, IS_CAUSAL, IS_BF16, EVEN_HEAD_DIM, UNIT_STRIDE_D), kernel in _KERNELS.items():
+    for (HEAD_DIM, config, *switches, IS_BF16, EVEN_HEAD_DIM, UNIT_STRIDE_D), kernel in _KERNELS.items():
         regs = kernel.get_regs_per_thread()
         shared = kernel.get_shared_mem_per_block()
         local = kernel.get_local_mem_per_thread()
         for signature in regs:
             rows.append({
-                "HEAD_DIM": HEAD_DIM, **config._asdict(), "causal": IS_CAUSAL, "bf16": IS_BF16,
+                "HEAD_DIM": HEAD_DIM, **config._asdict(), **_feature_columns(switches), "bf16": IS_BF16,
                 "even_head_dim": EVEN_HEAD_DIM, "unit_stride_d": UNIT_STRIDE_D,
                 "signature": ", ".join(str(t) for t in signature),
                 "registers_per_thread": regs[signature], "shared_bytes_per_block": shared[signature],

@@ -35,9 +35,15 @@ instructions and their register layouts):
 Grouped-query attention (GQA; MQA with one key/value head), as ``fa2_numba_cuda.forward``: query head h
 reads key/value head ``off_hk = h // group`` (group = heads // heads_k, a runtime argument) in place.
 
-Causal is bottom-right aligned (key j visible to query i iff j <= i + seqlen_k - seqlen_q): key tiles wholly
-above the diagonal are not visited, and only tiles that cross the diagonal or the end of the keys are
-masked. Causal blocks are launched longest-first. Rows that see no key get O = 0 and L = +inf. seqlen_q and
+Windows, softcap and ALiBi as ``fa2_numba_cuda.forward`` (the same ``Features``, compile-time switches;
+window sizes, softcap and slopes runtime arguments): the window (left, right) is bottom-right aligned, key j
+visible to query i iff i + diag - left <= j <= i + diag + right with diag = seqlen_k - seqlen_q (causal is
+(-1, 0)). A block visits only the key tiles [begin_n, end_n) that hold a key some row of it sees; a warp
+masks only the tiles that cross a window edge of its 16 rows or the end of the keys. Blocks with a right
+bound are launched longest-first. With a softcap or ALiBi, ``row_max`` turns the raw scores into the final
+ones in base 2 before the mask: x = s · qk_scale; softcap c: qk_scale = |scale| / c and x = c · log2 e ·
+tanh(x) (``_tanh_approx``: exp2 on ex2.approx, no overflow); ALiBi: x -= slope · log2 e · |i + diag - j|;
+the exponentials then take x with a scale of 1. Rows that see no key get O = 0 and L = +inf. seqlen_q and
 seqlen_k need not be multiples of anything (tiles are zero-padded, padded keys masked), head_dim is padded
 to a multiple of 16 with zeros.
 
@@ -48,7 +54,7 @@ raised, never answered by the other. Under numba's simulator this kernel runs on
 (``tensor_cores=True``), on ``mma.py``'s Python emulation of the instructions: slow, for tests.
 
 Launch: on torch's current CUDA stream; one compiled kernel per (padded head dim, TensorCoreConfig,
-causal, bf16 or fp16, head_dim == padded, cp.async or plain loads, head_dim even: O stored in pairs),
+Features, bf16 or fp16, head_dim == padded, cp.async or plain loads, head_dim even: O stored in pairs),
 cached; ``kernel_resources`` reports registers, shared and local memory of each.
 """
 
@@ -61,7 +67,19 @@ import numpy as np
 import torch
 from numba import cuda, float32, int16, int32, uint32, uint64
 
-from fa2_numba_cuda.forward import LN2, LOG2E, SHARED_ALIGN, _check_device, _flat, simulated
+from fa2.spec import AttentionSpec
+
+from fa2_numba_cuda.forward import (
+    LN2,
+    LOG2E,
+    SHARED_ALIGN,
+    _check_device,
+    _feature_columns,
+    _flat,
+    feature_args,
+    features,
+    simulated,
+)
 from fa2_numba_cuda.mma import (
     all_lanes,
     cp_async_16,
@@ -145,8 +163,18 @@ def uses_tensor_cores(q: torch.Tensor) -> bool:
     )
 
 
-def _build_kernel(HEAD_DIM, config, IS_CAUSAL, IS_BF16, EVEN_HEAD_DIM, ASYNC_LOADS, O_PAIRS):
-    """The kernel for one padded head dim, block shape, causality and input type; EVEN_HEAD_DIM: head_dim is
+@device_function
+def _tanh_approx(x):
+    """tanh(x) in fp32 as ``forward._tanh`` (sign(x) · (1 - e) / (1 + e), e = exp(-2|x|): no overflow, ±1 for
+    large |x|), with e from one ex2.approx."""
+    e = exp2_approx(float32(-2.0 * LOG2E) * abs(x))
+    t = (float32(1.0) - e) / (float32(1.0) + e)
+    return t if x >= float32(0.0) else -t
+
+
+def _build_kernel(HEAD_DIM, config, LEFT, RIGHT, SOFTCAP, ALIBI, IS_BF16, EVEN_HEAD_DIM, ASYNC_LOADS, O_PAIRS):
+    """The kernel for one padded head dim, block shape, ``Features`` (LEFT, RIGHT, SOFTCAP, ALIBI) and input
+    type; EVEN_HEAD_DIM: head_dim is
     HEAD_DIM (no column checks); ASYNC_LOADS: cp.async copies 16 B chunks (q, k, v contiguous along
     head_dim, rows 16 B aligned); O_PAIRS: head_dim is even and o is an int32 view (two elements a store)."""
     NUM_WARPS, BLOCK_N, _, S_AHEAD = config
@@ -161,6 +189,7 @@ def _build_kernel(HEAD_DIM, config, IS_CAUSAL, IS_BF16, EVEN_HEAD_DIM, ASYNC_LOA
     O_TILES = HEAD_DIM // 8  # 8-column tiles of O
     SIGN_BITS = -0x7FFF8000  # 0x80008000 as an int32: the sign bits of a pair of 16-bit floats
     CHUNKS = HEAD_DIM // 8  # 16 B chunks per row
+    SCALED = SOFTCAP or ALIBI  # row_max turns s into the final scores, in base 2: exponentials scale by 1
     assert BLOCK_N % 16 == 0 and HEAD_DIM % 16 == 0
     mma = mma_bf16 if IS_BF16 else mma_f16
     pack = pack_bf16x2 if IS_BF16 else pack_f16x2
@@ -270,18 +299,35 @@ def _build_kernel(HEAD_DIM, config, IS_CAUSAL, IS_BF16, EVEN_HEAD_DIM, ASYNC_LOA
 
     def softmax_max(BUF):
         @device_function
-        def row_max(s, m_i, alpha, m_safe, start_n, seqlen_k, start_m, diag, row0, t, qk_scale):
+        def row_max(s, m_i, alpha, m_safe, start_n, seqlen_k, warp_m, diag, row0, t, qk_scale, window_left,
+                    window_right, softcap_log2, slope):
             """The first half of the online softmax of s[BUF] (the key tile at start_n), for rows g (h = 0:
-            s[BUF, :, 0:2]) and g + 8 (h = 1: s[BUF, :, 2:4]): the mask, the new row max m_i, alpha and m_safe,
-            the max to subtract. In base 2: the max of the raw scores times qk_scale > 0 is the max of the
-            scaled ones. Returns whether acc must be rescaled: some row of the warp has a new max (alpha != 1)."""
-            # The mask, only on tiles that cross the end of the keys or the causal diagonal.
-            if start_n + BLOCK_N > seqlen_k or (IS_CAUSAL and start_n + BLOCK_N - 1 > start_m + diag):
+            s[BUF, :, 0:2]) and g + 8 (h = 1: s[BUF, :, 2:4]) of the warp's 16 from warp_m: with a softcap or
+            ALiBi the final scores in base 2 (SCALED), the mask, the new row max m_i, alpha and m_safe, the max
+            to subtract. In base 2: without SCALED, the max of the raw scores times qk_scale > 0 is the max of
+            the scaled ones. Returns whether acc must be rescaled: some row of the warp has a new max (alpha
+            != 1)."""
+            if SCALED:
+                for j in range(N_TILES):
+                    for e in range(4):
+                        x = s[BUF, j, e] * qk_scale  # softcap c: qk_scale = |scale| / c
+                        if SOFTCAP:
+                            x = _tanh_approx(x) * softcap_log2
+                        if ALIBI:
+                            key = start_n + 8 * j + 2 * t + e % 2
+                            row = row0 + 8 * (e // 2)
+                            x -= slope * float32(abs(row + diag - key))
+                        s[BUF, j, e] = x
+            # The mask, only on tiles that cross the end of the keys or a window edge of the warp's rows.
+            if (start_n + BLOCK_N > seqlen_k
+                    or (RIGHT and start_n + BLOCK_N - 1 > warp_m + diag + window_right)
+                    or (LEFT and start_n < warp_m + 15 + diag - window_left)):
                 for j in range(N_TILES):
                     for e in range(4):
                         key = start_n + 8 * j + 2 * t + e % 2
                         row = row0 + 8 * (e // 2)
-                        if key >= seqlen_k or (IS_CAUSAL and key > row + diag):
+                        if (key >= seqlen_k or (RIGHT and key > row + diag + window_right)
+                                or (LEFT and key < row + diag - window_left)):
                             s[BUF, j, e] = -math.inf
             unchanged = True
             for h in range(2):
@@ -290,7 +336,7 @@ def _build_kernel(HEAD_DIM, config, IS_CAUSAL, IS_BF16, EVEN_HEAD_DIM, ASYNC_LOA
                     m_tile = max(m_tile, max(s[BUF, j, 2 * h], s[BUF, j, 2 * h + 1]))
                 m_tile = max(m_tile, shfl_xor(m_tile, 1))
                 m_tile = max(m_tile, shfl_xor(m_tile, 2))
-                m_new = max(m_i[h], m_tile * qk_scale)
+                m_new = max(m_i[h], m_tile if SCALED else m_tile * qk_scale)
                 unchanged = unchanged and m_new == m_i[h]
                 # A row with nothing visible yet has m_new = -inf; subtracting 0 instead keeps exp2 at 0, not NaN.
                 m_safe[h] = m_new if m_new != -math.inf else float32(0.0)
@@ -408,15 +454,17 @@ def _build_kernel(HEAD_DIM, config, IS_CAUSAL, IS_BF16, EVEN_HEAD_DIM, ASYNC_LOA
         stride_kb, stride_kh, stride_kn, stride_kd,
         stride_vb, stride_vh, stride_vn, stride_vd,
         heads, group, seqlen_q, seqlen_k, head_dim, qk_scale, negate_q, num_m_tiles,
+        window_left, window_right, softcap_log2, slopes, stride_ab, stride_ah,
     ):
         """One block: BLOCK_M query rows of one (batch, head). q, k, v: flat int16 views (fp16 or bf16 bit
         patterns) of (B, H, N, D) tensors, k and v with H // group heads, with the given element strides;
         o: (B, H, seqlen_q, head_dim), flat, contiguous, int32 pairs (O_PAIRS) or int16; lse: (B, H,
-        seqlen_q) fp32, flat."""
-        # Key j is visible to query i iff j <= i + diag.
+        seqlen_q) fp32, flat. The window, softcap and slopes arguments as ``forward.feature_args`` gives
+        them, read only where the kernel's Features say so."""
+        # Key j is visible to query i iff i + diag - window_left <= j <= i + diag + window_right.
         diag = seqlen_k - seqlen_q
         m_block = cuda.blockIdx.x % num_m_tiles
-        if IS_CAUSAL:
+        if RIGHT:
             m_block = num_m_tiles - 1 - m_block  # the longest rows first
         start_m = m_block * BLOCK_M
         off_bh = cuda.blockIdx.x // num_m_tiles
@@ -472,24 +520,30 @@ def _build_kernel(HEAD_DIM, config, IS_CAUSAL, IS_BF16, EVEN_HEAD_DIM, ASYNC_LOA
             for e in range(4):
                 acc[c, e] = 0.0
 
-        # Causal: the block's last row sees keys up to start_m + BLOCK_M - 1 + diag; later tiles are skipped.
-        end_n = min(seqlen_k, start_m + BLOCK_M + diag) if IS_CAUSAL else seqlen_k
-        row0 = start_m + 16 * warp + g
-        if end_n > 0:
-            load_kv(smem, smem_base, 0, k, k_base, k_offset, stride_kn, stride_kd, 0, seqlen_k, head_dim)
+        # The key tiles that hold a key some row of the block sees: from the first row's left edge to the last
+        # row's right edge, clipped to [0, seqlen_k); the others are skipped (causal: window_right = 0).
+        begin_n = max(start_m + diag - window_left, 0) // BLOCK_N * BLOCK_N if LEFT else 0
+        end_n = min(seqlen_k, min(start_m + BLOCK_M, seqlen_q) + diag + window_right) if RIGHT else seqlen_k
+        warp_m = start_m + 16 * warp
+        row0 = warp_m + g
+        # ALiBi's slope for this (batch, head), in base 2; with SCALED, the exponentials take final scores.
+        slope = slopes[uint64(off_b * stride_ab + off_h * stride_ah)] * float32(LOG2E) if ALIBI else float32(0.0)
+        exp_scale = float32(1.0) if SCALED else qk_scale
+        if begin_n < end_n:
+            load_kv(smem, smem_base, 0, k, k_base, k_offset, stride_kn, stride_kd, begin_n, seqlen_k, head_dim)
         if S_AHEAD:
             # S of the next key tile is computed while the softmax of this one runs, their instructions
             # interleaved in the source (ptxas keeps that order), so that each warp has mma and FP32 work to
             # issue at once: s[0] and s[1] take turns.
-            if end_n > 0:
+            if begin_n < end_n:
                 wait_tiles()
                 cuda.syncthreads()
                 qk_0(s, q_frag, k_lane)
                 cuda.syncthreads()  # every warp is done with K's first tile
-                if BLOCK_N < end_n:
-                    load_kv(smem, smem_base, 0, k, k_base, k_offset, stride_kn, stride_kd, BLOCK_N, seqlen_k,
-                            head_dim)
-            for start_n in range(0, end_n, 2 * BLOCK_N):
+                if begin_n + BLOCK_N < end_n:
+                    load_kv(smem, smem_base, 0, k, k_base, k_offset, stride_kn, stride_kd, begin_n + BLOCK_N,
+                            seqlen_k, head_dim)
+            for start_n in range(begin_n, end_n, 2 * BLOCK_N):
                 for half in range(2):  # the tiles at start_n (S in s[0]) and start_n + BLOCK_N (in s[1])
                     n0 = start_n + half * BLOCK_N
                     if n0 < end_n:
@@ -498,19 +552,21 @@ def _build_kernel(HEAD_DIM, config, IS_CAUSAL, IS_BF16, EVEN_HEAD_DIM, ASYNC_LOA
                         load_kv(smem, smem_base, V_ROW, v, v_base, v_offset, stride_vn, stride_vd, n0, seqlen_k,
                                 head_dim)
                         if half == 0:
-                            rescale = max_0(s, m_i, alpha, m_safe, n0, seqlen_k, start_m, diag, row0, t, qk_scale)
+                            rescale = max_0(s, m_i, alpha, m_safe, n0, seqlen_k, warp_m, diag, row0, t, qk_scale,
+                                            window_left, window_right, softcap_log2, slope)
                             if n0 + BLOCK_N < end_n:
-                                ahead_0(s, q_frag, k_lane, l_i, alpha, m_safe, qk_scale)
+                                ahead_0(s, q_frag, k_lane, l_i, alpha, m_safe, exp_scale)
                             else:
-                                exp_0_row_g(s, l_i, alpha, m_safe, qk_scale)
-                                exp_0_row_g8(s, l_i, alpha, m_safe, qk_scale)
+                                exp_0_row_g(s, l_i, alpha, m_safe, exp_scale)
+                                exp_0_row_g8(s, l_i, alpha, m_safe, exp_scale)
                         else:
-                            rescale = max_1(s, m_i, alpha, m_safe, n0, seqlen_k, start_m, diag, row0, t, qk_scale)
+                            rescale = max_1(s, m_i, alpha, m_safe, n0, seqlen_k, warp_m, diag, row0, t, qk_scale,
+                                            window_left, window_right, softcap_log2, slope)
                             if n0 + BLOCK_N < end_n:
-                                ahead_1(s, q_frag, k_lane, l_i, alpha, m_safe, qk_scale)
+                                ahead_1(s, q_frag, k_lane, l_i, alpha, m_safe, exp_scale)
                             else:
-                                exp_1_row_g(s, l_i, alpha, m_safe, qk_scale)
-                                exp_1_row_g8(s, l_i, alpha, m_safe, qk_scale)
+                                exp_1_row_g(s, l_i, alpha, m_safe, exp_scale)
+                                exp_1_row_g8(s, l_i, alpha, m_safe, exp_scale)
                         wait_tiles()
                         cuda.syncthreads()  # V's tile has landed; every warp is done with K's
                         if n0 + 2 * BLOCK_N < end_n:
@@ -521,7 +577,7 @@ def _build_kernel(HEAD_DIM, config, IS_CAUSAL, IS_BF16, EVEN_HEAD_DIM, ASYNC_LOA
                         else:
                             pv_1(s, acc, alpha, rescale, v_lane)
         else:
-            for start_n in range(0, end_n, BLOCK_N):
+            for start_n in range(begin_n, end_n, BLOCK_N):
                 wait_tiles()
                 cuda.syncthreads()  # K's tile has landed; every warp is done with the previous V tile
                 load_kv(smem, smem_base, V_ROW, v, v_base, v_offset, stride_vn, stride_vd, start_n, seqlen_k,
@@ -532,9 +588,10 @@ def _build_kernel(HEAD_DIM, config, IS_CAUSAL, IS_BF16, EVEN_HEAD_DIM, ASYNC_LOA
                 if start_n + BLOCK_N < end_n:
                     load_kv(smem, smem_base, 0, k, k_base, k_offset, stride_kn, stride_kd, start_n + BLOCK_N,
                             seqlen_k, head_dim)
-                rescale = max_0(s, m_i, alpha, m_safe, start_n, seqlen_k, start_m, diag, row0, t, qk_scale)
-                exp_0_row_g(s, l_i, alpha, m_safe, qk_scale)
-                exp_0_row_g8(s, l_i, alpha, m_safe, qk_scale)
+                rescale = max_0(s, m_i, alpha, m_safe, start_n, seqlen_k, warp_m, diag, row0, t, qk_scale,
+                                window_left, window_right, softcap_log2, slope)
+                exp_0_row_g(s, l_i, alpha, m_safe, exp_scale)
+                exp_0_row_g8(s, l_i, alpha, m_safe, exp_scale)
                 pv_0(s, acc, alpha, rescale, v_lane)
 
         # Epilogue: the row sums over each quad, then O = acc / l and L = m + log(l), each once.
@@ -571,7 +628,8 @@ def _build_kernel(HEAD_DIM, config, IS_CAUSAL, IS_BF16, EVEN_HEAD_DIM, ASYNC_LOA
     return cuda.jit(_attn_fwd_tc)
 
 
-# Compiled kernels by (HEAD_DIM, TensorCoreConfig, IS_CAUSAL, IS_BF16, EVEN_HEAD_DIM, ASYNC_LOADS, O_PAIRS).
+# Compiled kernels by (HEAD_DIM, TensorCoreConfig, LEFT, RIGHT, SOFTCAP, ALIBI, IS_BF16, EVEN_HEAD_DIM,
+# ASYNC_LOADS, O_PAIRS).
 _KERNELS: dict[tuple, object] = {}
 
 
@@ -610,12 +668,19 @@ def _qk_scale(scale: float) -> np.float32:
     return np.float32(max(abs(scale) * LOG2E, float(np.finfo(np.float32).tiny)))
 
 
+def _score_scale(spec: AttentionSpec) -> np.float32:
+    """What the kernel multiplies raw scores (of q's sign-flipped fragments) by: ``_qk_scale``, or with a
+    softcap c, |scale| / c, the argument of tanh."""
+    if spec.softcap > 0:
+        return np.float32(abs(spec.scale) / spec.softcap)
+    return _qk_scale(spec.scale)
+
+
 def flash_attn_forward(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    causal: bool,
-    scale: float,
+    spec: AttentionSpec,
     config: TensorCoreConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Arguments:
@@ -623,11 +688,13 @@ def flash_attn_forward(
             of heads_k (grouped-query attention; heads_k = 1 is multi-query): query head h attends to key/value
             head h // (heads // heads_k); any strides; fp16 or bf16, head_dim <= 128; CUDA tensors on compute
             capability 8.0+, or CPU tensors under numba's simulator (emulated instructions, tiny shapes).
-        causal: bottom-right aligned, key j visible to query i iff j <= i + seqlen_k - seqlen_q::
+        spec: what to compute (``fa2.spec.AttentionSpec``): scale, window (left, right) bottom-right
+            aligned (key j visible to query i iff i + seqlen_k - seqlen_q - left <= j <= i + seqlen_k -
+            seqlen_q + right, -1 unbounded; causal is (-1, 0)), softcap, ALiBi slopes; as
+            ``fa2_numba_cuda.forward.flash_attn_forward`` draws them::
 
-            seqlen_q = 2, seqlen_k = 5:   1 1 1 1 0
-                                          1 1 1 1 1
-        scale: multiplies q kᵀ before the softmax.
+                causal, seqlen_q = 2, seqlen_k = 5:   1 1 1 1 0
+                                                      1 1 1 1 1
         config: the block shape, for tuning; default ``tc_config(padded_head_dim(head_dim))``.
 
     Returns:
@@ -657,7 +724,7 @@ def flash_attn_forward(
     _check_config(HEAD_DIM, config)
     async_loads = all(_rows_16b_aligned(t) for t in (q, k, v))
     o_pairs = head_dim % 2 == 0
-    kernel = _kernel(HEAD_DIM, config, bool(causal), q.dtype == torch.bfloat16, head_dim == HEAD_DIM,
+    kernel = _kernel(HEAD_DIM, config, *features(spec), q.dtype == torch.bfloat16, head_dim == HEAD_DIM,
                      async_loads, o_pairs)
     num_m_tiles = -(-seqlen_q // (16 * config.NUM_WARPS))
     group = heads // k.shape[1]  # query heads per key/value head (the interface checked the division)
@@ -666,7 +733,8 @@ def flash_attn_forward(
     args = (
         *(_flat(t.view(torch.int16)) for t in (q, k, v)), _flat(o_view), _flat(L),
         *q.stride(), *k.stride(), *v.stride(),
-        heads, group, seqlen_q, k.shape[2], head_dim, _qk_scale(scale), scale < 0, num_m_tiles,
+        heads, group, seqlen_q, k.shape[2], head_dim, _score_scale(spec), spec.scale < 0, num_m_tiles,
+        *feature_args(spec, seqlen_q, k.shape[2], q.device),
     )
     if simulated():
         kernel[grid, block](*args)
@@ -683,13 +751,13 @@ def kernel_resources() -> list[dict]:
     if simulated():
         return []
     rows = []
-    for (HEAD_DIM, config, IS_CAUSAL, IS_BF16, EVEN_HEAD_DIM, ASYNC_LOADS, O_PAIRS), kernel in _KERNELS.items():
+    for (HEAD_DIM, config, *switches, IS_BF16, EVEN_HEAD_DIM, ASYNC_LOADS, O_PAIRS), kernel in _KERNELS.items():
         regs = kernel.get_regs_per_thread()
         shared = kernel.get_shared_mem_per_block()
         local = kernel.get_local_mem_per_thread()
         for signature in regs:
             rows.append({
-                "kernel": "tensor-core", "HEAD_DIM": HEAD_DIM, **config._asdict(), "causal": IS_CAUSAL,
+                "kernel": "tensor-core", "HEAD_DIM": HEAD_DIM, **config._asdict(), **_feature_columns(switches),
                 "bf16": IS_BF16, "even_head_dim": EVEN_HEAD_DIM, "async_loads": ASYNC_LOADS,
                 "o_pairs": O_PAIRS, "signature": ", ".join(str(t) for t in signature),
                 "registers_per_thread": regs[signature], "shared_bytes_per_block": shared[signature],
