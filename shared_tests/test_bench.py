@@ -4,16 +4,23 @@ order, and keeps the median of its rounds, so that one slow stretch of the machi
 a provider whose timing raises is reported failed with the reason while the others keep their times. And
 the report's matmul ceilings for rows of a sweep run in --append parts: those of the part that measured
 them. And the command line: what it does by default, where it writes, and that a run which measures
-nothing leaves the earlier results as they were."""
+nothing leaves the earlier results as they were. And issue 20's options (--group, --window, --softcap,
+--heads, --fa2-entry): the visible pairs a window's TFLOP/s is counted over, against a brute-force count;
+the file names; the providers skipped for an option they lack, with the reason; the check against the
+reference with the same options; FlexAttention's mask and score modifiers (eager, on the CPU)."""
 
 from __future__ import annotations
+
+import dataclasses
+import warnings
 
 import pytest
 import torch
 
-from fa2 import registry
+from fa2 import reference, registry
 from fa2.bench import __main__ as cli
-from fa2.bench import report, sweep, timing
+from fa2.bench import providers, report, sweep, timing
+from fa2.bench.providers import Shape, visible_pairs
 
 CUDA = torch.device("cuda")
 
@@ -121,11 +128,187 @@ def test_a_run_that_measures_replaces_the_earlier_results(tmp_path):
 def test_grouped_query_shapes_give_k_and_v_fewer_heads(tmp_path):
     """--group 2: k and v with half the heads, the check's reference on each query head's key/value head."""
     cfg = sweep.Config(providers=("sdpa-math",), seqlens=(16,), head_dims=(16,), causals=(False, True),
-                       dtypes=("fp32",), device=torch.device("cpu"), out_dir=tmp_path, name="cpu-gqa2", group=2)
+                       dtypes=("fp32",), device=torch.device("cpu"), out_dir=tmp_path, name="cpu-gqa2", groups=(2,))
     assert [(s.heads, s.heads_k) for s in cfg.shapes()] == [(2, 1), (2, 1)]
     sweep.run(cfg, lambda total: cli._PlainProgress(total))
     rows = sweep.read_csv(tmp_path / "cpu-gqa2.csv")
     assert [(r["provider"], r["causal"]) for r in rows] == [("sdpa-math", "False"), ("sdpa-math", "True")]
     with pytest.raises(ValueError, match="--group 3 does not divide the 2 query heads"):
         sweep.Config(providers=(), seqlens=(16,), head_dims=(16,), causals=(False,), dtypes=("fp32",),
-                     device=torch.device("cpu"), out_dir=tmp_path, name="x", group=3).shapes()
+                     device=torch.device("cpu"), out_dir=tmp_path, name="x", groups=(3,)).shapes()
+
+
+def _brute_force_pairs(seqlen_q: int, seqlen_k: int, left: int, right: int) -> int:
+    """The visible pairs one by one, from the contract's rule (bottom-right, -1 unbounded)."""
+    shift = seqlen_k - seqlen_q
+    return sum((left < 0 or j >= i + shift - left) and (right < 0 or j <= i + shift + right)
+               for i in range(seqlen_q) for j in range(seqlen_k))
+
+
+@pytest.mark.parametrize("seqlen_q, seqlen_k", [(1, 1), (17, 17), (113, 113), (5, 23), (23, 5), (64, 0)],
+                         ids=lambda n: str(n))
+@pytest.mark.parametrize("window", [(-1, -1), (-1, 0), (0, 0), (4, 0), (16, 0), (200, 0), (3, 5), (-1, 2), (7, -1)],
+                         ids=lambda w: f"w{w[0]}_{w[1]}")
+def test_visible_pairs_count_exactly(seqlen_q, seqlen_k, window):
+    assert visible_pairs(seqlen_q, seqlen_k, window) == _brute_force_pairs(seqlen_q, seqlen_k, *window)
+
+
+def test_tflops_count_the_visible_pairs():
+    """A window's FLOPs: 4·B·H·D·pairs with the pairs counted exactly, the backward 2.5 times; full N², causal
+    N²/2 as before (the FlashAttention-2 paper's count)."""
+    n, w, d, b, h = 113, 16, 64, 2, 3
+    base = Shape("bf16", d, True, n, b, h)
+    windowed = dataclasses.replace(base, window=w)
+    assert windowed.window_pair == (w, 0) and base.window_pair == (-1, -1)
+    assert windowed.pairs == _brute_force_pairs(n, n, w, 0) == (w + 1) * n - w * (w + 1) // 2
+    assert windowed.flops == 4 * b * h * d * windowed.pairs
+    assert dataclasses.replace(windowed, mode="bwd").flops == 4 * b * h * d * windowed.pairs * 5 // 2
+    assert base.pairs == n * n // 2 and dataclasses.replace(base, causal=False).pairs == n * n
+    # A window over every key is causal, counted exactly: n (n + 1) / 2, n / 2 pairs more than causal's count.
+    assert dataclasses.replace(base, window=n).pairs == n * (n + 1) // 2
+    # issue 20's window: 4096 keys at N = 16k.
+    assert dataclasses.replace(base, seqlen=16384, window=4096).pairs == 4097 * 16384 - 4096 * 4097 // 2
+
+
+@pytest.mark.parametrize("argv, suffix", [
+    ([], ""),
+    (["--group", "4"], "-gqa4"),
+    (["--group", "1,4", "--heads", "32"], "-gqa4-h32"),
+    (["--group", "2,4"], "-gqa2+4"),
+    (["--window", "4096"], "-w4096"),
+    (["--window", "none,4096"], "-w4096"),
+    (["--softcap", "0,50"], "-cap50"),
+    (["--softcap", "30,50"], "-cap30+50"),
+    (["--quick", "--group", "4", "--window", "none,64", "--softcap", "0,2.5"], "-quick-gqa4-w64-cap2.5"),
+    (["--group", "4", "--fa2-entry", "attention"], "-gqa4-attention"),
+    (["--fa2-entry", "sdpa"], "-sdpa"),
+    (["--group", "4", "--window", "none,64"], "-gqa4-w64"),
+], ids=lambda x: " ".join(x) if isinstance(x, list) else x)
+def test_file_names_encode_the_options(argv, suffix):
+    assert cli.options_suffix(cli.parse_args(argv)) == suffix
+
+
+def test_options_parse_and_default():
+    args = cli.parse_args(["--group", "1,4", "--window", "none,4096", "--softcap", "0,50"])
+    assert args.group == (1, 4) and args.window == (-1, 4096) and args.softcap == (0.0, 50.0)
+    assert args.causal == ("yes",)  # a window is causal
+    assert args.fa2_entry == "attention"  # SDPA's signature has no window or softcap
+    assert cli.parse_args(["--group", "4"]).fa2_entry == "sdpa"  # issue 20 measures GQA through SDPA
+    assert cli.parse_args([]).fa2_entry == "attention"
+    assert cli.parse_args(["--window", "none"]).causal == ("no", "yes")
+    for bad in (["--window", "-2"], ["--window", "x"], ["--softcap", "-1"], ["--softcap", "inf"], ["--group", "0"]):
+        with pytest.raises(SystemExit):
+            cli.parse_args(bad)
+
+
+def test_shapes_put_windows_on_causal_shapes_only(tmp_path):
+    cfg = sweep.Config(providers=(), seqlens=(16,), head_dims=(16,), causals=(False, True), dtypes=("fp32",),
+                       device=torch.device("cpu"), out_dir=tmp_path, name="x", windows=(-1, 4), softcaps=(0.0, 2.0),
+                       groups=(1, 2), heads=4)
+    shapes = cfg.shapes()
+    assert {(s.causal, s.window) for s in shapes} == {(False, -1), (True, -1), (True, 4)}
+    assert len(shapes) == 2 * 3 * 2 and {s.heads for s in shapes} == {4} and {s.heads_k for s in shapes} == {4, 2}
+    with pytest.raises(ValueError, match="window \\(W, 0\\) with causal=True: give --causal yes"):
+        dataclasses.replace(cfg, causals=(False,)).shapes()
+    assert {s.window for s in dataclasses.replace(cfg, windows=(4,)).shapes()} == {4}  # no windowless shapes
+
+
+def _issues(path):
+    return {(r["provider"], r["window"], r["softcap"]): r["reason"] for r in sweep.read_csv(path)}
+
+
+def test_providers_without_an_option_are_skipped_with_the_reason(tmp_path):
+    """SDPA has no window or softcap: sdpa-math is skipped there, saying so, and measured on the plain shape;
+    fa2-pytorch (through fa2.attention) is measured on all of them, checked against the reference with the
+    same options."""
+    cfg = sweep.Config(providers=("fa2-pytorch", "sdpa-math"), seqlens=(32,), head_dims=(16,), causals=(True,),
+                       dtypes=("fp32",), device=torch.device("cpu"), out_dir=tmp_path, name="cpu",
+                       windows=(-1, 4), softcaps=(0.0, 2.0), groups=(2,))
+    sweep.run(cfg, lambda total: cli._PlainProgress(total))
+    rows = sweep.read_csv(tmp_path / "cpu.csv")
+    measured = {(r["provider"], r["window"], r["softcap"]) for r in rows}
+    assert measured == {("fa2-pytorch", w, c) for w in ("-1", "4") for c in ("0", "2")} | {("sdpa-math", "-1", "0")}
+    assert {r["heads_k"] for r in rows} == {"1"}
+    issues = _issues(tmp_path / "cpu-skipped.csv")
+    assert issues[("sdpa-math", "4", "0")] == ("window 4: sdpa-math: SDPA has no sliding window (only an explicit "
+                                               "attn_mask, which would not be a sliding window kernel)")
+    assert issues[("sdpa-math", "-1", "2")].startswith("softcap 2: sdpa-math: SDPA has no softcap")
+    assert issues[("sdpa-math", "4", "2")].startswith("window 4: ")
+    assert not any(p == "fa2-pytorch" for p, _, _ in issues)
+    windowed = next(r for r in rows if (r["provider"], r["window"], r["softcap"]) == ("fa2-pytorch", "4", "0"))
+    shape = Shape("fp32", 16, True, 32, 1, 2, "fwd", 2, 4)
+    assert float(windowed["tflops"]) == pytest.approx(shape.flops / (float(windowed["ms"]) * 1e-3) / 1e12, rel=1e-4)
+    summary = "\n".join(report.ratio_tables(report.load(tmp_path, "cpu")))
+    assert "| window | fa2-pytorch | fp32 | 16 | yes | H2/1 w4 / H2/1 |" in summary
+    assert "| softcap | fa2-pytorch | fp32 | 16 | yes | H2/1 w4 cap2 / H2/1 w4 |" in summary
+
+
+def test_fa2_through_sdpa_skips_what_sdpa_cannot_say(tmp_path):
+    """--fa2-entry sdpa: fa2.scaled_dot_product_attention(enable_gqa=True) is what is timed (its O checked);
+    a window has no place in SDPA's signature, so that shape is skipped with the reason."""
+    calls = []
+    real = providers.fa2.scaled_dot_product_attention
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs)
+        return real(*args, **kwargs)
+
+    cfg = sweep.Config(providers=("fa2-pytorch",), seqlens=(16,), head_dims=(16,), causals=(True,),
+                       dtypes=("fp32",), device=torch.device("cpu"), out_dir=tmp_path, name="cpu",
+                       windows=(-1, 4), groups=(1, 2), fa2_entry="sdpa")
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(providers.fa2, "scaled_dot_product_attention", spy)
+        sweep.run(cfg, lambda total: cli._PlainProgress(total))
+    assert calls and all(c == {"is_causal": True, "enable_gqa": True, "backend": "pytorch"} for c in calls)
+    rows = sweep.read_csv(tmp_path / "cpu.csv")
+    assert {(r["heads_k"], r["window"]) for r in rows} == {("2", "-1"), ("1", "-1")}
+    issues = _issues(tmp_path / "cpu-skipped.csv")
+    assert issues[("fa2-pytorch", "4", "0")] == (
+        "window 4: --fa2-entry sdpa: fa2.scaled_dot_product_attention has SDPA's signature, no sliding window "
+        "(--fa2-entry attention has)")
+
+
+def test_the_check_uses_the_options(tmp_path, monkeypatch):
+    """A provider that ignores the window or the softcap it was given fails the check ("wrong", not timed):
+    the reference computes what was asked for."""
+    def ignores(option):
+        def build(shape, device):
+            kept = dataclasses.replace(shape, **{option: providers.Shape.__dataclass_fields__[option].default})
+            return lambda q, k, v: tuple(t.to(q.dtype if t.dim() == 4 else torch.float32) for t in
+                                         reference.attention(q, k, v, kept.causal, window=kept.window_pair,
+                                                             softcap=kept.softcap))
+        return build
+
+    fakes = {f"ignores-{o}": providers.Provider(f"ignores-{o}", ignores(o), cuda_only=False, windows=True,
+                                                 softcaps=True) for o in ("window", "softcap")}
+    monkeypatch.setattr(sweep, "PROVIDERS", {**providers.PROVIDERS, **fakes})
+    cfg = sweep.Config(providers=("sdpa-math", *fakes), seqlens=(64,), head_dims=(16,), causals=(True,),
+                       dtypes=("fp32",), device=torch.device("cpu"), out_dir=tmp_path, name="cpu",
+                       windows=(-1, 4), softcaps=(0.0, 1.0))
+    sweep.run(cfg, lambda total: cli._PlainProgress(total))
+    measured = {(r["provider"], r["window"], r["softcap"]) for r in sweep.read_csv(tmp_path / "cpu.csv")}
+    assert ("ignores-window", "-1", "1") in measured and ("ignores-softcap", "4", "0") in measured
+    wrong = {(r["provider"], r["window"], r["softcap"]) for r in sweep.read_csv(tmp_path / "cpu-skipped.csv")
+             if r["status"] == "wrong"}
+    assert wrong == {("ignores-window", "4", "0"), ("ignores-window", "4", "1"), ("ignores-softcap", "-1", "1"),
+                     ("ignores-softcap", "4", "1")}
+
+
+@pytest.mark.parametrize("window, softcap, group", [(-1, 0.0, 1), (5, 0.0, 2), (-1, 1.5, 1), (5, 1.5, 2)],
+                         ids=["causal", "w5-gqa2", "cap1.5", "w5-cap1.5-gqa2"])
+def test_flex_mods_compute_the_reference(window, softcap, group):
+    """flex's mask_mod and score_mod for a shape, run eagerly on the CPU (the benchmark compiles them on a GPU),
+    against the reference with the same options."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    shape = Shape("fp32", 16, True, 40, 1, 4, group=group, window=window, softcap=softcap)
+    mask_mod, score_mod = providers.flex_mods(shape)
+    block_mask = create_block_mask(mask_mod, None, None, 40, 40, device="cpu")
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, h, 40, 16) for h in (4, shape.heads_k, shape.heads_k))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # flex's eager mode warns that it is not compiled
+        O, L = flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask, return_lse=True,
+                              enable_gqa=group > 1)
+    O_ref, L_ref = reference.attention(q, k, v, True, window=shape.window_pair, softcap=softcap)
+    assert (O.double() - O_ref).abs().max() < 1e-5 and (L.double() - L_ref).abs().max() < 1e-5

@@ -13,7 +13,7 @@ import torch
 
 from fa2 import registry
 from fa2.bench import report, sweep
-from fa2.bench.providers import DTYPES, PROVIDERS
+from fa2.bench.providers import DTYPES, FA2_ENTRIES, PROVIDERS
 
 # Without a GPU the kernels run emulated, as in nox's sessions. Triton and numba read these when imported,
 # and importing fa2 may import Triton, so they must be set before the interpreter starts.
@@ -33,6 +33,36 @@ def _choices(valid):
         return items
 
     return parse
+
+
+def _window(text: str) -> int:
+    """--window's entries: "none" (-1) or W >= 0."""
+    if text in ("none", "-1"):
+        return -1
+    try:
+        w = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a window is an int >= 0 or none, got {text!r}") from None
+    if w < 0:
+        raise argparse.ArgumentTypeError(f"a window is an int >= 0 or none, got {w}")
+    return w
+
+
+def _softcap(text: str) -> float:
+    try:
+        c = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a softcap is a number >= 0 (0: none), got {text!r}") from None
+    if not c >= 0 or c == float("inf"):
+        raise argparse.ArgumentTypeError(f"a softcap is a finite number >= 0 (0: none), got {text!r}")
+    return c
+
+
+def _positive(text: str) -> int:
+    n = int(text)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
+    return n
 
 
 def _defaults(table: dict, column: int, lead: str = "default") -> str:
@@ -69,16 +99,35 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         help="comma-separated")
     parser.add_argument("--seqlens", type=_list(int), help=f"comma-separated N; {_defaults(sweep.DEFAULTS, 0)}")
     parser.add_argument("--head-dims", type=_list(int), help=f"comma-separated D; {_defaults(sweep.DEFAULTS, 1)}")
-    parser.add_argument("--causal", type=_choices(["no", "yes"]), default="no,yes", help="no, yes or both")
+    parser.add_argument("--causal", type=_choices(["no", "yes"]),
+                        help="no, yes or both; default both, yes alone with a --window")
     parser.add_argument("--dtypes", type=_choices(list(DTYPES)),
                         help=f"comma-separated, of {','.join(DTYPES)}; {_defaults(sweep.DEFAULTS, 2)}")
     parser.add_argument("--modes", type=_choices(list(sweep.MODES)), default=",".join(sweep.MODES),
                         help="fwd: the forward; bwd: the backward alone (fa2's backends, sdpa-flash, -cudnn, "
                         "-math), on fewer shapes unless --seqlens or --dtypes are given: "
                         f"{_defaults(sweep.BWD_DEFAULTS, 0, 'N')}; {_defaults(sweep.BWD_DEFAULTS, 1, 'dtypes')}")
-    parser.add_argument("--group", type=int, default=1,
-                        help="query heads per key/value head: grouped-query attention, k and v with heads / GROUP "
-                        "heads (GPU: 2048 / D query heads); above 1 the files are named <name>-gqa<GROUP>")
+    parser.add_argument("--heads", type=_positive,
+                        help="query heads of every shape; default on a GPU 2048 / D (hidden 2048), emulated 2")
+    parser.add_argument("--group", type=_list(_positive), default="1",
+                        help="comma-separated query heads per key/value head: grouped-query attention, k and v "
+                        "with heads / GROUP heads, each GROUP a point of the sweep (1,4: the dense heads beside "
+                        "GQA in one process); the files are named <name>-gqa<GROUP> for those above 1")
+    parser.add_argument("--window", type=_list(_window), default="none",
+                        help="comma-separated sliding windows W (or none) of the causal shapes: fa2's "
+                        "window=(W, 0) with causal=True, each query sees its W + 1 most recent keys; TFLOP/s "
+                        "counted over the visible (query, key) pairs exactly. none,4096: plain causal beside "
+                        "the window. SDPA's backends have no window and are skipped there. Files "
+                        "<name>-w<W>")
+    parser.add_argument("--softcap", type=_list(_softcap), default="0",
+                        help="comma-separated logit softcaps C (0: none): scores become C·tanh(scores / C). "
+                        "SDPA's backends have none and are skipped there. Files <name>-cap<C>")
+    parser.add_argument("--fa2-entry", choices=FA2_ENTRIES,
+                        help="how the fa2 providers are called: attention, fa2.attention (O and L checked, "
+                        "every option); sdpa, fa2.scaled_dot_product_attention(is_causal=, enable_gqa=True) "
+                        "as issue 20 measures GQA (O checked; no window or softcap: those shapes are skipped). "
+                        "Default sdpa with a --group above 1 and no window or softcap, attention otherwise; "
+                        "the other one adds -<entry> to the file names")
     parser.add_argument("--quick", action="store_true",
                         help="a few shapes in one dtype (GPU: bf16, N 1k and 4k), written as <name>-quick")
     parser.add_argument("--out", type=Path, default=default_out(),
@@ -90,7 +139,34 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         help="keep the earlier rows of <name>.csv, replacing those measured again (a sweep in parts)")
     parser.add_argument("--report-only", action="store_true",
                         help="measure nothing: redraw <name>.md and the plots from <name>.csv")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.causal is None:
+        args.causal = ("yes",) if any(w >= 0 for w in args.window) else ("no", "yes")
+    args.default_entry = default_entry(args.group, args.window, args.softcap)
+    args.fa2_entry = args.fa2_entry or args.default_entry
+    return args
+
+
+def default_entry(groups, windows, softcaps) -> str:
+    """--fa2-entry's default: sdpa (issue 20's path) for GQA without a window or softcap, else attention."""
+    plain = all(w < 0 for w in windows) and not any(softcaps)
+    return "sdpa" if plain and any(g > 1 for g in groups) else "attention"
+
+
+def options_suffix(args: argparse.Namespace) -> str:
+    """What the file names add for the options: -quick, -gqa<G>, -h<H> (--heads), -w<W>, -cap<C> and the
+    entry where it is not the default; several values of one option joined by +: -gqa2+4."""
+    def part(prefix: str, values) -> str:
+        return f"-{prefix}{'+'.join(values)}" if values else ""
+
+    return "".join([
+        "-quick" if args.quick else "",
+        part("gqa", [str(g) for g in args.group if g > 1]),
+        f"-h{args.heads}" if args.heads else "",
+        part("w", [str(w) for w in args.window if w >= 0]),
+        part("cap", [f"{c:g}" for c in args.softcap if c]),
+        f"-{args.fa2_entry}" if args.fa2_entry != args.default_entry else "",
+    ])
 
 
 def default_name(device: torch.device) -> str:
@@ -141,8 +217,7 @@ def main(argv: list[str] | None = None) -> None:
         os.execve(sys.executable, [sys.executable, "-m", "fa2.bench", *argv], {**os.environ, **unset})
     seqlens, head_dims, dtypes = sweep.DEFAULTS[emulated, args.quick]
     bwd_seqlens, bwd_dtypes = sweep.BWD_DEFAULTS[emulated, args.quick]
-    name = args.name or default_name(device) + ("-quick" if args.quick else "") + (
-        f"-gqa{args.group}" if args.group > 1 else "")
+    name = args.name or default_name(device) + options_suffix(args)
     cfg = sweep.Config(
         providers=args.providers,
         seqlens=args.seqlens or seqlens,
@@ -155,7 +230,11 @@ def main(argv: list[str] | None = None) -> None:
         math_max_seqlen=args.math_max_seqlen,
         append=args.append,
         modes=args.modes,
-        group=args.group,
+        groups=args.group,
+        windows=args.window,
+        softcaps=args.softcap,
+        heads=args.heads,
+        fa2_entry=args.fa2_entry,
         bwd_seqlens=args.seqlens or bwd_seqlens,
         bwd_dtypes=args.dtypes or bwd_dtypes,
         command=shlex.join(["python", "-m", "fa2.bench", *argv]),

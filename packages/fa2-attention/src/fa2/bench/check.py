@@ -10,6 +10,9 @@ rows=...)`` keeps the causal alignment of the full matrix).
 The backward (mode "bwd"): row i of dq depends on row i of dO alone, so dq is checked on the same sample
 by the rule of shared_tests/test_gradients.py (three times the naive error plus twice the rounding error;
 fp32 within ``FP32_GRAD_ATOL``); dk and dv sum over every query row and are checked for NaN and inf only.
+
+The reference computes what the provider was asked for: the same causal mask, sliding window and softcap
+(``reference_sample(..., window=, softcap=)``), and each sampled query head against its key/value head.
 """
 
 from __future__ import annotations
@@ -46,10 +49,13 @@ def _max_err(x: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def reference_sample(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, seed: int = 0, dO: torch.Tensor | None = None
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, seed: int = 0, dO: torch.Tensor | None = None,
+    *, window: tuple[int, int] = (-1, -1), softcap: float = 0.0,
 ) -> Sample:
-    """The fp64 reference (and, in fp16/bf16, the naive same-precision one) on the sample of q's rows;
-    with ``dO``, also dq there."""
+    """The fp64 reference (and, in fp16/bf16, the naive same-precision one) on the sample of q's rows, with
+    the provider's options (``window`` and ``softcap`` as fa2.attention takes them); with ``dO``, also dq
+    there."""
+    options = {"window": window, "softcap": softcap}
     batch, heads, seqlen, _ = q.shape
     device = q.device
     batch_idx = torch.tensor([0, batch - 1], device=device).unique()
@@ -61,30 +67,30 @@ def reference_sample(
     head_idx_k = head_idx // (heads // k.shape[1])
     q = q.index_select(0, batch_idx).index_select(1, head_idx)
     k, v = (t.index_select(0, batch_idx).index_select(1, head_idx_k) for t in (k, v))
-    O_ref, L_ref = reference.attention(q, k, v, causal, rows=rows)
+    O_ref, L_ref = reference.attention(q, k, v, causal, rows=rows, **options)
     tol_O, tol_L = FP32_ATOL["O"], FP32_ATOL["L"]
     if q.dtype != torch.float32:
-        O_naive, L_naive = reference.attention(q, k, v, causal, upcast=False, rows=rows)
+        O_naive, L_naive = reference.attention(q, k, v, causal, upcast=False, rows=rows, **options)
         tol_O = 2 * _max_err(O_naive, O_ref) + 2 * _max_err(O_ref.to(q.dtype), O_ref)
         tol_L = 2 * _max_err(L_naive, L_ref) + L_FLOOR
     sample = Sample(batch_idx, head_idx, rows, O_ref, L_ref, tol_O, tol_L)
     if dO is not None:
         dO = _sampled(dO, sample)
-        sample.dq_ref = _dq_on_rows(q.double(), k.double(), v.double(), dO, causal, rows)
+        sample.dq_ref = _dq_on_rows(q.double(), k.double(), v.double(), dO, causal, rows, options)
         sample.tol_dq = FP32_GRAD_ATOL
         if q.dtype != torch.float32:
-            dq_naive = _dq_on_rows(q, k, v, dO, causal, rows, upcast=False)
+            dq_naive = _dq_on_rows(q, k, v, dO, causal, rows, options, upcast=False)
             dq_ref = sample.dq_ref
             sample.tol_dq = 3 * _max_err(dq_naive, dq_ref) + 2 * _max_err(dq_ref.to(q.dtype), dq_ref)
     return sample
 
 
-def _dq_on_rows(q, k, v, dO_rows, causal, rows, upcast=True) -> torch.Tensor:
-    """dq at ``rows`` of q: the gradient of those rows' outputs (fa2.reference, in q's dtype without
-    ``upcast``) against dO_rows."""
+def _dq_on_rows(q, k, v, dO_rows, causal, rows, options, upcast=True) -> torch.Tensor:
+    """dq at ``rows`` of q: the gradient of those rows' outputs (fa2.reference with ``options``, in q's dtype
+    without ``upcast``) against dO_rows."""
     with torch.enable_grad():
         q = q.detach().requires_grad_()
-        O, _ = reference.attention(q, k, v, causal, upcast=upcast, rows=rows)
+        O, _ = reference.attention(q, k, v, causal, upcast=upcast, rows=rows, **options)
         (dq,) = torch.autograd.grad(O, q, dO_rows.to(O.dtype))
     return dq.index_select(2, rows)
 
@@ -96,7 +102,8 @@ def _sampled(x: torch.Tensor, s: Sample) -> torch.Tensor:
 
 def problem(O: torch.Tensor, L: torch.Tensor | None, q: torch.Tensor, s: Sample) -> str | None:
     """None if (O, L) passes on the sample, else what is wrong. L None: the check covers O only. Every
-    row of the benchmark's shapes sees a key (seqlen_q = seqlen_k), so L must be finite throughout."""
+    row of the benchmark's shapes sees a key (seqlen_q = seqlen_k; a window (W, 0) keeps the diagonal), so
+    L must be finite throughout."""
     if O.shape != q.shape or O.dtype != q.dtype:
         return f"O is {tuple(O.shape)} {O.dtype}, want {tuple(q.shape)} {q.dtype}"
     outputs = [("O", O, s.O_ref, s.tol_O)]

@@ -1,17 +1,20 @@
 """TFLOP/s against N, one figure per mode and head_dim (``<name>-fwd-D64.png``, ``<name>-bwd-D64.png``): a
-panel per (dtype, causal), a line per provider, the matmul ceiling of that precision, as measured by the run
-(or the part of an --append sequence) that measured the panel, as a horizontal line."""
+panel per (dtype, causal), a line per provider (one per variant, a marker each, where the run has several:
+GQA, window, softcap), the matmul ceiling of that precision, as measured by the run (or the part of an
+--append sequence) that measured the panel, as a horizontal line."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 from fa2.bench.providers import PROVIDERS
-from fa2.bench.report import MODE_NAMES, Run, groups, seqlen_label
+from fa2.bench.report import MODE_NAMES, Run, groups, seqlen_label, variant, variant_text
 
 # Only bf16 and fp32 matmuls are measured; fp16 panels draw the bf16 ceiling (Hopper's fp16 and bf16
 # tensor-core peaks are equal).
 CEILING_OF = {"bf16": "bf16", "fp16": "bf16", "fp32": "fp32"}
+# A run with several variants (GQA, windows, softcaps): one marker per variant, the provider's colour.
+MARKERS = ("o", "s", "^", "D", "v", "x")
 
 
 def plot(run: Run, out_dir: Path, name: str) -> list[Path]:
@@ -30,6 +33,7 @@ def _plot_mode(run: Run, mode: str, out_dir: Path, name: str) -> list[Path]:
     if run.emulated:
         title += "\nEMULATED: CPU, Triton interpreter, numba simulator, tiny shapes (not GPU speed)"
     seqlens = sorted({r["seqlen"] for r in run.results})
+    variants = sorted({variant(r) for r in run.results})
     paths = []
     for head_dim in sorted({r["head_dim"] for r in run.results}):
         dtypes = list(dict.fromkeys(g[0] for g in groups(run.results) if g[1] == head_dim))
@@ -39,11 +43,14 @@ def _plot_mode(run: Run, mode: str, out_dir: Path, name: str) -> list[Path]:
             ceiling = ceilings.get(f"{CEILING_OF[dtype]}_matmul_tflops")
             for ax, causal in zip(ax_row, (False, True)):
                 for p in PROVIDERS:
-                    pts = sorted((r["seqlen"], r["tflops"]) for r in run.results
-                                 if (r["provider"], r["dtype"], r["head_dim"], r["causal"]) == (p, dtype, head_dim, causal))
-                    if pts:
-                        ax.plot(*zip(*pts), marker="o", color=colors[p], label=p,
-                                linestyle="-" if p.startswith("fa2-") else "--")
+                    for v in variants:
+                        pts = sorted((r["seqlen"], r["tflops"]) for r in run.results
+                                     if (r["provider"], r["dtype"], r["head_dim"], r["causal"], variant(r))
+                                     == (p, dtype, head_dim, causal, v))
+                        if pts:
+                            label = p if len(variants) == 1 else f"{p} {variant_text(v)}"
+                            ax.plot(*zip(*pts), marker=MARKERS[variants.index(v) % len(MARKERS)], color=colors[p],
+                                    label=label, linestyle="-" if p.startswith("fa2-") else "--")
                 if ceiling:
                     n = ceilings["matmul_size"]
                     ax.axhline(ceiling, color="gray", linestyle=":",

@@ -4,19 +4,30 @@ Every provider returns O and the natural-log logsumexp L from (batch, heads, seq
 inputs. The baselines are forced explicitly, each through the aten op of one SDPA backend (never the
 dispatcher), so that a kernel that cannot run fails instead of falling back to another.
 
-    fa2-pytorch, fa2-triton, fa2-numba-cuda   fa2.attention(q, k, v, causal=..., backend=...)
+    fa2-pytorch, fa2-triton, fa2-numba-cuda   fa2.attention(q, k, v, causal=..., window=..., softcap=...,
+                     backend=...), or with ``--fa2-entry sdpa`` fa2.scaled_dot_product_attention(q, k, v,
+                     is_causal=..., enable_gqa=True, backend=...), which returns O alone (checked alone)
     sdpa-flash       torch.ops.aten._scaled_dot_product_flash_attention (FlashAttention-2 in PyTorch)
     sdpa-cudnn       torch.ops.aten._scaled_dot_product_cudnn_attention; its L comes back (B, H, N, 1)
     sdpa-efficient   torch.ops.aten._scaled_dot_product_efficient_attention (memory-efficient, CUTLASS)
     sdpa-math        torch.ops.aten._scaled_dot_product_attention_math: materialises the scores and
                      returns O and the attention weights, not L; its check covers O only
-    flex             FlexAttention compiled with torch.compile, return_lse=True, causal through a block
-                     mask made once per shape
+    flex             FlexAttention compiled with torch.compile, return_lse=True, causal and the sliding
+                     window through a block mask made once per shape, the softcap as a score_mod
 
 SDPA's causal mask is aligned top-left and fa2's bottom-right; they agree because every benchmark shape
 has seqlen_q = seqlen_k. With ``--group`` (grouped-query attention) k and v have fewer heads: the fa2
 backends, sdpa-flash and sdpa-cudnn take them as they are (an op that refuses them is recorded as failed),
-sdpa-math and flex with ``enable_gqa=True``.
+sdpa-math and flex with ``enable_gqa=True``. SDPA's flash and cuDNN ops are what
+``F.scaled_dot_product_attention(..., enable_gqa=True)`` calls under ``sdpa_kernel(FLASH_ATTENTION)``
+(``CUDNN_ATTENTION``): those backends read the fewer key/value heads in place; only the math backend repeats
+them.
+
+Sliding windows (``--window W``: window (W, 0) with causal, each query sees its W + 1 most recent keys) and
+softcapping (``--softcap C``) run in the fa2 backends (through fa2.attention: SDPA's signature has neither,
+so ``--fa2-entry sdpa`` skips those shapes) and in flex. SDPA's flash, cuDNN, memory-efficient and math
+backends take neither option: they are skipped for those shapes, with the reason, not emulated with an
+explicit mask.
 
 Mode ``bwd`` times the backward alone: the provider's forward runs once on inputs that require grad, then
 ``torch.autograd.grad(O, (q, k, v), dO, retain_graph=True)`` is timed. It runs for the fa2 backends and
@@ -28,7 +39,7 @@ runs FlashAttention-2's, cuDNN's and the math backward.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
@@ -56,16 +67,35 @@ class Shape:
     heads: int
     mode: str = "fwd"
     group: int = 1
+    # Sliding window: -1 none, W >= 0 fa2's window (W, 0) with causal (each query sees its W + 1 most recent
+    # keys). Only causal shapes have one.
+    window: int = -1
+    # Logit softcapping: 0.0 none, C > 0 scores become C · tanh(scores / C).
+    softcap: float = 0.0
 
     @property
     def heads_k(self) -> int:
         return self.heads // self.group
 
     @property
+    def window_pair(self) -> tuple[int, int]:
+        """fa2.attention's ``window`` argument: (W, 0), or (-1, -1) without a window."""
+        return (self.window, 0) if self.window >= 0 else (-1, -1)
+
+    @property
+    def pairs(self) -> int:
+        """The (query, key) pairs counted per (batch, head): N² full; N²/2 causal (the FlashAttention-2 paper's
+        count, kept so that causal figures compare with earlier runs and with flash-attn's); with a window,
+        exactly the visible pairs (``visible_pairs``), as issue 20 counts sliding windows."""
+        if self.window >= 0:
+            return visible_pairs(self.seqlen, self.seqlen, (self.window, 0))
+        return self.seqlen**2 // 2 if self.causal else self.seqlen**2
+
+    @property
     def flops(self) -> int:
-        """4·B·H·N²·D (two matmuls), halved when causal; the backward 2.5 times that (five matmuls)."""
-        flops = 4 * self.batch * self.heads * self.seqlen**2 * self.head_dim
-        flops = flops // 2 if self.causal else flops
+        """4·B·H·D·pairs (two matmuls over the pairs counted, see ``pairs``); the backward 2.5 times that (five
+        matmuls)."""
+        flops = 4 * self.batch * self.heads * self.pairs * self.head_dim
         return flops * 5 // 2 if self.mode == "bwd" else flops
 
     @property
@@ -76,7 +106,31 @@ class Shape:
     def __str__(self) -> str:
         causal = "causal" if self.causal else "full"
         heads = f"H{self.heads}" + (f"/{self.heads_k}" if self.group > 1 else "")
-        return f"{self.mode} {self.dtype} B{self.batch} {heads} N{self.seqlen} D{self.head_dim} {causal}"
+        options = variant_label(self.group, self.window, self.softcap)
+        return (f"{self.mode} {self.dtype} B{self.batch} {heads} N{self.seqlen} D{self.head_dim} {causal}"
+                + (f" {options}" if options else ""))
+
+
+@functools.cache
+def visible_pairs(seqlen_q: int, seqlen_k: int, window: tuple[int, int]) -> int:
+    """How many (query i, key j) pairs the window (left, right) lets through, aligned bottom-right as
+    fa2.attention: i + Nk - Nq - left <= j <= i + Nk - Nq + right, -1 unbounded; causal is (-1, 0). Exact:
+    the sum over the query rows of each row's clipped key range."""
+    left, right = window
+    shift = seqlen_k - seqlen_q
+    total = 0
+    for i in range(seqlen_q):
+        lo = 0 if left < 0 else max(0, i + shift - left)
+        hi = seqlen_k - 1 if right < 0 else min(seqlen_k - 1, i + shift + right)
+        total += max(0, hi - lo + 1)
+    return total
+
+
+def variant_label(group: int, window: int, softcap: float) -> str:
+    """The options beyond dtype, D, causal and N, as a short label ("gqa4 w4096 cap50"); "" without any."""
+    parts = [f"gqa{group}" if group > 1 else "", f"w{window}" if window >= 0 else "",
+             f"cap{softcap:g}" if softcap else ""]
+    return " ".join(p for p in parts if p)
 
 
 @dataclass(frozen=True)
@@ -93,6 +147,9 @@ class Provider:
     returns_lse: bool = True
     backend: str | None = None
     modes: tuple[str, ...] = ("fwd",)
+    # Whether it computes sliding windows and softcapping; those that do not are skipped for such shapes.
+    windows: bool = False
+    softcaps: bool = False
 
     def unavailable(self, device: torch.device) -> str | None:
         """Why this provider cannot run at all on ``device``, or None."""
@@ -119,11 +176,32 @@ def _fa2_unavailable(backend: str, device: torch.device) -> str | None:
     return None
 
 
-def _fa2(backend: str) -> Callable[[Shape, torch.device], Attention]:
+# The fa2 providers' entry points (``--fa2-entry``): fa2.attention carries every option and returns O and L;
+# fa2.scaled_dot_product_attention is the drop-in for SDPA that issue 20 measures GQA through, and has SDPA's
+# signature: no window, no softcap, O only.
+FA2_ENTRIES = ("attention", "sdpa")
+
+
+def _fa2(backend: str, entry: str = "attention") -> Callable[[Shape, torch.device], Attention]:
     def build(shape: Shape, device: torch.device) -> Attention:
-        return lambda q, k, v: fa2.attention(q, k, v, causal=shape.causal, backend=backend)
+        if entry == "sdpa":
+            if shape.window >= 0 or shape.softcap:
+                # sweep.skip_reason skips these shapes first; this guards a direct call.
+                raise NotImplementedError("fa2.scaled_dot_product_attention has no window or softcap")
+            # enable_gqa=True for every group, 1 included: dense and grouped rows run the same Python path.
+            return lambda q, k, v: (fa2.scaled_dot_product_attention(
+                q, k, v, is_causal=shape.causal, enable_gqa=True, backend=backend), None)
+        return lambda q, k, v: fa2.attention(q, k, v, causal=shape.causal, window=shape.window_pair,
+                                             softcap=shape.softcap, backend=backend)
 
     return build
+
+
+def fa2_provider(p: "Provider", entry: str) -> "Provider":
+    """``p`` (an fa2 backend's provider) called through ``entry`` (FA2_ENTRIES)."""
+    if entry == "attention":
+        return p
+    return replace(p, build=_fa2(p.backend, entry), returns_lse=False, windows=False, softcaps=False)
 
 
 def _sdpa_flash(shape: Shape, device: torch.device) -> Attention:
@@ -174,13 +252,34 @@ def _causal_mask_mod(b, h, q_idx, kv_idx):
     return q_idx >= kv_idx
 
 
+def flex_mods(shape: Shape):
+    """(mask_mod, score_mod) of FlexAttention for ``shape``: the causal mask, narrowed to the last W + 1 keys
+    with a window (seqlen_q = seqlen_k, so bottom-right and top-left alignment agree); the softcap as a
+    score_mod of the scaled score (flex applies it after the scale, as fa2). None where not needed."""
+    mask_mod = score_mod = None
+    if shape.window >= 0:
+        w = shape.window
+
+        def mask_mod(b, h, q_idx, kv_idx):
+            return (q_idx >= kv_idx) & (q_idx - kv_idx <= w)
+    elif shape.causal:
+        mask_mod = _causal_mask_mod
+    if shape.softcap:
+        cap = shape.softcap
+
+        def score_mod(score, b, h, q_idx, kv_idx):
+            return cap * torch.tanh(score / cap)
+    return mask_mod, score_mod
+
+
 def _flex(shape: Shape, device: torch.device) -> Attention:
     from torch.nn.attention.flex_attention import create_block_mask
 
     flex_attention = _compiled_flex_attention()
     n = shape.seqlen
-    block_mask = create_block_mask(_causal_mask_mod, None, None, n, n, device=device) if shape.causal else None
-    return lambda q, k, v: flex_attention(q, k, v, block_mask=block_mask, return_lse=True,
+    mask_mod, score_mod = flex_mods(shape)
+    block_mask = create_block_mask(mask_mod, None, None, n, n, device=device) if mask_mod else None
+    return lambda q, k, v: flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask, return_lse=True,
                                           enable_gqa=shape.group > 1)
 
 
@@ -188,20 +287,22 @@ _FP16_BF16 = ("bf16", "fp16")
 _FWD_BWD = ("fwd", "bwd")
 # The fp32 comparison: the CUDA-core numba kernel and the PyTorch backend, against SDPA's fp32 paths.
 _NOT_IN_FP32 = "the fp32 comparison is fa2-pytorch, fa2-numba-cuda, sdpa-math and sdpa-efficient only"
+_EVERY_OPTION = {"windows": True, "softcaps": True}
 
 PROVIDERS = {
     p.name: p
     for p in [
-        Provider("fa2-pytorch", _fa2("pytorch"), backend="pytorch", modes=_FWD_BWD),
-        Provider("fa2-triton", _fa2("triton"), _FP16_BF16, _NOT_IN_FP32, backend="triton", modes=_FWD_BWD),
-        Provider("fa2-numba-cuda", _fa2("numba-cuda"), backend="numba-cuda", modes=_FWD_BWD),
+        Provider("fa2-pytorch", _fa2("pytorch"), backend="pytorch", modes=_FWD_BWD, **_EVERY_OPTION),
+        Provider("fa2-triton", _fa2("triton"), _FP16_BF16, _NOT_IN_FP32, backend="triton", modes=_FWD_BWD,
+                 **_EVERY_OPTION),
+        Provider("fa2-numba-cuda", _fa2("numba-cuda"), backend="numba-cuda", modes=_FWD_BWD, **_EVERY_OPTION),
         Provider("sdpa-flash", _sdpa_flash, _FP16_BF16, "SDPA's FlashAttention-2 kernel takes fp16/bf16 only",
                  modes=_FWD_BWD),
         Provider("sdpa-cudnn", _sdpa_cudnn, _FP16_BF16, "SDPA's cuDNN kernel takes fp16/bf16 only",
                  modes=_FWD_BWD),
         Provider("sdpa-efficient", _sdpa_efficient),
         Provider("sdpa-math", _sdpa_math, cuda_only=False, returns_lse=False, modes=_FWD_BWD),
-        Provider("flex", _flex, _FP16_BF16, _NOT_IN_FP32),
+        Provider("flex", _flex, _FP16_BF16, _NOT_IN_FP32, **_EVERY_OPTION),
     ]
 }
 FA2_PROVIDERS = tuple(name for name, p in PROVIDERS.items() if p.backend is not None)

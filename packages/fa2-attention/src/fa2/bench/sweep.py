@@ -3,7 +3,11 @@
 GPU (the FlashAttention-2 paper's sweep): 16k tokens per batch (B = 16384 / N) and hidden 2048
 (H = 2048 / D), N = 512 … 16384, D = 64 and 128, causal and not, bf16 and fp16, plus fp32 for the
 providers of the fp32 comparison. Without a GPU (emulated): B = 1, H = 2, N = 16 … 1024, D = 16 and 64,
-Triton's interpreter and numba's simulator only on the smallest shapes (their budgets below).
+Triton's interpreter and numba's simulator only on the smallest shapes (their budgets below). ``--heads``
+sets H everywhere. Issue 20's options are further points of the sweep of each (dtype, D, causal, N), all
+on the same inputs: each group (k and v with H / group heads), each window of the causal shapes (fa2's
+window (W, 0) with causal) and each softcap, so that e.g. ``--window none,4096`` times the window beside
+plain causal in one process. The CSVs' heads_k, window (-1: none) and softcap (0: none) columns say which.
 
 For each shape: fresh standard-normal inputs, the reference on a sample of rows (check.py), then per
 provider: one call, checked (status "wrong" if it fails: not timed), peak memory; then the providers that
@@ -35,13 +39,13 @@ from pathlib import Path
 import torch
 
 from fa2.bench import check, timing
-from fa2.bench.providers import DTYPES, PROVIDERS, Provider, Shape
+from fa2.bench.providers import DTYPES, PROVIDERS, Provider, Shape, fa2_provider
 
-COLUMNS = ("provider", "mode", "dtype", "head_dim", "causal", "seqlen", "batch", "heads", "ms", "tflops",
-           "peak_mem_gb", "gpu", "torch", "triton", "numba_cuda", "commit", "timestamp")
-ISSUE_COLUMNS = ("provider", "mode", "dtype", "head_dim", "causal", "seqlen", "batch", "heads", "status",
-                 "reason", "timestamp")
-KEY = ("provider", "mode", "dtype", "head_dim", "causal", "seqlen")
+SHAPE_COLUMNS = ("provider", "mode", "dtype", "head_dim", "causal", "seqlen", "batch", "heads", "heads_k", "window",
+                 "softcap")
+COLUMNS = (*SHAPE_COLUMNS, "ms", "tflops", "peak_mem_gb", "gpu", "torch", "triton", "numba_cuda", "commit", "timestamp")
+ISSUE_COLUMNS = (*SHAPE_COLUMNS, "status", "reason", "timestamp")
+KEY = ("provider", "mode", "dtype", "head_dim", "causal", "seqlen", "heads_k", "window", "softcap")
 MODES = ("fwd", "bwd")
 EMULATED_GPU = "cpu (emulated)"
 
@@ -89,8 +93,16 @@ class Config:
     append: bool = False
     command: str = ""
     modes: tuple[str, ...] = ("fwd",)
-    # Query heads per key/value head (grouped-query attention); 1: every head its own.
-    group: int = 1
+    # Query heads per key/value head (grouped-query attention), each a point of the sweep; 1: every head its own.
+    groups: tuple[int, ...] = (1,)
+    # Sliding windows, each a point of the sweep of the causal shapes: -1 none, W >= 0 window (W, 0) with causal.
+    windows: tuple[int, ...] = (-1,)
+    # Softcaps, each a point of the sweep: 0 none.
+    softcaps: tuple[float, ...] = (0.0,)
+    # Query heads; None: the default (GPU: GPU_HIDDEN / D, emulated: EMULATED_HEADS).
+    heads: int | None = None
+    # How the fa2 providers are called (providers.FA2_ENTRIES).
+    fa2_entry: str = "attention"
     # Mode "bwd"'s seqlens and dtypes; None: the forward's.
     bwd_seqlens: tuple[int, ...] | None = None
     bwd_dtypes: tuple[str, ...] | None = None
@@ -100,6 +112,10 @@ class Config:
         return self.device.type != "cuda"
 
     def shapes(self) -> list[Shape]:
+        """Every point of the sweep, the backward's after the forward's; a window only on causal shapes."""
+        if any(w >= 0 for w in self.windows) and True not in self.causals:
+            raise ValueError(f"--window {','.join(map(str, self.windows))} is fa2's window (W, 0) with causal=True: "
+                             "give --causal yes")
         out = []
         for mode in self.modes:
             bwd = mode == "bwd"
@@ -113,10 +129,17 @@ class Config:
                                 batch, heads = EMULATED_BATCH, EMULATED_HEADS
                             else:
                                 batch, heads = max(1, GPU_TOKENS // n), max(1, GPU_HIDDEN // head_dim)
-                            if heads % self.group:
-                                raise ValueError(f"--group {self.group} does not divide the {heads} query heads "
-                                                 f"of D = {head_dim}")
-                            out.append(Shape(dtype, head_dim, causal, n, batch, heads, mode, self.group))
+                            heads = self.heads or heads
+                            for group in self.groups:
+                                if group < 1 or heads % group:
+                                    raise ValueError(f"--group {group} does not divide the {heads} query heads "
+                                                     f"of D = {head_dim}")
+                                # A window belongs to the causal shapes; the others run without one, if asked.
+                                windows = self.windows if causal else [w for w in self.windows if w < 0]
+                                for window in windows:
+                                    for softcap in self.softcaps:
+                                        out.append(Shape(dtype, head_dim, causal, n, batch, heads, mode, group,
+                                                         window, softcap))
         return out
 
     def path(self, suffix: str) -> Path:
@@ -137,10 +160,21 @@ def skip_reason(p: Provider, shape: Shape, cfg: Config) -> str | None:
         return EMULATOR_GAPS[p.name, shape.dtype]
     if cfg.emulated and shape.work > EMULATED_BUDGET.get(p.name, float("inf")):
         return f"emulated: B·H·N²·D over {p.name}'s budget of {EMULATED_BUDGET[p.name]:.0e} for the CPU run"
+    if shape.window >= 0 and not p.windows:
+        return f"window {shape.window}: {_no_option(p, 'sliding window')}"
+    if shape.softcap and not p.softcaps:
+        return f"softcap {shape.softcap:g}: {_no_option(p, 'softcap')}"
     if p.name == "sdpa-math" and shape.seqlen > cfg.math_max_seqlen:
         return (f"N > --math-max-seqlen {cfg.math_max_seqlen}: SDPA math materialises B·H·N² scores "
                 "(tens of GB at N = 16k)")
     return None
+
+
+def _no_option(p: Provider, option: str) -> str:
+    if p.backend is not None:
+        return (f"--fa2-entry sdpa: fa2.scaled_dot_product_attention has SDPA's signature, no {option} "
+                "(--fa2-entry attention has)")
+    return f"{p.name}: SDPA has no {option} (only an explicit attn_mask, which would not be a {option} kernel)"
 
 
 def environment(device: torch.device) -> dict[str, str]:
@@ -231,15 +265,24 @@ class Records:
 
 
 def read_csv(path: Path) -> list[dict[str, str]]:
+    """The rows of a results or skipped CSV; those written before the heads_k, window and softcap columns
+    existed get their values (heads_k = heads, no window, no softcap)."""
     if not path.exists():
         return []
     with path.open(newline="") as f:
-        return list(csv.DictReader(f))
+        rows = list(csv.DictReader(f))
+    for r in rows:
+        if "heads" in r:
+            for column, default in (("heads_k", r["heads"]), ("window", "-1"), ("softcap", "0")):
+                if not r.get(column):
+                    r[column] = default
+    return rows
 
 
 def _shape_columns(provider: str, s: Shape) -> dict:
     return {"provider": provider, "mode": s.mode, "dtype": s.dtype, "head_dim": s.head_dim, "causal": s.causal,
-            "seqlen": s.seqlen, "batch": s.batch, "heads": s.heads}
+            "seqlen": s.seqlen, "batch": s.batch, "heads": s.heads, "heads_k": s.heads_k, "window": s.window,
+            "softcap": f"{s.softcap:g}"}
 
 
 def _key(provider: str, s: Shape) -> tuple[str, ...]:
@@ -310,7 +353,8 @@ def run(cfg: Config, progress) -> None:
     env = environment(cfg.device)
     shapes = cfg.shapes()
     records = Records(cfg, shapes)
-    providers = [PROVIDERS[name] for name in cfg.providers]
+    providers = [fa2_provider(PROVIDERS[name], cfg.fa2_entry) if PROVIDERS[name].backend else PROVIDERS[name]
+                 for name in cfg.providers]
     unavailable = {p.name: p.unavailable(cfg.device) for p in providers}
     earlier = read_runs(cfg.path("-run.json")) if cfg.append else []
     info = {**env, "device": str(cfg.device), "emulated": cfg.emulated, "command": cfg.command,
@@ -344,7 +388,8 @@ def _measure_shape(shape: Shape, providers: list[Provider], cfg: Config, env: di
                            dtype=DTYPES[shape.dtype]) for heads in (shape.heads, shape.heads_k, shape.heads_k))
     dO = torch.randn_like(q) if shape.mode == "bwd" else None
     try:
-        sample = check.reference_sample(q, k, v, shape.causal, seed, dO)
+        sample = check.reference_sample(q, k, v, shape.causal, seed, dO, window=shape.window_pair,
+                                        softcap=shape.softcap)
     except Exception as e:
         for p in providers:
             records.issue(p.name, shape, "failed", f"the reference check could not run: {_reason(e)}")
