@@ -4,6 +4,7 @@
     nox -s bench                     # the side-by-side benchmark (emulated, tiny shapes, without a GPU)
     nox -s build                     # every sdist and wheel into dist/, checked by twine
     nox --no-venv -s test_gpu bench  # a GPU machine with torch/triton/numba-cuda and no network
+    nox --no-venv -s flash_attn_suite -- -n 8   # flash-attn's own tests on fa2.flash_attn (GPU only)
 
 Without a GPU (no `nvidia-smi` on PATH), sessions set TRITON_INTERPRET=1 and NUMBA_ENABLE_CUDASIM=1, so
 Triton runs in its interpreter and numba-cuda in its CUDA simulator. With `--no-venv` nothing is
@@ -83,6 +84,22 @@ def test_gpu(session: nox.Session) -> None:
     """The conformance suite on CUDA for every backend (a GPU machine; use with --no-venv offline)."""
     install(session, BACKENDS, "test")
     session.run("pytest", "shared_tests", "--device=cuda", *session.posargs)
+
+
+@nox.session
+@nox.parametrize("backend", BACKENDS)
+def flash_attn_suite(session: nox.Session, backend: str) -> None:
+    """flash-attn 2.8.3's own tests/test_flash_attn.py against fa2.flash_attn on one backend, dropout
+    deselected, varlen and KV-cache skipped (shared_tests/flash_attn_suite/conftest.py). GPU only: the test
+    file calls torch.cuda at import. Fetch it first (shared_tests/flash_attn_suite/fetch.py). Arguments after
+    -- go to pytest; FA2_FLASH_ATTN_SUBSET=quick in the environment runs the chosen subset only."""
+    if not has_gpu():
+        session.skip("flash-attn's test file needs a CUDA GPU (torch.cuda.get_device_capability at import)")
+    install(session, BACKENDS, "test")
+    if in_venv(session):
+        session.install("einops")
+    session.run("pytest", "shared_tests/flash_attn_suite", *session.posargs,
+                env={"FA2_FLASH_ATTN_SUITE": backend})
 
 
 @nox.session
