@@ -64,7 +64,7 @@ def _case(b, h, h_k, n_q, n_k, d, causal=False):
 
 
 # Chosen cases: MHA, GQA and MQA, seqlen_q != seqlen_k both ways (causal rows that see no key), head dims
-# that are not multiples of 8 (fa2-triton gets them zero-padded). Small enough for numba's simulator.
+# that are not multiples of 8 (zero-padded to one, as flash-attn pads them). Small enough for numba's simulator.
 CASES = [
     _case(2, 3, 3, 17, 17, 32),
     _case(1, 4, 2, 19, 37, 16, causal=True),
@@ -268,7 +268,7 @@ def test_gradients_are_bit_identical_run_after_run(backend, status, device, dtyp
 
 def test_head_dim_default_scale_is_unpadded(backend, status, device):
     """softmax_scale=None is head_dim ** -0.5 of the caller's head dim (59), also where the backend gets
-    a zero-padded one (fa2-triton: 64)."""
+    the zero-padded one (64)."""
     require_runnable(backend, status, device, torch.float32, (1, 2, 9, 11, 59))
     q, k, v = _bshd(1, 2, 2, 9, 11, 59, torch.float32, device, seed=4)
     (out, lse, _), _ = _call("func", q, k, v, backend)

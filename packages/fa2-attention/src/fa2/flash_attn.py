@@ -30,9 +30,9 @@ Where this module differs from flash-attn, on purpose:
 - With ALiBi and causal, flash-attn's kernel adds ``slope * j`` instead of ``-slope * |i + Nk - Nq - j|``:
   the same softmax and output, a softmax_lse shifted per row. fa2 returns the logsumexp of the scores with
   the documented bias.
-- Head dims that are not a multiple of 8 run natively where the backend can (fa2-pytorch, fa2-numba-cuda);
-  fa2-triton cannot, and gets q, k, v zero-padded to the next multiple of 8, as flash-attn pads them for its
-  kernels (the scale stays that of the unpadded head dim; the output and gradients are sliced back).
+- Head dims that are not a multiple of 8 are zero-padded to the next one, as flash-attn pads them, for
+  every backend alike (fa2-triton's kernels take multiples of 8 only; zeros change no score): the scale
+  stays that of the unpadded head dim, the output and gradients are sliced back.
 
 Errors: where flash-attn's C++ checks raise (RuntimeError), this module raises ``FlashAttnValueError`` or
 ``FlashAttnTypeError``, subclasses of RuntimeError and of ValueError / TypeError, so that code catching
@@ -50,7 +50,6 @@ import operator
 import torch
 import torch.nn.functional as F
 
-from fa2 import registry
 from fa2.api import MAX_HEAD_DIM, attention
 
 __all__ = [
@@ -59,9 +58,6 @@ __all__ = [
 ]
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-# Backends whose kernels take only head dims that are multiples of 8 (fa2-triton's forward and backward
-# raise NotImplementedError otherwise); this module pads for them, as flash-attn pads for its own kernels.
-_HEAD_DIM_MULTIPLE_OF_8 = frozenset({"triton"})
 
 
 class FlashAttnValueError(RuntimeError, ValueError):
@@ -253,19 +249,14 @@ def _flash_attn(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
     scale = head_dim ** (-0.5) if softmax_scale is None else softmax_scale
 
     pad = -head_dim % 8
-    if pad and _needs_head_dim_multiple_of_8(backend, q.device):
+    if pad:
         q, k, v = (F.pad(x, (0, pad)) for x in (q, k, v))
     O, L = attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale=scale, window=window,
                      softcap=softcap, alibi_slopes=alibi_slopes, backend=backend)
     out = O.transpose(1, 2)
-    if pad and out.shape[-1] != head_dim:
+    if pad:
         out = out[..., :head_dim]
     return (out, L, None) if return_attn_probs else out
-
-
-def _needs_head_dim_multiple_of_8(backend: str | None, device: torch.device) -> bool:
-    name = backend if backend is not None else registry.default_backend(device)
-    return name in _HEAD_DIM_MULTIPLE_OF_8
 
 
 def _check_tensors(q, k, v) -> None:
