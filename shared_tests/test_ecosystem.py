@@ -45,6 +45,12 @@ def _skip_emulated_fp16_opcheck(status, dtype):
         pytest.skip("emulated: opcheck's dtype-independent checks run in fp32 only (both dtypes on a GPU)")
 
 
+def _op_options(causal):
+    """The custom ops' spelled-out AttentionSpec after q, k, v (fa2.ops): alibi_slopes, scale, window_left,
+    window_right, softcap."""
+    return (None, 0.3, -1, 0 if causal else -1, 0.0)
+
+
 def _require_op(backend, fn):
     """Calls fn; a backend's documented refusal (NotImplementedError) becomes a skip."""
     try:
@@ -80,7 +86,8 @@ def test_opcheck_forward(backend, status, device, dtype, causal, shape):
     impl = ops.load(backend)
     q, k, v = random_qkv((b, h, n_q, d), (b, h, n_k, d), dtype, device, seed=n_q)
     needs_grad = impl.backward is not None
-    args = (q.requires_grad_(needs_grad), k.requires_grad_(needs_grad), v.requires_grad_(needs_grad), causal, 0.3)
+    args = (q.requires_grad_(needs_grad), k.requires_grad_(needs_grad), v.requires_grad_(needs_grad),
+            *_op_options(causal))
     _require_op(backend, lambda: impl.forward(*args))
     torch.library.opcheck(impl.forward, args)
 
@@ -96,9 +103,9 @@ def test_opcheck_backward(backend, status, device, dtype, causal, shape):
     if impl.backward is None:
         pytest.skip(f"{backend} has no backward op (its module has no flash_attn_backward)")
     q, k, v = random_qkv((b, h, n_q, d), (b, h, n_k, d), dtype, device, seed=n_q)
-    O, L = _require_op(backend, lambda: impl.forward(q, k, v, causal, 0.3))
+    O, L = _require_op(backend, lambda: impl.forward(q, k, v, *_op_options(causal)))
     dO = torch.randn(O.shape, generator=torch.Generator().manual_seed(1)).to(device=device, dtype=dtype)
-    torch.library.opcheck(impl.backward, (q, k, v, O, L, dO, causal, 0.3))
+    torch.library.opcheck(impl.backward, (q, k, v, O, L, dO, *_op_options(causal)))
 
 
 # --- torch.compile ----------------------------------------------------------------------------------
@@ -538,7 +545,6 @@ def test_attention_forward_matches_transformers_eager(backend, status, device, f
     included); a non-causal layer's is the bidirectional overlay of half-width W - 1, as ModernBERT passes it
     (its config's half-width plus one) and transformers' FlashAttention-2 path reads it."""
     from transformers.masking_utils import (bidirectional_mask_function, causal_mask_function,
-                                            sliding_window_bidirectional_mask_function,
                                             sliding_window_causal_mask_function)
     from transformers.models.gemma2.modeling_gemma2 import eager_attention_forward
 
@@ -550,7 +556,10 @@ def test_attention_forward_matches_transformers_eager(backend, status, device, f
     elif is_causal:
         mask_function = sliding_window_causal_mask_function(window)
     else:
-        mask_function = sliding_window_bidirectional_mask_function(window - 1)
+        # masking_utils.sliding_window_bidirectional_overlay(window - 1), spelled out: transformers 5.17 (the
+        # H200's) may lack it
+        def mask_function(b, h, q_idx, kv_idx):
+            return (q_idx - kv_idx).abs() <= window - 1
     visible = mask_function(0, 0, torch.arange(n_k - n_q, n_k)[:, None], torch.arange(n_k)[None, :])
     bias = torch.zeros(visible.shape, dtype=torch.float64).masked_fill(~visible, -math.inf)
     expected, _ = eager_attention_forward(_layer(is_causal, groups=2), q.double().cpu(), k.double().cpu(),
