@@ -5,19 +5,30 @@ running row max ``m_i``, a running row sum ``l_i`` and an unnormalised accumulat
 by ``alpha = exp(m_old - m_new)`` when the max moves, divide once at the end and write L = m + log(l).
 
 Unlike the kernels, which give every query tile its own program, this loop handles all query tiles (and
-all batch and head entries) at once: one step of the loop is one key tile for every query row. That keeps
-the Python loop to seqlen_k / BLOCK_N iterations and the extra memory to O(seqlen_q · BLOCK_N), never the
-(seqlen_q, seqlen_k) score matrix. Under ``causal``, the query rows that cannot see any key of a tile
-(whole BLOCK_M-row tiles above the diagonal) are sliced away before the tile's matmul, and the mask is
-built only for tiles that straddle the diagonal.
+all batch and head entries) at once: one step of the loop is one key tile for every query row that sees
+it. That keeps the Python loop to seqlen_k / BLOCK_N iterations and the extra memory to
+O(seqlen_q · BLOCK_N), never the (seqlen_q, seqlen_k) score matrix.
+
+Windows (causal is the window (-1, 0)): the loop visits only the key tiles that hold a key some query's
+window reaches (``AttentionSpec.key_range`` over all the rows), and for each key tile only the whole
+BLOCK_M-row query tiles that hold a row seeing one of its keys: the rows [start_m, end_m), sliced away
+before the tile's matmul. The cost follows the window, not seqlen_q · seqlen_k, and keys no window
+reaches are never read. The mask is built only for tiles that straddle a window edge (the last key tile
+is sliced short, never padded, so the end of the keys needs none).
+
+Each tile's scores go through the steps of fa2.spec in order: S = scale · q kᵀ, then the softcap
+``softcap · tanh(S / softcap)`` (1 / softcap rides in the matmul's alpha with the scale), then ALiBi's
+``-slope · |i + seqlen_k - seqlen_q - j|``, then the window's -inf, then the online softmax.
 
 Grouped-query attention (heads a multiple of heads_k; heads_k = 1 is multi-query): query head h uses
 key/value head h // group, group = heads // heads_k, and K/V are never repeated. The ``group`` query heads
 that share a key/value head are folded into the matmul's rows: q is held as [B·H_K, N·GROUP, HEAD_DIM] with
 row n·group + g for position n of the group's head g, so one bmm against the un-expanded K tile
 [B·H_K, BLOCK_N, HEAD_DIM] serves the whole group (torch.matmul's broadcast of a size-1 group dim would
-copy the K tile group times inside the call), and slicing the causal rows from ``start_m`` keeps the rows
-one contiguous block. With group = 1 this is exactly the layout and the arithmetic of plain attention.
+copy the K tile group times inside the call), and slicing the query rows [start_m, end_m) keeps the rows
+one contiguous block. ALiBi's slope is per query head, so folded row n·group + g takes the slope of query
+head h_k·group + g: the slopes are held as (B, H_K, 1, GROUP, 1) against the group's (M, 1, BLOCK_N)
+distances. With group = 1 this is exactly the layout and the arithmetic of plain attention.
 
 Eager PyTorch cannot fuse ``exp(S - m)`` into one pass, and each pass over a (rows, BLOCK_N) fp32 tile
 costs as much as the tile's matmuls. So a tile's softmax statistics come from two fused kernels:
@@ -26,7 +37,8 @@ largest score ``m_j`` and equals ``exp(m_j - lse_j)``, gives the tile's own logs
 then enters the running state exactly as in FA2 with the row max taken as ``lse_j``
 (any value >= the max keeps exp() from overflowing): ``m_new = max(m_i, lse_j)``, ``alpha = exp(m_i -
 m_new)``, ``beta = exp(lse_j - m_new)``, ``l_i = alpha l_i + beta``, ``acc = alpha acc + beta (p V_j)``.
-The scale rides in the score matmul's epilogue, and the tile is read or written five times in all.
+The scale rides in the score matmul's epilogue, and the tile is read or written five times in all (the
+softcap adds two passes, ALiBi one, the mask of a tile on a window edge one).
 
 Precision: scores are computed from fp32 copies of q and k, in TF32 on CUDA when the inputs are fp16 or
 bf16 (exact there: TF32 holds every fp16 and bf16 value, products accumulate in fp32) and in full fp32 for
@@ -40,6 +52,7 @@ import contextlib
 import math
 
 import torch
+from fa2.spec import UNBOUNDED, AttentionSpec
 
 # Measured on the H200 (bf16, 16k tokens, N = 1k and 4k; docs/notes/pytorch-forward.md): against SDPA
 # math, 64x128 ran at 0.8-1.7x its speed, 128x256 at 1.3-2.4x (1/7.0-1/8.7 of its memory at N = 4k),
@@ -52,24 +65,29 @@ def flash_attn_forward(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    causal: bool,
-    scale: float,
+    spec: AttentionSpec,
     block_m: int = BLOCK_M,
     block_n: int = BLOCK_N,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Arguments:
         q: (batch, heads, seqlen_q, head_dim); k, v: (batch, heads_k, seqlen_k, head_dim), heads a multiple
             of heads_k: query head h attends to key/value head h // (heads // heads_k); any strides.
-        causal: bottom-right aligned, key j visible to query i iff j <= i + seqlen_k - seqlen_q::
+        spec: an ``fa2.spec.AttentionSpec``: the scale, the window (causal is (-1, 0)), the softcap and the
+            ALiBi slopes, (batch, heads) float32 on q's device, any strides. The window is aligned
+            bottom-right, key j visible to query i iff i + seqlen_k - seqlen_q - left <= j <= i + seqlen_k
+            - seqlen_q + right (-1: that side unbounded). Causal, and the window (1, 1)::
 
-            seqlen_q = 2, seqlen_k = 5:   1 1 1 1 0
-                                          1 1 1 1 1
-        block_m: query-tile height, the granularity at which causal skips rows above the diagonal.
+            seqlen_q = 2, seqlen_k = 5:   causal:  1 1 1 1 0     window (1, 1):  0 0 1 1 1
+                                                   1 1 1 1 1                     0 0 0 1 1
+        block_m: query-tile height, the granularity at which the window skips query rows.
         block_n: key-tile width, the step of the loop.
 
     Returns:
-        O: (batch, heads, seqlen_q, head_dim), q's dtype. L: (batch, heads, seqlen_q), float32; rows that
-        see no key get O = 0 and L = +inf.
+        O: (batch, heads, seqlen_q, head_dim), q's dtype. L: (batch, heads, seqlen_q), float32, natural
+        log; rows that see no key get O = 0 and L = +inf.
+
+    Limits: none of its own; the scores' intermediate tile is (batch · heads, block_m-rounded rows of the
+    window, block_n) fp32, and ALiBi's distances are exact in fp32 up to 2**24 keys.
     """
     batch, heads, seqlen_q, head_dim = q.shape
     # side-by-side: group
@@ -78,8 +96,11 @@ def flash_attn_forward(
     group = heads // heads_k if heads_k else 1
     bh_k = batch * heads_k
     # side-by-side: end
-    # Key j is visible to query i iff j <= i + diag.
+    # Key j is visible to query i iff i + diag - left <= j <= i + diag + right.
     diag = seqlen_k - seqlen_q
+    softcap = spec.softcap
+    # The scale, and 1 / softcap when capping (tanh's argument), ride in the score matmul's epilogue.
+    qk_scale = spec.scale / softcap if softcap else spec.scale
 
     # side-by-side: state
     # Batch and key/value heads merged into one matmul batch dim, each group's query heads folded into the
@@ -89,34 +110,68 @@ def flash_attn_forward(
     l_i = torch.zeros(bh_k, seqlen_q * group, 1, device=q.device, dtype=torch.float32)
     q32 = q.float().unflatten(1, (heads_k, group)).transpose(2, 3).reshape(bh_k, seqlen_q * group, head_dim)
     # side-by-side: end
+    slopes = None
+    if spec.alibi_slopes is not None:
+        # Folded row n·group + g of key/value head h_k is query head h_k·group + g: [B, H_K, 1, GROUP, 1].
+        slopes = spec.alibi_slopes.expand(batch, heads).reshape(batch, heads_k, group)[:, :, None, :, None]
+
+    # side-by-side: window
+    # Only the key tiles that hold a key some query's window reaches, [lo, hi) over all the rows; the
+    # query tiles of each key tile below are the window read the other way round.
+    left, right = spec.window
+    lo, hi = spec.key_range(0, seqlen_q, seqlen_q, seqlen_k)
+    # side-by-side: end
 
     with _tf32_matmul(q.dtype != torch.float32):
         # side-by-side: loop
-        for start_n in range(0, seqlen_k, block_n):
+        for start_n in range(lo // block_n * block_n, hi, block_n):
             end_n = min(start_n + block_n, seqlen_k)
-            # Causal: query tiles wholly above this key tile's first key see none of it; skip them.
-            start_m = (max(start_n - diag, 0) // block_m) * block_m if causal else 0
-            if start_m >= seqlen_q:
-                break
-            # Rows from position start_m on, all of the group: one contiguous block of the folded rows.
-            row_m = start_m * group
-            q_i = q32[:, row_m:]
+            # Query row i sees a key of [start_n, end_n) iff start_n - right <= i + diag <= end_n - 1 + left:
+            # the whole query tiles [start_m, end_m) that hold such a row; the others skip this key tile.
+            start_m = 0 if right == UNBOUNDED else max(start_n - diag - right, 0) // block_m * block_m
+            end_m = seqlen_q if left == UNBOUNDED else min(-(-(end_n - diag + left) // block_m) * block_m, seqlen_q)
+            if start_m >= end_m:
+                continue
+            # Rows [start_m, end_m), all of the group: one contiguous block of the folded rows.
+            row_m, rows_m = start_m * group, (end_m - start_m) * group
+            q_i = q32[:, row_m : row_m + rows_m]
             k_j = k[:, :, start_n:end_n].float().reshape(bh_k, end_n - start_n, head_dim)
             v_j = v[:, :, start_n:end_n].float().reshape(bh_k, end_n - start_n, head_dim)
         # side-by-side: end
 
             # side-by-side: scores
-            # The scale rides in the matmul's epilogue (beta = 0: S's initial contents are ignored).
-            S = torch.empty(bh_k, seqlen_q * group - row_m, end_n - start_n, device=q.device, dtype=torch.float32)
-            torch.baddbmm(S, q_i, k_j.transpose(1, 2), beta=0.0, alpha=scale, out=S)  # [BH_K, M·GROUP, BLOCK_N]
+            # The scale (over softcap when capping) rides in the matmul's epilogue (beta = 0: S's initial
+            # contents are ignored).
+            S = torch.empty(bh_k, rows_m, end_n - start_n, device=q.device, dtype=torch.float32)
+            torch.baddbmm(S, q_i, k_j.transpose(1, 2), beta=0.0, alpha=qk_scale, out=S)  # [BH_K, M·GROUP, BLOCK_N]
+            # side-by-side: end
+            # side-by-side: softcap
+            if softcap:
+                # softcap · tanh(s / softcap), in fp32: the matmul's alpha already divided by softcap.
+                S.tanh_().mul_(softcap)
+            # side-by-side: end
+            # side-by-side: alibi
+            if slopes is not None:
+                # -slope · |i + diag - j|: the (M, 1, BLOCK_N) distances are the group's, the slopes each
+                # folded row's own; one fused pass over the tile. Distances in fp32 (exact below 2**24).
+                rows = torch.arange(start_m + diag, end_m + diag, device=q.device, dtype=torch.float32)
+                cols = torch.arange(start_n, end_n, device=q.device, dtype=torch.float32)
+                distance = (rows[:, None, None] - cols).abs_()  # [M, 1, BLOCK_N]
+                S_g = S.view(batch, heads_k, end_m - start_m, group, end_n - start_n)
+                S_g.addcmul_(slopes, distance, value=-1.0)
             # side-by-side: end
             # side-by-side: mask
-            masked = causal and end_n - 1 > start_m + diag
+            # Only a tile that straddles a window edge: its first row misses its last key (right side) or
+            # its last row its first key (left side).
+            masked = (right != UNBOUNDED and end_n - 1 > start_m + diag + right) or (
+                left != UNBOUNDED and start_n < end_m - 1 + diag - left
+            )
             if masked:
                 # The mask depends on the query position only: one (M, 1, BLOCK_N) mask for the whole group.
-                rows = torch.arange(start_m, seqlen_q, device=q.device)[:, None, None]
-                cols = torch.arange(start_n, end_n, device=q.device)[None, None, :]
-                S.view(bh_k, seqlen_q - start_m, group, end_n - start_n).masked_fill_(cols > rows + diag, -math.inf)
+                rows = torch.arange(start_m, end_m, device=q.device)
+                cols = torch.arange(start_n, end_n, device=q.device)
+                hidden = ~spec.visible(rows, cols, seqlen_q, seqlen_k)[:, None, :]
+                S.view(bh_k, end_m - start_m, group, end_n - start_n).masked_fill_(hidden, -math.inf)
             # side-by-side: end
 
             # side-by-side: softmax
@@ -132,16 +187,16 @@ def flash_attn_forward(
             lse_j.masked_fill_(nothing, -math.inf)
             pv.masked_fill_(nothing, 0.0)
 
-            m_old = m_i[:, row_m:]
+            m_old = m_i[:, row_m : row_m + rows_m]
             m_new = torch.maximum(m_old, lse_j)
             # A row with nothing visible yet has m_new = -inf; subtracting 0 instead keeps exp() at 0, not NaN.
             m_safe = m_new.masked_fill(m_new == -math.inf, 0.0)
             alpha = torch.exp(m_old - m_safe)
             beta = torch.exp(lse_j - m_safe)
 
-            l_i[:, row_m:].mul_(alpha).add_(beta)
-            acc[:, row_m:].mul_(alpha).add_(pv.mul_(beta))
-            m_i[:, row_m:] = m_new
+            l_i[:, row_m : row_m + rows_m].mul_(alpha).add_(beta)
+            acc[:, row_m : row_m + rows_m].mul_(alpha).add_(pv.mul_(beta))
+            m_i[:, row_m : row_m + rows_m] = m_new
             # side-by-side: end
 
     # side-by-side: epilogue
