@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import fa2
+from fa2.spec import AttentionSpec
 
 fa2_triton = pytest.importorskip("fa2_triton")
 from checks import assert_matches_reference, random_qkv  # noqa: E402
@@ -84,7 +85,7 @@ def test_calls_share_a_compiled_kernel_only_within_a_class(device):
             buf = torch.empty(q.numel() + 1, device=device, dtype=q.dtype)
             q = buf[1:].view(q.shape).copy_(q)
             assert q.data_ptr() % 16
-        O, L = fa2_triton.flash_attn_forward(q, k, v, True, 0.125)
+        O, L = fa2_triton.flash_attn_forward(q, k, v, AttentionSpec(0.125, (-1, 0)))
         assert_matches_reference(O, L, q, k, v, True, scale=0.125)
         return len(launch._COMPILED)
 
@@ -101,9 +102,9 @@ def test_interpreter_refuses_bfloat16():
     q, k, v = random_qkv((1, 2, 32, 16), (1, 2, 32, 16), torch.bfloat16, "cpu")
     gap = r"does not run bfloat16 in Triton .*'s interpreter \(TRITON_INTERPRET=1\): .* bf16 tl\.dot wrongly"
     with pytest.raises(NotImplementedError, match=gap):
-        fa2_triton.flash_attn_forward(q, k, v, False, 0.25)
+        fa2_triton.flash_attn_forward(q, k, v, AttentionSpec(0.25))
     with pytest.raises(NotImplementedError, match=gap):
         fa2.attention(q.requires_grad_(), k, v, backend="triton")
     L = torch.zeros(1, 2, 32)
     with pytest.raises(NotImplementedError, match=gap):
-        fa2_triton.flash_attn_backward(q.detach(), k, v, q.detach(), L, q.detach(), False, 0.25)
+        fa2_triton.flash_attn_backward(q.detach(), k, v, q.detach(), L, q.detach(), AttentionSpec(0.25))

@@ -15,6 +15,7 @@ import torch
 fa2_triton = pytest.importorskip("fa2_triton")
 from checks import assert_matches_reference, random_qkv  # noqa: E402
 from fa2_triton import forward  # noqa: E402
+from fa2.spec import AttentionSpec  # noqa: E402
 from fa2_triton.forward import Tiles  # noqa: E402
 
 BASE = Tiles(128, 64, 4, 2, tma=True)
@@ -32,6 +33,18 @@ LEVERS = {
 # (seqlen_q, seqlen_k): whole tiles; a ragged seqlen_k (the descriptor path reads zeros past it, the
 # warp-specialised loop falls back); fewer queries than keys (causal's bottom-right diagonal).
 SEQLENS = {"256x256": (256, 256), "256x200": (256, 200), "128x384": (128, 384)}
+# Windows, softcap and ALiBi on every lever's path: unmasked (the warp-specialised loop takes softcap and
+# ALiBi), a two-sided window narrower than a tile, and all of them with causal.
+FEATURES = {
+    "softcap-alibi": dict(softcap=20.0, alibi="head"),
+    "window-33.17": dict(window=(33, 17)),
+    "causal-window-softcap-alibi": dict(window=(100, 0), softcap=5.0, alibi="batch"),
+}
+
+
+def _spec(causal, scale, window=(-1, -1), softcap=0.0, alibi_slopes=None):
+    """The spec fa2.attention would build (causal sets the window's right side to 0)."""
+    return AttentionSpec(scale, (window[0], 0) if causal else window, softcap, alibi_slopes)
 
 
 @pytest.fixture
@@ -56,13 +69,43 @@ def test_lever_matches_reference(native_or_interpreted, device, dtype, lever, he
     q, k, v = random_qkv((2, 2, n_q, head_dim), (2, 2, n_k, head_dim), dtype, device, seed=n_k + head_dim)
     O = torch.full_like(q, math.nan)
     L = torch.full(q.shape[:-1], math.nan, device=device)
-    compiled = forward._launch(q, k, v, O, L, causal, head_dim**-0.5, tiles)
+    compiled = forward._launch(q, k, v, O, L, _spec(causal, head_dim**-0.5), tiles)
     assert_matches_reference(O, L, q, k, v, causal)
     specialised = forward.ws_layout(q, k, v, causal, head_dim, tiles)
     # Not green by accident: the warp-specialised path runs exactly where its conditions say.
     assert specialised == (tiles.warp_specialize and not causal and n_q % 128 == 0 and n_k % tiles.block_n == 0)
     if specialised and device.type == "cuda":
         # A producer warp group and two consumer groups: 12 warps where 4 were asked for.
+        assert compiled.metadata.num_warps == 3 * tiles.num_warps, compiled.metadata.num_warps
+
+
+@pytest.mark.parametrize("feature", list(FEATURES), ids=str)
+@pytest.mark.parametrize("lever", list(LEVERS), ids=str)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_lever_with_features_matches_reference(native_or_interpreted, device, dtype, lever, feature):
+    """Every path (pointers, descriptors, warp-specialised, each lever) computes windows, softcap and ALiBi
+    or is kept from them by the launcher: the warp-specialised loop never runs under a window. Whole tiles,
+    so that each lever's own path is taken (test_features covers ragged lengths with the table's tiles)."""
+    if device.type == "cpu" and dtype == torch.bfloat16:
+        pytest.skip("Triton's interpreter computes bf16 tl.dot wrongly; bf16 is tested on the GPU")
+    tiles, f = LEVERS[lever], dict(FEATURES[feature])
+    causal = feature.startswith("causal")
+    n_q, n_k = SEQLENS["256x256"]
+    q, k, v = random_qkv((1, 2, n_q, 64), (1, 2, n_k, 64), dtype, device, seed=n_k + 7)
+    q, k = q * 2, k * 2
+    alibi = f.pop("alibi", None)
+    if alibi is not None:
+        g = torch.Generator().manual_seed(n_k)
+        f["alibi_slopes"] = (torch.rand((2,) if alibi == "head" else (1, 2), generator=g) * 0.2).to(device)
+    slopes = f.get("alibi_slopes")
+    spec = _spec(causal, 64**-0.5, **{**f, "alibi_slopes": None if slopes is None else slopes.expand(1, 2)})
+    O = torch.full_like(q, math.nan)
+    L = torch.full(q.shape[:-1], math.nan, device=device)
+    compiled = forward._launch(q, k, v, O, L, spec, tiles)
+    assert_matches_reference(O, L, q, k, v, causal, **f)
+    specialised = forward.ws_layout(q, k, v, spec.masked, 64, tiles)
+    assert specialised == (tiles.warp_specialize and not spec.masked and n_k % tiles.block_n == 0)
+    if specialised and device.type == "cuda":
         assert compiled.metadata.num_warps == 3 * tiles.num_warps, compiled.metadata.num_warps
 
 
@@ -75,7 +118,7 @@ def test_shipped_tiles_match_reference(native_or_interpreted, device, head_dim, 
     for _, tiles in forward.TILES[head_dim, "16-bit", causal]:
         O = torch.full_like(q, math.nan)
         L = torch.full(q.shape[:-1], math.nan, device=device)
-        forward._launch(q, k, v, O, L, causal, head_dim**-0.5, tiles)
+        forward._launch(q, k, v, O, L, _spec(causal, head_dim**-0.5), tiles)
         assert_matches_reference(O, L, q, k, v, causal)
 
 
@@ -119,7 +162,7 @@ def test_default_tiles_specialise_exactly_where_the_inputs_can(native_or_interpr
     q, k, v = random_qkv((2, 2, seqlen, 64), (2, 2, seqlen, 64), torch.float16, device, seed=seqlen)
     O = torch.full_like(q, math.nan)
     L = torch.full(q.shape[:-1], math.nan, device=device)
-    forward._launch(q, k, v, O, L, False, 64**-0.5)
+    forward._launch(q, k, v, O, L, AttentionSpec(64**-0.5))
     assert taken == [seqlen % 128 == 0]
     assert_matches_reference(O, L, q, k, v, False)
 

@@ -28,15 +28,18 @@ saw no key has L = +inf, so P = exp2(finite - inf) = 0 there and it gets zero gr
 seqlen_q are loaded with L = +inf for the same effect. The dK/dV kernel works transposed (Sᵀ, Pᵀ, dPᵀ,
 dSᵀ: [BLOCK_N, BLOCK_M]) so that Pᵀ and dSᵀ are the left operands of their matmuls, as in the tutorial.
 
-Each loop runs in parts like the forward's: the tiles cut by the causal diagonal (the band) are masked;
-the rest are loaded and used without masks; a last partial tile is loaded with row masks. Causal skips
-whole tiles: the dK/dV loop starts at the first query tile that sees any key of its tile, the dQ loop
-stops at the last key tile its tile sees. Key rows past seqlen_k need no mask in the dK/dV kernel (their
-gradient rows are never stored and feed no other row).
+Windows, softcap and ALiBi as in the forward (``fa2_triton.forward``: the same compile-time switches from the
+same ``AttentionSpec``). Each loop visits only the tiles inside the window and runs in parts like the
+forward's: the tiles across a window edge (under causal, the diagonal band) are masked; the rest are
+loaded and used without masks; a last partial tile is loaded with row masks. The dK/dV loop visits only
+the query tiles that see some key of its tile (the window read the other way round), the dQ loop only the
+key tiles its tile sees. Key rows past seqlen_k need no mask in the dK/dV kernel (their gradient rows are
+never stored and feed no other row). The softcap's chain rule: dS times 1 - tanh², from the tanh the scores
+were recomputed with; ALiBi adds nothing to dS.
 
 Each kernel has its own launch configuration (``KernelTiles``: tiles, num_warps, num_stages), chosen per
-(head_dim, dtype class, causal, seqlen bucket) from ``BWD_TILES``, which ``python -m
-fa2_triton.tune_backward`` measures on a GPU, timing the dK/dV and dQ kernels apart.
+(head_dim, dtype class, masked (causal's entries serve every window), seqlen bucket) from ``BWD_TILES``,
+which ``python -m fa2_triton.tune_backward`` measures on a GPU, timing the dK/dV and dQ kernels apart.
 
 Credits: the structure (a preprocess kernel for delta, the transposed dK/dV loop, the dQ loop) follows
 Triton's tutorial ``06-fused-attention.py`` (Tillet et al.), itself after FA2's backward (Dao, 2023).
@@ -54,8 +57,11 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
+from fa2.spec import AttentionSpec
 
-from fa2_triton.forward import DTYPE_CLASS, LOG2_E, MAX_HEAD_DIM, _check_device, _load_tile, group_size
+from fa2_triton.forward import (
+    DTYPE_CLASS, MAX_HEAD_DIM, _check_device, _load_tile, _tanh, _tiles_in_window, group_size, score_args,
+)
 from fa2_triton.launch import launch, on_device
 
 
@@ -93,12 +99,15 @@ def _attn_bwd_preprocess(
 def _attn_bwd_dkdv_inner(
     dk, dv, k, v,
     q_ptrs, do_ptrs, l_ptrs, delta_ptrs, dq_acc_ptrs, stride_qm, stride_dom, stride_lm,
-    offs_m, offs_n, offs_d, head_dim, N_Q, diag, qk_scale, lo, hi,
-    IN_BAND: tl.constexpr, IS_CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr,
-    EVEN_D: tl.constexpr, ATOMIC_DQ: tl.constexpr,
+    offs_m, offs_n, offs_d, head_dim, N_Q, diag, diag_left, diag_right, qk_scale, cap_scale, alibi, lo, hi,
+    IN_BAND: tl.constexpr, WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
+    ALIBI: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, EVEN_D: tl.constexpr,
+    ATOMIC_DQ: tl.constexpr,
 ):
-    """dK and dV of one key tile over query tiles [lo, hi): loads row-masked and, under causal, scores
-    masked iff IN_BAND. With ATOMIC_DQ, also adds this key tile's dS K into the fp32 dQ accumulator."""
+    """dK and dV of one key tile over query tiles [lo, hi): loads row-masked and scores masked to the
+    window (query i sees key j iff i + diag_left <= j <= i + diag_right, the bounded sides) iff IN_BAND.
+    SOFTCAP, ALIBI as in the forward (alibi: slope · log2(e)). With ATOMIC_DQ, also adds this key tile's
+    dS K into the fp32 dQ accumulator."""
     for start_m in tl.range(lo, hi, BLOCK_M):
         start_m = tl.multiple_of(start_m, BLOCK_M)
         rows = start_m + offs_m
@@ -113,16 +122,27 @@ def _attn_bwd_dkdv_inner(
             lse = tl.load(l_ptrs + start_m64 * stride_lm)
             delta = tl.load(delta_ptrs + start_m)
         qkT = tl.dot(k, tl.trans(q), input_precision="ieee")  # [BLOCK_N, BLOCK_M]
+        if SOFTCAP:
+            qkT = _tanh(qkT * cap_scale)  # the capped score over softcap
         # exp(S - L) in log2 units; a row with L = +inf gets exp2(-inf) = 0.
-        pT = tl.math.exp2(qkT * qk_scale - (lse * 1.4426950408889634)[None, :])
-        if IN_BAND and IS_CAUSAL:
-            # Key j is visible to query i iff j <= i + diag; zeroing after exp2 keeps -inf out of it.
-            pT = tl.where(offs_n[:, None] <= rows[None, :] + diag, pT, 0.0)
+        sT = qkT * qk_scale - (lse * 1.4426950408889634)[None, :]
+        if ALIBI:
+            sT = sT - alibi * tl.abs(rows[None, :] + diag - offs_n[:, None]).to(tl.float32)
+        pT = tl.math.exp2(sT)
+        # Key j is visible to query i iff i + diag_left <= j <= i + diag_right (the bounded sides); zeroing
+        # after exp2 keeps -inf out of it. Keys past seqlen_k need no mask here (see _attn_bwd_dkdv).
+        if IN_BAND and WINDOW_RIGHT:
+            pT = tl.where(offs_n[:, None] <= rows[None, :] + diag_right, pT, 0.0)
+        if IN_BAND and WINDOW_LEFT:
+            pT = tl.where(offs_n[:, None] >= rows[None, :] + diag_left, pT, 0.0)
         do = _load_tile(do_ptrs + start_m64 * stride_dom, rows, N_Q, offs_d, head_dim,
                         IN_BAND, EVEN_D)  # [BLOCK_M, HEAD_DIM]
         dv = tl.dot(pT.to(do.dtype), do, dv, input_precision="ieee")
         dpT = tl.dot(v, tl.trans(do), input_precision="ieee")  # [BLOCK_N, BLOCK_M]
         dsT = pT * (dpT - delta[None, :])
+        if SOFTCAP:
+            # d(softcap · tanh(s / softcap)) / ds = 1 - tanh².
+            dsT = dsT * (1.0 - qkT * qkT)
         dk = tl.dot(dsT.to(q.dtype), q, dk, input_precision="ieee")
         if ATOMIC_DQ:
             dq = tl.dot(tl.trans(dsT.to(k.dtype)), k, input_precision="ieee")  # [BLOCK_M, HEAD_DIM]
@@ -133,7 +153,7 @@ def _attn_bwd_dkdv_inner(
 
 @triton.jit
 def _attn_bwd_dkdv(
-    Q, K, V, dO, L, Delta, dK, dV, dQ_acc, scale, qk_scale,
+    Q, K, V, dO, L, Delta, dK, dV, dQ_acc, Slopes, scale, qk_scale, cap_scale, window_left, window_right,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -141,13 +161,16 @@ def _attn_bwd_dkdv(
     stride_lb, stride_lh, stride_lm,
     stride_dkb, stride_dkh, stride_dkn, stride_dkd,
     stride_dvb, stride_dvh, stride_dvn, stride_dvd,
+    stride_sb, stride_sh,
     H, GROUP, N_Q, N_K, head_dim,
-    IS_CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+    WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
     EVEN_D: tl.constexpr, ATOMIC_DQ: tl.constexpr,
 ):
     """Q, dO: (B, H, N_Q, D); K, V, dK, dV: (B, H // GROUP, N_K, D); L: (B, H, N_Q); Delta: (B·H, N_Q).
     dQ_acc: with ATOMIC_DQ, a zeroed fp32 (B·H, cdiv(N_Q, BLOCK_M) · BLOCK_M, HEAD_DIM) accumulator. GROUP:
-    query heads per key/value head, a runtime int as in the forward."""
+    query heads per key/value head, a runtime int as in the forward. The window, softcap and ALiBi
+    arguments as the forward's (``_attn_fwd``), Slopes (B, H) per query head."""
     # One program per (key tile, batch·key/value head), flattened to one grid axis, key tiles fastest; under
     # causal the first key tiles are seen by the most query rows, so the longest programs start first.
     pid = tl.program_id(0)
@@ -157,8 +180,10 @@ def _attn_bwd_dkdv(
     off_b = off_bhk // H_K
     off_hk = off_bhk % H_K
     start_n = (pid % num_n_tiles) * BLOCK_N
-    # Key j is visible to query i iff j <= i + diag.
+    # Key j is visible to query i iff i + diag - window_left <= j <= i + diag + window_right.
     diag = N_K - N_Q
+    diag_left = diag - window_left
+    diag_right = diag + window_right
 
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = start_n + tl.arange(0, BLOCK_N)
@@ -177,25 +202,23 @@ def _attn_bwd_dkdv(
     dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
 
-    # Query tiles: [lo, mid) the causal band, [mid, end_full) whole tiles unmasked, [end_tail, N_Q) the
-    # last partial tile, row-masked.
-    end_full = N_Q // BLOCK_M * BLOCK_M
-    if IS_CAUSAL:
-        # Query i sees a key of this tile iff i >= start_n - diag; it sees all of them iff
-        # i >= start_n + BLOCK_N - 1 - diag.
-        lo = tl.maximum(start_n - diag, 0) // BLOCK_M * BLOCK_M
-        band_hi = tl.cdiv(tl.maximum(start_n + BLOCK_N - 1 - diag, 0), BLOCK_M) * BLOCK_M
-        mid = tl.maximum(tl.minimum(band_hi, end_full), lo)
-        end_tail = tl.maximum(lo, end_full)
-    else:
-        lo = 0
-        mid = 0
-        end_tail = end_full
+    # Only the query tiles that see a key of this tile: key j is seen by query i iff j - diag - window_right
+    # <= i <= j - diag + window_left, the window read the other way round. [lo, full_lo) across the right
+    # edge (under causal, the band) and [full_hi, hi) across the left edge or the end of the queries (the
+    # last partial tile, row-masked) are masked; [full_lo, full_hi), every key of the tile seen by every
+    # row, unmasked. Keys past seqlen_k count as seen: their gradient rows are never stored.
+    lo, full_lo, full_hi, hi = _tiles_in_window(
+        start_n, tl.minimum(start_n + BLOCK_N, N_K), N_Q, -diag, window_right, window_left,
+        BLOCK_M, WINDOW_RIGHT, WINDOW_LEFT,
+    )
     # The group's query heads, one after another in a fixed order (deterministic), all accumulating into
     # this key tile's dk and dv in registers: dK and dV of a key/value head are sums over its query heads.
     for g in range(GROUP):
         off_h = off_hk * GROUP + g
         off_bh = off_b * H + off_h
+        alibi = 0.0
+        if ALIBI:
+            alibi = tl.load(Slopes + off_b * stride_sb + off_h * stride_sh) * 1.4426950408889634
         q_ptrs = (Q + off_b * stride_qb + off_h * stride_qh
                   + offs_m64[:, None] * stride_qm + offs_d64[None, :] * stride_qd)
         do_ptrs = (dO + off_b * stride_dob + off_h * stride_doh
@@ -206,18 +229,21 @@ def _attn_bwd_dkdv(
                        + offs_m64[:, None] * HEAD_DIM + offs_d64[None, :])
         dk, dv = _attn_bwd_dkdv_inner(
             dk, dv, k, v, q_ptrs, do_ptrs, l_ptrs, delta_ptrs, dq_acc_ptrs, stride_qm, stride_dom, stride_lm,
-            offs_m, offs_n, offs_d, head_dim, N_Q, diag, qk_scale, lo, mid,
-            True, IS_CAUSAL, BLOCK_M, HEAD_DIM, EVEN_D, ATOMIC_DQ,
+            offs_m, offs_n, offs_d, head_dim, N_Q, diag, diag_left, diag_right, qk_scale, cap_scale, alibi,
+            lo, full_lo,
+            True, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, ALIBI, BLOCK_M, HEAD_DIM, EVEN_D, ATOMIC_DQ,
         )
         dk, dv = _attn_bwd_dkdv_inner(
             dk, dv, k, v, q_ptrs, do_ptrs, l_ptrs, delta_ptrs, dq_acc_ptrs, stride_qm, stride_dom, stride_lm,
-            offs_m, offs_n, offs_d, head_dim, N_Q, diag, qk_scale, mid, end_full,
-            False, IS_CAUSAL, BLOCK_M, HEAD_DIM, EVEN_D, ATOMIC_DQ,
+            offs_m, offs_n, offs_d, head_dim, N_Q, diag, diag_left, diag_right, qk_scale, cap_scale, alibi,
+            full_lo, full_hi,
+            False, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, ALIBI, BLOCK_M, HEAD_DIM, EVEN_D, ATOMIC_DQ,
         )
         dk, dv = _attn_bwd_dkdv_inner(
             dk, dv, k, v, q_ptrs, do_ptrs, l_ptrs, delta_ptrs, dq_acc_ptrs, stride_qm, stride_dom, stride_lm,
-            offs_m, offs_n, offs_d, head_dim, N_Q, diag, qk_scale, end_tail, N_Q,
-            True, IS_CAUSAL, BLOCK_M, HEAD_DIM, EVEN_D, ATOMIC_DQ,
+            offs_m, offs_n, offs_d, head_dim, N_Q, diag, diag_left, diag_right, qk_scale, cap_scale, alibi,
+            full_hi, hi,
+            True, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, ALIBI, BLOCK_M, HEAD_DIM, EVEN_D, ATOMIC_DQ,
         )
     dk = dk * scale
 
@@ -237,10 +263,11 @@ def _attn_bwd_dkdv(
 def _attn_bwd_dq_inner(
     dq, q, do, lse, delta,
     k_ptrs, v_ptrs, stride_kn, stride_vn,
-    offs_m, offs_n, offs_d, head_dim, N_K, diag, qk_scale, lo, hi,
-    IN_BAND: tl.constexpr, IS_CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr,
+    offs_m, offs_n, offs_d, head_dim, N_K, diag, diag_left, diag_right, qk_scale, cap_scale, alibi, lo, hi,
+    IN_BAND: tl.constexpr, WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
+    ALIBI: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr,
 ):
-    """dQ of one query tile over key tiles [lo, hi): masked iff IN_BAND."""
+    """dQ of one query tile over key tiles [lo, hi): masked iff IN_BAND, as in the forward."""
     for start_n in tl.range(lo, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         cols = start_n + offs_n
@@ -248,36 +275,49 @@ def _attn_bwd_dq_inner(
         k = _load_tile(k_ptrs + start_n64 * stride_kn, cols, N_K, offs_d, head_dim,
                        IN_BAND, EVEN_D)  # [BLOCK_N, HEAD_DIM]
         qk = tl.dot(q, tl.trans(k), input_precision="ieee")  # [BLOCK_M, BLOCK_N]
-        p = tl.math.exp2(qk * qk_scale - lse[:, None])
+        if SOFTCAP:
+            qk = _tanh(qk * cap_scale)  # the capped score over softcap
+        s = qk * qk_scale - lse[:, None]
+        if ALIBI:
+            s = s - alibi * tl.abs(offs_m[:, None] + diag - cols[None, :]).to(tl.float32)
+        p = tl.math.exp2(s)
         if IN_BAND:
-            # Key j is visible to query i iff j < seqlen_k and, under causal, j <= i + diag; zeroing after
-            # exp2 keeps -inf out of it.
+            # Key j is visible to query i iff j < seqlen_k and i + diag_left <= j <= i + diag_right (the
+            # bounded sides); zeroing after exp2 keeps -inf out of it.
             visible = cols[None, :] < N_K
-            if IS_CAUSAL:
-                visible = visible & (cols[None, :] <= offs_m[:, None] + diag)
+            if WINDOW_RIGHT:
+                visible = visible & (cols[None, :] <= offs_m[:, None] + diag_right)
+            if WINDOW_LEFT:
+                visible = visible & (cols[None, :] >= offs_m[:, None] + diag_left)
             p = tl.where(visible, p, 0.0)
         v = _load_tile(v_ptrs + start_n64 * stride_vn, cols, N_K, offs_d, head_dim,
                        IN_BAND, EVEN_D)  # [BLOCK_N, HEAD_DIM]
         dp = tl.dot(do, tl.trans(v), input_precision="ieee")  # [BLOCK_M, BLOCK_N]
         ds = p * (dp - delta[:, None])
+        if SOFTCAP:
+            # d(softcap · tanh(s / softcap)) / ds = 1 - tanh².
+            ds = ds * (1.0 - qk * qk)
         dq = tl.dot(ds.to(k.dtype), k, dq, input_precision="ieee")
     return dq
 
 
 @triton.jit
 def _attn_bwd_dq(
-    Q, K, V, dO, L, Delta, dQ, scale, qk_scale,
+    Q, K, V, dO, L, Delta, dQ, Slopes, scale, qk_scale, cap_scale, window_left, window_right,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_dob, stride_doh, stride_dom, stride_dod,
     stride_lb, stride_lh, stride_lm,
     stride_dqb, stride_dqh, stride_dqm, stride_dqd,
+    stride_sb, stride_sh,
     H, GROUP, N_Q, N_K, head_dim,
-    IS_CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+    WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
     EVEN_D: tl.constexpr,
 ):
-    """Q, dO, dQ: (B, H, N_Q, D); K, V: (B, H // GROUP, N_K, D); L: (B, H, N_Q); Delta: (B·H, N_Q)."""
+    """Q, dO, dQ: (B, H, N_Q, D); K, V: (B, H // GROUP, N_K, D); L: (B, H, N_Q); Delta: (B·H, N_Q). The
+    window, softcap and ALiBi arguments as the forward's (``_attn_fwd``)."""
     # One program per (query tile, batch·head), flattened to one grid axis, query tiles fastest and last
     # first: under causal the last query tiles see the most keys, so the longest programs start first.
     pid = tl.program_id(0)
@@ -288,8 +328,10 @@ def _attn_bwd_dq(
     # Grouped-query attention: the query heads h of one group share key/value head h // GROUP.
     off_hk = off_h // GROUP
     start_m = (num_m_tiles - 1 - pid % num_m_tiles) * BLOCK_M
-    # Key j is visible to query i iff j <= i + diag.
+    # Key j is visible to query i iff i + diag - window_left <= j <= i + diag + window_right.
     diag = N_K - N_Q
+    diag_left = diag - window_left
+    diag_right = diag + window_right
 
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
@@ -315,22 +357,32 @@ def _attn_bwd_dq(
     delta = tl.load(Delta + off_bh * N_Q + offs_m, mask=offs_m < N_Q, other=0.0)
     dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
 
-    if IS_CAUSAL:
-        # Every row of the tile sees keys < start_m + diag + 1; some row sees keys < start_m + BLOCK_M + diag.
-        lo_band = tl.maximum(start_m + diag + 1, 0) // BLOCK_N * BLOCK_N
-        hi = tl.minimum(tl.maximum(start_m + BLOCK_M + diag, 0), N_K)
-    else:
-        lo_band = N_K // BLOCK_N * BLOCK_N
-        hi = N_K
-    dq = _attn_bwd_dq_inner(
-        dq, q, do, lse, delta, k_ptrs, v_ptrs, stride_kn, stride_vn,
-        offs_m, offs_n, offs_d, head_dim, N_K, diag, qk_scale, 0, lo_band,
-        False, IS_CAUSAL, BLOCK_N, EVEN_D,
+    alibi = 0.0
+    if ALIBI:
+        alibi = tl.load(Slopes + off_b * stride_sb + off_h * stride_sh) * 1.4426950408889634
+    # The key tiles [lo, hi) that some row of this tile sees, as in the forward: [full_lo, full_hi)
+    # unmasked, the tiles across the window's edges or the end of the keys masked.
+    lo, full_lo, full_hi, hi = _tiles_in_window(
+        start_m, tl.minimum(start_m + BLOCK_M, N_Q), N_K, diag, window_left, window_right,
+        BLOCK_N, WINDOW_LEFT, WINDOW_RIGHT,
     )
     dq = _attn_bwd_dq_inner(
         dq, q, do, lse, delta, k_ptrs, v_ptrs, stride_kn, stride_vn,
-        offs_m, offs_n, offs_d, head_dim, N_K, diag, qk_scale, lo_band, hi,
-        True, IS_CAUSAL, BLOCK_N, EVEN_D,
+        offs_m, offs_n, offs_d, head_dim, N_K, diag, diag_left, diag_right, qk_scale, cap_scale, alibi,
+        lo, full_lo,
+        True, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, ALIBI, BLOCK_N, EVEN_D,
+    )
+    dq = _attn_bwd_dq_inner(
+        dq, q, do, lse, delta, k_ptrs, v_ptrs, stride_kn, stride_vn,
+        offs_m, offs_n, offs_d, head_dim, N_K, diag, diag_left, diag_right, qk_scale, cap_scale, alibi,
+        full_lo, full_hi,
+        False, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, ALIBI, BLOCK_N, EVEN_D,
+    )
+    dq = _attn_bwd_dq_inner(
+        dq, q, do, lse, delta, k_ptrs, v_ptrs, stride_kn, stride_vn,
+        offs_m, offs_n, offs_d, head_dim, N_K, diag, diag_left, diag_right, qk_scale, cap_scale, alibi,
+        full_hi, hi,
+        True, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, ALIBI, BLOCK_N, EVEN_D,
     )
     dq = dq * scale
 
@@ -419,18 +471,19 @@ BWD_TILES_16BIT_PADDED = {
 PREPROCESS_ELEMENTS = 4096
 
 
-def bwd_tiles_for(head_dim: int, dtype: torch.dtype, causal: bool = False, seqlen_k: int | None = None) -> BwdTiles:
-    """The launch configuration for a head_dim (unpadded), an input dtype, causal and seqlen_k (None: the
-    largest bucket). The interpreter gets the same tiles as the GPU (it ignores num_warps and num_stages),
-    so CPU tests cover the GPU's tiling."""
+def bwd_tiles_for(head_dim: int, dtype: torch.dtype, masked: bool = False, seqlen_k: int | None = None) -> BwdTiles:
+    """The launch configuration for a head_dim (unpadded), an input dtype, whether a window masks some keys
+    (``AttentionSpec.masked``: causal's entries serve every window) and seqlen_k (None: the largest
+    bucket). The interpreter gets the same tiles as the GPU (it ignores num_warps and num_stages), so CPU
+    tests cover the GPU's tiling."""
     HEAD_DIM = max(16, triton.next_power_of_2(head_dim))
     dtype_class = DTYPE_CLASS[dtype]
     if dtype_class == "16-bit" and head_dim % 16:
         return BWD_TILES_16BIT_PADDED[HEAD_DIM]
-    for bound, tiles in BWD_TILES[HEAD_DIM, dtype_class, causal]:
+    for bound, tiles in BWD_TILES[HEAD_DIM, dtype_class, masked]:
         if bound is None or (seqlen_k is not None and seqlen_k <= bound):
             return tiles
-    raise AssertionError(f"BWD_TILES[{HEAD_DIM}, {dtype_class}, {causal}] lacks its last (None) entry")
+    raise AssertionError(f"BWD_TILES[{HEAD_DIM}, {dtype_class}, {masked}] lacks its last (None) entry")
 
 
 def flash_attn_backward(
@@ -440,8 +493,7 @@ def flash_attn_backward(
     O: torch.Tensor,
     L: torch.Tensor,
     dO: torch.Tensor,
-    causal: bool,
-    scale: float,
+    spec: AttentionSpec,
     tiles: BwdTiles | None = None,
     deterministic: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -451,7 +503,9 @@ def flash_attn_backward(
             key/value head h // (heads // heads_k). Any strides.
         O, dO: (batch, heads, seqlen_q, head_dim); L: (batch, heads, seqlen_q), float32, natural log,
             from the forward (+inf on rows that see no key).
-        causal, scale: as in ``flash_attn_forward``.
+        spec: what the forward computed (``fa2.spec.AttentionSpec``: scale, window, softcap, ALiBi), as in
+            ``flash_attn_forward``. The softcap's gradient multiplies dS by 1 - tanh² of the scaled score over
+            softcap; ALiBi adds nothing to it, and the slopes get no gradient.
         tiles: each kernel's tiles (powers of two >= 16), num_warps, num_stages; default ``bwd_tiles_for``.
         deterministic: True (the default) computes dq in its own kernel, every element written once, so
             that the same inputs give the same bits. False adds dq into a zeroed fp32 accumulator from the
@@ -461,7 +515,8 @@ def flash_attn_backward(
     Returns:
         dq, dk, dv in the shapes and dtypes of q, k, v (dk, dv: (batch, heads_k, seqlen_k, head_dim), each
         key/value head's the sum over the query heads of its group), contiguous; rows that see no key get
-        dq = 0, keys that no row sees dk = dv = 0.
+        dq = 0, keys that no row sees dk = dv = 0. Query tiles that see no key of a key tile, and key tiles
+        that a query tile's window misses, are skipped, not loaded.
 
     Raises:
         NotImplementedError: head_dim not a multiple of 8 from 8 to 256; bfloat16 under the interpreter.
@@ -477,20 +532,20 @@ def flash_attn_backward(
 
     dk = torch.empty(k.shape, device=k.device, dtype=k.dtype)
     dv = torch.empty(v.shape, device=v.device, dtype=v.dtype)
-    tiles = tiles or bwd_tiles_for(head_dim, q.dtype, causal, seqlen_k)
+    tiles = tiles or bwd_tiles_for(head_dim, q.dtype, spec.masked, seqlen_k)
     with on_device(q.device):
         delta = launch_preprocess(O, dO)
         if deterministic:
             dq = torch.empty(q.shape, device=q.device, dtype=q.dtype)
-            launch_dq(q, k, v, dO, L, delta, dq, causal, scale, tiles.dq)
-            launch_dkdv(q, k, v, dO, L, delta, dk, dv, None, causal, scale, tiles.dkdv)
+            launch_dq(q, k, v, dO, L, delta, dq, spec, tiles.dq)
+            launch_dkdv(q, k, v, dO, L, delta, dk, dv, None, spec, tiles.dkdv)
         else:
             # Padded to whole query tiles and to HEAD_DIM, so the atomic adds need no mask.
             HEAD_DIM = max(16, triton.next_power_of_2(head_dim))
             padded_q = triton.cdiv(seqlen_q, tiles.dkdv.block_m) * tiles.dkdv.block_m
             dq_acc = torch.zeros(batch, heads, padded_q, HEAD_DIM, device=q.device, dtype=torch.float32)
-            launch_dkdv(q, k, v, dO, L, delta, dk, dv, dq_acc, causal, scale, tiles.dkdv)
-            dq = (dq_acc[:, :, :seqlen_q, :head_dim] * scale).to(q.dtype)
+            launch_dkdv(q, k, v, dO, L, delta, dk, dv, dq_acc, spec, tiles.dkdv)
+            dq = (dq_acc[:, :, :seqlen_q, :head_dim] * spec.scale).to(q.dtype)
     return dq, dk, dv
 
 
@@ -515,23 +570,26 @@ def launch_preprocess(O: torch.Tensor, dO: torch.Tensor) -> torch.Tensor:
     return delta
 
 
-def launch_dq(q, k, v, dO, L, delta, dq, causal: bool, scale: float, t: KernelTiles):
+def launch_dq(q, k, v, dO, L, delta, dq, spec: AttentionSpec, t: KernelTiles):
     """The dQ kernel into dq (written in full)."""
     batch, heads, seqlen_q, head_dim = q.shape
     HEAD_DIM = max(16, triton.next_power_of_2(head_dim))
     if not (batch * heads and seqlen_q):
         return None
+    a = score_args(spec)
     return launch(
         _attn_bwd_dq, triton.cdiv(seqlen_q, t.block_m) * batch * heads,
-        (q, k, v, dO, L, delta, dq, scale, scale * LOG2_E,
-         *q.stride(), *k.stride(), *v.stride(), *dO.stride(), *L.stride(), *dq.stride(),
+        (q, k, v, dO, L, delta, dq, L if a.slopes is None else a.slopes,
+         spec.scale, a.qk_scale, a.cap_scale, a.window_left, a.window_right,
+         *q.stride(), *k.stride(), *v.stride(), *dO.stride(), *L.stride(), *dq.stride(), *a.slope_strides,
          heads, group_size(q, k), seqlen_q, k.shape[2], head_dim),
-        dict(IS_CAUSAL=causal, BLOCK_M=t.block_m, BLOCK_N=t.block_n, HEAD_DIM=HEAD_DIM, EVEN_D=HEAD_DIM == head_dim),
+        dict(WINDOW_LEFT=a.WINDOW_LEFT, WINDOW_RIGHT=a.WINDOW_RIGHT, SOFTCAP=a.SOFTCAP, ALIBI=a.ALIBI,
+             BLOCK_M=t.block_m, BLOCK_N=t.block_n, HEAD_DIM=HEAD_DIM, EVEN_D=HEAD_DIM == head_dim),
         dict(num_warps=t.num_warps, num_stages=t.num_stages),
     )
 
 
-def launch_dkdv(q, k, v, dO, L, delta, dk, dv, dq_acc, causal: bool, scale: float, t: KernelTiles):
+def launch_dkdv(q, k, v, dO, L, delta, dk, dv, dq_acc, spec: AttentionSpec, t: KernelTiles):
     """The dK/dV kernel into dk and dv (written in full); with dq_acc (a zeroed fp32 (batch, heads,
     cdiv(seqlen_q, t.block_m) · t.block_m, HEAD_DIM) tensor), also dq / scale added into it atomically.
     One program per key tile and batch·heads_k: each sums its group's query heads into dk and dv."""
@@ -546,12 +604,15 @@ def launch_dkdv(q, k, v, dO, L, delta, dk, dv, dq_acc, causal: bool, scale: floa
         dk.zero_()
         dv.zero_()
         return None
+    a = score_args(spec)
     return launch(
         _attn_bwd_dkdv, triton.cdiv(seqlen_k, t.block_n) * batch * heads_k,
-        (q, k, v, dO, L, delta, dk, dv, delta if dq_acc is None else dq_acc, scale, scale * LOG2_E,
+        (q, k, v, dO, L, delta, dk, dv, delta if dq_acc is None else dq_acc, L if a.slopes is None else a.slopes,
+         spec.scale, a.qk_scale, a.cap_scale, a.window_left, a.window_right,
          *q.stride(), *k.stride(), *v.stride(), *dO.stride(), *L.stride(), *dk.stride(), *dv.stride(),
-         heads, group, seqlen_q, seqlen_k, head_dim),
-        dict(IS_CAUSAL=causal, BLOCK_M=t.block_m, BLOCK_N=t.block_n, HEAD_DIM=HEAD_DIM,
+         *a.slope_strides, heads, group, seqlen_q, seqlen_k, head_dim),
+        dict(WINDOW_LEFT=a.WINDOW_LEFT, WINDOW_RIGHT=a.WINDOW_RIGHT, SOFTCAP=a.SOFTCAP, ALIBI=a.ALIBI,
+             BLOCK_M=t.block_m, BLOCK_N=t.block_n, HEAD_DIM=HEAD_DIM,
              EVEN_D=HEAD_DIM == head_dim, ATOMIC_DQ=dq_acc is not None),
         dict(num_warps=t.num_warps, num_stages=t.num_stages),
     )

@@ -14,11 +14,30 @@ epilogue converts back, L = (m_i + log2(l_i)) · ln(2) = m + log(l) in natural l
 on the host: FUSED_EXP2) the max is taken over the unscaled scores and scaled once per row, and the scale
 and the subtraction of the max meet in one FMA, ``exp2(fma(qk, qk_scale, -m))``.
 
-The key loop runs in two parts. Off the band: whole key tiles that every query row of the tile sees
-(under causal, the tiles left of the diagonal; otherwise all full tiles), loaded and used without masks.
-The band: the tiles that straddle the causal diagonal or run past seqlen_k, masked. Under causal, tiles
-wholly above the diagonal are never visited. A row that sees no key keeps m_i = -inf; the band subtracts
-0 for it instead of m_i, so p and alpha stay 0 (not NaN) and the epilogue writes O = 0, L = +inf.
+What to compute arrives as one ``fa2.spec.AttentionSpec`` and becomes compile-time switches: WINDOW_LEFT and
+WINDOW_RIGHT (whether the window bounds that side; the sizes are runtime ints, so windows of every size
+share a compilation; causal is WINDOW_RIGHT with right = 0), SOFTCAP (the softcap a runtime float) and
+ALIBI (a (batch, heads) slope tensor of any strides, one slope loaded per program). Query i sees key j iff
+i + diag - left <= j <= i + diag + right, diag = seqlen_k - seqlen_q (bottom-right aligned, as
+FlashAttention-2). With seqlen_q = 4, seqlen_k = 6 and window (1, 0)::
+
+    0 1 1 0 0 0
+    0 0 1 1 0 0
+    0 0 0 1 1 0
+    0 0 0 0 1 1
+
+The key loop visits only the key tiles [lo, hi) that some row of the query tile sees (``_tiles_in_window``):
+tiles outside the window are never loaded, so the cost follows the window, not seqlen_q · seqlen_k. It runs
+in three parts: the tiles across the window's left edge (only with WINDOW_LEFT), masked; whole key tiles
+that every query row of the tile sees, loaded and used without masks; the tiles across the right edge
+(under causal, the diagonal band) or past seqlen_k, masked. A row that sees no key keeps m_i = -inf; the
+softmax subtracts 0 for it instead of m_i, so p and alpha stay 0 (not NaN) and the epilogue writes O = 0,
+L = +inf.
+
+The softcap is applied to the natural-scale score s = scale · q·k in fp32, softcap · tanh(s / softcap)
+(tanh from exp2, ``_tanh``: Triton has no tl.tanh, and libdevice's does not run in the interpreter), then
+log2(e) is folded in: qk_scale = softcap · log2(e) plays the part scale · log2(e) plays without it. ALiBi
+subtracts slope · |i + diag - j| (times log2(e)) from the capped score before the mask.
 
 Three ways to reach memory, one kernel (chosen on the host). USE_TMA: tensor descriptors (TMA on Hopper)
 over q's and O's (B, H, N, D) and k's and v's (B, H_K, N, D) with blocks [1, 1, BLOCK, HEAD_DIM], where
@@ -28,13 +47,13 @@ seqlen read as zeros and are not written. WARP_SPECIALIZE: one key loop that Tri
 warp group issuing the loads and two consumer warp groups of BLOCK_M / 2 rows, so that one group's softmax
 runs while the other's matmuls do (FlashAttention-3's overlap, left to Triton's Hopper warp
 specialisation); it needs descriptors built in the kernel, 2-D over the rows of contiguous inputs (q's
-(B·H·N, D), k's and v's (B·H_K·N, D)), so it is taken where ``ws_layout`` holds (not causal,
-whole tiles; the tile table asks for it at D = 128 from N = 2k). Otherwise pointer loads with masks. The
-levers that change the speed but not the result (the tile sizes, the order of the programs, a lazy rescale,
-maxnreg, warp specialisation) are the fields of ``Tiles``, chosen per (head_dim, dtype class, causal,
-seqlen bucket) from ``TILES``, which ``python -m fa2_triton.tune`` measures on a GPU. Launches go through
-``fa2_triton.launch``, which reuses the compiled kernel for arguments of one class and so spends less host
-time per call than ``kernel[grid](...)``.
+(B·H·N, D), k's and v's (B·H_K·N, D)), so it is taken where ``ws_layout`` holds (no window, causal
+included, whole tiles; softcap and ALiBi are fine; the tile table asks for it at D = 128 from N = 2k).
+Otherwise pointer loads with masks. The levers that change the speed but not the result (the tile sizes, the
+order of the programs, a lazy rescale, maxnreg, warp specialisation) are the fields of ``Tiles``, chosen per
+(head_dim, dtype class, masked (causal's entries serve every window), seqlen bucket) from ``TILES``, which
+``python -m fa2_triton.tune`` measures on a GPU. Launches go through ``fa2_triton.launch``, which reuses the
+compiled kernel for arguments of one class and so spends less host time per call than ``kernel[grid](...)``.
 
 Credits: the structure and names follow Triton's tutorial ``06-fused-attention.py`` (Tillet et al.); the
 log2-domain softmax, the fused max subtraction, the unmasked/masked split of the key loop and the host-side
@@ -42,7 +61,8 @@ tensor descriptors are from there too. Masking on padded head dims as in Tri Dao
 The lazy rescale (threshold 8 in log2 units) is FlashAttention-4's. Warp specialisation with descriptors
 built in the kernel follows what Triton's Hopper warp specialisation supports (triton-lang/triton#7658).
 
-Limits: head_dim a multiple of 8 from 8 to 256 (HEAD_DIM, the tile width, is padded to a power of two
+Limits: ALiBi distances are exact in fp32 up to 2^24 keys; the softcap's tanh has an absolute error of a
+few fp32 ulps of 1. head_dim a multiple of 8 from 8 to 256 (HEAD_DIM, the tile width, is padded to a power of two
 >= 16 and masked); float32, float16, bfloat16. CUDA tensors, or CPU tensors under Triton's interpreter
 (``TRITON_INTERPRET=1`` in the environment when this module is imported; the interpreter runs both
 descriptor paths too, the warp-specialised loop unspecialised). The warp-specialised loop asks Triton's
@@ -63,6 +83,7 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
+from fa2.spec import UNBOUNDED, AttentionSpec
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from fa2_triton.launch import launch, on_device, scratch_allocator
@@ -93,17 +114,63 @@ def _load_tile(ptrs, rows, n_rows, offs_d, head_dim, MASK_ROWS: tl.constexpr, EV
 
 
 @triton.jit
+def _tanh(x):
+    """tanh in fp32 from exp2: 1 - 2 / (e^2x + 1), with x already multiplied by 2·log2(e) (the caller folds
+    that into its scale). e^2x overflows to +inf for large x (tanh = 1) and to 0 for very negative x
+    (tanh = -1): never NaN. Its absolute error is a few fp32 ulps of 1 (the subtraction from 1), the same in
+    Triton's interpreter and on the GPU (Triton has no tl.tanh; libdevice's is not in the interpreter)."""
+    return 1.0 - 2.0 / (tl.math.exp2(x) + 1.0)
+
+
+@triton.jit
+def _tiles_in_window(start, end, n_other, diag, window_left, window_right, BLOCK: tl.constexpr,
+                     WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr):
+    """The tiles of the other side that rows [start, end) see, as (lo, full_lo, full_hi, hi): row i sees
+    column j iff i + diag - window_left <= j <= i + diag + window_right (an unbounded side has no bound).
+    [lo, hi) holds every column some row sees (lo a multiple of BLOCK; empty if lo >= hi), [full_lo, full_hi)
+    the whole tiles every row sees, all before n_other's last partial tile, so only [lo, full_lo) (across
+    the left edge) and [full_hi, hi) (across the right edge or n_other) need masks. The dK/dV kernel asks
+    it the other way round: key j is seen by query i iff j - diag - window_right <= i <= j - diag +
+    window_left."""
+    if WINDOW_LEFT:
+        lo = tl.maximum(start + diag - window_left, 0) // BLOCK * BLOCK
+        # The last row's first column starts the tiles that every row sees whole.
+        full_lo = tl.cdiv(tl.maximum(end - 1 + diag - window_left, 0), BLOCK) * BLOCK
+    else:
+        lo = 0
+        full_lo = 0
+    if WINDOW_RIGHT:
+        hi = tl.minimum(tl.maximum(end + diag + window_right, 0), n_other)
+        # The first row's last column ends them.
+        full_hi = tl.minimum(tl.maximum(start + diag + window_right + 1, 0), n_other) // BLOCK * BLOCK
+    else:
+        hi = n_other
+        full_hi = n_other // BLOCK * BLOCK
+    if WINDOW_LEFT:
+        # Windows narrower than a tile, or rows that see nothing: every visited tile masked, none twice.
+        # Without a left bound lo = full_lo = 0 <= full_hi <= hi already, and the bounds stay as before.
+        full_lo = tl.minimum(tl.maximum(full_lo, lo), hi)
+        full_hi = tl.minimum(tl.maximum(full_hi, full_lo), hi)
+    return lo, full_lo, full_hi, hi
+
+
+@triton.jit
 def _attn_fwd_inner(
     acc, l_i, m_i, q,
     k_src, v_src, stride_kn, stride_vn, off_b, off_hk, kv_row,
-    offs_m, offs_n, offs_d, head_dim, N_K, diag, qk_scale, lo, hi,
-    IN_BAND: tl.constexpr, IS_CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-    EVEN_D: tl.constexpr, USE_TMA: tl.constexpr, FUSED_EXP2: tl.constexpr, LAZY_RESCALE: tl.constexpr,
+    offs_m, offs_n, offs_d, head_dim, N_K, diag, diag_left, diag_right, qk_scale, cap_scale, alibi, lo, hi,
+    IN_BAND: tl.constexpr, WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
+    ALIBI: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, EVEN_D: tl.constexpr,
+    USE_TMA: tl.constexpr, FUSED_EXP2: tl.constexpr, LAZY_RESCALE: tl.constexpr,
     WARP_SPECIALIZE: tl.constexpr,
 ):
     """The online softmax over key tiles [lo, hi): masked iff IN_BAND. k_src, v_src: 4-D tensor descriptors
     read at key/value head off_hk (USE_TMA), 2-D ones whose rows of this batch and key/value head start at
-    kv_row (WARP_SPECIALIZE), or [BLOCK_N, HEAD_DIM] pointers to the first key tile of that head."""
+    kv_row (WARP_SPECIALIZE), or [BLOCK_N, HEAD_DIM] pointers to the first key tile of that head. Key j is
+    visible to query i iff j < seqlen_k, j >= i + diag_left (WINDOW_LEFT) and j <= i + diag_right
+    (WINDOW_RIGHT). SOFTCAP: tanh of the scores times cap_scale (which holds scale / softcap · 2·log2(e)),
+    qk_scale then softcap · log2(e). ALIBI: alibi (slope · log2(e), over qk_scale with FUSED_EXP2) times
+    |i + diag - j| comes off the scores."""
     # side-by-side: scores
     for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
         start_n = tl.multiple_of(start_n, BLOCK_N)
@@ -117,15 +184,30 @@ def _attn_fwd_inner(
             k = _load_tile(k_src + tl.cast(start_n, tl.int64) * stride_kn, cols, N_K, offs_d, head_dim,
                            IN_BAND, EVEN_D)  # [BLOCK_N, HEAD_DIM]
         qk = tl.dot(q, tl.trans(k), input_precision="ieee")  # [BLOCK_M, BLOCK_N]
+    # side-by-side: end
+        # side-by-side: softcap
+        if SOFTCAP:
+            # softcap · tanh(scale · q·k / softcap) in fp32: tanh here, its factor softcap (times log2(e)) is
+            # qk_scale, applied below or inside exp2 as without a cap.
+            qk = _tanh(qk * cap_scale)
+        # side-by-side: end
         if not FUSED_EXP2:
             qk = qk * qk_scale  # log2 units
-    # side-by-side: end
+        # side-by-side: alibi
+        if ALIBI:
+            # -slope · |i + diag - j|, in the units qk is in here (log2, or log2 over qk_scale when fused).
+            distance = tl.abs(offs_m[:, None] + diag - cols[None, :]).to(tl.float32)  # [BLOCK_M, BLOCK_N]
+            qk = qk - alibi * distance
+        # side-by-side: end
         # side-by-side: mask
         if IN_BAND:
-            # Key j is visible to query i iff j < seqlen_k and, under causal, j <= i + diag.
+            # Key j is visible to query i iff j < seqlen_k and i + diag_left <= j <= i + diag_right (the
+            # bounded sides only).
             visible = cols[None, :] < N_K
-            if IS_CAUSAL:
-                visible = visible & (cols[None, :] <= offs_m[:, None] + diag)
+            if WINDOW_RIGHT:
+                visible = visible & (cols[None, :] <= offs_m[:, None] + diag_right)
+            if WINDOW_LEFT:
+                visible = visible & (cols[None, :] >= offs_m[:, None] + diag_left)
             qk = tl.where(visible, qk, float("-inf"))
         # side-by-side: end
 
@@ -173,23 +255,29 @@ def _attn_fwd_inner(
 
 @triton.jit
 def _attn_fwd(
-    Q, K, V, O, L, qk_scale,
+    Q, K, V, O, L, Slopes, qk_scale, cap_scale, alibi_scale, window_left, window_right,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_ob, stride_oh, stride_om, stride_od,
     stride_lb, stride_lh, stride_lm,
+    stride_sb, stride_sh,
     H, GROUP, N_Q, N_K, head_dim,
-    IS_CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+    WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
     EVEN_D: tl.constexpr, USE_TMA: tl.constexpr, FUSED_EXP2: tl.constexpr, LAZY_RESCALE: tl.constexpr,
     GRID_ORDER: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
 ):
     """Q, K, V, O: pointers, or with USE_TMA tensor descriptors of blocks [1, 1, BLOCK, HEAD_DIM], Q's and O's
     over (B, H, N_Q, D), K's and V's over (B, H // GROUP, N_K, D) (their strides are then unused).
-    WARP_SPECIALIZE (never with causal): contiguous pointers of those shapes with seqlen_q a multiple of
+    WARP_SPECIALIZE (never with a window): contiguous pointers of those shapes with seqlen_q a multiple of
     BLOCK_M and seqlen_k of BLOCK_N, read and written through descriptors built here. GROUP: query heads
     per key/value head, a runtime int so that group sizes share compilations (Triton still specialises on
-    GROUP = 1, where the divisions by it fold away)."""
+    GROUP = 1, where the divisions by it fold away). window_left, window_right: runtime ints, read only
+    where WINDOW_LEFT, WINDOW_RIGHT bound that side (causal: WINDOW_RIGHT with window_right = 0). SOFTCAP:
+    cap_scale = scale / softcap · 2·log2(e), qk_scale = softcap · log2(e). ALIBI: Slopes (B, H) float32 at
+    strides (stride_sb, stride_sh), each program's slope times alibi_scale (log2(e), over qk_scale with
+    FUSED_EXP2)."""
     # One program per (query tile, batch·head), flattened to one grid axis; GRID_ORDER picks the order.
     pid = tl.program_id(0)
     num_m_tiles = tl.cdiv(N_Q, BLOCK_M)
@@ -212,7 +300,7 @@ def _attn_fwd(
     off_hk = off_h // GROUP
     kv_row = (off_b * (H // GROUP) + off_hk) * N_K
     # side-by-side: end
-    # Key j is visible to query i iff j <= i + diag.
+    # Key j is visible to query i iff i + diag - window_left <= j <= i + diag + window_right.
     diag = N_K - N_Q
 
     # side-by-side: state
@@ -254,25 +342,48 @@ def _attn_fwd(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     # side-by-side: end
+    alibi = 0.0
+    if ALIBI:
+        # One slope per (batch, head), loaded once per program.
+        alibi = tl.load(Slopes + off_b.to(tl.int64) * stride_sb + off_h.to(tl.int64) * stride_sh) * alibi_scale
+
+    # side-by-side: window
+    # Only the key tiles [lo, hi) that some row of this tile sees are visited: the window's two edges
+    # become the loop's bounds, and tiles outside them are never loaded. Between them, the tiles
+    # [full_lo, full_hi) that every row sees whole run unmasked; the ones across the left edge
+    # [lo, full_lo) and across the right edge or the end of the keys [full_hi, hi) are masked. Causal
+    # is the case lo = full_lo = 0 (no left edge) with window_right = 0.
+    lo, full_lo, full_hi, hi = _tiles_in_window(
+        start_m, tl.minimum(start_m + BLOCK_M, N_Q), N_K, diag, window_left, window_right,
+        BLOCK_N, WINDOW_LEFT, WINDOW_RIGHT,
+    )
+    diag_left = diag - window_left
+    diag_right = diag + window_right
+    # side-by-side: end
 
     # side-by-side: loop
-    if IS_CAUSAL:
-        # Every row of the tile sees keys < start_m + diag + 1; some row sees keys < start_m + BLOCK_M + diag.
-        lo_band = tl.maximum(start_m + diag + 1, 0) // BLOCK_N * BLOCK_N
-        hi = tl.minimum(tl.maximum(start_m + BLOCK_M + diag, 0), N_K)
-    else:
-        lo_band = N_K // BLOCK_N * BLOCK_N
-        hi = N_K
+    if WINDOW_LEFT:  # never warp-specialised (one key loop only)
+        acc, l_i, m_i = _attn_fwd_inner(
+            acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_vn, off_b, off_hk, kv_row,
+            offs_m, offs_n, offs_d, head_dim, N_K, diag, diag_left, diag_right, qk_scale, cap_scale, alibi,
+            lo, full_lo,
+            True, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, ALIBI, BLOCK_N, HEAD_DIM, EVEN_D, USE_TMA, FUSED_EXP2,
+            LAZY_RESCALE, False,
+        )
     acc, l_i, m_i = _attn_fwd_inner(
         acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_vn, off_b, off_hk, kv_row,
-        offs_m, offs_n, offs_d, head_dim, N_K, diag, qk_scale, 0, lo_band,
-        False, IS_CAUSAL, BLOCK_N, HEAD_DIM, EVEN_D, USE_TMA, FUSED_EXP2, LAZY_RESCALE, WARP_SPECIALIZE,
+        offs_m, offs_n, offs_d, head_dim, N_K, diag, diag_left, diag_right, qk_scale, cap_scale, alibi,
+        full_lo, full_hi,
+        False, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, ALIBI, BLOCK_N, HEAD_DIM, EVEN_D, USE_TMA, FUSED_EXP2,
+        LAZY_RESCALE, WARP_SPECIALIZE,
     )
     if not WARP_SPECIALIZE:  # no band then (BLOCK_N divides seqlen_k), and a second loop would not compile
         acc, l_i, m_i = _attn_fwd_inner(
             acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_vn, off_b, off_hk, kv_row,
-            offs_m, offs_n, offs_d, head_dim, N_K, diag, qk_scale, lo_band, hi,
-            True, IS_CAUSAL, BLOCK_N, HEAD_DIM, EVEN_D, USE_TMA, FUSED_EXP2, LAZY_RESCALE, False,
+            offs_m, offs_n, offs_d, head_dim, N_K, diag, diag_left, diag_right, qk_scale, cap_scale, alibi,
+            full_hi, hi,
+            True, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, ALIBI, BLOCK_N, HEAD_DIM, EVEN_D, USE_TMA, FUSED_EXP2,
+            LAZY_RESCALE, False,
         )
     # side-by-side: end
 
@@ -327,10 +438,11 @@ class Tiles(NamedTuple):
     warp_specialize: bool = False
 
 
-# Keys of TILES: HEAD_DIM (head_dim padded to a power of two), the dtype class, causal.
+# Keys of TILES: HEAD_DIM (head_dim padded to a power of two), the dtype class, masked (causal or any window:
+# causal's entries serve them all).
 DTYPE_CLASS = {torch.float16: "16-bit", torch.bfloat16: "16-bit", torch.float32: "fp32"}
 
-# (HEAD_DIM, dtype class, causal) -> ((largest seqlen_k, Tiles), ..., (None, Tiles)): the first entry whose
+# (HEAD_DIM, dtype class, masked) -> ((largest seqlen_k, Tiles), ..., (None, Tiles)): the first entry whose
 # bound holds seqlen_k wins, passing over one that asks for warp specialisation where the inputs cannot take
 # it: each such entry is followed by its fallback, with the same bound. Each compiles for sm_90a on Triton
 # 3.6 and 3.9 without register spills for head_dim = HEAD_DIM (a padded head_dim such as 72 takes the
@@ -382,19 +494,20 @@ TILES: dict[tuple[int, str, bool], tuple[tuple[int | None, Tiles], ...]] = {
 }
 
 
-def tiles_for(head_dim_padded: int, dtype: torch.dtype, causal: bool = False, seqlen_k: int | None = None,
+def tiles_for(head_dim_padded: int, dtype: torch.dtype, masked: bool = False, seqlen_k: int | None = None,
               can_specialize=None) -> Tiles:
-    """The launch configuration for a padded head_dim, an input dtype, causal and seqlen_k (None: the
-    largest bucket). ``can_specialize(tiles)``: whether the inputs can take the warp-specialised loop with
-    those tiles (None: as if they could); an entry that asks for it where they cannot is passed over for
-    its fallback. The interpreter gets the same tiles as the GPU (it ignores num_warps and num_stages), so
-    CPU tests cover the GPU's tiling."""
-    for bound, tiles in TILES[head_dim_padded, DTYPE_CLASS[dtype], causal]:
+    """The launch configuration for a padded head_dim, an input dtype, whether a window masks some keys
+    (``AttentionSpec.masked``: causal's entries serve every window, whose programs also end at a band) and
+    seqlen_k (None: the largest bucket). ``can_specialize(tiles)``: whether the inputs can take the
+    warp-specialised loop with those tiles (None: as if they could); an entry that asks for it where they
+    cannot is passed over for its fallback. The interpreter gets the same tiles as the GPU (it ignores
+    num_warps and num_stages), so CPU tests cover the GPU's tiling."""
+    for bound, tiles in TILES[head_dim_padded, DTYPE_CLASS[dtype], masked]:
         if tiles.warp_specialize and can_specialize is not None and not can_specialize(tiles):
             continue
         if bound is None or (seqlen_k is not None and seqlen_k <= bound):
             return tiles
-    raise AssertionError(f"TILES[{head_dim_padded}, {DTYPE_CLASS[dtype]}, {causal}] lacks its last (None) entry")
+    raise AssertionError(f"TILES[{head_dim_padded}, {DTYPE_CLASS[dtype]}, {masked}] lacks its last (None) entry")
 
 
 def tma_layout(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, head_dim_padded: int) -> bool:
@@ -417,19 +530,20 @@ def tma_layout(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, head_dim_padde
     return True
 
 
-def ws_tiles(tiles: Tiles, causal: bool) -> bool:
-    """Whether ``tiles`` take the warp-specialised loop where the inputs allow it: asked for, not causal
-    (Triton 3.6 does not specialise causal's two key loops; one loop masking every tile ran at 0.83-1.01x
-    the unspecialised kernel at D = 128 and 0.59-0.78x at D = 64), and the configuration measured correct on
-    the H200 with Triton 3.6: BLOCK_M 128 (two consumer groups of 64 rows), 4 warps a group, 2 stages (3
-    gave NaN there), without lazy_rescale (its branch keeps Triton from specialising the loop) or maxnreg
-    (the groups set their own)."""
+def ws_tiles(tiles: Tiles, masked: bool) -> bool:
+    """Whether ``tiles`` take the warp-specialised loop where the inputs allow it: asked for, no window
+    (``masked``: causal or any window; Triton 3.6 does not specialise a kernel with a second key loop, the
+    band's, and causal as one loop masking every tile ran at 0.83-1.01x the unspecialised kernel at D = 128
+    and 0.59-0.78x at D = 64), and the configuration measured correct on the H200 with Triton 3.6: BLOCK_M
+    128 (two consumer groups of 64 rows), 4 warps a group, 2 stages (3 gave NaN there), without lazy_rescale
+    (its branch keeps Triton from specialising the loop) or maxnreg (the groups set their own). Softcap and
+    ALiBi take it: they are elementwise work inside the one loop."""
     shape = (tiles.block_m, tiles.num_warps, tiles.num_stages)
-    return (tiles.warp_specialize and not causal and shape == (128, 4, 2) and not tiles.lazy_rescale
+    return (tiles.warp_specialize and not masked and shape == (128, 4, 2) and not tiles.lazy_rescale
             and tiles.maxnreg is None)
 
 
-def ws_layout(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, head_dim_padded: int,
+def ws_layout(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, masked: bool, head_dim_padded: int,
               tiles: Tiles) -> bool:
     """Whether the warp-specialised loop runs: ``ws_tiles``, a Hopper GPU (sm_90; or the interpreter,
     which runs the loop without specialising it), contiguous q, k, v with head_dim a power of two >= 16
@@ -437,7 +551,7 @@ def ws_layout(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, h
     16-byte aligned), seqlen_q a multiple of
     BLOCK_M and seqlen_k of BLOCK_N (so no tile crosses into another head and no key needs a mask), and
     fewer than 2^31 rows."""
-    if not ws_tiles(tiles, causal):
+    if not ws_tiles(tiles, masked):
         return False
     if not INTERPRETED and _capability(q.device.index)[0] != 9:
         return False
@@ -468,8 +582,7 @@ def flash_attn_forward(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    causal: bool,
-    scale: float,
+    spec: AttentionSpec,
     tiles: Tiles | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Arguments:
@@ -477,17 +590,23 @@ def flash_attn_forward(
             of heads_k (grouped-query attention; heads_k = 1 is multi-query): query head h attends to
             key/value head h // (heads // heads_k). Any strides. CUDA tensors, or CPU tensors when this
             module was imported with TRITON_INTERPRET=1. head_dim: a multiple of 8 from 8 to 256.
-        causal: bottom-right aligned, key j visible to query i iff j <= i + seqlen_k - seqlen_q::
+        spec: what to compute (``fa2.spec.AttentionSpec``): the scale; the window (left, right), -1
+            unbounded, bottom-right aligned, key j visible to query i iff i + seqlen_k - seqlen_q - left <= j
+            <= i + seqlen_k - seqlen_q + right; causal is (-1, 0), and with seqlen_q = 2, seqlen_k = 5::
 
-            seqlen_q = 2, seqlen_k = 5:   1 1 1 1 0
-                                          1 1 1 1 1
-        scale: multiplies q kᵀ before the softmax.
+                causal (-1, 0):   1 1 1 1 0        window (1, 0):   0 0 1 1 0
+                                  1 1 1 1 1                         0 0 0 1 1
+
+            the softcap (scores become softcap · tanh(scores / softcap), in fp32), ALiBi slopes ((batch,
+            heads) float32 on q's device, any strides: -slope · |i + seqlen_k - seqlen_q - j| is added to
+            the capped scores). Each becomes a compile-time switch of the kernel; the window's sizes and
+            the softcap stay runtime values, so windows of any size share a compilation.
         tiles: BLOCK_M, BLOCK_N (powers of two >= 16), num_warps, num_stages and the levers; default
             ``tiles_for``.
 
     Returns:
         O: (batch, heads, seqlen_q, head_dim), q's dtype, contiguous. L: (batch, heads, seqlen_q), float32,
-        natural log; rows that see no key get O = 0 and L = +inf.
+        natural log of the final scores' sum; rows that see no key get O = 0 and L = +inf.
 
     Raises:
         NotImplementedError: head_dim not a multiple of 8 from 8 to 256; bfloat16 under the interpreter.
@@ -504,25 +623,61 @@ def flash_attn_forward(
     L = torch.empty(batch, heads, seqlen_q, device=q.device, dtype=torch.float32)
     if O.numel() == 0:
         return O, L
-    _launch(q, k, v, O, L, causal, scale, tiles)
+    _launch(q, k, v, O, L, spec, tiles)
     return O, L
 
 
-def _launch(q, k, v, O, L, causal: bool, scale: float, tiles: Tiles | None = None):
+class ScoreArgs(NamedTuple):
+    """The spec as the kernels' arguments: the runtime values (``qk_scale`` the factor that takes the
+    scores, or their tanh under a softcap, to log2 units; ``cap_scale`` what the raw score is multiplied by
+    inside the tanh, scale / softcap · 2·log2(e); the window's sizes, 0 for an unbounded side; the slopes
+    tensor and its strides, or a stand-in) and the compile-time switches."""
+
+    qk_scale: float
+    cap_scale: float
+    window_left: int
+    window_right: int
+    slopes: torch.Tensor | None
+    slope_strides: tuple[int, int]
+    WINDOW_LEFT: bool
+    WINDOW_RIGHT: bool
+    SOFTCAP: bool
+    ALIBI: bool
+
+
+def score_args(spec: AttentionSpec) -> ScoreArgs:
+    """The forward's and the backward's kernel arguments for ``spec`` (see ``ScoreArgs``)."""
+    left, right = spec.window
+    softcap = spec.softcap
+    qk_scale = softcap * LOG2_E if softcap else spec.scale * LOG2_E
+    cap_scale = spec.scale / softcap * 2 * LOG2_E if softcap else 0.0
+    slopes = spec.alibi_slopes
+    return ScoreArgs(
+        qk_scale, cap_scale, max(left, 0), max(right, 0), slopes,
+        (0, 0) if slopes is None else (slopes.stride(0), slopes.stride(1)),
+        left != UNBOUNDED, right != UNBOUNDED, softcap > 0, slopes is not None,
+    )
+
+
+def _launch(q, k, v, O, L, spec: AttentionSpec, tiles: Tiles | None = None):
     """Runs the kernel into O and L (both written in full); returns what the launch returns (on a GPU the
     compiled kernel, whose n_regs and n_spills the tuner records)."""
     batch, heads, seqlen_q, head_dim = q.shape
     seqlen_k = k.shape[2]
     group = group_size(q, k)
     HEAD_DIM = max(16, triton.next_power_of_2(head_dim))
-    can_specialize = functools.partial(ws_layout, q, k, v, causal, HEAD_DIM)
+    masked = spec.masked
+    can_specialize = functools.partial(ws_layout, q, k, v, masked, HEAD_DIM)
     if tiles is None:
-        tiles = tiles_for(HEAD_DIM, q.dtype, causal, seqlen_k, can_specialize)
+        tiles = tiles_for(HEAD_DIM, q.dtype, masked, seqlen_k, can_specialize)
         # tiles_for has passed over every warp-specialised entry that these inputs cannot take.
         warp_specialize = tiles.warp_specialize
     else:
         warp_specialize = can_specialize(tiles)
-    qk_scale = scale * LOG2_E
+    s = score_args(spec)
+    fused_exp2 = tiles.fused_exp2 and s.qk_scale > 0
+    # The ALiBi bias is subtracted in qk's units: log2 units, or with the fused exp2 before qk_scale.
+    alibi_scale = LOG2_E / s.qk_scale if fused_exp2 else LOG2_E
     if not warp_specialize and tiles.tma and tma_layout(q, k, v, HEAD_DIM):
         use_tma = True
         q_arg, o_arg = _descriptor(q, tiles.block_m), _descriptor(O, tiles.block_m)
@@ -537,11 +692,13 @@ def _launch(q, k, v, O, L, causal: bool, scale: float, tiles: Tiles | None = Non
     with on_device(q.device), scratch_allocator() if warp_specialize else contextlib.nullcontext():
         return launch(
             _attn_fwd, grid,
-            (q_arg, k_arg, v_arg, o_arg, L, qk_scale,
-             *q.stride(), *k.stride(), *v.stride(), *O.stride(), *L.stride(),
+            (q_arg, k_arg, v_arg, o_arg, L, L if s.slopes is None else s.slopes,
+             s.qk_scale, s.cap_scale, alibi_scale, s.window_left, s.window_right,
+             *q.stride(), *k.stride(), *v.stride(), *O.stride(), *L.stride(), *s.slope_strides,
              heads, group, seqlen_q, seqlen_k, head_dim),
-            dict(IS_CAUSAL=causal, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, HEAD_DIM=HEAD_DIM,
-                 EVEN_D=HEAD_DIM == head_dim, USE_TMA=use_tma, FUSED_EXP2=tiles.fused_exp2 and qk_scale > 0,
+            dict(WINDOW_LEFT=s.WINDOW_LEFT, WINDOW_RIGHT=s.WINDOW_RIGHT, SOFTCAP=s.SOFTCAP, ALIBI=s.ALIBI,
+                 BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, HEAD_DIM=HEAD_DIM,
+                 EVEN_D=HEAD_DIM == head_dim, USE_TMA=use_tma, FUSED_EXP2=fused_exp2,
                  LAZY_RESCALE=tiles.lazy_rescale, GRID_ORDER=tiles.grid_order, WARP_SPECIALIZE=warp_specialize),
             dict(num_warps=tiles.num_warps, num_stages=tiles.num_stages, maxnreg=tiles.maxnreg),
         )

@@ -51,6 +51,7 @@ from fa2.bench import check, timing
 from fa2.bench.__main__ import default_name
 from fa2.bench.providers import PROVIDERS, Shape
 from fa2.bench.report import seqlen_label
+from fa2.spec import UNBOUNDED, AttentionSpec
 
 from fa2_triton import forward
 from fa2_triton.forward import INTERPRETED, Tiles
@@ -68,6 +69,12 @@ REGS_PER_SM, SMEM_PER_SM, SMEM_RESERVED = 65536, 233472, 1024
 # specialises on divisibility by 16) and N a multiple of 16, so the compiled kernel is the one timed.
 WARM_SEQLEN = 256
 MAX_REASONS = 8  # failure reasons printed; the CSV has them all
+def shape_spec(causal: bool, scale: float) -> AttentionSpec:
+    """The AttentionSpec of a benchmark shape: causal or full attention, no softcap or ALiBi (the tile
+    tables are keyed by masked or not, and causal's entries serve every window)."""
+    return AttentionSpec(scale, (UNBOUNDED, 0) if causal else (UNBOUNDED, UNBOUNDED))
+
+
 CSV_COLUMNS = ("dtype", "head_dim", "causal", "seqlen", "batch", "heads", "stage", "config", "status", "reason",
                "ms", "tflops", "n_regs", "n_spills", "shared", "gpu", "triton", "torch")
 
@@ -227,7 +234,7 @@ def _compile_job(job):
         q, k, v = _warm_inputs(DTYPES[dtype], head_dim, heads, device)
         O = torch.full_like(q, math.nan)
         L = torch.full(q.shape[:-1], math.nan, device=device)
-        kernel = forward._launch(q, k, v, O, L, causal, head_dim**-0.5, tiles)
+        kernel = forward._launch(q, k, v, O, L, shape_spec(causal, head_dim**-0.5), tiles)
         torch.cuda.synchronize()
     except Exception as e:
         if _context_lost(e):
@@ -321,7 +328,7 @@ class Bench:
             O = torch.full_like(self.q, math.nan)
             L = torch.full(self.q.shape[:-1], math.nan, device=self.q.device)
             t0 = time.monotonic()
-            forward._launch(self.q, self.k, self.v, O, L, self.p.causal, self.scale, tiles)
+            forward._launch(self.q, self.k, self.v, O, L, shape_spec(self.p.causal, self.scale), tiles)
             if self.run.device.type == "cuda":
                 torch.cuda.synchronize()
                 if time.monotonic() - t0 > 1.0:
@@ -331,8 +338,8 @@ class Bench:
                 problem = "NaN left in O or L (rows never written)"
             if problem is not None:
                 return Result("wrong", problem)
-            q, k, v, causal, scale = self.q, self.k, self.v, self.p.causal, self.scale
-            ms = median_ms(self.run.device, lambda: forward.flash_attn_forward(q, k, v, causal, scale, tiles), search)
+            q, k, v, spec = self.q, self.k, self.v, shape_spec(self.p.causal, self.scale)
+            ms = median_ms(self.run.device, lambda: forward.flash_attn_forward(q, k, v, spec, tiles), search)
         except Exception as e:
             if _context_lost(e):
                 raise  # the CUDA context is gone: nothing after this can be trusted

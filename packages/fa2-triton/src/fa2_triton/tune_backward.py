@@ -49,13 +49,14 @@ import triton
 from fa2.bench import check, timing
 from fa2.bench.__main__ import default_name
 from fa2.bench.providers import PROVIDERS, Shape
+from fa2.spec import AttentionSpec
 
 from fa2_triton import backward, forward, tune
 from fa2_triton.backward import BwdTiles, KernelTiles
 from fa2_triton.tune import (
     CSV_COLUMNS, DTYPES, MAX_REASONS, SMEM_PER_SM, SMEM_RESERVED, WARM_SEQLEN, Result, Run, _context_lost,
-    _gpu_name, _reason, add_shape_arguments, median_ms, parse_with_run_arguments, precompile, table_entries,
-    tuning_device,
+    _gpu_name, _reason, add_shape_arguments, median_ms, parse_with_run_arguments, precompile, shape_spec,
+    table_entries, tuning_device,
 )
 
 KINDS = ("dkdv", "dq")
@@ -129,8 +130,7 @@ class Problem(NamedTuple):
     O: torch.Tensor
     L: torch.Tensor
     delta: torch.Tensor
-    causal: bool
-    scale: float
+    spec: AttentionSpec
 
 
 def _outputs(prob: Problem, kind: str, t: KernelTiles) -> tuple[torch.Tensor, ...]:
@@ -149,11 +149,11 @@ def _launch(prob: Problem, kind: str, t: KernelTiles, out: tuple[torch.Tensor, .
     """One kernel into ``out`` (from ``_outputs``); what the launch returns."""
     args = (prob.q, prob.k, prob.v, prob.dO, prob.L, prob.delta)
     if kind == "dq":
-        return backward.launch_dq(*args, out[0], prob.causal, prob.scale, t)
+        return backward.launch_dq(*args, out[0], prob.spec, t)
     dq_acc = None
     if kind == "dkdv-atomic":
         dq_acc = out[2].zero_()
-    return backward.launch_dkdv(*args, out[0], out[1], dq_acc, prob.causal, prob.scale, t)
+    return backward.launch_dkdv(*args, out[0], out[1], dq_acc, prob.spec, t)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -168,7 +168,7 @@ def _warm_problem(dtype: torch.dtype, head_dim: int, heads: int, causal: bool, d
     q, k, v, dO, O = (torch.randn(shape, generator=g).to(device=device, dtype=dtype) for _ in range(5))
     scale = head_dim**-0.5
     L = (q.float() @ k.float().transpose(-1, -2) * scale).logsumexp(-1)
-    return Problem(q, k, v, dO, O, L, backward.launch_preprocess(O, dO), causal, scale)
+    return Problem(q, k, v, dO, O, L, backward.launch_preprocess(O, dO), shape_spec(causal, scale))
 
 
 # Set in a worker once a kernel has broken its CUDA context: its later jobs are left to the main process.
@@ -231,11 +231,11 @@ class Bench:
         if run.device.type == "cuda":  # SDPA flash's O and L (natural log): nothing to compile
             O, L = PROVIDERS["sdpa-flash"].build(self.shape(), run.device)(q, k, v)
         else:
-            O, L = forward.flash_attn_forward(q, k, v, p.causal, scale)
-        self.prob = Problem(q, k, v, dO, O, L, backward.launch_preprocess(O, dO), p.causal, scale)
+            O, L = forward.flash_attn_forward(q, k, v, shape_spec(p.causal, scale))
+        self.prob = Problem(q, k, v, dO, O, L, backward.launch_preprocess(O, dO), shape_spec(p.causal, scale))
         self.sample = check.reference_sample(q, k, v, p.causal, p.seqlen * 7 + p.head_dim, dO)
         self.current = current_tiles(p)
-        self.current_grads = backward.flash_attn_backward(q, k, v, O, L, dO, p.causal, scale, self.current)
+        self.current_grads = backward.flash_attn_backward(q, k, v, O, L, dO, self.prob.spec, self.current)
         self.current_problem = check.grad_problem(self.current_grads, q, k, v, self.sample)
         self.results: dict[str, dict[KernelTiles, Result]] = {kind: {} for kind in KINDS}
         self.buffers: dict = {}
@@ -294,8 +294,8 @@ class Bench:
         prob = self.prob
 
         def bwd(dO):
-            return backward.flash_attn_backward(prob.q, prob.k, prob.v, prob.O, prob.L, dO, prob.causal,
-                                                prob.scale, tiles, deterministic)
+            return backward.flash_attn_backward(prob.q, prob.k, prob.v, prob.O, prob.L, dO, prob.spec, tiles,
+                                                deterministic)
 
         class Attention(torch.autograd.Function):
             @staticmethod
