@@ -280,6 +280,9 @@ FEATURE_SIM_CASES = [
     _feature_case(torch.bfloat16, 1, 1, 1, 37, 19, 16, ONE_WARP, window=(0, 2)),
     # causal with a left bound, GQA, S_AHEAD's pairs of tiles starting past 0
     _feature_case(torch.float16, 1, 2, 1, 40, 70, 32, SMALL_AHEAD, causal=True, window=(20, 0)),
+    # four warps whose windows start one key tile apart: each skips the block's first or last tiles, S_AHEAD's
+    # S of a warp's first tile coming from either buffer
+    _feature_case(torch.float16, 1, 1, 1, 64, 80, 16, (4, 16, 0, True), causal=True, window=(10, 0)),
     # softcap on large scores, with and without S_AHEAD; a negative scale (q's sign flipped)
     _feature_case(torch.float16, 1, 1, 1, 20, 48, 16, SMALL_AHEAD, softcap=5.0, gain=4.0),
     _feature_case(torch.bfloat16, 1, 1, 1, 29, 17, 32, SMALL, causal=True, softcap=2.0, gain=3.0, scale=-0.4),

@@ -38,11 +38,13 @@ reads key/value head ``off_hk = h // group`` (group = heads // heads_k, a runtim
 Windows, softcap and ALiBi as ``fa2_numba_cuda.forward`` (the same ``Features``, compile-time switches;
 window sizes, softcap and slopes runtime arguments): the window (left, right) is bottom-right aligned, key j
 visible to query i iff i + diag - left <= j <= i + diag + right with diag = seqlen_k - seqlen_q (causal is
-(-1, 0)). A block visits only the key tiles [begin_n, end_n) that hold a key some row of it sees; a warp
-masks only the tiles that cross a window edge of its 16 rows or the end of the keys. Blocks with a right
+(-1, 0)). A block visits only the key tiles [begin_n, end_n) that hold a key some row of it sees; with a
+left bound, a warp computes only on those its own 16 rows see (on the others it takes part in the loads
+and barriers alone); a warp masks only the tiles that cross a window edge of its rows or the end of the keys. Blocks with a right
 bound are launched longest-first. With a softcap or ALiBi, ``row_max`` turns the raw scores into the final
-ones in base 2 before the mask: x = s · qk_scale; softcap c: qk_scale = |scale| / c and x = c · log2 e ·
-tanh(x) (``_tanh_approx``: exp2 on ex2.approx, no overflow); ALiBi: x -= slope · log2 e · |i + diag - j|;
+ones in base 2 before the mask: x = s · qk_scale; softcap c: x = c · log2 e · tanh(s · |scale| / c) =
+c · log2 e · (1 - 2 / (1 + exp2(s · qk_scale))), qk_scale = 2 · log2 e · |scale| / c (``_softcap_log2``:
+ex2.approx and rcp.approx, no division, no overflow); ALiBi: x -= slope · log2 e · |i + diag - j|;
 the exponentials then take x with a scale of 1. Rows that see no key get O = 0 and L = +inf. seqlen_q and
 seqlen_k need not be multiples of anything (tiles are zero-padded, padded keys masked), head_dim is padded
 to a multiple of 16 with zeros.
@@ -96,6 +98,7 @@ from fa2_numba_cuda.mma import (
     mma_f16,
     pack_bf16x2,
     pack_f16x2,
+    rcp_approx,
     shared_address,
     shfl_xor,
 )
@@ -164,12 +167,14 @@ def uses_tensor_cores(q: torch.Tensor) -> bool:
 
 
 @device_function
-def _tanh_approx(x):
-    """tanh(x) in fp32 as ``forward._tanh`` (sign(x) · (1 - e) / (1 + e), e = exp(-2|x|): no overflow, ±1 for
-    large |x|), with e from one ex2.approx."""
-    e = exp2_approx(float32(-2.0 * LOG2E) * abs(x))
-    t = (float32(1.0) - e) / (float32(1.0) + e)
-    return t if x >= float32(0.0) else -t
+def _softcap_log2(s, qk_scale, softcap_log2):
+    """The capped score in base 2, softcap_log2 · tanh(x) with softcap_log2 = c · log2 e, of a raw score s,
+    x = s · |scale| / c, from qk_scale = 2 · log2 e · |scale| / c: tanh(x) = 1 - 2 / (1 + e^2x) with e^2x =
+    exp2(s · qk_scale), two MUFU instructions (ex2.approx, rcp.approx) and no division; the product with
+    softcap_log2 folds into one FMA. Saturates without overflow: e^2x = inf gives c · log2 e (rcp(inf) = 0),
+    e^2x = 0 gives -c · log2 e; NaN stays NaN."""
+    r = rcp_approx(float32(1.0) + exp2_approx(s * qk_scale))
+    return cuda.fma(float32(-2.0) * softcap_log2, r, softcap_log2)
 
 
 def _build_kernel(HEAD_DIM, config, LEFT, RIGHT, SOFTCAP, ALIBI, IS_BF16, EVEN_HEAD_DIM, ASYNC_LOADS, O_PAIRS):
@@ -310,9 +315,10 @@ def _build_kernel(HEAD_DIM, config, LEFT, RIGHT, SOFTCAP, ALIBI, IS_BF16, EVEN_H
             if SCALED:
                 for j in range(N_TILES):
                     for e in range(4):
-                        x = s[BUF, j, e] * qk_scale  # softcap c: qk_scale = |scale| / c
-                        if SOFTCAP:
-                            x = _tanh_approx(x) * softcap_log2
+                        if SOFTCAP:  # softcap c: qk_scale = 2 · log2 e · |scale| / c
+                            x = _softcap_log2(s[BUF, j, e], qk_scale, softcap_log2)
+                        else:
+                            x = s[BUF, j, e] * qk_scale
                         if ALIBI:
                             key = start_n + 8 * j + 2 * t + e % 2
                             row = row0 + 8 * (e // 2)
@@ -441,7 +447,17 @@ def _build_kernel(HEAD_DIM, config, LEFT, RIGHT, SOFTCAP, ALIBI, IS_BF16, EVEN_H
 
         return acc_plus_pv
 
-    qk_0 = qk(0)
+    @device_function
+    def warp_sees(n0, warp_lo, warp_hi):
+        """Whether some row of the warp sees a key of the tile at n0 (the same for all its lanes, so that its
+        ldmatrix and mma stay whole-warp): the rows' windows span keys warp_lo .. warp_hi - 1. Only kernels
+        with a left bound skip: causal alone would skip at most the diagonal tile (~1.5% of its tiles at 4k
+        keys), and the extra code paths cost it 10 registers (244 -> 254 at HEAD_DIM 128, ptxas sm_90)."""
+        if not LEFT:
+            return True
+        return n0 + BLOCK_N > warp_lo and (not RIGHT or n0 < warp_hi)
+
+    qk_0, qk_1 = qk(0), qk(1)
     ahead_0, ahead_1 = qk_with_exp(0), qk_with_exp(1)
     max_0, max_1 = softmax_max(0), softmax_max(1)
     exp_0_row_g, exp_0_row_g8 = softmax_exp(0, 0), softmax_exp(0, 1)
@@ -526,6 +542,13 @@ def _build_kernel(HEAD_DIM, config, LEFT, RIGHT, SOFTCAP, ALIBI, IS_BF16, EVEN_H
         end_n = min(seqlen_k, min(start_m + BLOCK_M, seqlen_q) + diag + window_right) if RIGHT else seqlen_k
         warp_m = start_m + 16 * warp
         row0 = warp_m + g
+        # Within them, the tiles this warp's rows see: from its first row's left edge to its last row's right
+        # edge (warp_sees; with a left bound). On the block's other tiles (its first or last few) the warp only
+        # takes part in the loads and barriers: its S, softmax and P V are skipped, which leaves m_i, l_i and
+        # acc as a wholly masked tile would. With window (1024, 0), 128 x 64 tiles, each warp skips one of a
+        # block's 18 tiles.
+        warp_lo = warp_m + diag - window_left if LEFT else 0
+        warp_hi = min(warp_m + 16, seqlen_q) + diag + window_right if RIGHT else seqlen_k
         # ALiBi's slope for this (batch, head), in base 2; with SCALED, the exponentials take final scores.
         slope = slopes[uint64(off_b * stride_ab + off_h * stride_ah)] * float32(LOG2E) if ALIBI else float32(0.0)
         exp_scale = float32(1.0) if SCALED else qk_scale
@@ -538,7 +561,8 @@ def _build_kernel(HEAD_DIM, config, LEFT, RIGHT, SOFTCAP, ALIBI, IS_BF16, EVEN_H
             if begin_n < end_n:
                 wait_tiles()
                 cuda.syncthreads()
-                qk_0(s, q_frag, k_lane)
+                if warp_sees(begin_n, warp_lo, warp_hi):
+                    qk_0(s, q_frag, k_lane)
                 cuda.syncthreads()  # every warp is done with K's first tile
                 if begin_n + BLOCK_N < end_n:
                     load_kv(smem, smem_base, 0, k, k_base, k_offset, stride_kn, stride_kd, begin_n + BLOCK_N,
@@ -551,48 +575,63 @@ def _build_kernel(HEAD_DIM, config, LEFT, RIGHT, SOFTCAP, ALIBI, IS_BF16, EVEN_H
                         cuda.syncthreads()  # K's next tile has landed; every warp is done with V's tile
                         load_kv(smem, smem_base, V_ROW, v, v_base, v_offset, stride_vn, stride_vd, n0, seqlen_k,
                                 head_dim)
+                        # The warp's S of this tile is in s[half] if it sees the tile; that of the next tile,
+                        # in K's buffer now, goes to s[1 - half] if it sees that one.
+                        sees = warp_sees(n0, warp_lo, warp_hi)
+                        sees_next = n0 + BLOCK_N < end_n and warp_sees(n0 + BLOCK_N, warp_lo, warp_hi)
+                        rescale = False
                         if half == 0:
-                            rescale = max_0(s, m_i, alpha, m_safe, n0, seqlen_k, warp_m, diag, row0, t, qk_scale,
-                                            window_left, window_right, softcap_log2, slope)
-                            if n0 + BLOCK_N < end_n:
-                                ahead_0(s, q_frag, k_lane, l_i, alpha, m_safe, exp_scale)
-                            else:
-                                exp_0_row_g(s, l_i, alpha, m_safe, exp_scale)
-                                exp_0_row_g8(s, l_i, alpha, m_safe, exp_scale)
+                            if sees:
+                                rescale = max_0(s, m_i, alpha, m_safe, n0, seqlen_k, warp_m, diag, row0, t,
+                                                qk_scale, window_left, window_right, softcap_log2, slope)
+                                if sees_next:
+                                    ahead_0(s, q_frag, k_lane, l_i, alpha, m_safe, exp_scale)
+                                else:
+                                    exp_0_row_g(s, l_i, alpha, m_safe, exp_scale)
+                                    exp_0_row_g8(s, l_i, alpha, m_safe, exp_scale)
+                            elif sees_next:
+                                qk_1(s, q_frag, k_lane)
                         else:
-                            rescale = max_1(s, m_i, alpha, m_safe, n0, seqlen_k, warp_m, diag, row0, t, qk_scale,
-                                            window_left, window_right, softcap_log2, slope)
-                            if n0 + BLOCK_N < end_n:
-                                ahead_1(s, q_frag, k_lane, l_i, alpha, m_safe, exp_scale)
-                            else:
-                                exp_1_row_g(s, l_i, alpha, m_safe, exp_scale)
-                                exp_1_row_g8(s, l_i, alpha, m_safe, exp_scale)
+                            if sees:
+                                rescale = max_1(s, m_i, alpha, m_safe, n0, seqlen_k, warp_m, diag, row0, t,
+                                                qk_scale, window_left, window_right, softcap_log2, slope)
+                                if sees_next:
+                                    ahead_1(s, q_frag, k_lane, l_i, alpha, m_safe, exp_scale)
+                                else:
+                                    exp_1_row_g(s, l_i, alpha, m_safe, exp_scale)
+                                    exp_1_row_g8(s, l_i, alpha, m_safe, exp_scale)
+                            elif sees_next:
+                                qk_0(s, q_frag, k_lane)
                         wait_tiles()
                         cuda.syncthreads()  # V's tile has landed; every warp is done with K's
                         if n0 + 2 * BLOCK_N < end_n:
                             load_kv(smem, smem_base, 0, k, k_base, k_offset, stride_kn, stride_kd, n0 + 2 * BLOCK_N,
                                     seqlen_k, head_dim)
-                        if half == 0:
-                            pv_0(s, acc, alpha, rescale, v_lane)
-                        else:
-                            pv_1(s, acc, alpha, rescale, v_lane)
+                        if sees:
+                            if half == 0:
+                                pv_0(s, acc, alpha, rescale, v_lane)
+                            else:
+                                pv_1(s, acc, alpha, rescale, v_lane)
         else:
             for start_n in range(begin_n, end_n, BLOCK_N):
                 wait_tiles()
                 cuda.syncthreads()  # K's tile has landed; every warp is done with the previous V tile
                 load_kv(smem, smem_base, V_ROW, v, v_base, v_offset, stride_vn, stride_vd, start_n, seqlen_k,
                         head_dim)
-                qk_0(s, q_frag, k_lane)
+                sees = warp_sees(start_n, warp_lo, warp_hi)
+                if sees:
+                    qk_0(s, q_frag, k_lane)
                 wait_tiles()
                 cuda.syncthreads()  # V's tile has landed; every warp is done with K's
                 if start_n + BLOCK_N < end_n:
                     load_kv(smem, smem_base, 0, k, k_base, k_offset, stride_kn, stride_kd, start_n + BLOCK_N,
                             seqlen_k, head_dim)
-                rescale = max_0(s, m_i, alpha, m_safe, start_n, seqlen_k, warp_m, diag, row0, t, qk_scale,
-                                window_left, window_right, softcap_log2, slope)
-                exp_0_row_g(s, l_i, alpha, m_safe, exp_scale)
-                exp_0_row_g8(s, l_i, alpha, m_safe, exp_scale)
-                pv_0(s, acc, alpha, rescale, v_lane)
+                if sees:
+                    rescale = max_0(s, m_i, alpha, m_safe, start_n, seqlen_k, warp_m, diag, row0, t, qk_scale,
+                                    window_left, window_right, softcap_log2, slope)
+                    exp_0_row_g(s, l_i, alpha, m_safe, exp_scale)
+                    exp_0_row_g8(s, l_i, alpha, m_safe, exp_scale)
+                    pv_0(s, acc, alpha, rescale, v_lane)
 
         # Epilogue: the row sums over each quad, then O = acc / l and L = m + log(l), each once.
         for h in range(2):
@@ -670,9 +709,10 @@ def _qk_scale(scale: float) -> np.float32:
 
 def _score_scale(spec: AttentionSpec) -> np.float32:
     """What the kernel multiplies raw scores (of q's sign-flipped fragments) by: ``_qk_scale``, or with a
-    softcap c, |scale| / c, the argument of tanh."""
+    softcap c, 2 · log2 e · |scale| / c, the exponent of e^2x, x = s · |scale| / c the argument of tanh
+    (``_softcap_log2``)."""
     if spec.softcap > 0:
-        return np.float32(abs(spec.scale) / spec.softcap)
+        return np.float32(2.0 * LOG2E * abs(spec.scale) / spec.softcap)
     return _qk_scale(spec.scale)
 
 

@@ -22,6 +22,8 @@ with the lower index (the order ``mma`` and ``ldmatrix`` use).
     all_lanes(predicate) -> bool: ``cuda.all_sync`` over the full warp.
     exp2_approx(x) -> float32: ex2.approx.ftz.f32, one MUFU instruction (libdevice's exp2f adds a range
         check and two multiplies for denormal results; here they flush to 0). exp2_approx(-inf) = 0.
+    rcp_approx(x) -> float32: rcp.approx.ftz.f32, 1 / x in one MUFU instruction, within 1 ulp (an IEEE
+        division, div.rn.f32, is a few FMA more and a branch to a slow path). rcp_approx(inf) = 0.
 
 Fragment layouts (PTX ISA, "Matrix Fragments for mma.m16n8k16 with floating point type"). Each matrix is
 spread over the 32 lanes of a warp; lane = 4 g + t, with g = lane // 4 ("groupID", 0..7) and t = lane % 4
@@ -332,8 +334,12 @@ if numba.config.ENABLE_CUDASIM:
         return _collective(bool(predicate), lambda values: [all(values)] * WARP_SIZE)
 
     def exp2_approx(x):
-        with np.errstate(under="ignore"):
+        with np.errstate(under="ignore", over="ignore"):
             return np.exp2(np.float32(x))
+
+    def rcp_approx(x):
+        with np.errstate(divide="ignore"):
+            return np.float32(1.0) / np.float32(x)
 
 else:
     from llvmlite import ir
@@ -460,6 +466,14 @@ else:
         def codegen(context, builder, sig, args):
             (x,) = _cast(context, builder, sig, args, [types.float32])
             return _asm(builder, _f32, [x], "ex2.approx.ftz.f32 $0, $1;", "=f,f")
+
+        return types.float32(x), codegen
+
+    @intrinsic
+    def rcp_approx(typingctx, x):
+        def codegen(context, builder, sig, args):
+            (x,) = _cast(context, builder, sig, args, [types.float32])
+            return _asm(builder, _f32, [x], "rcp.approx.ftz.f32 $0, $1;", "=f,f")
 
         return types.float32(x), codegen
 
