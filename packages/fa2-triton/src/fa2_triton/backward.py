@@ -123,7 +123,7 @@ def _attn_bwd_dkdv_inner(
             delta = tl.load(delta_ptrs + start_m)
         qkT = tl.dot(k, tl.trans(q), input_precision="ieee")  # [BLOCK_N, BLOCK_M]
         if SOFTCAP:
-            qkT = _tanh(qkT * cap_scale)  # the capped score over softcap
+            qkT = _tanh(qkT * cap_scale, SOFTCAP)  # the capped score over softcap, as in the forward
         # exp(S - L) in log2 units; a row with L = +inf gets exp2(-inf) = 0.
         sT = qkT * qk_scale - (lse * 1.4426950408889634)[None, :]
         if ALIBI:
@@ -276,7 +276,7 @@ def _attn_bwd_dq_inner(
                        IN_BAND, EVEN_D)  # [BLOCK_N, HEAD_DIM]
         qk = tl.dot(q, tl.trans(k), input_precision="ieee")  # [BLOCK_M, BLOCK_N]
         if SOFTCAP:
-            qk = _tanh(qk * cap_scale)  # the capped score over softcap
+            qk = _tanh(qk * cap_scale, SOFTCAP)  # the capped score over softcap, as in the forward
         s = qk * qk_scale - lse[:, None]
         if ALIBI:
             s = s - alibi * tl.abs(offs_m[:, None] + diag - cols[None, :]).to(tl.float32)
@@ -576,7 +576,7 @@ def launch_dq(q, k, v, dO, L, delta, dq, spec: AttentionSpec, t: KernelTiles):
     HEAD_DIM = max(16, triton.next_power_of_2(head_dim))
     if not (batch * heads and seqlen_q):
         return None
-    a = score_args(spec)
+    a = score_args(spec, q.dtype)
     return launch(
         _attn_bwd_dq, triton.cdiv(seqlen_q, t.block_m) * batch * heads,
         (q, k, v, dO, L, delta, dq, L if a.slopes is None else a.slopes,
@@ -604,7 +604,7 @@ def launch_dkdv(q, k, v, dO, L, delta, dk, dv, dq_acc, spec: AttentionSpec, t: K
         dk.zero_()
         dv.zero_()
         return None
-    a = score_args(spec)
+    a = score_args(spec, q.dtype)
     return launch(
         _attn_bwd_dkdv, triton.cdiv(seqlen_k, t.block_n) * batch * heads_k,
         (q, k, v, dO, L, delta, dk, dv, delta if dq_acc is None else dq_acc, L if a.slopes is None else a.slopes,

@@ -35,7 +35,7 @@ softmax subtracts 0 for it instead of m_i, so p and alpha stay 0 (not NaN) and t
 L = +inf.
 
 The softcap is applied to the natural-scale score s = scale · q·k in fp32, softcap · tanh(s / softcap)
-(tanh from exp2, ``_tanh``: Triton has no tl.tanh, and libdevice's does not run in the interpreter), then
+(``_tanh``: from exp2 for fp32 inputs and in the interpreter, the GPU's tanh.approx for 16-bit ones), then
 log2(e) is folded in: qk_scale = softcap · log2(e) plays the part scale · log2(e) plays without it. ALiBi
 subtracts slope · |i + diag - j| (times log2(e)) from the capped score before the mask.
 
@@ -62,8 +62,9 @@ The lazy rescale (threshold 8 in log2 units) is FlashAttention-4's. Warp special
 built in the kernel follows what Triton's Hopper warp specialisation supports (triton-lang/triton#7658).
 
 Limits: ALiBi distances are exact in fp32 up to 2^24 keys; the softcap's tanh has an absolute error of a
-few fp32 ulps of 1. head_dim a multiple of 8 from 8 to 256 (HEAD_DIM, the tile width, is padded to a power of two
->= 16 and masked); float32, float16, bfloat16. CUDA tensors, or CPU tensors under Triton's interpreter
+few fp32 ulps of 1 for fp32 inputs, a relative error up to 2^-10.99 for fp16 and bf16 ones on a GPU.
+head_dim a multiple of 8 from 8 to 256 (HEAD_DIM, the tile width, is padded to a power of two >= 16 and
+masked); float32, float16, bfloat16. CUDA tensors, or CPU tensors under Triton's interpreter
 (``TRITON_INTERPRET=1`` in the environment when this module is imported; the interpreter runs both
 descriptor paths too, the warp-specialised loop unspecialised). The warp-specialised loop asks Triton's
 allocator for its descriptors' global memory (``launch.scratch_allocator``: torch's, during the launch).
@@ -113,13 +114,28 @@ def _load_tile(ptrs, rows, n_rows, offs_d, head_dim, MASK_ROWS: tl.constexpr, EV
     return tile
 
 
+# SOFTCAP's values: no cap; tanh from exp2 (fp32 inputs, and everything in the interpreter); the GPU's
+# tanh.approx.f32 (16-bit inputs on a GPU).
+SOFTCAP_NONE, SOFTCAP_EXP2, SOFTCAP_APPROX = 0, 1, 2
+
+
 @triton.jit
-def _tanh(x):
-    """tanh in fp32 from exp2: 1 - 2 / (e^2x + 1), with x already multiplied by 2·log2(e) (the caller folds
-    that into its scale). e^2x overflows to +inf for large x (tanh = 1) and to 0 for very negative x
-    (tanh = -1): never NaN. Its absolute error is a few fp32 ulps of 1 (the subtraction from 1), the same in
-    Triton's interpreter and on the GPU (Triton has no tl.tanh; libdevice's is not in the interpreter)."""
-    return 1.0 - 2.0 / (tl.math.exp2(x) + 1.0)
+def _tanh(x, SOFTCAP: tl.constexpr):
+    """tanh in fp32 (Triton has no tl.tanh; libdevice's does not run in the interpreter).
+
+    SOFTCAP_EXP2: 1 - 2 / (e^2x + 1), with x already multiplied by 2·log2(e) (``score_args`` folds that
+    into cap_scale). e^2x overflows to +inf for large x (tanh = 1) and to 0 for very negative x (tanh = -1):
+    never NaN; absolute error a few fp32 ulps of 1, the same in the interpreter and on the GPU. Two special
+    function unit operations (exp2 and the reciprocal) on top of the softmax's exp2: the cap cost 20-42%
+    in time with it on the H200 (docs/notes/windows-softcap.md).
+    SOFTCAP_APPROX: PTX ``tanh.approx.f32`` of x, one MUFU.TANH: relative error at most 2^-10.99 (PTX ISA),
+    about fp16's unit roundoff and 8x below bf16's, so kept for 16-bit inputs, whose scores the naive
+    attention of the precision rule rounds that much anyway; fp32 inputs keep the exact formula."""
+    if SOFTCAP == 2:  # SOFTCAP_APPROX
+        return tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True,
+                                         pack=1)
+    else:
+        return 1.0 - 2.0 / (tl.math.exp2(x) + 1.0)
 
 
 @triton.jit
@@ -168,8 +184,8 @@ def _attn_fwd_inner(
     read at key/value head off_hk (USE_TMA), 2-D ones whose rows of this batch and key/value head start at
     kv_row (WARP_SPECIALIZE), or [BLOCK_N, HEAD_DIM] pointers to the first key tile of that head. Key j is
     visible to query i iff j < seqlen_k, j >= i + diag_left (WINDOW_LEFT) and j <= i + diag_right
-    (WINDOW_RIGHT). SOFTCAP: tanh of the scores times cap_scale (which holds scale / softcap · 2·log2(e)),
-    qk_scale then softcap · log2(e). ALIBI: alibi (slope · log2(e), over qk_scale with FUSED_EXP2) times
+    (WINDOW_RIGHT). SOFTCAP: tanh of the scores times cap_scale (scale / softcap, for ``_tanh``), qk_scale
+    then softcap · log2(e). ALIBI: alibi (slope · log2(e), over qk_scale with FUSED_EXP2) times
     |i + diag - j| comes off the scores."""
     # side-by-side: scores
     for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
@@ -189,7 +205,7 @@ def _attn_fwd_inner(
         if SOFTCAP:
             # softcap · tanh(scale · q·k / softcap) in fp32: tanh here, its factor softcap (times log2(e)) is
             # qk_scale, applied below or inside exp2 as without a cap.
-            qk = _tanh(qk * cap_scale)
+            qk = _tanh(qk * cap_scale, SOFTCAP)
         # side-by-side: end
         if not FUSED_EXP2:
             qk = qk * qk_scale  # log2 units
@@ -274,8 +290,9 @@ def _attn_fwd(
     BLOCK_M and seqlen_k of BLOCK_N, read and written through descriptors built here. GROUP: query heads
     per key/value head, a runtime int so that group sizes share compilations (Triton still specialises on
     GROUP = 1, where the divisions by it fold away). window_left, window_right: runtime ints, read only
-    where WINDOW_LEFT, WINDOW_RIGHT bound that side (causal: WINDOW_RIGHT with window_right = 0). SOFTCAP:
-    cap_scale = scale / softcap · 2·log2(e), qk_scale = softcap · log2(e). ALIBI: Slopes (B, H) float32 at
+    where WINDOW_LEFT, WINDOW_RIGHT bound that side (causal: WINDOW_RIGHT with window_right = 0). SOFTCAP
+    (SOFTCAP_EXP2 or SOFTCAP_APPROX, see ``_tanh``): cap_scale = scale / softcap (· 2·log2(e) for
+    SOFTCAP_EXP2), qk_scale = softcap · log2(e). ALIBI: Slopes (B, H) float32 at
     strides (stride_sb, stride_sh), each program's slope times alibi_scale (log2(e), over qk_scale with
     FUSED_EXP2)."""
     # One program per (query tile, batch·head), flattened to one grid axis; GRID_ORDER picks the order.
@@ -630,8 +647,8 @@ def flash_attn_forward(
 class ScoreArgs(NamedTuple):
     """The spec as the kernels' arguments: the runtime values (``qk_scale`` the factor that takes the
     scores, or their tanh under a softcap, to log2 units; ``cap_scale`` what the raw score is multiplied by
-    inside the tanh, scale / softcap · 2·log2(e); the window's sizes, 0 for an unbounded side; the slopes
-    tensor and its strides, or a stand-in) and the compile-time switches."""
+    inside the tanh, scale / softcap (· 2·log2(e) for SOFTCAP_EXP2); the window's sizes, 0 for an unbounded
+    side; the slopes tensor and its strides, or a stand-in) and the compile-time switches."""
 
     qk_scale: float
     cap_scale: float
@@ -641,21 +658,27 @@ class ScoreArgs(NamedTuple):
     slope_strides: tuple[int, int]
     WINDOW_LEFT: bool
     WINDOW_RIGHT: bool
-    SOFTCAP: bool
+    SOFTCAP: int
     ALIBI: bool
 
 
-def score_args(spec: AttentionSpec) -> ScoreArgs:
-    """The forward's and the backward's kernel arguments for ``spec`` (see ``ScoreArgs``)."""
+def score_args(spec: AttentionSpec, dtype: torch.dtype) -> ScoreArgs:
+    """The forward's and the backward's kernel arguments for ``spec`` and inputs of ``dtype`` (see
+    ``ScoreArgs``; the dtype picks the tanh, ``_tanh``)."""
     left, right = spec.window
     softcap = spec.softcap
     qk_scale = softcap * LOG2_E if softcap else spec.scale * LOG2_E
-    cap_scale = spec.scale / softcap * 2 * LOG2_E if softcap else 0.0
+    if not softcap:
+        mode, cap_scale = SOFTCAP_NONE, 0.0
+    elif dtype != torch.float32 and not INTERPRETED:
+        mode, cap_scale = SOFTCAP_APPROX, spec.scale / softcap
+    else:
+        mode, cap_scale = SOFTCAP_EXP2, spec.scale / softcap * 2 * LOG2_E
     slopes = spec.alibi_slopes
     return ScoreArgs(
         qk_scale, cap_scale, max(left, 0), max(right, 0), slopes,
         (0, 0) if slopes is None else (slopes.stride(0), slopes.stride(1)),
-        left != UNBOUNDED, right != UNBOUNDED, softcap > 0, slopes is not None,
+        left != UNBOUNDED, right != UNBOUNDED, mode, slopes is not None,
     )
 
 
@@ -674,7 +697,7 @@ def _launch(q, k, v, O, L, spec: AttentionSpec, tiles: Tiles | None = None):
         warp_specialize = tiles.warp_specialize
     else:
         warp_specialize = can_specialize(tiles)
-    s = score_args(spec)
+    s = score_args(spec, q.dtype)
     fused_exp2 = tiles.fused_exp2 and s.qk_scale > 0
     # The ALiBi bias is subtracted in qk's units: log2 units, or with the fused exp2 before qk_scale.
     alibi_scale = LOG2_E / s.qk_scale if fused_exp2 else LOG2_E
