@@ -23,6 +23,10 @@ from fa2.bench import providers, report, sweep, timing
 from fa2.bench.providers import Shape, visible_pairs
 
 CUDA = torch.device("cuda")
+# Sweeps that time fa2-pytorch on the CPU: nox's other test sessions install one other backend only.
+needs_fa2_pytorch = pytest.mark.skipif(
+    "pytorch" not in registry.installed(), reason="fa2-pytorch is not installed here (nox's pytorch session runs it)"
+)
 
 
 @pytest.fixture
@@ -217,6 +221,7 @@ def _issues(path):
     return {(r["provider"], r["window"], r["softcap"]): r["reason"] for r in sweep.read_csv(path)}
 
 
+@needs_fa2_pytorch
 def test_providers_without_an_option_are_skipped_with_the_reason(tmp_path):
     """SDPA has no window or softcap: sdpa-math is skipped there, saying so, and measured on the plain shape;
     fa2-pytorch (through fa2.attention) is measured on all of them, checked against the reference with the
@@ -243,6 +248,7 @@ def test_providers_without_an_option_are_skipped_with_the_reason(tmp_path):
     assert "| softcap | fa2-pytorch | fp32 | 16 | yes | H2/1 w4 cap2 / H2/1 w4 |" in summary
 
 
+@needs_fa2_pytorch
 def test_fa2_through_sdpa_skips_what_sdpa_cannot_say(tmp_path):
     """--fa2-entry sdpa: fa2.scaled_dot_product_attention(enable_gqa=True) is what is timed (its O checked);
     a window has no place in SDPA's signature, so that shape is skipped with the reason."""
