@@ -47,8 +47,8 @@ def _skip_emulated_fp16_opcheck(status, dtype):
 
 def _op_options(causal):
     """The custom ops' spelled-out AttentionSpec after q, k, v (fa2.ops): alibi_slopes, scale, window_left,
-    window_right, softcap."""
-    return (None, 0.3, -1, 0 if causal else -1, 0.0)
+    window_right, softcap, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k."""
+    return (None, 0.3, -1, 0 if causal else -1, 0.0, None, None, 0, 0)
 
 
 def _require_op(backend, fn):

@@ -12,6 +12,7 @@ Nothing below this module validates again.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import operator
 from typing import NamedTuple
@@ -120,13 +121,127 @@ def attention(
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool, got {type(causal).__name__} {causal!r}")
     spec = make_spec(q, k, causal, scale, window, softcap, alibi_slopes)
+    return AttentionOutput(*_dispatch(q, k, v, spec, backend))
+
+
+def varlen_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    *,
+    causal: bool = False,
+    scale: float | None = None,
+    window: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
+    backend: str | None = None,
+) -> AttentionOutput:
+    """FlashAttention-2 on a packed batch of sequences of different lengths, without padding.
+
+    Arguments:
+        q: (total_q, heads, head_dim): the queries of every sequence, one after the other.
+        k, v: (total_k, heads_k, head_dim), heads a multiple of heads_k (grouped-query attention).
+        cu_seqlens_q, cu_seqlens_k: (num_seqs + 1,) int32 on q's device, the offsets: sequence s has the
+            queries q[cu_seqlens_q[s]:cu_seqlens_q[s + 1]] and the keys k[cu_seqlens_k[s]:cu_seqlens_k[s + 1]]
+            (cu_seqlens[0] = 0, cu_seqlens[-1] = total). A sequence may have 0 queries or 0 keys.
+        max_seqlen_q, max_seqlen_k: ints, the longest sequence's lengths (an upper bound is fine).
+        causal, scale, window, softcap: as fa2.attention, each sequence aligned bottom-right on its own
+            lengths: with sequences of 2 and 3 queries against 3 and 2 keys, causal::
+
+                1 1 0 . .        . : not the same sequence, never visible
+                1 1 1 . .
+                . . . 0 0        (3 queries, 2 keys: the first sees no key)
+                . . . 1 0
+                . . . 1 1
+        alibi_slopes: None, or float32 (heads,) or (num_seqs, heads) on q's device; the distance is each
+            sequence's own, |i + Nk_s - Nq_s - j|.
+        backend: as fa2.attention. fa2-pytorch reads the offsets (one device sync a call) and runs each
+            sequence; a backend without a packed path raises NotImplementedError.
+
+    Returns:
+        AttentionOutput(O, L): O (total_q, heads, head_dim), q's dtype (a view of a (heads, total_q,
+        head_dim) tensor); L (heads, total_q), float32, flash-attn's varlen logsumexp layout. Rows that see
+        no key: O = 0, L = +inf. O is differentiable in q, k and v.
+
+    Checked, at the cost of one device sync (the offsets' first and last entries): that cu_seqlens_q and
+    cu_seqlens_k start at 0 and end at total_q and total_k. Not checked (a sync over every entry): that the
+    offsets never decrease and that no sequence is longer than max_seqlen_q / max_seqlen_k; a kernel then
+    reads the offsets as given (fa2-pytorch: slices of negative length are empty sequences) or, sized by
+    max_seqlen, leaves the rows past it unwritten.
+
+    Raises:
+        ValueError / TypeError: as fa2.attention, and for offsets of the wrong dtype, rank, device, length
+            or totals, and max_seqlen that is not a non-negative int.
+    """
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 3:
+            shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"{name} must have shape (total, heads, head_dim), got {shape}")
+    q4, k4, v4 = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+    _validate(q4, k4, v4)
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__} {causal!r}")
+    num_seqs = _check_offsets(q, k, cu_seqlens_q, cu_seqlens_k)
+    for name, m in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+        if isinstance(m, bool) or not isinstance(m, int) or m < 0:
+            raise TypeError(f"{name} must be a non-negative int, got {type(m).__name__} {m!r}")
+    spec = make_spec(q4, k4, causal, scale, window, softcap)
+    slopes = None if alibi_slopes is None else _varlen_alibi(alibi_slopes, q, num_seqs)
+    spec = dataclasses.replace(spec, alibi_slopes=slopes, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                               max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
+    O, L = _dispatch(q4, k4, v4, spec, backend)
+    return AttentionOutput(O[0].transpose(0, 1), L[0])
+
+
+def _dispatch(q, k, v, spec: AttentionSpec, backend: str | None) -> tuple[torch.Tensor, torch.Tensor]:
     if torch.compiler.is_compiling():
         op = ops.forward_op(backend, q.device)
-        return AttentionOutput(*forward_any_rank(lambda *a: ops.call_forward(op, *a), q, k, v, spec))
+        return forward_any_rank(lambda *a: ops.call_forward(op, *a), q, k, v, spec)
     impl = registry.load(backend if backend is not None else registry.default_backend(q.device))
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        return AttentionOutput(*impl.FlashAttention2.apply(q, k, v, spec.causal, spec.scale, True, spec))
-    return AttentionOutput(*forward_any_rank(impl.flash_attn_forward, q, k, v, spec))
+        return impl.FlashAttention2.apply(q, k, v, spec.causal, spec.scale, True, spec)
+    return forward_any_rank(impl.flash_attn_forward, q, k, v, spec)
+
+
+def _check_offsets(q: torch.Tensor, k: torch.Tensor, cu_q, cu_k) -> int:
+    """The number of sequences of checked cu_seqlens_q and cu_seqlens_k (one device sync for the totals)."""
+    for name, cu in (("cu_seqlens_q", cu_q), ("cu_seqlens_k", cu_k)):
+        if not isinstance(cu, torch.Tensor):
+            raise TypeError(f"{name} must be an int32 torch.Tensor, got {type(cu).__name__}")
+        if cu.dtype != torch.int32:
+            raise TypeError(f"{name} must be int32, got {cu.dtype}")
+        if cu.dim() != 1 or cu.numel() < 1:
+            raise ValueError(f"{name} must have shape (num_seqs + 1,), got {tuple(cu.shape)}")
+        if cu.device != q.device:
+            raise ValueError(f"{name} must be on q's device {q.device}, got {cu.device}")
+    if cu_q.numel() != cu_k.numel():
+        raise ValueError(
+            f"cu_seqlens_q and cu_seqlens_k must have the same length (num_seqs + 1), got {cu_q.numel()} and "
+            f"{cu_k.numel()}"
+        )
+    first_q, last_q, first_k, last_k = torch.stack([cu_q[0], cu_q[-1], cu_k[0], cu_k[-1]]).tolist()
+    for name, first, last, total in (("cu_seqlens_q", first_q, last_q, q.shape[0]),
+                                     ("cu_seqlens_k", first_k, last_k, k.shape[0])):
+        if first != 0 or last != total:
+            raise ValueError(
+                f"{name} must run from 0 to the total length {total} of its tensor, got {first} ... {last}"
+            )
+    return cu_q.numel() - 1
+
+
+def _varlen_alibi(slopes, q: torch.Tensor, num_seqs: int) -> torch.Tensor:
+    heads = q.shape[1]
+    if isinstance(slopes, torch.Tensor) and tuple(slopes.shape) not in ((heads,), (num_seqs, heads)):
+        raise ValueError(
+            f"alibi_slopes must have shape ({heads},) or ({num_seqs}, {heads}) (heads, or sequences and heads), "
+            f"got {tuple(slopes.shape)}"
+        )
+    # _alibi checks the type, dtype and device against a (num_seqs, heads, ...) view of the packed q.
+    return _alibi(slopes, q.new_empty(()).expand(num_seqs, heads, 1, q.shape[-1]))
 
 
 def make_spec(

@@ -3,9 +3,9 @@ opaque node per attention call instead of tracing into (or breaking on) a backen
 
 A backend named ``name`` gets, on its first use (``load(name)``, or fa2.attention through ``forward_op``):
 
-    fa2::<name>_fwd(q, k, v, alibi_slopes, scale, window_left, window_right, softcap) -> (O, L)
-    fa2::<name>_bwd(q, k, v, O, L, dO, alibi_slopes, scale, window_left, window_right, softcap)
-        -> (dq, dk, dv), only if it has flash_attn_backward
+    fa2::<name>_fwd(q, k, v, alibi_slopes, scale, window_left, window_right, softcap,
+                    cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> (O, L)
+    fa2::<name>_bwd(q, k, v, O, L, dO, <the same options>) -> (dq, dk, dv), only if it has flash_attn_backward
 
 (name with "-" as "_", e.g. fa2::numba_cuda_fwd) on (batch, heads, seqlen, head_dim) tensors of any strides:
 an ``fa2.spec.AttentionSpec`` spelled out as the op schema's plain types, and rebuilt inside the op for the
@@ -69,12 +69,19 @@ def op_names(name: str) -> tuple[str, str]:
 
 def call_forward(op: torch._ops.OpOverload, q, k, v, spec: AttentionSpec):
     """``op`` (a fa2::<name>_fwd) on (B, H, N, D) tensors and a spec: the layout's Forward signature."""
-    return op(q, k, v, spec.alibi_slopes, spec.scale, spec.window[0], spec.window[1], spec.softcap)
+    return op(q, k, v, *_options(spec))
 
 
-def _spec(q, k, alibi_slopes, scale, window_left, window_right, softcap) -> AttentionSpec:
+def _options(spec: AttentionSpec) -> tuple:
+    return (spec.alibi_slopes, spec.scale, spec.window[0], spec.window[1], spec.softcap, spec.cu_seqlens_q,
+            spec.cu_seqlens_k, spec.max_seqlen_q, spec.max_seqlen_k)
+
+
+def _spec(q, k, alibi_slopes, scale, window_left, window_right, softcap, cu_seqlens_q, cu_seqlens_k,
+          max_seqlen_q, max_seqlen_k) -> AttentionSpec:
     group = q.shape[1] // k.shape[1] if k.shape[1] else 1
-    return AttentionSpec(scale, (window_left, window_right), softcap, alibi_slopes, group)
+    return AttentionSpec(scale, (window_left, window_right), softcap, alibi_slopes, group, cu_seqlens_q,
+                         cu_seqlens_k, max_seqlen_q, max_seqlen_k)
 
 
 def _overload(op_name: str) -> torch._ops.OpOverload:
@@ -96,20 +103,25 @@ def _register(name: str, impl) -> BackendOps:
         window_left: int,
         window_right: int,
         softcap: float,
+        cu_seqlens_q: torch.Tensor | None,
+        cu_seqlens_k: torch.Tensor | None,
+        max_seqlen_q: int,
+        max_seqlen_k: int,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        O, L = forward(q, k, v, _spec(q, k, alibi_slopes, scale, window_left, window_right, softcap))
+        O, L = forward(q, k, v, _spec(q, k, alibi_slopes, scale, window_left, window_right, softcap, cu_seqlens_q,
+                                      cu_seqlens_k, max_seqlen_q, max_seqlen_k))
         return O.contiguous(), L.contiguous()
 
     @fwd.register_fake
-    def _(q, k, v, alibi_slopes, scale, window_left, window_right, softcap):
+    def _(q, k, v, *options):
         return q.new_empty(q.shape), q.new_empty(q.shape[:-1], dtype=torch.float32)
 
     def setup_context(ctx, inputs, output):
-        q, k, v, alibi_slopes, *options = inputs
+        q, k, v, alibi_slopes, scale, left, right, softcap, cu_q, cu_k, max_q, max_k = inputs
         O, L = output
         ctx.mark_non_differentiable(L)
-        ctx.save_for_backward(q, k, v, O, L, alibi_slopes)
-        ctx.options = options
+        ctx.save_for_backward(q, k, v, O, L, alibi_slopes, cu_q, cu_k)
+        ctx.options = (scale, left, right, softcap, max_q, max_k)
 
     if backward is None:
 
@@ -132,19 +144,25 @@ def _register(name: str, impl) -> BackendOps:
         window_left: int,
         window_right: int,
         softcap: float,
+        cu_seqlens_q: torch.Tensor | None,
+        cu_seqlens_k: torch.Tensor | None,
+        max_seqlen_q: int,
+        max_seqlen_k: int,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        spec = _spec(q, k, alibi_slopes, scale, window_left, window_right, softcap)
+        spec = _spec(q, k, alibi_slopes, scale, window_left, window_right, softcap, cu_seqlens_q, cu_seqlens_k,
+                     max_seqlen_q, max_seqlen_k)
         dq, dk, dv = backward(q, k, v, O, L, dO, spec)
         return dq.contiguous(), dk.contiguous(), dv.contiguous()
 
     @bwd.register_fake
-    def _(q, k, v, O, L, dO, alibi_slopes, scale, window_left, window_right, softcap):
+    def _(q, k, v, O, L, dO, *options):
         return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
     def fwd_backward(ctx, dO, dL):
-        q, k, v, O, L, alibi_slopes = ctx.saved_tensors
-        dq, dk, dv = bwd(q, k, v, O, L, dO, alibi_slopes, *ctx.options)
-        return dq, dk, dv, None, None, None, None, None
+        q, k, v, O, L, alibi_slopes, cu_q, cu_k = ctx.saved_tensors
+        scale, left, right, softcap, max_q, max_k = ctx.options
+        dq, dk, dv = bwd(q, k, v, O, L, dO, alibi_slopes, scale, left, right, softcap, cu_q, cu_k, max_q, max_k)
+        return dq, dk, dv, *([None] * 9)
 
     fwd.register_autograd(fwd_backward, setup_context=setup_context)
     return BackendOps(_overload(fwd_name), _overload(bwd_name))

@@ -119,3 +119,36 @@ def attention(
     P = torch.softmax(S, dim=-1).masked_fill(empty[:, None], 0.0)
     O = P @ v
     return O, L if upcast else L.float()
+
+
+def varlen_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    causal: bool = False,
+    scale: float | None = None,
+    *,
+    window: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
+    upcast: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``attention`` on each sequence of a packed batch, the contract of ``fa2.varlen_attention``.
+
+    q: (total_q, heads, head_dim); k, v: (total_k, heads_k, head_dim); cu_seqlens_q, cu_seqlens_k:
+    (num_seqs + 1,) offsets; alibi_slopes: None, (heads,) or (num_seqs, heads). Returns O (total_q, heads,
+    head_dim) and L (heads, total_q), float64 (or q's dtype and float32 without upcast)."""
+    dtype = torch.float64 if upcast else q.dtype
+    O = q.new_zeros(q.shape, dtype=dtype)
+    L = q.new_full((q.shape[1], q.shape[0]), math.inf, dtype=torch.float64 if upcast else torch.float32)
+    bounds_q, bounds_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    for s in range(len(bounds_q) - 1):
+        rows, keys = slice(bounds_q[s], bounds_q[s + 1]), slice(bounds_k[s], bounds_k[s + 1])
+        slopes = alibi_slopes if alibi_slopes is None or alibi_slopes.dim() == 1 else alibi_slopes[s]
+        O_s, L_s = attention(q[rows].transpose(0, 1), k[keys].transpose(0, 1), v[keys].transpose(0, 1), causal,
+                             scale, window=window, softcap=softcap, alibi_slopes=slopes, upcast=upcast)
+        O[rows] = O_s.transpose(0, 1)
+        L[:, rows] = L_s
+    return O, L

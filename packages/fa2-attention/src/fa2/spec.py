@@ -33,6 +33,13 @@ class AttentionSpec:
         alibi_slopes: None, or (batch, heads) float32 on q's device, any strides (a slope per head is
             expanded over batch with stride 0): adds -slope · |i + Nk - Nq - j| to the capped scores.
         group: heads // heads_k, the query heads that share one key/value head (1: multi-head attention).
+        cu_seqlens_q, cu_seqlens_k: None, or (num_seqs + 1,) int32 offsets on q's device: a packed batch
+            (``fa2.varlen_attention``). q is then (1, heads, total_q, head_dim) and k, v (1, heads_k,
+            total_k, head_dim); sequence s has queries [cu_seqlens_q[s], cu_seqlens_q[s + 1]) and keys
+            [cu_seqlens_k[s], cu_seqlens_k[s + 1]), and the window, ALiBi and the rows that see no key are
+            each sequence's own (its Nq, Nk). alibi_slopes is then (num_seqs, heads).
+        max_seqlen_q, max_seqlen_k: the longest sequence's lengths (at least; 0 without cu_seqlens), for
+            sizing a grid without reading the offsets.
     """
 
     scale: float
@@ -40,6 +47,15 @@ class AttentionSpec:
     softcap: float = 0.0
     alibi_slopes: torch.Tensor | None = None
     group: int = 1
+    cu_seqlens_q: torch.Tensor | None = None
+    cu_seqlens_k: torch.Tensor | None = None
+    max_seqlen_q: int = 0
+    max_seqlen_k: int = 0
+
+    @property
+    def varlen(self) -> bool:
+        """q, k and v are packed sequences (cu_seqlens_q and cu_seqlens_k given)."""
+        return self.cu_seqlens_q is not None
 
     @property
     def causal(self) -> bool:

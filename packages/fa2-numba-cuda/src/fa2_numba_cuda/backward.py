@@ -73,6 +73,7 @@ from fa2_numba_cuda.forward import (
     BlockConfig,
     _bf16_to_float,
     _check_device,
+    _check_not_varlen,
     _flat,
     _float_to_bf16,
     _feature_columns,
@@ -672,6 +673,7 @@ def flash_attn_backward(
     if head_dim > MAX_HEAD_DIM:
         raise NotImplementedError(f"fa2-numba-cuda supports head_dim up to {MAX_HEAD_DIM}, got {head_dim}")
     _check_device(q)
+    _check_not_varlen(spec)
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)

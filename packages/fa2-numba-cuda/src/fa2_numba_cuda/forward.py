@@ -537,6 +537,7 @@ def flash_attn_forward(
     """
     from fa2_numba_cuda import forward_tc  # imported here: forward_tc imports this module's helpers
 
+    _check_not_varlen(spec)
     if tensor_cores is None:
         tensor_cores = forward_tc.uses_tensor_cores(q)
     if tensor_cores:
@@ -587,6 +588,16 @@ def _check_device(q: torch.Tensor) -> None:
         raise ValueError(
             f"fa2-numba-cuda runs on CUDA tensors, got {q.device}; to run it on the CPU, in numba's CUDA "
             "simulator, set NUMBA_ENABLE_CUDASIM=1 before numba is imported"
+        )
+
+
+def _check_not_varlen(spec: AttentionSpec) -> None:
+    """Packed batches (spec.cu_seqlens_q) are not in this backend's kernels yet: refused, never run as one
+    sequence."""
+    if spec.varlen:
+        raise NotImplementedError(
+            "fa2-numba-cuda does not support variable-length (packed) batches (cu_seqlens) yet: issue 21; "
+            "fa2-pytorch does"
         )
 
 

@@ -60,7 +60,8 @@ import triton.language as tl
 from fa2.spec import AttentionSpec
 
 from fa2_triton.forward import (
-    DTYPE_CLASS, MAX_HEAD_DIM, _check_device, _load_tile, _tanh, _tiles_in_window, group_size, score_args,
+    DTYPE_CLASS, MAX_HEAD_DIM, _check_device, _check_not_varlen, _load_tile, _tanh, _tiles_in_window, group_size,
+    score_args,
 )
 from fa2_triton.launch import launch, on_device
 
@@ -525,6 +526,7 @@ def flash_attn_backward(
     batch, heads, seqlen_q, head_dim = q.shape
     seqlen_k = k.shape[2]
     _check_device(q)
+    _check_not_varlen(spec)
     if head_dim % 8 or not 8 <= head_dim <= MAX_HEAD_DIM:
         raise NotImplementedError(
             f"fa2-triton supports head_dim a multiple of 8 from 8 to {MAX_HEAD_DIM}, got {head_dim}"

@@ -631,6 +631,7 @@ def flash_attn_forward(
     """
     batch, heads, seqlen_q, head_dim = q.shape
     _check_device(q)
+    _check_not_varlen(spec)
     if head_dim % 8 or not 8 <= head_dim <= MAX_HEAD_DIM:
         raise NotImplementedError(
             f"fa2-triton supports head_dim a multiple of 8 from 8 to {MAX_HEAD_DIM}, got {head_dim}"
@@ -745,6 +746,16 @@ def _check_device(q: torch.Tensor) -> None:
             f"fa2-triton's kernel runs on CUDA tensors, got tensors on {q.device}; without a GPU, set "
             "TRITON_INTERPRET=1 in the environment before fa2_triton is imported to run it in Triton's CPU "
             "interpreter (slow; for tests)"
+        )
+
+
+def _check_not_varlen(spec: AttentionSpec) -> None:
+    """Packed batches (spec.cu_seqlens_q) are not in this backend's kernels yet: refused, never run as one
+    sequence."""
+    if spec.varlen:
+        raise NotImplementedError(
+            "fa2-triton does not support variable-length (packed) batches (cu_seqlens) yet: issue 21; "
+            "fa2-pytorch does"
         )
     # The interpreter runs tl.dot in NumPy, which has no bfloat16: its bf16 products come out wrong and
     # partly non-finite (max error inf on a (1, 2, 32, 16) input, Triton 3.9), so they are refused.

@@ -1,0 +1,146 @@
+"""fa2.varlen_attention: packed batches of sequences of different lengths, for every backend.
+
+Each sequence of the packed result is checked on its own against the fp64 reference of that sequence alone
+(checks.assert_matches_reference, the same precision rule as every other test), so that a kernel which lets
+one sequence see another's keys, or aligns a mask to the packed tensor instead of the sequence, fails.
+Backends without a packed path raise NotImplementedError (a skip, with their message).
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+import fa2
+from checks import assert_matches_reference
+from test_conformance import DTYPES, require_runnable
+from test_gradients import assert_grads_match, grads
+
+
+def _case(lens_q, lens_k, h, h_k, d, causal=False, window=(-1, -1), softcap=0.0, alibi=None):
+    parts = [f"q{'.'.join(map(str, lens_q))}-k{'.'.join(map(str, lens_k))}", f"H{h}-Hk{h_k}-D{d}"]
+    parts += ["causal"] if causal else []
+    parts += [f"w{window[0]}.{window[1]}"] if window != (-1, -1) else []
+    parts += [f"cap{softcap:g}"] if softcap else []
+    parts += [f"alibi-{alibi}"] if alibi else []
+    case = dict(lens_q=lens_q, lens_k=lens_k, h=h, h_k=h_k, d=d, causal=causal, window=window, softcap=softcap,
+                alibi=alibi)
+    return pytest.param(case, id="-".join(parts))
+
+
+# Lengths of 0 and 1, Nq != Nk both ways within a batch, lengths around 16-, 32-, 64- and 128-row tiles.
+CASES = [
+    _case([5, 0, 7, 1], [5, 3, 0, 4], 4, 2, 16, causal=True),
+    _case([9, 13], [9, 13], 2, 2, 32),
+    _case([17, 33, 1, 64], [17, 33, 2, 64], 2, 1, 16, window=(8, 0), softcap=4.0),
+    _case([40], [60], 2, 2, 64, causal=True, alibi="seq"),
+    _case([130, 257, 3], [130, 257, 3], 2, 2, 64, alibi="head"),
+    _case([100, 29, 200], [150, 29, 64], 4, 2, 128, causal=True, window=(31, 0)),
+]
+
+
+def _offsets(lens, device):
+    return torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32, device=device)
+
+
+def _inputs(case, dtype, device, seed):
+    g = torch.Generator().manual_seed(seed)
+    make = lambda n, h: torch.randn(n, h, case["d"], generator=g).to(device=device, dtype=dtype)
+    total_q, total_k = sum(case["lens_q"]), sum(case["lens_k"])
+    q, k, v = make(total_q, case["h"]), make(total_k, case["h_k"]), make(total_k, case["h_k"])
+    slopes = None
+    if case["alibi"] is not None:
+        shape = (case["h"],) if case["alibi"] == "head" else (len(case["lens_q"]), case["h"])
+        slopes = (torch.rand(shape, generator=g) * 0.3).to(device)
+    return q, k, v, dict(window=case["window"], softcap=case["softcap"], alibi_slopes=slopes)
+
+
+def _run(backend, q, k, v, case, options, device):
+    cu_q, cu_k = _offsets(case["lens_q"], device), _offsets(case["lens_k"], device)
+    try:
+        return fa2.varlen_attention(q, k, v, cu_q, cu_k, max(case["lens_q"]), max(case["lens_k"]),
+                                    causal=case["causal"], backend=backend, **options)
+    except NotImplementedError as e:
+        pytest.skip(f"{backend} refuses: {e}")
+
+
+def _sequences(case, options):
+    """(rows, keys, that sequence's options) of each sequence: its slices of the packed tensors."""
+    starts_q, starts_k = _offsets(case["lens_q"], "cpu").tolist(), _offsets(case["lens_k"], "cpu").tolist()
+    for s in range(len(case["lens_q"])):
+        slopes = options["alibi_slopes"]
+        own = dict(options, alibi_slopes=slopes if slopes is None or slopes.dim() == 1 else slopes[s])
+        yield slice(starts_q[s], starts_q[s + 1]), slice(starts_k[s], starts_k[s + 1]), own
+
+
+def _work(case):
+    return (1, case["h"], sum(case["lens_q"]), max(case["lens_k"]), case["d"])
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_each_sequence_matches_its_reference(backend, status, device, dtype, case):
+    require_runnable(backend, status, device, dtype, _work(case))
+    q, k, v, options = _inputs(case, dtype, device, seed=sum(case["lens_q"]))
+    O, L = _run(backend, q, k, v, case, options, device)
+    assert O.shape == q.shape and O.dtype == q.dtype, f"O {tuple(O.shape)} {O.dtype}"
+    assert L.shape == (q.shape[1], q.shape[0]) and L.dtype == torch.float32, f"L {tuple(L.shape)} {L.dtype}"
+    for rows, keys, own in _sequences(case, options):
+        t = lambda x: x.transpose(0, 1)
+        assert_matches_reference(t(O[rows]), L[:, rows], t(q[rows]), t(k[keys]), t(v[keys]), case["causal"], **own)
+
+
+@pytest.mark.parametrize("case", [CASES[0], CASES[2], CASES[3], CASES[5]])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_each_sequence_gets_its_gradients(backend, status, device, dtype, case):
+    require_runnable(backend, status, device, dtype, _work(case))
+    q, k, v, options = _inputs(case, dtype, device, seed=sum(case["lens_k"]) + 3)
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
+    O, _ = _run(backend, q, k, v, case, options, device)
+    dO = torch.randn(q.shape, generator=torch.Generator().manual_seed(5)).to(device=device, dtype=dtype)
+    dq, dk, dv = grads(O, (q, k, v), dO)
+    t = lambda x: x.detach().transpose(0, 1)
+    for rows, keys, own in _sequences(case, options):
+        assert_grads_match(t(dq[rows]), t(dk[keys]), t(dv[keys]), t(q[rows]), t(k[keys]), t(v[keys]), t(dO[rows]),
+                           case["causal"], **own)
+
+
+def _bad(**changes):
+    q = torch.randn(12, 2, 16)
+    args = dict(q=q, k=q, v=q, cu_seqlens_q=torch.tensor([0, 5, 12], dtype=torch.int32),
+                cu_seqlens_k=torch.tensor([0, 5, 12], dtype=torch.int32), max_seqlen_q=7, max_seqlen_k=7)
+    args.update(changes)
+    return args
+
+
+BAD_INPUTS = [
+    pytest.param(_bad(cu_seqlens_q=torch.tensor([0, 5, 12])), TypeError, "cu_seqlens_q must be int32", id="int64"),
+    pytest.param(_bad(cu_seqlens_k=torch.tensor([[0, 5, 12]], dtype=torch.int32)), ValueError,
+                 r"cu_seqlens_k must have shape \(num_seqs \+ 1,\)", id="rank-2"),
+    pytest.param(_bad(cu_seqlens_k=torch.tensor([0, 12], dtype=torch.int32)), ValueError, "same length",
+                 id="lengths-differ"),
+    pytest.param(_bad(cu_seqlens_q=torch.tensor([0, 5, 11], dtype=torch.int32)), ValueError,
+                 "from 0 to the total length 12", id="total-disagrees"),
+    pytest.param(_bad(cu_seqlens_q=[0, 5, 12]), TypeError, "cu_seqlens_q must be an int32 torch.Tensor",
+                 id="list"),
+    pytest.param(_bad(max_seqlen_q=7.0), TypeError, "max_seqlen_q must be a non-negative int", id="max-float"),
+    pytest.param(_bad(max_seqlen_k=-1), TypeError, "max_seqlen_k must be a non-negative int", id="max-negative"),
+    pytest.param(_bad(q=torch.randn(1, 12, 2, 16)), ValueError, r"q must have shape \(total, heads, head_dim\)",
+                 id="padded-q"),
+    pytest.param(_bad(alibi_slopes=torch.ones(3, 2)), ValueError, r"\(2,\) or \(2, 2\)", id="alibi-shape"),
+]
+
+
+@pytest.mark.parametrize("args, error, match", BAD_INPUTS)
+def test_bad_inputs_are_refused(args, error, match):
+    alibi = args.pop("alibi_slopes", None)
+    with pytest.raises(error, match=match):
+        fa2.varlen_attention(**args, alibi_slopes=alibi, backend="pytorch")
+
+
+def test_offsets_on_another_device_are_refused():
+    args = _bad(cu_seqlens_q=torch.tensor([0, 5, 12], dtype=torch.int32, device="meta"))
+    with pytest.raises(ValueError, match="cu_seqlens_q must be on q's device"):
+        fa2.varlen_attention(**args, backend="pytorch")
