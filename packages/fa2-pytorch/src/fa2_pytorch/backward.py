@@ -20,6 +20,10 @@ after it, and only dQ accumulates across the loop. Extra memory is O(seqlen_q ·
 key have L = +inf, so P = exp(S - inf) = 0 there and they get zero gradients without a special case.
 Precision as in the forward: fp32 throughout, TF32 matmuls on CUDA for fp16/bf16 inputs.
 
+Packed (variable-length) batches, ``spec.varlen``: as in the forward, the offsets are read once (one
+device sync) and each sequence runs the dense backward above on its own views and spec, its dq, dk and dv
+written into their slices of the packed gradients.
+
 Grouped-query attention: as in the forward, the ``group`` query heads of each key/value head are folded
 into the rows, [B, H_K, N·GROUP, HEAD_DIM] with row n·group + g, and K/V are never repeated. A key/value
 head's gradient is the sum over its group, and with the group in the rows ``Pᵀ dO`` and ``dSᵀ Q`` contract
@@ -34,7 +38,7 @@ import math
 import torch
 from fa2.spec import UNBOUNDED, AttentionSpec
 
-from fa2_pytorch.forward import BLOCK_M, BLOCK_N, _tf32_matmul
+from fa2_pytorch.forward import BLOCK_M, BLOCK_N, _sequence_spec, _sequences, _tf32_matmul
 
 
 def flash_attn_backward(
@@ -58,7 +62,13 @@ def flash_attn_backward(
         dq, dk, dv in the shapes and dtypes of q, k, v: dk and dv (batch, heads_k, seqlen_k, head_dim), each
         key/value head's gradient summed over the query heads of its group; zero for keys no query sees
         and for query rows that see no key. No gradient for the ALiBi slopes.
+
+    Packed batches (``spec.varlen``): q, O, dO: (1, heads, total_q, head_dim), L: (1, heads, total_q),
+    k, v: (1, heads_k, total_k, head_dim); each sequence's gradients are its own dense backward's (see
+    ``_varlen_backward``). Reads the offsets with one device sync.
     """
+    if spec.varlen:
+        return _varlen_backward(q, k, v, O, L, dO, spec, block_m, block_n)
     batch, heads, seqlen_q = q.shape[0], q.shape[1], q.shape[2]
     heads_k, seqlen_k = k.shape[1], k.shape[2]
     # heads_k = 0 only with heads = 0 (the interface checks the rest); group 1 keeps the shapes valid.
@@ -135,3 +145,40 @@ def flash_attn_backward(
             dk[:, :, start_n:end_n] = torch.matmul(ds.transpose(-2, -1), q_i).mul_(scale)
 
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+def _varlen_backward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    O: torch.Tensor,
+    L: torch.Tensor,
+    dO: torch.Tensor,
+    spec: AttentionSpec,
+    block_m: int,
+    block_n: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``flash_attn_backward`` of a packed batch: one dense ``flash_attn_backward`` per sequence.
+
+    Arguments:
+        q, O, dO: (1, heads, total_q, head_dim); L: (1, heads, total_q); k, v: (1, heads_k, total_k,
+        head_dim); spec as in ``fa2_pytorch.forward._varlen_forward``.
+
+    Returns:
+        dq (1, heads, total_q, head_dim), dk, dv (1, heads_k, total_k, head_dim), in q's, k's and v's
+        dtypes: each sequence's slices its own gradients; zero for a sequence with Nq_s = 0 or Nk_s = 0 and
+        for rows and keys outside every sequence.
+    """
+    dq = torch.zeros(q.shape, device=q.device, dtype=q.dtype)
+    dk = torch.zeros(k.shape, device=k.device, dtype=k.dtype)
+    dv = torch.zeros(v.shape, device=v.device, dtype=v.dtype)
+    for s, (q_start, q_end, k_start, k_end) in enumerate(_sequences(spec, q.shape[2], k.shape[2])):
+        if q_start == q_end or k_start == k_end:
+            continue
+        rows, keys = slice(q_start, q_end), slice(k_start, k_end)
+        dq_s, dk_s, dv_s = flash_attn_backward(
+            q[:, :, rows], k[:, :, keys], v[:, :, keys], O[:, :, rows], L[:, :, rows], dO[:, :, rows],
+            _sequence_spec(spec, s), block_m, block_n,
+        )
+        dq[:, :, rows], dk[:, :, keys], dv[:, :, keys] = dq_s, dk_s, dv_s
+    return dq, dk, dv

@@ -40,6 +40,16 @@ m_new)``, ``beta = exp(lse_j - m_new)``, ``l_i = alpha l_i + beta``, ``acc = alp
 The scale rides in the score matmul's epilogue, and the tile is read or written five times in all (the
 softcap adds two passes, ALiBi one, the mask of a tile on a window edge one).
 
+Packed (variable-length) batches, ``spec.varlen``: q is (1, heads, total_q, head_dim) and k, v (1, heads_k,
+total_k, head_dim), sequence s the rows [cu_seqlens_q[s], cu_seqlens_q[s + 1]) of q and [cu_seqlens_k[s],
+cu_seqlens_k[s + 1]) of k and v. The simplest correct route: the offsets are read to the host once (one
+device sync per call, ``.tolist()``), and each sequence runs the dense loop above on its own (1, heads, Nq_s,
+head_dim) and (1, heads_k, Nk_s, head_dim) views, with its own spec (its ALiBi row, no offsets), so the
+window, ALiBi and rows that see no key are the sequence's own; its O and L go into their slices of the
+packed outputs. A Python loop over sequences, not one launch: fine for CPU tests and short batches of long
+sequences, a host-bound crawl for many short ones. ``_sequences`` says what it checks once the offsets are
+on the host.
+
 Precision: scores are computed from fp32 copies of q and k, in TF32 on CUDA when the inputs are fp16 or
 bf16 (exact there: TF32 holds every fp16 and bf16 value, products accumulate in fp32) and in full fp32 for
 fp32 inputs; p V runs on the fp32 p (TF32 on CUDA for fp16/bf16 inputs). Any head_dim, any strides, CPU
@@ -49,6 +59,7 @@ or CUDA.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 
 import torch
@@ -86,9 +97,16 @@ def flash_attn_forward(
         O: (batch, heads, seqlen_q, head_dim), q's dtype. L: (batch, heads, seqlen_q), float32, natural
         log; rows that see no key get O = 0 and L = +inf.
 
+    Packed batches (``spec.varlen``, cu_seqlens_q and cu_seqlens_k given): q: (1, heads, total_q, head_dim),
+    k, v: (1, heads_k, total_k, head_dim), spec.alibi_slopes (num_seqs, heads); O: (1, heads, total_q,
+    head_dim), L: (1, heads, total_q), each sequence computed as its own dense batch (see
+    ``_varlen_forward``). Reads the offsets with one device sync.
+
     Limits: none of its own; the scores' intermediate tile is (batch · heads, block_m-rounded rows of the
     window, block_n) fp32, and ALiBi's distances are exact in fp32 up to 2**24 keys.
     """
+    if spec.varlen:
+        return _varlen_forward(q, k, v, spec, block_m, block_n)
     batch, heads, seqlen_q, head_dim = q.shape
     # side-by-side: group
     heads_k, seqlen_k = k.shape[1], k.shape[2]
@@ -210,6 +228,73 @@ def flash_attn_forward(
     L = L.transpose(2, 3).contiguous().view(batch, heads, seqlen_q)
     return O, L
     # side-by-side: end
+
+
+def _varlen_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionSpec, block_m: int, block_n: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``flash_attn_forward`` of a packed batch: one dense ``flash_attn_forward`` per sequence.
+
+    Arguments:
+        q: (1, heads, total_q, head_dim); k, v: (1, heads_k, total_k, head_dim); any strides.
+        spec: with cu_seqlens_q, cu_seqlens_k (num_seqs + 1,) int32 and alibi_slopes None or (num_seqs,
+            heads); block_m, block_n as in ``flash_attn_forward``.
+
+    Returns:
+        O: (1, heads, total_q, head_dim), q's dtype; L: (1, heads, total_q), float32, natural log. Sequence
+        s's rows are its own attention: (1, heads, Nq_s, head_dim) queries against its (1, heads_k, Nk_s,
+        head_dim) keys. A sequence with Nk_s = 0, and any row outside every sequence, gets O = 0 and
+        L = +inf; one with Nq_s = 0 has nothing to write.
+    """
+    heads, total_q, head_dim = q.shape[1], q.shape[2], q.shape[3]
+    # Rows outside every sequence (before cu_seqlens_q[0], after cu_seqlens_q[-1]) see no key.
+    O = torch.zeros(1, heads, total_q, head_dim, device=q.device, dtype=q.dtype)
+    L = torch.full((1, heads, total_q), math.inf, device=q.device, dtype=torch.float32)
+    for s, (q_start, q_end, k_start, k_end) in enumerate(_sequences(spec, total_q, k.shape[2])):
+        if q_start == q_end:
+            continue
+        O_s, L_s = flash_attn_forward(
+            q[:, :, q_start:q_end], k[:, :, k_start:k_end], v[:, :, k_start:k_end], _sequence_spec(spec, s),
+            block_m, block_n,
+        )
+        O[:, :, q_start:q_end] = O_s
+        L[:, :, q_start:q_end] = L_s
+    return O, L
+
+
+def _sequences(spec: AttentionSpec, total_q: int, total_k: int) -> list[tuple[int, int, int, int]]:
+    """(q_start, q_end, k_start, k_end) of each sequence of a packed batch, from its offsets: one device
+    sync (both offset tensors read together).
+
+    What fa2.varlen_attention cannot check without a sync is checked here, where the offsets are on the host
+    anyway: each offset tensor non-decreasing and within [0, total], else ValueError. max_seqlen_q/k are not
+    used (each sequence's own length is), so one smaller than a sequence changes nothing here.
+    """
+    cu_q, cu_k = spec.cu_seqlens_q, spec.cu_seqlens_k
+    offsets = torch.cat((cu_q, cu_k)).tolist()
+    offsets_q, offsets_k = offsets[: len(cu_q)], offsets[len(cu_q) :]
+    for name, cu, total in (("cu_seqlens_q", offsets_q, total_q), ("cu_seqlens_k", offsets_k, total_k)):
+        bad = [i for i, (a, b) in enumerate(zip([0, *cu], [*cu, total])) if a > b]
+        if bad:
+            i = bad[0]
+            got = f"{name}[0] = {cu[0]}" if i == 0 else f"{name}[{i - 1}] = {cu[i - 1]}" + (
+                f", {name}[{i}] = {cu[i]}" if i < len(cu) else ""
+            )
+            raise ValueError(f"{name} must be non-decreasing offsets within [0, {total}], got {got}")
+    return list(zip(offsets_q, offsets_q[1:], offsets_k, offsets_k[1:]))
+
+
+def _sequence_spec(spec: AttentionSpec, s: int) -> AttentionSpec:
+    """Sequence s's dense spec: no offsets, and its own (1, heads) row of the ALiBi slopes."""
+    slopes = spec.alibi_slopes
+    return dataclasses.replace(
+        spec,
+        cu_seqlens_q=None,
+        cu_seqlens_k=None,
+        max_seqlen_q=0,
+        max_seqlen_k=0,
+        alibi_slopes=None if slopes is None else slopes[s : s + 1],
+    )
 
 
 @contextlib.contextmanager
