@@ -2,6 +2,9 @@
 packed (b, s, 3, h, d) / (b, s, 2, h_k, d)), return values, gradients (one tensor for a packed input), the
 window normalisation flash-attn applies, window / softcap / ALiBi passed through to the kernels, bit-equal
 repeated gradients, and the refusals (dropout; flash-attn's RuntimeErrors, here also ValueError/TypeError).
+The varlen functions the same way, on sequences packed as (total, h, d) (and (total, 3, h, d) /
+(total_k, 2, h_k, d)) with int32 offsets, against a loop of the reference over the sequences; a backend
+without varlen kernels (its NotImplementedError) skips them with its message.
 
 Every comparison is against the fp64 reference (fa2.reference through checks.py and test_gradients.py), on
 (batch, heads, seqlen, head_dim) transposes of the results; flash-attn's own tests/test_flash_attn.py runs
@@ -11,31 +14,39 @@ against this module on the GPU (shared_tests/flash_attn_suite/).
 from __future__ import annotations
 
 import inspect
+import itertools
 import math
 
 import pytest
 import torch
 
 import fa2
-from checks import assert_matches_reference, random_qkv
-from fa2 import registry
+from checks import assert_matches_reference, max_err, random_qkv
+from fa2 import reference, registry
 from fa2.flash_attn import (
     FlashAttnTypeError,
     FlashAttnValueError,
     flash_attn_func,
     flash_attn_kvpacked_func,
     flash_attn_qkvpacked_func,
+    flash_attn_varlen_func,
+    flash_attn_varlen_kvpacked_func,
+    flash_attn_varlen_qkvpacked_func,
 )
 from test_conformance import DTYPES, require_runnable
-from test_gradients import assert_grads_match
+from test_gradients import FP32_GRAD_ATOL, assert_grads_match
 
 # flash-attn 2.8.3's signatures (flash_attn/flash_attn_interface.py), parameter by parameter.
 _OPTIONS = [("dropout_p", 0.0), ("softmax_scale", None), ("causal", False), ("window_size", (-1, -1)),
             ("softcap", 0.0), ("alibi_slopes", None), ("deterministic", False), ("return_attn_probs", False)]
+_VARLEN = ["cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k"]
 FLASH_ATTN_SIGNATURES = {
-    flash_attn_func: ["q", "k", "v"],
-    flash_attn_qkvpacked_func: ["qkv"],
-    flash_attn_kvpacked_func: ["q", "kv"],
+    flash_attn_func: (["q", "k", "v"], []),
+    flash_attn_qkvpacked_func: (["qkv"], []),
+    flash_attn_kvpacked_func: (["q", "kv"], []),
+    flash_attn_varlen_func: (["q", "k", "v", *_VARLEN], [("block_table", None)]),
+    flash_attn_varlen_qkvpacked_func: (["qkv", "cu_seqlens", "max_seqlen"], []),
+    flash_attn_varlen_kvpacked_func: (["q", "kv", *_VARLEN], []),
 }
 
 
@@ -44,7 +55,8 @@ def test_signatures_are_flash_attns(func):
     """flash-attn's positional-or-keyword parameters in its order with its defaults, then fa2's
     keyword-only backend=None."""
     params = list(inspect.signature(func).parameters.values())
-    want = [(name, inspect.Parameter.empty) for name in FLASH_ATTN_SIGNATURES[func]] + _OPTIONS
+    inputs, extra = FLASH_ATTN_SIGNATURES[func]
+    want = [(name, inspect.Parameter.empty) for name in inputs] + _OPTIONS + extra
     got = [(p.name, p.default) for p in params if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD]
     assert got == want
     assert [(p.name, p.default, p.kind) for p in params[len(want):]] == [
@@ -54,6 +66,8 @@ def test_signatures_are_flash_attns(func):
 
 def test_exported_from_fa2():
     assert fa2.flash_attn.flash_attn_func is flash_attn_func
+    assert fa2.flash_attn.flash_attn_varlen_func is flash_attn_varlen_func
+    assert {f.__name__ for f in FLASH_ATTN_SIGNATURES} <= set(fa2.flash_attn.__all__)
     assert issubclass(FlashAttnValueError, RuntimeError) and issubclass(FlashAttnValueError, ValueError)
     assert issubclass(FlashAttnTypeError, RuntimeError) and issubclass(FlashAttnTypeError, TypeError)
 
@@ -360,3 +374,390 @@ def test_rows_that_see_no_key(backend, status, device):
         pytest.skip(f"{backend} has no backward: {e}")
     assert (dq[:, :13] == 0).all() and not torch.isnan(dq).any()
     assert not math.isnan(lse[:, :, 13:].sum().item())
+
+
+# The varlen functions: sequences packed along dim 0 with int32 offsets, checked one sequence at a time
+# against the reference (the dense reference on that sequence's slices: every mask, ALiBi distance and empty
+# row is the sequence's own). Lengths 0 and 1, seqlen_q != seqlen_k both ways within one batch, lengths
+# either side of 16, 32 and 64 (tile edges), a batch of one.
+
+def _varlen_case(name, lens_q, lens_k=None, h=2, h_k=None, d=16, causal=False, window=(-1, -1), softcap=0.0,
+                 alibi=None, gain=1.0, ref_window=None, max_seqlen=None):
+    """ref_window: the window after flash-attn's varlen normalisation (sides >= max_seqlen_k -> -1, causal
+    -> right 0), which the reference gets per sequence; max_seqlen: (max_seqlen_q, max_seqlen_k) if not the
+    longest lengths (an upper bound)."""
+    lens_k = lens_q if lens_k is None else lens_k
+    if ref_window is None:
+        ref_window = (window[0], 0) if causal else window
+    case = dict(lens_q=lens_q, lens_k=lens_k, h=h, h_k=h if h_k is None else h_k, d=d, causal=causal,
+                window=window, softcap=softcap, alibi=alibi, gain=gain, ref_window=ref_window,
+                max_seqlen=max_seqlen or (max(lens_q), max(lens_k)))
+    return pytest.param(case, id=name)
+
+
+VARLEN_CASES = [
+    _varlen_case("one-sequence", [23]),
+    _varlen_case("three-H3", [17, 33, 5], h=3),
+    _varlen_case("three-H3-causal", [31, 65, 16], h=3, causal=True),
+    _varlen_case("lengths-0-and-1-causal", [0, 1, 17, 1, 0], [3, 1, 17, 0, 0], causal=True),
+    _varlen_case("gqa-causal-nq-ne-nk", [19, 7, 30], [37, 29, 11], h=4, h_k=2, causal=True),
+    _varlen_case("mqa-D59", [13, 21], [29, 9], h=4, h_k=1, d=59),
+    _varlen_case("max-seqlen-an-upper-bound-causal", [9, 14], [3, 20], causal=True, max_seqlen=(64, 64)),
+]
+VARLEN_FEATURES = [
+    _varlen_case("window-3.5", [17, 29], [29, 17], window=(3, 5)),
+    _varlen_case("causal-window-4.4-is-4.0", [19, 7], [19, 12], window=(4, 4), causal=True, ref_window=(4, 0)),
+    # Sides are compared against max_seqlen_k (19), not each sequence's seqlen_k (5): 10 stays 10, where
+    # flash_attn_func on the first sequence alone would make it -1 (its rows 0..21 see keys again).
+    _varlen_case("window-right-between-seqlen_k-and-max", [37, 3], [5, 19], window=(2, 10)),
+    _varlen_case("window-right-past-max_seqlen_k", [37, 3], [5, 19], window=(2, 19), ref_window=(2, -1)),
+    _varlen_case("window-left-past-max_seqlen_k-causal", [21, 4], [17, 6], h=2, h_k=1, window=(40, 3), causal=True,
+                 ref_window=(-1, 0)),
+    _varlen_case("softcap-5-x4", [17, 29], [29, 17], softcap=5.0, gain=4.0),
+    _varlen_case("alibi-heads", [17, 29], [29, 17], alibi="head"),
+    _varlen_case("alibi-sequences-heads-causal-gqa", [23, 0, 9], [19, 4, 9], h=4, h_k=2, causal=True,
+                 alibi="batch"),
+    _varlen_case("all-together", [33, 1, 20], [47, 5, 20], h=4, h_k=2, window=(9, 9), causal=True, softcap=8.0,
+                 gain=3.0, alibi="batch", ref_window=(9, 0)),
+]
+
+
+def _offsets(lengths, device):
+    return torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device=device)
+
+
+def _varlen_inputs(case, dtype, device, seed):
+    """q (total_q, h, d), k and v (total_k, h_k, d), the offsets, the slopes ((h,) or (num_seqs, h))."""
+    h, h_k, d = case["h"], case["h_k"], case["d"]
+    q, k, v = random_qkv((sum(case["lens_q"]), h, d), (sum(case["lens_k"]), h_k, d), dtype, device, seed=seed)
+    q, k = q * case["gain"], k * case["gain"]
+    slopes = None
+    if case["alibi"] is not None:
+        g = torch.Generator().manual_seed(seed)
+        shape = (h,) if case["alibi"] == "head" else (len(case["lens_q"]), h)
+        slopes = (torch.rand(shape, generator=g) * 0.3).to(device)
+    return q, k, v, _offsets(case["lens_q"], device), _offsets(case["lens_k"], device), slopes
+
+
+def _varlen_call(variant, case, q, k, v, cu_q, cu_k, backend, **options):
+    """The variant's varlen function (packing first where it packs): (out, lse, None), and the leaves."""
+    max_q, max_k = case["max_seqlen"]
+    try:
+        if variant == "func":
+            return flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, return_attn_probs=True, backend=backend,
+                                          **options), (q, k, v)
+        if variant == "kvpacked":
+            kv = torch.stack([k, v], dim=1).detach().requires_grad_(k.requires_grad)
+            return flash_attn_varlen_kvpacked_func(q, kv, cu_q, cu_k, max_q, max_k, return_attn_probs=True,
+                                                   backend=backend, **options), (q, kv)
+        qkv = torch.stack([q, k, v], dim=1).detach().requires_grad_(q.requires_grad)
+        return flash_attn_varlen_qkvpacked_func(qkv, cu_q, max_q, return_attn_probs=True, backend=backend,
+                                                **options), (qkv,)
+    except NotImplementedError as e:
+        pytest.skip(f"{backend} refuses: {e}")
+
+
+def _varlen_unpack(variant, grads):
+    if variant == "func":
+        return grads
+    if variant == "kvpacked":
+        return (grads[0], *grads[1].unbind(1))
+    return grads[0].unbind(1)
+
+
+def _skip_varlen_variant(variant, case):
+    if variant == "qkvpacked" and (case["lens_q"] != case["lens_k"] or case["h"] != case["h_k"]):
+        pytest.skip("qkvpacked: one set of offsets and one head count for q, k and v")
+
+
+def _require_varlen(backend, status, device, dtype, case):
+    require_runnable(backend, status, device, dtype,
+                     (1, case["h"], sum(case["lens_q"]), max(1, sum(case["lens_k"])), case["d"]))
+
+
+def _sequences(case):
+    """(s, its query rows, its key rows) for every sequence."""
+    bq, bk = [0, *itertools.accumulate(case["lens_q"])], [0, *itertools.accumulate(case["lens_k"])]
+    for s in range(len(case["lens_q"])):
+        yield s, slice(bq[s], bq[s + 1]), slice(bk[s], bk[s + 1])
+
+
+def _seq(x, rows):
+    """Sequence rows of a packed (total, h, d) tensor as the reference's (1, h, n, d)."""
+    return x[rows].transpose(0, 1)[None]
+
+
+def _seq_features(case, slopes, s):
+    alibi = None if slopes is None else slopes if slopes.dim() == 1 else slopes[s:s + 1]
+    return dict(window=case["ref_window"], softcap=case["softcap"], alibi_slopes=alibi)
+
+
+def _assert_varlen_matches(out, lse, q, k, v, case, slopes):
+    total_q, h, d = q.shape
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert lse.shape == (h, total_q) and lse.dtype == torch.float32, "softmax_lse must be (nheads, total_q) fp32"
+    for s, rows, keys in _sequences(case):
+        if rows.start == rows.stop:
+            continue
+        assert_matches_reference(_seq(out, rows), lse[:, rows][None], _seq(q, rows), _seq(k, keys), _seq(v, keys),
+                                 False, **_seq_features(case, slopes, s))
+
+
+def _reference_varlen(q, k, v, case, slopes, upcast=True):
+    """The reference on each sequence's slices, its outputs concatenated: (total_q, h, d), differentiable."""
+    outs = [reference.attention(_seq(q, rows), _seq(k, keys), _seq(v, keys), False, upcast=upcast,
+                                **_seq_features(case, slopes, s))[0][0].transpose(0, 1)
+            for s, rows, keys in _sequences(case)]
+    return torch.cat(outs)
+
+
+def _assert_varlen_grads(dq, dk, dv, q, k, v, dO, case, slopes):
+    """test_gradients.assert_grads_match's rule on the packed batch as one, as the dense tests take a
+    (b, h, s, d) batch as one: a sequence alone can have a zero tolerance (one row that sees one key has
+    dq = 0 exactly in the reference and in the naive attention, and rounding noise in a kernel)."""
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref = torch.autograd.grad(_reference_varlen(q64, k64, v64, case, slopes), (q64, k64, v64), dO.double())
+    if q.dtype == torch.float32:
+        tols = [FP32_GRAD_ATOL] * 3
+    else:
+        ql, kl, vl = (t.detach().requires_grad_() for t in (q, k, v))
+        naive = torch.autograd.grad(_reference_varlen(ql, kl, vl, case, slopes, upcast=False), (ql, kl, vl), dO)
+        tols = [3 * max_err(n, r) + 2 * max_err(r.to(q.dtype), r) for n, r in zip(naive, ref)]
+    for name, g, r, tol, x in zip(("dq", "dk", "dv"), (dq, dk, dv), ref, tols, (q, k, v)):
+        assert g.shape == x.shape and g.dtype == x.dtype, f"{name}: {tuple(g.shape)} {g.dtype}"
+        assert not torch.isnan(g).any(), f"NaN in {name}"
+        err = max_err(g, r)
+        assert err <= tol, f"max |{name} - ref| = {err:.3g} > tolerance {tol:.3g} ({q.dtype})"
+    for s, rows, keys in _sequences(case):
+        if rows.start == rows.stop or keys.start == keys.stop:
+            for name, g in (("dq", dq[rows]), ("dk", dk[keys]), ("dv", dv[keys])):
+                assert (g == 0).all(), f"sequence {s} ({rows}, {keys}): {name} must be 0 where no query meets a key"
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("case", VARLEN_CASES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_varlen_matches_reference(backend, status, device, dtype, case, variant):
+    """out (total_q, h, d) in q's dtype, softmax_lse (h, total_q) float32 (flash-attn's unpadded LSE), None
+    for S_dmask; each sequence against the reference on its own slices."""
+    _skip_varlen_variant(variant, case)
+    _require_varlen(backend, status, device, dtype, case)
+    q, k, v, cu_q, cu_k, _ = _varlen_inputs(case, dtype, device, seed=len(case["lens_q"]) + sum(case["lens_k"]))
+    (out, lse, S_dmask), _ = _varlen_call(variant, case, q, k, v, cu_q, cu_k, backend, causal=case["causal"])
+    assert S_dmask is None
+    _assert_varlen_matches(out, lse, q, k, v, case, None)
+    max_q, max_k = case["max_seqlen"]
+    plain = {
+        "func": lambda: flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, causal=case["causal"],
+                                               backend=backend),
+        "kvpacked": lambda: flash_attn_varlen_kvpacked_func(q, torch.stack([k, v], 1), cu_q, cu_k, max_q, max_k,
+                                                            causal=case["causal"], backend=backend),
+        "qkvpacked": lambda: flash_attn_varlen_qkvpacked_func(torch.stack([q, k, v], 1), cu_q, max_q,
+                                                              causal=case["causal"], backend=backend),
+    }
+    assert torch.equal(plain[variant](), out), "return_attn_probs=False must return the same out alone"
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("case", VARLEN_CASES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_varlen_gradients(backend, status, device, dtype, case, variant):
+    """Gradients to q, k, v, or one gradient shaped like the packed input; each sequence's slices against
+    the reference's; zero where a sequence has no query or no key."""
+    _skip_varlen_variant(variant, case)
+    _require_varlen(backend, status, device, dtype, case)
+    q, k, v, cu_q, cu_k, _ = _varlen_inputs(case, dtype, device, seed=sum(case["lens_q"]) + 1)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    (out, _, _), leaves = _varlen_call(variant, case, q, k, v, cu_q, cu_k, backend, causal=case["causal"])
+    dO = torch.randn(out.shape, generator=torch.Generator().manual_seed(7)).to(device=device, dtype=dtype)
+    try:
+        grads = torch.autograd.grad(out, leaves, dO)
+    except NotImplementedError as e:
+        pytest.skip(f"{backend} has no backward: {e}")
+    for g, x in zip(grads, leaves):
+        assert g.shape == x.shape and g.dtype == x.dtype
+    _assert_varlen_grads(*_varlen_unpack(variant, grads), q.detach(), k.detach(), v.detach(), dO, case, None)
+
+
+@pytest.mark.parametrize("case", VARLEN_FEATURES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_varlen_features_pass_through(backend, status, device, dtype, case):
+    """window_size (as 0-d int64 tensors, normalised against max_seqlen_k), softcap and alibi_slopes ((h,)
+    or (num_seqs, h)), each sequence on its own lengths."""
+    _require_varlen(backend, status, device, dtype, case)
+    q, k, v, cu_q, cu_k, slopes = _varlen_inputs(case, dtype, device, seed=sum(case["lens_q"]))
+    window = tuple(torch.tensor(w) for w in case["window"])
+    (out, lse, _), _ = _varlen_call("func", case, q, k, v, cu_q, cu_k, backend, causal=case["causal"],
+                                    window_size=window, softcap=case["softcap"], alibi_slopes=slopes)
+    _assert_varlen_matches(out, lse, q, k, v, case, slopes)
+
+
+@pytest.mark.parametrize("case", [VARLEN_FEATURES[1], VARLEN_FEATURES[2], VARLEN_FEATURES[-1]])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_varlen_feature_gradients(backend, status, device, dtype, case):
+    _require_varlen(backend, status, device, dtype, case)
+    q, k, v, cu_q, cu_k, slopes = _varlen_inputs(case, dtype, device, seed=sum(case["lens_q"]) + 2)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    (out, _, _), leaves = _varlen_call("func", case, q, k, v, cu_q, cu_k, backend, causal=case["causal"],
+                                       window_size=case["window"], softcap=case["softcap"], alibi_slopes=slopes)
+    dO = torch.randn(out.shape, generator=torch.Generator().manual_seed(5)).to(device=device, dtype=dtype)
+    try:
+        grads = torch.autograd.grad(out, leaves, dO)
+    except NotImplementedError as e:
+        pytest.skip(f"{backend} refuses: {e}")
+    _assert_varlen_grads(*grads, q.detach(), k.detach(), v.detach(), dO, case, slopes)
+
+
+def test_varlen_rows_that_see_no_key(backend, status, device):
+    """flash-attn's test_flash_attn_bwd_varlen_overflow, small: one key per sequence against many queries,
+    causal: out = 0 and softmax_lse = +inf on the rows before each sequence's last, no NaN in any
+    gradient; a sequence with no key at all (its every row) and one with no query."""
+    case = VARLEN_CASES[0].values[0] | dict(lens_q=[7, 1, 9, 0], lens_k=[1, 1, 0, 2], h=2, h_k=2)
+    _require_varlen(backend, status, device, torch.float32, case)
+    q, k, v, cu_q, cu_k, _ = _varlen_inputs(case, torch.float32, device, seed=11)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    (out, lse, _), _ = _varlen_call("func", case, q, k, v, cu_q, cu_k, backend, causal=True)
+    blind = torch.tensor([1] * 6 + [0] + [0] + [1] * 9, dtype=torch.bool, device=device)
+    assert (out[blind] == 0).all() and torch.isposinf(lse[:, blind]).all()
+    assert torch.isfinite(lse[:, ~blind]).all()
+    try:
+        grads = torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+    except NotImplementedError as e:
+        pytest.skip(f"{backend} has no backward: {e}")
+    assert not any(torch.isnan(g).any() for g in grads)
+    assert (grads[0][blind] == 0).all() and (grads[1][-2:] == 0).all() and (grads[2][-2:] == 0).all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_varlen_gradients_are_bit_identical_run_after_run(backend, status, device, dtype):
+    """flash-attn's test_flash_attn_varlen_deterministic: repeated backward calls give the same bits."""
+    case = VARLEN_CASES[4].values[0]
+    _require_varlen(backend, status, device, dtype, case)
+    q, k, v, cu_q, cu_k, _ = _varlen_inputs(case, dtype, device, seed=21)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    try:
+        out = flash_attn_varlen_func(q, k, v, cu_q, cu_k, *case["max_seqlen"], 0.0, causal=True, deterministic=True,
+                                     backend=backend)
+    except NotImplementedError as e:
+        pytest.skip(f"{backend} refuses: {e}")
+    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(2)).to(device=device, dtype=dtype)
+    first = torch.autograd.grad(out, (q, k, v), g, retain_graph=True)
+    for _ in range(3):
+        again = torch.autograd.grad(out, (q, k, v), g, retain_graph=True)
+        for name, a, b in zip(("dq", "dk", "dv"), first, again):
+            assert torch.equal(a, b), f"{name} differs between two backward calls"
+
+
+def test_varlen_inputs_reach_the_backend_as_views(backend, status, device, monkeypatch):
+    """q, k, v (and kv's halves) go to the backend as (1, h, total, d) views of the caller's storage, with
+    the caller's offsets in the spec: no copy, no padding to the longest sequence."""
+    case = VARLEN_CASES[5].values[0] | dict(d=16)
+    _require_varlen(backend, status, device, torch.float32, case)
+    impl = registry.load(backend)
+    seen = []
+
+    def spy(q, k, v, spec, *args, **kwargs):
+        seen.append((q.data_ptr(), k.data_ptr(), v.data_ptr(), tuple(q.shape), q.stride(), k.stride(),
+                     spec.cu_seqlens_q, spec.cu_seqlens_k, spec.max_seqlen_q, spec.max_seqlen_k))
+        return real(q, k, v, spec, *args, **kwargs)
+
+    real = impl.flash_attn_forward
+    monkeypatch.setattr(impl, "flash_attn_forward", spy)
+    q, k, v, cu_q, cu_k, _ = _varlen_inputs(case, torch.float32, device, seed=3)
+    kv = torch.stack([k, v], dim=1)
+    max_q, max_k = case["max_seqlen"]
+    _varlen_call("func", case, q, k, v, cu_q, cu_k, backend)
+    _varlen_call("kvpacked", case, q, k, v, cu_q, cu_k, backend)  # stacks its own kv like this one
+    size = kv.element_size()
+    view = lambda x: x.transpose(0, 1)[None]
+    common = (tuple(view(q).shape), view(q).stride())
+    assert [s[:3] + s[3:5] for s in seen][:1] == [(q.data_ptr(), k.data_ptr(), v.data_ptr(), *common)]
+    assert seen[0][5] == view(k).stride() and seen[1][5] == view(kv[:, 0]).stride()
+    assert seen[1][2] - seen[1][1] == kv.stride(1) * size
+    for s in seen:
+        assert s[6] is cu_q and s[7] is cu_k and s[8:] == (max_q, max_k)
+
+
+def test_varlen_block_table_is_refused():
+    q = torch.randn(5, 2, 16)
+    cu = torch.tensor([0, 5], dtype=torch.int32)
+    with pytest.raises(NotImplementedError, match=r"block_table.*#22"):
+        flash_attn_varlen_func(q, q, q, cu, cu, 5, 5, block_table=torch.zeros(1, 1, dtype=torch.int32))
+
+
+def test_varlen_dropout_is_refused():
+    q = torch.randn(5, 2, 16)
+    cu = torch.tensor([0, 2, 5], dtype=torch.int32)
+    with pytest.raises(NotImplementedError, match="dropout_p=0.1"):
+        flash_attn_varlen_func(q, q, q, cu, cu, 3, 3, 0.1, backend="pytorch")
+    with pytest.raises(NotImplementedError, match="dropout_p"):
+        flash_attn_varlen_qkvpacked_func(torch.randn(5, 3, 2, 16), cu, 3, dropout_p=0.5, backend="pytorch")
+
+
+def _vq(total=5, h=2, d=16):
+    return _q(total, h, d)
+
+
+def _cu(*offsets, dtype=torch.int32):
+    return torch.tensor(offsets, dtype=dtype)
+
+
+def _varlen(q=None, k=None, v=None, cu_q=None, cu_k=None, max_q=3, max_k=3, **options):
+    q = _vq() if q is None else q
+    k = q if k is None else k
+    cu_q = _cu(0, 2, 5) if cu_q is None else cu_q
+    return lambda: flash_attn_varlen_func(q, k, k if v is None else v, cu_q, cu_q if cu_k is None else cu_k,
+                                          max_q, max_k, **options)
+
+
+VARLEN_BAD_INPUTS = [
+    _bad("varlen-cu-int64", _varlen(cu_q=_cu(0, 2, 5, dtype=torch.int64)), FlashAttnTypeError, "int32"),
+    _bad("varlen-cu-list", _varlen(cu_q=[0, 2, 5]), FlashAttnTypeError, "cu_seqlens_q"),
+    _bad("varlen-cu-rank-2", _varlen(cu_q=_cu(0, 2, 5)[None]), FlashAttnValueError, r"\(batch_size \+ 1,\)"),
+    _bad("varlen-cu-empty", _varlen(cu_q=_cu()), FlashAttnValueError, r"\(batch_size \+ 1,\)"),
+    _bad("varlen-cu-not-contiguous", _varlen(cu_q=_cu(0, 9, 2, 9, 5, 9)[::2]), FlashAttnValueError, "contiguous"),
+    _bad("varlen-cu-another-device", _varlen(cu_q=_cu(0, 2, 5).to("meta")), FlashAttnValueError, "device"),
+    _bad("varlen-cu-lengths-differ", _varlen(cu_k=_cu(0, 1, 2, 5)), FlashAttnValueError, "batch_size"),
+    _bad("varlen-cu-q-total", _varlen(cu_q=_cu(0, 2, 4)), FlashAttnValueError, "total length 5"),
+    _bad("varlen-cu-k-total", _varlen(k=_vq(7), cu_k=_cu(0, 2, 5)), FlashAttnValueError, "total length 7"),
+    _bad("varlen-cu-not-from-0", _varlen(cu_q=_cu(1, 2, 5)), FlashAttnValueError, "from 0"),
+    _bad("varlen-max-seqlen-float", _varlen(max_q=3.0), FlashAttnTypeError, "max_seqlen_q must be an int"),
+    _bad("varlen-max-seqlen-tensor", _varlen(max_k=torch.tensor(3)), FlashAttnTypeError, "max_seqlen_k"),
+    _bad("varlen-max-seqlen-none", _varlen(max_k=None), FlashAttnTypeError, "max_seqlen_k"),
+    _bad("varlen-max-seqlen-negative", _varlen(max_q=-1), FlashAttnValueError, "max_seqlen_q must be >= 0"),
+    _bad("varlen-q-rank-4", _varlen(q=_q(1, 5, 2, 16)), FlashAttnValueError, r"\(total, nheads, headdim\)"),
+    _bad("varlen-k-v-shapes", _varlen(v=_vq(6)), FlashAttnValueError, "k and v"),
+    _bad("varlen-heads-not-divisible", _varlen(k=_vq(h=3), q=_vq(h=4)), FlashAttnValueError,
+         "heads in key/value must divide"),
+    _bad("varlen-mixed-dtypes", _varlen(k=_vq().to(torch.bfloat16)), FlashAttnTypeError, "same dtype"),
+    _bad("varlen-head-dim-over-256", _varlen(q=_vq(d=264)), FlashAttnValueError, "headdim"),
+    _bad("varlen-alibi-batch-is-sequences", _varlen(alibi_slopes=torch.ones(3, 2)), FlashAttnValueError,
+         r"\(2, 2\)"),
+    _bad("varlen-window-below-minus-1", _varlen(window_size=(-2, 0)), FlashAttnValueError, "window_size left"),
+    _bad("varlen-causal-not-bool", _varlen(causal=1), FlashAttnTypeError, "causal"),
+    _bad("varlen-qkv-rank-5", lambda: flash_attn_varlen_qkvpacked_func(_q(1, 5, 3, 2, 16), _cu(0, 5), 5),
+         FlashAttnValueError, r"\(total, 3, nheads"),
+    _bad("varlen-kv-not-packed-by-2", lambda: flash_attn_varlen_kvpacked_func(_vq(), _q(5, 3, 2, 16), _cu(0, 5),
+                                                                               _cu(0, 5), 5, 5),
+         FlashAttnValueError, r"\(total_k, 2, nheads_k"),
+]
+
+
+@pytest.mark.parametrize("make, error, match", VARLEN_BAD_INPUTS)
+def test_varlen_bad_inputs_raise_runtime_error(make, error, match):
+    """flash-attn's mha_varlen_fwd checks (cu_seqlens int32, contiguous, (batch_size + 1,); q (total_q, h, d);
+    k, v (total_k, h_k, d)), and fa2's own on the totals and max_seqlen, as RuntimeErrors that are also
+    ValueError / TypeError."""
+    with pytest.raises(error, match=match) as info:
+        make()
+    assert isinstance(info.value, RuntimeError)
+
+
+def test_varlen_decreasing_offsets_are_refused_by_pytorch():
+    """fa2-pytorch reads every offset (it runs each sequence): decreasing ones are a RuntimeError too."""
+    if "pytorch" not in fa2.backends():
+        pytest.skip("fa2-pytorch is not installed here")
+    q = torch.randn(5, 2, 16)
+    with pytest.raises(FlashAttnValueError, match="non-decreasing") as info:
+        flash_attn_varlen_func(q, q, q, _cu(0, 4, 2, 5), _cu(0, 1, 2, 5), 4, 3, backend="pytorch")
+    assert isinstance(info.value, RuntimeError)

@@ -2,9 +2,9 @@
 
 ``install(backend)`` puts modules into ``sys.modules`` under flash-attn's names:
 
-- ``flash_attn``: fa2.flash_attn's three functions with ``backend=`` bound; the varlen and KV-cache
-  functions the test also imports raise NotImplementedError (issues #21 and #22; the conftest skips their
-  tests before they run);
+- ``flash_attn``: fa2.flash_attn's six functions (dense and varlen) with ``backend=`` bound; the KV-cache
+  function the test also imports raises NotImplementedError (issue #22; the conftest skips its test before
+  it runs, and the varlen tests on backends without varlen kernels, whose NotImplementedError says so);
 - ``flash_attn.flash_attn_interface``: the same, plus ``_get_block_size_n``, which the test imports at
   module level but calls only in its dropout checks (deselected here): it raises;
 - ``flash_attn.bert_padding``: ``pad_input`` and ``unpad_input`` (2.7+'s 5-tuple), written here in plain,
@@ -24,13 +24,9 @@ import torch.nn.functional as F
 
 from fa2 import flash_attn as fa2_flash_attn
 
-FUNCTIONS = ("flash_attn_func", "flash_attn_kvpacked_func", "flash_attn_qkvpacked_func")
-NOT_YET = {
-    "flash_attn_varlen_func": 21,
-    "flash_attn_varlen_kvpacked_func": 21,
-    "flash_attn_varlen_qkvpacked_func": 21,
-    "flash_attn_with_kvcache": 22,
-}
+FUNCTIONS = ("flash_attn_func", "flash_attn_kvpacked_func", "flash_attn_qkvpacked_func", "flash_attn_varlen_func",
+             "flash_attn_varlen_kvpacked_func", "flash_attn_varlen_qkvpacked_func")
+NOT_YET = {"flash_attn_with_kvcache": 22}
 
 
 def install(backend: str) -> None:

@@ -12,6 +12,15 @@ The same argument names, order and defaults, layouts, return values and gradient
 ``unbind`` along the packing dim, never a copy. The backward of ``unbind`` stacks the three (two) gradients
 into one fresh tensor shaped like the packed input, as flash-attn's ``dqkv`` / ``dkv``.
 
+The variable-length functions (``flash_attn_varlen_func``, ``flash_attn_varlen_qkvpacked_func``,
+``flash_attn_varlen_kvpacked_func``) take sequences packed along one dim, (total, nheads, headdim), with
+their int32 offsets ``cu_seqlens``; each call is one ``fa2.varlen_attention`` on the caller's tensors (the
+packed ones unbound along dim 1), and softmax_lse is flash-attn's unpadded (nheads, total_q)::
+
+    from fa2.flash_attn import flash_attn_varlen_func
+    cu = torch.tensor([0, 5, 12], dtype=torch.int32)                    # two sequences: 5 and 7 tokens
+    out = flash_attn_varlen_func(q, k, v, cu, cu, 7, 7, causal=True)    # q, k, v: (12, nheads, headdim)
+
 Where this module differs from flash-attn, on purpose:
 
 - ``dropout_p > 0`` raises NotImplementedError (fa2 has no attention dropout; a subclass of RuntimeError,
@@ -38,8 +47,8 @@ Errors: where flash-attn's C++ checks raise (RuntimeError), this module raises `
 ``FlashAttnTypeError``, subclasses of RuntimeError and of ValueError / TypeError, so that code catching
 either flash-attn's type or fa2's convention catches them.
 
-The varlen and KV-cache functions (``flash_attn_varlen_*``, ``flash_attn_with_kvcache``) are not here yet
-(issues #21 and #22).
+The KV-cache function ``flash_attn_with_kvcache`` and ``flash_attn_varlen_func``'s paged KV
+(``block_table``) are not here yet (issue #22).
 """
 
 from __future__ import annotations
@@ -50,11 +59,12 @@ import operator
 import torch
 import torch.nn.functional as F
 
-from fa2.api import MAX_HEAD_DIM, attention
+from fa2.api import MAX_HEAD_DIM, attention, varlen_attention
 
 __all__ = [
     "FlashAttnTypeError", "FlashAttnValueError", "flash_attn_func", "flash_attn_kvpacked_func",
-    "flash_attn_qkvpacked_func",
+    "flash_attn_qkvpacked_func", "flash_attn_varlen_func", "flash_attn_varlen_kvpacked_func",
+    "flash_attn_varlen_qkvpacked_func",
 ]
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -235,6 +245,185 @@ def flash_attn_kvpacked_func(
                        return_attn_probs, backend)
 
 
+def flash_attn_varlen_func(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
+    deterministic=False,
+    return_attn_probs=False,
+    block_table=None,
+    *,
+    backend=None,
+):
+    """``flash_attn_func`` on a batch of sequences packed without padding: flash-attn's
+    ``flash_attn_varlen_func``.
+
+    Sequence s has the queries q[cu_seqlens_q[s] : cu_seqlens_q[s + 1]] and the keys and values
+    k, v[cu_seqlens_k[s] : cu_seqlens_k[s + 1]]; it attends to its own keys only. Every mask is each
+    sequence's own, with its own seqlen_q = cu_seqlens_q[s + 1] - cu_seqlens_q[s] and seqlen_k: causal and
+    the window aligned to the bottom-right corner of that sequence's attention matrix, the ALiBi distance
+    |i + seqlen_k - seqlen_q - j| counted within it, rows that see no key (seqlen_k = 0, or a causal
+    seqlen_q > seqlen_k) giving out = 0 and softmax_lse = +inf. Sequences of length 0 (repeated offsets)
+    are allowed, queries and keys alike. MQA/GQA, causal, window, softcap and ALiBi otherwise as in
+    ``flash_attn_func``; a window side >= max_seqlen_k becomes -1 (unbounded), as flash-attn compares it.
+    With 2 sequences of 2 and 3 tokens, causal (1 = keep)::
+
+        1 0 . . .
+        1 1 . . .
+        . . 1 0 0
+        . . 1 1 0
+        . . 1 1 1
+
+    Arguments:
+        q: (total_q, nheads, headdim), total_q = the sum of the sequences' query lengths.
+        k: (total_k, nheads_k, headdim).
+        v: (total_k, nheads_k, headdim).
+            float16, bfloat16 or float32, one dtype, one device, any strides; headdim from 1 to 256;
+            nheads a multiple of nheads_k.
+        cu_seqlens_q: (batch_size + 1,) int32, contiguous, on q's device: the offsets of the sequences'
+            queries in q (cu_seqlens_q[0] = 0, cu_seqlens_q[-1] = total_q, non-decreasing).
+        cu_seqlens_k: (batch_size + 1,) int32, the same for k and v.
+        max_seqlen_q: int, the longest query sequence (its length or more).
+        max_seqlen_k: int, the longest key sequence (its length or more); the window sides are compared
+            against it.
+        dropout_p, softmax_scale, causal, window_size, softcap, deterministic, return_attn_probs, backend:
+            as in ``flash_attn_func``.
+        alibi_slopes: None or float32 (nheads,) or (batch_size, nheads), on q's device.
+        block_table: must be None: paged KV (issue #22) is not here yet (NotImplementedError).
+
+    Returns:
+        out: (total_q, nheads, headdim), q's dtype (a transposed view of fa2's (nheads, total_q, headdim)
+            result: call .contiguous() before .view()).
+        With return_attn_probs=True, the tuple (out, softmax_lse, None):
+        softmax_lse: (nheads, total_q), float32 (flash-attn's unpadded LSE): the natural-log logsumexp of
+            each query row of the final scores, +inf on rows that see no key.
+
+    What is checked, and what is not: the offsets' dtype, rank, length, contiguity and device, and
+    max_seqlen_* being ints, as flash-attn checks them; and, beyond flash-attn, at the cost of one device
+    synchronisation (``fa2.varlen_attention``'s), that cu_seqlens_q and cu_seqlens_k start at 0 and end at
+    total_q and total_k. Not checked (it would take a sync over every entry): that the offsets never
+    decrease, and that no sequence is longer than max_seqlen_q / max_seqlen_k. Those are the caller's to
+    get right, as with flash-attn, and what then happens is backend-defined: fa2-pytorch reads every
+    offset anyway (it runs each sequence) and refuses decreasing ones (FlashAttnValueError), and computes a
+    sequence longer than max_seqlen_* in full; a kernel that sizes its grid by max_seqlen_* may leave the
+    rows of a longer sequence unwritten, with no error.
+
+    Raises:
+        NotImplementedError: dropout_p > 0; block_table given (issue #22); a backend that cannot run this
+            input (its message says why; fa2-triton and fa2-numba-cuda have no varlen kernels yet).
+        FlashAttnValueError (RuntimeError, ValueError): q, k, v not of rank 3 or of disagreeing shapes;
+            cu_seqlens_* not 1-D, empty, of different lengths, not contiguous, not on q's device, or not
+            from 0 to total_q / total_k; a negative max_seqlen_*; alibi_slopes not (nheads,) or
+            (batch_size, nheads); and as ``flash_attn_func``.
+        FlashAttnTypeError (RuntimeError, TypeError): cu_seqlens_* not int32 tensors; max_seqlen_* not
+            ints; and as ``flash_attn_func``.
+    """
+    if block_table is not None:
+        raise NotImplementedError(
+            "fa2.flash_attn_varlen_func does not support block_table (paged KV cache) yet: issue #22; "
+            "pass block_table=None with k, v of shape (total_k, nheads_k, headdim)"
+        )
+    return _flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+                              softmax_scale, causal, window_size, softcap, alibi_slopes, return_attn_probs,
+                              backend)
+
+
+def flash_attn_varlen_qkvpacked_func(
+    qkv,
+    cu_seqlens,
+    max_seqlen,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
+    deterministic=False,
+    return_attn_probs=False,
+    *,
+    backend=None,
+):
+    """``flash_attn_varlen_func`` on q, k, v stacked into one tensor: flash-attn's
+    ``flash_attn_varlen_qkvpacked_func``.
+
+    q, k and v are read in place as qkv[:, 0], qkv[:, 1], qkv[:, 2], with one set of offsets for all three
+    (each sequence's seqlen_q = seqlen_k); the gradient is one tensor shaped like qkv. No MQA/GQA here.
+
+    Arguments:
+        qkv: (total, 3, nheads, headdim).
+        cu_seqlens: (batch_size + 1,) int32, the offsets of the sequences in qkv.
+        max_seqlen: int, the longest sequence.
+        dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+        return_attn_probs, backend: as in ``flash_attn_varlen_func``.
+
+    Returns:
+        out: (total, nheads, headdim); with return_attn_probs=True, (out, softmax_lse, None),
+        softmax_lse: (nheads, total), float32.
+
+    Raises:
+        As ``flash_attn_varlen_func``; FlashAttnValueError for a qkv that is not (total, 3, nheads, headdim).
+    """
+    _check_packed("qkv", qkv, 3, "(total, 3, nheads, headdim)", dim=1)
+    q, k, v = qkv.unbind(1)
+    return _flash_attn_varlen(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p, softmax_scale,
+                              causal, window_size, softcap, alibi_slopes, return_attn_probs, backend)
+
+
+def flash_attn_varlen_kvpacked_func(
+    q,
+    kv,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
+    deterministic=False,
+    return_attn_probs=False,
+    *,
+    backend=None,
+):
+    """``flash_attn_varlen_func`` with k and v stacked into one tensor: flash-attn's
+    ``flash_attn_varlen_kvpacked_func``.
+
+    k and v are read in place as kv[:, 0] and kv[:, 1]; their gradient is one tensor shaped like kv.
+
+    Arguments:
+        q: (total_q, nheads, headdim).
+        kv: (total_k, 2, nheads_k, headdim).
+        cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
+        window_size, softcap, alibi_slopes, deterministic, return_attn_probs, backend: as in
+        ``flash_attn_varlen_func``.
+
+    Returns:
+        out: (total_q, nheads, headdim); with return_attn_probs=True, (out, softmax_lse, None),
+        softmax_lse: (nheads, total_q), float32.
+
+    Raises:
+        As ``flash_attn_varlen_func``; FlashAttnValueError for a kv that is not (total_k, 2, nheads_k,
+        headdim).
+    """
+    _check_packed("kv", kv, 2, "(total_k, 2, nheads_k, headdim)", dim=1)
+    k, v = kv.unbind(1)
+    return _flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+                              softmax_scale, causal, window_size, softcap, alibi_slopes, return_attn_probs,
+                              backend)
+
+
 def _flash_attn(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                 return_attn_probs, backend):
     _check_tensors(q, k, v)
@@ -259,14 +448,83 @@ def _flash_attn(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
     return (out, L, None) if return_attn_probs else out
 
 
-def _check_tensors(q, k, v) -> None:
+def _flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+                       softmax_scale, causal, window_size, softcap, alibi_slopes, return_attn_probs, backend):
+    _check_tensors(q, k, v, varlen=True)
+    batch = _check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, q)
+    max_seqlen_q = _max_seqlen("max_seqlen_q", max_seqlen_q)
+    max_seqlen_k = _max_seqlen("max_seqlen_k", max_seqlen_k)
+    softcap = _softcap(softcap)
+    _check_dropout(dropout_p, softcap)
+    _check_alibi(alibi_slopes, q, batch)
+    if not isinstance(causal, bool):
+        raise FlashAttnTypeError(f"causal must be a bool, got {type(causal).__name__} {causal!r}")
+    window = _window(window_size, max_seqlen_k, causal)
+    head_dim = q.shape[-1]
+    scale = head_dim ** (-0.5) if softmax_scale is None else softmax_scale
+
+    pad = -head_dim % 8
+    if pad:
+        q, k, v = (F.pad(x, (0, pad)) for x in (q, k, v))
+    try:
+        out, lse = varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                    scale=scale, window=window, softcap=softcap, alibi_slopes=alibi_slopes,
+                                    backend=backend)
+    except ValueError as e:
+        # Past the checks above, fa2.varlen_attention's own (the offsets' totals) and a backend's (fa2-pytorch:
+        # decreasing offsets), which flash-attn does not make.
+        if isinstance(e, FlashAttnValueError):
+            raise
+        raise FlashAttnValueError(str(e)) from e
+    if pad:
+        out = out[..., :head_dim]
+    return (out, lse, None) if return_attn_probs else out
+
+
+def _check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, q: torch.Tensor) -> int:
+    """flash-attn's mha_varlen_fwd checks (int32, contiguous, (batch_size + 1,), on q's device); returns
+    batch_size."""
+    for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        if not isinstance(cu, torch.Tensor):
+            raise FlashAttnTypeError(f"{name} must be an int32 torch.Tensor, got {type(cu).__name__}")
+        if cu.dtype != torch.int32:
+            raise FlashAttnTypeError(f"{name} must have dtype int32, got {cu.dtype}")
+        if cu.dim() != 1 or cu.numel() == 0:
+            raise FlashAttnValueError(f"{name} must have shape (batch_size + 1,), got {tuple(cu.shape)}")
+        if not cu.is_contiguous():
+            raise FlashAttnValueError(f"{name} must be contiguous, got stride {cu.stride()}")
+        if cu.device != q.device:
+            raise FlashAttnValueError(f"{name} must be on q's device {q.device}, got {cu.device}")
+    if cu_seqlens_q.numel() != cu_seqlens_k.numel():
+        raise FlashAttnValueError(
+            f"cu_seqlens_q and cu_seqlens_k must both have shape (batch_size + 1,), got "
+            f"{tuple(cu_seqlens_q.shape)} and {tuple(cu_seqlens_k.shape)}"
+        )
+    return cu_seqlens_q.numel() - 1
+
+
+def _max_seqlen(name: str, value) -> int:
+    if isinstance(value, torch.Tensor):
+        raise FlashAttnTypeError(
+            f"{name} must be a Python int, got a tensor (flash-attn takes an int; reading a device tensor "
+            f"would synchronise): pass int({name})"
+        )
+    if isinstance(value, bool) or not _is_integer(value):
+        raise FlashAttnTypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    value = int(value)
+    if value < 0:
+        raise FlashAttnValueError(f"{name} must be >= 0, got {value}")
+    return value
+
+
+def _check_tensors(q, k, v, varlen: bool = False) -> None:
+    """The dense layout (batch_size, seqlen, nheads, headdim), or varlen's (total, nheads, headdim)."""
+    layout = "(total, nheads, headdim)" if varlen else "(batch_size, seqlen, nheads, headdim)"
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise FlashAttnTypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dim() != 4:
-            raise FlashAttnValueError(
-                f"{name} must have shape (batch_size, seqlen, nheads, headdim), got {tuple(t.shape)}"
-            )
+        if t.dim() != (3 if varlen else 4):
+            raise FlashAttnValueError(f"{name} must have shape {layout}, got {tuple(t.shape)}")
     shapes = f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
     if q.dtype not in _DTYPES:
         raise FlashAttnTypeError(f"q must be float16, bfloat16 or float32, got {q.dtype}")
@@ -274,26 +532,34 @@ def _check_tensors(q, k, v) -> None:
         raise FlashAttnTypeError(f"q, k and v must have the same dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}")
     if not (q.device == k.device == v.device):
         raise FlashAttnValueError(f"q, k and v must be on one device, got q {q.device}, k {k.device}, v {v.device}")
-    batch, _, heads, head_dim = q.shape
-    if batch == 0:
-        raise FlashAttnValueError(f"batch size must be positive, got {shapes}")
-    if k.shape != v.shape or k.shape[0] != batch or k.shape[3] != head_dim:
-        raise FlashAttnValueError(
-            f"k and v must have shape (batch_size, seqlen_k, nheads_k, headdim) with q's batch_size and "
-            f"headdim, got {shapes}"
-        )
+    heads, head_dim = q.shape[-2:]
+    if varlen:
+        if k.shape != v.shape or k.shape[2] != head_dim:
+            raise FlashAttnValueError(
+                f"k and v must have shape (total_k, nheads_k, headdim) with q's headdim, got {shapes}"
+            )
+    else:
+        batch = q.shape[0]
+        if batch == 0:
+            raise FlashAttnValueError(f"batch size must be positive, got {shapes}")
+        if k.shape != v.shape or k.shape[0] != batch or k.shape[3] != head_dim:
+            raise FlashAttnValueError(
+                f"k and v must have shape (batch_size, seqlen_k, nheads_k, headdim) with q's batch_size and "
+                f"headdim, got {shapes}"
+            )
     if not 1 <= head_dim <= MAX_HEAD_DIM:
         raise FlashAttnValueError(f"headdim must be from 1 to {MAX_HEAD_DIM}, got {head_dim} ({shapes})")
-    if k.shape[2] == 0 or heads % k.shape[2]:
+    if k.shape[-2] == 0 or heads % k.shape[-2]:
         raise FlashAttnValueError(
             f"the number of heads in key/value must divide the number of heads in query, got {shapes}"
         )
 
 
-def _check_packed(name: str, x, n: int, layout: str) -> None:
+def _check_packed(name: str, x, n: int, layout: str, dim: int = 2) -> None:
+    """x packs n tensors along ``dim`` (2 for the dense layouts, 1 for varlen's), of rank dim + 3."""
     if not isinstance(x, torch.Tensor):
         raise FlashAttnTypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-    if x.dim() != 5 or x.shape[2] != n:
+    if x.dim() != dim + 3 or x.shape[dim] != n:
         raise FlashAttnValueError(f"{name} must have shape {layout}, got {tuple(x.shape)}")
 
 
@@ -323,7 +589,8 @@ def _softcap(softcap) -> float:
     return value
 
 
-def _check_alibi(slopes, q: torch.Tensor) -> None:
+def _check_alibi(slopes, q: torch.Tensor, batch: int | None = None) -> None:
+    """batch: the batch size (default q.shape[0]; varlen: the number of sequences)."""
     if slopes is None:
         return
     if not isinstance(slopes, torch.Tensor):
@@ -332,7 +599,8 @@ def _check_alibi(slopes, q: torch.Tensor) -> None:
         raise FlashAttnTypeError(f"alibi_slopes must have dtype float32, got {slopes.dtype}")
     if slopes.device != q.device:
         raise FlashAttnValueError(f"alibi_slopes must be on q's device {q.device}, got {slopes.device}")
-    batch, heads = q.shape[0], q.shape[2]
+    heads = q.shape[-2]
+    batch = q.shape[0] if batch is None else batch
     if tuple(slopes.shape) not in ((heads,), (batch, heads)):
         raise FlashAttnValueError(
             f"alibi_slopes must have shape (nheads,) = ({heads},) or (batch_size, nheads) = ({batch}, {heads}), "
@@ -342,7 +610,8 @@ def _check_alibi(slopes, q: torch.Tensor) -> None:
 
 def _window(window_size, seqlen_k: int, causal: bool) -> tuple[int, int]:
     """flash-attn's normalisation (mha_fwd): ints (0-d integer tensors int()'d), a side >= seqlen_k becomes
-    -1, then causal sets the right side to 0."""
+    -1, then causal sets the right side to 0. Varlen (mha_varlen_fwd) compares against max_seqlen_k, and
+    sets the right side to 0 first: the same pair, but where max_seqlen_k = 0 (no key anywhere)."""
     try:
         left, right = window_size
     except (TypeError, ValueError):
