@@ -169,9 +169,9 @@ def varlen_attention(
 
     Checked, at the cost of one device sync (the offsets' first and last entries): that cu_seqlens_q and
     cu_seqlens_k start at 0 and end at total_q and total_k. Not checked (a sync over every entry): that the
-    offsets never decrease and that no sequence is longer than max_seqlen_q / max_seqlen_k; a kernel then
-    reads the offsets as given (fa2-pytorch: slices of negative length are empty sequences) or, sized by
-    max_seqlen, leaves the rows past it unwritten.
+    offsets never decrease and that no sequence is longer than max_seqlen_q / max_seqlen_k. fa2-pytorch,
+    which reads every offset anyway, refuses decreasing ones (ValueError); a kernel sized by max_seqlen
+    would leave the rows past it unwritten.
 
     Raises:
         ValueError / TypeError: as fa2.attention, and for offsets of the wrong dtype, rank, device, length
