@@ -747,6 +747,13 @@ def _check_device(q: torch.Tensor) -> None:
             "TRITON_INTERPRET=1 in the environment before fa2_triton is imported to run it in Triton's CPU "
             "interpreter (slow; for tests)"
         )
+    # The interpreter runs tl.dot in NumPy, which has no bfloat16: its bf16 products come out wrong and
+    # partly non-finite (max error inf on a (1, 2, 32, 16) input, Triton 3.9), so they are refused.
+    if INTERPRETED and q.dtype == torch.bfloat16:
+        raise NotImplementedError(
+            f"fa2-triton does not run bfloat16 in Triton {triton.__version__}'s interpreter (TRITON_INTERPRET=1): "
+            "the interpreter computes bf16 tl.dot wrongly; use float16 or float32 there, or a GPU for bfloat16"
+        )
 
 
 def _check_not_varlen(spec: AttentionSpec) -> None:
@@ -756,11 +763,4 @@ def _check_not_varlen(spec: AttentionSpec) -> None:
         raise NotImplementedError(
             "fa2-triton does not support variable-length (packed) batches (cu_seqlens) yet: issue 21; "
             "fa2-pytorch does"
-        )
-    # The interpreter runs tl.dot in NumPy, which has no bfloat16: its bf16 products come out wrong and
-    # partly non-finite (max error inf on a (1, 2, 32, 16) input, Triton 3.9), so they are refused.
-    if INTERPRETED and q.dtype == torch.bfloat16:
-        raise NotImplementedError(
-            f"fa2-triton does not run bfloat16 in Triton {triton.__version__}'s interpreter (TRITON_INTERPRET=1): "
-            "the interpreter computes bf16 tl.dot wrongly; use float16 or float32 there, or a GPU for bfloat16"
         )
