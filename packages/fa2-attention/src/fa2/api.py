@@ -270,18 +270,19 @@ def make_spec(
     return AttentionSpec(scale, (left, right), softcap, slopes, group)
 
 
-def _window(window) -> tuple[int, int]:
+def _window(window, arg: str = "window") -> tuple[int, int]:
+    """(left, right) as ints; ``arg``: the argument's name in the messages (fa2.flash_attn's window_size)."""
     try:
         left, right = window
     except (TypeError, ValueError):
-        raise TypeError(f"window must be a pair (left, right) of ints, got {window!r}") from None
+        raise TypeError(f"{arg} must be a pair (left, right) of ints, got {window!r}") from None
     sides = []
     for name, side in (("left", left), ("right", right)):
         if isinstance(side, bool) or not _is_integer(side):
-            raise TypeError(f"window {name} must be an int (-1 for unbounded), got {type(side).__name__} {side!r}")
+            raise TypeError(f"{arg} {name} must be an int (-1 for unbounded), got {type(side).__name__} {side!r}")
         side = int(side)
         if side < -1:
-            raise ValueError(f"window {name} must be >= 0, or -1 for unbounded, got {side} (window {window!r})")
+            raise ValueError(f"{arg} {name} must be >= 0, or -1 for unbounded, got {side} ({arg} {window!r})")
         sides.append(side)
     return sides[0], sides[1]
 

@@ -53,12 +53,12 @@ The KV-cache function ``flash_attn_with_kvcache`` and ``flash_attn_varlen_func``
 
 from __future__ import annotations
 
-import math
-import operator
+import contextlib
 
 import torch
 import torch.nn.functional as F
 
+from fa2 import api
 from fa2.api import MAX_HEAD_DIM, attention, varlen_attention
 
 __all__ = [
@@ -509,7 +509,7 @@ def _max_seqlen(name: str, value) -> int:
             f"{name} must be a Python int, got a tensor (flash-attn takes an int; reading a device tensor "
             f"would synchronise): pass int({name})"
         )
-    if isinstance(value, bool) or not _is_integer(value):
+    if isinstance(value, bool) or not api._is_integer(value):
         raise FlashAttnTypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
     value = int(value)
     if value < 0:
@@ -580,13 +580,8 @@ def _check_dropout(dropout_p, softcap: float) -> None:
 
 
 def _softcap(softcap) -> float:
-    try:
-        value = float(softcap)
-    except (TypeError, ValueError):
-        raise FlashAttnTypeError(f"softcap must be a float, got {type(softcap).__name__} {softcap!r}") from None
-    if not math.isfinite(value) or value < 0:
-        raise FlashAttnValueError(f"softcap must be finite and >= 0 (0 turns it off), got {value}")
-    return value
+    with _flash_attn_errors():
+        return api._softcap(softcap)
 
 
 def _check_alibi(slopes, q: torch.Tensor, batch: int | None = None) -> None:
@@ -612,33 +607,18 @@ def _window(window_size, seqlen_k: int, causal: bool) -> tuple[int, int]:
     """flash-attn's normalisation (mha_fwd): ints (0-d integer tensors int()'d), a side >= seqlen_k becomes
     -1, then causal sets the right side to 0. Varlen (mha_varlen_fwd) compares against max_seqlen_k, and
     sets the right side to 0 first: the same pair, but where max_seqlen_k = 0 (no key anywhere)."""
-    try:
-        left, right = window_size
-    except (TypeError, ValueError):
-        raise FlashAttnTypeError(f"window_size must be a pair (left, right) of ints, got {window_size!r}") from None
-    sides = []
-    for name, side in (("left", left), ("right", right)):
-        if not _is_integer(side):
-            raise FlashAttnTypeError(
-                f"window_size {name} must be an int (-1 for unbounded), got {type(side).__name__} {side!r}"
-            )
-        side = int(side)
-        if side < -1:
-            raise FlashAttnValueError(
-                f"window_size {name} must be >= 0, or -1 for unbounded, got {side} (window_size {window_size!r})"
-            )
-        sides.append(-1 if side >= seqlen_k else side)
-    left, right = sides
+    with _flash_attn_errors():
+        left, right = (-1 if side >= seqlen_k else side for side in api._window(window_size, "window_size"))
     return (left, 0) if causal else (left, right)
 
 
-def _is_integer(x) -> bool:
-    if isinstance(x, bool):
-        return False
-    if isinstance(x, torch.Tensor):
-        return x.dim() == 0 and not x.is_floating_point() and not x.is_complex() and x.dtype != torch.bool
+@contextlib.contextmanager
+def _flash_attn_errors():
+    """fa2.api's checks, their TypeError and ValueError raised as this module's RuntimeError-compatible ones
+    (the same message)."""
     try:
-        operator.index(x)
-    except TypeError:
-        return False
-    return True
+        yield
+    except TypeError as e:
+        raise FlashAttnTypeError(str(e)) from None
+    except ValueError as e:
+        raise FlashAttnValueError(str(e)) from None
