@@ -7,7 +7,10 @@ them. And the command line: what it does by default, where it writes, and that a
 nothing leaves the earlier results as they were. And issue 20's options (--group, --window, --softcap,
 --heads, --fa2-entry): the visible pairs a window's TFLOP/s is counted over, against a brute-force count;
 the file names; the providers skipped for an option they lack, with the reason; the check against the
-reference with the same options; FlexAttention's mask and score modifiers (eager, on the CPU)."""
+reference with the same options; FlexAttention's mask and score modifiers (eager, on the CPU). And issue
+21's --varlen mode: the lengths drawn from a seed, the real pairs counted, the per-sequence check (a
+provider that attends across sequences is wrong), an emulated run's rows, and the providers that cannot run
+recorded as skipped with their reasons."""
 
 from __future__ import annotations
 
@@ -19,8 +22,8 @@ import torch
 
 from fa2 import reference, registry
 from fa2.bench import __main__ as cli
-from fa2.bench import providers, report, sweep, timing
-from fa2.bench.providers import Shape, visible_pairs
+from fa2.bench import check, providers, report, sweep, timing
+from fa2.bench.providers import Shape, cu_seqlens, visible_pairs
 
 CUDA = torch.device("cuda")
 # Sweeps that time fa2-pytorch on the CPU: nox's other test sessions install one other backend only.
@@ -187,6 +190,9 @@ def test_tflops_count_the_visible_pairs():
     (["--group", "4", "--fa2-entry", "attention"], "-gqa4-attention"),
     (["--fa2-entry", "sdpa"], "-sdpa"),
     (["--group", "4", "--window", "none,64"], "-gqa4-w64"),
+    (["--varlen"], "-varlen"),
+    (["--varlen", "--varlen-seed", "3", "--quick"], "-varlen-seed3-quick"),
+    (["--varlen", "--heads", "32"], "-varlen-h32"),
 ], ids=lambda x: " ".join(x) if isinstance(x, list) else x)
 def test_file_names_encode_the_options(argv, suffix):
     assert cli.options_suffix(cli.parse_args(argv)) == suffix
@@ -318,3 +324,164 @@ def test_flex_mods_compute_the_reference(window, softcap, group):
                               enable_gqa=group > 1)
     O_ref, L_ref = reference.attention(q, k, v, True, window=shape.window_pair, softcap=softcap)
     assert (O.double() - O_ref).abs().max() < 1e-5 and (L.double() - L_ref).abs().max() < 1e-5
+
+
+# Issue 21: packed batches (--varlen).
+
+
+def test_packed_lengths_are_drawn_from_the_seed():
+    """The lengths lie in [low, high] and sum to the tokens; the same seed gives the same batch."""
+    for tokens, low, high in ((16384, 256, 4096), (256, 16, 64), (100, 1, 7), (300, 300, 300)):
+        for seed in range(5):
+            lengths = sweep.Packing(tokens, low, high, seed).lengths()
+            assert sum(lengths) == tokens and all(low <= n <= high for n in lengths), (tokens, seed, lengths)
+            assert lengths == sweep.Packing(tokens, low, high, seed).lengths()
+    assert sweep.Packing(16384, 256, 4096, 0).lengths() != sweep.Packing(16384, 256, 4096, 1).lengths()
+    assert sweep.Packing(200, 16, 4096).lengths() == (200,)  # at most high: one sequence
+    for bad in ((10, 16, 64), (256, 0, 64), (256, 64, 16), (300, 200, 200)):
+        with pytest.raises(ValueError, match="a packed batch needs"):
+            sweep.Packing(*bad).lengths()
+
+
+def test_packed_flops_count_the_real_pairs():
+    """Σ n² full, Σ n (n + 1) / 2 causal (each sequence's own pairs, brute-force counted), 4·H·D·pairs, the
+    backward 2.5 times; batch and seqlen must be the sequences' number and total."""
+    lengths, d, h = (1, 17, 113, 256), 64, 3
+    full = Shape("bf16", d, False, sum(lengths), len(lengths), h, lengths=lengths)
+    causal = dataclasses.replace(full, causal=True)
+    assert full.varlen and not Shape("bf16", d, False, 16, 1, h).varlen
+    assert full.pairs == sum(n * n for n in lengths) == 1 + 289 + 12769 + 65536
+    assert causal.pairs == sum(_brute_force_pairs(n, n, -1, 0) for n in lengths) == sum(n * (n + 1) // 2
+                                                                                         for n in lengths)
+    assert causal.flops == 4 * h * d * causal.pairs
+    assert dataclasses.replace(causal, mode="bwd").flops == 4 * h * d * causal.pairs * 5 // 2
+    assert full.work == h * d * sum(n * n for n in lengths)
+    assert "packed B4 H3 N387 D64 causal" in str(causal)
+    with pytest.raises(ValueError, match="a packed shape has batch = the number of sequences"):
+        Shape("bf16", d, False, 400, len(lengths), h, lengths=lengths)
+
+
+def test_packed_reference_is_each_sequences_own():
+    """The check's sample of a packed batch holds every sequence's first and last row, and its reference is
+    fa2.reference.varlen_attention's there."""
+    lengths, heads = (5, 1, 30, 12), 3
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(sum(lengths), heads, 16) for _ in range(3))
+    cu = cu_seqlens(lengths, torch.device("cpu"))
+    assert cu.dtype == torch.int32 and cu.tolist() == [0, 5, 6, 36, 48]
+    view = lambda t: t.transpose(0, 1).unsqueeze(0)
+    sample = check.reference_sample(view(q), view(k), view(v), True, lengths=lengths)
+    assert set(cu[:-1].tolist()) | set((cu[1:] - 1).tolist()) <= set(sample.rows.tolist())
+    O, L = reference.varlen_attention(q, k, v, cu, cu, True)
+    rows, head_idx = sample.rows, sample.head_idx
+    assert torch.equal(sample.O_ref[0], O[rows][:, head_idx].transpose(0, 1))
+    assert torch.equal(sample.L_ref[0], L[head_idx][:, rows])
+
+
+def _across_sequences(shape, device):
+    """A wrong packed provider: one attention over the whole batch, as if it were one sequence."""
+    def call(q, k, v):
+        O, L = reference.attention(*(t.transpose(0, 1) for t in (q, k, v)), shape.causal)
+        return O.transpose(0, 1).to(q.dtype), L.float()
+    return call
+
+
+def _refuses(shape, device):
+    def call(q, k, v):
+        raise NotImplementedError("fa2-example refuses packed batches (issue 21)")
+    return call
+
+
+@needs_fa2_pytorch
+def test_an_emulated_varlen_run(tmp_path, monkeypatch):
+    """--varlen on the CPU: a row per (mode, causal) for each provider that runs, TFLOP/s over the real pairs
+    of the recorded lengths, the dense reference rows of the fa2 backends, and every (provider, shape) not
+    measured in the skipped CSV with its reason: SDPA-NJT's math path has no is_causal, flex is not compiled
+    on the CPU, a backend's NotImplementedError, the providers without a packed or a dense path. A provider
+    that attends across sequences fails the check."""
+    fakes = {"across-sequences": providers.Provider("across-sequences", _across_sequences, cuda_only=False,
+                                                    modes=("fwd", "bwd")),
+             "fa2-example": providers.Provider("fa2-example", _refuses, cuda_only=False, modes=("fwd", "bwd"))}
+    monkeypatch.setattr(sweep, "VARLEN_PROVIDERS", {**providers.VARLEN_PROVIDERS, **fakes})
+    packing = sweep.Packing(96, 8, 40, seed=1)
+    lengths = packing.lengths()
+    cfg = sweep.Config(providers=("fa2-pytorch", "sdpa-njt", "flex", "sdpa-math", *fakes), seqlens=(32,),
+                       head_dims=(16,), causals=(False, True), dtypes=("fp32",), device=torch.device("cpu"),
+                       out_dir=tmp_path, name="cpu-varlen", modes=("fwd", "bwd"), varlen=packing)
+    sweep.run(cfg, lambda total: cli._PlainProgress(total))
+    rows = sweep.read_csv(tmp_path / "cpu-varlen.csv")
+    recorded = " ".join(map(str, lengths))
+    measured = {(r["provider"], r["mode"], r["causal"], r["lengths"]) for r in rows}
+    assert measured == ({("fa2-pytorch", m, c, lengths) for m in ("fwd", "bwd") for c in ("False", "True")
+                         for lengths in (recorded, "")}
+                        | {("sdpa-njt", m, "False", recorded) for m in ("fwd", "bwd")})
+    for r in rows:
+        if r["lengths"]:
+            assert (int(r["seqlen"]), int(r["batch"])) == (96, len(lengths))
+            shape = Shape("fp32", 16, r["causal"] == "True", 96, len(lengths), 2, r["mode"],
+                          lengths=tuple(map(int, r["lengths"].split())))
+            pairs = sum(n * (n + 1) // 2 if shape.causal else n * n for n in lengths)
+            assert shape.flops == 4 * 2 * 16 * pairs * (5 / 2 if r["mode"] == "bwd" else 1)
+        else:
+            assert (r["seqlen"], r["batch"]) == ("32", "3")
+            shape = Shape("fp32", 16, r["causal"] == "True", 32, 3, 2, r["mode"])
+        assert float(r["tflops"]) == pytest.approx(shape.flops / (float(r["ms"]) * 1e-3) / 1e12, rel=1e-4)
+
+    issues = {(r["provider"], r["mode"], r["causal"], bool(r["lengths"])): (r["status"], r["reason"])
+              for r in sweep.read_csv(tmp_path / "cpu-varlen-skipped.csv")}
+    for mode in ("fwd", "bwd"):
+        status, reason = issues["sdpa-njt", mode, "True", True]
+        assert status == "skipped" and "has no MATH kernel for is_causal=True" in reason
+        assert "not supported when is_causal=True" in reason  # torch's own words, from its log
+        for causal in ("False", "True"):
+            assert issues["flex", mode, causal, True] == ("skipped", providers._FLEX_ON_CPU)
+            assert issues["fa2-example", mode, causal, True] == (
+                "skipped", "NotImplementedError: fa2-example refuses packed batches (issue 21)")
+            assert issues["across-sequences", mode, causal, True][0] == "wrong"
+            assert issues["sdpa-math", mode, causal, True][1].startswith("packed: sdpa-math has no packed-batch path")
+            assert issues["sdpa-njt", mode, causal, False][1] == "dense: sdpa-njt is timed on packed batches only " \
+                                                                   "(--varlen)"
+            assert issues["sdpa-math", mode, causal, False][1].startswith("--varlen: the dense shapes are the fa2 "
+                                                                          "backends' own reference")
+    assert ("fa2-pytorch", "fwd", "False", True) not in issues
+    assert sweep.read_runs(tmp_path / "cpu-varlen-run.json")[0]["varlen"] == {
+        "tokens": 96, "low": 8, "high": 40, "seed": 1, "lengths": list(lengths)}
+
+    run = report.load(tmp_path, "cpu-varlen")
+    assert run.varlen
+    summary = "\n".join(report.ratio_tables(run))
+    assert "| fa2 backend | mode | / dense 32 (target 0.95) | / sdpa-njt (target 1) | / flex (target 1) |" in summary
+    assert "| fa2-pytorch | backward | fp32 | 16 | 2 | yes |" in summary
+    text = report.markdown(run, "cpu-varlen", [])
+    assert f"96 tokens in {len(lengths)} sequences of lengths {', '.join(map(str, lengths))}" in text
+    assert "random.Random(1)" in text and "| sdpa-njt | skipped | NotImplementedError: SDPA on nested" in text
+
+
+def test_varlen_refuses_the_dense_options():
+    for argv in (["--varlen", "--window", "64"], ["--varlen", "--group", "2"], ["--varlen", "--softcap", "30"],
+                 ["--varlen", "--fa2-entry", "sdpa"]):
+        with pytest.raises(SystemExit):
+            cli.parse_args(argv)
+    args = cli.parse_args(["--varlen"])
+    assert args.varlen and args.varlen_seed == 0 and args.providers is None and args.fa2_entry == "attention"
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_flex_document_mask_computes_the_reference(causal):
+    """flex's document mask (eager, on the CPU; the benchmark compiles it on a GPU) on a packed batch of
+    (1, H, total, D) views of (total, H, D) tensors, against the per-sequence reference."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    lengths = (7, 1, 40, 16)
+    total = sum(lengths)
+    mask_mod = providers.document_mask_mod(providers.document_ids(lengths, torch.device("cpu")), causal)
+    block_mask = create_block_mask(mask_mod, None, None, total, total, device="cpu")
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(total, 2, 16) for _ in range(3))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # flex's eager mode warns that it is not compiled
+        O, L = flex_attention(*(t.transpose(0, 1).unsqueeze(0) for t in (q, k, v)), block_mask=block_mask,
+                              return_lse=True)
+    cu = cu_seqlens(lengths, torch.device("cpu"))
+    O_ref, L_ref = reference.varlen_attention(q, k, v, cu, cu, causal)
+    assert (O[0].transpose(0, 1).double() - O_ref).abs().max() < 1e-5 and (L[0].double() - L_ref).abs().max() < 1e-5

@@ -6,7 +6,9 @@ instead, each checked against ``fa2.reference`` before it is timed; the forward,
     python -m fa2.bench --providers fa2-triton,sdpa-flash --seqlens 1024,4096 --dtypes bf16
     python -m fa2.bench --quick                          # a few shapes; <name>-quick.*
     python -m fa2.bench --quick --modes fwd              # the same, forward only
+    python -m fa2.bench --varlen                         # issue 21: packed batches; <name>-varlen.*
     nox -s bench                                         # without a GPU: emulated, tiny shapes
+    nox -s bench -- --varlen                             # arguments after -- go to fa2.bench
 
 Issue 20's shapes (Llama/Mistral-like: 32 query heads, 8 key/value heads, D = 128, causal, bf16, 16k tokens:
 B = 4 at N = 4k, B = 1 at 16k). The GQA run times the dense heads (--group 1) beside GQA in one process,
@@ -27,6 +29,21 @@ FlexAttention's window and softcap (compiled per shape: tens of seconds each).
 The ``<name>.md`` of a run with options has an "Options against none" table: each provider's TFLOP/s with
 the option over its TFLOP/s without it, on the same shape (a window's counted over its visible pairs).
 
+Issue 21's packed batches (``--varlen``): per (mode, D, causal) one batch of 16384 tokens in sequences
+one after the other, their lengths drawn uniformly from 256 to 4096 by ``random.Random(--varlen-seed)``
+(default 0; the last one what is left; printed, and recorded in the CSV and the run's JSON), D = 64 and 128,
+H = 2048 / D, bf16, forward and backward. fa2's backends through fa2.varlen_attention against SDPA on
+nested jagged tensors (sdpa-njt) and compiled FlexAttention with a document mask (flex), all on the same
+(total, H, D) tensors; TFLOP/s over the real (query, key) pairs (Σ n², causal Σ n (n + 1) / 2). Beside
+each batch, each fa2 backend's dense shape at N = 2048 (B = 8, fa2.attention, counted as the dense sweep
+counts it): the report's ratios are packed against that, against sdpa-njt and against flex, with issue
+21's targets (0.95, 1, 1). A backend without a packed path (NotImplementedError), NJT's math path without
+is_causal (the CPU's) and flex on the CPU are skipped, with the reason. Emulated: 256 tokens, lengths 16 to
+64, D 16 and 32, fp16. On the lent H200 in two parts, each well inside a call's 10 minutes:
+
+    python -m fa2.bench --varlen --modes fwd                  # <name>-varlen.*
+    python -m fa2.bench --varlen --modes bwd --append
+
 Modules: ``providers`` (what is compared), ``check`` (the correctness check), ``timing`` (clocks, memory,
 matmul ceilings), ``sweep`` (shapes, the loop, the CSV), ``report`` and ``plot`` (the summary).
 
@@ -40,4 +57,9 @@ joined by +; ``-attention`` or ``-sdpa`` for a --fa2-entry that is not the defau
     <name>-run.json      the environment, the command, the wall time and the matmul ceilings
     <name>.md            ratio tables (fa2 against sdpa-flash and sdpa-cudnn), TFLOP/s, memory
     <name>-<mode>-D<D>.png  TFLOP/s against N, a panel per (dtype, causal), the matmul ceiling as a line
+
+and for --varlen (``<name>-varlen``) the same CSVs and JSON (the CSVs' lengths column: the packed batch's
+lengths, empty on the dense reference rows), ``<name>-varlen.md`` (packed against dense, sdpa-njt and
+flex, issue 21's targets, every measurement) and ``<name>-varlen-<mode>.png`` (bars of TFLOP/s, a panel per
+(dtype, D)).
 """

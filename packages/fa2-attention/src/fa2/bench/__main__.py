@@ -13,7 +13,7 @@ import torch
 
 from fa2 import registry
 from fa2.bench import report, sweep
-from fa2.bench.providers import DTYPES, FA2_ENTRIES, PROVIDERS
+from fa2.bench.providers import DTYPES, FA2_ENTRIES, PROVIDERS, VARLEN_PROVIDERS
 
 # Without a GPU the kernels run emulated, as in nox's sessions. Triton and numba read these when imported,
 # and importing fa2 may import Triton, so they must be set before the interpreter starts.
@@ -95,9 +95,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "run on tiny shapes (TRITON_INTERPRET=1, NUMBA_ENABLE_CUDASIM=1). A run that measures nothing keeps the "
         "earlier files.",
     )
-    parser.add_argument("--providers", type=_choices(list(PROVIDERS)), default=",".join(PROVIDERS),
-                        help="comma-separated")
-    parser.add_argument("--seqlens", type=_list(int), help=f"comma-separated N; {_defaults(sweep.DEFAULTS, 0)}")
+    parser.add_argument("--providers", type=_choices(list(dict.fromkeys([*PROVIDERS, *VARLEN_PROVIDERS]))),
+                        help=f"comma-separated; default {','.join(PROVIDERS)}, with --varlen "
+                        f"{','.join(VARLEN_PROVIDERS)}")
+    parser.add_argument("--seqlens", type=_list(int), help=f"comma-separated N; {_defaults(sweep.DEFAULTS, 0)}; "
+                        "with --varlen the N of the fa2 backends' dense reference shapes (B = tokens / N), "
+                        f"{_defaults(sweep.VARLEN_DEFAULTS, 4, 'default')}")
     parser.add_argument("--head-dims", type=_list(int), help=f"comma-separated D; {_defaults(sweep.DEFAULTS, 1)}")
     parser.add_argument("--causal", type=_choices(["no", "yes"]),
                         help="no, yes or both; default both, yes alone with a --window")
@@ -128,8 +131,19 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         "as issue 20 measures GQA (O checked; no window or softcap: those shapes are skipped). "
                         "Default sdpa with a --group above 1 and no window or softcap, attention otherwise; "
                         "the other one adds -<entry> to the file names")
+    parser.add_argument("--varlen", action="store_true",
+                        help="packed batches (issue 21) instead of the dense sweep: per (mode, dtype, D, causal) "
+                        "one batch of sequences one after the other, "
+                        f"{_varlen_help(False)} on a GPU, {_varlen_help(True)} emulated; fa2.varlen_attention "
+                        "against SDPA on nested jagged tensors (sdpa-njt) and FlexAttention with a document mask, "
+                        "TFLOP/s over the real (query, key) pairs, beside each fa2 backend's dense TFLOP/s at "
+                        "--seqlens. Files <name>-varlen")
+    parser.add_argument("--varlen-seed", type=int, default=0,
+                        help="the seed of --varlen's lengths (random.Random); files <name>-varlen-seed<S> where "
+                        "not 0")
     parser.add_argument("--quick", action="store_true",
-                        help="a few shapes in one dtype (GPU: bf16, N 1k and 4k), written as <name>-quick")
+                        help="a few shapes in one dtype (GPU: bf16, N 1k and 4k; with --varlen D 128 alone), "
+                        "written as <name>-quick")
     parser.add_argument("--out", type=Path, default=default_out(),
                         help="folder of the results (a relative path is taken from the current directory)")
     parser.add_argument("--name", help="file stem; default from the GPU's name (h200), or cpu-emulated")
@@ -140,11 +154,22 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--report-only", action="store_true",
                         help="measure nothing: redraw <name>.md and the plots from <name>.csv")
     args = parser.parse_args(argv)
+    if args.varlen and (args.group != (1,) or args.window != (-1,) or args.softcap != (0.0,) or
+                        args.fa2_entry == "sdpa"):
+        parser.error("--varlen times plain attention through fa2.varlen_attention (its dense reference through "
+                     "fa2.attention): no --group, --window, --softcap or --fa2-entry sdpa")
     if args.causal is None:
         args.causal = ("yes",) if any(w >= 0 for w in args.window) else ("no", "yes")
     args.default_entry = default_entry(args.group, args.window, args.softcap)
     args.fa2_entry = args.fa2_entry or args.default_entry
     return args
+
+
+def _varlen_help(emulated: bool) -> str:
+    """--varlen's batch and shapes, for the help text."""
+    tokens, (low, high), head_dims, dtypes, _ = sweep.VARLEN_DEFAULTS[emulated, False]
+    return (f"{tokens} tokens in lengths drawn from {low} to {high}, D {','.join(map(str, head_dims))}, "
+            f"{','.join(dtypes)}")
 
 
 def default_entry(groups, windows, softcaps) -> str:
@@ -154,12 +179,14 @@ def default_entry(groups, windows, softcaps) -> str:
 
 
 def options_suffix(args: argparse.Namespace) -> str:
-    """What the file names add for the options: -quick, -gqa<G>, -h<H> (--heads), -w<W>, -cap<C> and the
-    entry where it is not the default; several values of one option joined by +: -gqa2+4."""
+    """What the file names add for the options: -varlen (-seed<S>), -quick, -gqa<G>, -h<H> (--heads), -w<W>,
+    -cap<C> and the entry where it is not the default; several values of one option joined by +: -gqa2+4."""
     def part(prefix: str, values) -> str:
         return f"-{prefix}{'+'.join(values)}" if values else ""
 
     return "".join([
+        "-varlen" if args.varlen else "",
+        f"-seed{args.varlen_seed}" if args.varlen and args.varlen_seed else "",
         "-quick" if args.quick else "",
         part("gqa", [str(g) for g in args.group if g > 1]),
         f"-h{args.heads}" if args.heads else "",
@@ -217,9 +244,14 @@ def main(argv: list[str] | None = None) -> None:
         os.execve(sys.executable, [sys.executable, "-m", "fa2.bench", *argv], {**os.environ, **unset})
     seqlens, head_dims, dtypes = sweep.DEFAULTS[emulated, args.quick]
     bwd_seqlens, bwd_dtypes = sweep.BWD_DEFAULTS[emulated, args.quick]
+    providers, packing = tuple(PROVIDERS), None
+    if args.varlen:
+        tokens, (low, high), head_dims, dtypes, seqlens = sweep.VARLEN_DEFAULTS[emulated, args.quick]
+        bwd_seqlens, bwd_dtypes = seqlens, dtypes
+        providers, packing = tuple(VARLEN_PROVIDERS), sweep.Packing(tokens, low, high, args.varlen_seed)
     name = args.name or default_name(device) + options_suffix(args)
     cfg = sweep.Config(
-        providers=args.providers,
+        providers=args.providers or providers,
         seqlens=args.seqlens or seqlens,
         head_dims=args.head_dims or head_dims,
         causals=tuple(c == "yes" for c in args.causal),
@@ -237,12 +269,18 @@ def main(argv: list[str] | None = None) -> None:
         fa2_entry=args.fa2_entry,
         bwd_seqlens=args.seqlens or bwd_seqlens,
         bwd_dtypes=args.dtypes or bwd_dtypes,
+        varlen=packing,
         command=shlex.join(["python", "-m", "fa2.bench", *argv]),
     )
     if not args.report_only:
         kind = "EMULATED on the CPU (TRITON_INTERPRET=1, NUMBA_ENABLE_CUDASIM=1)" if emulated else str(device)
         print(f"fa2.bench: {len(cfg.shapes())} shapes x {len(cfg.providers)} providers, {kind}; "
               f"writing {cfg.path('.csv')}", flush=True)
+        if packing:
+            lengths = packing.lengths()
+            print(f"fa2.bench: packed batch of {packing.tokens} tokens, {len(lengths)} sequences of lengths "
+                  f"{', '.join(map(str, lengths))} (drawn from {packing.low} to {packing.high}, seed {packing.seed}; "
+                  "the last what is left)", flush=True)
         sweep.run(cfg, progress_bar)
     run = report.load(cfg.out_dir, cfg.name)
     try:

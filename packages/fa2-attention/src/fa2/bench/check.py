@@ -13,6 +13,11 @@ fp32 within ``FP32_GRAD_ATOL``); dk and dv sum over every query row and are chec
 
 The reference computes what the provider was asked for: the same causal mask, sliding window and softcap
 (``reference_sample(..., window=, softcap=)``), and each sampled query head against its key/value head.
+
+A packed batch (``lengths``: the sequences one after the other) is checked on (1, heads, total, head_dim)
+views of its (total, heads, head_dim) tensors: the sample adds each sequence's first and last row to the
+random ones, and each sampled row's reference is its own sequence's attention (``fa2.reference.attention``
+on that sequence's queries and keys), as ``fa2.reference.varlen_attention`` computes it.
 """
 
 from __future__ import annotations
@@ -50,27 +55,29 @@ def _max_err(x: torch.Tensor, ref: torch.Tensor) -> float:
 
 def reference_sample(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, seed: int = 0, dO: torch.Tensor | None = None,
-    *, window: tuple[int, int] = (-1, -1), softcap: float = 0.0,
+    *, window: tuple[int, int] = (-1, -1), softcap: float = 0.0, lengths: tuple[int, ...] = (),
 ) -> Sample:
     """The fp64 reference (and, in fp16/bf16, the naive same-precision one) on the sample of q's rows, with
     the provider's options (``window`` and ``softcap`` as fa2.attention takes them); with ``dO``, also dq
-    there."""
-    options = {"window": window, "softcap": softcap}
+    there. ``lengths``: q, k, v (1, heads, total, head_dim) hold a packed batch of sequences of these
+    lengths (see the module docstring)."""
+    options = {"window": window, "softcap": softcap, "lengths": lengths}
     batch, heads, seqlen, _ = q.shape
     device = q.device
     batch_idx = torch.tensor([0, batch - 1], device=device).unique()
     head_idx = torch.tensor([0, heads - 1], device=device).unique()
     g = torch.Generator().manual_seed(seed)
-    rows = torch.cat([torch.tensor([0, seqlen - 1]), torch.randperm(seqlen, generator=g)[: SAMPLE_ROWS - 2]])
-    rows = rows.unique().to(device)
+    edges = [0, seqlen - 1] + [end for start in _starts(lengths) for end in (start, start - 1)]
+    rows = torch.cat([torch.tensor(edges), torch.randperm(seqlen, generator=g)[: SAMPLE_ROWS - 2]])
+    rows = rows[(rows >= 0) & (rows < seqlen)].unique().to(device)
     # Grouped-query attention: query head h reads key/value head h // group.
     head_idx_k = head_idx // (heads // k.shape[1])
     q = q.index_select(0, batch_idx).index_select(1, head_idx)
     k, v = (t.index_select(0, batch_idx).index_select(1, head_idx_k) for t in (k, v))
-    O_ref, L_ref = reference.attention(q, k, v, causal, rows=rows, **options)
+    O_ref, L_ref = _reference(q, k, v, causal, rows, options)
     tol_O, tol_L = FP32_ATOL["O"], FP32_ATOL["L"]
     if q.dtype != torch.float32:
-        O_naive, L_naive = reference.attention(q, k, v, causal, upcast=False, rows=rows, **options)
+        O_naive, L_naive = _reference(q, k, v, causal, rows, options, upcast=False)
         tol_O = 2 * _max_err(O_naive, O_ref) + 2 * _max_err(O_ref.to(q.dtype), O_ref)
         tol_L = 2 * _max_err(L_naive, L_ref) + L_FLOOR
     sample = Sample(batch_idx, head_idx, rows, O_ref, L_ref, tol_O, tol_L)
@@ -85,12 +92,40 @@ def reference_sample(
     return sample
 
 
+def _starts(lengths: tuple[int, ...]) -> list[int]:
+    """Where each sequence of a packed batch starts."""
+    starts, at = [], 0
+    for n in lengths:
+        starts.append(at)
+        at += n
+    return starts
+
+
+def _reference(q, k, v, causal, rows, options, upcast=True) -> tuple[torch.Tensor, torch.Tensor]:
+    """fa2.reference.attention at ``rows`` (sorted) with ``options``; with options["lengths"] each row's
+    own sequence: the rows of sequence s against its keys, their indices taken from its start."""
+    lengths = options["lengths"]
+    options = {name: value for name, value in options.items() if name != "lengths"}
+    if not lengths:
+        return reference.attention(q, k, v, causal, upcast=upcast, rows=rows, **options)
+    Os, Ls = [], []
+    for start, n in zip(_starts(lengths), lengths):
+        inside = rows[(rows >= start) & (rows < start + n)]
+        if len(inside):
+            seq = slice(start, start + n)
+            O, L = reference.attention(q[..., seq, :], k[..., seq, :], v[..., seq, :], causal, upcast=upcast,
+                                       rows=inside - start, **options)
+            Os.append(O)
+            Ls.append(L)
+    return torch.cat(Os, dim=-2), torch.cat(Ls, dim=-1)
+
+
 def _dq_on_rows(q, k, v, dO_rows, causal, rows, options, upcast=True) -> torch.Tensor:
     """dq at ``rows`` of q: the gradient of those rows' outputs (fa2.reference with ``options``, in q's dtype
     without ``upcast``) against dO_rows."""
     with torch.enable_grad():
         q = q.detach().requires_grad_()
-        O, _ = reference.attention(q, k, v, causal, upcast=upcast, rows=rows, **options)
+        O, _ = _reference(q, k, v, causal, rows, options, upcast=upcast)
         (dq,) = torch.autograd.grad(O, q, dO_rows.to(O.dtype))
     return dq.index_select(2, rows)
 

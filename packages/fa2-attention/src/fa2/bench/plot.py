@@ -1,13 +1,15 @@
 """TFLOP/s against N, one figure per mode and head_dim (``<name>-fwd-D64.png``, ``<name>-bwd-D64.png``): a
 panel per (dtype, causal), a line per provider (one per variant, a marker each, where the run has several:
 GQA, window, softcap), the matmul ceiling of that precision, as measured by the run (or the part of an
---append sequence) that measured the panel, as a horizontal line."""
+--append sequence) that measured the panel, as a horizontal line. A --varlen run: one figure per mode
+(``<name>-fwd.png``), a panel per (dtype, D), bars of TFLOP/s per provider for not causal and causal: the
+packed batch, and hatched each fa2 backend's dense reference shapes; a log scale when emulated."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from fa2.bench.providers import PROVIDERS
+from fa2.bench.providers import PROVIDERS, VARLEN_PROVIDERS
 from fa2.bench.report import MODE_NAMES, Run, groups, seqlen_label, variant, variant_text
 
 # Only bf16 and fp32 matmuls are measured; fp16 panels draw the bf16 ceiling (Hopper's fp16 and bf16
@@ -18,7 +20,57 @@ MARKERS = ("o", "s", "^", "D", "v", "x")
 
 
 def plot(run: Run, out_dir: Path, name: str) -> list[Path]:
+    if run.varlen:
+        return [_plot_varlen(run.of_mode(mode), mode, out_dir, name) for mode in run.modes()]
     return [path for mode in run.modes() for path in _plot_mode(run.of_mode(mode), mode, out_dir, name)]
+
+
+def _plot_varlen(run: Run, mode: str, out_dir: Path, name: str) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    order = list(dict.fromkeys([*VARLEN_PROVIDERS, *PROVIDERS]))
+    colors = dict(zip(order, plt.get_cmap("tab10").colors))
+    gpu = run.info.get("gpu", run.results[0]["gpu"])
+    title = f"fa2 packed batches ({MODE_NAMES[mode]}) on {gpu}: TFLOP/s over the real (query, key) pairs"
+    if run.emulated:
+        title += "\nEMULATED: CPU, Triton interpreter, numba simulator, tiny shapes (not GPU speed)"
+    panels = sorted({(r["dtype"], r["head_dim"]) for r in run.results})
+    # A bar per (provider, shape kind): the packed batch, then each dense reference N.
+    kinds = sorted({(order.index(r["provider"]), r["provider"], r["seqlen"] if not r["lengths"] else 0)
+                    for r in run.results})
+    fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 4.5), squeeze=False)
+    width = 0.8 / len(kinds)
+    for ax, (dtype, head_dim) in zip(axes[0], panels):
+        rows = [r for r in run.results if (r["dtype"], r["head_dim"]) == (dtype, head_dim)]
+        for i, (_, p, n) in enumerate(kinds):
+            label = p if not n else f"{p} dense N={seqlen_label(n)}"
+            for x, causal in enumerate((False, True)):
+                t = [r["tflops"] for r in rows if (r["provider"], r["causal"]) == (p, causal)
+                     and (r["seqlen"] == n and not r["lengths"] if n else bool(r["lengths"]))]
+                if t:
+                    bars = ax.bar(x + (i - (len(kinds) - 1) / 2) * width, t[0], width, color=colors[p],
+                                  hatch="//" if n else None, edgecolor="white" if n else None, label=label)
+                    ax.bar_label(bars, [f"{t[0]:.3g}"], fontsize=6)
+                    label = None
+        ceiling = run.ceilings_of(rows).get(f"{CEILING_OF[dtype]}_matmul_tflops")
+        if ceiling:
+            ax.axhline(ceiling, color="gray", linestyle=":", label=f"{CEILING_OF[dtype]} matmul: {ceiling:.3g} TFLOP/s")
+        if run.emulated:
+            ax.set_yscale("log")  # the interpreter and the simulator are orders of magnitude slower
+        ax.set_xticks([0, 1], ["not causal", "causal"])
+        ax.set_title(f"{dtype}, D = {head_dim}, H = {rows[0]['heads']}")
+        ax.set_ylabel("TFLOP/s")
+        ax.grid(True, axis="y", alpha=0.3)
+        ax.legend(fontsize=7, loc="lower right")
+    fig.suptitle(title)
+    fig.tight_layout()
+    path = out_dir / f"{name}-{mode}.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
 
 
 def _plot_mode(run: Run, mode: str, out_dir: Path, name: str) -> list[Path]:

@@ -34,6 +34,25 @@ Mode ``bwd`` times the backward alone: the provider's forward runs once on input
 for sdpa-flash, sdpa-cudnn and sdpa-math, whose aten ops above are what ``F.scaled_dot_product_attention``
 calls under ``sdpa_kernel([SDPBackend.FLASH_ATTENTION])`` (``CUDNN_ATTENTION``, ``MATH``): their autograd
 runs FlashAttention-2's, cuDNN's and the math backward.
+
+Packed batches (``--varlen``, issue 21; ``VARLEN_PROVIDERS``): a Shape with ``lengths``, the sequences one
+after the other. Every provider takes q, k, v (total, heads, head_dim), the layout of a packed batch's
+projections, and returns O (total, heads, head_dim) and L (heads, total) or None; what each needs beside
+the tensors (offsets, a block mask) is made once per shape, untimed. Forward and backward, each:
+
+    fa2-pytorch, fa2-triton, fa2-numba-cuda   fa2.varlen_attention(q, k, v, cu_seqlens, cu_seqlens,
+                     max_seqlen, max_seqlen, causal=..., backend=...): int32 offsets on the device, ints
+    sdpa-njt         F.scaled_dot_product_attention on nested jagged tensors
+                     (torch.nested.nested_tensor_from_jagged(q, offsets, min_seqlen, max_seqlen), transposed
+                     to (B, H, j, D)), is_causal=causal; forced to SDPBackend.FLASH_ATTENTION on a GPU (the
+                     first one NJT's dispatcher tries) and MATH on the CPU (NJT's only one there); where the
+                     forced backend has no kernel for the case (torch 2.13's NJT math: no is_causal) it is
+                     skipped, with what torch logs as the reason. O only.
+    flex             compiled FlexAttention on (1, H, total, D) views, with a document mask (each query sees
+                     the keys of its own sequence; causal within it) made by create_block_mask once per shape
+
+Causal is per sequence; every sequence has as many queries as keys, so top-left and bottom-right alignment
+agree (the flex mask and NJT's is_causal are top-left).
 """
 
 from __future__ import annotations
@@ -72,6 +91,18 @@ class Shape:
     window: int = -1
     # Logit softcapping: 0.0 none, C > 0 scores become C · tanh(scores / C).
     softcap: float = 0.0
+    # A packed batch (``--varlen``): the sequences' lengths, one after the other; then batch is their number
+    # and seqlen their total. Empty: a dense (batch, heads, seqlen, head_dim) shape.
+    lengths: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        if self.lengths and (self.batch, self.seqlen) != (len(self.lengths), sum(self.lengths)):
+            raise ValueError(f"a packed shape has batch = the number of sequences and seqlen = their total, got "
+                             f"batch {self.batch}, seqlen {self.seqlen} for lengths {self.lengths}")
+
+    @property
+    def varlen(self) -> bool:
+        return bool(self.lengths)
 
     @property
     def heads_k(self) -> int:
@@ -86,28 +117,34 @@ class Shape:
     def pairs(self) -> int:
         """The (query, key) pairs counted per (batch, head): N² full; N²/2 causal (the FlashAttention-2 paper's
         count, kept so that causal figures compare with earlier runs and with flash-attn's); with a window,
-        exactly the visible pairs (``visible_pairs``), as issue 20 counts sliding windows."""
+        exactly the visible pairs (``visible_pairs``), as issue 20 counts sliding windows. A packed batch: per
+        head, the real pairs of every sequence, summed exactly (issue 21): Σ n² full, Σ n (n + 1) / 2 causal."""
+        if self.lengths:
+            window = self.window_pair if self.window >= 0 else (-1, 0) if self.causal else (-1, -1)
+            return sum(visible_pairs(n, n, window) for n in self.lengths)
         if self.window >= 0:
             return visible_pairs(self.seqlen, self.seqlen, (self.window, 0))
         return self.seqlen**2 // 2 if self.causal else self.seqlen**2
 
     @property
     def flops(self) -> int:
-        """4·B·H·D·pairs (two matmuls over the pairs counted, see ``pairs``); the backward 2.5 times that (five
-        matmuls)."""
-        flops = 4 * self.batch * self.heads * self.pairs * self.head_dim
+        """4·B·H·D·pairs (two matmuls over the pairs counted, see ``pairs``), 4·H·D·pairs for a packed batch
+        (its pairs sum over the sequences); the backward 2.5 times that (five matmuls)."""
+        flops = 4 * (1 if self.lengths else self.batch) * self.heads * self.pairs * self.head_dim
         return flops * 5 // 2 if self.mode == "bwd" else flops
 
     @property
     def work(self) -> int:
-        """B·H·N²·D, the measure of the emulators' budgets (as in shared_tests)."""
-        return self.batch * self.heads * self.seqlen**2 * self.head_dim
+        """B·H·N²·D, the measure of the emulators' budgets (as in shared_tests); H·D·Σ n² packed."""
+        squares = sum(n * n for n in self.lengths) if self.lengths else self.batch * self.seqlen**2
+        return self.heads * squares * self.head_dim
 
     def __str__(self) -> str:
         causal = "causal" if self.causal else "full"
         heads = f"H{self.heads}" + (f"/{self.heads_k}" if self.group > 1 else "")
         options = variant_label(self.group, self.window, self.softcap)
-        return (f"{self.mode} {self.dtype} B{self.batch} {heads} N{self.seqlen} D{self.head_dim} {causal}"
+        return (f"{self.mode} {self.dtype} {'packed ' if self.lengths else ''}B{self.batch} {heads} N{self.seqlen} "
+                f"D{self.head_dim} {causal}"
                 + (f" {options}" if options else ""))
 
 
@@ -150,13 +187,15 @@ class Provider:
     # Whether it computes sliding windows and softcapping; those that do not are skipped for such shapes.
     windows: bool = False
     softcaps: bool = False
+    # Why a cuda_only provider is not run on the CPU.
+    cuda_reason: str = "a CUDA kernel: not run without a GPU"
 
     def unavailable(self, device: torch.device) -> str | None:
         """Why this provider cannot run at all on ``device``, or None."""
         if self.backend is not None:
             return _fa2_unavailable(self.backend, device)
         if self.cuda_only and device.type != "cuda":
-            return "a CUDA kernel: not run without a GPU"
+            return self.cuda_reason
         return None
 
 
@@ -283,11 +322,143 @@ def _flex(shape: Shape, device: torch.device) -> Attention:
                                           enable_gqa=shape.group > 1)
 
 
+def cu_seqlens(lengths: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """(len(lengths) + 1,) int32 offsets on ``device``: sequence s is rows cu[s] to cu[s + 1]."""
+    offsets = [0]
+    for n in lengths:
+        offsets.append(offsets[-1] + n)
+    return torch.tensor(offsets, dtype=torch.int32, device=device)
+
+
+def _fa2_varlen(backend: str) -> Callable[[Shape, torch.device], Attention]:
+    def build(shape: Shape, device: torch.device) -> Attention:
+        cu, longest = cu_seqlens(shape.lengths, device), max(shape.lengths)
+        return lambda q, k, v: tuple(fa2.varlen_attention(q, k, v, cu, cu, longest, longest, causal=shape.causal,
+                                                          backend=backend))
+
+    return build
+
+
+def _sdpa_njt(shape: Shape, device: torch.device) -> Attention:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    backend = SDPBackend.FLASH_ATTENTION if device.type == "cuda" else SDPBackend.MATH
+    offsets = cu_seqlens(shape.lengths, device).long()
+    seqlens = {"min_seqlen": min(shape.lengths), "max_seqlen": max(shape.lengths)}  # known: no sync to find them
+
+    def attend(q, k, v):
+        q, k, v = (torch.nested.nested_tensor_from_jagged(t, offsets, **seqlens).transpose(1, 2) for t in (q, k, v))
+        with sdpa_kernel(backend):
+            O = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=shape.causal)
+        return O.transpose(1, 2).values(), None  # (B, H, j, D) -> (total, H, D)
+
+    checked = []
+
+    def call(q, k, v):
+        if checked:
+            return attend(q, k, v)
+        # The first call: where the forced backend has no kernel, torch logs why (to stderr, for every
+        # backend) and raises a RuntimeError that does not say; that log, caught, becomes the reason.
+        with _NjtLog() as log:
+            try:
+                out = attend(q, k, v)
+            except RuntimeError as e:
+                if "No viable backend" not in str(e):
+                    raise
+                raise NotImplementedError(
+                    f"SDPA on nested jagged tensors (torch {torch.__version__}) has no {backend.name} kernel for "
+                    f"is_causal={shape.causal} here: {log.reason(backend)}") from None
+        checked.append(True)
+        return out
+
+    return call
+
+
+class _NjtLog:
+    """Catches what torch/nested/_internal/sdpa.py logs while NJT's SDPA dispatcher picks a backend (a
+    heading "<backend> kernel not used because:" per backend, its reasons below), and the warnings of the
+    C++ checks, instead of printing them."""
+
+    HEADS = {"FLASH_ATTENTION": "Flash attention kernel", "EFFICIENT_ATTENTION": "Memory efficient kernel",
+             "MATH": "Math attention kernel", "CUDNN_ATTENTION": "cuDNN attention kernel"}
+
+    def __enter__(self) -> "_NjtLog":
+        import logging
+        import warnings
+
+        self.lines: list[str] = []
+        lines = self.lines
+
+        class Catch(logging.Handler):
+            def emit(self, record):
+                lines.append(record.getMessage())
+
+        self.log, self.handler = logging.getLogger("torch.nested._internal.sdpa"), Catch()
+        self.propagate, self.log.propagate = self.log.propagate, False
+        self.log.addHandler(self.handler)
+        self.warnings = warnings.catch_warnings(record=True)
+        self.caught = self.warnings.__enter__()
+        warnings.simplefilter("always")
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.warnings.__exit__(*exc)
+        self.log.removeHandler(self.handler)
+        self.log.propagate = self.propagate
+
+    def reason(self, backend) -> str:
+        """The lines under ``backend``'s heading, then the warnings; one line."""
+        head, section, inside = self.HEADS.get(backend.name, backend.name), [], False
+        for line in self.lines:
+            if line.endswith("not used because:"):
+                inside = line.startswith(head)
+            elif inside:
+                section.append(line.strip())
+        section += [str(w.message).splitlines()[0] for w in self.caught if str(w.message).strip()]
+        return " ".join(dict.fromkeys(section)) or "torch logged no reason"
+
+
+def document_ids(lengths: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """(total,) int32: the sequence each token of a packed batch belongs to."""
+    return torch.repeat_interleave(torch.arange(len(lengths), dtype=torch.int32, device=device),
+                                   torch.tensor(lengths, device=device))
+
+
+def document_mask_mod(doc: torch.Tensor, causal: bool):
+    """FlexAttention's mask of a packed batch: query i sees key j of its own sequence (``doc``: document_ids),
+    and with ``causal`` only j <= i (every sequence has as many queries as keys)."""
+    if causal:
+        def mask_mod(b, h, q_idx, kv_idx):
+            return (doc[q_idx] == doc[kv_idx]) & (q_idx >= kv_idx)
+    else:
+        def mask_mod(b, h, q_idx, kv_idx):
+            return doc[q_idx] == doc[kv_idx]
+    return mask_mod
+
+
+def _flex_varlen(shape: Shape, device: torch.device) -> Attention:
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    flex_attention = _compiled_flex_attention()
+    n = shape.seqlen
+    mask_mod = document_mask_mod(document_ids(shape.lengths, device), shape.causal)
+    block_mask = create_block_mask(mask_mod, None, None, n, n, device=device)
+
+    def call(q, k, v):
+        q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))  # (1, H, total, D) views
+        O, L = flex_attention(q, k, v, block_mask=block_mask, return_lse=True)
+        return O[0].transpose(0, 1), L[0]
+
+    return call
+
+
 _FP16_BF16 = ("bf16", "fp16")
 _FWD_BWD = ("fwd", "bwd")
 # The fp32 comparison: the CUDA-core numba kernel and the PyTorch backend, against SDPA's fp32 paths.
 _NOT_IN_FP32 = "the fp32 comparison is fa2-pytorch, fa2-numba-cuda, sdpa-math and sdpa-efficient only"
 _EVERY_OPTION = {"windows": True, "softcaps": True}
+_FLEX_ON_CPU = ("compiled FlexAttention (torch.compile into Triton kernels): not run without a GPU; its eager path "
+                "on the CPU is not what a user times")
 
 PROVIDERS = {
     p.name: p
@@ -302,7 +473,18 @@ PROVIDERS = {
                  modes=_FWD_BWD),
         Provider("sdpa-efficient", _sdpa_efficient),
         Provider("sdpa-math", _sdpa_math, cuda_only=False, returns_lse=False, modes=_FWD_BWD),
-        Provider("flex", _flex, _FP16_BF16, _NOT_IN_FP32, **_EVERY_OPTION),
+        Provider("flex", _flex, _FP16_BF16, _NOT_IN_FP32, cuda_reason=_FLEX_ON_CPU, **_EVERY_OPTION),
     ]
 }
 FA2_PROVIDERS = tuple(name for name, p in PROVIDERS.items() if p.backend is not None)
+# Packed batches (--varlen): each provider's packed path, forward and backward (see the module docstring).
+VARLEN_PROVIDERS = {
+    p.name: p
+    for p in [
+        Provider("fa2-pytorch", _fa2_varlen("pytorch"), backend="pytorch", modes=_FWD_BWD),
+        Provider("fa2-triton", _fa2_varlen("triton"), _FP16_BF16, _NOT_IN_FP32, backend="triton", modes=_FWD_BWD),
+        Provider("fa2-numba-cuda", _fa2_varlen("numba-cuda"), backend="numba-cuda", modes=_FWD_BWD),
+        Provider("sdpa-njt", _sdpa_njt, cuda_only=False, returns_lse=False, modes=_FWD_BWD),
+        Provider("flex", _flex_varlen, _FP16_BF16, _NOT_IN_FP32, modes=_FWD_BWD, cuda_reason=_FLEX_ON_CPU),
+    ]
+}

@@ -1,22 +1,29 @@
 """From a run's files to its summary: ``<name>.md`` (ratio tables, TFLOP/s, memory, what was not
 measured) and the ratio tables on stdout, each per mode (forward, backward). Reads only the files, so a
-summary can be redrawn anywhere."""
+summary can be redrawn anywhere. A --varlen run's (rows with lengths) has its own tables
+(``varlen_tables``): each fa2 backend's packed TFLOP/s against its own dense TFLOP/s and against SDPA on
+nested jagged tensors and FlexAttention on the same batch, with issue 21's targets."""
 
 from __future__ import annotations
 
+import json
 import math
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
 from fa2.bench.check import SAMPLE_ROWS
-from fa2.bench.providers import FA2_PROVIDERS, PROVIDERS
+from fa2.bench.providers import FA2_PROVIDERS, PROVIDERS, VARLEN_PROVIDERS
 from fa2.bench.sweep import MODES, read_csv, read_runs
 
 # What the fa2 backends are measured against: the GPU kernels a user would pick instead; without a GPU,
 # the only baseline that runs on the CPU.
 BASELINES = {False: ("sdpa-flash", "sdpa-cudnn"), True: ("sdpa-math",)}
 MODE_NAMES = {"fwd": "forward", "bwd": "backward"}
+# Issue 21: an fa2 backend's packed TFLOP/s (over the real pairs) at least these times its own dense TFLOP/s at
+# N = 2k ("dense") and each alternative's on the same batch; forward and backward.
+VARLEN_TARGETS = {"dense": 0.95, "sdpa-njt": 1.0, "flex": 1.0}
+VARLEN_ALTERNATIVES = tuple(p for p in VARLEN_PROVIDERS if p not in FA2_PROVIDERS)
 
 
 @dataclass
@@ -41,6 +48,11 @@ class Run:
     def emulated(self) -> bool:
         return bool(self.info.get("emulated"))
 
+    @property
+    def varlen(self) -> bool:
+        """A --varlen run: packed batches (and the fa2 backends' dense reference shapes)."""
+        return any(r["lengths"] for r in self.results)
+
     def tflops(self) -> dict[tuple, float]:
         return {_key(r): r["tflops"] for r in self.results}
 
@@ -60,6 +72,7 @@ def load(out_dir: Path, name: str) -> Run:
         r["head_dim"], r["seqlen"] = int(r["head_dim"]), int(r["seqlen"])
         r["heads"], r["heads_k"], r["window"] = int(r["heads"]), int(r["heads_k"]), int(r["window"])
         r["softcap"] = float(r["softcap"])
+        r["lengths"] = tuple(int(n) for n in r["lengths"].split())
         r["causal"] = r["causal"] == "True"
         r["ms"], r["tflops"] = float(r["ms"]), float(r["tflops"])
         r["peak_mem_gb"] = float(r["peak_mem_gb"]) if r["peak_mem_gb"] else None
@@ -118,7 +131,10 @@ def ratios(run: Run, fa2: str, baseline: str) -> dict[tuple, float]:
 
 def ratio_tables(run: Run) -> list[str]:
     """Per mode: the headline (min and geomean per fa2 backend and baseline), then one table per baseline,
-    per shape; then the options against none (``option_tables``), where the run measured both."""
+    per shape; then the options against none (``option_tables``), where the run measured both. A --varlen
+    run: ``varlen_tables``."""
+    if run.varlen:
+        return varlen_tables(run)
     out = []
     for mode in run.modes():
         out += [f"## {MODE_NAMES[mode]}", ""] if run.modes() != ["fwd"] else []
@@ -212,6 +228,142 @@ def option_tables(run: Run) -> list[str]:
                          *map(seqlen_label, seqlens)], rows)]
 
 
+def _packed_key(r: dict) -> tuple:
+    return r["mode"], r["dtype"], r["head_dim"], r["causal"], r["heads"]
+
+
+def varlen_ratios(run: Run) -> list[dict]:
+    """Per fa2 backend's packed row: its TFLOP/s, and per reference (its own dense rows at each N of the run,
+    "dense <N>"; each alternative on the same lengths) that one's TFLOP/s and the ratio, where measured."""
+    dense = {(r["provider"], *_packed_key(r), r["seqlen"]): r["tflops"] for r in run.results if not r["lengths"]}
+    packed = {(r["provider"], *_packed_key(r), r["lengths"]): r["tflops"] for r in run.results if r["lengths"]}
+    dense_ns = sorted({r["seqlen"] for r in run.results if not r["lengths"]})
+    out = []
+    for fa2 in FA2_PROVIDERS:
+        for r in sorted((r for r in run.results if r["provider"] == fa2 and r["lengths"]),
+                        key=lambda r: (MODES.index(r["mode"]), *_packed_key(r)[1:], r["lengths"])):
+            refs = {f"dense {seqlen_label(n)}": dense.get((fa2, *_packed_key(r), n)) for n in dense_ns}
+            refs.update({b: packed.get((b, *_packed_key(r), r["lengths"])) for b in VARLEN_ALTERNATIVES})
+            out.append({"row": r, "refs": {name: (t, t and r["tflops"] / t) for name, t in refs.items()}})
+    return out
+
+
+def varlen_tables(run: Run) -> list[str]:
+    """Issue 21's targets per fa2 backend and mode (the least ratio over the shapes), then every packed shape:
+    the backend's TFLOP/s, each reference's and the ratio."""
+    ratios_ = varlen_ratios(run)
+    if not ratios_:
+        return ["No packed batch measured for an fa2 backend."]
+    names = list(ratios_[0]["refs"])
+    target = lambda name: VARLEN_TARGETS["dense" if name.startswith("dense") else name]
+    summary = []
+    for fa2 in FA2_PROVIDERS:
+        for mode in MODES:
+            mine = [x for x in ratios_ if (x["row"]["provider"], x["row"]["mode"]) == (fa2, mode)]
+            if mine:
+                cells = []
+                for name in names:
+                    rs = [x["refs"][name][1] for x in mine if x["refs"][name][1]]
+                    cells.append(f"{_ratio(min(rs))} ({len(rs)})" if rs else "—")
+                summary.append([fa2, MODE_NAMES[mode], *cells])
+    out = ["Packed TFLOP/s over the real (query, key) pairs, divided by each reference's: the least over the "
+           "shapes (how many), against issue 21's targets.", "",
+           *_table(["fa2 backend", "mode", *(f"/ {n} (target {target(n):g})" for n in names)], summary), ""]
+    rows = []
+    for x in ratios_:
+        r = x["row"]
+        cells = [c for name in names for c in (_num(x["refs"][name][0]) if x["refs"][name][0] else "—",
+                                               _ratio(x["refs"][name][1]) if x["refs"][name][1] else "—")]
+        rows.append([r["provider"], MODE_NAMES[r["mode"]], r["dtype"], str(r["head_dim"]), str(r["heads"]),
+                     "yes" if r["causal"] else "no", _num(r["tflops"]), *cells])
+    out += _table(["fa2 backend", "mode", "dtype", "D", "H", "causal", "TFLOP/s",
+                   *(c for n in names for c in (n, "ratio"))], rows)
+    return out
+
+
+def _varlen_value_table(run: Run) -> list[str]:
+    """Every measured row: provider, shape, ms, TFLOP/s, peak memory."""
+    order = list(dict.fromkeys([*VARLEN_PROVIDERS, *PROVIDERS]))
+    rows = []
+    for r in sorted(run.results, key=lambda r: (MODES.index(r["mode"]), *_packed_key(r)[1:], not r["lengths"],
+                                                r["seqlen"], order.index(r["provider"]))):
+        shape = f"packed {len(r['lengths'])} seqs, {r['seqlen']} tokens" if r["lengths"] else \
+            f"dense B{r['batch']} N{r['seqlen']}"
+        rows.append([r["provider"], MODE_NAMES[r["mode"]], r["dtype"], str(r["head_dim"]), str(r["heads"]),
+                     "yes" if r["causal"] else "no", shape, f"{r['ms']:.4g}", _num(r["tflops"]),
+                     "" if r["peak_mem_gb"] is None else f"{r['peak_mem_gb']:.3g}"])
+    return _table(["provider", "mode", "dtype", "D", "H", "causal", "shape", "ms", "TFLOP/s", "peak GB"], rows)
+
+
+def _varlen_markdown(run: Run, name: str, plots: list[Path]) -> str:
+    info, emulated = run.info, run.emulated
+    gpu = info.get("gpu", run.results[0]["gpu"])
+    modes = run.modes()
+    title = " and ".join(MODE_NAMES[m] for m in modes)
+    lines = [f"# fa2 packed-batch (varlen) {title} benchmark: {'EMULATED on the CPU' if emulated else gpu}", ""]
+    if emulated:
+        lines += ["> **EMULATED.** No GPU: fa2-pytorch and SDPA on nested jagged tensors (math) on the CPU, "
+                  "fa2-triton in", "> Triton's interpreter and fa2-numba-cuda in numba's CUDA simulator, on a tiny "
+                  "batch. These times show", "> that the harness and the kernels run and agree with the reference; "
+                  "they say nothing about GPU speed.", ""]
+    packings = {json.dumps(r["varlen"], sort_keys=True): r["varlen"] for r in run.runs if r.get("varlen")}
+    batches = [f"{p['tokens']} tokens in {len(p['lengths'])} sequences of lengths "
+               f"{', '.join(map(str, p['lengths']))} (drawn uniformly from {p['low']} to {p['high']} by "
+               f"random.Random({p['seed']}), the last what is left)" for p in packings.values()] or \
+        sorted({f"lengths {', '.join(map(str, r['lengths']))}" for r in run.results if r["lengths"]})
+    bwd = "bwd" in modes
+    shapes = [
+        f"- Packed batch: {'; '.join(batches)}. q, k, v (total, H, D), standard normal; H = 2048 / D (hidden 2048; "
+        "emulated 2) unless --heads.",
+        "- FLOPs over the real (query, key) pairs, per head: Σ n² full, Σ n (n + 1) / 2 causal (causal within each "
+        "sequence); 4·H·D·pairs forward. The fa2 backends' dense reference (fa2.attention on (B, H, N, D), B = "
+        "tokens / N) is counted as the dense sweep counts it, 4·B·H·D·pairs with N² full and N²/2 causal"
+        + ("; the backward (timed alone, after one forward) 2.5 times each." if bwd else "."),
+        "- Providers: fa2's backends through `fa2.varlen_attention` (int32 cu_seqlens on the device, max_seqlen "
+        "ints); sdpa-njt, `F.scaled_dot_product_attention` on nested jagged tensors "
+        "(`torch.nested.nested_tensor_from_jagged` with min/max_seqlen, transposed to (B, H, j, D), is_causal) "
+        "under `sdpa_kernel(FLASH_ATTENTION)` on a GPU, MATH on the CPU; flex, compiled FlexAttention on "
+        "(1, H, total, D) views with a document mask (causal within each sequence) made once by "
+        "`create_block_mask`. Offsets and masks are made before timing.",
+    ]
+    lines += [
+        *_environment(run, shapes),
+        "- Correctness: before timing, each provider's O (and L where it returns one; sdpa-njt does not) is "
+        f"checked against `fa2.reference` run on each sampled row's own sequence, on {SAMPLE_ROWS} random query "
+        "rows plus every sequence's first and last, of the first and last heads (the rule of "
+        "`shared_tests/checks.py`); a provider that fails is not timed."
+        + (" The backward's dq is checked on the same rows, dk and dv for NaN and inf." if bwd else ""),
+    ]
+    lines += ["", "## Packed against dense and the alternatives", "", *varlen_tables(run)]
+    lines += ["", "## Every measurement", "", *_varlen_value_table(run)]
+    lines += ["", "## Plots", ""]
+    lines += [f"![{p.stem}]({p.name})" for p in plots] or [
+        f"None drawn (no matplotlib here): `python -m fa2.bench --report-only --name {name}` draws them."]
+    lines += ["", "## Not measured", "", f"From `{name}-skipped.csv`, grouped by reason.", "", *not_measured(run)]
+    return "\n".join(lines) + "\n"
+
+
+def _environment(run: Run, shapes: list[str]) -> list[str]:
+    """The summary's lines on the environment and the runs, then ``shapes`` (what was measured), then the
+    clock and the matmul ceilings."""
+    info = run.info
+    ceil = info.get("ceilings", {})
+    n = ceil.get("matmul_size", "?")
+    return [
+        f"- Environment: commit `{info.get('commit', '?')}`, torch {info.get('torch', '?')}, "
+        f"triton {info.get('triton') or '—'}, numba-cuda {info.get('numba_cuda') or '—'}.",
+        f"- Wall time {sum(r.get('wall_s', 0) for r in run.runs):.0f} s, from:",
+        *(f"  - `{r.get('command', '?')}`, started {r.get('started', '?')}, {r.get('wall_s', '?')} s, bf16 matmul "
+          f"{_num(r.get('ceilings', {}).get('bf16_matmul_tflops', math.nan))} TFLOP/s" for r in run.runs),
+        *shapes,
+        f"- Timing: {info.get('timing', '?')}. Peak memory: the most one call allocates beyond what was live "
+        "before it (its outputs included); not measured on the CPU.",
+        f"- Matmul ceilings ({n}³{', of the last part' if len(run.runs) > 1 else ''}): "
+        f"bf16 {_num(ceil.get('bf16_matmul_tflops', math.nan))} TFLOP/s, "
+        f"fp32 without TF32 {_num(ceil.get('fp32_matmul_tflops', math.nan))} TFLOP/s.",
+    ]
+
+
 def not_measured(run: Run) -> list[str]:
     counts = Counter((i["provider"], i["status"], i["reason"]) for i in run.issues)
     rows = [[p, status, reason, str(n)] for (p, status, reason), n in sorted(counts.items())]
@@ -219,10 +371,10 @@ def not_measured(run: Run) -> list[str]:
 
 
 def markdown(run: Run, name: str, plots: list[Path]) -> str:
+    if run.varlen:
+        return _varlen_markdown(run, name, plots)
     info, emulated = run.info, run.emulated
     gpu = info.get("gpu", run.results[0]["gpu"])
-    ceil = info.get("ceilings", {})
-    n = ceil.get("matmul_size", "?")
     modes = run.modes()
     title = " and ".join(MODE_NAMES[m] for m in modes)
     lines = [f"# fa2 {title} benchmark: {'EMULATED on the CPU' if emulated else gpu}", ""]
@@ -234,20 +386,12 @@ def markdown(run: Run, name: str, plots: list[Path]) -> str:
               "16k tokens (B = 16384 / N), hidden 2048 (H = 2048 / D) unless --heads, as in the FlashAttention-2 "
               "paper")
     lines += [
-        f"- Environment: commit `{info.get('commit', '?')}`, torch {info.get('torch', '?')}, "
-        f"triton {info.get('triton') or '—'}, numba-cuda {info.get('numba_cuda') or '—'}.",
-        f"- Wall time {sum(r.get('wall_s', 0) for r in run.runs):.0f} s, from:",
-        *(f"  - `{r.get('command', '?')}`, started {r.get('started', '?')}, {r.get('wall_s', '?')} s, bf16 matmul "
-          f"{_num(r.get('ceilings', {}).get('bf16_matmul_tflops', math.nan))} TFLOP/s" for r in run.runs),
-        f"- Shapes: {shapes}; inputs (B, H, N, D) contiguous, standard normal. "
-        "FLOPs = 4·B·H·D·pairs: N² full, N²/2 causal, with a sliding window exactly the visible (query, key) "
-        "pairs"
-        + ("; the backward (timed alone, after one forward) 2.5 times that." if "bwd" in modes else "."),
-        f"- Timing: {info.get('timing', '?')}. Peak memory: the most one call allocates beyond what was live "
-        "before it (its outputs included); not measured on the CPU.",
-        f"- Matmul ceilings ({n}³{', of the last part' if len(run.runs) > 1 else ''}): "
-        f"bf16 {_num(ceil.get('bf16_matmul_tflops', math.nan))} TFLOP/s, "
-        f"fp32 without TF32 {_num(ceil.get('fp32_matmul_tflops', math.nan))} TFLOP/s.",
+        *_environment(run, [
+            f"- Shapes: {shapes}; inputs (B, H, N, D) contiguous, standard normal. "
+            "FLOPs = 4·B·H·D·pairs: N² full, N²/2 causal, with a sliding window exactly the visible (query, key) "
+            "pairs"
+            + ("; the backward (timed alone, after one forward) 2.5 times that." if "bwd" in modes else "."),
+        ]),
         "- Correctness: before timing, each provider's O and L on each shape are checked against "
         f"`fa2.reference` with the same mask, window and softcap, on {SAMPLE_ROWS} sampled query rows of the first "
         "and last batch entries and heads (the rule of `shared_tests/checks.py`); a provider that fails is not "

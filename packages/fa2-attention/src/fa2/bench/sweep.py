@@ -21,6 +21,15 @@ Mode "bwd" (in the default ``--modes fwd,bwd``; fewer seqlens and dtypes: BWD_DE
 alone: the forward runs once on inputs that require grad (its O and L checked), then
 ``torch.autograd.grad(O, (q, k, v), dO, retain_graph=True)`` is checked (dq on the sampled rows, dk and dv
 finite) and timed like a forward call.
+
+``--varlen`` (issue 21; ``Packing``, VARLEN_DEFAULTS) sweeps packed batches instead: per (mode, dtype, D,
+causal) one packed batch, GPU: 16384 tokens in sequences of lengths drawn uniformly from [256, 4096] (the
+last one what is left), hidden 2048 (H = 2048 / D); emulated: 256 tokens, lengths 16 to 64, H = 2. The
+lengths come from ``random.Random(seed)``: the same seed, the same batch; the CSV's lengths column and the
+run's JSON record them. Its providers are ``VARLEN_PROVIDERS`` on inputs (total, H, D), checked per sequence
+(check.py), TFLOP/s over the real (query, key) pairs (Shape.pairs). Beside each packed batch, each fa2
+backend's own dense shape at N = 2048 (emulated 32), B = tokens / N, through fa2.attention as the dense
+sweep times it: the reference of issue 21's 0.95x target (``--seqlens`` chooses those N).
 """
 
 from __future__ import annotations
@@ -28,6 +37,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import random
 import statistics
 import subprocess
 import time
@@ -39,13 +49,15 @@ from pathlib import Path
 import torch
 
 from fa2.bench import check, timing
-from fa2.bench.providers import DTYPES, PROVIDERS, Provider, Shape, fa2_provider
+from fa2.bench.providers import DTYPES, PROVIDERS, VARLEN_PROVIDERS, Provider, Shape, fa2_provider
 
+# lengths: a packed batch's sequence lengths, space-separated (seqlen their total, batch their number); empty
+# for a dense shape.
 SHAPE_COLUMNS = ("provider", "mode", "dtype", "head_dim", "causal", "seqlen", "batch", "heads", "heads_k", "window",
-                 "softcap")
+                 "softcap", "lengths")
 COLUMNS = (*SHAPE_COLUMNS, "ms", "tflops", "peak_mem_gb", "gpu", "torch", "triton", "numba_cuda", "commit", "timestamp")
 ISSUE_COLUMNS = (*SHAPE_COLUMNS, "status", "reason", "timestamp")
-KEY = ("provider", "mode", "dtype", "head_dim", "causal", "seqlen", "heads_k", "window", "softcap")
+KEY = ("provider", "mode", "dtype", "head_dim", "causal", "seqlen", "heads_k", "window", "softcap", "lengths")
 MODES = ("fwd", "bwd")
 EMULATED_GPU = "cpu (emulated)"
 
@@ -77,6 +89,43 @@ EMULATOR_GAPS = {
     ("fa2-numba-cuda", "bf16"): "numba's CUDA simulator has no bfloat16 (shared_tests: EMULATOR_GAPS)",
 }
 EMULATED_BUDGET = {"fa2-triton": 1e7, "fa2-numba-cuda": 6e4}
+# --varlen, (emulated, quick): tokens, the range of the lengths, head_dims, dtypes, the dense reference N. The
+# emulated run is fp16: Triton's interpreter refuses bf16 and fa2-triton is not in the fp32 comparison.
+VARLEN_DEFAULTS = {
+    (False, False): (GPU_TOKENS, (256, 4096), (64, 128), ("bf16",), (2048,)),
+    (False, True): (GPU_TOKENS, (256, 4096), (128,), ("bf16",), (2048,)),
+    (True, False): (256, (16, 64), (16, 32), ("fp16",), (32,)),
+    (True, True): (256, (16, 64), (16,), ("fp16",), (32,)),
+}
+
+
+@dataclass(frozen=True)
+class Packing:
+    """--varlen's packed batch: ``tokens`` tokens in sequences whose lengths ``random.Random(seed)`` draws
+    uniformly from [low, high], each draw leaving at least ``low`` tokens; the last sequence is what is left
+    once that is at most ``high``, so every length lies in [low, high] and they sum to ``tokens``."""
+
+    tokens: int
+    low: int
+    high: int
+    seed: int = 0
+
+    def lengths(self) -> tuple[int, ...]:
+        # high >= 2 low - 1: what is left above high can always be split into two lengths of at least low.
+        if not 1 <= self.low <= self.high or self.tokens < self.low or (
+                self.tokens > self.high and self.high < 2 * self.low - 1):
+            raise ValueError(f"a packed batch needs 1 <= low <= high, tokens >= low and, for more than one sequence, "
+                             f"high >= 2 low - 1; got {self.tokens} tokens in lengths {self.low} to {self.high}")
+        rng, out, left = random.Random(self.seed), [], self.tokens
+        while left > self.high:
+            out.append(rng.randint(self.low, min(self.high, left - self.low)))
+            left -= out[-1]
+        return (*out, left)
+
+    def describe(self) -> dict:
+        """What run.json records of it."""
+        return {"tokens": self.tokens, "low": self.low, "high": self.high, "seed": self.seed,
+                "lengths": list(self.lengths())}
 
 
 @dataclass
@@ -106,13 +155,18 @@ class Config:
     # Mode "bwd"'s seqlens and dtypes; None: the forward's.
     bwd_seqlens: tuple[int, ...] | None = None
     bwd_dtypes: tuple[str, ...] | None = None
+    # --varlen: the packed batch of every shape; seqlens are then the N of the fa2 backends' dense reference.
+    varlen: Packing | None = None
 
     @property
     def emulated(self) -> bool:
         return self.device.type != "cuda"
 
     def shapes(self) -> list[Shape]:
-        """Every point of the sweep, the backward's after the forward's; a window only on causal shapes."""
+        """Every point of the sweep, the backward's after the forward's; a window only on causal shapes.
+        --varlen: per (mode, dtype, D, causal) the packed batch, then the dense reference shapes."""
+        if self.varlen:
+            return self._varlen_shapes()
         if any(w >= 0 for w in self.windows) and True not in self.causals:
             raise ValueError(f"--window {','.join(map(str, self.windows))} is fa2's window (W, 0) with causal=True: "
                              "give --causal yes")
@@ -142,6 +196,25 @@ class Config:
                                                          window, softcap))
         return out
 
+    def _varlen_shapes(self) -> list[Shape]:
+        if self.groups != (1,) or self.windows != (-1,) or self.softcaps != (0.0,):
+            raise ValueError("--varlen times plain attention: no --group, --window or --softcap")
+        lengths = self.varlen.lengths()
+        out = []
+        for mode in self.modes:
+            bwd = mode == "bwd"
+            dtypes = self.bwd_dtypes if bwd and self.bwd_dtypes else self.dtypes
+            seqlens = self.bwd_seqlens if bwd and self.bwd_seqlens else self.seqlens
+            for dtype in dtypes:
+                for head_dim in self.head_dims:
+                    heads = self.heads or (EMULATED_HEADS if self.emulated else max(1, GPU_HIDDEN // head_dim))
+                    for causal in self.causals:
+                        out.append(Shape(dtype, head_dim, causal, sum(lengths), len(lengths), heads, mode,
+                                         lengths=lengths))
+                        out += [Shape(dtype, head_dim, causal, n, max(1, self.varlen.tokens // n), heads, mode)
+                                for n in seqlens]
+        return out
+
     def path(self, suffix: str) -> Path:
         return self.out_dir / f"{self.name}{suffix}"
 
@@ -152,6 +225,9 @@ class Config:
 
 def skip_reason(p: Provider, shape: Shape, cfg: Config) -> str | None:
     """Why ``p`` does not run ``shape`` in this sweep (it can run on this machine at all: checked before)."""
+    if cfg.varlen and not shape.varlen and p.backend is None:
+        return ("--varlen: the dense shapes are the fa2 backends' own reference (issue 21: packed at least 0.95x "
+                "the backend's dense TFLOP/s at N = 2k)")
     if shape.mode not in p.modes:
         return f"{shape.mode}: {p.name} is timed in {', '.join(p.modes)} only"
     if shape.dtype not in p.dtypes:
@@ -159,7 +235,8 @@ def skip_reason(p: Provider, shape: Shape, cfg: Config) -> str | None:
     if cfg.emulated and (p.name, shape.dtype) in EMULATOR_GAPS:
         return EMULATOR_GAPS[p.name, shape.dtype]
     if cfg.emulated and shape.work > EMULATED_BUDGET.get(p.name, float("inf")):
-        return f"emulated: B·H·N²·D over {p.name}'s budget of {EMULATED_BUDGET[p.name]:.0e} for the CPU run"
+        work = "H·D·Σ n²" if shape.varlen else "B·H·N²·D"
+        return f"emulated: {work} over {p.name}'s budget of {EMULATED_BUDGET[p.name]:.0e} for the CPU run"
     if shape.window >= 0 and not p.windows:
         return f"window {shape.window}: {_no_option(p, 'sliding window')}"
     if shape.softcap and not p.softcaps:
@@ -265,15 +342,15 @@ class Records:
 
 
 def read_csv(path: Path) -> list[dict[str, str]]:
-    """The rows of a results or skipped CSV; those written before the heads_k, window and softcap columns
-    existed get their values (heads_k = heads, no window, no softcap)."""
+    """The rows of a results or skipped CSV; those written before the heads_k, window, softcap and lengths
+    columns existed get their values (heads_k = heads, no window, no softcap, dense)."""
     if not path.exists():
         return []
     with path.open(newline="") as f:
         rows = list(csv.DictReader(f))
     for r in rows:
         if "heads" in r:
-            for column, default in (("heads_k", r["heads"]), ("window", "-1"), ("softcap", "0")):
+            for column, default in (("heads_k", r["heads"]), ("window", "-1"), ("softcap", "0"), ("lengths", "")):
                 if not r.get(column):
                     r[column] = default
     return rows
@@ -282,7 +359,7 @@ def read_csv(path: Path) -> list[dict[str, str]]:
 def _shape_columns(provider: str, s: Shape) -> dict:
     return {"provider": provider, "mode": s.mode, "dtype": s.dtype, "head_dim": s.head_dim, "causal": s.causal,
             "seqlen": s.seqlen, "batch": s.batch, "heads": s.heads, "heads_k": s.heads_k, "window": s.window,
-            "softcap": f"{s.softcap:g}"}
+            "softcap": f"{s.softcap:g}", "lengths": " ".join(map(str, s.lengths))}
 
 
 def _key(provider: str, s: Shape) -> tuple[str, ...]:
@@ -290,9 +367,19 @@ def _key(provider: str, s: Shape) -> tuple[str, ...]:
     return tuple(str(columns[c]) for c in KEY)
 
 
+def heads_first(shape: Shape, x: torch.Tensor | None) -> torch.Tensor | None:
+    """What the check reads: a packed shape's (total, heads, ...) tensor as a (1, heads, total, ...) view, its
+    L (heads, total) as (1, heads, total); a dense shape's tensors as they are."""
+    if x is None or not shape.varlen:
+        return x
+    return x.unsqueeze(0) if x.dim() == 2 else x.transpose(0, 1).unsqueeze(0)
+
+
 def measure(p: Provider, shape: Shape, q, k, v, sample: check.Sample, device: torch.device, dO=None):
     """("ok", (call, first_s, peak_mem_gb)) or (status, reason) with status "wrong", "skipped" or "failed":
-    ``call`` runs what is timed, its first run took ``first_s``. Mode "bwd" times the backward alone, given dO."""
+    ``call`` runs what is timed, its first run took ``first_s``. Mode "bwd" times the backward alone, given dO.
+    A packed shape's q, k, v, dO and what the provider returns are (total, heads, ...) (``heads_first``)."""
+    checked = lambda *xs: [heads_first(shape, x) for x in xs]
     try:
         fn = p.build(shape, device)
         call = lambda: fn(q, k, v)
@@ -300,16 +387,16 @@ def measure(p: Provider, shape: Shape, q, k, v, sample: check.Sample, device: to
             inputs = tuple(t.detach().requires_grad_() for t in (q, k, v))
             with torch.enable_grad():
                 O, L = fn(*inputs)
-            problem = check.problem(O.detach(), L if p.returns_lse else None, q, sample)
+            problem = check.problem(*checked(O.detach(), L if p.returns_lse else None, q), sample)
             if problem:
                 return "wrong", f"forward: {problem}"
             call = lambda: torch.autograd.grad(O, inputs, dO, retain_graph=True)
             grads, first_s = timing.timed_once(call, device)
-            problem = check.grad_problem(grads, q, k, v, sample)
+            problem = check.grad_problem(checked(*grads), *checked(q, k, v), sample)
             del grads, L
         else:
             (O, L), first_s = timing.timed_once(call, device)
-            problem = check.problem(O, L if p.returns_lse else None, q, sample)
+            problem = check.problem(*checked(O, L if p.returns_lse else None, q), sample)
             del O, L
         if problem:
             return "wrong", problem
@@ -353,23 +440,28 @@ def run(cfg: Config, progress) -> None:
     env = environment(cfg.device)
     shapes = cfg.shapes()
     records = Records(cfg, shapes)
-    providers = [fa2_provider(PROVIDERS[name], cfg.fa2_entry) if PROVIDERS[name].backend else PROVIDERS[name]
-                 for name in cfg.providers]
-    unavailable = {p.name: p.unavailable(cfg.device) for p in providers}
+    # Each provider's dense and packed (--varlen) path; a name may have only one of them.
+    dense = {name: fa2_provider(PROVIDERS[name], cfg.fa2_entry) if PROVIDERS[name].backend else PROVIDERS[name]
+             for name in cfg.providers if name in PROVIDERS}
+    packed = {name: VARLEN_PROVIDERS[name] for name in cfg.providers if name in VARLEN_PROVIDERS}
+    unavailable = {name: (dense.get(name) or packed[name]).unavailable(cfg.device) for name in cfg.providers}
     earlier = read_runs(cfg.path("-run.json")) if cfg.append else []
     info = {**env, "device": str(cfg.device), "emulated": cfg.emulated, "command": cfg.command,
             "started": _now(), "timing": timing.describe(cfg.device),
             "ceilings": timing.matmul_ceilings(cfg.device)}
+    if cfg.varlen:
+        info["varlen"] = cfg.varlen.describe()
     write_runs(cfg, earlier + [info])
 
-    bar = progress(len(shapes) * len(providers))
+    bar = progress(len(shapes) * len(cfg.providers))
     with torch.no_grad():
         for shape in shapes:
             runnable = []
-            for p in providers:
-                reason = unavailable[p.name] or skip_reason(p, shape, cfg)
+            for name in cfg.providers:
+                p = (packed if shape.varlen else dense).get(name)
+                reason = unavailable[name] or (_no_path(name, shape) if p is None else skip_reason(p, shape, cfg))
                 if reason:
-                    records.issue(p.name, shape, "skipped", reason)
+                    records.issue(name, shape, "skipped", reason)
                     bar.update()
                 else:
                     runnable.append(p)
@@ -381,15 +473,25 @@ def run(cfg: Config, progress) -> None:
     records.commit()
 
 
+def _no_path(name: str, shape: Shape) -> str:
+    if shape.varlen:
+        return f"packed: {name} has no packed-batch path here (--varlen times {', '.join(VARLEN_PROVIDERS)})"
+    return f"dense: {name} is timed on packed batches only (--varlen)"
+
+
 def _measure_shape(shape: Shape, providers: list[Provider], cfg: Config, env: dict, records: Records, bar):
     seed = shape.seqlen * 7 + shape.head_dim
     torch.manual_seed(seed)
-    q, k, v = (torch.randn(shape.batch, heads, shape.seqlen, shape.head_dim, device=cfg.device,
-                           dtype=DTYPES[shape.dtype]) for heads in (shape.heads, shape.heads_k, shape.heads_k))
+    # Dense: (batch, heads, seqlen, head_dim). Packed: (total, heads, head_dim), the check on views.
+    dims = (lambda heads: (shape.seqlen, heads, shape.head_dim)) if shape.varlen else \
+        (lambda heads: (shape.batch, heads, shape.seqlen, shape.head_dim))
+    q, k, v = (torch.randn(*dims(heads), device=cfg.device, dtype=DTYPES[shape.dtype])
+               for heads in (shape.heads, shape.heads_k, shape.heads_k))
     dO = torch.randn_like(q) if shape.mode == "bwd" else None
     try:
-        sample = check.reference_sample(q, k, v, shape.causal, seed, dO, window=shape.window_pair,
-                                        softcap=shape.softcap)
+        sample = check.reference_sample(*(heads_first(shape, x) for x in (q, k, v)), shape.causal, seed,
+                                        heads_first(shape, dO), window=shape.window_pair, softcap=shape.softcap,
+                                        lengths=shape.lengths)
     except Exception as e:
         for p in providers:
             records.issue(p.name, shape, "failed", f"the reference check could not run: {_reason(e)}")
