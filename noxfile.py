@@ -106,7 +106,8 @@ def flash_attn_suite(session: nox.Session, backend: str) -> None:
 def bench(session: nox.Session) -> None:
     """The side-by-side benchmark of every backend against SDPA and FlexAttention (python -m fa2.bench).
     With a GPU: the full sweep into docs/benchmarks/<gpu>.*; without one: emulated, tiny shapes, into
-    docs/benchmarks/cpu-emulated.*. Arguments after -- go to fa2.bench, e.g. -- --quick."""
+    docs/benchmarks/cpu-emulated.*. Arguments after -- go to fa2.bench, e.g. -- --quick, or -- --varlen for
+    the packed batches of issue 21 (<name>-varlen.*)."""
     install(session, BACKENDS, "bench")
     session.run("python", "-m", "fa2.bench", *session.posargs, env=emulation_env())
 
