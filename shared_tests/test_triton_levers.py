@@ -7,14 +7,17 @@ bf16 ``tl.dot`` wrong), on a GPU natively, where the warp-specialised loop must 
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import math
 
 import pytest
 import torch
 
 fa2_triton = pytest.importorskip("fa2_triton")
-from checks import assert_matches_reference, random_qkv  # noqa: E402
-from fa2_triton import forward  # noqa: E402
+from checks import assert_matches_reference, max_err, random_qkv  # noqa: E402
+from fa2 import reference  # noqa: E402
+from fa2_triton import backward, forward  # noqa: E402
 from fa2.spec import AttentionSpec  # noqa: E402
 from fa2_triton.forward import Tiles  # noqa: E402
 
@@ -189,3 +192,81 @@ def test_tuner_searches_both_loads_and_each_warp_specialised_tiling_once():
     assert [t.tma for t in tune.base_candidates(ptr_only, causal=True)] == [False]
     with pytest.raises(SystemExit):
         tune.parse_args(["--loads", "tma,cp.async"])
+
+
+# A packed batch whose sequences end inside tiles, are empty or of one row, and have Nq != Nk both ways.
+VARLEN_Q, VARLEN_K = [70, 0, 128, 1, 200], [70, 5, 128, 1, 150]
+VARLEN_LEVERS = ["pointers", "descriptors", "grid_order_1", "grid_order_2", "lazy_rescale", "warp_specialize"]
+
+
+def _packed(dtype, device, heads, heads_k, head_dim, seed):
+    """(q, k, v) as the backends get a packed batch, (1, heads, total, head_dim) views of (total, heads,
+    head_dim) tensors, and the offsets."""
+    q, k, v = random_qkv((sum(VARLEN_Q), heads, head_dim), (sum(VARLEN_K), heads_k, head_dim), dtype, device, seed)
+    offsets = lambda lens: torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32, device=device)
+    return *(x.transpose(0, 1).unsqueeze(0) for x in (q, k, v)), offsets(VARLEN_Q), offsets(VARLEN_K)
+
+
+def _varlen_spec(causal, head_dim, cu_q, cu_k, heads, heads_k, features, device):
+    f = dict(features)
+    if f.pop("alibi", None):
+        g = torch.Generator().manual_seed(1)
+        f["alibi_slopes"] = (torch.rand(len(VARLEN_Q), heads, generator=g) * 0.2).to(device)
+    spec = _spec(causal, head_dim**-0.5, **f)
+    return dataclasses.replace(spec, group=heads // heads_k, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                               max_seqlen_q=max(VARLEN_Q), max_seqlen_k=max(VARLEN_K)), f
+
+
+def _per_sequence(cu_q, cu_k, f):
+    """(query rows, key rows, that sequence's reference options) of each sequence."""
+    starts_q, starts_k = cu_q.tolist(), cu_k.tolist()
+    for s in range(len(starts_q) - 1):
+        slopes = f.get("alibi_slopes")
+        yield (slice(starts_q[s], starts_q[s + 1]), slice(starts_k[s], starts_k[s + 1]),
+               dict(f, alibi_slopes=None if slopes is None else slopes[s]))
+
+
+@pytest.mark.parametrize("feature", ["none", *FEATURES], ids=str)
+@pytest.mark.parametrize("lever", VARLEN_LEVERS, ids=str)
+def test_varlen_lever_matches_reference(native_or_interpreted, device, lever, feature):
+    """A packed batch on every lever's path (descriptors and the warp-specialised loop are not taken for
+    packed batches: a descriptor's bounds are the tensor's, not a sequence's), into NaN-poisoned outputs,
+    each sequence against its own fp64 reference."""
+    causal = feature.startswith("causal")
+    q, k, v, cu_q, cu_k = _packed(torch.float16, device, 4, 2, 64, seed=11)
+    spec, f = _varlen_spec(causal, 64, cu_q, cu_k, 4, 2, FEATURES.get(feature, {}), device)
+    O = torch.full_like(q, math.nan)
+    L = torch.full(q.shape[:-1], math.nan, device=device)
+    forward._launch(q, k, v, O, L, spec, LEVERS[lever])
+    for rows, keys, own in _per_sequence(cu_q, cu_k, f):
+        assert_matches_reference(O[:, :, rows], L[:, :, rows], q[:, :, rows], k[:, :, keys], v[:, :, keys],
+                                 causal, **own)
+
+
+@pytest.mark.parametrize("feature", ["none", *FEATURES], ids=str)
+@pytest.mark.parametrize("deterministic", [True, False], ids=["dq_kernel", "atomic_dq"])
+def test_varlen_backward_matches_reference(native_or_interpreted, device, deterministic, feature):
+    """Both backward schedules on a packed batch (the atomic one adds a sequence's last query tile's zeros
+    into the next sequence's rows): gradients per sequence against the fp64 reference's, within the
+    error of the same-precision naive attention (test_gradients' rule)."""
+    causal = feature.startswith("causal")
+    q, k, v, cu_q, cu_k = _packed(torch.float16, device, 4, 2, 64, seed=12)
+    spec, f = _varlen_spec(causal, 64, cu_q, cu_k, 4, 2, FEATURES.get(feature, {}), device)
+    O, L = forward.flash_attn_forward(q, k, v, spec)
+    dO = torch.randn(q.shape, generator=torch.Generator().manual_seed(2)).to(device=device, dtype=q.dtype)
+    dq, dk, dv = backward.flash_attn_backward(q, k, v, O, L, dO, spec, deterministic=deterministic)
+    got = [torch.zeros_like(dq, dtype=torch.float64), torch.zeros_like(dk, dtype=torch.float64),
+           torch.zeros_like(dv, dtype=torch.float64)]
+    naive = [torch.zeros_like(g) for g in got]
+    for rows, keys, own in _per_sequence(cu_q, cu_k, f):
+        for out, upcast in ((got, True), (naive, False)):
+            x = [t[:, :, r].detach() for t, r in ((q, rows), (k, keys), (v, keys))]
+            x = [t.double().requires_grad_() if upcast else t.clone().requires_grad_() for t in x]
+            O_ref, _ = reference.attention(*x, causal, upcast=upcast, **own)
+            for g, r, gr in zip(out, (rows, keys, keys), torch.autograd.grad(O_ref, x, dO[:, :, rows].to(O_ref.dtype))):
+                g[:, :, r] = gr.double()
+    for name, g, r, n in zip(("dq", "dk", "dv"), (dq, dk, dv), got, naive):
+        assert not torch.isnan(g).any(), f"NaN in {name}"
+        tol = 3 * max_err(n, r) + 2 * max_err(r.to(g.dtype), r)
+        err = max_err(g, r)
+        assert err <= tol, f"max |{name} - ref| = {err:.3g} > tolerance {tol:.3g}"

@@ -160,7 +160,8 @@ def varlen_attention(
         alibi_slopes: None, or float32 (heads,) or (num_seqs, heads) on q's device; the distance is each
             sequence's own, |i + Nk_s - Nq_s - j|.
         backend: as fa2.attention. fa2-pytorch reads the offsets (one device sync a call) and runs each
-            sequence; a backend without a packed path raises NotImplementedError.
+            sequence; fa2-triton runs the whole batch in one launch of each kernel, the offsets read on the
+            device; a backend without a packed path raises NotImplementedError.
 
     Returns:
         AttentionOutput(O, L): O (total_q, heads, head_dim), q's dtype (a view of a (heads, total_q,
@@ -170,8 +171,10 @@ def varlen_attention(
     Checked, at the cost of one device sync (the offsets' first and last entries): that cu_seqlens_q and
     cu_seqlens_k start at 0 and end at total_q and total_k. Not checked (a sync over every entry): that the
     offsets never decrease and that no sequence is longer than max_seqlen_q / max_seqlen_k. fa2-pytorch,
-    which reads every offset anyway, refuses decreasing ones (ValueError); a kernel sized by max_seqlen
-    would leave the rows past it unwritten.
+    which reads every offset anyway, refuses decreasing ones (ValueError); the GPU backends' kernels, sized
+    by max_seqlen and reading the offsets themselves, skip a sequence whose offsets decrease, write rows
+    that two sequences claim twice, leave a sequence's rows past max_seqlen_q unwritten, and address
+    memory outside the tensors for middle offsets outside [0, total].
 
     Raises:
         ValueError / TypeError: as fa2.attention, and for offsets of the wrong dtype, rank, device, length

@@ -60,7 +60,7 @@ import triton.language as tl
 from fa2.spec import AttentionSpec
 
 from fa2_triton.forward import (
-    DTYPE_CLASS, MAX_HEAD_DIM, _check_device, _check_not_varlen, _load_tile, _tanh, _tiles_in_window, group_size,
+    DTYPE_CLASS, MAX_HEAD_DIM, _check_device, _load_tile, _sequence, _tanh, _tiles_in_window, group_size, packed,
     score_args,
 )
 from fa2_triton.launch import launch, on_device
@@ -154,7 +154,8 @@ def _attn_bwd_dkdv_inner(
 
 @triton.jit
 def _attn_bwd_dkdv(
-    Q, K, V, dO, L, Delta, dK, dV, dQ_acc, Slopes, scale, qk_scale, cap_scale, window_left, window_right,
+    Q, K, V, dO, L, Delta, dK, dV, dQ_acc, Slopes, Cu_q, Cu_k, scale, qk_scale, cap_scale, window_left,
+    window_right,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -162,16 +163,18 @@ def _attn_bwd_dkdv(
     stride_lb, stride_lh, stride_lm,
     stride_dkb, stride_dkh, stride_dkn, stride_dkd,
     stride_dvb, stride_dvh, stride_dvn, stride_dvd,
-    stride_sb, stride_sh,
+    stride_sb, stride_sh, stride_delta, stride_dq_acc,
     H, GROUP, N_Q, N_K, head_dim,
     WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-    EVEN_D: tl.constexpr, ATOMIC_DQ: tl.constexpr,
+    EVEN_D: tl.constexpr, ATOMIC_DQ: tl.constexpr, VARLEN: tl.constexpr,
 ):
-    """Q, dO: (B, H, N_Q, D); K, V, dK, dV: (B, H // GROUP, N_K, D); L: (B, H, N_Q); Delta: (B·H, N_Q).
-    dQ_acc: with ATOMIC_DQ, a zeroed fp32 (B·H, cdiv(N_Q, BLOCK_M) · BLOCK_M, HEAD_DIM) accumulator. GROUP:
-    query heads per key/value head, a runtime int as in the forward. The window, softcap and ALiBi
-    arguments as the forward's (``_attn_fwd``), Slopes (B, H) per query head."""
+    """Q, dO: (B, H, N_Q, D); K, V, dK, dV: (B, H // GROUP, N_K, D); L: (B, H, N_Q); Delta: (B·H, N_Q) at row
+    stride stride_delta. dQ_acc: with ATOMIC_DQ, a zeroed fp32 (B·H, cdiv(N_Q, BLOCK_M) · BLOCK_M, HEAD_DIM)
+    accumulator (stride_dq_acc elements a row of B·H). GROUP: query heads per key/value head, a runtime int
+    as in the forward. The window, softcap and ALiBi arguments as the forward's (``_attn_fwd``), Slopes (B,
+    H) per query head. VARLEN: a packed batch as in the forward (B = 1 in the tensors, the sequences' rows
+    from Cu_q and Cu_k; N_Q and N_K the longest lengths), dQ_acc then (H, total_q + BLOCK_M, HEAD_DIM)."""
     # One program per (key tile, batch·key/value head), flattened to one grid axis, key tiles fastest; under
     # causal the first key tiles are seen by the most query rows, so the longest programs start first.
     pid = tl.program_id(0)
@@ -181,6 +184,20 @@ def _attn_bwd_dkdv(
     off_b = off_bhk // H_K
     off_hk = off_bhk % H_K
     start_n = (pid % num_n_tiles) * BLOCK_N
+    # A packed batch: off_b is a sequence, and every length below is that sequence's own.
+    off_bt, q_start, k_start, N_Q, N_K = _sequence(Cu_q, Cu_k, off_b, N_Q, N_K, VARLEN)
+    if VARLEN:
+        if start_n >= N_K:
+            return
+        Q += q_start * stride_qm
+        dO += q_start * stride_dom
+        L += q_start * stride_lm
+        Delta += q_start
+        dQ_acc += q_start * HEAD_DIM
+        K += k_start * stride_kn
+        V += k_start * stride_vn
+        dK += k_start * stride_dkn
+        dV += k_start * stride_dvn
     # Key j is visible to query i iff i + diag - window_left <= j <= i + diag + window_right.
     diag = N_K - N_Q
     diag_left = diag - window_left
@@ -193,9 +210,9 @@ def _attn_bwd_dkdv(
     offs_m64 = offs_m.to(tl.int64)
     offs_n64 = offs_n.to(tl.int64)
     offs_d64 = offs_d.to(tl.int64)
-    k_ptrs = (K + off_b * stride_kb + off_hk * stride_kh
+    k_ptrs = (K + off_bt * stride_kb + off_hk * stride_kh
               + offs_n64[:, None] * stride_kn + offs_d64[None, :] * stride_kd)
-    v_ptrs = (V + off_b * stride_vb + off_hk * stride_vh
+    v_ptrs = (V + off_bt * stride_vb + off_hk * stride_vh
               + offs_n64[:, None] * stride_vn + offs_d64[None, :] * stride_vd)
 
     k = _load_tile(k_ptrs, offs_n, N_K, offs_d, head_dim, True, EVEN_D)  # [BLOCK_N, HEAD_DIM]
@@ -216,18 +233,17 @@ def _attn_bwd_dkdv(
     # this key tile's dk and dv in registers: dK and dV of a key/value head are sums over its query heads.
     for g in range(GROUP):
         off_h = off_hk * GROUP + g
-        off_bh = off_b * H + off_h
+        off_bh = off_bt * H + off_h
         alibi = 0.0
         if ALIBI:
             alibi = tl.load(Slopes + off_b * stride_sb + off_h * stride_sh) * 1.4426950408889634
-        q_ptrs = (Q + off_b * stride_qb + off_h * stride_qh
+        q_ptrs = (Q + off_bt * stride_qb + off_h * stride_qh
                   + offs_m64[:, None] * stride_qm + offs_d64[None, :] * stride_qd)
-        do_ptrs = (dO + off_b * stride_dob + off_h * stride_doh
+        do_ptrs = (dO + off_bt * stride_dob + off_h * stride_doh
                    + offs_m64[:, None] * stride_dom + offs_d64[None, :] * stride_dod)
-        l_ptrs = L + off_b * stride_lb + off_h * stride_lh + offs_m64 * stride_lm
-        delta_ptrs = Delta + off_bh * N_Q + offs_m
-        dq_acc_ptrs = (dQ_acc + off_bh * tl.cdiv(N_Q, BLOCK_M) * BLOCK_M * HEAD_DIM
-                       + offs_m64[:, None] * HEAD_DIM + offs_d64[None, :])
+        l_ptrs = L + off_bt * stride_lb + off_h * stride_lh + offs_m64 * stride_lm
+        delta_ptrs = Delta + off_bh * stride_delta + offs_m
+        dq_acc_ptrs = dQ_acc + off_bh * stride_dq_acc + offs_m64[:, None] * HEAD_DIM + offs_d64[None, :]
         dk, dv = _attn_bwd_dkdv_inner(
             dk, dv, k, v, q_ptrs, do_ptrs, l_ptrs, delta_ptrs, dq_acc_ptrs, stride_qm, stride_dom, stride_lm,
             offs_m, offs_n, offs_d, head_dim, N_Q, diag, diag_left, diag_right, qk_scale, cap_scale, alibi,
@@ -252,9 +268,9 @@ def _attn_bwd_dkdv(
     mask = offs_n[:, None] < N_K
     if not EVEN_D:
         mask = mask & (offs_d[None, :] < head_dim)
-    dk_ptrs = (dK + off_b * stride_dkb + off_hk * stride_dkh
+    dk_ptrs = (dK + off_bt * stride_dkb + off_hk * stride_dkh
                + offs_n64[:, None] * stride_dkn + offs_d64[None, :] * stride_dkd)
-    dv_ptrs = (dV + off_b * stride_dvb + off_hk * stride_dvh
+    dv_ptrs = (dV + off_bt * stride_dvb + off_hk * stride_dvh
                + offs_n64[:, None] * stride_dvn + offs_d64[None, :] * stride_dvd)
     tl.store(dk_ptrs, dk.to(dK.dtype.element_ty), mask=mask)
     tl.store(dv_ptrs, dv.to(dV.dtype.element_ty), mask=mask)
@@ -304,21 +320,21 @@ def _attn_bwd_dq_inner(
 
 @triton.jit
 def _attn_bwd_dq(
-    Q, K, V, dO, L, Delta, dQ, Slopes, scale, qk_scale, cap_scale, window_left, window_right,
+    Q, K, V, dO, L, Delta, dQ, Slopes, Cu_q, Cu_k, scale, qk_scale, cap_scale, window_left, window_right,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_dob, stride_doh, stride_dom, stride_dod,
     stride_lb, stride_lh, stride_lm,
     stride_dqb, stride_dqh, stride_dqm, stride_dqd,
-    stride_sb, stride_sh,
+    stride_sb, stride_sh, stride_delta,
     H, GROUP, N_Q, N_K, head_dim,
     WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-    EVEN_D: tl.constexpr,
+    EVEN_D: tl.constexpr, VARLEN: tl.constexpr,
 ):
-    """Q, dO, dQ: (B, H, N_Q, D); K, V: (B, H // GROUP, N_K, D); L: (B, H, N_Q); Delta: (B·H, N_Q). The
-    window, softcap and ALiBi arguments as the forward's (``_attn_fwd``)."""
+    """Q, dO, dQ: (B, H, N_Q, D); K, V: (B, H // GROUP, N_K, D); L: (B, H, N_Q); Delta: (B·H, N_Q) at row
+    stride stride_delta. The window, softcap, ALiBi and VARLEN arguments as the forward's (``_attn_fwd``)."""
     # One program per (query tile, batch·head), flattened to one grid axis, query tiles fastest and last
     # first: under causal the last query tiles see the most keys, so the longest programs start first.
     pid = tl.program_id(0)
@@ -329,6 +345,19 @@ def _attn_bwd_dq(
     # Grouped-query attention: the query heads h of one group share key/value head h // GROUP.
     off_hk = off_h // GROUP
     start_m = (num_m_tiles - 1 - pid % num_m_tiles) * BLOCK_M
+    # A packed batch: off_b is a sequence, and every length below is that sequence's own.
+    off_bt, q_start, k_start, N_Q, N_K = _sequence(Cu_q, Cu_k, off_b, N_Q, N_K, VARLEN)
+    if VARLEN:
+        if start_m >= N_Q:
+            return
+        Q += q_start * stride_qm
+        dO += q_start * stride_dom
+        dQ += q_start * stride_dqm
+        L += q_start * stride_lm
+        Delta += q_start
+        K += k_start * stride_kn
+        V += k_start * stride_vn
+    off_bh = off_bt * H + off_h
     # Key j is visible to query i iff i + diag - window_left <= j <= i + diag + window_right.
     diag = N_K - N_Q
     diag_left = diag - window_left
@@ -341,21 +370,21 @@ def _attn_bwd_dq(
     offs_m64 = offs_m.to(tl.int64)
     offs_n64 = offs_n.to(tl.int64)
     offs_d64 = offs_d.to(tl.int64)
-    q_ptrs = (Q + off_b * stride_qb + off_h * stride_qh
+    q_ptrs = (Q + off_bt * stride_qb + off_h * stride_qh
               + offs_m64[:, None] * stride_qm + offs_d64[None, :] * stride_qd)
-    do_ptrs = (dO + off_b * stride_dob + off_h * stride_doh
+    do_ptrs = (dO + off_bt * stride_dob + off_h * stride_doh
                + offs_m64[:, None] * stride_dom + offs_d64[None, :] * stride_dod)
-    k_ptrs = (K + off_b * stride_kb + off_hk * stride_kh
+    k_ptrs = (K + off_bt * stride_kb + off_hk * stride_kh
               + offs_n64[:, None] * stride_kn + offs_d64[None, :] * stride_kd)
-    v_ptrs = (V + off_b * stride_vb + off_hk * stride_vh
+    v_ptrs = (V + off_bt * stride_vb + off_hk * stride_vh
               + offs_n64[:, None] * stride_vn + offs_d64[None, :] * stride_vd)
 
     q = _load_tile(q_ptrs, offs_m, N_Q, offs_d, head_dim, True, EVEN_D)  # [BLOCK_M, HEAD_DIM]
     do = _load_tile(do_ptrs, offs_m, N_Q, offs_d, head_dim, True, EVEN_D)  # [BLOCK_M, HEAD_DIM]
     # Rows past seqlen_q: L = +inf makes their P zero. L in log2 units, as the scores.
-    lse = tl.load(L + off_b * stride_lb + off_h * stride_lh + offs_m64 * stride_lm, mask=offs_m < N_Q,
+    lse = tl.load(L + off_bt * stride_lb + off_h * stride_lh + offs_m64 * stride_lm, mask=offs_m < N_Q,
                   other=float("inf")) * 1.4426950408889634
-    delta = tl.load(Delta + off_bh * N_Q + offs_m, mask=offs_m < N_Q, other=0.0)
+    delta = tl.load(Delta + off_bh * stride_delta + offs_m, mask=offs_m < N_Q, other=0.0)
     dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
 
     alibi = 0.0
@@ -391,7 +420,7 @@ def _attn_bwd_dq(
     mask = offs_m[:, None] < N_Q
     if not EVEN_D:
         mask = mask & (offs_d[None, :] < head_dim)
-    dq_ptrs = (dQ + off_b * stride_dqb + off_h * stride_dqh
+    dq_ptrs = (dQ + off_bt * stride_dqb + off_h * stride_dqh
                + offs_m64[:, None] * stride_dqm + offs_d64[None, :] * stride_dqd)
     tl.store(dq_ptrs, dq.to(dQ.dtype.element_ty), mask=mask)
 
@@ -526,7 +555,6 @@ def flash_attn_backward(
     batch, heads, seqlen_q, head_dim = q.shape
     seqlen_k = k.shape[2]
     _check_device(q)
-    _check_not_varlen(spec)
     if head_dim % 8 or not 8 <= head_dim <= MAX_HEAD_DIM:
         raise NotImplementedError(
             f"fa2-triton supports head_dim a multiple of 8 from 8 to {MAX_HEAD_DIM}, got {head_dim}"
@@ -534,7 +562,7 @@ def flash_attn_backward(
 
     dk = torch.empty(k.shape, device=k.device, dtype=k.dtype)
     dv = torch.empty(v.shape, device=v.device, dtype=v.dtype)
-    tiles = tiles or bwd_tiles_for(head_dim, q.dtype, spec.masked, seqlen_k)
+    tiles = tiles or bwd_tiles_for(head_dim, q.dtype, spec.masked, spec.max_seqlen_k if spec.varlen else seqlen_k)
     with on_device(q.device):
         delta = launch_preprocess(O, dO)
         if deterministic:
@@ -542,9 +570,13 @@ def flash_attn_backward(
             launch_dq(q, k, v, dO, L, delta, dq, spec, tiles.dq)
             launch_dkdv(q, k, v, dO, L, delta, dk, dv, None, spec, tiles.dkdv)
         else:
-            # Padded to whole query tiles and to HEAD_DIM, so the atomic adds need no mask.
+            # Padded to whole query tiles and to HEAD_DIM, so the atomic adds need no mask (a packed batch's
+            # last tile of a sequence adds zeros into the next one's rows, its last one into the padding).
             HEAD_DIM = max(16, triton.next_power_of_2(head_dim))
-            padded_q = triton.cdiv(seqlen_q, tiles.dkdv.block_m) * tiles.dkdv.block_m
+            if spec.varlen:
+                padded_q = seqlen_q + tiles.dkdv.block_m
+            else:
+                padded_q = triton.cdiv(seqlen_q, tiles.dkdv.block_m) * tiles.dkdv.block_m
             dq_acc = torch.zeros(batch, heads, padded_q, HEAD_DIM, device=q.device, dtype=torch.float32)
             launch_dkdv(q, k, v, dO, L, delta, dk, dv, dq_acc, spec, tiles.dkdv)
             dq = (dq_acc[:, :, :seqlen_q, :head_dim] * spec.scale).to(q.dtype)
@@ -576,17 +608,19 @@ def launch_dq(q, k, v, dO, L, delta, dq, spec: AttentionSpec, t: KernelTiles):
     """The dQ kernel into dq (written in full)."""
     batch, heads, seqlen_q, head_dim = q.shape
     HEAD_DIM = max(16, triton.next_power_of_2(head_dim))
+    batch, seqlen_q, seqlen_k, cu_q, cu_k = packed(spec, batch, seqlen_q, k.shape[2], L)
     if not (batch * heads and seqlen_q):
         return None
     a = score_args(spec, q.dtype)
     return launch(
         _attn_bwd_dq, triton.cdiv(seqlen_q, t.block_m) * batch * heads,
-        (q, k, v, dO, L, delta, dq, L if a.slopes is None else a.slopes,
+        (q, k, v, dO, L, delta, dq, L if a.slopes is None else a.slopes, cu_q, cu_k,
          spec.scale, a.qk_scale, a.cap_scale, a.window_left, a.window_right,
          *q.stride(), *k.stride(), *v.stride(), *dO.stride(), *L.stride(), *dq.stride(), *a.slope_strides,
-         heads, group_size(q, k), seqlen_q, k.shape[2], head_dim),
+         delta.stride(1), heads, group_size(q, k), seqlen_q, seqlen_k, head_dim),
         dict(WINDOW_LEFT=a.WINDOW_LEFT, WINDOW_RIGHT=a.WINDOW_RIGHT, SOFTCAP=a.SOFTCAP, ALIBI=a.ALIBI,
-             BLOCK_M=t.block_m, BLOCK_N=t.block_n, HEAD_DIM=HEAD_DIM, EVEN_D=HEAD_DIM == head_dim),
+             BLOCK_M=t.block_m, BLOCK_N=t.block_n, HEAD_DIM=HEAD_DIM, EVEN_D=HEAD_DIM == head_dim,
+             VARLEN=spec.varlen),
         dict(num_warps=t.num_warps, num_stages=t.num_stages),
     )
 
@@ -599,6 +633,8 @@ def launch_dkdv(q, k, v, dO, L, delta, dk, dv, dq_acc, spec: AttentionSpec, t: K
     heads_k, seqlen_k = k.shape[1], k.shape[2]
     group = group_size(q, k)
     HEAD_DIM = max(16, triton.next_power_of_2(head_dim))
+    dq_acc_stride = 0 if dq_acc is None else dq_acc.stride(1)
+    batch, seqlen_q, seqlen_k, cu_q, cu_k = packed(spec, batch, seqlen_q, seqlen_k, L)
     if not (batch * heads_k and seqlen_k):
         return None
     if not heads:
@@ -610,11 +646,11 @@ def launch_dkdv(q, k, v, dO, L, delta, dk, dv, dq_acc, spec: AttentionSpec, t: K
     return launch(
         _attn_bwd_dkdv, triton.cdiv(seqlen_k, t.block_n) * batch * heads_k,
         (q, k, v, dO, L, delta, dk, dv, delta if dq_acc is None else dq_acc, L if a.slopes is None else a.slopes,
-         spec.scale, a.qk_scale, a.cap_scale, a.window_left, a.window_right,
+         cu_q, cu_k, spec.scale, a.qk_scale, a.cap_scale, a.window_left, a.window_right,
          *q.stride(), *k.stride(), *v.stride(), *dO.stride(), *L.stride(), *dk.stride(), *dv.stride(),
-         *a.slope_strides, heads, group, seqlen_q, seqlen_k, head_dim),
+         *a.slope_strides, delta.stride(1), dq_acc_stride, heads, group, seqlen_q, seqlen_k, head_dim),
         dict(WINDOW_LEFT=a.WINDOW_LEFT, WINDOW_RIGHT=a.WINDOW_RIGHT, SOFTCAP=a.SOFTCAP, ALIBI=a.ALIBI,
              BLOCK_M=t.block_m, BLOCK_N=t.block_n, HEAD_DIM=HEAD_DIM,
-             EVEN_D=HEAD_DIM == head_dim, ATOMIC_DQ=dq_acc is not None),
+             EVEN_D=HEAD_DIM == head_dim, ATOMIC_DQ=dq_acc is not None, VARLEN=spec.varlen),
         dict(num_warps=t.num_warps, num_stages=t.num_stages),
     )

@@ -39,6 +39,14 @@ The softcap is applied to the natural-scale score s = scale · q·k in fp32, sof
 log2(e) is folded in: qk_scale = softcap · log2(e) plays the part scale · log2(e) plays without it. ALiBi
 subtracts slope · |i + diag - j| (times log2(e)) from the capped score before the mask.
 
+Packed batches (``spec.varlen``: flash-attn's varlen layout) run in the same kernel, one launch: VARLEN makes
+the batch axis of the grid the sequences and the query-tile axis cdiv(max_seqlen_q, BLOCK_M) long; each
+program reads its sequence's offsets from cu_seqlens_q and cu_seqlens_k, moves its base pointers to the
+sequence's first rows and from there runs exactly the dense program with that sequence's seqlen_q and
+seqlen_k (``_sequence``), so windows, causal alignment, ALiBi and the tile skipping are each sequence's own;
+programs whose tile starts past their sequence's end return at once. Nothing is padded and nothing syncs.
+They take pointer loads: a descriptor's bounds are the packed tensor's, so its tiles would cross sequences.
+
 Three ways to reach memory, one kernel (chosen on the host). USE_TMA: tensor descriptors (TMA on Hopper)
 over q's and O's (B, H, N, D) and k's and v's (B, H_K, N, D) with blocks [1, 1, BLOCK, HEAD_DIM], where
 ``tma_layout`` holds (unit stride along head_dim, 16-byte aligned strides and data, head_dim a power of two
@@ -171,6 +179,21 @@ def _tiles_in_window(start, end, n_other, diag, window_left, window_right, BLOCK
 
 
 @triton.jit
+def _sequence(Cu_q, Cu_k, off_b, N_Q, N_K, VARLEN: tl.constexpr):
+    """(batch index into the tensors, first query row, first key row, seqlen_q, seqlen_k) of batch entry
+    off_b. VARLEN: off_b is a sequence of the packed batch, whose queries are rows [Cu_q[off_b],
+    Cu_q[off_b + 1]) of the single batch entry of q (keys likewise from Cu_k); N_Q and N_K, the longest
+    sequence's lengths, only sized the grid. Otherwise the dense batch entry off_b, from row 0."""
+    if VARLEN:
+        q_start = tl.load(Cu_q + off_b)
+        k_start = tl.load(Cu_k + off_b)
+        return 0, q_start.to(tl.int64), k_start.to(tl.int64), tl.load(Cu_q + off_b + 1) - q_start, \
+            tl.load(Cu_k + off_b + 1) - k_start
+    else:
+        return off_b, 0, 0, N_Q, N_K
+
+
+@triton.jit
 def _attn_fwd_inner(
     acc, l_i, m_i, q,
     k_src, v_src, stride_kn, stride_vn, off_b, off_hk, kv_row,
@@ -271,7 +294,7 @@ def _attn_fwd_inner(
 
 @triton.jit
 def _attn_fwd(
-    Q, K, V, O, L, Slopes, qk_scale, cap_scale, alibi_scale, window_left, window_right,
+    Q, K, V, O, L, Slopes, Cu_q, Cu_k, qk_scale, cap_scale, alibi_scale, window_left, window_right,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -282,7 +305,7 @@ def _attn_fwd(
     WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
     EVEN_D: tl.constexpr, USE_TMA: tl.constexpr, FUSED_EXP2: tl.constexpr, LAZY_RESCALE: tl.constexpr,
-    GRID_ORDER: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+    GRID_ORDER: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, VARLEN: tl.constexpr,
 ):
     """Q, K, V, O: pointers, or with USE_TMA tensor descriptors of blocks [1, 1, BLOCK, HEAD_DIM], Q's and O's
     over (B, H, N_Q, D), K's and V's over (B, H // GROUP, N_K, D) (their strides are then unused).
@@ -294,7 +317,10 @@ def _attn_fwd(
     (SOFTCAP_EXP2 or SOFTCAP_APPROX, see ``_tanh``): cap_scale = scale / softcap (· 2·log2(e) for
     SOFTCAP_EXP2), qk_scale = softcap · log2(e). ALIBI: Slopes (B, H) float32 at
     strides (stride_sb, stride_sh), each program's slope times alibi_scale (log2(e), over qk_scale with
-    FUSED_EXP2)."""
+    FUSED_EXP2). VARLEN (pointer loads only): a packed batch, Q, O (1, H, total_q, D), K, V (1, H // GROUP,
+    total_k, D), L (1, H, total_q), sequence b's rows [Cu_q[b], Cu_q[b + 1]) and [Cu_k[b], Cu_k[b + 1]),
+    int32 offsets; N_Q and N_K are then the longest sequence's lengths, the batch the sequences, Slopes
+    (num_seqs, H); programs whose query tile starts past their sequence's end return at once."""
     # One program per (query tile, batch·head), flattened to one grid axis; GRID_ORDER picks the order.
     pid = tl.program_id(0)
     num_m_tiles = tl.cdiv(N_Q, BLOCK_M)
@@ -312,6 +338,18 @@ def _attn_fwd(
     off_b = off_bh // H
     off_h = off_bh % H
     start_m = tile_m * BLOCK_M
+    # side-by-side: varlen
+    # A packed batch: off_b is a sequence, and every length below is that sequence's own.
+    off_bt, q_start, k_start, N_Q, N_K = _sequence(Cu_q, Cu_k, off_b, N_Q, N_K, VARLEN)
+    if VARLEN:
+        if start_m >= N_Q:
+            return
+        Q += q_start * stride_qm
+        O += q_start * stride_om
+        L += q_start * stride_lm
+        K += k_start * stride_kn
+        V += k_start * stride_vn
+    # side-by-side: end
     # side-by-side: group
     # Grouped-query attention: the query heads h of one group share key/value head h // GROUP.
     off_hk = off_h // GROUP
@@ -341,7 +379,7 @@ def _attn_fwd(
         v_src = V
     else:
         # 64-bit offsets, as B·H·N·D can pass 2^31 elements; the key loop adds start_n · stride in 64 bits.
-        off_b64 = off_b.to(tl.int64)
+        off_b64 = tl.cast(off_bt, tl.int64)
         off_h64 = off_h.to(tl.int64)
         off_hk64 = off_hk.to(tl.int64)
         offs_m64 = offs_m.to(tl.int64)
@@ -412,7 +450,7 @@ def _attn_fwd(
     # m_i + log2(l_i) is the log2-domain logsumexp; times ln(2) it is the natural-log one.
     lse = tl.where(empty, float("inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)
 
-    l_ptrs = L + off_b.to(tl.int64) * stride_lb + off_h.to(tl.int64) * stride_lh + offs_m * stride_lm
+    l_ptrs = L + tl.cast(off_bt, tl.int64) * stride_lb + off_h.to(tl.int64) * stride_lh + offs_m * stride_lm
     tl.store(l_ptrs, lse, mask=offs_m < N_Q)
     if WARP_SPECIALIZE:
         o_desc = tl.make_tensor_descriptor(O, [num_bh * N_Q, HEAD_DIM], [HEAD_DIM, 1], [BLOCK_M, HEAD_DIM])
@@ -617,13 +655,21 @@ def flash_attn_forward(
             the softcap (scores become softcap · tanh(scores / softcap), in fp32), ALiBi slopes ((batch,
             heads) float32 on q's device, any strides: -slope · |i + seqlen_k - seqlen_q - j| is added to
             the capped scores). Each becomes a compile-time switch of the kernel; the window's sizes and
-            the softcap stay runtime values, so windows of any size share a compilation.
+            the softcap stay runtime values, so windows of any size share a compilation. A packed batch
+            (spec.cu_seqlens_q, cu_seqlens_k: (num_seqs + 1,) int32 offsets on q's device, max_seqlen_q,
+            max_seqlen_k): q (1, heads, total_q, head_dim), k, v (1, heads_k, total_k, head_dim), sequence s
+            the rows [cu_seqlens[s], cu_seqlens[s + 1]), every mask and bias aligned per sequence, slopes
+            (num_seqs, heads). The offsets are read by the kernel, never by the host, so nothing checks
+            the ones fa2.varlen_attention does not: a sequence whose offsets decrease is skipped, rows that
+            two sequences claim are written twice, rows past max_seqlen_q in a sequence are not written,
+            and offsets outside [0, total] address memory outside the tensors (flash-attn's kernels alike).
         tiles: BLOCK_M, BLOCK_N (powers of two >= 16), num_warps, num_stages and the levers; default
-            ``tiles_for``.
+            ``tiles_for`` (for a packed batch at max_seqlen_k, passing over warp specialisation).
 
     Returns:
         O: (batch, heads, seqlen_q, head_dim), q's dtype, contiguous. L: (batch, heads, seqlen_q), float32,
-        natural log of the final scores' sum; rows that see no key get O = 0 and L = +inf.
+        natural log of the final scores' sum; rows that see no key get O = 0 and L = +inf. A packed batch:
+        (1, heads, total_q, head_dim) and (1, heads, total_q).
 
     Raises:
         NotImplementedError: head_dim not a multiple of 8 from 8 to 256; bfloat16 under the interpreter.
@@ -631,7 +677,6 @@ def flash_attn_forward(
     """
     batch, heads, seqlen_q, head_dim = q.shape
     _check_device(q)
-    _check_not_varlen(spec)
     if head_dim % 8 or not 8 <= head_dim <= MAX_HEAD_DIM:
         raise NotImplementedError(
             f"fa2-triton supports head_dim a multiple of 8 from 8 to {MAX_HEAD_DIM}, got {head_dim}"
@@ -685,13 +730,20 @@ def score_args(spec: AttentionSpec, dtype: torch.dtype) -> ScoreArgs:
 
 def _launch(q, k, v, O, L, spec: AttentionSpec, tiles: Tiles | None = None):
     """Runs the kernel into O and L (both written in full); returns what the launch returns (on a GPU the
-    compiled kernel, whose n_regs and n_spills the tuner records)."""
+    compiled kernel, whose n_regs and n_spills the tuner records; None if there is nothing to launch)."""
     batch, heads, seqlen_q, head_dim = q.shape
     seqlen_k = k.shape[2]
     group = group_size(q, k)
     HEAD_DIM = max(16, triton.next_power_of_2(head_dim))
     masked = spec.masked
-    can_specialize = functools.partial(ws_layout, q, k, v, masked, HEAD_DIM)
+    batch, seqlen_q, seqlen_k, cu_q, cu_k = packed(spec, batch, seqlen_q, seqlen_k, L)
+    if spec.varlen:
+        # Pointer loads: a descriptor's bounds are the tensor's, not a sequence's, and tiles cross sequences.
+        can_specialize = lambda tiles: False  # noqa: E731
+        if not seqlen_q:
+            return None
+    else:
+        can_specialize = functools.partial(ws_layout, q, k, v, masked, HEAD_DIM)
     if tiles is None:
         tiles = tiles_for(HEAD_DIM, q.dtype, masked, seqlen_k, can_specialize)
         # tiles_for has passed over every warp-specialised entry that these inputs cannot take.
@@ -702,7 +754,7 @@ def _launch(q, k, v, O, L, spec: AttentionSpec, tiles: Tiles | None = None):
     fused_exp2 = tiles.fused_exp2 and s.qk_scale > 0
     # The ALiBi bias is subtracted in qk's units: log2 units, or with the fused exp2 before qk_scale.
     alibi_scale = LOG2_E / s.qk_scale if fused_exp2 else LOG2_E
-    if not warp_specialize and tiles.tma and tma_layout(q, k, v, HEAD_DIM):
+    if not warp_specialize and tiles.tma and not spec.varlen and tma_layout(q, k, v, HEAD_DIM):
         use_tma = True
         q_arg, o_arg = _descriptor(q, tiles.block_m), _descriptor(O, tiles.block_m)
         k_arg, v_arg = _descriptor(k, tiles.block_n), _descriptor(v, tiles.block_n)
@@ -716,16 +768,27 @@ def _launch(q, k, v, O, L, spec: AttentionSpec, tiles: Tiles | None = None):
     with on_device(q.device), scratch_allocator() if warp_specialize else contextlib.nullcontext():
         return launch(
             _attn_fwd, grid,
-            (q_arg, k_arg, v_arg, o_arg, L, L if s.slopes is None else s.slopes,
+            (q_arg, k_arg, v_arg, o_arg, L, L if s.slopes is None else s.slopes, cu_q, cu_k,
              s.qk_scale, s.cap_scale, alibi_scale, s.window_left, s.window_right,
              *q.stride(), *k.stride(), *v.stride(), *O.stride(), *L.stride(), *s.slope_strides,
              heads, group, seqlen_q, seqlen_k, head_dim),
             dict(WINDOW_LEFT=s.WINDOW_LEFT, WINDOW_RIGHT=s.WINDOW_RIGHT, SOFTCAP=s.SOFTCAP, ALIBI=s.ALIBI,
                  BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, HEAD_DIM=HEAD_DIM,
                  EVEN_D=HEAD_DIM == head_dim, USE_TMA=use_tma, FUSED_EXP2=fused_exp2,
-                 LAZY_RESCALE=tiles.lazy_rescale, GRID_ORDER=tiles.grid_order, WARP_SPECIALIZE=warp_specialize),
+                 LAZY_RESCALE=tiles.lazy_rescale, GRID_ORDER=tiles.grid_order, WARP_SPECIALIZE=warp_specialize,
+                 VARLEN=spec.varlen),
             dict(num_warps=tiles.num_warps, num_stages=tiles.num_stages, maxnreg=tiles.maxnreg),
         )
+
+
+def packed(spec: AttentionSpec, batch: int, seqlen_q: int, seqlen_k: int, stand_in: torch.Tensor):
+    """(batch, seqlen_q, seqlen_k, cu_seqlens_q, cu_seqlens_k) as the kernels take them: for a packed batch
+    the sequences, the longest lengths (the grid's extent) and the offsets; otherwise the tensors' own
+    sizes and ``stand_in`` for the unused offset pointers."""
+    if spec.varlen:
+        return (spec.cu_seqlens_q.numel() - 1, spec.max_seqlen_q, spec.max_seqlen_k, spec.cu_seqlens_q,
+                spec.cu_seqlens_k)
+    return batch, seqlen_q, seqlen_k, stand_in, stand_in
 
 
 def group_size(q: torch.Tensor, k: torch.Tensor) -> int:
@@ -753,14 +816,4 @@ def _check_device(q: torch.Tensor) -> None:
         raise NotImplementedError(
             f"fa2-triton does not run bfloat16 in Triton {triton.__version__}'s interpreter (TRITON_INTERPRET=1): "
             "the interpreter computes bf16 tl.dot wrongly; use float16 or float32 there, or a GPU for bfloat16"
-        )
-
-
-def _check_not_varlen(spec: AttentionSpec) -> None:
-    """Packed batches (spec.cu_seqlens_q) are not in this backend's kernels yet: refused, never run as one
-    sequence."""
-    if spec.varlen:
-        raise NotImplementedError(
-            "fa2-triton does not support variable-length (packed) batches (cu_seqlens) yet: issue 21; "
-            "fa2-pytorch does"
         )
