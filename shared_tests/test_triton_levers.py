@@ -228,16 +228,22 @@ def _per_sequence(cu_q, cu_k, f):
 
 @pytest.mark.parametrize("feature", ["none", *FEATURES], ids=str)
 @pytest.mark.parametrize("lever", VARLEN_LEVERS, ids=str)
-def test_varlen_lever_matches_reference(native_or_interpreted, device, lever, feature):
-    """A packed batch on every lever's path (descriptors and the warp-specialised loop are not taken for
-    packed batches: a descriptor's bounds are the tensor's, not a sequence's), into NaN-poisoned outputs,
-    each sequence against its own fp64 reference."""
+def test_varlen_lever_matches_reference(native_or_interpreted, device, monkeypatch, lever, feature):
+    """A packed batch on every lever's path (descriptors built in the kernel per sequence; the
+    warp-specialised loop falls back), into NaN-poisoned outputs, each sequence against its own fp64
+    reference."""
     causal = feature.startswith("causal")
     q, k, v, cu_q, cu_k = _packed(torch.float16, device, 4, 2, 64, seed=11)
     spec, f = _varlen_spec(causal, 64, cu_q, cu_k, 4, 2, FEATURES.get(feature, {}), device)
     O = torch.full_like(q, math.nan)
     L = torch.full(q.shape[:-1], math.nan, device=device)
+    taken = []
+    real_launch = forward.launch
+    monkeypatch.setattr(forward, "launch", lambda *a: taken.append(a[3]) or real_launch(*a))
     forward._launch(q, k, v, O, L, spec, LEVERS[lever])
+    [constexprs] = taken
+    assert (constexprs["DEVICE_DESC"], constexprs["USE_TMA"], constexprs["WARP_SPECIALIZE"]) == (
+        LEVERS[lever].tma, False, False)
     for rows, keys, own in _per_sequence(cu_q, cu_k, f):
         assert_matches_reference(O[:, :, rows], L[:, :, rows], q[:, :, rows], k[:, :, keys], v[:, :, keys],
                                  causal, **own)

@@ -45,7 +45,9 @@ program reads its sequence's offsets from cu_seqlens_q and cu_seqlens_k, moves i
 sequence's first rows and from there runs exactly the dense program with that sequence's seqlen_q and
 seqlen_k (``_sequence``), so windows, causal alignment, ALiBi and the tile skipping are each sequence's own;
 programs whose tile starts past their sequence's end return at once. Nothing is padded and nothing syncs.
-They take pointer loads: a descriptor's bounds are the packed tensor's, so its tiles would cross sequences.
+Where the tile table asks for descriptors, a packed batch gets 2-D ones built in the kernel (DEVICE_DESC)
+over its sequence's rows of its head, so rows past the sequence read as zeros and are not written (a host
+descriptor's bounds would be the packed tensor's); never the warp-specialised loop, which needs whole tiles.
 
 Three ways to reach memory, one kernel (chosen on the host). USE_TMA: tensor descriptors (TMA on Hopper)
 over q's and O's (B, H, N, D) and k's and v's (B, H_K, N, D) with blocks [1, 1, BLOCK, HEAD_DIM], where
@@ -201,11 +203,11 @@ def _attn_fwd_inner(
     IN_BAND: tl.constexpr, WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
     ALIBI: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, EVEN_D: tl.constexpr,
     USE_TMA: tl.constexpr, FUSED_EXP2: tl.constexpr, LAZY_RESCALE: tl.constexpr,
-    WARP_SPECIALIZE: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr, DEVICE_DESC: tl.constexpr,
 ):
     """The online softmax over key tiles [lo, hi): masked iff IN_BAND. k_src, v_src: 4-D tensor descriptors
-    read at key/value head off_hk (USE_TMA), 2-D ones whose rows of this batch and key/value head start at
-    kv_row (WARP_SPECIALIZE), or [BLOCK_N, HEAD_DIM] pointers to the first key tile of that head. Key j is
+    read at key/value head off_hk (USE_TMA), 2-D ones built in the kernel whose rows of this batch and
+    key/value head start at kv_row (DEVICE_DESC), or [BLOCK_N, HEAD_DIM] pointers to the first key tile of that head. Key j is
     visible to query i iff j < seqlen_k, j >= i + diag_left (WINDOW_LEFT) and j <= i + diag_right
     (WINDOW_RIGHT). SOFTCAP: tanh of the scores times cap_scale (scale / softcap, for ``_tanh``), qk_scale
     then softcap · log2(e). ALIBI: alibi (slope · log2(e), over qk_scale with FUSED_EXP2) times
@@ -214,7 +216,7 @@ def _attn_fwd_inner(
     for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         cols = start_n + offs_n
-        if WARP_SPECIALIZE:
+        if DEVICE_DESC:
             k = k_src.load([kv_row + start_n, 0])
         elif USE_TMA:
             # Rows past seqlen_k come back as zeros (the descriptor's bounds); the band masks their scores.
@@ -278,7 +280,7 @@ def _attn_fwd_inner(
                 acc = acc * alpha[:, None]
         else:
             acc = acc * alpha[:, None]
-        if WARP_SPECIALIZE:
+        if DEVICE_DESC:
             v = v_src.load([kv_row + start_n, 0])
         elif USE_TMA:
             v = v_src.load([off_b, off_hk, start_n, 0]).reshape(BLOCK_N, HEAD_DIM)
@@ -305,7 +307,7 @@ def _attn_fwd(
     WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
     EVEN_D: tl.constexpr, USE_TMA: tl.constexpr, FUSED_EXP2: tl.constexpr, LAZY_RESCALE: tl.constexpr,
-    GRID_ORDER: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, VARLEN: tl.constexpr,
+    GRID_ORDER: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, VARLEN: tl.constexpr, DEVICE_DESC: tl.constexpr,
 ):
     """Q, K, V, O: pointers, or with USE_TMA tensor descriptors of blocks [1, 1, BLOCK, HEAD_DIM], Q's and O's
     over (B, H, N_Q, D), K's and V's over (B, H // GROUP, N_K, D) (their strides are then unused).
@@ -320,7 +322,10 @@ def _attn_fwd(
     FUSED_EXP2). VARLEN (pointer loads only): a packed batch, Q, O (1, H, total_q, D), K, V (1, H // GROUP,
     total_k, D), L (1, H, total_q), sequence b's rows [Cu_q[b], Cu_q[b + 1]) and [Cu_k[b], Cu_k[b + 1]),
     int32 offsets; N_Q and N_K are then the longest sequence's lengths, the batch the sequences, Slopes
-    (num_seqs, H); programs whose query tile starts past their sequence's end return at once."""
+    (num_seqs, H); programs whose query tile starts past their sequence's end return at once. DEVICE_DESC:
+    q, k, v and O read and written through 2-D descriptors built here (with WARP_SPECIALIZE, or for a
+    packed batch: over one sequence's rows of one head, unit stride along D, the other strides multiples
+    of 16 bytes)."""
     # One program per (query tile, batch·head), flattened to one grid axis; GRID_ORDER picks the order.
     pid = tl.program_id(0)
     num_m_tiles = tl.cdiv(N_Q, BLOCK_M)
@@ -373,6 +378,18 @@ def _attn_fwd(
         k_src = tl.make_tensor_descriptor(K, [num_bhk * N_K, HEAD_DIM], [HEAD_DIM, 1], [BLOCK_N, HEAD_DIM])
         v_src = tl.make_tensor_descriptor(V, [num_bhk * N_K, HEAD_DIM], [HEAD_DIM, 1], [BLOCK_N, HEAD_DIM])
         q = q_desc.load([off_bh * N_Q + start_m, 0])
+    elif DEVICE_DESC:
+        # A packed batch through descriptors bounded by this sequence's rows of this head: rows past the
+        # sequence read as zeros and are not written, so no tile reaches into the next sequence. A
+        # sequence without keys gets a one-row bound, never read.
+        q_desc = tl.make_tensor_descriptor(Q + off_h.to(tl.int64) * stride_qh, [N_Q, HEAD_DIM], [stride_qm, 1],
+                                           [BLOCK_M, HEAD_DIM])
+        k_src = tl.make_tensor_descriptor(K + off_hk.to(tl.int64) * stride_kh, [tl.maximum(N_K, 1), HEAD_DIM],
+                                          [stride_kn, 1], [BLOCK_N, HEAD_DIM])
+        v_src = tl.make_tensor_descriptor(V + off_hk.to(tl.int64) * stride_vh, [tl.maximum(N_K, 1), HEAD_DIM],
+                                          [stride_vn, 1], [BLOCK_N, HEAD_DIM])
+        kv_row = 0
+        q = q_desc.load([start_m, 0])
     elif USE_TMA:
         q = Q.load([off_b, off_h, start_m, 0]).reshape(BLOCK_M, HEAD_DIM)
         k_src = K
@@ -423,14 +440,14 @@ def _attn_fwd(
             offs_m, offs_n, offs_d, head_dim, N_K, diag, diag_left, diag_right, qk_scale, cap_scale, alibi,
             lo, full_lo,
             True, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, ALIBI, BLOCK_N, HEAD_DIM, EVEN_D, USE_TMA, FUSED_EXP2,
-            LAZY_RESCALE, False,
+            LAZY_RESCALE, False, DEVICE_DESC,
         )
     acc, l_i, m_i = _attn_fwd_inner(
         acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_vn, off_b, off_hk, kv_row,
         offs_m, offs_n, offs_d, head_dim, N_K, diag, diag_left, diag_right, qk_scale, cap_scale, alibi,
         full_lo, full_hi,
         False, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, ALIBI, BLOCK_N, HEAD_DIM, EVEN_D, USE_TMA, FUSED_EXP2,
-        LAZY_RESCALE, WARP_SPECIALIZE,
+        LAZY_RESCALE, WARP_SPECIALIZE, DEVICE_DESC,
     )
     if not WARP_SPECIALIZE:  # no band then (BLOCK_N divides seqlen_k), and a second loop would not compile
         acc, l_i, m_i = _attn_fwd_inner(
@@ -438,7 +455,7 @@ def _attn_fwd(
             offs_m, offs_n, offs_d, head_dim, N_K, diag, diag_left, diag_right, qk_scale, cap_scale, alibi,
             full_hi, hi,
             True, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, ALIBI, BLOCK_N, HEAD_DIM, EVEN_D, USE_TMA, FUSED_EXP2,
-            LAZY_RESCALE, False,
+            LAZY_RESCALE, False, DEVICE_DESC,
         )
     # side-by-side: end
 
@@ -455,6 +472,10 @@ def _attn_fwd(
     if WARP_SPECIALIZE:
         o_desc = tl.make_tensor_descriptor(O, [num_bh * N_Q, HEAD_DIM], [HEAD_DIM, 1], [BLOCK_M, HEAD_DIM])
         o_desc.store([off_bh * N_Q + start_m, 0], acc.to(O.dtype.element_ty))
+    elif DEVICE_DESC:
+        o_desc = tl.make_tensor_descriptor(O + off_h.to(tl.int64) * stride_oh, [N_Q, HEAD_DIM], [stride_om, 1],
+                                           [BLOCK_M, HEAD_DIM])
+        o_desc.store([start_m, 0], acc.to(O.dtype.element_ty))
     elif USE_TMA:
         # Rows past seqlen_q fall outside the descriptor's bounds and are not written.
         O.store([off_b, off_h, start_m, 0], acc.to(O.dtype).reshape(1, 1, BLOCK_M, HEAD_DIM))
@@ -738,7 +759,8 @@ def _launch(q, k, v, O, L, spec: AttentionSpec, tiles: Tiles | None = None):
     masked = spec.masked
     batch, seqlen_q, seqlen_k, cu_q, cu_k = packed(spec, batch, seqlen_q, seqlen_k, L)
     if spec.varlen:
-        # Pointer loads: a descriptor's bounds are the tensor's, not a sequence's, and tiles cross sequences.
+        # One key loop over whole tiles, which warp specialisation needs, is not what sequences of any
+        # length have.
         can_specialize = lambda tiles: False  # noqa: E731
         if not seqlen_q:
             return None
@@ -754,7 +776,10 @@ def _launch(q, k, v, O, L, spec: AttentionSpec, tiles: Tiles | None = None):
     fused_exp2 = tiles.fused_exp2 and s.qk_scale > 0
     # The ALiBi bias is subtracted in qk's units: log2 units, or with the fused exp2 before qk_scale.
     alibi_scale = LOG2_E / s.qk_scale if fused_exp2 else LOG2_E
-    if not warp_specialize and tiles.tma and not spec.varlen and tma_layout(q, k, v, HEAD_DIM):
+    # A packed batch reads through descriptors built in the kernel, bounded by each sequence (a host
+    # descriptor's bounds are the packed tensor's, and its tiles would cross into the next sequence).
+    device_desc = warp_specialize or (spec.varlen and tiles.tma and tma_layout(q, k, v, HEAD_DIM))
+    if not device_desc and tiles.tma and tma_layout(q, k, v, HEAD_DIM):
         use_tma = True
         q_arg, o_arg = _descriptor(q, tiles.block_m), _descriptor(O, tiles.block_m)
         k_arg, v_arg = _descriptor(k, tiles.block_n), _descriptor(v, tiles.block_n)
@@ -765,7 +790,7 @@ def _launch(q, k, v, O, L, spec: AttentionSpec, tiles: Tiles | None = None):
     # (batch, seqlen, head_dim) inputs arrive with the batch as heads.
     grid = triton.cdiv(seqlen_q, tiles.block_m) * batch * heads
     # The kernel's own descriptors live in global memory that Triton asks its allocator for.
-    with on_device(q.device), scratch_allocator() if warp_specialize else contextlib.nullcontext():
+    with on_device(q.device), scratch_allocator() if device_desc else contextlib.nullcontext():
         return launch(
             _attn_fwd, grid,
             (q_arg, k_arg, v_arg, o_arg, L, L if s.slopes is None else s.slopes, cu_q, cu_k,
@@ -776,7 +801,7 @@ def _launch(q, k, v, O, L, spec: AttentionSpec, tiles: Tiles | None = None):
                  BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, HEAD_DIM=HEAD_DIM,
                  EVEN_D=HEAD_DIM == head_dim, USE_TMA=use_tma, FUSED_EXP2=fused_exp2,
                  LAZY_RESCALE=tiles.lazy_rescale, GRID_ORDER=tiles.grid_order, WARP_SPECIALIZE=warp_specialize,
-                 VARLEN=spec.varlen),
+                 VARLEN=spec.varlen, DEVICE_DESC=device_desc),
             dict(num_warps=tiles.num_warps, num_stages=tiles.num_stages, maxnreg=tiles.maxnreg),
         )
 
