@@ -40,6 +40,9 @@ CASES = [
     _case([40], [60], 2, 2, 64, causal=True, alibi="seq"),
     _case([130, 257, 3], [130, 257, 3], 2, 2, 64, alibi="head"),
     _case([100, 29, 200], [150, 29, 64], 4, 2, 128, causal=True, window=(31, 0)),
+    # small enough for numba's simulator (the cases above with features are over its budget): a window with
+    # softcap and ALiBi per sequence, GQA, lengths 0 and 1, Nq != Nk, 33 and 40 around 32-row and -key tiles
+    _case([33, 1, 0, 6], [40, 2, 3, 0], 4, 2, 16, window=(7, 2), softcap=4.0, alibi="seq"),
 ]
 
 
@@ -94,7 +97,7 @@ def test_each_sequence_matches_its_reference(backend, status, device, dtype, cas
         assert_matches_reference(t(O[rows]), L[:, rows], t(q[rows]), t(k[keys]), t(v[keys]), case["causal"], **own)
 
 
-@pytest.mark.parametrize("case", [CASES[0], CASES[2], CASES[3], CASES[5]])
+@pytest.mark.parametrize("case", [CASES[0], CASES[2], CASES[3], CASES[5], CASES[6]])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_gradients_match_the_reference(backend, status, device, dtype, case):
     """dq, dk, dv of the whole packed batch against the fp64 reference's, by test_gradients' rule applied to
@@ -163,3 +166,20 @@ def test_offsets_on_another_device_are_refused():
     args = _bad(cu_seqlens_q=torch.tensor([0, 5, 12], dtype=torch.int32, device="meta"))
     with pytest.raises(ValueError, match="cu_seqlens_q must be on q's device"):
         fa2.varlen_attention(**args, backend="pytorch")
+
+
+def test_offsets_checked_once_are_checked_again_after_an_in_place_change(monkeypatch):
+    """The totals' sync is paid once per offsets tensor (its version counter): the same tensor again is not
+    read, and one changed in place, or a new one, is checked again."""
+    args = _bad()
+    reads = []
+    real_stack = torch.stack
+    monkeypatch.setattr(torch, "stack", lambda *a, **kw: reads.append(1) or real_stack(*a, **kw))
+    fa2.varlen_attention(**args, backend="pytorch")
+    fa2.varlen_attention(**args, backend="pytorch")
+    assert len(reads) == 1
+    args["cu_seqlens_k"][-1] = 11
+    with pytest.raises(ValueError, match="cu_seqlens_k must run from 0 to the total length 12"):
+        fa2.varlen_attention(**args, backend="pytorch")
+    with pytest.raises(ValueError, match="cu_seqlens_q must run from 0 to the total length 12"):
+        fa2.varlen_attention(**_bad(cu_seqlens_q=torch.tensor([0, 5, 13], dtype=torch.int32)), backend="pytorch")

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import operator
+import weakref
 from typing import NamedTuple
 
 import torch
@@ -168,8 +169,9 @@ def varlen_attention(
         head_dim) tensor); L (heads, total_q), float32, flash-attn's varlen logsumexp layout. Rows that see
         no key: O = 0, L = +inf. O is differentiable in q, k and v.
 
-    Checked, at the cost of one device sync (the offsets' first and last entries): that cu_seqlens_q and
-    cu_seqlens_k start at 0 and end at total_q and total_k. Not checked (a sync over every entry): that the
+    Checked, at the cost of one device sync (the offsets' first and last entries) the first time an offsets
+    tensor is met (again after it is modified in place; every call for inference-mode tensors and under
+    torch.compile): that cu_seqlens_q and cu_seqlens_k start at 0 and end at total_q and total_k. Not checked (a sync over every entry): that the
     offsets never decrease and that no sequence is longer than max_seqlen_q / max_seqlen_k. fa2-pytorch,
     which reads every offset anyway, refuses decreasing ones (ValueError); the GPU backends' kernels, sized
     by max_seqlen and reading the offsets themselves, skip a sequence whose offsets decrease, write rows
@@ -226,14 +228,39 @@ def _check_offsets(q: torch.Tensor, k: torch.Tensor, cu_q, cu_k) -> int:
             f"cu_seqlens_q and cu_seqlens_k must have the same length (num_seqs + 1), got {cu_q.numel()} and "
             f"{cu_k.numel()}"
         )
-    first_q, last_q, first_k, last_k = torch.stack([cu_q[0], cu_q[-1], cu_k[0], cu_k[-1]]).tolist()
-    for name, first, last, total in (("cu_seqlens_q", first_q, last_q, q.shape[0]),
-                                     ("cu_seqlens_k", first_k, last_k, k.shape[0])):
-        if first != 0 or last != total:
-            raise ValueError(
-                f"{name} must run from 0 to the total length {total} of its tensor, got {first} ... {last}"
-            )
+    if not (_checked_before(cu_q, q.shape[0]) and _checked_before(cu_k, k.shape[0])):
+        first_q, last_q, first_k, last_k = torch.stack([cu_q[0], cu_q[-1], cu_k[0], cu_k[-1]]).tolist()
+        for name, cu, first, last, total in (("cu_seqlens_q", cu_q, first_q, last_q, q.shape[0]),
+                                             ("cu_seqlens_k", cu_k, first_k, last_k, k.shape[0])):
+            if first != 0 or last != total:
+                raise ValueError(
+                    f"{name} must run from 0 to the total length {total} of its tensor, got {first} ... {last}"
+                )
+            _remember_checked(cu, total)
     return cu_q.numel() - 1
+
+
+# id(offsets) -> (a weak reference to them, their version counter, the total they were checked against).
+_CHECKED: dict[int, tuple[weakref.ref, int, int]] = {}
+
+
+def _checked_before(cu: torch.Tensor, total: int) -> bool:
+    """Whether these offsets, unmodified since (their version counter), were checked against this total: a
+    model's layers, and a training loop's steps, pass the same offsets tensor again and again, and its sync
+    (which stalls the host until the GPU has caught up, so that the launches after it no longer overlap the
+    kernels before it) is paid once. Inference-mode tensors have no version counter, and under
+    torch.compile nothing is kept: they are checked every call."""
+    if torch.compiler.is_compiling() or cu.is_inference():
+        return False
+    hit = _CHECKED.get(id(cu))
+    return hit is not None and hit[0]() is cu and hit[1:] == (cu._version, total)
+
+
+def _remember_checked(cu: torch.Tensor, total: int) -> None:
+    if torch.compiler.is_compiling() or cu.is_inference():
+        return
+    key = id(cu)
+    _CHECKED[key] = (weakref.ref(cu, lambda _, key=key: _CHECKED.pop(key, None)), cu._version, total)
 
 
 def _varlen_alibi(slopes, q: torch.Tensor, num_seqs: int) -> torch.Tensor:
