@@ -97,58 +97,100 @@ def _attn_bwd_preprocess(
 
 
 @triton.jit
-def _attn_bwd_dkdv_inner(
-    dk, dv, k, v,
-    q_ptrs, do_ptrs, l_ptrs, delta_ptrs, dq_acc_ptrs, stride_qm, stride_dom, stride_lm,
-    offs_m, offs_n, offs_d, head_dim, N_Q, diag, diag_left, diag_right, qk_scale, cap_scale, alibi, lo, hi,
+def _attn_bwd_dkdv_tile(
+    dk, dv, k, v, start_m, g64,
+    q_ptrs, do_ptrs, l_ptrs, delta_ptrs, dq_acc_ptrs, slope_ptr, stride_qm, stride_dom, stride_lm,
+    stride_qh, stride_doh, stride_lh, stride_delta, stride_dq_acc, stride_sh,
+    offs_m, offs_n, offs_d, head_dim, N_Q, diag, diag_left, diag_right, qk_scale, cap_scale,
     IN_BAND: tl.constexpr, WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
     ALIBI: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, EVEN_D: tl.constexpr,
     ATOMIC_DQ: tl.constexpr,
 ):
-    """dK and dV of one key tile over query tiles [lo, hi): loads row-masked and scores masked to the
-    window (query i sees key j iff i + diag_left <= j <= i + diag_right, the bounded sides) iff IN_BAND.
-    SOFTCAP, ALIBI as in the forward (alibi: slope · log2(e)). With ATOMIC_DQ, also adds this key tile's
-    dS K into the fp32 dQ accumulator."""
-    for start_m in tl.range(lo, hi, BLOCK_M):
-        start_m = tl.multiple_of(start_m, BLOCK_M)
-        rows = start_m + offs_m
-        start_m64 = tl.cast(start_m, tl.int64)
-        q = _load_tile(q_ptrs + start_m64 * stride_qm, rows, N_Q, offs_d, head_dim,
-                       IN_BAND, EVEN_D)  # [BLOCK_M, HEAD_DIM]
-        if IN_BAND:
-            # Rows past seqlen_q: L = +inf makes their P zero.
-            lse = tl.load(l_ptrs + start_m64 * stride_lm, mask=rows < N_Q, other=float("inf"))
-            delta = tl.load(delta_ptrs + start_m, mask=rows < N_Q, other=0.0)
-        else:
-            lse = tl.load(l_ptrs + start_m64 * stride_lm)
-            delta = tl.load(delta_ptrs + start_m)
-        qkT = tl.dot(k, tl.trans(q), input_precision="ieee")  # [BLOCK_N, BLOCK_M]
-        if SOFTCAP:
-            qkT = _tanh(qkT * cap_scale, SOFTCAP)  # the capped score over softcap, as in the forward
-        # exp(S - L) in log2 units; a row with L = +inf gets exp2(-inf) = 0.
-        sT = qkT * qk_scale - (lse * 1.4426950408889634)[None, :]
-        if ALIBI:
-            sT = sT - alibi * tl.abs(rows[None, :] + diag - offs_n[:, None]).to(tl.float32)
-        pT = tl.math.exp2(sT)
-        # Key j is visible to query i iff i + diag_left <= j <= i + diag_right (the bounded sides); zeroing
-        # after exp2 keeps -inf out of it. Keys past seqlen_k need no mask here (see _attn_bwd_dkdv).
-        if IN_BAND and WINDOW_RIGHT:
-            pT = tl.where(offs_n[:, None] <= rows[None, :] + diag_right, pT, 0.0)
-        if IN_BAND and WINDOW_LEFT:
-            pT = tl.where(offs_n[:, None] >= rows[None, :] + diag_left, pT, 0.0)
-        do = _load_tile(do_ptrs + start_m64 * stride_dom, rows, N_Q, offs_d, head_dim,
-                        IN_BAND, EVEN_D)  # [BLOCK_M, HEAD_DIM]
-        dv = tl.dot(pT.to(do.dtype), do, dv, input_precision="ieee")
-        dpT = tl.dot(v, tl.trans(do), input_precision="ieee")  # [BLOCK_N, BLOCK_M]
-        dsT = pT * (dpT - delta[None, :])
-        if SOFTCAP:
-            # d(softcap · tanh(s / softcap)) / ds = 1 - tanh².
-            dsT = dsT * (1.0 - qkT * qkT)
-        dk = tl.dot(dsT.to(q.dtype), q, dk, input_precision="ieee")
-        if ATOMIC_DQ:
-            dq = tl.dot(tl.trans(dsT.to(k.dtype)), k, input_precision="ieee")  # [BLOCK_M, HEAD_DIM]
-            # The accumulator is padded to whole tiles: no mask.
-            tl.atomic_add(dq_acc_ptrs + start_m64 * HEAD_DIM, dq, sem="relaxed")
+    """One key tile's dK and dV updated with query tile start_m of the group's query head g64 (pointers of
+    the group's first head, and head strides). Loads row-masked and scores masked to the window (query i
+    sees key j iff i + diag_left <= j <= i + diag_right, the bounded sides) iff IN_BAND. SOFTCAP as in the
+    forward; ALIBI: the head's slope (slope_ptr at head stride stride_sh) · log2(e). With ATOMIC_DQ, also
+    adds this tile's dS K into the fp32 dQ accumulator."""
+    rows = start_m + offs_m
+    start_m64 = tl.cast(start_m, tl.int64)
+    q = _load_tile(q_ptrs + g64 * stride_qh + start_m64 * stride_qm, rows, N_Q, offs_d, head_dim,
+                   IN_BAND, EVEN_D)  # [BLOCK_M, HEAD_DIM]
+    if IN_BAND:
+        # Rows past seqlen_q: L = +inf makes their P zero.
+        lse = tl.load(l_ptrs + g64 * stride_lh + start_m64 * stride_lm, mask=rows < N_Q, other=float("inf"))
+        delta = tl.load(delta_ptrs + g64 * stride_delta + start_m, mask=rows < N_Q, other=0.0)
+    else:
+        lse = tl.load(l_ptrs + g64 * stride_lh + start_m64 * stride_lm)
+        delta = tl.load(delta_ptrs + g64 * stride_delta + start_m)
+    qkT = tl.dot(k, tl.trans(q), input_precision="ieee")  # [BLOCK_N, BLOCK_M]
+    if SOFTCAP:
+        qkT = _tanh(qkT * cap_scale, SOFTCAP)  # the capped score over softcap, as in the forward
+    # exp(S - L) in log2 units; a row with L = +inf gets exp2(-inf) = 0.
+    sT = qkT * qk_scale - (lse * 1.4426950408889634)[None, :]
+    if ALIBI:
+        alibi = tl.load(slope_ptr + g64 * stride_sh) * 1.4426950408889634
+        sT = sT - alibi * tl.abs(rows[None, :] + diag - offs_n[:, None]).to(tl.float32)
+    pT = tl.math.exp2(sT)
+    # Key j is visible to query i iff i + diag_left <= j <= i + diag_right (the bounded sides); zeroing
+    # after exp2 keeps -inf out of it. Keys past seqlen_k need no mask here (see _attn_bwd_dkdv).
+    if IN_BAND and WINDOW_RIGHT:
+        pT = tl.where(offs_n[:, None] <= rows[None, :] + diag_right, pT, 0.0)
+    if IN_BAND and WINDOW_LEFT:
+        pT = tl.where(offs_n[:, None] >= rows[None, :] + diag_left, pT, 0.0)
+    do = _load_tile(do_ptrs + g64 * stride_doh + start_m64 * stride_dom, rows, N_Q, offs_d, head_dim,
+                    IN_BAND, EVEN_D)  # [BLOCK_M, HEAD_DIM]
+    dv = tl.dot(pT.to(do.dtype), do, dv, input_precision="ieee")
+    dpT = tl.dot(v, tl.trans(do), input_precision="ieee")  # [BLOCK_N, BLOCK_M]
+    dsT = pT * (dpT - delta[None, :])
+    if SOFTCAP:
+        # d(softcap · tanh(s / softcap)) / ds = 1 - tanh².
+        dsT = dsT * (1.0 - qkT * qkT)
+    dk = tl.dot(dsT.to(q.dtype), q, dk, input_precision="ieee")
+    if ATOMIC_DQ:
+        dq = tl.dot(tl.trans(dsT.to(k.dtype)), k, input_precision="ieee")  # [BLOCK_M, HEAD_DIM]
+        # The accumulator is padded to whole tiles: no mask.
+        tl.atomic_add(dq_acc_ptrs + g64 * stride_dq_acc + start_m64 * HEAD_DIM, dq, sem="relaxed")
+    return dk, dv
+
+
+@triton.jit
+def _attn_bwd_dkdv_inner(
+    dk, dv, k, v,
+    q_ptrs, do_ptrs, l_ptrs, delta_ptrs, dq_acc_ptrs, slope_ptr, stride_qm, stride_dom, stride_lm,
+    stride_qh, stride_doh, stride_lh, stride_delta, stride_dq_acc, stride_sh, GROUP,
+    offs_m, offs_n, offs_d, head_dim, N_Q, diag, diag_left, diag_right, qk_scale, cap_scale, lo, hi,
+    IN_BAND: tl.constexpr, WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
+    ALIBI: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, EVEN_D: tl.constexpr,
+    ATOMIC_DQ: tl.constexpr, GQA: tl.constexpr,
+):
+    """dK and dV of one key tile over query tiles [lo, hi) of each of the GROUP query heads of its key/value
+    head (GQA: GROUP > 1), the heads one after another in a fixed order. With GQA one loop walks (head,
+    query tile) rather than a loop over the heads around the loop over tiles, whose nesting made Triton
+    3.9 spill 350-720 bytes a thread at HEAD_DIM = 128 (offline sm_90a compile), against 80-290 this way;
+    one head keeps the plain loop over tiles (0-210 bytes; the (head, tile) loop's index arithmetic
+    costs it 40-64 more)."""
+    if GQA:
+        num_tiles = tl.cdiv(tl.maximum(hi - lo, 0), BLOCK_M)
+        for it in tl.range(0, GROUP * num_tiles):
+            g = it // num_tiles
+            start_m = tl.multiple_of(lo + (it - g * num_tiles) * BLOCK_M, BLOCK_M)
+            dk, dv = _attn_bwd_dkdv_tile(
+                dk, dv, k, v, start_m, tl.cast(g, tl.int64), q_ptrs, do_ptrs, l_ptrs, delta_ptrs, dq_acc_ptrs,
+                slope_ptr, stride_qm, stride_dom, stride_lm, stride_qh, stride_doh, stride_lh, stride_delta,
+                stride_dq_acc, stride_sh, offs_m, offs_n, offs_d, head_dim, N_Q, diag, diag_left, diag_right,
+                qk_scale, cap_scale,
+                IN_BAND, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, ALIBI, BLOCK_M, HEAD_DIM, EVEN_D, ATOMIC_DQ,
+            )
+    else:
+        for start_m in tl.range(lo, hi, BLOCK_M):
+            start_m = tl.multiple_of(start_m, BLOCK_M)
+            dk, dv = _attn_bwd_dkdv_tile(
+                dk, dv, k, v, start_m, 0, q_ptrs, do_ptrs, l_ptrs, delta_ptrs, dq_acc_ptrs,
+                slope_ptr, stride_qm, stride_dom, stride_lm, stride_qh, stride_doh, stride_lh, stride_delta,
+                stride_dq_acc, stride_sh, offs_m, offs_n, offs_d, head_dim, N_Q, diag, diag_left, diag_right,
+                qk_scale, cap_scale,
+                IN_BAND, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, ALIBI, BLOCK_M, HEAD_DIM, EVEN_D, ATOMIC_DQ,
+            )
     return dk, dv
 
 
@@ -167,7 +209,7 @@ def _attn_bwd_dkdv(
     H, GROUP, N_Q, N_K, head_dim,
     WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-    EVEN_D: tl.constexpr, ATOMIC_DQ: tl.constexpr, VARLEN: tl.constexpr,
+    EVEN_D: tl.constexpr, ATOMIC_DQ: tl.constexpr, VARLEN: tl.constexpr, GQA: tl.constexpr,
 ):
     """Q, dO: (B, H, N_Q, D); K, V, dK, dV: (B, H // GROUP, N_K, D); L: (B, H, N_Q); Delta: (B·H, N_Q) at row
     stride stride_delta. dQ_acc: with ATOMIC_DQ, a zeroed fp32 (B·H, cdiv(N_Q, BLOCK_M) · BLOCK_M, HEAD_DIM)
@@ -231,37 +273,36 @@ def _attn_bwd_dkdv(
     )
     # The group's query heads, one after another in a fixed order (deterministic), all accumulating into
     # this key tile's dk and dv in registers: dK and dV of a key/value head are sums over its query heads.
-    for g in range(GROUP):
-        off_h = off_hk * GROUP + g
-        off_bh = off_bt * H + off_h
-        alibi = 0.0
-        if ALIBI:
-            alibi = tl.load(Slopes + off_b * stride_sb + off_h * stride_sh) * 1.4426950408889634
-        q_ptrs = (Q + off_bt * stride_qb + off_h * stride_qh
-                  + offs_m64[:, None] * stride_qm + offs_d64[None, :] * stride_qd)
-        do_ptrs = (dO + off_bt * stride_dob + off_h * stride_doh
-                   + offs_m64[:, None] * stride_dom + offs_d64[None, :] * stride_dod)
-        l_ptrs = L + off_bt * stride_lb + off_h * stride_lh + offs_m64 * stride_lm
-        delta_ptrs = Delta + off_bh * stride_delta + offs_m
-        dq_acc_ptrs = dQ_acc + off_bh * stride_dq_acc + offs_m64[:, None] * HEAD_DIM + offs_d64[None, :]
-        dk, dv = _attn_bwd_dkdv_inner(
-            dk, dv, k, v, q_ptrs, do_ptrs, l_ptrs, delta_ptrs, dq_acc_ptrs, stride_qm, stride_dom, stride_lm,
-            offs_m, offs_n, offs_d, head_dim, N_Q, diag, diag_left, diag_right, qk_scale, cap_scale, alibi,
-            lo, full_lo,
-            True, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, ALIBI, BLOCK_M, HEAD_DIM, EVEN_D, ATOMIC_DQ,
-        )
-        dk, dv = _attn_bwd_dkdv_inner(
-            dk, dv, k, v, q_ptrs, do_ptrs, l_ptrs, delta_ptrs, dq_acc_ptrs, stride_qm, stride_dom, stride_lm,
-            offs_m, offs_n, offs_d, head_dim, N_Q, diag, diag_left, diag_right, qk_scale, cap_scale, alibi,
-            full_lo, full_hi,
-            False, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, ALIBI, BLOCK_M, HEAD_DIM, EVEN_D, ATOMIC_DQ,
-        )
-        dk, dv = _attn_bwd_dkdv_inner(
-            dk, dv, k, v, q_ptrs, do_ptrs, l_ptrs, delta_ptrs, dq_acc_ptrs, stride_qm, stride_dom, stride_lm,
-            offs_m, offs_n, offs_d, head_dim, N_Q, diag, diag_left, diag_right, qk_scale, cap_scale, alibi,
-            full_hi, hi,
-            True, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, ALIBI, BLOCK_M, HEAD_DIM, EVEN_D, ATOMIC_DQ,
-        )
+    # Pointers of the group's first query head; each part's loop walks (head, query tile).
+    off_h = off_hk * GROUP
+    off_bh = off_bt * H + off_h
+    q_ptrs = (Q + off_bt * stride_qb + off_h * stride_qh
+              + offs_m64[:, None] * stride_qm + offs_d64[None, :] * stride_qd)
+    do_ptrs = (dO + off_bt * stride_dob + off_h * stride_doh
+               + offs_m64[:, None] * stride_dom + offs_d64[None, :] * stride_dod)
+    l_ptrs = L + off_bt * stride_lb + off_h * stride_lh + offs_m64 * stride_lm
+    delta_ptrs = Delta + off_bh * stride_delta + offs_m
+    dq_acc_ptrs = dQ_acc + off_bh * stride_dq_acc + offs_m64[:, None] * HEAD_DIM + offs_d64[None, :]
+    slope_ptr = Slopes + off_b * stride_sb + off_h * stride_sh
+    dk, dv = _attn_bwd_dkdv_inner(
+        dk, dv, k, v, q_ptrs, do_ptrs, l_ptrs, delta_ptrs, dq_acc_ptrs, slope_ptr, stride_qm, stride_dom,
+        stride_lm, stride_qh, stride_doh, stride_lh, stride_delta, stride_dq_acc, stride_sh, GROUP,
+        offs_m, offs_n, offs_d, head_dim, N_Q, diag, diag_left, diag_right, qk_scale, cap_scale, lo, full_lo,
+        True, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, ALIBI, BLOCK_M, HEAD_DIM, EVEN_D, ATOMIC_DQ, GQA,
+    )
+    dk, dv = _attn_bwd_dkdv_inner(
+        dk, dv, k, v, q_ptrs, do_ptrs, l_ptrs, delta_ptrs, dq_acc_ptrs, slope_ptr, stride_qm, stride_dom,
+        stride_lm, stride_qh, stride_doh, stride_lh, stride_delta, stride_dq_acc, stride_sh, GROUP,
+        offs_m, offs_n, offs_d, head_dim, N_Q, diag, diag_left, diag_right, qk_scale, cap_scale, full_lo,
+        full_hi,
+        False, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, ALIBI, BLOCK_M, HEAD_DIM, EVEN_D, ATOMIC_DQ, GQA,
+    )
+    dk, dv = _attn_bwd_dkdv_inner(
+        dk, dv, k, v, q_ptrs, do_ptrs, l_ptrs, delta_ptrs, dq_acc_ptrs, slope_ptr, stride_qm, stride_dom,
+        stride_lm, stride_qh, stride_doh, stride_lh, stride_delta, stride_dq_acc, stride_sh, GROUP,
+        offs_m, offs_n, offs_d, head_dim, N_Q, diag, diag_left, diag_right, qk_scale, cap_scale, full_hi, hi,
+        True, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, ALIBI, BLOCK_M, HEAD_DIM, EVEN_D, ATOMIC_DQ, GQA,
+    )
     dk = dk * scale
 
     # A key tile that no query sees keeps dk = dv = 0, and stores them.
@@ -651,6 +692,6 @@ def launch_dkdv(q, k, v, dO, L, delta, dk, dv, dq_acc, spec: AttentionSpec, t: K
          *a.slope_strides, delta.stride(1), dq_acc_stride, heads, group, seqlen_q, seqlen_k, head_dim),
         dict(WINDOW_LEFT=a.WINDOW_LEFT, WINDOW_RIGHT=a.WINDOW_RIGHT, SOFTCAP=a.SOFTCAP, ALIBI=a.ALIBI,
              BLOCK_M=t.block_m, BLOCK_N=t.block_n, HEAD_DIM=HEAD_DIM,
-             EVEN_D=HEAD_DIM == head_dim, ATOMIC_DQ=dq_acc is not None, VARLEN=spec.varlen),
+             EVEN_D=HEAD_DIM == head_dim, ATOMIC_DQ=dq_acc is not None, VARLEN=spec.varlen, GQA=group > 1),
         dict(num_warps=t.num_warps, num_stages=t.num_stages),
     )
