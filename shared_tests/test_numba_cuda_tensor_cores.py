@@ -333,6 +333,92 @@ def test_simulated_kernel_no_keys():
     assert (O == 0).all() and torch.isposinf(L).all()
 
 
+# Packed (varlen) batches: q (1, h, total_q, d), k, v (1, h_k, total_k, d), views of (total, heads, d) tensors
+# as fa2.varlen_attention passes them; one launch, each block reading its sequence's offsets.
+
+
+def _packed(lens, h, d, dtype, g):
+    x = torch.randn(sum(lens), h, d, generator=g).to(dtype)
+    return x.transpose(0, 1).unsqueeze(0)
+
+
+def _offsets(lens):
+    return torch.tensor([0, *np.cumsum(lens).tolist()], dtype=torch.int32)
+
+
+def _run_tc_varlen(q, k, v, lens_q, lens_k, scale, config, window=(-1, -1), softcap=0.0, alibi_slopes=None):
+    spec = AttentionSpec(scale, window, softcap, alibi_slopes, q.shape[1] // k.shape[1], _offsets(lens_q),
+                         _offsets(lens_k), max(lens_q), max(lens_k))
+    return forward.flash_attn_forward(q, k, v, spec, config, tensor_cores=True)
+
+
+def _varlen_case(dtype, lens_q, lens_k, h, h_k, d, config, causal=False, window=(-1, -1), softcap=0.0,
+                 alibi=False, gain=1.0):
+    kind = "bf16" if dtype == torch.bfloat16 else "fp16"
+    warps, block_n, _, ahead = config
+    parts = [kind, f"q{'.'.join(map(str, lens_q))}-k{'.'.join(map(str, lens_k))}", f"H{h}-Hk{h_k}-D{d}"]
+    parts += ["causal"] if causal else []
+    parts += [f"w{window[0]}.{window[1]}"] if window != (-1, -1) else []
+    parts += [f"cap{softcap:g}-x{gain:g}"] if softcap else []
+    parts += ["alibi"] if alibi else []
+    parts += [f"{warps}w{block_n}" + ("-ahead" if ahead else "")]
+    case = dict(lens_q=lens_q, lens_k=lens_k, h=h, h_k=h_k, d=d, config=config, causal=causal, window=window,
+                softcap=softcap, alibi=alibi, gain=gain)
+    return pytest.param(dtype, case, id="-".join(parts))
+
+
+VARLEN_SIM_CASES = [
+    # lengths 0 and 1 and Nq != Nk both ways around the 32-row query and 16-key tiles, GQA, head_dim padded
+    # 24 -> 32 (cp.async from the packed rows); causal rows that see no key (20 queries against 9 keys, 1
+    # against 0); S_AHEAD's pairs of key tiles, starting and ending per sequence
+    _varlen_case(torch.float16, [37, 0, 1, 20, 16], [53, 4, 0, 9, 33], 2, 1, 24, SMALL_AHEAD, causal=True),
+    # a window inside each sequence's keys, softcap on large scores, ALiBi per (sequence, head); odd head_dim:
+    # plain loads, O element by element
+    _varlen_case(torch.bfloat16, [17, 33, 2], [29, 19, 2], 2, 2, 13, ONE_WARP, window=(5, 3), softcap=5.0,
+                 alibi=True, gain=3.0),
+    # a batch of one; four warps whose windows start one key tile apart (each skips some of the block's tiles)
+    _varlen_case(torch.float16, [64], [80], 1, 1, 16, (4, 16, 0, True), causal=True, window=(10, 0)),
+]
+
+
+@needs_simulator
+@pytest.mark.parametrize("dtype, case", VARLEN_SIM_CASES)
+def test_simulated_kernel_varlen(dtype, case):
+    """Each sequence of a packed batch against the fp64 reference of that sequence alone."""
+    lens_q, lens_k, h, h_k, d = (case[x] for x in ("lens_q", "lens_k", "h", "h_k", "d"))
+    g = torch.Generator().manual_seed(sum(lens_q) + d)
+    q, k, v = _packed(lens_q, h, d, dtype, g), _packed(lens_k, h_k, d, dtype, g), _packed(lens_k, h_k, d, dtype, g)
+    q, k = q * case["gain"], k * case["gain"]
+    slopes = torch.rand(len(lens_q), h, generator=g) * 0.3 if case["alibi"] else None
+    window = (case["window"][0], 0) if case["causal"] else case["window"]
+    O, L = _run_tc_varlen(q, k, v, lens_q, lens_k, d**-0.5, case["config"], window, case["softcap"], slopes)
+    assert O.shape == q.shape and L.shape == q.shape[:-1]
+    starts_q, starts_k = _offsets(lens_q).tolist(), _offsets(lens_k).tolist()
+    for s in range(len(lens_q)):
+        rows, keys = slice(starts_q[s], starts_q[s + 1]), slice(starts_k[s], starts_k[s + 1])
+        own = None if slopes is None else slopes[s : s + 1]
+        assert_matches_reference(O[:, :, rows], L[:, :, rows], q[:, :, rows], k[:, :, keys], v[:, :, keys],
+                                 case["causal"], d**-0.5, window=window, softcap=case["softcap"], alibi_slopes=own)
+
+
+@needs_simulator
+def test_simulated_kernel_varlen_window_skips_key_tiles():
+    """Per sequence, the key tiles no row's window reaches are never loaded: NaN there changes nothing."""
+    g = torch.Generator().manual_seed(12)
+    lens_q, lens_k = [16, 16], [96, 96]
+    q, k, v = (_packed(n, 1, 16, torch.float16, g) for n in (lens_q, lens_k, lens_k))
+    # Query i of either sequence sees its keys [i + 72, i + 80]: the 16-key tiles below 64 of each are skipped.
+    for start in (0, 96):
+        k[..., start : start + 64, :] = float("nan")
+        v[..., start : start + 64, :] = float("nan")
+    O, L = _run_tc_varlen(q, k, v, lens_q, lens_k, 0.25, ONE_WARP, window=(8, 0))
+    assert not torch.isnan(O).any() and not torch.isnan(L).any(), "a key tile outside the window was read"
+    for s, start in enumerate((0, 96)):
+        rows, keys = slice(16 * s, 16 * s + 16), slice(start + 64, start + 96)
+        assert_matches_reference(O[:, :, rows], L[:, :, rows], q[:, :, rows], k[:, :, keys], v[:, :, keys], False,
+                                 0.25, window=(8, 0))
+
+
 def test_cpu_tensors_and_fp32_keep_the_simt_kernel():
     q = torch.zeros(1, 1, 4, 64)
     assert not forward_tc.uses_tensor_cores(q) and not forward_tc.uses_tensor_cores(q.half())
@@ -369,8 +455,8 @@ def test_dispatch_on_the_gpu(dtype, head_dim, causal):
     assert_matches_reference(O, L, q, k, v, causal)
     assert len(forward_tc._KERNELS) >= max(before, 1)
     is_bf16 = dtype == torch.bfloat16
-    # Features (LEFT, RIGHT, SOFTCAP, ALIBI): causal is a right bound.
-    key = (head_dim, forward_tc.tc_config(head_dim), False, causal, False, False, is_bf16, True, True, True)
+    # Features (LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN): causal is a right bound.
+    key = (head_dim, forward_tc.tc_config(head_dim), False, causal, False, False, False, is_bf16, True, True, True)
     assert key in forward_tc._KERNELS, f"the tensor-core kernel {key} did not run"
     rows = [r for r in forward_tc.kernel_resources()
             if (r["HEAD_DIM"], r["left"], r["right"], r["softcap"], r["alibi"], r["bf16"], r["async_loads"])

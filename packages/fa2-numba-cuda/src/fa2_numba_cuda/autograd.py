@@ -15,8 +15,8 @@ class FlashAttention2(torch.autograd.Function):
     q: (..., seqlen_q, head_dim); k, v: (..., seqlen_k, head_dim), whose heads (dim -3) may be a divisor of
     q's (grouped-query attention; dk and dv then sum over each group). Returns O, or (O, L) with
     ``return_lse``; saves (q, k, v, O, L) for the backward, L: q.shape[:-1], float32. ``spec``: an
-    ``fa2.spec.AttentionSpec`` (windows, softcap, ALiBi), which then stands for ``is_causal`` and ``scale``;
-    fa2.attention passes one. The ALiBi slopes get no gradient.
+    ``fa2.spec.AttentionSpec`` (windows, softcap, ALiBi, packed batches), which then stands for ``is_causal``
+    and ``scale``; fa2.attention and fa2.varlen_attention pass one. The ALiBi slopes get no gradient.
     """
 
     @staticmethod

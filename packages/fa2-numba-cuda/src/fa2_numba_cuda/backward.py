@@ -36,6 +36,18 @@ The window skips whole tiles (causal is the window (-1, 0)): the dK/dV loop visi
 [begin_m, end_m) that see some key of its tile (query i sees key j iff j - diag - right <= i <= j - diag +
 left), the dQ loop only the key tiles its tile sees, as the forward's.
 
+Packed (variable-length) batches (``spec.varlen``), as ``fa2_numba_cuda.forward``: q, O, dO (1, heads,
+total_q, head_dim), L (1, heads, total_q), k, v (1, heads_k, total_k, head_dim), sequence s the rows
+[cu_seqlens_q[s], cu_seqlens_q[s + 1]) of the first and [cu_seqlens_k[s], cu_seqlens_k[s + 1]) of k and v.
+Still three launches, each one grid over all sequences, sized by max_seqlen_q / max_seqlen_k, with no host
+sync: delta is per row, so the preprocess runs on the packed rows as on one sequence of total_q; a dK/dV
+block takes one key tile of one sequence (its key/value head's group of query heads, over that sequence's
+query tiles that see it), a dQ block one query tile of one sequence (over its key tiles); each reads its
+sequence's offsets, exits where its tile starts past the sequence's end, and runs with the sequence's own
+lengths, so that the window (its skipped tiles), ALiBi (slopes[s, h]) and rows or keys that nothing sees (zero
+gradients) are per sequence. A key tile of a sequence without queries writes dk = dv = 0. VARLEN is a
+compile-time switch of the same ``Features``: the dense kernels never read the offsets.
+
 Both main kernels are the forward's block (``fa2_numba_cuda.forward``) with other operands: padded fp32
 shared tiles loaded by the forward's ``load_tile``, register micro-tiles indexed only by loops over
 constants, 4-float shared loads through uint64 indices, row statistics in registers.
@@ -73,7 +85,6 @@ from fa2_numba_cuda.forward import (
     BlockConfig,
     _bf16_to_float,
     _check_device,
-    _check_not_varlen,
     _flat,
     _float_to_bf16,
     _feature_columns,
@@ -84,8 +95,11 @@ from fa2_numba_cuda.forward import (
     feature_args,
     features,
     float32,
+    grid_extent,
+    offset_args,
     padded_head_dim,
     score_scale,
+    sequence,
     simulated,
     uint64,
 )
@@ -192,8 +206,8 @@ def _build_preprocess(HEAD_DIM, IS_BF16, EVEN_HEAD_DIM):
     return _jit(_attn_bwd_preprocess, 128)
 
 
-def _build_dkdv(HEAD_DIM, config, LEFT, RIGHT, SOFTCAP, ALIBI, IS_BF16, EVEN_HEAD_DIM, UNIT_STRIDE_D):
-    """The dK/dV kernel for one padded head dim, block shape, ``Features`` (LEFT, RIGHT, SOFTCAP, ALIBI),
+def _build_dkdv(HEAD_DIM, config, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN, IS_BF16, EVEN_HEAD_DIM, UNIT_STRIDE_D):
+    """The dK/dV kernel for one padded head dim, block shape, ``Features`` (LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN),
     input kind, whether head_dim is HEAD_DIM and whether q, k, v and dO are contiguous along head_dim, all
     compile-time constants."""
     BLOCK_N, BLOCK_M, THREADS_N, THREADS_M, SHARE_QDO, MAX_REGISTERS = config
@@ -222,13 +236,16 @@ def _build_dkdv(HEAD_DIM, config, LEFT, RIGHT, SOFTCAP, ALIBI, IS_BF16, EVEN_HEA
         stride_dob, stride_doh, stride_dom, stride_dod,
         stride_lb, stride_lh, stride_lm,
         heads, group, seqlen_q, seqlen_k, head_dim, scale, qk_scale,
-        window_left, window_right, softcap_log2, slopes, stride_ab, stride_ah, num_n_tiles,
+        window_left, window_right, softcap_log2, slopes, stride_ab, stride_ah, num_n_tiles, cu_seqlens_q,
+        cu_seqlens_k,
     ):
         """One block: BLOCK_N keys of one (batch, key/value head), for the group's query heads. q, do: flat
         views of (B, H, N, D) tensors, k, v of (B, H // group, N, D) tensors, lse of (B, H, seqlen_q), with
         the given element strides; delta: (B·H, seqlen_q), fp32; dk, dv: (B, H // group, seqlen_k,
         head_dim), flat, contiguous, in k's dtype. qk_scale: K's pre-scale (``score_scale``); the window,
-        softcap and slopes arguments as ``feature_args`` gives them."""
+        softcap and slopes arguments as ``feature_args`` gives them. VARLEN: B = 1, N the packed totals, and
+        the block's (key tile, sequence·key/value head) reads its sequence's rows from cu_seqlens_q and
+        cu_seqlens_k (``offset_args``); num_n_tiles covers max_seqlen_k."""
         # Key j is visible to query i iff i + diag - window_left <= j <= i + diag + window_right.
         diag = seqlen_k - seqlen_q
         # Key tiles fastest: under causal the first key tiles are seen by the most query rows, so the
@@ -237,8 +254,20 @@ def _build_dkdv(HEAD_DIM, config, LEFT, RIGHT, SOFTCAP, ALIBI, IS_BF16, EVEN_HEA
         # One block per (key tile, batch·key/value head): off_hk's group of query heads is looped over below.
         heads_k = heads // group
         off_bhk = cuda.blockIdx.x // num_n_tiles
-        off_b = off_bhk // heads_k
+        off_b = off_bhk // heads_k  # the batch; with VARLEN the sequence
         off_hk = off_bhk % heads_k
+        if VARLEN:
+            # Sequence off_b: keys k_start .. k_start + seqlen_k of the packed k, v (and dk, dv), queries
+            # q_start .. q_start + seqlen_q of q, dO, L and delta; its own lengths (and their diag) stand for
+            # seqlen_q and seqlen_k from here on. A key tile past its end exits.
+            q_start, seqlen_q_s = sequence(cu_seqlens_q, off_b, seqlen_q)
+            k_start, seqlen_k_s = sequence(cu_seqlens_k, off_b, seqlen_k)
+            dkv_start = off_hk * seqlen_k + k_start  # dk's and dv's row of the sequence's key 0
+            total_q = seqlen_q
+            seqlen_q, seqlen_k = seqlen_q_s, seqlen_k_s
+            diag = seqlen_k - seqlen_q
+            if start_n >= seqlen_k:
+                return
         tx = cuda.threadIdx.x % THREADS_M
         ty = cuda.threadIdx.x // THREADS_M
 
@@ -272,10 +301,14 @@ def _build_dkdv(HEAD_DIM, config, LEFT, RIGHT, SOFTCAP, ALIBI, IS_BF16, EVEN_HEA
 
         # K pre-scaled by qk_scale = scale · log2 e (with a softcap c: scale / c): Sᵀ comes out of its loop
         # ready for exp2 (for tanh).
-        load_tile(k_tile, k, off_b * stride_kb + off_hk * stride_kh, stride_kn, stride_kd, start_n, seqlen_k,
-                  head_dim, qk_scale)
-        load_tile(v_tile, v, off_b * stride_vb + off_hk * stride_vh, stride_vn, stride_vd, start_n, seqlen_k,
-                  head_dim, float32(1.0))
+        if VARLEN:  # the sequence's first rows
+            k_offset = off_hk * stride_kh + k_start * stride_kn
+            v_offset = off_hk * stride_vh + k_start * stride_vn
+        else:
+            k_offset = off_b * stride_kb + off_hk * stride_kh
+            v_offset = off_b * stride_vb + off_hk * stride_vh
+        load_tile(k_tile, k, k_offset, stride_kn, stride_kd, start_n, seqlen_k, head_dim, qk_scale)
+        load_tile(v_tile, v, v_offset, stride_vn, stride_vd, start_n, seqlen_k, head_dim, float32(1.0))
 
         # The query tiles that see a key of this tile: query i sees key j iff j - diag - window_right <= i <=
         # j - diag + window_left; the others are skipped (causal: window_right = 0).
@@ -286,10 +319,16 @@ def _build_dkdv(HEAD_DIM, config, LEFT, RIGHT, SOFTCAP, ALIBI, IS_BF16, EVEN_HEA
         # them with its K and V tiles held and dk_acc, dv_acc accumulating in registers, so that dk and dv
         # are still written once per element (no atomics, no per-query-head dk, dv summed afterwards).
         for off_h in range(off_hk * group, off_hk * group + group):
-            q_offset = off_b * stride_qb + off_h * stride_qh
-            do_offset = off_b * stride_dob + off_h * stride_doh
-            l_offset = off_b * stride_lb + off_h * stride_lh
-            delta_offset = (off_b * heads + off_h) * seqlen_q  # delta is per query head
+            if VARLEN:
+                q_offset = off_h * stride_qh + q_start * stride_qm
+                do_offset = off_h * stride_doh + q_start * stride_dom
+                l_offset = off_h * stride_lh + q_start * stride_lm
+                delta_offset = off_h * total_q + q_start  # delta is per query head, (1·H, total_q)
+            else:
+                q_offset = off_b * stride_qb + off_h * stride_qh
+                do_offset = off_b * stride_dob + off_h * stride_doh
+                l_offset = off_b * stride_lb + off_h * stride_lh
+                delta_offset = (off_b * heads + off_h) * seqlen_q  # delta is per query head
             # ALiBi's slope of this query head, in base 2.
             slope = slopes[uint64(off_b * stride_ab + off_h * stride_ah)] * float32(LOG2E) if ALIBI else float32(0.0)
             for start_m in range(begin_m, end_m, BLOCK_M):
@@ -417,10 +456,12 @@ def _build_dkdv(HEAD_DIM, config, LEFT, RIGHT, SOFTCAP, ALIBI, IS_BF16, EVEN_HEA
                                 dk_acc[i, c] += p_frag[i, e] * x_frag[c]
 
         # Epilogue: dk · scale and dv, each once; a key tile that no query sees stores zeros.
+        if not VARLEN:
+            dkv_start = off_bhk * seqlen_k  # dk's and dv's row of key 0 of this (batch, key/value head)
         for i in range(TN):
             key = start_n + ty + THREADS_N * i
             if key < seqlen_k:
-                kv_row = (off_bhk * seqlen_k + key) * head_dim
+                kv_row = (dkv_start + key) * head_dim
                 for jj in range(TD // 4):
                     for f in range(4):
                         col = 4 * tx + 4 * THREADS_M * jj + f
@@ -431,7 +472,7 @@ def _build_dkdv(HEAD_DIM, config, LEFT, RIGHT, SOFTCAP, ALIBI, IS_BF16, EVEN_HEA
     return _jit(_attn_bwd_dkdv, MAX_REGISTERS)
 
 
-def _build_dq(HEAD_DIM, config, LEFT, RIGHT, SOFTCAP, ALIBI, IS_BF16, EVEN_HEAD_DIM, UNIT_STRIDE_D):
+def _build_dq(HEAD_DIM, config, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN, IS_BF16, EVEN_HEAD_DIM, UNIT_STRIDE_D):
     """The dQ kernel for one padded head dim, block shape (the forward's ``BlockConfig``), ``Features``,
     input kind, whether head_dim is HEAD_DIM and whether q, k, v and dO are contiguous along head_dim."""
     BLOCK_M, BLOCK_N, THREADS_M, THREADS_N, SHARE_KV, MAX_REGISTERS = config
@@ -459,20 +500,33 @@ def _build_dq(HEAD_DIM, config, LEFT, RIGHT, SOFTCAP, ALIBI, IS_BF16, EVEN_HEAD_
         stride_dob, stride_doh, stride_dom, stride_dod,
         stride_lb, stride_lh, stride_lm,
         heads, group, seqlen_q, seqlen_k, head_dim, scale, qk_scale,
-        window_left, window_right, softcap_log2, slopes, stride_ab, stride_ah, num_m_tiles,
+        window_left, window_right, softcap_log2, slopes, stride_ab, stride_ah, num_m_tiles, cu_seqlens_q,
+        cu_seqlens_k,
     ):
         """One block: BLOCK_M query rows of one (batch, head). Arguments as ``_attn_bwd_dkdv``'s (qk_scale
-        pre-scales Q here); dq: (B, H, seqlen_q, head_dim), flat, contiguous, in q's dtype."""
+        pre-scales Q here); dq: (B, H, seqlen_q, head_dim), flat, contiguous, in q's dtype; num_m_tiles
+        covers max_seqlen_q with VARLEN."""
         # Key j is visible to query i iff i + diag - window_left <= j <= i + diag + window_right.
         diag = seqlen_k - seqlen_q
         # Query tiles fastest and last first: under causal the last query tiles see the most keys, so the
         # longest blocks start first.
         start_m = (num_m_tiles - 1 - cuda.blockIdx.x % num_m_tiles) * BLOCK_M
         off_bh = cuda.blockIdx.x // num_m_tiles
-        off_b = off_bh // heads
+        off_b = off_bh // heads  # the batch; with VARLEN the sequence
         off_h = off_bh % heads
         # GQA: the group's query heads share key/value head off_hk, read in place (no repeated K, V).
         off_hk = off_h // group
+        if VARLEN:
+            # Sequence off_b: queries q_start .. q_start + seqlen_q of the packed q, dO, L, delta (and dq),
+            # keys k_start .. k_start + seqlen_k of k and v; its own lengths (and their diag) stand for
+            # seqlen_q and seqlen_k from here on. A query tile past its end exits.
+            q_start, seqlen_q_s = sequence(cu_seqlens_q, off_b, seqlen_q)
+            k_start, seqlen_k = sequence(cu_seqlens_k, off_b, seqlen_k)
+            dq_start = off_h * seqlen_q + q_start  # dq's and delta's row of the sequence's query 0
+            seqlen_q = seqlen_q_s
+            diag = seqlen_k - seqlen_q
+            if start_m >= seqlen_q:
+                return
         tx = cuda.threadIdx.x % THREADS_N
         ty = cuda.threadIdx.x // THREADS_N
 
@@ -496,7 +550,11 @@ def _build_dq(HEAD_DIM, config, LEFT, RIGHT, SOFTCAP, ALIBI, IS_BF16, EVEN_HEAD_
         kv_frag = cuda.local.array((TN, S_STEP), float32)
         ds_frag = cuda.local.array((TM, 4), float32)
         k_frag = cuda.local.array(TD, float32)
-        l_offset = off_b * stride_lb + off_h * stride_lh
+        if VARLEN:  # the sequence's first rows
+            l_offset = off_h * stride_lh + q_start * stride_lm
+        else:
+            l_offset = off_b * stride_lb + off_h * stride_lh
+            dq_start = off_bh * seqlen_q  # dq's and delta's row of query 0 of this (batch, head)
         for i in range(TM):
             for c in range(TD):
                 acc[i, c] = 0.0
@@ -506,18 +564,24 @@ def _build_dq(HEAD_DIM, config, LEFT, RIGHT, SOFTCAP, ALIBI, IS_BF16, EVEN_HEAD_
             delta_m[i] = 0.0
             if row < seqlen_q:
                 lse_m[i] = lse[uint64(l_offset + row * stride_lm)] * float32(LOG2E)
-                delta_m[i] = delta[uint64(off_bh * seqlen_q + row)]
+                delta_m[i] = delta[uint64(dq_start + row)]
 
-        k_offset = off_b * stride_kb + off_hk * stride_kh
-        v_offset = off_b * stride_vb + off_hk * stride_vh
+        if VARLEN:
+            q_offset = off_h * stride_qh + q_start * stride_qm
+            do_offset = off_h * stride_doh + q_start * stride_dom
+            k_offset = off_hk * stride_kh + k_start * stride_kn
+            v_offset = off_hk * stride_vh + k_start * stride_vn
+        else:
+            q_offset = off_b * stride_qb + off_h * stride_qh
+            do_offset = off_b * stride_dob + off_h * stride_doh
+            k_offset = off_b * stride_kb + off_hk * stride_kh
+            v_offset = off_b * stride_vb + off_hk * stride_vh
         # Q pre-scaled by qk_scale = scale · log2 e (with a softcap c: scale / c): S comes out of its loop
         # ready for exp2 (for tanh).
-        load_tile(q_tile, q, off_b * stride_qb + off_h * stride_qh, stride_qm, stride_qd, start_m, seqlen_q,
-                  head_dim, qk_scale)
-        # ALiBi's slope for this (batch, head), in base 2.
+        load_tile(q_tile, q, q_offset, stride_qm, stride_qd, start_m, seqlen_q, head_dim, qk_scale)
+        # ALiBi's slope for this (batch or sequence, head), in base 2.
         slope = slopes[uint64(off_b * stride_ab + off_h * stride_ah)] * float32(LOG2E) if ALIBI else float32(0.0)
-        load_tile(do_tile, do, off_b * stride_dob + off_h * stride_doh, stride_dom, stride_dod, start_m,
-                  seqlen_q, head_dim, float32(1.0))
+        load_tile(do_tile, do, do_offset, stride_dom, stride_dod, start_m, seqlen_q, head_dim, float32(1.0))
 
         # The key tiles the tile's rows see, as the forward's; the others are skipped.
         begin_n = max(start_m + diag - window_left, 0) // BLOCK_N * BLOCK_N if LEFT else 0
@@ -619,7 +683,7 @@ def _build_dq(HEAD_DIM, config, LEFT, RIGHT, SOFTCAP, ALIBI, IS_BF16, EVEN_HEAD_
         for i in range(TM):
             row = start_m + ty + THREADS_M * i
             if row < seqlen_q:
-                q_row = (off_bh * seqlen_q + row) * head_dim
+                q_row = (dq_start + row) * head_dim
                 for jj in range(TD // 4):
                     for f in range(4):
                         col = 4 * tx + 4 * THREADS_N * jj + f
@@ -630,7 +694,7 @@ def _build_dq(HEAD_DIM, config, LEFT, RIGHT, SOFTCAP, ALIBI, IS_BF16, EVEN_HEAD_
 
 
 # Compiled kernels by (name, *the builder's arguments): ("preprocess", HEAD_DIM, IS_BF16, EVEN_HEAD_DIM),
-# ("dkdv" or "dq", HEAD_DIM, config, LEFT, RIGHT, SOFTCAP, ALIBI, IS_BF16, EVEN_HEAD_DIM, UNIT_STRIDE_D).
+# ("dkdv" or "dq", HEAD_DIM, config, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN, IS_BF16, EVEN_HEAD_DIM, UNIT_STRIDE_D).
 _KERNELS: dict[tuple, object] = {}
 _BUILDERS = {"preprocess": _build_preprocess, "dkdv": _build_dkdv, "dq": _build_dq}
 
@@ -659,21 +723,25 @@ def flash_attn_backward(
             numba's simulator.
         O, dO: (batch, heads, seqlen_q, head_dim), q's dtype; L: (batch, heads, seqlen_q), float32, natural
             log, from the forward (+inf on rows that see no key); any strides.
-        spec: what the forward computed (``fa2.spec.AttentionSpec``: scale, window, softcap, ALiBi slopes),
-            as in ``flash_attn_forward``; the slopes get no gradient.
+        spec: what the forward computed (``fa2.spec.AttentionSpec``: scale, window, softcap, ALiBi slopes,
+            and for a packed batch cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k), as in
+            ``flash_attn_forward``; the slopes get no gradient. Packed (spec.varlen): q, O, dO (1, heads,
+            total_q, head_dim), L (1, heads, total_q), k, v (1, heads_k, total_k, head_dim), each sequence's
+            rows given by the offsets, its gradients its own.
         config: the two kernels' blocks, for tuning; default ``bwd_block_config(padded_head_dim(head_dim))``.
 
     Returns:
         dq, dk, dv in the shapes and dtypes of q, k, v (dk, dv: (batch, heads_k, seqlen_k, head_dim), each
         key/value head's gradient summed over its group's query heads), contiguous; rows that see no key
-        get dq = 0, keys that no row sees dk = dv = 0.
+        get dq = 0, keys that no row sees dk = dv = 0. Packed: (1, heads, total_q, head_dim) and (1, heads_k,
+        total_k, head_dim); three kernel launches (preprocess, dK/dV, dQ) whatever the number of sequences,
+        no host sync.
     """
     batch, heads, seqlen_q, head_dim = q.shape
     heads_k, seqlen_k = k.shape[1], k.shape[2]
     if head_dim > MAX_HEAD_DIM:
         raise NotImplementedError(f"fa2-numba-cuda supports head_dim up to {MAX_HEAD_DIM}, got {head_dim}")
     _check_device(q)
-    _check_not_varlen(spec)
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
@@ -697,9 +765,13 @@ def flash_attn_backward(
         heads, group, seqlen_q, seqlen_k, head_dim, np.float32(spec.scale), np.float32(score_scale(spec)),
         *feature_args(spec, seqlen_q, seqlen_k, q.device),
     )
+    offsets = offset_args(spec, q.device)
+    # delta is per row: the preprocess runs on a packed batch as on one sequence of total_q rows. The main
+    # kernels' grids: per (sequence, head), the tiles of the longest sequence; the others' extra tiles exit.
+    grid_batch, grid_seqlen_q, grid_seqlen_k = grid_extent(spec, q, k)
     pre_m_tiles = -(-seqlen_q // PRE_BLOCK_M)
-    num_n_tiles = -(-seqlen_k // dkdv_config.BLOCK_N)
-    num_m_tiles = -(-seqlen_q // dq_config.BLOCK_M)
+    num_n_tiles = -(-grid_seqlen_k // dkdv_config.BLOCK_N)
+    num_m_tiles = -(-grid_seqlen_q // dq_config.BLOCK_M)
 
     # (kernel, grid, block, arguments), in order; a kernel with no rows to write is not launched.
     launches = []
@@ -709,17 +781,17 @@ def flash_attn_backward(
             32 * PRE_WARPS,
             (_flat(O), flat_do, flat_delta, *O.stride(), *dO.stride(), heads, seqlen_q, head_dim, pre_m_tiles),
         ))
-    if seqlen_k:
+    if seqlen_k and num_n_tiles * grid_batch:
         launches.append((
-            _kernel("dkdv", HEAD_DIM, dkdv_config, *flags), num_n_tiles * batch * heads_k,
+            _kernel("dkdv", HEAD_DIM, dkdv_config, *flags), num_n_tiles * grid_batch * heads_k,
             dkdv_config.THREADS_N * dkdv_config.THREADS_M,
-            (*inputs, _flat(dk), _flat(dv), *strides, *sizes, num_n_tiles),
+            (*inputs, _flat(dk), _flat(dv), *strides, *sizes, num_n_tiles, *offsets),
         ))
-    if seqlen_q:
+    if seqlen_q and num_m_tiles * grid_batch:
         launches.append((
-            _kernel("dq", HEAD_DIM, dq_config, *flags), num_m_tiles * batch * heads,
+            _kernel("dq", HEAD_DIM, dq_config, *flags), num_m_tiles * grid_batch * heads,
             dq_config.THREADS_M * dq_config.THREADS_N,
-            (*inputs, _flat(dq), *strides, *sizes, num_m_tiles),
+            (*inputs, _flat(dq), *strides, *sizes, num_m_tiles, *offsets),
         ))
     if simulated():
         for kernel, grid, block, args in launches:

@@ -29,10 +29,10 @@ of heads_k; query head h reads key/value head ``off_hk = h // group``, group = h
 arithmetic on the head as FlashAttention-2 does (K and V are never repeated or copied). ``group`` is a
 runtime argument: one compiled kernel serves every group size.
 
-What is computed comes as an ``fa2.spec.AttentionSpec``; its features are compile-time switches of the
-kernel (``Features``: window bounded on the left, on the right, softcap, ALiBi), their values runtime
-arguments (one kernel serves every window size, softcap and slope). Per query row i and key j, with diag =
-seqlen_k - seqlen_q, in this order:
+What is computed comes as an ``fa2.spec.AttentionSpec``; its features are compile-time switches of the kernel
+(``Features``: window bounded on the left, on the right, softcap, ALiBi; a packed batch, below), their values
+runtime arguments (one kernel serves every window size, softcap and slope). Per query row i and key j, with
+diag = seqlen_k - seqlen_q, in this order:
 
 - softcap c > 0: Q is pre-scaled by scale / c instead of scale · log2 e, and the score becomes
   tanh(s) · c · log2 e (``_tanh``: fp32, from exp2, which runs in the simulator as on the GPU);
@@ -49,6 +49,21 @@ seqlen_k - seqlen_q, in this order:
   cost follows the window; only tiles that cross a window edge or the end of the keys are masked.
 
 A row that sees no key gets O = 0 and L = +inf.
+
+Packed (variable-length) batches (``spec.varlen``, from ``fa2.varlen_attention``): q is (1, heads, total_q,
+head_dim) and k, v (1, heads_k, total_k, head_dim), any strides (views of flash-attn's (total, heads,
+head_dim) tensors); sequence s has the queries [cu_seqlens_q[s], cu_seqlens_q[s + 1]) and the keys
+[cu_seqlens_k[s], cu_seqlens_k[s + 1]) (int32 offsets on q's device); O is (1, heads, total_q, head_dim), L
+(1, heads, total_q). One launch: the grid is that of a dense batch of num_seqs sequences of max_seqlen_q
+queries, one block per (query tile, sequence·head). A block reads its sequence's offsets, exits at once if its
+tile starts past the sequence's end, and otherwise is the dense block on the sequence's rows with the
+sequence's own lengths Nq_s, Nk_s in place of seqlen_q and seqlen_k: the window bottom-right aligned per
+sequence (diag = Nk_s - Nq_s), the key tiles it skips, ALiBi's distance, slopes[s, h] (slopes (num_seqs,
+heads)), rows that see no key. Nothing is padded, and nothing is read back to the host. VARLEN is one more
+compile-time switch (``Features``): without it the offsets are never read and the dense kernel is unchanged
+(its PTX differs by two unread parameters). Not checked, as it would need a sync: offsets that decrease (each
+block clamps its sequence's rows into the tensor, so that they are wrong, never out of bounds) and sequences
+longer than max_seqlen_q (their rows past the grid's tiles are left unwritten).
 
 Inputs: fp32, fp16, or bf16 (passed as its raw 16-bit patterns, an int16 view, and widened in-kernel by a
 shift: numba has no bf16 arrays); any strides, nothing copied: the kernel gets flat views of the memory each
@@ -148,18 +163,22 @@ def _tanh(x):
 class Features(NamedTuple):
     """The compile-time switches an ``AttentionSpec`` becomes, part of every kernel's key (the forward's,
     the tensor-core forward's and the backward's): LEFT, RIGHT: the window bounds keys on that side (causal:
-    RIGHT with window_right = 0); SOFTCAP: scores are capped; ALIBI: scores get the ALiBi bias. The window
-    sizes, the softcap and the slopes are runtime arguments (``feature_args``)."""
+    RIGHT with window_right = 0); SOFTCAP: scores are capped; ALIBI: scores get the ALiBi bias; VARLEN: a
+    packed batch, each block reading its sequence's offsets (``offset_args``). The window sizes, the softcap
+    and the slopes are runtime arguments (``feature_args``). Without VARLEN the offsets are never read and
+    the kernels are those of a dense batch."""
 
     LEFT: bool
     RIGHT: bool
     SOFTCAP: bool
     ALIBI: bool
+    VARLEN: bool
 
 
 def features(spec: AttentionSpec) -> Features:
     left, right = spec.window
-    return Features(left != UNBOUNDED, right != UNBOUNDED, spec.softcap > 0, spec.alibi_slopes is not None)
+    return Features(left != UNBOUNDED, right != UNBOUNDED, spec.softcap > 0, spec.alibi_slopes is not None,
+                    spec.varlen)
 
 
 def feature_args(spec: AttentionSpec, seqlen_q: int, seqlen_k: int, device: torch.device) -> tuple:
@@ -187,6 +206,39 @@ def _no_slopes(device: torch.device):
     if flat is None:
         flat = _NO_SLOPES[device] = _flat(torch.zeros(1, dtype=torch.float32, device=device))
     return flat
+
+
+def grid_extent(spec: AttentionSpec, q: torch.Tensor, k: torch.Tensor) -> tuple[int, int, int]:
+    """(batch, seqlen_q, seqlen_k) that a kernel's grid spans: q's batch and lengths; for a packed batch
+    (spec.varlen), the number of sequences and max_seqlen_q, max_seqlen_k, the longest sequence's (tiles of a
+    shorter sequence past its end exit at once). Read from the spec, never from the offsets: no sync."""
+    if spec.varlen:
+        return spec.cu_seqlens_q.numel() - 1, spec.max_seqlen_q, spec.max_seqlen_k
+    return q.shape[0], q.shape[2], k.shape[2]
+
+
+def offset_args(spec: AttentionSpec, device: torch.device) -> tuple:
+    """The kernels' last two arguments: cu_seqlens_q and cu_seqlens_k as flat int32 arrays (a packed batch),
+    or without VARLEN one int32 zero on ``device`` twice, unread."""
+    if spec.varlen:
+        return _flat(spec.cu_seqlens_q.contiguous()), _flat(spec.cu_seqlens_k.contiguous())
+    flat = _NO_OFFSETS.get(device)
+    if flat is None:
+        flat = _NO_OFFSETS[device] = _flat(torch.zeros(1, dtype=torch.int32, device=device))
+    return flat, flat
+
+
+_NO_OFFSETS: dict[torch.device, object] = {}
+
+
+@cuda.jit(device=True)
+def sequence(cu_seqlens, s, total):
+    """Sequence s of a packed batch of ``total`` rows: (its first row, its length), as ints. The offsets are
+    clamped into [0, total] (a length below 0 becomes 0), so that offsets nobody checked (that would need a
+    sync) never take a block outside the tensors: wrong offsets give wrong rows, not wild accesses."""
+    start = min(max(int(cu_seqlens[s]), 0), total)
+    end = min(max(int(cu_seqlens[s + 1]), start), total)
+    return start, end - start
 
 
 def score_scale(spec: AttentionSpec) -> float:
@@ -261,8 +313,8 @@ def _tile_loader(HEAD_DIM, NUM_WARPS, EVEN_HEAD_DIM, UNIT_STRIDE_D, to_float):
     return load_tile
 
 
-def _build_kernel(HEAD_DIM, config, LEFT, RIGHT, SOFTCAP, ALIBI, IS_BF16, EVEN_HEAD_DIM, UNIT_STRIDE_D):
-    """The kernel for one padded head dim, block shape, ``Features`` (LEFT, RIGHT, SOFTCAP, ALIBI), input
+def _build_kernel(HEAD_DIM, config, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN, IS_BF16, EVEN_HEAD_DIM, UNIT_STRIDE_D):
+    """The kernel for one padded head dim, block shape, ``Features`` (LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN), input
     kind, whether head_dim is HEAD_DIM (EVEN_HEAD_DIM: no column checks) and whether q, k and v are
     contiguous along head_dim (UNIT_STRIDE_D: column addresses are constant offsets), all compile-time
     constants."""
@@ -292,23 +344,37 @@ def _build_kernel(HEAD_DIM, config, LEFT, RIGHT, SOFTCAP, ALIBI, IS_BF16, EVEN_H
         stride_kb, stride_kh, stride_kn, stride_kd,
         stride_vb, stride_vh, stride_vn, stride_vd,
         heads, group, seqlen_q, seqlen_k, head_dim, qk_scale, num_m_tiles,
-        window_left, window_right, softcap_log2, slopes, stride_ab, stride_ah,
+        window_left, window_right, softcap_log2, slopes, stride_ab, stride_ah, cu_seqlens_q, cu_seqlens_k,
     ):
         """One block: BLOCK_M query rows of one (batch, head). q: a flat view of a (B, H, N, D) tensor, k, v
         of (B, H // group, N, D) tensors, with the given element strides; o: (B, H, seqlen_q, head_dim) and
         lse: (B, H, seqlen_q), flat, contiguous; o in q's dtype, lse fp32. qk_scale: Q's pre-scale
         (``score_scale``); window_left, window_right, softcap_log2, slopes and their strides: as
-        ``feature_args`` gives them, read only where the kernel's Features say so."""
+        ``feature_args`` gives them, read only where the kernel's Features say so. VARLEN: B = 1, N the
+        packed totals, and the block's (tile, sequence·head) reads its sequence's rows from cu_seqlens_q
+        and cu_seqlens_k (``offset_args``); num_m_tiles covers max_seqlen_q."""
         # Key j is visible to query i iff i + diag - window_left <= j <= i + diag + window_right.
         diag = seqlen_k - seqlen_q
         start_m = (cuda.blockIdx.x % num_m_tiles) * BLOCK_M
         off_bh = cuda.blockIdx.x // num_m_tiles
-        off_b = off_bh // heads
+        off_b = off_bh // heads  # the batch; with VARLEN the sequence
         off_h = off_bh % heads
         # side-by-side: group
         # GQA: the group's query heads share key/value head off_hk, read in place (no repeated K, V).
         off_hk = off_h // group
         # side-by-side: end
+        if VARLEN:
+            # Sequence off_b: queries q_start .. q_start + seqlen_q of the packed q (and O, L), keys k_start ..
+            # k_start + seqlen_k of k and v; its own lengths (and their diag) stand for seqlen_q and seqlen_k
+            # from here on: the window's alignment, ALiBi's distance, the ends of the tiles. A tile past its
+            # end exits.
+            q_start, seqlen_q_s = sequence(cu_seqlens_q, off_b, seqlen_q)
+            k_start, seqlen_k = sequence(cu_seqlens_k, off_b, seqlen_k)
+            o_start = off_h * seqlen_q + q_start  # O's and L's row of the sequence's query 0
+            seqlen_q = seqlen_q_s
+            diag = seqlen_k - seqlen_q
+            if start_m >= seqlen_q:
+                return
         tx = cuda.threadIdx.x % THREADS_N
         ty = cuda.threadIdx.x // THREADS_N
 
@@ -335,13 +401,18 @@ def _build_kernel(HEAD_DIM, config, LEFT, RIGHT, SOFTCAP, ALIBI, IS_BF16, EVEN_H
             for c in range(TD):
                 acc[i, c] = 0.0
 
-        k_offset = off_b * stride_kb + off_hk * stride_kh
-        v_offset = off_b * stride_vb + off_hk * stride_vh
-        q_offset = off_b * stride_qb + off_h * stride_qh
+        if VARLEN:  # the sequence's first rows
+            q_offset = off_h * stride_qh + q_start * stride_qm
+            k_offset = off_hk * stride_kh + k_start * stride_kn
+            v_offset = off_hk * stride_vh + k_start * stride_vn
+        else:
+            k_offset = off_b * stride_kb + off_hk * stride_kh
+            v_offset = off_b * stride_vb + off_hk * stride_vh
+            q_offset = off_b * stride_qb + off_h * stride_qh
         # Q pre-scaled by qk_scale = scale · log2 e (with a softcap c: scale / c): S comes out of the loop
         # ready for exp2 (for tanh).
         load_tile(q_tile, q, q_offset, stride_qm, stride_qd, start_m, seqlen_q, head_dim, qk_scale)
-        # ALiBi's slope for this (batch, head), in base 2.
+        # ALiBi's slope for this (batch or sequence, head), in base 2.
         slope = slopes[uint64(off_b * stride_ab + off_h * stride_ah)] * float32(LOG2E) if ALIBI else float32(0.0)
         # side-by-side: end
 
@@ -458,6 +529,8 @@ def _build_kernel(HEAD_DIM, config, LEFT, RIGHT, SOFTCAP, ALIBI, IS_BF16, EVEN_H
 
         # side-by-side: epilogue
         # Epilogue: the row sum of the THREADS_N partials, then O = acc / l and L = m + log(l), each once.
+        if not VARLEN:
+            o_start = off_bh * seqlen_q  # O's and L's row of query 0 of this (batch, head)
         cuda.syncthreads()
         for i in range(TM):
             row_part[ty + THREADS_M * i, tx] = l_i[i]
@@ -471,7 +544,7 @@ def _build_kernel(HEAD_DIM, config, LEFT, RIGHT, SOFTCAP, ALIBI, IS_BF16, EVEN_H
                 # Rows that saw no key have l = 0: O = 0 and L = +inf (see fa2.attention). A NaN score
                 # makes l NaN, and O and L must then be NaN, not the no-key marker: != 0, not > 0.
                 inv_l = float32(1.0) / l_sum if l_sum != 0.0 else float32(0.0)
-                o_row = (off_bh * seqlen_q + row) * head_dim
+                o_row = (o_start + row) * head_dim
                 for jj in range(TD // 4):
                     for f in range(4):
                         col = 4 * tx + 4 * THREADS_N * jj + f
@@ -479,14 +552,15 @@ def _build_kernel(HEAD_DIM, config, LEFT, RIGHT, SOFTCAP, ALIBI, IS_BF16, EVEN_H
                             o[uint64(o_row + col)] = from_float(acc[i, 4 * jj + f] * inv_l)
                 if tx == 0:
                     L = (m_i[i] + math.log2(l_sum)) * LN2 if l_sum != 0.0 else math.inf
-                    lse[uint64(off_bh * seqlen_q + row)] = L
+                    lse[uint64(o_start + row)] = L
         # side-by-side: end
 
     # The simulator's jit takes no max_registers.
     return cuda.jit(_attn_fwd) if simulated() else cuda.jit(max_registers=MAX_REGISTERS)(_attn_fwd)
 
 
-# Compiled kernels by (HEAD_DIM, BlockConfig, LEFT, RIGHT, SOFTCAP, ALIBI, IS_BF16, EVEN_HEAD_DIM, UNIT_STRIDE_D).
+# Compiled kernels by (HEAD_DIM, BlockConfig, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN, IS_BF16, EVEN_HEAD_DIM,
+# UNIT_STRIDE_D).
 _KERNELS: dict[tuple, object] = {}
 
 
@@ -523,7 +597,13 @@ def flash_attn_forward(
                                                              0 0 0 0 1 1
             softcap (scores become softcap · tanh(scores / softcap), fp32); alibi_slopes ((batch, heads)
             float32 on q's device, any strides: scores get -slope · |i + seqlen_k - seqlen_q - j|). Every
-            combination runs in both kernels.
+            combination runs in both kernels. With cu_seqlens_q and cu_seqlens_k (spec.varlen, a packed
+            batch): q is (1, heads, total_q, head_dim) and k, v (1, heads_k, total_k, head_dim), sequence s
+            the rows [cu_seqlens_q[s], cu_seqlens_q[s + 1]) of q and [cu_seqlens_k[s], cu_seqlens_k[s + 1])
+            of k and v ((num_seqs + 1,) int32 on q's device, from 0 to the totals, non-decreasing: not
+            checked here), every feature above per sequence with its own seqlen_q and seqlen_k, alibi_slopes
+            (num_seqs, heads); the grid is sized by max_seqlen_q (a sequence longer than it leaves rows
+            unwritten).
         config: the block shape, for tuning; default ``block_config(padded_head_dim(head_dim))``, or for
             the tensor-core kernel ``forward_tc.tc_config(...)`` (a ``forward_tc.TensorCoreConfig``).
         tensor_cores: which kernel. None: the tensor-core kernel (``forward_tc``) for fp16 and bf16 with
@@ -534,10 +614,10 @@ def flash_attn_forward(
     Returns:
         O: (batch, heads, seqlen_q, head_dim), q's dtype. L: (batch, heads, seqlen_q), float32, natural log
         of the sum of exp of the final (capped, biased) scores; rows that see no key get O = 0 and L = +inf.
+        Packed: O (1, heads, total_q, head_dim), L (1, heads, total_q); one kernel launch, no host sync.
     """
     from fa2_numba_cuda import forward_tc  # imported here: forward_tc imports this module's helpers
 
-    _check_not_varlen(spec)
     if tensor_cores is None:
         tensor_cores = forward_tc.uses_tensor_cores(q)
     if tensor_cores:
@@ -556,13 +636,17 @@ def flash_attn_forward(
     unit_stride_d = q.stride(3) == k.stride(3) == v.stride(3) == 1
     is_bf16, even_head_dim = q.dtype == torch.bfloat16, head_dim == HEAD_DIM
     kernel = _kernel(HEAD_DIM, config, *features(spec), is_bf16, even_head_dim, unit_stride_d)
-    num_m_tiles = -(-seqlen_q // config.BLOCK_M)
+    # Packed: one block per (query tile of the longest sequence, sequence·head); the others' extra tiles exit.
+    grid_batch, grid_seqlen_q, _ = grid_extent(spec, q, k)
+    num_m_tiles = -(-grid_seqlen_q // config.BLOCK_M)
     group = heads // k.shape[1]  # query heads per key/value head (the interface checked the division)
-    grid, block = num_m_tiles * batch * heads, config.THREADS_M * config.THREADS_N
+    grid, block = num_m_tiles * grid_batch * heads, config.THREADS_M * config.THREADS_N
+    if grid == 0:
+        return O, L
     args = (
         *(_flat(t) for t in (q, k, v, O, L)), *q.stride(), *k.stride(), *v.stride(),
         heads, group, seqlen_q, k.shape[2], head_dim, np.float32(score_scale(spec)), num_m_tiles,
-        *feature_args(spec, seqlen_q, k.shape[2], q.device),
+        *feature_args(spec, seqlen_q, k.shape[2], q.device), *offset_args(spec, q.device),
     )
     if simulated():
         kernel[grid, block](*args)
@@ -588,16 +672,6 @@ def _check_device(q: torch.Tensor) -> None:
         raise ValueError(
             f"fa2-numba-cuda runs on CUDA tensors, got {q.device}; to run it on the CPU, in numba's CUDA "
             "simulator, set NUMBA_ENABLE_CUDASIM=1 before numba is imported"
-        )
-
-
-def _check_not_varlen(spec: AttentionSpec) -> None:
-    """Packed batches (spec.cu_seqlens_q) are not in this backend's kernels yet: refused, never run as one
-    sequence."""
-    if spec.varlen:
-        raise NotImplementedError(
-            "fa2-numba-cuda does not support variable-length (packed) batches (cu_seqlens) yet: issue 21; "
-            "fa2-pytorch does"
         )
 
 

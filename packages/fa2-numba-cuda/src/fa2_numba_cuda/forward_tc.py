@@ -49,15 +49,24 @@ the exponentials then take x with a scale of 1. Rows that see no key get O = 0 a
 seqlen_k need not be multiples of anything (tiles are zero-padded, padded keys masked), head_dim is padded
 to a multiple of 16 with zeros.
 
+Packed (variable-length) batches as ``fa2_numba_cuda.forward`` (``spec.varlen``; the VARLEN switch of
+``Features``): q (1, heads, total_q, head_dim), k, v (1, heads_k, total_k, head_dim), O and L in q's
+layout; one launch over (query tile of max_seqlen_q, sequence·head), each block reading its sequence's
+offsets, exiting before its first load where its tile starts past the sequence's end (the whole block:
+no barrier or warp-wide instruction is left waiting), and otherwise running on the sequence's rows with its
+own lengths (the window, its skipped tiles, ALiBi's slopes[s, h] and distance, rows that see no key, per
+sequence). cp.async needs the packed rows 16 B aligned, as a dense batch's (``_rows_16b_aligned``): a sequence's
+start only moves the rows, not their alignment.
+
 Which kernel runs: ``fa2_numba_cuda.forward.flash_attn_forward`` calls this one for fp16 and bf16 inputs
 with head_dim <= 128 on a CUDA device of compute capability 8.0 or newer (``uses_tensor_cores``), and its
 SIMT kernel otherwise (fp32, head_dim > 128, older GPUs, numba's simulator). An error in this kernel is
 raised, never answered by the other. Under numba's simulator this kernel runs only when asked for
 (``tensor_cores=True``), on ``mma.py``'s Python emulation of the instructions: slow, for tests.
 
-Launch: on torch's current CUDA stream; one compiled kernel per (padded head dim, TensorCoreConfig,
-Features, bf16 or fp16, head_dim == padded, cp.async or plain loads, head_dim even: O stored in pairs),
-cached; ``kernel_resources`` reports registers, shared and local memory of each.
+Launch: on torch's current CUDA stream, no host synchronisation; one compiled kernel per (padded head dim,
+TensorCoreConfig, Features, bf16 or fp16, head_dim == padded, cp.async or plain loads, head_dim even: O stored
+in pairs), cached; ``kernel_resources`` reports registers, shared and local memory of each.
 """
 
 from __future__ import annotations
@@ -80,6 +89,9 @@ from fa2_numba_cuda.forward import (
     _flat,
     feature_args,
     features,
+    grid_extent,
+    offset_args,
+    sequence,
     simulated,
 )
 from fa2_numba_cuda.mma import (
@@ -177,9 +189,10 @@ def _softcap_log2(s, qk_scale, softcap_log2):
     return cuda.fma(float32(-2.0) * softcap_log2, r, softcap_log2)
 
 
-def _build_kernel(HEAD_DIM, config, LEFT, RIGHT, SOFTCAP, ALIBI, IS_BF16, EVEN_HEAD_DIM, ASYNC_LOADS, O_PAIRS):
-    """The kernel for one padded head dim, block shape, ``Features`` (LEFT, RIGHT, SOFTCAP, ALIBI) and input
-    type; EVEN_HEAD_DIM: head_dim is
+def _build_kernel(HEAD_DIM, config, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN, IS_BF16, EVEN_HEAD_DIM, ASYNC_LOADS,
+                  O_PAIRS):
+    """The kernel for one padded head dim, block shape, ``Features`` (LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN) and
+    input type; EVEN_HEAD_DIM: head_dim is
     HEAD_DIM (no column checks); ASYNC_LOADS: cp.async copies 16 B chunks (q, k, v contiguous along
     head_dim, rows 16 B aligned); O_PAIRS: head_dim is even and o is an int32 view (two elements a store)."""
     NUM_WARPS, BLOCK_N, _, S_AHEAD = config
@@ -470,13 +483,15 @@ def _build_kernel(HEAD_DIM, config, LEFT, RIGHT, SOFTCAP, ALIBI, IS_BF16, EVEN_H
         stride_kb, stride_kh, stride_kn, stride_kd,
         stride_vb, stride_vh, stride_vn, stride_vd,
         heads, group, seqlen_q, seqlen_k, head_dim, qk_scale, negate_q, num_m_tiles,
-        window_left, window_right, softcap_log2, slopes, stride_ab, stride_ah,
+        window_left, window_right, softcap_log2, slopes, stride_ab, stride_ah, cu_seqlens_q, cu_seqlens_k,
     ):
         """One block: BLOCK_M query rows of one (batch, head). q, k, v: flat int16 views (fp16 or bf16 bit
         patterns) of (B, H, N, D) tensors, k and v with H // group heads, with the given element strides;
         o: (B, H, seqlen_q, head_dim), flat, contiguous, int32 pairs (O_PAIRS) or int16; lse: (B, H,
         seqlen_q) fp32, flat. The window, softcap and slopes arguments as ``forward.feature_args`` gives
-        them, read only where the kernel's Features say so."""
+        them, read only where the kernel's Features say so. VARLEN: B = 1, N the packed totals, and the
+        block's (tile, sequence·head) reads its sequence's rows from cu_seqlens_q and cu_seqlens_k
+        (``forward.offset_args``); num_m_tiles covers max_seqlen_q."""
         # Key j is visible to query i iff i + diag - window_left <= j <= i + diag + window_right.
         diag = seqlen_k - seqlen_q
         m_block = cuda.blockIdx.x % num_m_tiles
@@ -484,10 +499,22 @@ def _build_kernel(HEAD_DIM, config, LEFT, RIGHT, SOFTCAP, ALIBI, IS_BF16, EVEN_H
             m_block = num_m_tiles - 1 - m_block  # the longest rows first
         start_m = m_block * BLOCK_M
         off_bh = cuda.blockIdx.x // num_m_tiles
-        off_b = off_bh // heads
+        off_b = off_bh // heads  # the batch; with VARLEN the sequence
         off_h = off_bh % heads
         # GQA: the group's query heads share key/value head off_hk, read in place (no repeated K, V).
         off_hk = off_h // group
+        if VARLEN:
+            # Sequence off_b: queries q_start .. q_start + seqlen_q of the packed q (and O, L), keys k_start ..
+            # k_start + seqlen_k of k and v; its own lengths (and their diag) stand for seqlen_q and seqlen_k
+            # from here on. A tile past its end exits (the whole block, before any barrier or warp-wide
+            # instruction).
+            q_start, seqlen_q_s = sequence(cu_seqlens_q, off_b, seqlen_q)
+            k_start, seqlen_k = sequence(cu_seqlens_k, off_b, seqlen_k)
+            o_start = off_h * seqlen_q + q_start  # O's and L's row of the sequence's query 0
+            seqlen_q = seqlen_q_s
+            diag = seqlen_k - seqlen_q
+            if start_m >= seqlen_q:
+                return
         warp = cuda.threadIdx.x // 32
         lane = cuda.threadIdx.x % 32
         g = lane // 4  # the lane holds rows g and g + 8 of the warp's 16, columns 2 t and 2 t + 1 of each 8
@@ -496,9 +523,14 @@ def _build_kernel(HEAD_DIM, config, LEFT, RIGHT, SOFTCAP, ALIBI, IS_BF16, EVEN_H
         smem = cuda.shared.array(SMEM_SIZE, int16, alignment=SHARED_ALIGN)
         smem_base = shared_address(smem)
         q_base, k_base, v_base = global_address(q), global_address(k), global_address(v)
-        q_offset = off_b * stride_qb + off_h * stride_qh
-        k_offset = off_b * stride_kb + off_hk * stride_kh
-        v_offset = off_b * stride_vb + off_hk * stride_vh
+        if VARLEN:  # the sequence's first rows
+            q_offset = off_h * stride_qh + q_start * stride_qm
+            k_offset = off_hk * stride_kh + k_start * stride_kn
+            v_offset = off_hk * stride_vh + k_start * stride_vn
+        else:
+            q_offset = off_b * stride_qb + off_h * stride_qh
+            k_offset = off_b * stride_kb + off_hk * stride_kh
+            v_offset = off_b * stride_vb + off_hk * stride_vh
 
         # The byte addresses this lane gives ldmatrix: Q's rows (A), K's (B, keys as rows), V's (B, .trans).
         a_row, a_col = ldmatrix_a_row_col(lane)
@@ -549,7 +581,8 @@ def _build_kernel(HEAD_DIM, config, LEFT, RIGHT, SOFTCAP, ALIBI, IS_BF16, EVEN_H
         # block's 18 tiles.
         warp_lo = warp_m + diag - window_left if LEFT else 0
         warp_hi = min(warp_m + 16, seqlen_q) + diag + window_right if RIGHT else seqlen_k
-        # ALiBi's slope for this (batch, head), in base 2; with SCALED, the exponentials take final scores.
+        # ALiBi's slope for this (batch or sequence, head), in base 2; with SCALED, the exponentials take final
+        # scores.
         slope = slopes[uint64(off_b * stride_ab + off_h * stride_ah)] * float32(LOG2E) if ALIBI else float32(0.0)
         exp_scale = float32(1.0) if SCALED else qk_scale
         if begin_n < end_n:
@@ -634,6 +667,8 @@ def _build_kernel(HEAD_DIM, config, LEFT, RIGHT, SOFTCAP, ALIBI, IS_BF16, EVEN_H
                     pv_0(s, acc, alpha, rescale, v_lane)
 
         # Epilogue: the row sums over each quad, then O = acc / l and L = m + log(l), each once.
+        if not VARLEN:
+            o_start = off_bh * seqlen_q  # O's and L's row of query 0 of this (batch, head)
         for h in range(2):
             l_sum = l_i[h] + shfl_xor(l_i[h], 1)
             l_sum += shfl_xor(l_sum, 2)
@@ -642,7 +677,7 @@ def _build_kernel(HEAD_DIM, config, LEFT, RIGHT, SOFTCAP, ALIBI, IS_BF16, EVEN_H
                 # Rows that saw no key have l = 0: O = 0 and L = +inf (see fa2.attention). A NaN score
                 # makes l NaN, and O and L must then be NaN, not the no-key marker: != 0, not > 0.
                 inv_l = float32(1.0) / l_sum if l_sum != 0.0 else float32(0.0)
-                o_row = (off_bh * seqlen_q + row) * head_dim
+                o_row = (o_start + row) * head_dim
                 for c in range(O_TILES):
                     col = 8 * c + 2 * t
                     pair = pack(acc[c, 2 * h] * inv_l, acc[c, 2 * h + 1] * inv_l)
@@ -656,7 +691,7 @@ def _build_kernel(HEAD_DIM, config, LEFT, RIGHT, SOFTCAP, ALIBI, IS_BF16, EVEN_H
                             o[uint64(o_row + col + 1)] = int16(pair >> 16)
                 if t == 0:
                     L = (m_i[h] + math.log2(l_sum)) * LN2 if l_sum != 0.0 else math.inf
-                    lse[uint64(off_bh * seqlen_q + row)] = L
+                    lse[uint64(o_start + row)] = L
 
     if simulated():
         return cuda.jit(_attn_fwd_tc)
@@ -667,7 +702,7 @@ def _build_kernel(HEAD_DIM, config, LEFT, RIGHT, SOFTCAP, ALIBI, IS_BF16, EVEN_H
     return cuda.jit(_attn_fwd_tc)
 
 
-# Compiled kernels by (HEAD_DIM, TensorCoreConfig, LEFT, RIGHT, SOFTCAP, ALIBI, IS_BF16, EVEN_HEAD_DIM,
+# Compiled kernels by (HEAD_DIM, TensorCoreConfig, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN, IS_BF16, EVEN_HEAD_DIM,
 # ASYNC_LOADS, O_PAIRS).
 _KERNELS: dict[tuple, object] = {}
 
@@ -735,11 +770,16 @@ def flash_attn_forward(
 
                 causal, seqlen_q = 2, seqlen_k = 5:   1 1 1 1 0
                                                       1 1 1 1 1
+
+            With cu_seqlens_q and cu_seqlens_k (spec.varlen, a packed batch): q (1, heads, total_q,
+            head_dim), k, v (1, heads_k, total_k, head_dim), each sequence with its own lengths, as
+            ``fa2_numba_cuda.forward.flash_attn_forward`` describes.
         config: the block shape, for tuning; default ``tc_config(padded_head_dim(head_dim))``.
 
     Returns:
         O: (batch, heads, seqlen_q, head_dim), q's dtype. L: (batch, heads, seqlen_q), float32, natural log;
-        rows that see no key get O = 0 and L = +inf.
+        rows that see no key get O = 0 and L = +inf. Packed: O (1, heads, total_q, head_dim), L (1, heads,
+        total_q); one kernel launch.
     """
     batch, heads, seqlen_q, head_dim = q.shape
     if q.dtype not in (torch.float16, torch.bfloat16):
@@ -766,15 +806,19 @@ def flash_attn_forward(
     o_pairs = head_dim % 2 == 0
     kernel = _kernel(HEAD_DIM, config, *features(spec), q.dtype == torch.bfloat16, head_dim == HEAD_DIM,
                      async_loads, o_pairs)
-    num_m_tiles = -(-seqlen_q // (16 * config.NUM_WARPS))
+    # Packed: one block per (query tile of the longest sequence, sequence·head); the others' extra tiles exit.
+    grid_batch, grid_seqlen_q, _ = grid_extent(spec, q, k)
+    num_m_tiles = -(-grid_seqlen_q // (16 * config.NUM_WARPS))
     group = heads // k.shape[1]  # query heads per key/value head (the interface checked the division)
-    grid, block = num_m_tiles * batch * heads, 32 * config.NUM_WARPS
+    grid, block = num_m_tiles * grid_batch * heads, 32 * config.NUM_WARPS
+    if grid == 0:
+        return O, L
     o_view = O.view(torch.int32) if o_pairs else O.view(torch.int16)
     args = (
         *(_flat(t.view(torch.int16)) for t in (q, k, v)), _flat(o_view), _flat(L),
         *q.stride(), *k.stride(), *v.stride(),
         heads, group, seqlen_q, k.shape[2], head_dim, _score_scale(spec), spec.scale < 0, num_m_tiles,
-        *feature_args(spec, seqlen_q, k.shape[2], q.device),
+        *feature_args(spec, seqlen_q, k.shape[2], q.device), *offset_args(spec, q.device),
     )
     if simulated():
         kernel[grid, block](*args)
