@@ -13,8 +13,8 @@ imports the file). With it, ``flash_attn_shims.install`` puts fa2 under the name
 collection, and collection
 
 - deselects every item whose ``dropout_p`` is > 0 (fa2 has no dropout: the issue's "dropout aside");
-- skips, with the reason, the varlen tests on the backends without varlen kernels yet (fa2-numba-cuda,
-  issue #21; fa2-pytorch and fa2-triton run them), the paged-KV varlen items (``paged_kv_block_size``
+- skips, with the reason, the varlen tests on a backend without varlen kernels (none now: fa2-pytorch,
+  fa2-triton and fa2-numba-cuda run them), the paged-KV varlen items (``paged_kv_block_size``
   given: ``block_table``, issue #22) and the KV-cache test (issue #22), whose functions fa2.flash_attn does
   not have yet;
 - with FA2_FLASH_ATTN_SUBSET=quick, makes only the items of QUICK below (the rest is never collected):
@@ -63,7 +63,7 @@ QUICK = {
     "test_flash_attn_varlen_deterministic": {"d": {59, 128}, "seqlen_q": {113}, "seqlen_k": {203}},
 }
 # The backends whose kernels take packed sequences (cu_seqlens); the others raise NotImplementedError.
-VARLEN_BACKENDS = ("pytorch", "triton")
+VARLEN_BACKENDS = ("pytorch", "triton", "numba-cuda")
 VARLEN_NOT_YET = "issue 21: not yet in this backend's kernels"
 PAGED_NOT_YET = "flash_attn_varlen_func's block_table (paged KV cache) is not in fa2.flash_attn yet (issue #22)"
 KVCACHE_NOT_YET = "flash_attn_with_kvcache is not in fa2.flash_attn yet (issue #22)"
