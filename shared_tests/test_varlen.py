@@ -183,3 +183,22 @@ def test_offsets_checked_once_are_checked_again_after_an_in_place_change(monkeyp
         fa2.varlen_attention(**args, backend="pytorch")
     with pytest.raises(ValueError, match="cu_seqlens_q must run from 0 to the total length 12"):
         fa2.varlen_attention(**_bad(cu_seqlens_q=torch.tensor([0, 5, 13], dtype=torch.int32)), backend="pytorch")
+
+
+def test_offsets_outside_the_tensors_are_clamped_or_refused(backend, status, device):
+    """A middle offset past the total, which fa2.varlen_attention cannot see without reading every offset:
+    fa2-pytorch, which reads them, refuses it; the GPU backends' kernels clamp each sequence into [0,
+    total], so sequence 0 is all 12 rows and sequence 1 is empty, and nothing outside the tensors is read
+    or written."""
+    dtype = torch.float16 if status == "emulated" else torch.bfloat16
+    require_runnable(backend, status, device, dtype, (1, 2, 12, 12, 16))
+    q, k, v = (torch.randn(12, 2, 16, generator=torch.Generator().manual_seed(i)).to(device, dtype)
+               for i in range(3))
+    cu = torch.tensor([0, 100, 12], dtype=torch.int32, device=device)
+    if backend == "pytorch":
+        with pytest.raises(ValueError, match="cu_seqlens_q must be non-decreasing offsets within"):
+            fa2.varlen_attention(q, k, v, cu, cu, 12, 12, backend=backend)
+        return
+    O, L = fa2.varlen_attention(q, k, v, cu, cu, 12, 12, backend=backend)
+    t = lambda x: x.transpose(0, 1)
+    assert_matches_reference(t(O), L, t(q), t(k), t(v), False)

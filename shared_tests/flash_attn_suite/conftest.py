@@ -13,10 +13,8 @@ imports the file). With it, ``flash_attn_shims.install`` puts fa2 under the name
 collection, and collection
 
 - deselects every item whose ``dropout_p`` is > 0 (fa2 has no dropout: the issue's "dropout aside");
-- skips, with the reason, the varlen tests on a backend without varlen kernels (none now: fa2-pytorch,
-  fa2-triton and fa2-numba-cuda run them), the paged-KV varlen items (``paged_kv_block_size``
-  given: ``block_table``, issue #22) and the KV-cache test (issue #22), whose functions fa2.flash_attn does
-  not have yet;
+- skips, with the reason, the paged-KV varlen items (``paged_kv_block_size`` given: ``block_table``,
+  issue #22) and the KV-cache test (issue #22), whose functions fa2.flash_attn does not have yet;
 - with FA2_FLASH_ATTN_SUBSET=quick, makes only the items of QUICK below (the rest is never collected):
   chosen test functions on fewer head dims and sequence lengths, every flag of theirs kept.
 
@@ -52,8 +50,8 @@ QUICK = {
     "test_flash_attn_bwd_overflow": {},
     "test_flash_attn_bwd_transpose": {},
     "test_flash_attn_deterministic": {"d": {59, 128}, "seqlen_q": {113, 1023}, "seqlen_k": {203, 1024}},
-    # varlen (skipped on the backends without varlen kernels): random padding masks unpadded into packed
-    # sequences of different lengths, GQA, and both orders of seqlen_q / seqlen_k.
+    # varlen: random padding masks unpadded into packed sequences of different lengths, GQA, and both
+    # orders of seqlen_q / seqlen_k.
     "test_flash_attn_varlen_qkvpacked": {"d": {59, 128}, "seqlen": {97, 1025}, "deterministic": {False}},
     "test_flash_attn_varlen_output": {"d": {59, 128}, "seqlen_q": {113, 512}, "seqlen_k": {203, 256},
                                       "mha_type": {"gqa"}, "deterministic": {False}},
@@ -62,19 +60,14 @@ QUICK = {
     "test_flash_attn_bwd_varlen_overflow": {},
     "test_flash_attn_varlen_deterministic": {"d": {59, 128}, "seqlen_q": {113}, "seqlen_k": {203}},
 }
-# The backends whose kernels take packed sequences (cu_seqlens); the others raise NotImplementedError.
-VARLEN_BACKENDS = ("pytorch", "triton", "numba-cuda")
-VARLEN_NOT_YET = "issue 21: not yet in this backend's kernels"
 PAGED_NOT_YET = "flash_attn_varlen_func's block_table (paged KV cache) is not in fa2.flash_attn yet (issue #22)"
 KVCACHE_NOT_YET = "flash_attn_with_kvcache is not in fa2.flash_attn yet (issue #22)"
 
 
-def _not_yet(name: str, params: dict, backend: str) -> str | None:
-    """Why an item of flash-attn's suite cannot run on ``backend`` yet, or None."""
+def _not_yet(name: str, params: dict) -> str | None:
+    """Why an item of flash-attn's suite cannot run on fa2.flash_attn yet, or None."""
     if "kvcache" in name:
         return KVCACHE_NOT_YET
-    if "varlen" in name and backend not in VARLEN_BACKENDS:
-        return VARLEN_NOT_YET
     if "varlen" in name and params.get("paged_kv_block_size") is not None:
         return PAGED_NOT_YET
     return None
@@ -181,7 +174,7 @@ def pytest_collection_modifyitems(config, items):
         if upstream and (params.get("dropout_p", 0.0) > 0 or not _in_subset(subset, name, params)):
             dropped.append(item)
             continue
-        reason = _not_yet(name, params, backend) if upstream else None
+        reason = _not_yet(name, params) if upstream else None
         if reason is not None:
             item.add_marker(pytest.mark.skip(reason=reason))
         kept.append(item)

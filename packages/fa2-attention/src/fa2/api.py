@@ -174,9 +174,10 @@ def varlen_attention(
     torch.compile): that cu_seqlens_q and cu_seqlens_k start at 0 and end at total_q and total_k. Not checked (a sync over every entry): that the
     offsets never decrease and that no sequence is longer than max_seqlen_q / max_seqlen_k. fa2-pytorch,
     which reads every offset anyway, refuses decreasing ones (ValueError); the GPU backends' kernels, sized
-    by max_seqlen and reading the offsets themselves, skip a sequence whose offsets decrease, write rows
-    that two sequences claim twice, leave a sequence's rows past max_seqlen_q unwritten, and address
-    memory outside the tensors for middle offsets outside [0, total].
+    by max_seqlen and reading the offsets themselves, clamp each sequence's offsets into [0, total] (wrong
+    offsets give wrong rows, never accesses outside the tensors): a sequence whose offsets decrease is
+    empty, rows that two sequences claim are written twice, and a sequence's rows past max_seqlen_q are
+    not written.
 
     Raises:
         ValueError / TypeError: as fa2.attention, and for offsets of the wrong dtype, rank, device, length

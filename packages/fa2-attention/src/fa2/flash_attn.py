@@ -315,12 +315,12 @@ def flash_attn_varlen_func(
     decrease, and that no sequence is longer than max_seqlen_q / max_seqlen_k. Those are the caller's to
     get right, as with flash-attn, and what then happens is backend-defined: fa2-pytorch reads every
     offset anyway (it runs each sequence) and refuses decreasing ones (FlashAttnValueError), and computes a
-    sequence longer than max_seqlen_* in full; a kernel that sizes its grid by max_seqlen_* may leave the
-    rows of a longer sequence unwritten, with no error.
+    sequence longer than max_seqlen_* in full; fa2-triton's and fa2-numba-cuda's kernels size their grids
+    by max_seqlen_* and leave the rows of a longer sequence past it unwritten, with no error.
 
     Raises:
         NotImplementedError: dropout_p > 0; block_table given (issue #22); a backend that cannot run this
-            input (its message says why; fa2-triton and fa2-numba-cuda have no varlen kernels yet).
+            input (its message says why).
         FlashAttnValueError (RuntimeError, ValueError): q, k, v not of rank 3 or of disagreeing shapes;
             cu_seqlens_* not 1-D, empty, of different lengths, not contiguous, not on q's device, or not
             from 0 to total_q / total_k; a negative max_seqlen_*; alibi_slopes not (nheads,) or

@@ -363,6 +363,7 @@ def _build_kernel(HEAD_DIM, config, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN, IS_BF16
         # GQA: the group's query heads share key/value head off_hk, read in place (no repeated K, V).
         off_hk = off_h // group
         # side-by-side: end
+        # side-by-side: varlen
         if VARLEN:
             # Sequence off_b: queries q_start .. q_start + seqlen_q of the packed q (and O, L), keys k_start ..
             # k_start + seqlen_k of k and v; its own lengths (and their diag) stand for seqlen_q and seqlen_k
@@ -375,6 +376,7 @@ def _build_kernel(HEAD_DIM, config, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN, IS_BF16
             diag = seqlen_k - seqlen_q
             if start_m >= seqlen_q:
                 return
+        # side-by-side: end
         tx = cuda.threadIdx.x % THREADS_N
         ty = cuda.threadIdx.x // THREADS_N
 

@@ -250,6 +250,8 @@ def _varlen_forward(
     # Rows outside every sequence (before cu_seqlens_q[0], after cu_seqlens_q[-1]) see no key.
     O = torch.zeros(1, heads, total_q, head_dim, device=q.device, dtype=q.dtype)
     L = torch.full((1, heads, total_q), math.inf, device=q.device, dtype=torch.float32)
+    # side-by-side: varlen
+    # The offsets come to the host once; each sequence is then a dense problem on views of its rows.
     for s, (q_start, q_end, k_start, k_end) in enumerate(_sequences(spec, total_q, k.shape[2])):
         if q_start == q_end:
             continue
@@ -259,6 +261,7 @@ def _varlen_forward(
         )
         O[:, :, q_start:q_end] = O_s
         L[:, :, q_start:q_end] = L_s
+    # side-by-side: end
     return O, L
 
 

@@ -206,7 +206,7 @@ def _attn_bwd_dkdv(
     stride_dkb, stride_dkh, stride_dkn, stride_dkd,
     stride_dvb, stride_dvh, stride_dvn, stride_dvd,
     stride_sb, stride_sh, stride_delta, stride_dq_acc,
-    H, GROUP, N_Q, N_K, head_dim,
+    H, GROUP, N_Q, N_K, TOTAL_Q, TOTAL_K, head_dim,
     WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
     EVEN_D: tl.constexpr, ATOMIC_DQ: tl.constexpr, VARLEN: tl.constexpr, GQA: tl.constexpr,
@@ -227,7 +227,7 @@ def _attn_bwd_dkdv(
     off_hk = off_bhk % H_K
     start_n = (pid % num_n_tiles) * BLOCK_N
     # A packed batch: off_b is a sequence, and every length below is that sequence's own.
-    off_bt, q_start, k_start, N_Q, N_K = _sequence(Cu_q, Cu_k, off_b, N_Q, N_K, VARLEN)
+    off_bt, q_start, k_start, N_Q, N_K = _sequence(Cu_q, Cu_k, off_b, N_Q, N_K, TOTAL_Q, TOTAL_K, VARLEN)
     if VARLEN:
         if start_n >= N_K:
             return
@@ -369,7 +369,7 @@ def _attn_bwd_dq(
     stride_lb, stride_lh, stride_lm,
     stride_dqb, stride_dqh, stride_dqm, stride_dqd,
     stride_sb, stride_sh, stride_delta,
-    H, GROUP, N_Q, N_K, head_dim,
+    H, GROUP, N_Q, N_K, TOTAL_Q, TOTAL_K, head_dim,
     WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
     EVEN_D: tl.constexpr, VARLEN: tl.constexpr,
@@ -387,7 +387,7 @@ def _attn_bwd_dq(
     off_hk = off_h // GROUP
     start_m = (num_m_tiles - 1 - pid % num_m_tiles) * BLOCK_M
     # A packed batch: off_b is a sequence, and every length below is that sequence's own.
-    off_bt, q_start, k_start, N_Q, N_K = _sequence(Cu_q, Cu_k, off_b, N_Q, N_K, VARLEN)
+    off_bt, q_start, k_start, N_Q, N_K = _sequence(Cu_q, Cu_k, off_b, N_Q, N_K, TOTAL_Q, TOTAL_K, VARLEN)
     if VARLEN:
         if start_m >= N_Q:
             return
@@ -658,7 +658,7 @@ def launch_dq(q, k, v, dO, L, delta, dq, spec: AttentionSpec, t: KernelTiles):
         (q, k, v, dO, L, delta, dq, L if a.slopes is None else a.slopes, cu_q, cu_k,
          spec.scale, a.qk_scale, a.cap_scale, a.window_left, a.window_right,
          *q.stride(), *k.stride(), *v.stride(), *dO.stride(), *L.stride(), *dq.stride(), *a.slope_strides,
-         delta.stride(1), heads, group_size(q, k), seqlen_q, seqlen_k, head_dim),
+         delta.stride(1), heads, group_size(q, k), seqlen_q, seqlen_k, q.shape[2], k.shape[2], head_dim),
         dict(WINDOW_LEFT=a.WINDOW_LEFT, WINDOW_RIGHT=a.WINDOW_RIGHT, SOFTCAP=a.SOFTCAP, ALIBI=a.ALIBI,
              BLOCK_M=t.block_m, BLOCK_N=t.block_n, HEAD_DIM=HEAD_DIM, EVEN_D=HEAD_DIM == head_dim,
              VARLEN=spec.varlen),
@@ -689,7 +689,8 @@ def launch_dkdv(q, k, v, dO, L, delta, dk, dv, dq_acc, spec: AttentionSpec, t: K
         (q, k, v, dO, L, delta, dk, dv, delta if dq_acc is None else dq_acc, L if a.slopes is None else a.slopes,
          cu_q, cu_k, spec.scale, a.qk_scale, a.cap_scale, a.window_left, a.window_right,
          *q.stride(), *k.stride(), *v.stride(), *dO.stride(), *L.stride(), *dk.stride(), *dv.stride(),
-         *a.slope_strides, delta.stride(1), dq_acc_stride, heads, group, seqlen_q, seqlen_k, head_dim),
+         *a.slope_strides, delta.stride(1), dq_acc_stride, heads, group, seqlen_q, seqlen_k, q.shape[2],
+         k.shape[2], head_dim),
         dict(WINDOW_LEFT=a.WINDOW_LEFT, WINDOW_RIGHT=a.WINDOW_RIGHT, SOFTCAP=a.SOFTCAP, ALIBI=a.ALIBI,
              BLOCK_M=t.block_m, BLOCK_N=t.block_n, HEAD_DIM=HEAD_DIM,
              EVEN_D=HEAD_DIM == head_dim, ATOMIC_DQ=dq_acc is not None, VARLEN=spec.varlen, GQA=group > 1),

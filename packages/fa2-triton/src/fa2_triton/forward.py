@@ -181,16 +181,25 @@ def _tiles_in_window(start, end, n_other, diag, window_left, window_right, BLOCK
 
 
 @triton.jit
-def _sequence(Cu_q, Cu_k, off_b, N_Q, N_K, VARLEN: tl.constexpr):
+def _rows(Cu, s, total):
+    """Sequence s's (first row, length) from offsets Cu, clamped into [0, total] (a length below 0 becomes
+    0): offsets nobody checked (that would need a sync) give wrong rows, never accesses outside the
+    tensors."""
+    start = tl.minimum(tl.maximum(tl.load(Cu + s), 0), total)
+    end = tl.minimum(tl.maximum(tl.load(Cu + s + 1), start), total)
+    return start.to(tl.int64), end - start
+
+
+@triton.jit
+def _sequence(Cu_q, Cu_k, off_b, N_Q, N_K, TOTAL_Q, TOTAL_K, VARLEN: tl.constexpr):
     """(batch index into the tensors, first query row, first key row, seqlen_q, seqlen_k) of batch entry
     off_b. VARLEN: off_b is a sequence of the packed batch, whose queries are rows [Cu_q[off_b],
-    Cu_q[off_b + 1]) of the single batch entry of q (keys likewise from Cu_k); N_Q and N_K, the longest
-    sequence's lengths, only sized the grid. Otherwise the dense batch entry off_b, from row 0."""
+    Cu_q[off_b + 1]) of the TOTAL_Q rows of q's single batch entry (keys likewise from Cu_k); N_Q and N_K,
+    the longest sequence's lengths, only sized the grid. Otherwise the dense batch entry off_b, from row 0."""
     if VARLEN:
-        q_start = tl.load(Cu_q + off_b)
-        k_start = tl.load(Cu_k + off_b)
-        return 0, q_start.to(tl.int64), k_start.to(tl.int64), tl.load(Cu_q + off_b + 1) - q_start, \
-            tl.load(Cu_k + off_b + 1) - k_start
+        q_start, n_q = _rows(Cu_q, off_b, TOTAL_Q)
+        k_start, n_k = _rows(Cu_k, off_b, TOTAL_K)
+        return 0, q_start, k_start, n_q, n_k
     else:
         return off_b, 0, 0, N_Q, N_K
 
@@ -303,7 +312,7 @@ def _attn_fwd(
     stride_ob, stride_oh, stride_om, stride_od,
     stride_lb, stride_lh, stride_lm,
     stride_sb, stride_sh,
-    H, GROUP, N_Q, N_K, head_dim,
+    H, GROUP, N_Q, N_K, TOTAL_Q, TOTAL_K, head_dim,
     WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
     EVEN_D: tl.constexpr, USE_TMA: tl.constexpr, FUSED_EXP2: tl.constexpr, LAZY_RESCALE: tl.constexpr,
@@ -345,7 +354,7 @@ def _attn_fwd(
     start_m = tile_m * BLOCK_M
     # side-by-side: varlen
     # A packed batch: off_b is a sequence, and every length below is that sequence's own.
-    off_bt, q_start, k_start, N_Q, N_K = _sequence(Cu_q, Cu_k, off_b, N_Q, N_K, VARLEN)
+    off_bt, q_start, k_start, N_Q, N_K = _sequence(Cu_q, Cu_k, off_b, N_Q, N_K, TOTAL_Q, TOTAL_K, VARLEN)
     if VARLEN:
         if start_m >= N_Q:
             return
@@ -681,9 +690,10 @@ def flash_attn_forward(
             max_seqlen_k): q (1, heads, total_q, head_dim), k, v (1, heads_k, total_k, head_dim), sequence s
             the rows [cu_seqlens[s], cu_seqlens[s + 1]), every mask and bias aligned per sequence, slopes
             (num_seqs, heads). The offsets are read by the kernel, never by the host, so nothing checks
-            the ones fa2.varlen_attention does not: a sequence whose offsets decrease is skipped, rows that
-            two sequences claim are written twice, rows past max_seqlen_q in a sequence are not written,
-            and offsets outside [0, total] address memory outside the tensors (flash-attn's kernels alike).
+            the ones fa2.varlen_attention does not; each program clamps its sequence's offsets into
+            [0, total], so wrong ones give wrong rows, never accesses outside the tensors: a sequence whose
+            offsets decrease is empty, rows that two sequences claim are written twice, and rows past
+            max_seqlen_q in a sequence are not written.
         tiles: BLOCK_M, BLOCK_N (powers of two >= 16), num_warps, num_stages and the levers; default
             ``tiles_for`` (for a packed batch at max_seqlen_k, passing over warp specialisation).
 
@@ -796,7 +806,7 @@ def _launch(q, k, v, O, L, spec: AttentionSpec, tiles: Tiles | None = None):
             (q_arg, k_arg, v_arg, o_arg, L, L if s.slopes is None else s.slopes, cu_q, cu_k,
              s.qk_scale, s.cap_scale, alibi_scale, s.window_left, s.window_right,
              *q.stride(), *k.stride(), *v.stride(), *O.stride(), *L.stride(), *s.slope_strides,
-             heads, group, seqlen_q, seqlen_k, head_dim),
+             heads, group, seqlen_q, seqlen_k, q.shape[2], k.shape[2], head_dim),
             dict(WINDOW_LEFT=s.WINDOW_LEFT, WINDOW_RIGHT=s.WINDOW_RIGHT, SOFTCAP=s.SOFTCAP, ALIBI=s.ALIBI,
                  BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, HEAD_DIM=HEAD_DIM,
                  EVEN_D=HEAD_DIM == head_dim, USE_TMA=use_tma, FUSED_EXP2=fused_exp2,
