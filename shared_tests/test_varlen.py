@@ -10,6 +10,7 @@ Backends without a packed path raise NotImplementedError (a skip, with their mes
 from __future__ import annotations
 
 import itertools
+import random
 
 import pytest
 import torch
@@ -32,6 +33,11 @@ def _case(lens_q, lens_k, h, h_k, d, causal=False, window=(-1, -1), softcap=0.0,
     return pytest.param(case, id="-".join(parts))
 
 
+def _random_lengths(n, longest, seed):
+    rng = random.Random(seed)
+    return [rng.randint(0, longest) for _ in range(n)], [rng.randint(0, longest) for _ in range(n)]
+
+
 # Lengths of 0 and 1, Nq != Nk both ways within a batch, lengths around 16-, 32-, 64- and 128-row tiles.
 CASES = [
     _case([5, 0, 7, 1], [5, 3, 0, 4], 4, 2, 16, causal=True),
@@ -43,6 +49,10 @@ CASES = [
     # small enough for numba's simulator (the cases above with features are over its budget): a window with
     # softcap and ALiBi per sequence, GQA, lengths 0 and 1, Nq != Nk, 33 and 40 around 32-row and -key tiles
     _case([33, 1, 0, 6], [40, 2, 3, 0], 4, 2, 16, window=(7, 2), softcap=4.0, alibi="seq"),
+    # Random lengths (seeded): eight sequences of 0 to 150 queries and, independently, keys, straddling
+    # every tile edge the backends use; causal, and a two-sided window with softcap and GQA.
+    _case(*_random_lengths(8, 150, seed=21), 2, 1, 32, causal=True),
+    _case(*_random_lengths(8, 150, seed=22), 4, 2, 64, window=(40, 9), softcap=6.0),
 ]
 
 
