@@ -64,7 +64,8 @@ finds them, when the mask is None:
    Under torch.compile position_ids are not read (the check is data-dependent) and a packed row would run
    as one sequence: pass the cu_seq_lens keywords there. A batch of more than one row is never read as
    packed from its position_ids (as in that path).
-fa2.varlen_attention then makes its own one sync a layer (its offsets' first and last entries); a backend
+fa2.varlen_attention then checks the offsets' first and last entries with one sync the first time it meets
+an offsets tensor (every layer gets the same one; inference-mode tensors are checked every call); a backend
 without a packed path (``NotImplementedError``) refuses the call.
 """
 
