@@ -178,21 +178,24 @@ def test_offsets_on_another_device_are_refused():
         fa2.varlen_attention(**args, backend="pytorch")
 
 
-def test_offsets_checked_once_are_checked_again_after_an_in_place_change(monkeypatch):
+def test_offsets_checked_once_are_checked_again_after_an_in_place_change(backend, status, device, monkeypatch):
     """The totals' sync is paid once per offsets tensor (its version counter): the same tensor again is not
     read, and one changed in place, or a new one, is checked again."""
-    args = _bad()
+    require_runnable(backend, status, device, torch.float32, (1, 2, 12, 12, 16))
+    args = {name: x.to(device) if isinstance(x, torch.Tensor) else x for name, x in _bad().items()}
     reads = []
     real_stack = torch.stack
     monkeypatch.setattr(torch, "stack", lambda *a, **kw: reads.append(1) or real_stack(*a, **kw))
-    fa2.varlen_attention(**args, backend="pytorch")
-    fa2.varlen_attention(**args, backend="pytorch")
+    fa2.varlen_attention(**args, backend=backend)
+    fa2.varlen_attention(**args, backend=backend)
     assert len(reads) == 1
     args["cu_seqlens_k"][-1] = 11
     with pytest.raises(ValueError, match="cu_seqlens_k must run from 0 to the total length 12"):
-        fa2.varlen_attention(**args, backend="pytorch")
+        fa2.varlen_attention(**args, backend=backend)
+    args["cu_seqlens_k"][-1] = 12
+    args["cu_seqlens_q"] = torch.tensor([0, 5, 13], dtype=torch.int32, device=device)
     with pytest.raises(ValueError, match="cu_seqlens_q must run from 0 to the total length 12"):
-        fa2.varlen_attention(**_bad(cu_seqlens_q=torch.tensor([0, 5, 13], dtype=torch.int32)), backend="pytorch")
+        fa2.varlen_attention(**args, backend=backend)
 
 
 def test_offsets_outside_the_tensors_are_clamped_or_refused(backend, status, device):
