@@ -427,24 +427,12 @@ def flash_attn_varlen_kvpacked_func(
 def _flash_attn(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                 return_attn_probs, backend):
     _check_tensors(q, k, v)
-    softcap = _softcap(softcap)
-    _check_dropout(dropout_p, softcap)
-    _check_alibi(alibi_slopes, q)
-    if not isinstance(causal, bool):
-        raise FlashAttnTypeError(f"causal must be a bool, got {type(causal).__name__} {causal!r}")
-    window = _window(window_size, k.shape[1], causal)
     head_dim = q.shape[-1]
-    # flash-attn's default, head_dim ** -0.5 of the unpadded head dim (1 / sqrt(d) can differ in the last bit).
-    scale = head_dim ** (-0.5) if softmax_scale is None else softmax_scale
-
-    pad = -head_dim % 8
-    if pad:
-        q, k, v = (F.pad(x, (0, pad)) for x in (q, k, v))
+    q, k, v, scale, window, softcap = _options(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
+                                               alibi_slopes, q.shape[0], k.shape[1])
     O, L = attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale=scale, window=window,
                      softcap=softcap, alibi_slopes=alibi_slopes, backend=backend)
-    out = O.transpose(1, 2)
-    if pad:
-        out = out[..., :head_dim]
+    out = O.transpose(1, 2)[..., :head_dim]
     return (out, L, None) if return_attn_probs else out
 
 
@@ -454,18 +442,9 @@ def _flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_se
     batch = _check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, q)
     max_seqlen_q = _max_seqlen("max_seqlen_q", max_seqlen_q)
     max_seqlen_k = _max_seqlen("max_seqlen_k", max_seqlen_k)
-    softcap = _softcap(softcap)
-    _check_dropout(dropout_p, softcap)
-    _check_alibi(alibi_slopes, q, batch)
-    if not isinstance(causal, bool):
-        raise FlashAttnTypeError(f"causal must be a bool, got {type(causal).__name__} {causal!r}")
-    window = _window(window_size, max_seqlen_k, causal)
     head_dim = q.shape[-1]
-    scale = head_dim ** (-0.5) if softmax_scale is None else softmax_scale
-
-    pad = -head_dim % 8
-    if pad:
-        q, k, v = (F.pad(x, (0, pad)) for x in (q, k, v))
+    q, k, v, scale, window, softcap = _options(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
+                                               alibi_slopes, batch, max_seqlen_k)
     try:
         out, lse = varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                     scale=scale, window=window, softcap=softcap, alibi_slopes=alibi_slopes,
@@ -476,9 +455,29 @@ def _flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_se
         if isinstance(e, FlashAttnValueError):
             raise
         raise FlashAttnValueError(str(e)) from e
-    if pad:
-        out = out[..., :head_dim]
+    out = out[..., :head_dim]
     return (out, lse, None) if return_attn_probs else out
+
+
+def _options(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, batch: int,
+             seqlen_k: int):
+    """The checks and normalisations the dense and varlen functions share, in flash-attn's order: (q, k, v
+    padded along headdim to a multiple of 8 (the kernels' unit; the output is cut back), scale, window,
+    softcap). batch: the batch size (varlen: the number of sequences), for the ALiBi slopes' shape;
+    seqlen_k: what a window side is compared against (varlen: max_seqlen_k)."""
+    softcap = _softcap(softcap)
+    _check_dropout(dropout_p, softcap)
+    _check_alibi(alibi_slopes, q, batch)
+    if not isinstance(causal, bool):
+        raise FlashAttnTypeError(f"causal must be a bool, got {type(causal).__name__} {causal!r}")
+    window = _window(window_size, seqlen_k, causal)
+    head_dim = q.shape[-1]
+    # flash-attn's default, head_dim ** -0.5 of the unpadded head dim (1 / sqrt(d) can differ in the last bit).
+    scale = head_dim ** (-0.5) if softmax_scale is None else softmax_scale
+    pad = -head_dim % 8
+    if pad:
+        q, k, v = (F.pad(x, (0, pad)) for x in (q, k, v))
+    return q, k, v, scale, window, softcap
 
 
 def _check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, q: torch.Tensor) -> int:
@@ -584,8 +583,8 @@ def _softcap(softcap) -> float:
         return api._softcap(softcap)
 
 
-def _check_alibi(slopes, q: torch.Tensor, batch: int | None = None) -> None:
-    """batch: the batch size (default q.shape[0]; varlen: the number of sequences)."""
+def _check_alibi(slopes, q: torch.Tensor, batch: int) -> None:
+    """batch: the batch size (varlen: the number of sequences)."""
     if slopes is None:
         return
     if not isinstance(slopes, torch.Tensor):
@@ -595,7 +594,6 @@ def _check_alibi(slopes, q: torch.Tensor, batch: int | None = None) -> None:
     if slopes.device != q.device:
         raise FlashAttnValueError(f"alibi_slopes must be on q's device {q.device}, got {slopes.device}")
     heads = q.shape[-2]
-    batch = q.shape[0] if batch is None else batch
     if tuple(slopes.shape) not in ((heads,), (batch, heads)):
         raise FlashAttnValueError(
             f"alibi_slopes must have shape (nheads,) = ({heads},) or (batch_size, nheads) = ({batch}, {heads}), "
