@@ -40,6 +40,26 @@ class AttentionSpec:
             each sequence's own (its Nq, Nk). alibi_slopes is then (num_seqs, heads).
         max_seqlen_q, max_seqlen_k: the longest sequence's lengths (at least; 0 without cu_seqlens), for
             sizing a grid without reading the offsets.
+
+    KV-cache attention (``fa2.kvcache_attention``, a backend's ``kvcache_forward``) adds:
+        cache_seqlens: None, or (batch,) int32 on q's device: K_b, the keys row b of q attends to, keys
+            [0, K_b) of its cache (after any append). Masks are aligned on K_b: query i sees key j iff
+            leftpad_b <= j < K_b and i + K_b - Nq - left <= j <= i + K_b - Nq + right; ALiBi adds
+            -slope · |i + K_b - Nq - j|. With Nq = 2, K_b = 5, leftpad_b = 1 and causal::
+
+                0 1 1 1 0
+                0 1 1 1 1
+
+        cache_leftpad: None, or (batch,) int32: leftpad_b, the first key row b sees (the keys before it are
+            padding).
+        cache_batch_idx: None, or (batch,) int32: row b of q reads cache row cache_batch_idx[b] of a
+            contiguous cache (default b). Never with a block table.
+        block_table: None, or (batch, pages_per_seq) int32: a paged cache; key j of row b is row
+            j % page_size of page block_table[b, j // page_size].
+        num_splits: how many key ranges one (batch, key/value head) is split into, merged by their
+            logsumexp; 0: the backend picks; 1: no split.
+        With cu_seqlens_q also set (flash-attn's varlen function with a block table), q is packed as
+        above and batch is the number of sequences, each sequence's Nq its own.
     """
 
     scale: float
@@ -51,6 +71,16 @@ class AttentionSpec:
     cu_seqlens_k: torch.Tensor | None = None
     max_seqlen_q: int = 0
     max_seqlen_k: int = 0
+    cache_seqlens: torch.Tensor | None = None
+    cache_leftpad: torch.Tensor | None = None
+    cache_batch_idx: torch.Tensor | None = None
+    block_table: torch.Tensor | None = None
+    num_splits: int = 0
+
+    @property
+    def paged(self) -> bool:
+        """The KV cache is paged (block_table given)."""
+        return self.block_table is not None
 
     @property
     def varlen(self) -> bool:
