@@ -9,6 +9,8 @@ import math
 
 import torch
 
+from fa2.spec import AttentionSpec
+
 
 def causal_mask(
     seqlen_q: int, seqlen_k: int, device: torch.device | str = "cpu", rows: torch.Tensor | None = None
@@ -151,4 +153,87 @@ def varlen_attention(
                              scale, window=window, softcap=softcap, alibi_slopes=slopes, upcast=upcast)
         O[rows] = O_s.transpose(0, 1)
         L[:, rows] = L_s
+    return O, L
+
+
+def kvcache_rows(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, spec: AttentionSpec):
+    """Row b of a KV-cache attention as the dense problem it is, for each b: (rows, k_b, v_b, slopes_b).
+
+    ``rows``: the index of row b's queries along q's dim 2, a slice (q[:, :, rows] with batch b, or the packed
+    slice [cu_seqlens_q[b], cu_seqlens_q[b + 1]) of q[0]); k_b, v_b: (heads_k, K_b - leftpad_b, head_dim),
+    keys [leftpad_b, K_b) of row b's cache (its contiguous row cache_batch_idx[b], or gathered through its
+    block table); slopes_b: row b's (heads,) ALiBi slopes or None. Attention of row b's queries over exactly
+    these keys with spec's window, softcap and slopes is row b's KV-cache attention: relative to the slice, key
+    j' = j - leftpad_b and Nk = K_b - leftpad_b, so i + Nk - Nq - j' = i + K_b - Nq - j, the distance the
+    contract aligns the window and ALiBi on. Reads spec's tensors on the host (a sync per call).
+
+    Raises:
+        ValueError: a cache length beyond the cache's capacity, or a page id or cache_batch_idx outside the
+            cache.
+    """
+    batch = spec.cache_seqlens.shape[0]
+    seqlens = spec.cache_seqlens.tolist()
+    leftpad = [0] * batch if spec.cache_leftpad is None else spec.cache_leftpad.tolist()
+    if spec.paged:
+        page_size = k_cache.shape[2]
+        capacity = spec.block_table.shape[1] * page_size
+        pages = spec.block_table.tolist()
+        if any(not 0 <= p < k_cache.shape[0] for row in pages for p in row):
+            raise ValueError(f"block_table holds page ids outside [0, {k_cache.shape[0]}): {pages}")
+    else:
+        capacity = k_cache.shape[2]
+        cache_rows = list(range(batch)) if spec.cache_batch_idx is None else spec.cache_batch_idx.tolist()
+        if any(not 0 <= r < k_cache.shape[0] for r in cache_rows):
+            raise ValueError(f"cache_batch_idx must lie in [0, {k_cache.shape[0]}), got {cache_rows}")
+    if any(not 0 <= n <= capacity for n in seqlens):
+        raise ValueError(f"cache_seqlens must lie in [0, {capacity}] (the cache's capacity), got {seqlens}")
+    bounds = None if spec.cu_seqlens_q is None else spec.cu_seqlens_q.tolist()
+    for b in range(batch):
+        lo, hi = leftpad[b], seqlens[b]
+        if spec.paged:
+            j = torch.arange(lo, max(lo, hi), device=k_cache.device)
+            page = spec.block_table[b].to(k_cache.device)[j // page_size]
+            k_b, v_b = (c[page, :, j % page_size].transpose(0, 1) for c in (k_cache, v_cache))
+        else:
+            k_b, v_b = k_cache[cache_rows[b], :, lo:hi], v_cache[cache_rows[b], :, lo:hi]
+        slopes = spec.alibi_slopes
+        slopes = None if slopes is None else slopes.expand(batch, q.shape[1])[b]
+        rows = slice(b, b + 1) if bounds is None else slice(bounds[b], bounds[b + 1])
+        yield rows, k_b, v_b, slopes
+
+
+def kvcache_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, spec: AttentionSpec, *, upcast: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``attention`` over each row's cached keys, the contract of a backend's ``kvcache_forward``.
+
+    Arguments:
+        q: (batch, heads, seqlen_q, head_dim), or with spec.cu_seqlens_q (1, heads, total_q, head_dim), row b
+            the queries [cu_seqlens_q[b], cu_seqlens_q[b + 1]).
+        k_cache, v_cache: (batch_cache, heads_k, seqlen_cache, head_dim), row b reading cache row
+            spec.cache_batch_idx[b] (or b); or, with spec.block_table, (num_pages, heads_k, page_size,
+            head_dim), key j of row b at row j % page_size of page block_table[b, j // page_size].
+        spec: an AttentionSpec with cache_seqlens (batch,) (K_b), and cache_leftpad, cache_batch_idx,
+            block_table as they apply; scale, window, softcap, alibi_slopes ((batch, heads), any strides) as
+            for attention. num_splits changes nothing here.
+        upcast: as ``attention``: True for float64 ground truth, False for the naive same-precision yardstick.
+
+    Returns:
+        O: q's shape, float64 (or q's dtype); L: q.shape[:-1], float64 (or float32). Query i of row b sees key
+        j iff leftpad_b <= j < K_b and i + K_b - Nq - left <= j <= i + K_b - Nq + right, ALiBi adds -slope ·
+        |i + K_b - Nq - j|; rows that see no key (and, packed, rows outside every sequence): O = 0, L = +inf.
+        Each row is ``attention`` on its keys [leftpad_b, K_b) (``kvcache_rows``).
+    """
+    dtype = torch.float64 if upcast else q.dtype
+    O = torch.zeros(q.shape, dtype=dtype, device=q.device)
+    L = torch.full(q.shape[:-1], math.inf, dtype=torch.float64 if upcast else torch.float32, device=q.device)
+    for rows, k_b, v_b, slopes in kvcache_rows(q, k_cache, v_cache, spec):
+        q_b = q[rows] if spec.cu_seqlens_q is None else q[:, :, rows]
+        O_b, L_b = attention(q_b, k_b[None], v_b[None], False, spec.scale, window=spec.window,
+                             softcap=spec.softcap, alibi_slopes=None if slopes is None else slopes[None],
+                             upcast=upcast)
+        if spec.cu_seqlens_q is None:
+            O[rows], L[rows] = O_b, L_b
+        else:
+            O[:, :, rows], L[:, :, rows] = O_b, L_b
     return O, L
