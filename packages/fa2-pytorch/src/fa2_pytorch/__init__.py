@@ -3,6 +3,7 @@
 from fa2_pytorch.autograd import FlashAttention2
 from fa2_pytorch.backward import flash_attn_backward
 from fa2_pytorch.forward import flash_attn_forward
+from fa2_pytorch.kvcache import kvcache_forward
 
 NAME = "pytorch"
 
@@ -12,4 +13,4 @@ def availability() -> tuple[str, str]:
     return "native", "plain PyTorch ops on CPU or CUDA tensors"
 
 
-__all__ = ["NAME", "FlashAttention2", "availability", "flash_attn_backward", "flash_attn_forward"]
+__all__ = ["NAME", "FlashAttention2", "availability", "flash_attn_backward", "flash_attn_forward", "kvcache_forward"]
