@@ -7,6 +7,7 @@ import triton
 from fa2_triton.autograd import FlashAttention2
 from fa2_triton.backward import flash_attn_backward
 from fa2_triton.forward import INTERPRETED, flash_attn_forward
+from fa2_triton.kvcache import kvcache_forward
 
 NAME = "triton"
 
@@ -24,4 +25,4 @@ def availability() -> tuple[str, str]:
     )
 
 
-__all__ = ["NAME", "FlashAttention2", "availability", "flash_attn_backward", "flash_attn_forward"]
+__all__ = ["NAME", "FlashAttention2", "availability", "flash_attn_backward", "flash_attn_forward", "kvcache_forward"]

@@ -1,0 +1,352 @@
+"""Attention against a KV cache as Triton kernels: split-KV (flash-decoding) over contiguous or paged caches.
+
+Decoding asks a few query tokens against a long cache: the forward's grid, one program per (query tile,
+batch·head), would have batch·heads programs each reading its whole cache, too few to keep the GPU's memory
+busy, and the query heads of one group would each read the same keys again. Here one program owns a
+(key range, batch row, key/value head) and takes every query of the group, all seqlen_q tokens of the
+GROUP query heads that share the key/value head, as the rows of its tile, row r being token r // GROUP of
+query head hk · GROUP + r % GROUP: each cached key is read once per key/value head, and the key ranges
+(splits) make batch · heads_k · splits programs, enough to fill the GPU when batch · heads_k alone is not.
+
+``_kvcache_fwd`` runs the FA2 online softmax of ``forward.py`` (log2 domain, the same softcap, ALiBi and
+mask arithmetic) over the key tiles of its range that some row sees, and writes either the final O and L
+(one split) or its range's O (normalised, fp32) and L into a partial buffer with a leading split axis, which
+``_kvcache_combine`` merges row by row: L = log Σ_s exp(L_s), O = Σ_s exp(L_s - L) · O_s (``fa2.combine``'s
+merge), ranges a row sees no key of (L_s = +inf) weighing nothing.
+
+Row b of q attends to keys [0, K_b) of its cache, K_b = cache_seqlens[b], and query i sees key j iff
+leftpad_b <= j < K_b and i + K_b - Nq - left <= j <= i + K_b - Nq + right (the bounded sides only). With
+Nq = 2, K_b = 6, leftpad_b = 1 and window (2, 0)::
+
+    0 1 1 1 0 0
+    0 0 1 1 1 0        (K_b = 6: the last key is 5; query 1 sees 3, 4, 5 ... and 5 only if right >= 0)
+
+Key j of row b lives, in a contiguous cache, at row j of cache entry cache_batch_idx[b] (or b); in a paged
+one (PAGED), at row j % PAGE_SIZE of page block_table[b, j // PAGE_SIZE], looked up per key row, so any
+page size works, and pages need not be tile-aligned. Every index read from the device (cache_seqlens,
+cache_leftpad, cache_batch_idx, the block table, cu_seqlens_q) is clamped into its tensor: wrong values
+give wrong rows, never accesses outside the tensors. Nothing is read on the host and nothing but torch's
+allocator allocates, so a call can be captured in a CUDA graph.
+
+Limits: head_dim from 1 to 256 (HEAD_DIM pads it to a power of two >= 16, masked); float32, float16,
+bfloat16 (not bfloat16 in the interpreter, as the forward); forward only.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+from fa2.spec import AttentionSpec
+
+from fa2_triton.forward import INTERPRETED, LOG2_E, MAX_HEAD_DIM, Tiles, _check_device, _rows, _tanh, score_args
+from fa2_triton.launch import launch, on_device
+
+
+@triton.jit
+def _kvcache_fwd(
+    Q, K, V, O, L, Slopes, Seqlens, Leftpad, BatchIdx, BlockTable, Cu_q,
+    qk_scale, cap_scale, alibi_scale, window_left, window_right,
+    stride_qb, stride_qh, stride_qm, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_os, stride_ob, stride_oh, stride_om, stride_od,
+    stride_ls, stride_lb, stride_lh, stride_lm,
+    stride_sb, stride_sh, stride_tb, stride_tp,
+    H, GROUP, N_Q, TOTAL_Q, CAPACITY, NUM_ROWS, PAGE_SIZE, PAGES_PER_SEQ, CHUNK, NUM_SPLITS, head_dim,
+    WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
+    LEFTPAD: tl.constexpr, BATCH_IDX: tl.constexpr, PAGED: tl.constexpr, VARLEN: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+    EVEN_D: tl.constexpr,
+):
+    """One program per (split, batch row, key/value head, tile of GROUP · seqlen_q query rows).
+
+    Q: (B, H, N_Q, D) (VARLEN: (1, H, TOTAL_Q, D), row b's queries [Cu_q[b], Cu_q[b + 1]), N_Q the
+    longest). K, V: (NUM_ROWS, H // GROUP, CAPACITY, D) contiguous-cache entries, or PAGED (NUM_ROWS pages,
+    H // GROUP, PAGE_SIZE, D) with BlockTable (B, PAGES_PER_SEQ). Seqlens (B,) int32: K_b; Leftpad,
+    BatchIdx (B,) int32 where LEFTPAD, BATCH_IDX. Split s visits keys [s · CHUNK, (s + 1) · CHUNK), CHUNK a
+    multiple of BLOCK_N. With NUM_SPLITS > 1, O and L have a leading split axis (stride_os, stride_ls), O in
+    fp32, each split's own softmax; otherwise (strides 0 there) O, in q's dtype, and L are final. The score arguments as ``_attn_fwd``'s
+    (FUSED_EXP2 always off here: the scale is applied before the max)."""
+    pid = tl.program_id(0)
+    split = pid % NUM_SPLITS
+    rest = pid // NUM_SPLITS
+    HK = H // GROUP
+    off_hk = rest % HK
+    rest = rest // HK
+    num_b = tl.num_programs(0) // (NUM_SPLITS * HK * tl.cdiv(GROUP * N_Q, BLOCK_M))
+    off_b = rest % num_b
+    tile_m = rest // num_b
+
+    # side-by-side: kvcache rows
+    # This row's queries (a packed batch: its sequence's) and keys, every index clamped into its tensor.
+    if VARLEN:
+        q_start, n_q = _rows(Cu_q, off_b, TOTAL_Q)
+        off_bt = 0
+    else:
+        q_start = 0
+        n_q = N_Q
+        off_bt = off_b
+    n_rows = GROUP * n_q
+    start_r = tile_m * BLOCK_M
+    if start_r >= n_rows:
+        return
+    seqlen_k = tl.minimum(tl.maximum(tl.load(Seqlens + off_b), 0), CAPACITY)
+    first_k = 0
+    if LEFTPAD:
+        first_k = tl.minimum(tl.maximum(tl.load(Leftpad + off_b), 0), seqlen_k)
+    if PAGED:
+        cache_row = 0
+    elif BATCH_IDX:
+        cache_row = tl.minimum(tl.maximum(tl.load(BatchIdx + off_b), 0), NUM_ROWS - 1).to(tl.int64)
+    else:
+        cache_row = off_b.to(tl.int64)
+    # side-by-side: end
+
+    # side-by-side: kvcache group
+    # Row r of the tile: token r // GROUP of query head off_hk · GROUP + r % GROUP.
+    offs_r = start_r + tl.arange(0, BLOCK_M)
+    offs_i = offs_r // GROUP
+    offs_h = off_hk * GROUP + offs_r % GROUP
+    row_ok = offs_r < n_rows
+    # side-by-side: end
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    d_ok = offs_d < head_dim
+    diag = seqlen_k - n_q
+
+    q_ptrs = (Q + tl.cast(off_bt, tl.int64) * stride_qb + offs_h.to(tl.int64)[:, None] * stride_qh
+              + (q_start + offs_i).to(tl.int64)[:, None] * stride_qm + offs_d.to(tl.int64)[None, :] * stride_qd)
+    q = tl.load(q_ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    alibi = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if ALIBI:
+        alibi = tl.load(Slopes + off_b.to(tl.int64) * stride_sb + offs_h.to(tl.int64) * stride_sh,
+                        mask=row_ok, other=0.0) * alibi_scale
+
+    # side-by-side: kvcache range
+    # The keys some row of the tile sees, cut to this split's range: whole tiles of the split, skipped
+    # entirely outside the window.
+    first_i = start_r // GROUP
+    last_i = (tl.minimum(start_r + BLOCK_M, n_rows) - 1) // GROUP
+    lo = first_k
+    hi = seqlen_k
+    if WINDOW_LEFT:
+        lo = tl.maximum(lo, first_i + diag - window_left)
+    if WINDOW_RIGHT:
+        hi = tl.minimum(hi, last_i + diag + window_right + 1)
+    lo = tl.maximum(lo, split * CHUNK) // BLOCK_N * BLOCK_N
+    hi = tl.minimum(hi, (split + 1) * CHUNK)
+    # side-by-side: end
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    kv_head = off_hk.to(tl.int64)
+    for start_n in tl.range(lo, hi, BLOCK_N):
+        cols = start_n + offs_n
+        load_ok = cols < hi
+        # side-by-side: kvcache pages
+        if PAGED:
+            # Each key row's page from the block table: pages of any size, tile-aligned or not.
+            page = tl.load(BlockTable + off_b.to(tl.int64) * stride_tb + (cols // PAGE_SIZE) * stride_tp,
+                           mask=load_ok, other=0)
+            page = tl.minimum(tl.maximum(page, 0), NUM_ROWS - 1).to(tl.int64)
+            k_rows = page * stride_kb + (cols % PAGE_SIZE).to(tl.int64) * stride_kn
+            v_rows = page * stride_vb + (cols % PAGE_SIZE).to(tl.int64) * stride_vn
+        else:
+            k_rows = cache_row * stride_kb + cols.to(tl.int64) * stride_kn
+            v_rows = cache_row * stride_vb + cols.to(tl.int64) * stride_vn
+        # side-by-side: end
+        kv_mask = load_ok[:, None] & d_ok[None, :]
+        k = tl.load(K + kv_head * stride_kh + k_rows[:, None] + offs_d.to(tl.int64)[None, :] * stride_kd,
+                    mask=kv_mask, other=0.0)
+        qk = tl.dot(q, tl.trans(k), input_precision="ieee")  # [BLOCK_M, BLOCK_N]
+        if SOFTCAP:
+            qk = _tanh(qk * cap_scale, SOFTCAP)
+        qk = qk * qk_scale  # log2 units
+        if ALIBI:
+            distance = tl.abs(offs_i[:, None] + diag - cols[None, :]).to(tl.float32)
+            qk = qk - alibi[:, None] * distance
+        # side-by-side: kvcache mask
+        visible = (cols[None, :] >= first_k) & (cols[None, :] < seqlen_k) & row_ok[:, None]
+        if WINDOW_RIGHT:
+            visible = visible & (cols[None, :] <= offs_i[:, None] + diag + window_right)
+        if WINDOW_LEFT:
+            visible = visible & (cols[None, :] >= offs_i[:, None] + diag - window_left)
+        qk = tl.where(visible, qk, float("-inf"))
+        # side-by-side: end
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(qk - m_safe[:, None])
+        alpha = tl.math.exp2(m_i - m_safe)
+        v = tl.load(V + kv_head * stride_vh + v_rows[:, None] + offs_d.to(tl.int64)[None, :] * stride_vd,
+                    mask=kv_mask, other=0.0)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision="ieee")
+        l_i = l_i * alpha + tl.sum(p, 1)
+        m_i = m_new
+
+    empty = l_i == 0.0
+    l_safe = tl.where(empty, 1.0, l_i)
+    acc = acc / l_safe[:, None]
+    lse = tl.where(empty, float("inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)
+    rows64 = (q_start + offs_i).to(tl.int64)
+    heads64 = offs_h.to(tl.int64)
+    base_l = L + split.to(tl.int64) * stride_ls + tl.cast(off_bt, tl.int64) * stride_lb
+    tl.store(base_l + heads64 * stride_lh + rows64 * stride_lm, lse, mask=row_ok)
+    o_ptrs = (O + split.to(tl.int64) * stride_os + tl.cast(off_bt, tl.int64) * stride_ob
+              + heads64[:, None] * stride_oh + rows64[:, None] * stride_om + offs_d.to(tl.int64)[None, :] * stride_od)
+    tl.store(o_ptrs, acc.to(O.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+
+
+@triton.jit
+def _kvcache_combine(
+    O_part, L_part, O, L,
+    stride_ps, stride_pr, stride_pd, stride_qs, stride_qr,
+    stride_or, stride_od, stride_lr,
+    NUM_SPLITS, head_dim,
+    BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr,
+):
+    """One program per query row (its (batch, head, token) flattened to r): L = logsumexp_s L_part[s, r],
+    O[r] = Σ_s exp(L_part[s, r] - L) · O_part[s, r], the splits with L_part = +inf (no key seen) left out;
+    a row that no split saw: O = 0, L = +inf."""
+    r = tl.program_id(0).to(tl.int64)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, HEAD_DIM)
+    s_ok = offs_s < NUM_SPLITS
+    lse = tl.load(L_part + offs_s * stride_qs + r * stride_qr, mask=s_ok, other=float("inf"))
+    # +inf (a split that saw nothing) holds no probability mass: -inf in the logsumexp.
+    lse = tl.where(lse == float("inf"), float("-inf"), lse)
+    m = tl.max(lse, 0)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp(lse - m_safe)
+    total = tl.sum(w, 0)
+    empty = total == 0.0
+    w = w / tl.where(empty, 1.0, total)
+    parts = tl.load(O_part + offs_s[:, None] * stride_ps + r * stride_pr + offs_d[None, :] * stride_pd,
+                    mask=(w > 0.0)[:, None] & (offs_d < head_dim)[None, :], other=0.0)
+    out = tl.sum(parts * w[:, None], 0)
+    tl.store(O + r * stride_or + offs_d * stride_od, out.to(O.dtype.element_ty), mask=offs_d < head_dim)
+    tl.store(L + r * stride_lr, tl.where(empty, float("inf"), m_safe + tl.log(total)))
+
+
+def kvcache_forward(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    spec: AttentionSpec) -> tuple[torch.Tensor, torch.Tensor]:
+    """Arguments:
+        q: (batch, heads, seqlen_q, head_dim), any strides; with spec.cu_seqlens_q, (1, heads, total_q,
+            head_dim), batch being the sequences.
+        k_cache, v_cache: (batch_cache, heads_k, seqlen_cache, head_dim), or with spec.block_table
+            (num_pages, heads_k, page_size, head_dim); any strides; heads a multiple of heads_k.
+        spec: the scale, window, softcap and ALiBi slopes ((batch, heads)) as ``flash_attn_forward``'s, and
+            the cache fields (``fa2.spec.AttentionSpec``): cache_seqlens (batch,) int32 (K_b, always
+            given), cache_leftpad, cache_batch_idx, block_table, num_splits (0: ``num_splits``).
+
+    Returns:
+        O: q's shape and dtype, contiguous; L: q.shape[:-1], float32. Rows that see no key: O = 0, L = +inf.
+
+    Raises:
+        NotImplementedError: head_dim above 256; bfloat16 under the interpreter.
+        RuntimeError: tensors on a device this build of the kernels cannot run on.
+    """
+    batch_t, heads, seqlen_t, head_dim = q.shape
+    _check_device(q)
+    if head_dim > MAX_HEAD_DIM:
+        raise NotImplementedError(f"fa2-triton's KV-cache kernel supports head_dim up to {MAX_HEAD_DIM}, got {head_dim}")
+    O = torch.empty(q.shape, device=q.device, dtype=q.dtype)
+    L = torch.empty(q.shape[:-1], device=q.device, dtype=torch.float32)
+    batch = spec.cache_seqlens.numel()
+    seqlen_q = spec.max_seqlen_q if spec.varlen else seqlen_t
+    heads_k = k_cache.shape[1]
+    if O.numel() == 0 or batch == 0 or seqlen_q == 0 or heads_k == 0:
+        if O.numel():
+            O.zero_()
+            L.fill_(float("inf"))
+        return O, L
+    group = heads // heads_k
+    if spec.paged:
+        page_size, pages_per_seq = k_cache.shape[2], spec.block_table.shape[1]
+        capacity = page_size * pages_per_seq
+    else:
+        page_size, pages_per_seq, capacity = 1, 1, k_cache.shape[2]
+    tiles = _tiles(head_dim, q.dtype, group * seqlen_q)
+    m_tiles = triton.cdiv(group * seqlen_q, tiles.block_m)
+    programs = batch * heads_k * m_tiles
+    splits = spec.num_splits or num_splits(programs, triton.cdiv(capacity, tiles.block_n), q.device)
+    splits = max(1, min(splits, triton.cdiv(max(capacity, 1), tiles.block_n)))
+    chunk = triton.cdiv(triton.cdiv(max(capacity, 1), splits), tiles.block_n) * tiles.block_n
+    if splits > 1:
+        O_out = torch.empty((splits, *q.shape), device=q.device, dtype=torch.float32)
+        L_out = torch.empty((splits, *q.shape[:-1]), device=q.device, dtype=torch.float32)
+        o_strides, l_strides = O_out.stride(), L_out.stride()
+    else:
+        O_out, L_out = O, L
+        o_strides, l_strides = (0, *O.stride()), (0, *L.stride())
+    s = score_args(spec, q.dtype)
+    HEAD_DIM = max(16, triton.next_power_of_2(head_dim))
+    stand_in = spec.cache_seqlens
+    slopes = stand_in if s.slopes is None else s.slopes
+    table = spec.block_table if spec.paged else stand_in
+    with on_device(q.device):
+        launch(
+            _kvcache_fwd, splits * programs,
+            (q, k_cache, v_cache, O_out, L_out, slopes, spec.cache_seqlens,
+             stand_in if spec.cache_leftpad is None else spec.cache_leftpad,
+             stand_in if spec.cache_batch_idx is None else spec.cache_batch_idx, table,
+             spec.cu_seqlens_q if spec.varlen else stand_in,
+             s.qk_scale, s.cap_scale, LOG2_E, s.window_left, s.window_right,
+             *q.stride(), *k_cache.stride(), *v_cache.stride(), *o_strides, *l_strides, *s.slope_strides,
+             *(table.stride() if spec.paged else (0, 0)),
+             heads, group, seqlen_q, seqlen_t, capacity, k_cache.shape[0], page_size, pages_per_seq, chunk,
+             splits, head_dim),
+            dict(WINDOW_LEFT=s.WINDOW_LEFT, WINDOW_RIGHT=s.WINDOW_RIGHT, SOFTCAP=s.SOFTCAP, ALIBI=s.ALIBI,
+                 LEFTPAD=spec.cache_leftpad is not None, BATCH_IDX=spec.cache_batch_idx is not None,
+                 PAGED=spec.paged, VARLEN=spec.varlen, BLOCK_M=tiles.block_m,
+                 BLOCK_N=tiles.block_n, HEAD_DIM=HEAD_DIM, EVEN_D=HEAD_DIM == head_dim),
+            dict(num_warps=tiles.num_warps, num_stages=tiles.num_stages),
+        )
+        if splits > 1:
+            rows = O.numel() // head_dim
+            parts, lses = O_out.view(splits, rows, head_dim), L_out.view(splits, rows)
+            launch(
+                _kvcache_combine, rows,
+                (parts, lses, O.view(rows, head_dim), L.view(rows), *parts.stride(), *lses.stride(),
+                 head_dim, 1, 1, splits, head_dim),
+                dict(BLOCK_S=max(2, triton.next_power_of_2(splits)), HEAD_DIM=HEAD_DIM),
+                dict(num_warps=4 if HEAD_DIM >= 128 else 1, num_stages=1),
+            )
+    return O, L
+
+
+def _tiles(head_dim: int, dtype: torch.dtype, rows: int):
+    """The split kernel's launch: BLOCK_M covers the group's query rows (at least tl.dot's 16), BLOCK_N
+    keeps a key tile near 16 KB (the bytes in flight a memory-bound loop needs), 8 warps from D = 256."""
+    width = 2 if dtype in (torch.float16, torch.bfloat16) else 4
+    HEAD_DIM = max(16, triton.next_power_of_2(head_dim))
+    block_n = max(16, min(128, 16384 // (HEAD_DIM * width)))
+    block_m = max(16, min(64 if HEAD_DIM <= 128 else 32, triton.next_power_of_2(rows)))
+    return Tiles(block_m, block_n, 8 if HEAD_DIM >= 256 else 4, 3)
+
+
+def num_splits(programs: int, key_tiles: int, device: torch.device) -> int:
+    """How many key ranges to split each (batch row, key/value head) into: the fewest whose grid fills the
+    GPU's program slots (``_slots``) nearly as well as the best count up to 128 does (flash-attn's rule:
+    within 85% of the best wave efficiency), keeping at least 4 key tiles a split."""
+    slots = _slots(device)
+    if programs >= slots:
+        return 1
+    most = max(1, min(128, key_tiles // 4))
+    def efficiency(s):
+        n = programs * s
+        return n / (triton.cdiv(n, slots) * slots)
+    best = max(efficiency(s) for s in range(1, most + 1))
+    return next(s for s in range(1, most + 1) if efficiency(s) >= 0.85 * best)
+
+
+@functools.cache
+def _slots(device: torch.device) -> int:
+    """Programs of the split kernel that run at once: two per SM (its shared memory: three stages of K and V
+    tiles of 16 KB). The interpreter: 8."""
+    if INTERPRETED or device.type != "cuda":
+        return 8
+    return 2 * torch.cuda.get_device_properties(device).multi_processor_count
