@@ -139,6 +139,7 @@ def varlen_attention(
     window: tuple[int, int] = (-1, -1),
     softcap: float = 0.0,
     alibi_slopes: torch.Tensor | None = None,
+    block_table: torch.Tensor | None = None,
     backend: str | None = None,
 ) -> AttentionOutput:
     """FlashAttention-2 on a packed batch of sequences of different lengths, without padding.
@@ -160,6 +161,11 @@ def varlen_attention(
                 . . . 1 1
         alibi_slopes: None, or float32 (heads,) or (num_seqs, heads) on q's device; the distance is each
             sequence's own, |i + Nk_s - Nq_s - j|.
+        block_table: None, or (num_seqs, pages_per_seq) int32 on q's device: the keys and values are in a
+            paged KV cache, k and v (num_pages, page_size, heads_k, head_dim), sequence s's keys
+            [0, cu_seqlens_k[s + 1] - cu_seqlens_k[s]) at row j % page_size of page
+            block_table[s, j // page_size]. Run by the backend's KV-cache kernels (``fa2.kvcache_attention``:
+            split-KV, forward only); the totals of cu_seqlens_k are then not checked against k.
         backend: as fa2.attention. fa2-pytorch reads the offsets (one device sync a call) and runs each
             sequence; fa2-triton runs the whole batch in one launch of each kernel, the offsets read on the
             device; a backend without a packed path raises NotImplementedError.
@@ -183,6 +189,11 @@ def varlen_attention(
         ValueError / TypeError: as fa2.attention, and for offsets of the wrong dtype, rank, device, length
             or totals, and max_seqlen that is not a non-negative int.
     """
+    if block_table is not None:
+        from fa2 import kvcache
+
+        return kvcache.varlen_paged(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+                                    scale, window, softcap, alibi_slopes, block_table, backend)
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or t.dim() != 3:
             shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
@@ -213,8 +224,9 @@ def _dispatch(q, k, v, spec: AttentionSpec, backend: str | None) -> tuple[torch.
     return forward_any_rank(impl.flash_attn_forward, q, k, v, spec)
 
 
-def _check_offsets(q: torch.Tensor, k: torch.Tensor, cu_q, cu_k) -> int:
-    """The number of sequences of checked cu_seqlens_q and cu_seqlens_k (one device sync for the totals)."""
+def _check_offsets(q: torch.Tensor, k: torch.Tensor | None, cu_q, cu_k) -> int:
+    """The number of sequences of checked cu_seqlens_q and cu_seqlens_k (one device sync for the totals;
+    k None: cu_seqlens_k's total is not checked)."""
     for name, cu in (("cu_seqlens_q", cu_q), ("cu_seqlens_k", cu_k)):
         if not isinstance(cu, torch.Tensor):
             raise TypeError(f"{name} must be an int32 torch.Tensor, got {type(cu).__name__}")
@@ -229,10 +241,11 @@ def _check_offsets(q: torch.Tensor, k: torch.Tensor, cu_q, cu_k) -> int:
             f"cu_seqlens_q and cu_seqlens_k must have the same length (num_seqs + 1), got {cu_q.numel()} and "
             f"{cu_k.numel()}"
         )
-    if not (_checked_before(cu_q, q.shape[0]) and _checked_before(cu_k, k.shape[0])):
-        first_q, last_q, first_k, last_k = torch.stack([cu_q[0], cu_q[-1], cu_k[0], cu_k[-1]]).tolist()
-        for name, cu, first, last, total in (("cu_seqlens_q", cu_q, first_q, last_q, q.shape[0]),
-                                             ("cu_seqlens_k", cu_k, first_k, last_k, k.shape[0])):
+    # k None: paged keys (fa2.kvcache.varlen_paged), whose offsets' total is no size of k.
+    checks = [("cu_seqlens_q", cu_q, q.shape[0])] + ([] if k is None else [("cu_seqlens_k", cu_k, k.shape[0])])
+    if not all(_checked_before(cu, total) for _, cu, total in checks):
+        ends = torch.stack([end for _, cu, _ in checks for end in (cu[0], cu[-1])]).tolist()
+        for (name, cu, total), first, last in zip(checks, ends[0::2], ends[1::2]):
             if first != 0 or last != total:
                 raise ValueError(
                     f"{name} must run from 0 to the total length {total} of its tensor, got {first} ... {last}"

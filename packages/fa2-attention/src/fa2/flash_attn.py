@@ -47,8 +47,18 @@ Errors: where flash-attn's C++ checks raise (RuntimeError), this module raises `
 ``FlashAttnTypeError``, subclasses of RuntimeError and of ValueError / TypeError, so that code catching
 either flash-attn's type or fa2's convention catches them.
 
-The KV-cache function ``flash_attn_with_kvcache`` and ``flash_attn_varlen_func``'s paged KV
-(``block_table``) are not here yet (issue #22).
+The KV-cache function ``flash_attn_with_kvcache`` is one ``fa2.kvcache_attention`` on (batch, nheads,
+seqlen, headdim) views of the caller's tensors and caches (the caches written in place through those
+views); ``flash_attn_varlen_func`` with a ``block_table`` (paged KV) runs the same KV-cache kernels on its
+packed queries::
+
+    from fa2.flash_attn import flash_attn_with_kvcache
+    out = flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=lens, causal=True)
+
+Beyond flash-attn there: any page size (flash-attn: a multiple of 256), a paged cache with
+``cache_leftpad``, any head dim up to 256 without padding (flash-attn copies a cache whose head dim is not a
+multiple of 8, twice), any rotary_dim up to headdim (flash-attn: a multiple of 16), and caches of any
+strides (flash-attn asserts a contiguous last dim).
 """
 
 from __future__ import annotations
@@ -58,13 +68,13 @@ import contextlib
 import torch
 import torch.nn.functional as F
 
-from fa2 import api
+from fa2 import api, kvcache
 from fa2.api import MAX_HEAD_DIM, attention, varlen_attention
 
 __all__ = [
     "FlashAttnTypeError", "FlashAttnValueError", "flash_attn_func", "flash_attn_kvpacked_func",
     "flash_attn_qkvpacked_func", "flash_attn_varlen_func", "flash_attn_varlen_kvpacked_func",
-    "flash_attn_varlen_qkvpacked_func",
+    "flash_attn_varlen_qkvpacked_func", "flash_attn_with_kvcache",
 ]
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -299,7 +309,12 @@ def flash_attn_varlen_func(
         dropout_p, softmax_scale, causal, window_size, softcap, deterministic, return_attn_probs, backend:
             as in ``flash_attn_func``.
         alibi_slopes: None or float32 (nheads,) or (batch_size, nheads), on q's device.
-        block_table: must be None: paged KV (issue #22) is not here yet (NotImplementedError).
+        block_table: None, or (batch_size, max_num_blocks_per_seq) int32 on q's device: a paged KV cache.
+            k and v are then (num_blocks, page_block_size, nheads_k, headdim) pages, any page size, and
+            sequence s's keys are keys [0, cu_seqlens_k[s + 1] - cu_seqlens_k[s]) of its pages (key j at
+            row j % page_block_size of page block_table[s, j // page_block_size]); forward only (a
+            backward raises NotImplementedError), as flash-attn's. Run by the backend's KV-cache kernels
+            (``fa2.kvcache_attention``'s); cu_seqlens_k's totals are then not checked against k.
 
     Returns:
         out: (total_q, nheads, headdim), q's dtype (a transposed view of fa2's (nheads, total_q, headdim)
@@ -319,8 +334,7 @@ def flash_attn_varlen_func(
     by max_seqlen_* and leave the rows of a longer sequence past it unwritten, with no error.
 
     Raises:
-        NotImplementedError: dropout_p > 0; block_table given (issue #22); a backend that cannot run this
-            input (its message says why).
+        NotImplementedError: dropout_p > 0; a backend that cannot run this input (its message says why).
         FlashAttnValueError (RuntimeError, ValueError): q, k, v not of rank 3 or of disagreeing shapes;
             cu_seqlens_* not 1-D, empty, of different lengths, not contiguous, not on q's device, or not
             from 0 to total_q / total_k; a negative max_seqlen_*; alibi_slopes not (nheads,) or
@@ -329,10 +343,9 @@ def flash_attn_varlen_func(
             ints; and as ``flash_attn_func``.
     """
     if block_table is not None:
-        raise NotImplementedError(
-            "fa2.flash_attn_varlen_func does not support block_table (paged KV cache) yet: issue #22; "
-            "pass block_table=None with k, v of shape (total_k, nheads_k, headdim)"
-        )
+        return _flash_attn_varlen_paged(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                        dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                                        return_attn_probs, block_table, backend)
     return _flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
                               softmax_scale, causal, window_size, softcap, alibi_slopes, return_attn_probs,
                               backend)
@@ -422,6 +435,144 @@ def flash_attn_varlen_kvpacked_func(
     return _flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
                               softmax_scale, causal, window_size, softcap, alibi_slopes, return_attn_probs,
                               backend)
+
+
+def flash_attn_with_kvcache(
+    q,
+    k_cache,
+    v_cache,
+    k=None,
+    v=None,
+    rotary_cos=None,
+    rotary_sin=None,
+    cache_seqlens=None,
+    cache_batch_idx=None,
+    cache_leftpad=None,
+    block_table=None,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    rotary_interleaved=True,
+    alibi_slopes=None,
+    num_splits=0,
+    return_softmax_lse=False,
+    *,
+    backend=None,
+):
+    """Attention of q against a KV cache, after writing the new k and v into it: flash-attn's
+    ``flash_attn_with_kvcache`` (inference: no backward).
+
+    If k and v are given, they are written into k_cache and v_cache in place, at positions
+    [cache_seqlens[b], cache_seqlens[b] + seqlen_new) of row b's cache, and with rotary_cos and rotary_sin
+    k is rotated first (and q: at positions cache_seqlens[b] + t if causal or windowed, cache_seqlens[b]
+    for every token otherwise). q then attends to keys [0, cache_seqlens[b] + seqlen_new) of its cache (from
+    cache_leftpad[b] on, if given), with causal and the window aligned to the bottom-right corner of that
+    (seqlen_q, K_b) matrix, K_b = cache_seqlens[b] + seqlen_new. With seqlen_q = 2 and K_b = 5, causal::
+
+        1 1 1 1 0
+        1 1 1 1 1
+
+    Arguments:
+        q: (batch_size, seqlen_q, nheads, headdim).
+        k_cache, v_cache: (batch_size_cache, seqlen_cache, nheads_k, headdim), or with block_table
+            (num_blocks, page_block_size, nheads_k, headdim). q's dtype (fp16, bf16 or fp32) and device, any
+            strides; nheads a multiple of nheads_k; headdim up to 256.
+        k, v: None, or (batch_size, seqlen_new, nheads_k, headdim): the new keys and values.
+        rotary_cos, rotary_sin: None, or (seqlen_ro, rotary_dim / 2): rotary embedding of the first
+            rotary_dim channels of q and the new k; rotary_interleaved: pairs (0, 1), (2, 3), ... (GPT-J,
+            the default, as flash-attn) or the two halves (GPT-NeoX).
+        cache_seqlens: int, or (batch_size,) int32: the keys in each row's cache before the new ones;
+            None: the whole cache.
+        cache_batch_idx: None, or (batch_size,) int32: the cache row of each batch row (contiguous cache).
+        cache_leftpad: None, or (batch_size,) int32: the first key of each row's cache.
+        block_table: None, or (batch_size, max_num_blocks_per_seq) int32: a paged cache; key j of row b is
+            row j % page_block_size of block block_table[b, j // page_block_size]. Any page size.
+        softmax_scale, causal, window_size, softcap, alibi_slopes: as ``flash_attn_func`` (a window side
+            >= the cache's capacity becomes -1).
+        num_splits: the key ranges each (batch, key/value head) is split into; 0: fa2 picks; 1: no split.
+        return_softmax_lse: also return softmax_lse.
+        backend: keyword-only, as ``fa2.attention``; a backend without a KV-cache path raises
+            NotImplementedError.
+
+    Returns:
+        out: (batch_size, seqlen_q, nheads, headdim), q's dtype (a transposed view of fa2's
+            (batch, nheads, seqlen_q, headdim) result). With return_softmax_lse=True, (out, softmax_lse),
+            softmax_lse (batch_size, nheads, seqlen_q) float32, +inf on rows that see no key.
+
+    What is checked (one device sync, once per combination of index tensors, never inside a CUDA-graph
+    capture): cache_seqlens + seqlen_new within the capacity, block_table's ids within num_blocks,
+    cache_batch_idx within batch_size_cache, cache_leftpad within [0, cache_seqlens + seqlen_new]; under a
+    capture the kernels clamp each index instead (``fa2.kvcache_attention``).
+
+    Raises:
+        FlashAttnValueError (RuntimeError, ValueError) / FlashAttnTypeError (RuntimeError, TypeError): bad
+            shapes, dtypes, devices or index ranges (above); cache_batch_idx with block_table; k without v
+            or cache_seqlens; rotary without k.
+        NotImplementedError: the backend cannot run this input.
+    """
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v)):
+        if t is None and name in ("k", "v"):
+            continue
+        if not isinstance(t, torch.Tensor):
+            raise FlashAttnTypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise FlashAttnValueError(f"{name} must have rank 4 (batch, seqlen, nheads, headdim), got {tuple(t.shape)}")
+    if q.dtype not in _DTYPES:
+        raise FlashAttnTypeError(f"q must be float16, bfloat16 or float32, got {q.dtype}")
+    if q.shape[0] == 0:
+        raise FlashAttnValueError(f"batch size must be positive, got q {tuple(q.shape)}")
+    softcap = _softcap(softcap)
+    if not isinstance(causal, bool):
+        raise FlashAttnTypeError(f"causal must be a bool, got {type(causal).__name__} {causal!r}")
+    _check_alibi(alibi_slopes, q, q.shape[0])
+    with _flash_attn_errors():
+        if block_table is not None:
+            kvcache._check_index("block_table", block_table, (q.shape[0], None), q.device)
+        capacity = k_cache.shape[1] * (1 if block_table is None else block_table.shape[1])
+        window = _window(window_size, capacity, causal)
+        scale = q.shape[-1] ** (-0.5) if softmax_scale is None else softmax_scale
+        O, L = kvcache.kvcache_attention(
+            q.transpose(1, 2), k_cache.transpose(1, 2), v_cache.transpose(1, 2), cache_seqlens,
+            k=None if k is None else k.transpose(1, 2), v=None if v is None else v.transpose(1, 2),
+            rotary_cos=rotary_cos, rotary_sin=rotary_sin, rotary_interleaved=rotary_interleaved,
+            block_table=block_table, cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad,
+            scale=scale, window=window, softcap=softcap, alibi_slopes=alibi_slopes, num_splits=num_splits,
+            backend=backend,
+        )
+    out = O.transpose(1, 2)
+    return (out, L) if return_softmax_lse else out
+
+
+def _flash_attn_varlen_paged(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                             dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                             return_attn_probs, block_table, backend):
+    """flash_attn_varlen_func with a block table: the packed queries against each sequence's pages, by the
+    backend's KV-cache kernels; sequence s has cu_seqlens_k[s + 1] - cu_seqlens_k[s] keys."""
+    _check_tensors(q, q, q, varlen=True)
+    for name, t in (("k", k_cache), ("v", v_cache)):
+        if not isinstance(t, torch.Tensor):
+            raise FlashAttnTypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise FlashAttnValueError(
+                f"with block_table, {name} must have shape (num_blocks, page_block_size, nheads_k, headdim), got "
+                f"{tuple(t.shape)}"
+            )
+    batch = _check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, q)
+    max_seqlen_q = _max_seqlen("max_seqlen_q", max_seqlen_q)
+    max_seqlen_k = _max_seqlen("max_seqlen_k", max_seqlen_k)
+    softcap = _softcap(softcap)
+    _check_dropout(dropout_p, softcap)
+    _check_alibi(alibi_slopes, q, batch)
+    if not isinstance(causal, bool):
+        raise FlashAttnTypeError(f"causal must be a bool, got {type(causal).__name__} {causal!r}")
+    window = _window(window_size, max_seqlen_k, causal)
+    scale = q.shape[-1] ** (-0.5) if softmax_scale is None else softmax_scale
+    with _flash_attn_errors():
+        O, L = varlen_attention(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                scale=scale, window=window, softcap=softcap, alibi_slopes=alibi_slopes,
+                                block_table=block_table, backend=backend)
+    return (O, L, None) if return_attn_probs else O
 
 
 def _flash_attn(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,

@@ -148,6 +148,43 @@ def kvcache_attention(
     return AttentionOutput(O, L)
 
 
+def varlen_paged(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int,
+                 causal: bool, scale, window, softcap, alibi_slopes, block_table, backend) -> AttentionOutput:
+    """``fa2.varlen_attention`` with a block table: packed queries q (total_q, heads, head_dim) against
+    each sequence's pages of k_cache, v_cache (num_pages, page_size, heads_k, head_dim), by the backend's
+    kvcache_forward with spec.cu_seqlens_q; sequence s has cu_seqlens_k[s + 1] - cu_seqlens_k[s] keys."""
+    if not isinstance(q, torch.Tensor) or q.dim() != 3:
+        shape = tuple(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__
+        raise ValueError(f"q must have shape (total_q, heads, head_dim), got {shape}")
+    for name, t in (("k", k_cache), ("v", v_cache)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"with block_table, {name} must have shape (num_pages, page_size, heads_k, head_dim), "
+                             f"got {shape}")
+    q4 = q.transpose(0, 1).unsqueeze(0)
+    k_pages, v_pages = k_cache.transpose(1, 2), v_cache.transpose(1, 2)
+    _check_caches(q4, k_pages, v_pages, None)
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__} {causal!r}")
+    # cu_seqlens_k's total is the keys of every sequence, not a size of k: only cu_seqlens_q's is checked.
+    num_seqs = api._check_offsets(q, None, cu_seqlens_q, cu_seqlens_k)
+    for name, m in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+        if isinstance(m, bool) or not isinstance(m, int) or m < 0:
+            raise TypeError(f"{name} must be a non-negative int, got {type(m).__name__} {m!r}")
+    _check_index("block_table", block_table, (num_seqs, None), q.device)
+    capacity = block_table.shape[1] * k_pages.shape[2]
+    seqlens = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).long()
+    if not (_capturing() or torch.compiler.is_compiling()):
+        _check_ranges(cu_seqlens_k, seqlens, 0, capacity, k_pages.shape[0], block_table, None, None)
+    spec = api.make_spec(q4, k_pages, causal, scale, window, softcap)
+    slopes = None if alibi_slopes is None else api._varlen_alibi(alibi_slopes, q, num_seqs)
+    spec = dataclasses.replace(spec, alibi_slopes=slopes, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                               max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+                               cache_seqlens=seqlens.to(torch.int32), block_table=block_table)
+    O, L = run(q4, k_pages, v_pages, spec, backend)
+    return AttentionOutput(O[0].transpose(0, 1), L[0])
+
+
 def run(q, k_cache, v_cache, spec: AttentionSpec, backend: str | None) -> tuple[torch.Tensor, torch.Tensor]:
     """The backend's kvcache_forward on validated inputs; O without a gradient path (``_NoBackward``)."""
     impl = registry.load(backend if backend is not None else registry.default_backend(q.device))
@@ -348,7 +385,7 @@ def _check_ranges(user_seqlens, seqlens, seqlen_new: int, capacity: int, num_row
     min_len, min_page, min_row, min_pad, min_room, max_total, max_page, max_row = low
     if min_len < 0 or max_total > capacity:
         raise ValueError(
-            f"cache_seqlens (+ seqlen_new {seqlen_new}) must be within [0, {capacity}], the cache's capacity "
+            f"the key counts (cache_seqlens + seqlen_new {seqlen_new}, or cu_seqlens_k's steps) must be within [0, {capacity}], the cache's capacity "
             f"(seqlen_cache, or pages_per_seq · page_size), got {min_len} ... {max_total}"
         )
     if block_table is not None and (min_page < 0 or max_page >= num_rows):
