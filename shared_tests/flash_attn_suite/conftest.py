@@ -13,8 +13,6 @@ imports the file). With it, ``flash_attn_shims.install`` puts fa2 under the name
 collection, and collection
 
 - deselects every item whose ``dropout_p`` is > 0 (fa2 has no dropout: the issue's "dropout aside");
-- skips, with the reason, the paged-KV varlen items (``paged_kv_block_size`` given: ``block_table``,
-  issue #22) and the KV-cache test (issue #22), whose functions fa2.flash_attn does not have yet;
 - with FA2_FLASH_ATTN_SUBSET=quick, makes only the items of QUICK below (the rest is never collected):
   chosen test functions on fewer head dims and sequence lengths, every flag of theirs kept.
 
@@ -55,24 +53,15 @@ QUICK = {
     "test_flash_attn_varlen_qkvpacked": {"d": {59, 128}, "seqlen": {97, 1025}, "deterministic": {False}},
     "test_flash_attn_varlen_output": {"d": {59, 128}, "seqlen_q": {113, 512}, "seqlen_k": {203, 256},
                                       "mha_type": {"gqa"}, "deterministic": {False}},
-    "test_flash_attn_varlen_causal": {"d": {59, 128}, "seqlen_q": {1, 113}, "seqlen_k": {239, 203},
-                                      "paged_kv_block_size": {None}},
+    "test_flash_attn_varlen_causal": {"d": {59, 128}, "seqlen_q": {1, 113}, "seqlen_k": {239, 203}},
     "test_flash_attn_bwd_varlen_overflow": {},
     "test_flash_attn_varlen_deterministic": {"d": {59, 128}, "seqlen_q": {113}, "seqlen_k": {203}},
+    # KV cache: one token, a few, and 16 against 20k keys; every mask, rotary, append, paged (256) and
+    # leftpad flag, MQA and GQA, the split heuristic.
+    "test_flash_attn_kvcache": {"d": {59, 128}, "seqlen_q": {1, 3, 16}, "seqlen_k": {339, 1024, 20000},
+                                "rotary_fraction": {0.0, 0.5}, "rotary_interleaved": {False},
+                                "seqlen_new_eq_seqlen_q": {False}, "mha_type": {"mqa", "gqa"}, "num_splits": {0}},
 }
-PAGED_NOT_YET = "flash_attn_varlen_func's block_table (paged KV cache) is not in fa2.flash_attn yet (issue #22)"
-KVCACHE_NOT_YET = "flash_attn_with_kvcache is not in fa2.flash_attn yet (issue #22)"
-
-
-def _not_yet(name: str, params: dict) -> str | None:
-    """Why an item of flash-attn's suite cannot run on fa2.flash_attn yet, or None."""
-    if "kvcache" in name:
-        return KVCACHE_NOT_YET
-    if "varlen" in name and params.get("paged_kv_block_size") is not None:
-        return PAGED_NOT_YET
-    return None
-
-
 def _backend() -> str | None:
     name = os.environ.get(ENV) or None
     if name is not None and name not in BACKENDS:
@@ -174,9 +163,6 @@ def pytest_collection_modifyitems(config, items):
         if upstream and (params.get("dropout_p", 0.0) > 0 or not _in_subset(subset, name, params)):
             dropped.append(item)
             continue
-        reason = _not_yet(name, params) if upstream else None
-        if reason is not None:
-            item.add_marker(pytest.mark.skip(reason=reason))
         kept.append(item)
     if dropped:
         config.hook.pytest_deselected(items=dropped)

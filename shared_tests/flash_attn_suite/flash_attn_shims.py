@@ -2,15 +2,13 @@
 
 ``install(backend)`` puts modules into ``sys.modules`` under flash-attn's names:
 
-- ``flash_attn``: fa2.flash_attn's six functions (dense and varlen) with ``backend=`` bound; the KV-cache
-  function the test also imports raises NotImplementedError (issue #22; the conftest skips its test before
-  it runs, and the varlen tests on backends without varlen kernels, whose NotImplementedError says so);
+- ``flash_attn``: fa2.flash_attn's seven functions (dense, varlen and KV-cache) with ``backend=`` bound;
 - ``flash_attn.flash_attn_interface``: the same, plus ``_get_block_size_n``, which the test imports at
   module level but calls only in its dropout checks (deselected here): it raises;
 - ``flash_attn.bert_padding``: ``pad_input`` and ``unpad_input`` (2.7+'s 5-tuple), written here in plain,
   differentiable torch indexing;
 - ``flash_attn.layers.rotary``: ``apply_rotary_emb``, written here in plain torch (upstream: a Triton kernel),
-  for the KV-cache test once issue #22 lands.
+  for the KV-cache test's reference.
 """
 
 from __future__ import annotations
@@ -25,8 +23,7 @@ import torch.nn.functional as F
 from fa2 import flash_attn as fa2_flash_attn
 
 FUNCTIONS = ("flash_attn_func", "flash_attn_kvpacked_func", "flash_attn_qkvpacked_func", "flash_attn_varlen_func",
-             "flash_attn_varlen_kvpacked_func", "flash_attn_varlen_qkvpacked_func")
-NOT_YET = {"flash_attn_with_kvcache": 22}
+             "flash_attn_varlen_kvpacked_func", "flash_attn_varlen_qkvpacked_func", "flash_attn_with_kvcache")
 
 
 def install(backend: str) -> None:
@@ -39,9 +36,6 @@ def install(backend: str) -> None:
         func = functools.partial(getattr(fa2_flash_attn, name), backend=backend)
         setattr(package, name, func)
         setattr(interface, name, func)
-    for name, issue in NOT_YET.items():
-        setattr(package, name, _not_yet(name, issue))
-        setattr(interface, name, getattr(package, name))
     interface._get_block_size_n = _get_block_size_n
 
     padding = types.ModuleType("flash_attn.bert_padding")
@@ -54,14 +48,6 @@ def install(backend: str) -> None:
     layers.rotary = rotary
     for module in (package, interface, padding, layers, rotary):
         sys.modules[module.__name__] = module
-
-
-def _not_yet(name: str, issue: int):
-    def refuse(*args, **kwargs):
-        raise NotImplementedError(f"fa2.flash_attn has no {name} yet (issue #{issue})")
-
-    refuse.__name__ = name
-    return refuse
 
 
 def _get_block_size_n(device, head_dim, is_dropout, is_causal):
