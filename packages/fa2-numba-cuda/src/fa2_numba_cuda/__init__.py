@@ -4,6 +4,7 @@ CUDA simulator on the CPU (NUMBA_ENABLE_CUDASIM=1, set before numba is imported)
 from fa2_numba_cuda.autograd import FlashAttention2
 from fa2_numba_cuda.backward import flash_attn_backward
 from fa2_numba_cuda.forward import flash_attn_forward, kernel_resources, simulated
+from fa2_numba_cuda.kvcache import kvcache_forward
 
 NAME = "numba-cuda"
 
@@ -29,4 +30,5 @@ def _version() -> str:
     return version("numba-cuda")
 
 
-__all__ = ["NAME", "FlashAttention2", "availability", "flash_attn_backward", "flash_attn_forward", "kernel_resources"]
+__all__ = ["NAME", "FlashAttention2", "availability", "flash_attn_backward", "flash_attn_forward", "kernel_resources",
+           "kvcache_forward"]

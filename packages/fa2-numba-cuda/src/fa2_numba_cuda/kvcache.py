@@ -1,0 +1,821 @@
+"""FlashAttention-2 decoding from a KV cache as numba-cuda kernels: split-KV on CUDA cores, then an LSE combine.
+
+Flash-decoding (Dao, Haziza, Massa, Sizov, 2023) in the terms of ``fa2_numba_cuda.forward``: the keys of one
+(batch, key/value head) are split into ranges of the cache's capacity, one block per (query tile, split,
+batch, key/value head) runs the online softmax (running max ``m_i``, running sum ``l_i``, unnormalised
+``acc``, rescaled by ``alpha`` per key tile; scores in base 2) over its range and writes a partial O (fp32)
+and L, and ``_combine`` merges the splits by their logsumexp (``fa2.combine``'s formula: L = log Σ_s exp(L_s),
+O = Σ_s exp(L_s - L) O_s; a split a row sees no key of has L_s = +inf and weighs nothing). With one split
+the first kernel writes O and L itself and there is no second launch.
+
+Decoding is bound by the bandwidth of reading the cache, not by arithmetic, so the kernel is built around
+its loads:
+
+- The query rows of a block are the group · seqlen_q rows (query head of the group, query token) of one
+  key/value head: row r is head ``off_hk · group + r // seqlen_q``, token ``r % seqlen_q``. One pass over the
+  head's K and V serves them all, so each cached key is read once per key/value head and call (BLOCK_M
+  rows a block, ``decode_config``; beyond BLOCK_M rows, tiles of rows are more blocks of the grid, each
+  reading the range again, mostly from L2).
+- K and V tiles of BLOCK_N keys are copied into shared memory by ``cp.async`` (16 B a copy, straight from
+  global to shared, zero-filled past the keys and head_dim) where the cache is contiguous along head_dim
+  with 16 B aligned rows, else by plain loads (any strides). Two stages: the copies of tile t + 1 are in
+  flight while tile t is computed. The tiles hold the cache's own bits (fp32, or fp16 / bf16 pairs in 32-bit
+  words, widened to fp32 as they are read); Q is in shared memory once, fp32, pre-scaled by ``qk_scale``.
+- S = Q Kᵀ: warp w owns rows w, w + NUM_WARPS, ...; its lanes own the tile's keys, 32 / BLOCK_N lanes a key
+  splitting head_dim (DS), reduced by ``shfl_xor``; the row max and (once, at the end) the row sum are
+  ``shfl_xor`` reductions over the key lanes. P goes through shared memory (``p_tile``) with each row's
+  ``alpha``.
+- acc += P V: thread t owns 16 B of O's columns (chunk ``t % CH``) for TMO rows and every GN-th key of the
+  tile; with fewer rows than thread groups (decoding one token of MHA: one row), the GN key subsets' partial
+  accumulators are added through shared memory once, after the last tile.
+- All arithmetic is fp32, whatever the cache's dtype.
+
+Per query row i (token i of its head, Nq_b = seqlen_q or the sequence's own count) and key j of row b's
+cache, with K_b = cache_seqlens[b] (clamped to the capacity) and diag = K_b - Nq_b, in this order:
+softcap c (Q pre-scaled by scale / c, score tanh(s) · c · log2 e, ``forward._tanh``); ALiBi (minus
+slope[b, h] · log2 e · |i + diag - j|); the mask: key j is visible iff leftpad_b <= j < K_b and
+i + diag - left <= j <= i + diag + right (window (left, right), -1 unbounded; causal is (-1, 0)). With
+Nq_b = 2, K_b = 5, leftpad_b = 1 and causal::
+
+    0 1 1 1 0
+    0 1 1 1 1
+
+A row that sees no key gets O = 0 and L = +inf. A block visits only the tiles of its split's range that
+hold a key some row sees: [max(leftpad_b, split start, diag - left), min(K_b, split end, Nq_b + diag +
+right)).
+
+Caches: contiguous (batch_cache, heads_k, seqlen_cache, head_dim), row b reading cache row
+cache_batch_idx[b] (or b); or paged (num_pages, heads_k, page_size, head_dim), key j of row b at row
+j % page_size of page block_table[b, j // page_size]; any page size, any strides. Indices that nobody
+checked (the interface checks them outside a CUDA-graph capture) are clamped: cache_seqlens into [0,
+capacity], cache_leftpad into [0, K_b], cache_batch_idx and page ids into the cache, cu_seqlens_q as in
+``forward.sequence``: wrong indices give wrong rows, never an access outside a tensor.
+
+Splits (``num_splits``; 0 picks, ``num_splits_heuristic``): ranges of ``split_keys`` keys (a multiple of
+BLOCK_N) of the capacity, never of cache_seqlens (which stays on the device). A split past K_b finds an
+empty range and writes only L = +inf.
+
+Inputs: fp32, fp16 or bf16 (bf16 as int16 bit patterns, numba having no bf16); head_dim up to 256, padded
+to a power of two (at least 32) inside the block. Launch: on torch's current stream, no host
+synchronisation, allocation by torch only (capturable in a CUDA graph); kernels compiled once per (padded
+head dim, ``DecodeConfig``, ``forward.Features``, cache kind, split or not, input kind, head_dim == padded,
+cp.async or plain loads) and cached. Under numba's CUDA simulator (NUMBA_ENABLE_CUDASIM=1) the same kernels
+run on CPU tensors, ``cp.async`` and ``shfl_xor`` emulated by ``mma.py``: use tiny shapes there.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import numpy as np
+import torch
+from fa2.spec import AttentionSpec
+from numba import cuda, float32, int32, uint32, uint64
+
+from fa2_numba_cuda.forward import (
+    LN2,
+    LOG2E,
+    MAX_HEAD_DIM,
+    SHARED_ALIGN,
+    _bf16_to_float,
+    _check_device,
+    _flat,
+    _float_to_bf16,
+    _identity,
+    _int_as_float,
+    _tanh,
+    _to_float,
+    feature_args,
+    features,
+    sequence,
+    simulated,
+)
+from fa2_numba_cuda.mma import (
+    cp_async_16,
+    cp_async_commit,
+    cp_async_wait_all,
+    device_function,
+    global_address,
+    shared_address,
+    shfl_xor,
+)
+
+NUM_THREADS = 128  # 4 warps a block
+NUM_WARPS = NUM_THREADS // 32
+STAGE_BYTES = 16384  # K and V tiles of one stage, before padding: 2 · BLOCK_N · HEAD_DIM · element size
+MAX_SPLITS = 128
+MIN_SPLIT_TILES = 4  # the heuristic's splits hold at least this many key tiles
+COMBINE_ROWS = NUM_WARPS  # rows a combine block merges, one a warp
+
+if simulated():
+    # As in forward.py: numba's scalar types are slow to call in the simulator; numpy's round alike.
+    from fa2_numba_cuda.forward import float32, uint64  # noqa: F811 (numpy's float32; uint64 the identity)
+
+    int32, uint32 = np.int32, np.uint32
+
+    def _f16x2_to_float(word):
+        """The two fp16 of a 32-bit word (low half first) as fp32."""
+        bits = np.array([word], dtype=np.int32).view(np.float16)
+        return np.float32(bits[0]), np.float32(bits[1])
+
+else:
+    from llvmlite import ir
+    from numba import types
+    from numba.cuda.extending import intrinsic
+
+    @intrinsic
+    def _f16x2_to_float(typingctx, word):
+        """The two fp16 of a 32-bit word (low half first) as fp32: mov.b32 into halves, two cvt.f32.f16."""
+
+        def codegen(context, builder, sig, args):
+            word = context.cast(builder, args[0], sig.args[0], types.int32)
+            f32 = ir.FloatType()
+            fnty = ir.FunctionType(ir.LiteralStructType([f32, f32]), [ir.IntType(32)])
+            text = "{.reg .b16 lo, hi; mov.b32 {lo, hi}, $2; cvt.f32.f16 $0, lo; cvt.f32.f16 $1, hi;}"
+            result = builder.call(ir.InlineAsm(fnty, text, "=f,=f,r"), [word])
+            return context.make_tuple(builder, sig.return_type,
+                                      [builder.extract_value(result, 0), builder.extract_value(result, 1)])
+
+        return types.UniTuple(types.float32, 2)(word), codegen
+
+
+class DecodeConfig(NamedTuple):
+    """One decode block's shape (NUM_THREADS threads): BLOCK_M query rows (a power of two), BLOCK_N keys a
+    tile (8, 16 or 32, so that a row's keys are lanes of one warp); MAX_REGISTERS caps ptxas (it bounds the
+    blocks an SM holds, which ``num_splits_heuristic`` counts on)."""
+
+    BLOCK_M: int
+    BLOCK_N: int
+    MAX_REGISTERS: int
+
+
+def padded_head_dim(head_dim: int) -> int:
+    """The head dim the block computes with: a power of two, at least 32 (16 B chunks of a row then divide the
+    block's threads evenly), the extra columns zero-filled."""
+    return max(32, 1 << (head_dim - 1).bit_length())
+
+
+def decode_config(HEAD_DIM: int, element_size: int, rows: int) -> DecodeConfig:
+    """The block for a padded head dim, the cache's element size (2 or 4 bytes) and the query rows of a
+    (batch, key/value head), group · seqlen_q: BLOCK_N keys so that a stage's K and V tiles are 16 KB;
+    BLOCK_M the rows rounded up to a power of two, at most 2048 / HEAD_DIM (Q's fp32 tile <= 8 KB), so that
+    everything fits the 48 KB of static shared memory:
+
+        HEAD_DIM   fp16 / bf16          fp32                 shared memory (2 stages, Q, P)
+        32, 64     BLOCK_N 32, M <= 32  BLOCK_N 32, M <= 32  19-32 KB
+        128        BLOCK_N 32, M <= 16  BLOCK_N 16, M <= 16  35-45 KB
+        256        BLOCK_N 16, M <= 8   BLOCK_N 8, M <= 8    35-44 KB
+    """
+    block_n = 32
+    while 2 * block_n * HEAD_DIM * element_size > STAGE_BYTES:
+        block_n //= 2
+    block_m = min(1 << max(rows - 1, 0).bit_length(), 2048 // HEAD_DIM, 32)
+    return DecodeConfig(block_m, block_n, 128)
+
+
+def shared_bytes(HEAD_DIM: int, element_size: int, config: DecodeConfig) -> int:
+    """Static shared memory of a decode block (the kernel's arrays, as ``_build_kernel`` sizes them)."""
+    BLOCK_M, BLOCK_N, _ = config
+    vec = 16 // element_size
+    ds = 32 // BLOCK_N
+    ldw = HEAD_DIM * element_size // 4 + 4 * ds
+    g = NUM_THREADS // (HEAD_DIM // vec)
+    red = NUM_THREADS * vec if BLOCK_M < g else 1
+    return 4 * (4 * BLOCK_N * ldw + BLOCK_M * (HEAD_DIM + 4) + BLOCK_M * BLOCK_N + 3 * BLOCK_M + red)
+
+
+def num_splits_heuristic(blocks: int, slots: int, n_tiles: int, max_splits: int = MAX_SPLITS) -> int:
+    """How many key ranges to split each (query tile, batch, key/value head) into, flash-attn's rule
+    (``num_splits_heuristic`` of flash_api.cpp): ``blocks`` unsplit blocks, ``slots`` blocks the GPU holds
+    at once (SMs x blocks an SM holds), ``n_tiles`` groups of MIN_SPLIT_TILES key tiles in the capacity. No
+    split where the blocks nearly fill the GPU (>= 80% of the slots); else the fewest splits whose waves are
+    at least 85% as full as the best count's, among counts that change the keys a split holds."""
+    if blocks >= 0.8 * slots:
+        return 1
+    max_splits = max(1, min(max_splits, slots, n_tiles))
+
+    def eligible(s):
+        return s == 1 or -(-n_tiles // s) != -(-n_tiles // (s - 1))
+
+    efficiency = []
+    for s in range(1, max_splits + 1):
+        waves = blocks * s / slots
+        efficiency.append(waves / math.ceil(waves) if eligible(s) else 0.0)
+    best = max(efficiency)
+    for s in range(1, max_splits + 1):
+        if eligible(s) and efficiency[s - 1] >= 0.85 * best:
+            return s
+    return 1
+
+
+_SLOTS: dict[tuple, int] = {}
+
+
+def block_slots(device: torch.device, HEAD_DIM: int, element_size: int, config: DecodeConfig) -> int:
+    """Decode blocks the device holds at once: SMs x min(by threads, by registers at MAX_REGISTERS, by shared
+    memory). From torch's device properties (no sync); under the simulator, 2 SMs of 4 blocks."""
+    key = (device, HEAD_DIM, element_size, config)
+    slots = _SLOTS.get(key)
+    if slots is None:
+        if simulated():
+            slots = 8
+        else:
+            props = torch.cuda.get_device_properties(device)
+            threads = getattr(props, "max_threads_per_multi_processor", 2048)
+            registers = getattr(props, "regs_per_multiprocessor", 65536)
+            shared = getattr(props, "shared_memory_per_multiprocessor", 100 * 1024)
+            per_sm = min(threads // NUM_THREADS, registers // (NUM_THREADS * config.MAX_REGISTERS),
+                         shared // (shared_bytes(HEAD_DIM, element_size, config) + 1024), 32)
+            slots = props.multi_processor_count * max(per_sm, 1)
+        _SLOTS[key] = slots
+    return slots
+
+
+def _build_kernel(HEAD_DIM, config, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN, PAGED, BATCH_IDX, LEFTPAD, SPLIT, KIND,
+                  EVEN_HEAD_DIM, ASYNC_LOADS):
+    """The split-KV kernel for one padded head dim, ``DecodeConfig``, ``Features`` (LEFT, RIGHT, SOFTCAP,
+    ALIBI, VARLEN: cu_seqlens_q), cache kind (PAGED, BATCH_IDX, LEFTPAD), SPLIT (partial fp32 O and base-2 L
+    per split, for ``_combine``; else O in q's dtype and natural L), input kind KIND ("f32", "f16", "bf16"),
+    head_dim == HEAD_DIM and cp.async loads (ASYNC_LOADS), all compile-time constants."""
+    BLOCK_M, BLOCK_N, MAX_REGISTERS = config
+    ES = 4 if KIND == "f32" else 2  # bytes an element
+    VEC = 16 // ES  # elements in a 16 B chunk (4 words)
+    CH = HEAD_DIM // VEC  # chunks a row
+    DS = 32 // BLOCK_N  # lanes sharing one key's dot product in S = Q K^T
+    LOG_DS = DS.bit_length() - 1
+    LDW = HEAD_DIM * ES // 4 + 4 * DS  # words a shared K/V row; the padding keeps a quarter warp's 16 B loads apart
+    LD_Q = HEAD_DIM + 4
+    TMS = max(1, BLOCK_M // NUM_WARPS)  # rows of S a warp owns
+    G = NUM_THREADS // CH  # thread groups of P V, each covering every chunk of a row
+    GM = min(G, BLOCK_M)  # ... split over rows
+    GN = G // GM  # ... and over the tile's keys
+    TMO = BLOCK_M // GM  # rows of O a thread owns
+    KEYS_PV = BLOCK_N // GN
+    ROW_STEP = NUM_THREADS // CH  # tile rows one pass of the loader covers
+    LOADS = BLOCK_N // ROW_STEP
+    KV_ROWS = 4 * BLOCK_N  # 2 stages of K then V
+    RED = NUM_THREADS * VEC if GN > 1 else 1
+    WORD = float32 if KIND == "f32" else int32
+    assert CH * G == NUM_THREADS and BLOCK_N % GN == 0 and BLOCK_N % ROW_STEP == 0 and BLOCK_M % GM == 0
+    assert BLOCK_M >= NUM_WARPS or TMS == 1
+
+    if KIND == "bf16":
+        to_float, from_float = _bf16_to_float, _float_to_bf16
+    else:
+        to_float, from_float = _to_float, _identity
+
+    @device_function
+    def load_chunk(tile, row, chunk, out):
+        """out[0 .. VEC) = the 16 B chunk ``chunk`` of shared row ``row``, as fp32 (4 words, one 16 B load)."""
+        for w in range(4):
+            x = tile[uint64(row), uint64(4 * chunk + w)]
+            if KIND == "f32":
+                out[w] = x
+            elif KIND == "bf16":
+                out[2 * w] = _int_as_float(x << int32(16))
+                out[2 * w + 1] = _int_as_float(x & int32(-65536))
+            else:
+                lo, hi = _f16x2_to_float(x)
+                out[2 * w] = lo
+                out[2 * w + 1] = hi
+
+    @device_function
+    def load_row(tile, tile_row, x, x_base, offset, stride_d, chunk, head_dim, visible):
+        """Chunk ``chunk`` of the cache row at element ``offset`` (stride_d apart) into shared row tile_row;
+        zeros where not ``visible`` and past head_dim. cp.async (issued, lands at the wait) or plain loads."""
+        col = chunk * VEC
+        if ASYNC_LOADS:
+            nbytes = 0
+            src = x_base
+            if visible and (EVEN_HEAD_DIM or col < head_dim):
+                nbytes = 16 if EVEN_HEAD_DIM else ES * min(head_dim - col, VEC)
+                src = x_base + uint64(ES * (offset + col))
+            cp_async_16(shared_address(tile) + uint32(4 * (tile_row * LDW + 4 * chunk)), src, int32(nbytes))
+        elif KIND == "f32":
+            for w in range(4):
+                value = float32(0.0)
+                if visible and (EVEN_HEAD_DIM or col + w < head_dim):
+                    value = x[uint64(offset + (col + w) * stride_d)]
+                tile[uint64(tile_row), uint64(4 * chunk + w)] = value
+        else:
+            for w in range(4):
+                lo = int32(0)
+                hi = int32(0)
+                if visible and (EVEN_HEAD_DIM or col + 2 * w < head_dim):
+                    lo = int32(x[uint64(offset + (col + 2 * w) * stride_d)]) & int32(0xFFFF)
+                if visible and (EVEN_HEAD_DIM or col + 2 * w + 1 < head_dim):
+                    hi = int32(x[uint64(offset + (col + 2 * w + 1) * stride_d)]) << int32(16)
+                tile[uint64(tile_row), uint64(4 * chunk + w)] = lo | hi
+
+    @device_function
+    def load_kv(kv_tile, stage_row, start_n, hi, k, v, k_base, v_base, k_head, v_head, block_table, off_b, ld_r,
+                ld_c, stride_kb, stride_kn, stride_kd, stride_vb, stride_vn, stride_vd, stride_tb, stride_tp,
+                capacity, cache_rows, page_size, head_dim):
+        """Keys start_n .. start_n + BLOCK_N of K and V into the stage at shared row stage_row (K, then V
+        BLOCK_N rows on), zeros from key hi on: chunk ld_c of tile rows ld_r, ld_r + ROW_STEP, ... A paged
+        cache's page ids are read from the block table and clamped into the cache (a key past hi reads the
+        table at the last key of the capacity, and nothing of the cache)."""
+        for it in range(LOADS):
+            r = ld_r + ROW_STEP * it
+            key = start_n + r
+            visible = key < hi
+            if PAGED:
+                key_c = min(key, capacity - 1)
+                page = int(block_table[uint64(off_b * stride_tb + (key_c // page_size) * stride_tp)])
+                page = min(max(page, 0), cache_rows - 1)
+                k_off = k_head + page * stride_kb + (key_c % page_size) * stride_kn
+                v_off = v_head + page * stride_vb + (key_c % page_size) * stride_vn
+            else:
+                k_off = k_head + key * stride_kn
+                v_off = v_head + key * stride_vn
+            load_row(kv_tile, stage_row + r, k, k_base, k_off, stride_kd, ld_c, head_dim, visible)
+            load_row(kv_tile, stage_row + BLOCK_N + r, v, v_base, v_off, stride_vd, ld_c, head_dim, visible)
+        if ASYNC_LOADS:
+            cp_async_commit()
+
+    def _kvcache_fwd(
+        q, k, v, o, lse, block_table, cache_seqlens, cache_leftpad, cache_batch_idx, cu_seqlens_q,
+        stride_qb, stride_qh, stride_qm, stride_qd,
+        stride_kb, stride_kh, stride_kn, stride_kd,
+        stride_vb, stride_vh, stride_vn, stride_vd,
+        stride_tb, stride_tp,
+        heads, heads_k, group, seqlen_q, total_q, capacity, cache_rows, page_size, head_dim, qk_scale,
+        num_m_tiles, num_splits, split_keys, rows_total,
+        window_left, window_right, softcap_log2, slopes, stride_ab, stride_ah,
+    ):
+        """One block: BLOCK_M of the group · seqlen_q query rows of one (split, batch, key/value head). q: a
+        flat view of (batch, heads, seqlen_q, head_dim) (VARLEN: (1, heads, total_q, head_dim)), k and v of
+        the cache ((batch_cache or num_pages, heads_k, seqlen_cache or page_size, head_dim)), with their
+        element strides; o, lse: O and L flat and contiguous (SPLIT: (num_splits, rows_total, head_dim) fp32
+        and (num_splits, rows_total) fp32 base 2). capacity: the keys a row's cache holds; cache_rows: its
+        first dimension (clamps cache_batch_idx and page ids)."""
+        tid = cuda.threadIdx.x
+        warp = tid // 32
+        lane = tid % 32
+        bid = cuda.blockIdx.x
+        start_m = (bid % num_m_tiles) * BLOCK_M
+        bid //= num_m_tiles
+        split = bid % num_splits
+        bid //= num_splits
+        off_hk = bid % heads_k
+        off_b = bid // heads_k
+        rows = group * seqlen_q  # the query rows of this (batch, key/value head)
+
+        # side-by-side: varlen
+        if VARLEN:
+            q_start, seqlen_q_b = sequence(cu_seqlens_q, off_b, total_q)
+        else:
+            q_start, seqlen_q_b = 0, seqlen_q
+        # side-by-side: end
+
+        # side-by-side: cache
+        # Row b's keys: [leftpad_b, K_b) of its cache, clamped (see the module docstring); the window aligned
+        # on K_b. This split's share: [split · split_keys, (split + 1) · split_keys).
+        seqlen_k = min(max(int(cache_seqlens[off_b]), 0), capacity)
+        leftpad = min(max(int(cache_leftpad[off_b]), 0), seqlen_k) if LEFTPAD else 0
+        if PAGED:
+            cache_b = 0
+        elif BATCH_IDX:
+            cache_b = min(max(int(cache_batch_idx[off_b]), 0), cache_rows - 1)
+        else:
+            cache_b = min(off_b, cache_rows - 1)
+        diag = seqlen_k - seqlen_q_b
+        lo = max(leftpad, split * split_keys)
+        hi = min(seqlen_k, (split + 1) * split_keys)
+        if LEFT:
+            lo = max(lo, diag - window_left)
+        if RIGHT:
+            hi = min(hi, seqlen_q_b + diag + window_right)
+        n_tiles = (hi - lo + BLOCK_N - 1) // BLOCK_N if hi > lo else 0
+        # side-by-side: end
+
+        q_tile = cuda.shared.array((BLOCK_M, LD_Q), float32, alignment=SHARED_ALIGN)  # [BLOCK_M, HEAD_DIM]
+        kv_tile = cuda.shared.array((KV_ROWS, LDW), WORD, alignment=SHARED_ALIGN)  # [2, K V, BLOCK_N, HEAD_DIM]
+        p_tile = cuda.shared.array((BLOCK_M, BLOCK_N), float32, alignment=SHARED_ALIGN)  # [BLOCK_M, BLOCK_N]
+        alpha_tile = cuda.shared.array(BLOCK_M, float32)
+        m_tile = cuda.shared.array(BLOCK_M, float32)
+        l_tile = cuda.shared.array(BLOCK_M, float32)
+        red = cuda.shared.array(RED, float32, alignment=SHARED_ALIGN)  # the GN key subsets' accumulators
+
+        # Q, pre-scaled by qk_scale = scale · log2 e (softcap c: scale / c), fp32; rows past the group's or
+        # the sequence's are zeros.
+        for it in range(-(-BLOCK_M * HEAD_DIM // NUM_THREADS)):
+            idx = tid + NUM_THREADS * it
+            r = idx // HEAD_DIM
+            c = idx % HEAD_DIM
+            row = start_m + r
+            tok = row % seqlen_q
+            value = float32(0.0)
+            if r < BLOCK_M and row < rows and tok < seqlen_q_b and (EVEN_HEAD_DIM or c < head_dim):
+                off_h = off_hk * group + row // seqlen_q
+                if VARLEN:
+                    offset = off_h * stride_qh + (q_start + tok) * stride_qm
+                else:
+                    offset = off_b * stride_qb + off_h * stride_qh + tok * stride_qm
+                value = qk_scale * to_float(q[uint64(offset + c * stride_qd)])
+            if r < BLOCK_M:
+                q_tile[uint64(r), uint64(c)] = value
+
+        # side-by-side: state
+        # S's rows of this warp (warp + NUM_WARPS · i): running max and the lanes' partial sums; their tokens,
+        # whether they exist, their ALiBi slopes in base 2.
+        m_i = cuda.local.array(TMS, float32)
+        l_i = cuda.local.array(TMS, float32)
+        s = cuda.local.array(TMS, float32)
+        tok_i = cuda.local.array(TMS, int32)
+        valid_i = cuda.local.array(TMS, int32)
+        slope_i = cuda.local.array(TMS, float32)
+        acc = cuda.local.array((TMO, VEC), float32)  # [TMO, VEC] of O's [BLOCK_M, HEAD_DIM]
+        k_frag = cuda.local.array(VEC, float32)
+        v_frag = cuda.local.array(VEC, float32)
+        for i in range(TMS):
+            row = start_m + warp + NUM_WARPS * i
+            m_i[i] = -math.inf
+            l_i[i] = 0.0
+            tok_i[i] = row % seqlen_q
+            valid_i[i] = 1 if row < rows and row % seqlen_q < seqlen_q_b else 0
+            slope_i[i] = float32(0.0)
+            if ALIBI and valid_i[i] == 1:
+                off_h = off_hk * group + row // seqlen_q
+                slope_i[i] = slopes[uint64(off_b * stride_ab + off_h * stride_ah)] * float32(LOG2E)
+        for i in range(TMO):
+            for e in range(VEC):
+                acc[i, e] = 0.0
+        # side-by-side: end
+
+        # S = Q K^T: key n = lane // DS of the tile, head-dim chunks dp, dp + DS, ... of it (dp = lane % DS).
+        n_s = lane // DS
+        dp = lane % DS
+        # P V: chunk dc of O's columns for rows gm, gm + GM, ... and keys gn, gn + GN, ... of the tile.
+        dc = tid % CH
+        gm = tid // CH % GM
+        gn = tid // CH // GM
+        s_warp = BLOCK_M >= NUM_WARPS or warp < BLOCK_M  # this warp owns rows of S (warp-uniform)
+        # The loader: chunk tid % CH of tile rows tid // CH, + ROW_STEP, ...
+        ld_c = tid % CH
+        ld_r = tid // CH
+        k_base = global_address(k) if ASYNC_LOADS else uint64(0)
+        v_base = global_address(v) if ASYNC_LOADS else uint64(0)
+        k_head = off_hk * stride_kh + (0 if PAGED else cache_b * stride_kb)
+        v_head = off_hk * stride_vh + (0 if PAGED else cache_b * stride_vb)
+
+        # side-by-side: loop
+        # Two stages: tile t + 1's copies are issued once tile t has landed, and fly during its compute.
+        if n_tiles > 0:
+            load_kv(kv_tile, 0, lo, hi, k, v, k_base, v_base, k_head, v_head, block_table, off_b, ld_r, ld_c,
+                    stride_kb, stride_kn, stride_kd, stride_vb, stride_vn, stride_vd, stride_tb, stride_tp,
+                    capacity, cache_rows, page_size, head_dim)
+        for t in range(n_tiles):
+            if ASYNC_LOADS:
+                cp_async_wait_all()  # this thread's copies of tile t; the barrier makes every thread's visible
+            cuda.syncthreads()  # and every thread is done with tile t - 1's stage and p_tile
+            start_n = lo + t * BLOCK_N
+            k_row = (t % 2) * 2 * BLOCK_N
+            v_row = k_row + BLOCK_N
+            if t + 1 < n_tiles:
+                load_kv(kv_tile, ((t + 1) % 2) * 2 * BLOCK_N, start_n + BLOCK_N, hi, k, v, k_base, v_base, k_head,
+                        v_head, block_table, off_b, ld_r, ld_c, stride_kb, stride_kn, stride_kd, stride_vb,
+                        stride_vn, stride_vd, stride_tb, stride_tp, capacity, cache_rows, page_size, head_dim)
+        # side-by-side: end
+
+            # side-by-side: scores
+            if s_warp:
+                for i in range(TMS):
+                    s[i] = 0.0
+                for kk in range(CH // DS):
+                    c = dp + DS * kk
+                    load_chunk(kv_tile, k_row + n_s, c, k_frag)
+                    for i in range(TMS):
+                        for e in range(VEC):
+                            s[i] += q_tile[uint64(warp + NUM_WARPS * i), uint64(VEC * c + e)] * k_frag[e]
+                key = start_n + n_s
+                for i in range(TMS):
+                    for b in range(LOG_DS):  # the DS lanes of one key: each gets the whole dot product
+                        s[i] += shfl_xor(s[i], 1 << b)
+                    score = s[i]
+                    # Softcap c: Q was pre-scaled by scale / c, so c · log2 e · tanh(s) is the capped score.
+                    if SOFTCAP:
+                        score = _tanh(score) * softcap_log2
+                    # ALiBi: minus slope · log2 e times the key's distance from the query's diagonal.
+                    if ALIBI:
+                        score -= slope_i[i] * float32(abs(tok_i[i] + diag - key))
+                    visible = key < hi and valid_i[i] == 1
+                    if RIGHT:
+                        visible = visible and key <= tok_i[i] + diag + window_right
+                    if LEFT:
+                        visible = visible and key >= tok_i[i] + diag - window_left
+                    if not visible:
+                        score = -math.inf
+                    # side-by-side: softmax
+                    m_new = score  # the row max over the tile's keys: the other key lanes of the warp
+                    for b in range(LOG_DS, 5):
+                        m_new = max(m_new, shfl_xor(m_new, 1 << b))
+                    m_new = max(m_new, m_i[i])
+                    # Nothing visible yet: m_new = -inf; subtracting 0 instead keeps exp2 at 0, not NaN.
+                    m_safe = m_new if m_new != -math.inf else float32(0.0)
+                    alpha = math.exp2(m_i[i] - m_safe)
+                    p = math.exp2(score - m_safe)
+                    l_i[i] = alpha * l_i[i] + p
+                    m_i[i] = m_new
+                    if dp == 0:
+                        p_tile[uint64(warp + NUM_WARPS * i), uint64(n_s)] = p
+                    if lane == 0:
+                        alpha_tile[warp + NUM_WARPS * i] = alpha
+            cuda.syncthreads()
+
+            # acc += P V: the thread's TMO rows x VEC columns, its KEYS_PV keys.
+            for i in range(TMO):
+                alpha = alpha_tile[gm + GM * i]
+                for e in range(VEC):
+                    acc[i, e] *= alpha
+            for kk in range(KEYS_PV):
+                n = gn + GN * kk
+                load_chunk(kv_tile, v_row + n, dc, v_frag)
+                for i in range(TMO):
+                    p = p_tile[uint64(gm + GM * i), uint64(n)]
+                    for e in range(VEC):
+                        acc[i, e] += p * v_frag[e]
+            # side-by-side: end
+
+        # side-by-side: epilogue
+        # The row sums over the key lanes, the GN key subsets' accumulators added, then O = acc / l and
+        # L = m + log l (base 2 for the combine, natural without splits), each once. Rows that saw no key
+        # have l = 0: O = 0 and L = +inf (with splits, only L: the combine reads no O of such a split).
+        if s_warp:
+            for i in range(TMS):
+                l_sum = l_i[i]
+                for b in range(LOG_DS, 5):
+                    l_sum += shfl_xor(l_sum, 1 << b)
+                if lane == 0:
+                    l_tile[warp + NUM_WARPS * i] = l_sum
+                    m_tile[warp + NUM_WARPS * i] = m_i[i]
+        if GN > 1:
+            for e in range(VEC):
+                red[uint64(VEC * tid + e)] = acc[0, e]
+        cuda.syncthreads()
+        if gn == 0:
+            if GN > 1:
+                for j in range(1, GN):
+                    for e in range(VEC):
+                        acc[0, e] += red[uint64(VEC * (tid + CH * GM * j) + e)]
+            for i in range(TMO):
+                r = gm + GM * i
+                row = start_m + r
+                tok = row % seqlen_q
+                if row < rows and tok < seqlen_q_b:
+                    off_h = off_hk * group + row // seqlen_q
+                    if VARLEN:
+                        o_row = off_h * total_q + q_start + tok
+                    else:
+                        o_row = (off_b * heads + off_h) * seqlen_q + tok
+                    l_sum = l_tile[r]
+                    # A NaN score makes l NaN, and O and L must then be NaN, not the no-key marker: != 0.
+                    inv_l = float32(1.0) / l_sum if l_sum != 0.0 else float32(0.0)
+                    if SPLIT:
+                        o_row += split * rows_total
+                        if l_sum != 0.0:
+                            for e in range(VEC):
+                                col = VEC * dc + e
+                                if EVEN_HEAD_DIM or col < head_dim:
+                                    o[uint64(o_row * head_dim + col)] = acc[i, e] * inv_l
+                        if dc == 0:
+                            lse[uint64(o_row)] = m_tile[r] + math.log2(l_sum) if l_sum != 0.0 else math.inf
+                    else:
+                        for e in range(VEC):
+                            col = VEC * dc + e
+                            if EVEN_HEAD_DIM or col < head_dim:
+                                o[uint64(o_row * head_dim + col)] = from_float(acc[i, e] * inv_l)
+                        if dc == 0:
+                            L = (m_tile[r] + math.log2(l_sum)) * LN2 if l_sum != 0.0 else math.inf
+                            lse[uint64(o_row)] = L
+        # side-by-side: end
+
+    # The simulator's jit takes no max_registers.
+    return cuda.jit(_kvcache_fwd) if simulated() else cuda.jit(max_registers=MAX_REGISTERS)(_kvcache_fwd)
+
+
+def _build_combine(IS_BF16):
+    """The LSE combine: one warp a row of O. o_part (num_splits, rows_total, head_dim) fp32 and lse_part
+    (num_splits, rows_total) fp32, base 2 (+inf: the split saw no key of the row, its O row unwritten);
+    writes o (rows_total, head_dim) in q's dtype and lse (rows_total,) natural log."""
+    from_float = _float_to_bf16 if IS_BF16 else _identity
+
+    def _combine(o_part, lse_part, o, lse, num_splits, rows_total, head_dim):
+        row = cuda.blockIdx.x * COMBINE_ROWS + cuda.threadIdx.x // 32
+        lane = cuda.threadIdx.x % 32
+        if row >= rows_total:
+            return
+        # L = log2 Σ_s 2^(L_s), over the splits that saw a key (L_s != +inf), around their max.
+        m = -math.inf
+        for sp in range(num_splits):
+            ls = lse_part[uint64(sp * rows_total + row)]
+            if ls != math.inf and ls > m:
+                m = ls
+        total = float32(0.0)
+        for sp in range(num_splits):
+            ls = lse_part[uint64(sp * rows_total + row)]
+            if ls != math.inf:
+                total += math.exp2(ls - m)
+        # No key in any split (m = -inf, total = 0): O = 0, L = +inf. A NaN L_s makes total and L NaN.
+        empty = m == -math.inf
+        lse2 = m + math.log2(total) if not empty else float32(0.0)
+        for c in range(lane, head_dim, 32):
+            value = float32(0.0)
+            for sp in range(num_splits):
+                ls = lse_part[uint64(sp * rows_total + row)]
+                if ls != math.inf:
+                    value += math.exp2(ls - lse2) * o_part[uint64((sp * rows_total + row) * head_dim + c)]
+            o[uint64(row * head_dim + c)] = from_float(value)
+        if lane == 0:
+            lse[uint64(row)] = lse2 * LN2 if not empty else math.inf
+
+    return cuda.jit(_combine)
+
+
+# Compiled kernels by (HEAD_DIM, DecodeConfig, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN, PAGED, BATCH_IDX, LEFTPAD,
+# SPLIT, KIND, EVEN_HEAD_DIM, ASYNC_LOADS); the combines by IS_BF16.
+_KERNELS: dict[tuple, object] = {}
+_COMBINES: dict[bool, object] = {}
+
+
+def _kernel(*key):
+    kernel = _KERNELS.get(key)
+    if kernel is None:
+        kernel = _KERNELS[key] = _build_kernel(*key)
+    return kernel
+
+
+def _combine_kernel(is_bf16: bool):
+    kernel = _COMBINES.get(is_bf16)
+    if kernel is None:
+        kernel = _COMBINES[is_bf16] = _build_combine(is_bf16)
+    return kernel
+
+
+_ZEROS: dict[torch.device, object] = {}
+
+
+def _no_index(device: torch.device):
+    """The argument of an index tensor a kernel does not read: one int32 zero on ``device``, made once."""
+    flat = _ZEROS.get(device)
+    if flat is None:
+        flat = _ZEROS[device] = _flat(torch.zeros(1, dtype=torch.int32, device=device))
+    return flat
+
+
+def _index(t: torch.Tensor | None, device: torch.device):
+    return _no_index(device) if t is None else _flat(t.to(torch.int32).contiguous())
+
+
+def _async_ok(t: torch.Tensor, vec: int) -> bool:
+    """cp.async can copy t's rows: contiguous along head_dim, every row and 16 B chunk 16 B aligned."""
+    return (t.stride(3) == 1 and t.data_ptr() % 16 == 0
+            and all(s % vec == 0 for s in t.stride()[:3]))
+
+
+def _cache_view(t: torch.Tensor):
+    """The kernel's view of a K or V cache: ``_flat``, fp16 as its int16 bit patterns too (the plain loads
+    move bits into the 32-bit words of the shared tiles)."""
+    return _flat(t.view(torch.int16) if t.dtype == torch.float16 else t)
+
+
+def _launch(kernel, grid, block, device, args):
+    if simulated():
+        kernel[grid, block](*args)
+    else:
+        with cuda.gpus[device.index]:
+            stream = cuda.external_stream(torch.cuda.current_stream(device).cuda_stream)
+            kernel[grid, block, stream](*args)
+
+
+def kvcache_forward(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    spec: AttentionSpec,
+    config: DecodeConfig | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Arguments:
+        q: (batch, heads, seqlen_q, head_dim), any strides; with spec.cu_seqlens_q (packed queries) (1, heads,
+            total_q, head_dim), sequence b's queries [cu_seqlens_q[b], cu_seqlens_q[b + 1]) (at most
+            spec.max_seqlen_q). fp32, fp16 or bf16; CUDA tensors, or CPU tensors under numba's simulator.
+        k_cache, v_cache: q's dtype, any strides. Contiguous (spec.block_table None): (batch_cache, heads_k,
+            seqlen_cache, head_dim), row b of q reading cache row spec.cache_batch_idx[b] (default b). Paged:
+            (num_pages, heads_k, page_size, head_dim), key j of row b at row j % page_size of page
+            spec.block_table[b, j // page_size]. heads a multiple of heads_k (GQA; 1 is MQA).
+        spec: ``fa2.spec.AttentionSpec`` with cache_seqlens ((batch,) int32, K_b: row b attends to keys
+            [cache_leftpad[b] or 0, K_b) of its cache); scale, window (aligned on K_b: query i of Nq_b sees
+            key j iff i + K_b - Nq_b - left <= j <= i + K_b - Nq_b + right, -1 unbounded), softcap,
+            alibi_slopes ((batch, heads) fp32, -slope · |i + K_b - Nq_b - j|), group, num_splits (0: picked
+            by ``num_splits_heuristic``; 1: one pass, no combine). Causal, Nq_b = 2, K_b = 5, leftpad 1::
+
+                0 1 1 1 0
+                0 1 1 1 1
+
+        config: the block shape, for tuning; default ``decode_config(...)``.
+
+    Returns:
+        O: q's shape and dtype. L: (batch, heads, seqlen_q) (packed: (1, heads, total_q)), float32, natural
+        log of the sum of exp of the final (capped, biased) scores; rows that see no key: O = 0, L = +inf.
+        One launch of the split-KV kernel, one of the combine when there are splits; no host sync.
+
+    Raises:
+        NotImplementedError: head_dim above 256.
+        ValueError: q and the caches of different dtypes, or tensors on the wrong device for the mode.
+    """
+    batch_q, heads, seqlen_rows, head_dim = q.shape
+    if head_dim > MAX_HEAD_DIM:
+        raise NotImplementedError(f"fa2-numba-cuda's KV-cache path supports head_dim up to {MAX_HEAD_DIM}, got {head_dim}")
+    if not (q.dtype == k_cache.dtype == v_cache.dtype) or q.dtype not in (torch.float32, torch.float16,
+                                                                          torch.bfloat16):
+        raise ValueError(
+            f"q, k_cache and v_cache must share one dtype of float32, float16, bfloat16, got {q.dtype}, "
+            f"{k_cache.dtype} and {v_cache.dtype}"
+        )
+    _check_device(q)
+    device = q.device
+    O = torch.empty(q.shape, dtype=q.dtype, device=device)
+    L = torch.empty(q.shape[:3], dtype=torch.float32, device=device)
+    heads_k = k_cache.shape[1]
+    group = heads // heads_k
+    if spec.varlen:
+        batch, seqlen_q = spec.cu_seqlens_q.numel() - 1, spec.max_seqlen_q
+    else:
+        batch, seqlen_q = batch_q, seqlen_rows
+    page_size = k_cache.shape[2]
+    capacity = spec.block_table.shape[1] * page_size if spec.paged else k_cache.shape[2]
+    if O.numel() == 0 or batch * seqlen_q == 0:
+        return O, L
+    if k_cache.numel() == 0:  # nothing to attend to: every row sees no key
+        return O.zero_(), L.fill_(math.inf)
+
+    kind = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}[q.dtype]
+    element_size = q.element_size()
+    HEAD_DIM = padded_head_dim(head_dim)
+    rows = group * seqlen_q
+    config = DecodeConfig(*config) if config is not None else decode_config(HEAD_DIM, element_size, rows)
+    num_m_tiles = -(-rows // config.BLOCK_M)
+    blocks = num_m_tiles * batch * heads_k
+    tiles = -(-capacity // config.BLOCK_N)
+    num_splits = spec.num_splits
+    if num_splits == 0:
+        slots = block_slots(device, HEAD_DIM, element_size, config)
+        num_splits = num_splits_heuristic(blocks, slots, -(-tiles // MIN_SPLIT_TILES))
+    # Ranges of whole tiles; as many splits as hold a key of the capacity (at least one).
+    split_keys = -(-max(tiles, 1) // num_splits) * config.BLOCK_N
+    num_splits = max(1, -(-capacity // split_keys))
+    split = num_splits > 1
+    rows_total = L.numel()
+
+    vec = 16 // element_size
+    async_loads = _async_ok(k_cache, vec) and _async_ok(v_cache, vec)
+    kernel = _kernel(HEAD_DIM, config, *features(spec), spec.paged, spec.cache_batch_idx is not None,
+                     spec.cache_leftpad is not None, split, kind, head_dim == HEAD_DIM, async_loads)
+    if split:
+        o_out = torch.empty(num_splits, rows_total, head_dim, dtype=torch.float32, device=device)
+        lse_out = torch.empty(num_splits, rows_total, dtype=torch.float32, device=device)
+    else:
+        o_out, lse_out = O, L
+    block_table = spec.block_table if spec.paged else None
+    table_strides = block_table.stride() if block_table is not None else (0, 0)
+    args = (
+        _flat(q), _cache_view(k_cache), _cache_view(v_cache), _flat(o_out), _flat(lse_out),
+        _flat(block_table) if block_table is not None else _no_index(device),
+        _index(spec.cache_seqlens, device), _index(spec.cache_leftpad, device),
+        _index(spec.cache_batch_idx, device), _index(spec.cu_seqlens_q, device),
+        *q.stride(), *k_cache.stride(), *v_cache.stride(), *table_strides,
+        heads, heads_k, group, seqlen_q, seqlen_rows, capacity, k_cache.shape[0], page_size, head_dim,
+        np.float32(score_scale(spec)), num_m_tiles, num_splits, split_keys,
+        rows_total, *feature_args(spec, seqlen_q, capacity, device),
+    )
+    _launch(kernel, blocks * num_splits, NUM_THREADS, device, args)
+    if split:
+        combine = _combine_kernel(q.dtype == torch.bfloat16)
+        _launch(combine, -(-rows_total // COMBINE_ROWS), NUM_THREADS, device,
+                (_flat(o_out), _flat(lse_out), _flat(O), _flat(L), num_splits, rows_total, head_dim))
+    return O, L
+
+
+def score_scale(spec: AttentionSpec) -> float:
+    """What Q is pre-scaled by (``forward.score_scale``): scale · log2 e, or with a softcap c, scale / c."""
+    return spec.scale / spec.softcap if spec.softcap > 0 else spec.scale * LOG2E
+
+
+def kernel_resources() -> list[dict]:
+    """Registers and local memory per thread, static shared memory per block, of every decode kernel compiled
+    so far in this process (one row per specialisation); empty under the simulator."""
+    if simulated():
+        return []
+    rows = []
+    for key, kernel in _KERNELS.items():
+        HEAD_DIM, config, *switches = key
+        regs = kernel.get_regs_per_thread()
+        for signature in regs:
+            rows.append({
+                "kernel": "kvcache", "HEAD_DIM": HEAD_DIM, **config._asdict(),
+                "switches": switches, "registers_per_thread": regs[signature],
+                "shared_bytes_per_block": kernel.get_shared_mem_per_block()[signature],
+                "local_bytes_per_thread": kernel.get_local_mem_per_thread()[signature],
+            })
+    return rows
