@@ -20,7 +20,8 @@ The cache is read by gather, never copied whole: a tile's key positions j (per s
 cache row ``cache_batch_idx[b]`` (or b) directly, or the page ``block_table[b, j // page_size]`` at row
 j % page_size; page size any int >= 1. Key positions past the capacity, page ids and cache_batch_idx
 outside the cache are clamped into it before indexing (garbage rows, never an access outside the tensors;
-fa2's interface checks what it can), and masked.
+fa2's interface checks what it can), and masked; the values of keys outside [leftpad_b, K_b) are zeroed
+after the gather, so that whatever an unused slot holds (NaN included) never reaches O.
 
 No device sync: cache_seqlens, cache_leftpad, block_table and cu_seqlens_q stay on the device and enter
 only as tensors (the masks, ALiBi's distances and the packed queries' positions are computed from them),
@@ -167,9 +168,13 @@ def kvcache_forward(
                 index = (page, slice(None), j_safe % page_size)
             else:
                 index = (cache_row, slice(None), j_safe)
+            # The keys row b holds, [leftpad_b, K_b) within the split and the cache: [B, SPLITS, BLOCK_N]. The
+            # values of the others are zeroed (a weight of 0 times a NaN left in an unused slot is NaN).
+            stored = (in_range & (j >= leftpad[:, None, None]) & (j < seqlens[:, None, None]))
             # Advanced indices around a slice put their dims first: [B, SPLITS, BLOCK_N, H_K, HEAD_DIM].
             k_j = k_cache[index].float().permute(0, 3, 1, 2, 4).reshape(bhs, n, head_dim)
-            v_j = v_cache[index].float().permute(0, 3, 1, 2, 4).reshape(bhs, n, head_dim)
+            v_j = v_cache[index].float().masked_fill_(~stored[..., None, None], 0.0)
+            v_j = v_j.permute(0, 3, 1, 2, 4).reshape(bhs, n, head_dim)
             # side-by-side: end
 
             S = torch.empty(bhs, rows, n, device=device, dtype=torch.float32)
@@ -178,11 +183,10 @@ def kvcache_forward(
                 S.tanh_().mul_(softcap)
             S_g = S.view(batch, heads_k, num_splits, seqlen_q, group, n)
             # side-by-side: mask
-            # [B, SPLITS, M, BLOCK_N] from the per-row tensors: in the cache and the split, in [leftpad_b, K_b),
-            # a query row, and in the window aligned on K_b.
+            # [B, SPLITS, M, BLOCK_N] from the per-row tensors: a key row b holds, a query row, and in the
+            # window aligned on K_b.
             j_b = j[None, :, None, :]
-            visible = (in_range[None, :, None, :] & is_query & (j_b >= leftpad[:, None, None, None])
-                       & (j_b < seqlens[:, None, None, None]))
+            visible = stored[:, :, None, :] & is_query
             if right != UNBOUNDED:
                 visible &= j_b <= pos_q + right
             if left != UNBOUNDED:
