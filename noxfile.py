@@ -107,7 +107,8 @@ def bench(session: nox.Session) -> None:
     """The side-by-side benchmark of every backend against SDPA and FlexAttention (python -m fa2.bench).
     With a GPU: the full sweep into docs/benchmarks/<gpu>.*; without one: emulated, tiny shapes, into
     docs/benchmarks/cpu-emulated.*. Arguments after -- go to fa2.bench, e.g. -- --quick, or -- --varlen for
-    the packed batches of issue 21 (<name>-varlen.*)."""
+    the packed batches of issue 21 (<name>-varlen.*).
+    -- --decode: issue 22's KV-cache decoding, µs and K/V TB/s against a device copy (<name>-decode.*)."""
     install(session, BACKENDS, "bench")
     session.run("python", "-m", "fa2.bench", *session.posargs, env=emulation_env())
 

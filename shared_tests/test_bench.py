@@ -10,7 +10,10 @@ the file names; the providers skipped for an option they lack, with the reason; 
 reference with the same options; FlexAttention's mask and score modifiers (eager, on the CPU). And issue
 21's --varlen mode: the lengths drawn from a seed, the real pairs counted, the per-sequence check (a
 provider that attends across sequences is wrong), an emulated run's rows, and the providers that cannot run
-recorded as skipped with their reasons."""
+recorded as skipped with their reasons. And issue 22's --decode mode: the K/V bytes a step reads, the layouts
+of a point grouped (timed together), the paged cache holding the contiguous one's keys through its block
+table, an emulated run (SDPA skipped on paged caches, a provider that ignores the block table wrong), issue
+22's ratios from hand-made rows, the copy ceiling and the command line."""
 
 from __future__ import annotations
 
@@ -485,3 +488,192 @@ def test_flex_document_mask_computes_the_reference(causal):
     cu = cu_seqlens(lengths, torch.device("cpu"))
     O_ref, L_ref = reference.varlen_attention(q, k, v, cu, cu, causal)
     assert (O[0].transpose(0, 1).double() - O_ref).abs().max() < 1e-5 and (L[0].double() - L_ref).abs().max() < 1e-5
+
+
+# Issue 22: KV-cache decoding (--decode).
+
+def _decode_shape(page_size=0, **kw):
+    return Shape(**{"dtype": "fp16", "head_dim": 16, "causal": False, "seqlen": 40, "batch": 2, "heads": 4,
+                    "group": 2, "seqlen_q": 4, "page_size": page_size, **kw})
+
+
+def test_decode_shapes_count_the_cache_they_read():
+    """A decode step reads K and V once: 2·B·H_k·K·D elements; every query sees every cached key."""
+    s = _decode_shape()
+    assert s.decode and not s.varlen and s.heads_k == 2 and s.queries == 4
+    assert s.kv_bytes == 2 * 2 * 2 * 40 * 16 * 2
+    assert Shape("bf16", 128, False, 131072, 1, 32, group=4, seqlen_q=1).kv_bytes == 2 * 8 * 131072 * 128 * 2
+    assert s.pairs == 4 * 40 and s.flops == 4 * 2 * 4 * 16 * 4 * 40 and s.work == 2 * 4 * 4 * 40 * 16
+    assert str(_decode_shape(16)) == "decode fp16 B2 H4/2 q4 K40 D16 paged16"
+    with pytest.raises(ValueError, match="a decode shape is the forward of plain attention"):
+        _decode_shape(causal=True)
+    with pytest.raises(ValueError, match="only a decode shape"):
+        Shape("fp16", 16, False, 40, 2, 4, page_size=16)
+
+
+def test_decode_shapes_group_their_layouts(tmp_path):
+    """Per point the contiguous cache, then each page size, measured (and timed) together."""
+    cfg = sweep.Config(providers=(), seqlens=(), head_dims=(16,), causals=(False,), dtypes=("fp16",),
+                       device=torch.device("cpu"), out_dir=tmp_path, name="x",
+                       decode=sweep.Decode(((2, 40), (1, 64)), (1, 4), (16, 32), 4, 2))
+    shapes = cfg.shapes()
+    assert len(shapes) == 2 * 2 * 3
+    groups = sweep.timing_groups(shapes)
+    assert [[s.page_size for s in g] for g in groups] == [[0, 16, 32]] * 4
+    assert [(g[0].seqlen_q, g[0].batch, g[0].seqlen) for g in groups] == [(1, 2, 40), (1, 1, 64), (4, 2, 40),
+                                                                        (4, 1, 64)]
+    assert {(s.heads, s.heads_k) for s in shapes} == {(4, 2)}
+    assert {(s.heads, s.heads_k) for s in dataclasses.replace(cfg, heads=8).shapes()} == {(8, 4)}
+    with pytest.raises(ValueError, match="--decode times the forward"):
+        dataclasses.replace(cfg, modes=("fwd", "bwd")).shapes()
+    dense = [Shape("fp16", 16, False, 32, 1, 2), Shape("fp16", 16, True, 32, 1, 2)]
+    assert sweep.timing_groups(dense) == [[dense[0]], [dense[1]]]
+
+
+@pytest.mark.parametrize("page_size", [16, 32, 7], ids=lambda p: f"page{p}")
+def test_decode_inputs_hold_the_same_keys_in_every_layout(page_size):
+    """The caches are transposed views of flash-attn's layouts; the paged one, read through its block table (a
+    permutation of the pages), holds the contiguous one's keys."""
+    group = [_decode_shape(), _decode_shape(page_size)]
+    torch.manual_seed(0)
+    (q, k, v), cache_seqlens, layouts = sweep.decode_inputs(group, torch.device("cpu"))
+    assert q.shape == (2, 4, 4, 16) and q.transpose(1, 2).is_contiguous()
+    assert k.shape == v.shape == (2, 2, 40, 16) and k.transpose(1, 2).is_contiguous()
+    assert cache_seqlens.dtype == torch.int32 and cache_seqlens.tolist() == [40, 40]
+    k0, v0, table0 = layouts[0]
+    assert table0 is None and torch.equal(k0, k) and torch.equal(v0, v)
+    k_pages, v_pages, table = layouts[page_size]
+    pages_per_seq = -(-40 // page_size)
+    assert table.dtype == torch.int32 and table.shape == (2, pages_per_seq)
+    assert sorted(table.flatten().tolist()) == list(range(2 * pages_per_seq))
+    assert k_pages.shape == (2 * pages_per_seq, 2, page_size, 16) and k_pages.transpose(1, 2).is_contiguous()
+    for pages, logical in ((k_pages, k), (v_pages, v)):
+        gathered = pages[table.flatten().long()].transpose(1, 2).reshape(2, pages_per_seq * page_size, 2, 16)
+        assert torch.equal(gathered[:, :40].transpose(1, 2), logical)
+
+
+def _ignores_block_table(shape, device):
+    """A wrong decode provider: reads the pages in storage order, as if the block table were the identity."""
+    def call(q, k, v, cache_seqlens, block_table):
+        if block_table is not None:
+            k, v = (t.transpose(1, 2).reshape(shape.batch, -1, shape.heads_k, shape.head_dim)[:, :shape.seqlen]
+                    .transpose(1, 2) for t in (k, v))
+        O, L = reference.attention(q, k, v)
+        return O.to(q.dtype), L.float()
+    return call
+
+
+def _refuses_decode(shape, device):
+    def call(q, k, v, cache_seqlens, block_table):
+        raise NotImplementedError("fa2-example has no KV-cache path")
+    return call
+
+
+@needs_fa2_pytorch
+def test_an_emulated_decode_run(tmp_path, monkeypatch):
+    """--decode on the CPU: a row per (provider, layout) that runs, K/V TB/s from the recorded shape, the copy
+    ceiling and the sweep in the run's JSON; SDPA skipped on the paged caches with the reason, a backend's
+    NotImplementedError skipped, a provider that ignores the block table wrong on the paged caches alone."""
+    fakes = {"ignores-block-table": providers.Provider("ignores-block-table", _ignores_block_table,
+                                                       cuda_only=False, paged=True),
+             "fa2-example": providers.Provider("fa2-example", _refuses_decode, cuda_only=False, paged=True)}
+    monkeypatch.setattr(sweep, "DECODE_PROVIDERS", {**providers.DECODE_PROVIDERS, **fakes})
+    decode = sweep.Decode(((2, 40),), (1, 4), (16,), 4, 2)
+    cfg = sweep.Config(providers=("fa2-pytorch", "sdpa", "sdpa-flash", "flex", "sdpa-math", *fakes), seqlens=(40,),
+                       head_dims=(16,), causals=(False,), dtypes=("fp32",), device=torch.device("cpu"),
+                       out_dir=tmp_path, name="cpu-decode", decode=decode)
+    sweep.run(cfg, lambda total: cli._PlainProgress(total))
+    rows = sweep.read_csv(tmp_path / "cpu-decode.csv")
+    measured = {(r["provider"], r["seqlen_q"], r["page_size"]) for r in rows}
+    assert measured == ({(p, q, page) for p in ("fa2-pytorch", "ignores-block-table") for q in ("1", "4")
+                         for page in ("0", "16")} - {("ignores-block-table", q, "16") for q in ("1", "4")}
+                        | {("sdpa", q, "0") for q in ("1", "4")})  # sdpa-flash: fp16/bf16 only
+    for r in rows:
+        shape = Shape("fp32", 16, False, 40, 2, 4, group=2, seqlen_q=int(r["seqlen_q"]),
+                      page_size=int(r["page_size"]))
+        assert (r["heads_k"], r["batch"], r["seqlen"]) == ("2", "2", "40")
+        assert float(r["tbps"]) == pytest.approx(shape.kv_bytes / (float(r["ms"]) * 1e-3) / 1e12, rel=1e-4)
+
+    issues = {(r["provider"], r["seqlen_q"], r["page_size"]): (r["status"], r["reason"])
+              for r in sweep.read_csv(tmp_path / "cpu-decode-skipped.csv")}
+    for q in ("1", "4"):
+        assert issues["ignores-block-table", q, "16"][0] == "wrong"
+        assert issues["fa2-example", q, "0"] == ("skipped", "NotImplementedError: fa2-example has no KV-cache path")
+        assert issues["sdpa", q, "16"] == ("skipped", "paged cache: SDPA has no paged cache (the paged rows are "
+                                                      "each fa2 backend's, against its contiguous rows)")
+        assert issues["sdpa-flash", q, "0"] == ("skipped", "fp32: SDPA's FlashAttention-2 kernel takes fp16/bf16 only")
+        assert issues["flex", q, "0"] == ("skipped", providers._FLEX_ON_CPU)
+        assert issues["sdpa-math", q, "0"][1].startswith("decode: sdpa-math has no KV-cache path here")
+    info = sweep.read_runs(tmp_path / "cpu-decode-run.json")[0]
+    assert info["decode"] == {"points": [[2, 40]], "queries": [1, 4], "page_sizes": [16], "heads": 4, "group": 2}
+    assert info["ceilings"]["copy_tbps"] > 0 and info["ceilings"]["copy_bytes"] == timing.COPY_BYTES["cpu"]
+
+    run = report.load(tmp_path, "cpu-decode")
+    assert run.decode and not run.varlen
+    summary = "\n".join(report.ratio_tables(run))
+    assert "| fa2 backend | sdpa time / its (target 1) | sdpa-flash time / its (target 1) |" in summary
+    assert "| provider | cache | q1 B2 K40 | q4 B2 K40 |" in summary
+    text = report.markdown(run, "cpu-decode", [])
+    assert "1, 4 query tokens at (batch, cached keys) (2, 40), the cache contiguous and in pages of 16" in text
+    assert "| ignores-block-table | wrong | max |O - O_ref|" in text
+
+
+def _decode_row(provider, ms, page_size=0, seqlen=32768, seqlen_q=1, batch=8):
+    shape = Shape("bf16", 128, False, seqlen, batch, 32, group=4, seqlen_q=seqlen_q, page_size=page_size)
+    return {"provider": provider, "mode": "fwd", "dtype": "bf16", "head_dim": 128, "causal": False, "seqlen": seqlen,
+            "batch": batch, "heads": 32, "heads_k": 8, "window": -1, "softcap": 0.0, "lengths": (),
+            "seqlen_q": seqlen_q, "page_size": page_size, "ms": ms, "tflops": 0.0,
+            "tbps": shape.kv_bytes / (ms * 1e-3) / 1e12, "peak_mem_gb": None, "gpu": "NVIDIA H200",
+            "timestamp": "2026-12-01T00:00:01+00:00"}
+
+
+def test_decode_ratios_are_issue_22s():
+    """SDPA's time over the backend's on the contiguous cache, the backend's rate over the copy ceiling (the
+    target from 32k keys only), paged over contiguous, fa2-numba-cuda's rate over fa2-triton's."""
+    copy = _decode_row("x", 0.1)["tbps"] * 1.25  # 0.1 ms is 80% of the copy ceiling at 32k
+    rows = [_decode_row("fa2-triton", 0.1), _decode_row("fa2-triton", 0.125, page_size=16),
+            _decode_row("fa2-numba-cuda", 0.4), _decode_row("sdpa", 0.2), _decode_row("sdpa-flash", 0.05),
+            _decode_row("fa2-triton", 0.02, seqlen=8192), _decode_row("sdpa", 0.02, seqlen=8192)]
+    run = report.Run(rows, [], [{"started": "2026-12-01T00:00:00+00:00", "ceilings": {"copy_tbps": copy}}])
+    got = {(x["row"]["provider"], x["row"]["page_size"], x["row"]["seqlen"]): x for x in report.decode_ratios(run)}
+    triton = got["fa2-triton", 0, 32768]
+    assert triton["sdpa"] == pytest.approx(2.0) and triton["sdpa-flash"] == pytest.approx(0.5)
+    assert triton["copy"] == pytest.approx(0.8) and triton["paged"] is None and triton["fa2-triton"] is None
+    assert got["fa2-triton", 16, 32768]["paged"] == pytest.approx(0.8) and got["fa2-triton", 16, 32768]["sdpa"] is None
+    assert got["fa2-numba-cuda", 0, 32768]["fa2-triton"] == pytest.approx(0.25)
+    assert got["sdpa", 0, 32768]["sdpa"] is None and got["sdpa", 0, 32768]["sdpa-flash"] == pytest.approx(0.25)
+    assert got["fa2-triton", 0, 8192]["sdpa"] == pytest.approx(1.0)
+    summary = "\n".join(report.decode_tables(run))
+    # The copy column counts the 32k row alone (8k's fraction is far lower), the paged one the paged row.
+    assert "| fa2-triton | 1.00 (2) | 0.50 (1) | 0.80 (1) | 0.80 (1) | — |" in summary
+    assert "| fa2-numba-cuda | 0.50 (1) | 0.12 (1) | 0.20 (1) | — | 0.25 (1) |" in summary
+
+
+def test_the_copy_ceiling_counts_read_and_written():
+    got = timing.copy_ceiling(torch.device("cpu"))
+    assert got["copy_bytes"] == timing.COPY_BYTES["cpu"] and got["copy_tbps"] > 0
+
+
+@pytest.mark.parametrize("argv, suffix", [
+    (["--decode"], "-decode"),
+    (["--decode", "--quick"], "-decode-quick"),
+    (["--decode", "--group", "8"], "-decode-gqa8"),
+    (["--decode", "--heads", "64"], "-decode-h64"),
+], ids=lambda x: " ".join(x) if isinstance(x, list) else x)
+def test_decode_file_names(argv, suffix):
+    assert cli.options_suffix(cli.parse_args(argv)) == suffix
+
+
+def test_decode_options_parse_and_refuse_the_others():
+    args = cli.parse_args(["--decode", "--decode-points", "8x32768,1X131072", "--decode-queries", "1,4",
+                           "--page-sizes", "none"])
+    assert args.decode_points == ((8, 32768), (1, 131072)) and args.decode_queries == (1, 4) and args.page_sizes == ()
+    assert args.causal == ("no",) and args.group is None
+    assert cli.parse_args(["--decode", "--page-sizes", "16,256"]).page_sizes == (16, 256)
+    assert cli.parse_args([]).group == (1,)
+    for bad in (["--decode", "--varlen"], ["--decode", "--window", "64"], ["--decode", "--softcap", "30"],
+                ["--decode", "--causal", "yes"], ["--decode", "--group", "2,4"], ["--decode", "--fa2-entry", "sdpa"],
+                ["--decode-points", "8x32768"], ["--page-sizes", "16"], ["--decode", "--decode-points", "8"],
+                ["--decode", "--decode-points", "0x16"], ["--decode", "--page-sizes", "0"]):
+        with pytest.raises(SystemExit):
+            cli.parse_args(bad)

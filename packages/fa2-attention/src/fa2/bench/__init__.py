@@ -7,6 +7,7 @@ instead, each checked against ``fa2.reference`` before it is timed; the forward,
     python -m fa2.bench --quick                          # a few shapes; <name>-quick.*
     python -m fa2.bench --quick --modes fwd              # the same, forward only
     python -m fa2.bench --varlen                         # issue 21: packed batches; <name>-varlen.*
+    python -m fa2.bench --decode                         # issue 22: KV-cache decoding; <name>-decode.*
     nox -s bench                                         # without a GPU: emulated, tiny shapes
     nox -s bench -- --varlen                             # arguments after -- go to fa2.bench
 
@@ -44,6 +45,24 @@ is_causal (the CPU's) and flex on the CPU are skipped, with the reason. Emulated
     python -m fa2.bench --varlen --modes fwd                  # <name>-varlen.*
     python -m fa2.bench --varlen --modes bwd --append
 
+Issue 22's decoding (``--decode``): one or a few query tokens against a KV cache, forward only. GPU: bf16,
+32 query heads / 8 key/value heads, D 128, 1 and 4 query tokens at (batch, cached keys) (8, 8k), (8, 32k),
+(1, 128k), (64, 4k) (``--decode-points``, ``--decode-queries``), every query seeing every cached key,
+cache_seqlens = the cached keys. Each point's cache is contiguous and paged in pages of 16 and 256
+(``--page-sizes``; the block table a random permutation of the pages), all layouts holding the same keys and
+timed in the same rounds, stored as real caches are: transposed views of flash-attn's (batch, seqlen,
+heads_k, D) and (pages, page, heads_k, D). fa2's backends through fa2.kvcache_attention(num_splits=0) on each
+layout; sdpa (F.scaled_dot_product_attention(enable_gqa=True), the dispatcher's pick) and sdpa-flash (the same
+forced to FLASH_ATTENTION) on contiguous copies; flex (compiled) only if named in --providers. Times in µs and
+K/V bytes read per second (2·B·H_k·K·D·bytes per element / time) against a device-to-device copy
+(``timing.copy_ceiling``: bytes read plus written per second, in the run's JSON). ``<name>-decode.md`` gives
+issue 22's ratios with their targets: SDPA's time over fa2's (1), the fraction of the copy ceiling from 32k
+keys (0.85), paged over contiguous (0.95), fa2-numba-cuda's rate over fa2-triton's (0.5). Emulated: fp16,
+4 / 2 heads, D 16, (2, 40) and (1, 64), pages of 16 and 32.
+
+    python -m fa2.bench --decode                                          # <name>-decode.*
+    python -m fa2.bench --decode --providers flex --append                # FlexAttention beside it
+
 Modules: ``providers`` (what is compared), ``check`` (the correctness check), ``timing`` (clocks, memory,
 matmul ceilings), ``sweep`` (shapes, the loop, the CSV), ``report`` and ``plot`` (the summary).
 
@@ -61,5 +80,8 @@ joined by +; ``-attention`` or ``-sdpa`` for a --fa2-entry that is not the defau
 and for --varlen (``<name>-varlen``) the same CSVs and JSON (the CSVs' lengths column: the packed batch's
 lengths, empty on the dense reference rows), ``<name>-varlen.md`` (packed against dense, sdpa-njt and
 flex, issue 21's targets, every measurement) and ``<name>-varlen-<mode>.png`` (bars of TFLOP/s, a panel per
-(dtype, D)).
+(dtype, D)); for --decode (``<name>-decode``) the same CSVs (seqlen the cached keys, seqlen_q the query
+tokens, page_size 0 for a contiguous cache, tbps the K/V TB/s) and JSON (the sweep, the copy ceiling),
+``<name>-decode.md`` (issue 22's ratios, µs per provider and layout, every measurement) and
+``<name>-decode.png`` (bars of K/V TB/s per point, a panel per number of query tokens, the copy ceiling).
 """

@@ -13,7 +13,8 @@ import torch
 
 from fa2 import registry
 from fa2.bench import report, sweep
-from fa2.bench.providers import DTYPES, FA2_ENTRIES, PROVIDERS, VARLEN_PROVIDERS
+from fa2.bench.providers import DECODE_DEFAULT_PROVIDERS, DECODE_PROVIDERS, DTYPES, FA2_ENTRIES, PROVIDERS, \
+    VARLEN_PROVIDERS
 
 # Without a GPU the kernels run emulated, as in nox's sessions. Triton and numba read these when imported,
 # and importing fa2 may import Triton, so they must be set before the interpreter starts.
@@ -65,6 +66,22 @@ def _positive(text: str) -> int:
     return n
 
 
+def _point(text: str) -> tuple[int, int]:
+    """--decode-points' entries: BxK, batch B and K cached keys."""
+    try:
+        batch, keys = (int(x) for x in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a decode point is BATCHxKEYS, e.g. 8x32768, got {text!r}") from None
+    if batch < 1 or keys < 1:
+        raise argparse.ArgumentTypeError(f"a decode point has batch and keys >= 1, got {text!r}")
+    return batch, keys
+
+
+def _page_sizes(text: str) -> tuple[int, ...]:
+    """--page-sizes: comma-separated sizes >= 1, or none."""
+    return () if text == "none" else _list(_positive)(text)
+
+
 def _defaults(table: dict, column: int, lead: str = "default") -> str:
     """A DEFAULTS column as help text: the GPU's and the emulated run's values."""
     text = lambda values: ",".join(map(str, values))
@@ -95,9 +112,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "run on tiny shapes (TRITON_INTERPRET=1, NUMBA_ENABLE_CUDASIM=1). A run that measures nothing keeps the "
         "earlier files.",
     )
-    parser.add_argument("--providers", type=_choices(list(dict.fromkeys([*PROVIDERS, *VARLEN_PROVIDERS]))),
+    parser.add_argument("--providers", type=_choices(list(dict.fromkeys([*PROVIDERS, *VARLEN_PROVIDERS,
+                                                                        *DECODE_PROVIDERS]))),
                         help=f"comma-separated; default {','.join(PROVIDERS)}, with --varlen "
-                        f"{','.join(VARLEN_PROVIDERS)}")
+                        f"{','.join(VARLEN_PROVIDERS)}, with --decode {','.join(DECODE_DEFAULT_PROVIDERS)} (flex "
+                        "too if named: a compile per shape)")
     parser.add_argument("--seqlens", type=_list(int), help=f"comma-separated N; {_defaults(sweep.DEFAULTS, 0)}; "
                         "with --varlen the N of the fa2 backends' dense reference shapes (B = tokens / N), "
                         f"{_defaults(sweep.VARLEN_DEFAULTS, 4, 'default')}")
@@ -112,10 +131,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         f"{_defaults(sweep.BWD_DEFAULTS, 0, 'N')}; {_defaults(sweep.BWD_DEFAULTS, 1, 'dtypes')}")
     parser.add_argument("--heads", type=_positive,
                         help="query heads of every shape; default on a GPU 2048 / D (hidden 2048), emulated 2")
-    parser.add_argument("--group", type=_list(_positive), default="1",
+    parser.add_argument("--group", type=_list(_positive),
                         help="comma-separated query heads per key/value head: grouped-query attention, k and v "
                         "with heads / GROUP heads, each GROUP a point of the sweep (1,4: the dense heads beside "
-                        "GQA in one process); the files are named <name>-gqa<GROUP> for those above 1")
+                        "GQA in one process); the files are named <name>-gqa<GROUP> for those above 1. Default 1; "
+                        "with --decode one GROUP, default on a GPU 4 (32 / 8 heads), emulated 2")
     parser.add_argument("--window", type=_list(_window), default="none",
                         help="comma-separated sliding windows W (or none) of the causal shapes: fa2's "
                         "window=(W, 0) with causal=True, each query sees its W + 1 most recent keys; TFLOP/s "
@@ -141,6 +161,22 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--varlen-seed", type=int, default=0,
                         help="the seed of --varlen's lengths (random.Random); files <name>-varlen-seed<S> where "
                         "not 0")
+    parser.add_argument("--decode", action="store_true",
+                        help="KV-cache decoding (issue 22) instead of the dense sweep, forward only (--modes is not "
+                        f"read): {_decode_help(False)} on a GPU; {_decode_help(True)} emulated. Each fa2 backend "
+                        "through fa2.kvcache_attention on the contiguous and each paged cache, against "
+                        "F.scaled_dot_product_attention(enable_gqa=True) (sdpa, and sdpa-flash forced to its flash "
+                        "backend) on contiguous copies; µs and K/V bytes read per second, against a device copy. "
+                        "Files <name>-decode")
+    parser.add_argument("--decode-points", type=_list(_point),
+                        help="--decode's comma-separated BATCHxKEYS (batch, cached keys); "
+                        f"{_decode_defaults(lambda d: ','.join(f'{b}x{k}' for b, k in d.points))}")
+    parser.add_argument("--decode-queries", type=_list(_positive),
+                        help="--decode's comma-separated query tokens per sequence; "
+                        f"{_decode_defaults(lambda d: ','.join(map(str, d.queries)))}")
+    parser.add_argument("--page-sizes", type=_page_sizes,
+                        help="--decode's paged caches: comma-separated page sizes, or none; "
+                        f"{_decode_defaults(lambda d: ','.join(map(str, d.page_sizes)))}")
     parser.add_argument("--quick", action="store_true",
                         help="a few shapes in one dtype (GPU: bf16, N 1k and 4k; with --varlen D 128 alone), "
                         "written as <name>-quick")
@@ -154,13 +190,23 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--report-only", action="store_true",
                         help="measure nothing: redraw <name>.md and the plots from <name>.csv")
     args = parser.parse_args(argv)
+    decode_only = {"--decode-points": args.decode_points, "--decode-queries": args.decode_queries,
+                   "--page-sizes": args.page_sizes}
+    if not args.decode and any(value is not None for value in decode_only.values()):
+        parser.error(f"{', '.join(k for k, v in decode_only.items() if v is not None)}: only with --decode")
+    if args.decode and (args.varlen or args.window != (-1,) or args.softcap != (0.0,) or args.fa2_entry == "sdpa"
+                        or args.causal not in (None, ("no",)) or (args.group and len(args.group) > 1)):
+        parser.error("--decode times plain attention over the whole cache through fa2.kvcache_attention: no "
+                     "--varlen, --window, --softcap, --causal yes, --fa2-entry sdpa, and one --group")
+    if not args.decode:
+        args.group = args.group or (1,)
     if args.varlen and (args.group != (1,) or args.window != (-1,) or args.softcap != (0.0,) or
                         args.fa2_entry == "sdpa"):
         parser.error("--varlen times plain attention through fa2.varlen_attention (its dense reference through "
                      "fa2.attention): no --group, --window, --softcap or --fa2-entry sdpa")
     if args.causal is None:
-        args.causal = ("yes",) if any(w >= 0 for w in args.window) else ("no", "yes")
-    args.default_entry = default_entry(args.group, args.window, args.softcap)
+        args.causal = ("no",) if args.decode else ("yes",) if any(w >= 0 for w in args.window) else ("no", "yes")
+    args.default_entry = default_entry(args.group or (1,), args.window, args.softcap)
     args.fa2_entry = args.fa2_entry or args.default_entry
     return args
 
@@ -172,6 +218,21 @@ def _varlen_help(emulated: bool) -> str:
             f"{','.join(dtypes)}")
 
 
+def _decode_help(emulated: bool) -> str:
+    """--decode's sweep, for the help text."""
+    d, head_dims, dtypes = sweep.DECODE_DEFAULTS[emulated, False]
+    points = ", ".join(f"({b}, {k})" for b, k in d.points)
+    return (f"{','.join(map(str, d.queries))} query tokens at (batch, cached keys) {points}, "
+            f"H {d.heads}/{d.heads // d.group}, D {','.join(map(str, head_dims))}, {','.join(dtypes)}, caches "
+            f"contiguous and paged ({','.join(map(str, d.page_sizes))})")
+
+
+def _decode_defaults(field) -> str:
+    """A --decode option's defaults on a GPU and emulated, for the help text."""
+    return (f"default on a GPU {field(sweep.DECODE_DEFAULTS[False, False][0])}, "
+            f"emulated {field(sweep.DECODE_DEFAULTS[True, False][0])}")
+
+
 def default_entry(groups, windows, softcaps) -> str:
     """--fa2-entry's default: sdpa (issue 20's path) for GQA without a window or softcap, else attention."""
     plain = all(w < 0 for w in windows) and not any(softcaps)
@@ -179,16 +240,18 @@ def default_entry(groups, windows, softcaps) -> str:
 
 
 def options_suffix(args: argparse.Namespace) -> str:
-    """What the file names add for the options: -varlen (-seed<S>), -quick, -gqa<G>, -h<H> (--heads), -w<W>,
+    """What the file names add for the options: -decode, -varlen (-seed<S>), -quick, -gqa<G> (with --decode a
+    --group given), -h<H> (--heads), -w<W>,
     -cap<C> and the entry where it is not the default; several values of one option joined by +: -gqa2+4."""
     def part(prefix: str, values) -> str:
         return f"-{prefix}{'+'.join(values)}" if values else ""
 
     return "".join([
+        "-decode" if args.decode else "",
         "-varlen" if args.varlen else "",
         f"-seed{args.varlen_seed}" if args.varlen and args.varlen_seed else "",
         "-quick" if args.quick else "",
-        part("gqa", [str(g) for g in args.group if g > 1]),
+        part("gqa", [str(g) for g in args.group or () if g > 1]),
         f"-h{args.heads}" if args.heads else "",
         part("w", [str(w) for w in args.window if w >= 0]),
         part("cap", [f"{c:g}" for c in args.softcap if c]),
@@ -244,11 +307,18 @@ def main(argv: list[str] | None = None) -> None:
         os.execve(sys.executable, [sys.executable, "-m", "fa2.bench", *argv], {**os.environ, **unset})
     seqlens, head_dims, dtypes = sweep.DEFAULTS[emulated, args.quick]
     bwd_seqlens, bwd_dtypes = sweep.BWD_DEFAULTS[emulated, args.quick]
-    providers, packing = tuple(PROVIDERS), None
+    providers, packing, decode, modes = tuple(PROVIDERS), None, None, args.modes
     if args.varlen:
         tokens, (low, high), head_dims, dtypes, seqlens = sweep.VARLEN_DEFAULTS[emulated, args.quick]
         bwd_seqlens, bwd_dtypes = seqlens, dtypes
         providers, packing = tuple(VARLEN_PROVIDERS), sweep.Packing(tokens, low, high, args.varlen_seed)
+    if args.decode:
+        decode, head_dims, dtypes = sweep.DECODE_DEFAULTS[emulated, args.quick]
+        decode = sweep.Decode(args.decode_points or decode.points, args.decode_queries or decode.queries,
+                              decode.page_sizes if args.page_sizes is None else args.page_sizes,
+                              decode.heads, args.group[0] if args.group else decode.group)
+        seqlens = tuple(dict.fromkeys(k for _, k in decode.points))
+        providers, modes = DECODE_DEFAULT_PROVIDERS, ("fwd",)
     name = args.name or default_name(device) + options_suffix(args)
     cfg = sweep.Config(
         providers=args.providers or providers,
@@ -261,8 +331,8 @@ def main(argv: list[str] | None = None) -> None:
         name=name,
         math_max_seqlen=args.math_max_seqlen,
         append=args.append,
-        modes=args.modes,
-        groups=args.group,
+        modes=modes,
+        groups=args.group or (1,),
         windows=args.window,
         softcaps=args.softcap,
         heads=args.heads,
@@ -270,12 +340,17 @@ def main(argv: list[str] | None = None) -> None:
         bwd_seqlens=args.seqlens or bwd_seqlens,
         bwd_dtypes=args.dtypes or bwd_dtypes,
         varlen=packing,
+        decode=decode,
         command=shlex.join(["python", "-m", "fa2.bench", *argv]),
     )
     if not args.report_only:
         kind = "EMULATED on the CPU (TRITON_INTERPRET=1, NUMBA_ENABLE_CUDASIM=1)" if emulated else str(device)
         print(f"fa2.bench: {len(cfg.shapes())} shapes x {len(cfg.providers)} providers, {kind}; "
               f"writing {cfg.path('.csv')}", flush=True)
+        if decode:
+            print(f"fa2.bench: decode, {','.join(map(str, decode.queries))} query tokens at (batch, cached keys) "
+                  f"{', '.join(f'({b}, {k})' for b, k in decode.points)}, caches contiguous and paged in pages of "
+                  f"{', '.join(map(str, decode.page_sizes)) or 'none'}", flush=True)
         if packing:
             lengths = packing.lengths()
             print(f"fa2.bench: packed batch of {packing.tokens} tokens, {len(lengths)} sequences of lengths "

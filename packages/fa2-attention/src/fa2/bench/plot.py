@@ -3,14 +3,16 @@ panel per (dtype, causal), a line per provider (one per variant, a marker each, 
 GQA, window, softcap), the matmul ceiling of that precision, as measured by the run (or the part of an
 --append sequence) that measured the panel, as a horizontal line. A --varlen run: one figure per mode
 (``<name>-fwd.png``), a panel per (dtype, D), bars of TFLOP/s per provider for not causal and causal: the
-packed batch, and hatched each fa2 backend's dense reference shapes; a log scale when emulated."""
+packed batch, and hatched each fa2 backend's dense reference shapes; a log scale when emulated. A --decode run:
+``<name>.png``, a panel per (dtype, D, query tokens), bars of K/V bytes read per second per provider and cache
+layout (paged hatched) at each (batch, cached keys), the copy ceiling as a line."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from fa2.bench.providers import PROVIDERS, VARLEN_PROVIDERS
-from fa2.bench.report import MODE_NAMES, Run, groups, seqlen_label, variant, variant_text
+from fa2.bench.providers import DECODE_PROVIDERS, PROVIDERS, VARLEN_PROVIDERS
+from fa2.bench.report import MODE_NAMES, Run, groups, layout_text, seqlen_label, variant, variant_text
 
 # Only bf16 and fp32 matmuls are measured; fp16 panels draw the bf16 ceiling (Hopper's fp16 and bf16
 # tensor-core peaks are equal).
@@ -22,6 +24,8 @@ MARKERS = ("o", "s", "^", "D", "v", "x")
 def plot(run: Run, out_dir: Path, name: str) -> list[Path]:
     if run.varlen:
         return [_plot_varlen(run.of_mode(mode), mode, out_dir, name) for mode in run.modes()]
+    if run.decode:
+        return [_plot_decode(run, out_dir, name)]
     return [path for mode in run.modes() for path in _plot_mode(run.of_mode(mode), mode, out_dir, name)]
 
 
@@ -122,3 +126,53 @@ def _plot_mode(run: Run, mode: str, out_dir: Path, name: str) -> list[Path]:
         plt.close(fig)
         paths.append(path)
     return paths
+
+
+def _plot_decode(run: Run, out_dir: Path, name: str) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in run.results if r["seqlen_q"]]
+    order = list(dict.fromkeys([*DECODE_PROVIDERS, *(r["provider"] for r in rows)]))
+    colors = dict(zip(order, plt.get_cmap("tab10").colors))
+    gpu = run.info.get("gpu", rows[0]["gpu"])
+    title = f"fa2 KV-cache decoding on {gpu}: K/V bytes read per second"
+    if run.emulated:
+        title += "\nEMULATED: CPU, Triton interpreter, numba simulator, tiny caches (not GPU speed)"
+    panels = sorted({(r["dtype"], r["head_dim"], r["seqlen_q"]) for r in rows})
+    bars = sorted({(order.index(r["provider"]), r["page_size"], r["provider"]) for r in rows})
+    fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels) + 2.5, 4.5), squeeze=False)
+    width = 0.8 / len(bars)
+    for ax, (dtype, head_dim, n_q) in zip(axes[0], panels):
+        mine = [r for r in rows if (r["dtype"], r["head_dim"], r["seqlen_q"]) == (dtype, head_dim, n_q)]
+        points = list(dict.fromkeys((r["batch"], r["seqlen"]) for r in mine))
+        for i, (_, page, p) in enumerate(bars):
+            label = f"{p} {layout_text(page)}" if page else p
+            for x, point in enumerate(points):
+                t = [r["tbps"] for r in mine if (r["provider"], r["page_size"], (r["batch"], r["seqlen"]))
+                     == (p, page, point) and r["tbps"]]
+                if t:
+                    ax.bar(x + (i - (len(bars) - 1) / 2) * width, t[0], width, color=colors[p],
+                           hatch="//" if page else None, edgecolor="white" if page else None, label=label)
+                    label = None
+        ceiling = run.ceilings_of(mine).get("copy_tbps")
+        if ceiling:
+            ax.axhline(ceiling, color="gray", linestyle=":", label=f"device copy: {ceiling:.3g} TB/s")
+        if run.emulated:
+            ax.set_yscale("log")  # the interpreter and the simulator are orders of magnitude slower
+        ax.set_xticks(range(len(points)), [f"B{b} K{seqlen_label(k)}" for b, k in points])
+        ax.set_title(f"{dtype}, D = {head_dim}, {n_q} query token{'s' if n_q > 1 else ''}, "
+                     f"H = {mine[0]['heads']}/{mine[0]['heads_k']}")
+        ax.set_ylabel("K/V TB/s")
+        ax.grid(True, axis="y", alpha=0.3)
+    # One legend for every panel, beside them: the bars reach the copy ceiling's line, a legend inside would hide them.
+    handles = {label: h for ax in axes[0] for h, label in zip(*ax.get_legend_handles_labels())}
+    fig.legend(handles.values(), handles.keys(), fontsize=7, loc="center right")
+    fig.suptitle(title)
+    fig.tight_layout(rect=(0, 0, 0.84, 1))
+    path = out_dir / f"{name}.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -53,6 +53,26 @@ the tensors (offsets, a block mask) is made once per shape, untimed. Forward and
 
 Causal is per sequence; every sequence has as many queries as keys, so top-left and bottom-right alignment
 agree (the flex mask and NJT's is_causal are top-left).
+
+Decoding (``--decode``, issue 22; ``DECODE_PROVIDERS``): a Shape with ``seqlen_q`` query tokens per sequence
+against a cache of ``seqlen`` keys, every key visible (no mask: the new tokens see the whole cache, as
+``F.scaled_dot_product_attention`` without a mask computes it), and ``page_size`` 0 (a contiguous cache) or
+P (a paged one). Every provider is called as ``(q, k, v, cache_seqlens, block_table)``: q (batch, heads,
+seqlen_q, head_dim) a transposed view of flash-attn's (batch, seqlen_q, heads, head_dim); k, v the cache as
+transposed views of flash-attn's layouts, (batch, heads_k, seqlen, head_dim) of (batch, seqlen, heads_k,
+head_dim) contiguous, or paged (num_pages, heads_k, P, head_dim) of (num_pages, P, heads_k, head_dim) with
+block_table (batch, pages_per_seq) int32 a random permutation of the pages (None for a contiguous cache);
+cache_seqlens (batch,) int32, every entry seqlen. A provider's ``prepare`` makes what it needs from them
+once per shape, untimed:
+
+    fa2-pytorch, fa2-triton, fa2-numba-cuda   fa2.kvcache_attention(q, k, v, cache_seqlens,
+                     block_table=block_table, num_splits=0, backend=...): the cache as stored, contiguous
+                     or paged (``paged=True``: the same providers on the paged shapes)
+    sdpa             F.scaled_dot_product_attention(q, k, v, enable_gqa=True), the dispatcher's pick, on
+                     contiguous (batch, heads[_k], seqlen, head_dim) copies; O only
+    sdpa-flash       the same under sdpa_kernel(SDPBackend.FLASH_ATTENTION)
+    flex             compiled FlexAttention (no mask, enable_gqa, return_lse) on the contiguous copies; not
+                     in the default providers (a compile per shape)
 """
 
 from __future__ import annotations
@@ -94,15 +114,39 @@ class Shape:
     # A packed batch (``--varlen``): the sequences' lengths, one after the other; then batch is their number
     # and seqlen their total. Empty: a dense (batch, heads, seqlen, head_dim) shape.
     lengths: tuple[int, ...] = ()
+    # Decoding (``--decode``): seqlen_q query tokens per sequence against a KV cache of seqlen keys, every
+    # key visible; 0: as many queries as keys (every other shape).
+    seqlen_q: int = 0
+    # A decode shape's cache: 0 contiguous, P > 0 paged in pages of P keys.
+    page_size: int = 0
 
     def __post_init__(self):
         if self.lengths and (self.batch, self.seqlen) != (len(self.lengths), sum(self.lengths)):
             raise ValueError(f"a packed shape has batch = the number of sequences and seqlen = their total, got "
                              f"batch {self.batch}, seqlen {self.seqlen} for lengths {self.lengths}")
+        if self.seqlen_q and (self.causal or self.window >= 0 or self.softcap or self.lengths or self.mode != "fwd"):
+            raise ValueError("a decode shape is the forward of plain attention over the whole cache: no causal, "
+                             "window, softcap, packing or backward")
+        if self.page_size and not self.seqlen_q:
+            raise ValueError(f"page_size {self.page_size}: only a decode shape (seqlen_q > 0) has a paged cache")
 
     @property
     def varlen(self) -> bool:
         return bool(self.lengths)
+
+    @property
+    def decode(self) -> bool:
+        return self.seqlen_q > 0
+
+    @property
+    def queries(self) -> int:
+        """Query rows per (batch, head)."""
+        return self.seqlen_q or self.seqlen
+
+    @property
+    def kv_bytes(self) -> int:
+        """What a decode step must read of the cache: K and V, 2·B·H_k·seqlen·D elements."""
+        return 2 * self.batch * self.heads_k * self.seqlen * self.head_dim * DTYPES[self.dtype].itemsize
 
     @property
     def heads_k(self) -> int:
@@ -122,6 +166,8 @@ class Shape:
         if self.lengths:
             window = self.window_pair if self.window >= 0 else (-1, 0) if self.causal else (-1, -1)
             return sum(visible_pairs(n, n, window) for n in self.lengths)
+        if self.seqlen_q:
+            return self.seqlen_q * self.seqlen  # decode: every query sees every cached key
         if self.window >= 0:
             return visible_pairs(self.seqlen, self.seqlen, (self.window, 0))
         return self.seqlen**2 // 2 if self.causal else self.seqlen**2
@@ -135,13 +181,18 @@ class Shape:
 
     @property
     def work(self) -> int:
-        """B·H·N²·D, the measure of the emulators' budgets (as in shared_tests); H·D·Σ n² packed."""
-        squares = sum(n * n for n in self.lengths) if self.lengths else self.batch * self.seqlen**2
+        """B·H·N²·D, the measure of the emulators' budgets (as in shared_tests); H·D·Σ n² packed; B·H·Nq·N·D
+        decoding."""
+        squares = sum(n * n for n in self.lengths) if self.lengths else self.batch * self.queries * self.seqlen
         return self.heads * squares * self.head_dim
 
     def __str__(self) -> str:
         causal = "causal" if self.causal else "full"
         heads = f"H{self.heads}" + (f"/{self.heads_k}" if self.group > 1 else "")
+        if self.seqlen_q:
+            layout = f"paged{self.page_size}" if self.page_size else "contiguous"
+            return (f"decode {self.dtype} B{self.batch} {heads} q{self.seqlen_q} K{self.seqlen} D{self.head_dim} "
+                    f"{layout}")
         options = variant_label(self.group, self.window, self.softcap)
         return (f"{self.mode} {self.dtype} {'packed ' if self.lengths else ''}B{self.batch} {heads} N{self.seqlen} "
                 f"D{self.head_dim} {causal}"
@@ -189,6 +240,10 @@ class Provider:
     softcaps: bool = False
     # Why a cuda_only provider is not run on the CPU.
     cuda_reason: str = "a CUDA kernel: not run without a GPU"
+    # Decoding: whether it reads a paged cache (block_table); those that do not are skipped on paged shapes.
+    paged: bool = False
+    # What the timed call takes, made once per shape from the shape's inputs (untimed); None: those inputs.
+    prepare: Callable[..., tuple] | None = None
 
     def unavailable(self, device: torch.device) -> str | None:
         """Why this provider cannot run at all on ``device``, or None."""
@@ -488,3 +543,58 @@ VARLEN_PROVIDERS = {
         Provider("flex", _flex_varlen, _FP16_BF16, _NOT_IN_FP32, modes=_FWD_BWD, cuda_reason=_FLEX_ON_CPU),
     ]
 }
+
+
+def _fa2_decode(backend: str) -> Callable[[Shape, torch.device], Callable]:
+    def build(shape: Shape, device: torch.device):
+        return lambda q, k, v, cache_seqlens, block_table: tuple(fa2.kvcache_attention(
+            q, k, v, cache_seqlens, block_table=block_table, num_splits=0, backend=backend))
+
+    return build
+
+
+def contiguous_cache(q, k, v, cache_seqlens, block_table) -> tuple[torch.Tensor, ...]:
+    """A decode shape's inputs as SDPA takes them: contiguous (batch, heads[_k], seqlen, head_dim) copies."""
+    if block_table is not None:
+        raise NotImplementedError("a contiguous copy of a paged cache is not what a paged cache is timed against")
+    return q.contiguous(), k.contiguous(), v.contiguous()
+
+
+def _sdpa_decode(forced: bool) -> Callable[[Shape, torch.device], Attention]:
+    def build(shape: Shape, device: torch.device) -> Attention:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        sdpa = torch.nn.functional.scaled_dot_product_attention
+        if not forced:
+            return lambda q, k, v: (sdpa(q, k, v, enable_gqa=True), None)
+
+        def call(q, k, v):
+            with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                return sdpa(q, k, v, enable_gqa=True), None
+
+        return call
+
+    return build
+
+
+def _flex_decode(shape: Shape, device: torch.device) -> Attention:
+    flex_attention = _compiled_flex_attention()
+    return lambda q, k, v: flex_attention(q, k, v, return_lse=True, enable_gqa=shape.group > 1)
+
+
+# Decoding (--decode, issue 22): every provider forward only, fa2's on contiguous and paged caches.
+DECODE_PROVIDERS = {
+    p.name: p
+    for p in [
+        Provider("fa2-pytorch", _fa2_decode("pytorch"), backend="pytorch", paged=True),
+        Provider("fa2-triton", _fa2_decode("triton"), backend="triton", paged=True),
+        Provider("fa2-numba-cuda", _fa2_decode("numba-cuda"), backend="numba-cuda", paged=True),
+        Provider("sdpa", _sdpa_decode(False), cuda_only=False, returns_lse=False, prepare=contiguous_cache),
+        Provider("sdpa-flash", _sdpa_decode(True), _FP16_BF16, "SDPA's FlashAttention-2 kernel takes fp16/bf16 only",
+                 cuda_only=False, returns_lse=False, prepare=contiguous_cache),
+        Provider("flex", _flex_decode, _FP16_BF16, "FlexAttention is timed in fp16/bf16 here", cuda_reason=_FLEX_ON_CPU,
+                 prepare=contiguous_cache),
+    ]
+}
+# What --decode times without --providers: flex compiles once per shape (tens of seconds each on the H200).
+DECODE_DEFAULT_PROVIDERS = tuple(name for name in DECODE_PROVIDERS if name != "flex")

@@ -2,7 +2,9 @@
 measured) and the ratio tables on stdout, each per mode (forward, backward). Reads only the files, so a
 summary can be redrawn anywhere. A --varlen run's (rows with lengths) has its own tables
 (``varlen_tables``): each fa2 backend's packed TFLOP/s against its own dense TFLOP/s and against SDPA on
-nested jagged tensors and FlexAttention on the same batch, with issue 21's targets."""
+nested jagged tensors and FlexAttention on the same batch, with issue 21's targets. A --decode run's (rows
+with seqlen_q) has ``decode_tables``: µs and K/V bytes read per second per provider and layout, against SDPA,
+the copy ceiling, the contiguous cache and fa2-triton, with issue 22's targets."""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fa2.bench.check import SAMPLE_ROWS
-from fa2.bench.providers import FA2_PROVIDERS, PROVIDERS, VARLEN_PROVIDERS
+from fa2.bench.providers import DECODE_PROVIDERS, FA2_PROVIDERS, PROVIDERS, VARLEN_PROVIDERS
 from fa2.bench.sweep import MODES, read_csv, read_runs
 
 # What the fa2 backends are measured against: the GPU kernels a user would pick instead; without a GPU,
@@ -24,6 +26,12 @@ MODE_NAMES = {"fwd": "forward", "bwd": "backward"}
 # N = 2k ("dense") and each alternative's on the same batch; forward and backward.
 VARLEN_TARGETS = {"dense": 0.95, "sdpa-njt": 1.0, "flex": 1.0}
 VARLEN_ALTERNATIVES = tuple(p for p in VARLEN_PROVIDERS if p not in FA2_PROVIDERS)
+# Issue 22, per fa2 backend's decode rows: SDPA's time over the backend's (each SDPA entry), the K/V bytes read
+# per second over the copy ceiling's from DECODE_COPY_FROM cached keys, a paged cache's rate over the contiguous
+# one's, and fa2-numba-cuda's rate over fa2-triton's.
+DECODE_BASELINES = ("sdpa", "sdpa-flash")
+DECODE_TARGETS = {"sdpa": 1.0, "sdpa-flash": 1.0, "copy": 0.85, "paged": 0.95, "fa2-triton": 0.5}
+DECODE_COPY_FROM = 32768
 
 
 @dataclass
@@ -53,6 +61,11 @@ class Run:
         """A --varlen run: packed batches (and the fa2 backends' dense reference shapes)."""
         return any(r["lengths"] for r in self.results)
 
+    @property
+    def decode(self) -> bool:
+        """A --decode run: query tokens against a KV cache."""
+        return any(r["seqlen_q"] for r in self.results)
+
     def tflops(self) -> dict[tuple, float]:
         return {_key(r): r["tflops"] for r in self.results}
 
@@ -69,7 +82,9 @@ def load(out_dir: Path, name: str) -> Run:
     if not results:
         raise SystemExit(f"no results in {out_dir / f'{name}.csv'}")
     for r in results:
-        r["head_dim"], r["seqlen"] = int(r["head_dim"]), int(r["seqlen"])
+        r["head_dim"], r["seqlen"], r["batch"] = int(r["head_dim"]), int(r["seqlen"]), int(r["batch"])
+        r["seqlen_q"], r["page_size"] = int(r["seqlen_q"]), int(r["page_size"])
+        r["tbps"] = float(r["tbps"]) if r["tbps"] else None
         r["heads"], r["heads_k"], r["window"] = int(r["heads"]), int(r["heads_k"]), int(r["window"])
         r["softcap"] = float(r["softcap"])
         r["lengths"] = tuple(int(n) for n in r["lengths"].split())
@@ -135,6 +150,8 @@ def ratio_tables(run: Run) -> list[str]:
     run: ``varlen_tables``."""
     if run.varlen:
         return varlen_tables(run)
+    if run.decode:
+        return decode_tables(run)
     out = []
     for mode in run.modes():
         out += [f"## {MODE_NAMES[mode]}", ""] if run.modes() != ["fwd"] else []
@@ -343,25 +360,37 @@ def _varlen_markdown(run: Run, name: str, plots: list[Path]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _environment(run: Run, shapes: list[str]) -> list[str]:
+def _environment(run: Run, shapes: list[str], copy: bool = False) -> list[str]:
     """The summary's lines on the environment and the runs, then ``shapes`` (what was measured), then the
-    clock and the matmul ceilings."""
+    clock and the matmul ceilings (``copy``: the copy ceiling instead)."""
     info = run.info
     ceil = info.get("ceilings", {})
     n = ceil.get("matmul_size", "?")
+    if copy:
+        of_run = lambda r: f"copy {_copy_text(r.get('ceilings', {}))}"
+        last = [f"- Copy ceiling{' (of the last part)' if len(run.runs) > 1 else ''}: `dst.copy_(src)` of "
+                f"{ceil.get('copy_bytes', 0) / 2**30:.3g} GiB of bf16, {_copy_text(ceil)} read plus written."]
+    else:
+        of_run = lambda r: f"bf16 matmul {_num(r.get('ceilings', {}).get('bf16_matmul_tflops', math.nan))} TFLOP/s"
+        last = [f"- Matmul ceilings ({n}³{', of the last part' if len(run.runs) > 1 else ''}): "
+                f"bf16 {_num(ceil.get('bf16_matmul_tflops', math.nan))} TFLOP/s, "
+                f"fp32 without TF32 {_num(ceil.get('fp32_matmul_tflops', math.nan))} TFLOP/s."]
     return [
         f"- Environment: commit `{info.get('commit', '?')}`, torch {info.get('torch', '?')}, "
         f"triton {info.get('triton') or '—'}, numba-cuda {info.get('numba_cuda') or '—'}.",
         f"- Wall time {sum(r.get('wall_s', 0) for r in run.runs):.0f} s, from:",
-        *(f"  - `{r.get('command', '?')}`, started {r.get('started', '?')}, {r.get('wall_s', '?')} s, bf16 matmul "
-          f"{_num(r.get('ceilings', {}).get('bf16_matmul_tflops', math.nan))} TFLOP/s" for r in run.runs),
+        *(f"  - `{r.get('command', '?')}`, started {r.get('started', '?')}, {r.get('wall_s', '?')} s, {of_run(r)}"
+          for r in run.runs),
         *shapes,
         f"- Timing: {info.get('timing', '?')}. Peak memory: the most one call allocates beyond what was live "
         "before it (its outputs included); not measured on the CPU.",
-        f"- Matmul ceilings ({n}³{', of the last part' if len(run.runs) > 1 else ''}): "
-        f"bf16 {_num(ceil.get('bf16_matmul_tflops', math.nan))} TFLOP/s, "
-        f"fp32 without TF32 {_num(ceil.get('fp32_matmul_tflops', math.nan))} TFLOP/s.",
+        *last,
     ]
+
+
+def _copy_text(ceilings: dict) -> str:
+    tbps = ceilings.get("copy_tbps")
+    return f"{tbps:.3g} TB/s" if tbps else "? TB/s"
 
 
 def not_measured(run: Run) -> list[str]:
@@ -373,6 +402,8 @@ def not_measured(run: Run) -> list[str]:
 def markdown(run: Run, name: str, plots: list[Path]) -> str:
     if run.varlen:
         return _varlen_markdown(run, name, plots)
+    if run.decode:
+        return _decode_markdown(run, name, plots)
     info, emulated = run.info, run.emulated
     gpu = info.get("gpu", run.results[0]["gpu"])
     modes = run.modes()
@@ -409,6 +440,147 @@ def markdown(run: Run, name: str, plots: list[Path]) -> str:
         if not emulated:
             lines += ["", f"## Peak memory per call (GB){which}",
                       *value_tables(sub, "peak_mem_gb", lambda x: f"{x:.3g}")]
+    lines += ["", "## Plots", ""]
+    lines += [f"![{p.stem}]({p.name})" for p in plots] or [
+        f"None drawn (no matplotlib here): `python -m fa2.bench --report-only --name {name}` draws them."]
+    lines += ["", "## Not measured", "", f"From `{name}-skipped.csv`, grouped by reason.", "", *not_measured(run)]
+    return "\n".join(lines) + "\n"
+
+
+def _decode_point(r: dict) -> tuple:
+    """A decode row's point, its layout aside: (dtype, D, heads, heads_k, query tokens, batch, cached keys)."""
+    return r["dtype"], r["head_dim"], r["heads"], r["heads_k"], r["seqlen_q"], r["batch"], r["seqlen"]
+
+
+def layout_text(page_size: int) -> str:
+    return f"paged {page_size}" if page_size else "contiguous"
+
+
+def point_text(point: tuple) -> str:
+    """"q1 B8 K32k": query tokens, batch, cached keys."""
+    return f"q{point[4]} B{point[5]} K{seqlen_label(point[6])}"
+
+
+def _decode_rows(run: Run) -> list[dict]:
+    """The decode rows in the sweep's order of points, then provider, then layout."""
+    points = list(dict.fromkeys(_decode_point(r) for r in run.results if r["seqlen_q"]))
+    order = list(dict.fromkeys([*DECODE_PROVIDERS, *(r["provider"] for r in run.results)]))
+    return sorted((r for r in run.results if r["seqlen_q"]),
+                  key=lambda r: (points.index(_decode_point(r)), order.index(r["provider"]), r["page_size"]))
+
+
+def decode_ratios(run: Run) -> list[dict]:
+    """Per decode row: its fraction of the copy ceiling ("copy", of the run that measured it), and where
+    measured (None otherwise) each SDPA entry's time over its time (contiguous rows; above 1: faster than
+    SDPA), its rate over the same provider's on the contiguous cache ("paged", paged rows), and its rate over
+    fa2-triton's on the same layout ("fa2-triton", the other fa2 backends). Rates are the inverse times: one
+    point's layouts read the same bytes."""
+    ms = {(r["provider"], _decode_point(r), r["page_size"]): r["ms"] for r in run.results if r["seqlen_q"]}
+    out = []
+    for r in _decode_rows(run):
+        point, page, mine = _decode_point(r), r["page_size"], r["ms"]
+        over = lambda key: ms[key] / mine if key in ms else None
+        copy = run.ceilings_of([r]).get("copy_tbps")
+        ratios = {b: over((b, point, 0)) if not page and r["provider"] != b else None for b in DECODE_BASELINES}
+        ratios["copy"] = r["tbps"] / copy if copy and r["tbps"] else None
+        ratios["paged"] = over((r["provider"], point, 0)) if page else None
+        fa2 = r["provider"] in FA2_PROVIDERS and r["provider"] != "fa2-triton"
+        ratios["fa2-triton"] = over(("fa2-triton", point, page)) if fa2 else None
+        out.append({"row": r, **ratios})
+    return out
+
+
+def decode_tables(run: Run) -> list[str]:
+    """Issue 22's targets per fa2 backend (the least ratio over the rows it applies to, and how many), the
+    time of every provider and layout per point, then every measurement with its ratios."""
+    ratios_ = decode_ratios(run)
+    fa2s = [p for p in FA2_PROVIDERS if any(x["row"]["provider"] == p for x in ratios_)]
+    pages = sorted({x["row"]["page_size"] for x in ratios_ if x["row"]["page_size"]})
+    least = lambda xs: f"{_ratio(min(xs))} ({len(xs)})" if xs else "—"
+    summary = []
+    for fa2 in fa2s:
+        mine = [x for x in ratios_ if x["row"]["provider"] == fa2]
+        cells = [least([x[b] for x in mine if x[b]]) for b in DECODE_BASELINES]
+        cells.append(least([x["copy"] for x in mine if x["copy"] and not x["row"]["page_size"]
+                            and x["row"]["seqlen"] >= DECODE_COPY_FROM]))
+        cells += [least([x["paged"] for x in mine if x["paged"] and x["row"]["page_size"] == p]) for p in pages]
+        cells.append(least([x["fa2-triton"] for x in mine if x["fa2-triton"]]))
+        summary.append([fa2, *cells])
+    t = DECODE_TARGETS
+    header = ["fa2 backend", *(f"{b} time / its (target {t[b]:g})" for b in DECODE_BASELINES),
+              f"of the copy ceiling, from {seqlen_label(DECODE_COPY_FROM)} keys, contiguous (target {t['copy']:g})",
+              *(f"paged {p} / contiguous rate (target {t['paged']:g})" for p in pages),
+              f"rate / fa2-triton's (target {t['fa2-triton']:g}, fa2-numba-cuda)"]
+    out = ["Issue 22's ratios per fa2 backend: the least over the rows each applies to (how many); SDPA's "
+           "against the contiguous cache, the rates in K/V bytes read per second.", ""]
+    out += _table(header, summary) if summary else ["No decode row measured for an fa2 backend."]
+
+    points = list(dict.fromkeys(_decode_point(x["row"]) for x in ratios_))
+    ms = {(x["row"]["provider"], x["row"]["page_size"], _decode_point(x["row"])): x["row"]["ms"] for x in ratios_}
+    lines = list(dict.fromkeys((x["row"]["provider"], x["row"]["page_size"]) for x in ratios_))
+    lines.sort(key=lambda pl: (list(DECODE_PROVIDERS).index(pl[0]) if pl[0] in DECODE_PROVIDERS else 99, pl[1]))
+    rows = [[p, layout_text(page), *(_us(ms.get((p, page, pt))) for pt in points)] for p, page in lines]
+    out += ["", "Time per call (µs); columns: query tokens, batch, cached keys.", "",
+            *_table(["provider", "cache", *map(point_text, points)], rows)]
+
+    rows = []
+    for x in ratios_:
+        r = x["row"]
+        rows.append([r["provider"], layout_text(r["page_size"]), r["dtype"], str(r["head_dim"]),
+                     f"{r['heads']}/{r['heads_k']}", str(r["seqlen_q"]), str(r["batch"]), seqlen_label(r["seqlen"]),
+                     _us(r["ms"]), f"{r['tbps']:.3g}" if r["tbps"] else "—",
+                     *("—" if x[c] is None else _ratio(x[c])
+                       for c in ("copy", *DECODE_BASELINES, "paged", "fa2-triton"))])
+    out += ["", "Every measurement: K/V TB/s = 2·B·H_k·K·D·(bytes per element) / time; the ratios as above.", "",
+            *_table(["provider", "cache", "dtype", "D", "heads", "q", "B", "K", "µs", "K/V TB/s", "of copy",
+                     *(f"{b} / this" for b in DECODE_BASELINES), "rate / contiguous", "rate / fa2-triton"], rows)]
+    return out
+
+
+def _us(ms: float | None) -> str:
+    if ms is None:
+        return "—"
+    us = ms * 1e3
+    return f"{us:.0f}" if us >= 100 else f"{us:.3g}"
+
+
+def _decode_markdown(run: Run, name: str, plots: list[Path]) -> str:
+    info, emulated = run.info, run.emulated
+    gpu = info.get("gpu", run.results[0]["gpu"])
+    lines = [f"# fa2 KV-cache decode benchmark: {'EMULATED on the CPU' if emulated else gpu}", ""]
+    if emulated:
+        lines += ["> **EMULATED.** No GPU: fa2-pytorch and SDPA on the CPU, fa2-triton in Triton's interpreter and",
+                  "> fa2-numba-cuda in numba's CUDA simulator, on tiny caches. These times show that the harness and",
+                  "> the kernels run and agree with the reference; they say nothing about GPU speed.", ""]
+    sweeps = {json.dumps(r["decode"], sort_keys=True): r["decode"] for r in run.runs if r.get("decode")}
+    described = [f"{', '.join(map(str, d['queries']))} query tokens at (batch, cached keys) "
+                 f"{', '.join(f'({b}, {seqlen_label(k)})' for b, k in d['points'])}, the cache contiguous and in pages "
+                 f"of {', '.join(map(str, d['page_sizes'])) or 'none'}" for d in sweeps.values()]
+    heads = sorted({f"{r['heads']} query heads / {r['heads_k']} key-value heads" for r in run.results})
+    shapes = [
+        f"- Shapes: {'; '.join(described) or 'see the tables'}; {', '.join(heads)}; every query sees every cached "
+        "key (no mask), cache_seqlens = the cached keys for every row, the cache's capacity the cached keys (a "
+        "paged cache: whole pages).",
+        "- Layouts (the real caches' storage): q a transposed view (batch, heads, q, D) of (batch, q, heads, D); "
+        "a contiguous cache transposed views (batch, heads_k, K, D) of flash-attn's (batch, K, heads_k, D); a "
+        "paged one views (pages, heads_k, page, D) of (pages, page, heads_k, D), batch · ⌈K / page⌉ pages, the "
+        "block table a random permutation of them (as flash-attn's tests build it), holding the same keys.",
+        "- Providers: fa2's backends through `fa2.kvcache_attention(q, k_cache, v_cache, cache_seqlens, "
+        "block_table=..., num_splits=0, backend=...)` on the cache as stored; sdpa, "
+        "`F.scaled_dot_product_attention(q, k, v, enable_gqa=True)` (the dispatcher's pick), and sdpa-flash, the "
+        "same under `sdpa_kernel(SDPBackend.FLASH_ATTENTION)`, both on contiguous (batch, heads, K, D) copies "
+        "made before timing; flex (where run), compiled FlexAttention on the same copies.",
+        "- K/V bytes read per second: 2·B·H_k·K·D·(bytes per element) over the time; the copy ceiling counts "
+        "the bytes read plus written.",
+    ]
+    lines += [
+        *_environment(run, shapes, copy=True),
+        "- Correctness: before timing, each provider's O (and L where it returns one; SDPA's entries do not) is "
+        "checked against `fa2.reference` (fp64, over the whole cache) on every query row of the first and last "
+        "batch entries and heads (the rule of `shared_tests/checks.py`), each layout against the same reference; "
+        "a provider that fails is not timed. The layouts of a point are timed in the same rounds.",
+    ]
+    lines += ["", "## Against issue 22's targets", "", *decode_tables(run)]
     lines += ["", "## Plots", ""]
     lines += [f"![{p.stem}]({p.name})" for p in plots] or [
         f"None drawn (no matplotlib here): `python -m fa2.bench --report-only --name {name}` draws them."]

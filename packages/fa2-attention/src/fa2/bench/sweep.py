@@ -30,6 +30,16 @@ run's JSON record them. Its providers are ``VARLEN_PROVIDERS`` on inputs (total,
 (check.py), TFLOP/s over the real (query, key) pairs (Shape.pairs). Beside each packed batch, each fa2
 backend's own dense shape at N = 2048 (emulated 32), B = tokens / N, through fa2.attention as the dense
 sweep times it: the reference of issue 21's 0.95x target (``--seqlens`` chooses those N).
+
+``--decode`` (issue 22; ``Decode``, DECODE_DEFAULTS) sweeps KV-cache decoding instead: per (dtype, D, query
+tokens, (batch, cached keys)) one contiguous cache and the same keys in a paged cache per page size, GPU:
+bf16, 32 query heads / 8 key/value heads, D 128, 1 and 4 query tokens at (8, 8k), (8, 32k), (1, 128k),
+(64, 4k), pages of 16 and 256; emulated: fp16, 4 / 2 heads, D 16, (2, 40) and (1, 64), pages of 16 and 32.
+The layouts of one point share their keys and are timed in the same rounds, so that a paged cache is
+compared with its contiguous one under the same clock (``decode_inputs``). Its providers are
+``DECODE_PROVIDERS``, checked on the sample against the fp64 reference over the whole cache, timed in µs and
+K/V bytes read per second (``Shape.kv_bytes``; the CSV's tbps), against a device-to-device copy
+(``timing.copy_ceiling``, in the run's JSON).
 """
 
 from __future__ import annotations
@@ -41,7 +51,7 @@ import random
 import statistics
 import subprocess
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 from importlib import metadata
 from pathlib import Path
@@ -49,15 +59,19 @@ from pathlib import Path
 import torch
 
 from fa2.bench import check, timing
-from fa2.bench.providers import DTYPES, PROVIDERS, VARLEN_PROVIDERS, Provider, Shape, fa2_provider
+from fa2.bench.providers import DECODE_PROVIDERS, DTYPES, PROVIDERS, VARLEN_PROVIDERS, Provider, Shape, fa2_provider
 
 # lengths: a packed batch's sequence lengths, space-separated (seqlen their total, batch their number); empty
-# for a dense shape.
+# for a dense shape. seqlen_q: a decode shape's query tokens (seqlen its cached keys), 0 otherwise; page_size:
+# its paged cache's page size, 0 contiguous. tbps: a decode row's K/V bytes read per second, TB/s (empty
+# otherwise).
 SHAPE_COLUMNS = ("provider", "mode", "dtype", "head_dim", "causal", "seqlen", "batch", "heads", "heads_k", "window",
-                 "softcap", "lengths")
-COLUMNS = (*SHAPE_COLUMNS, "ms", "tflops", "peak_mem_gb", "gpu", "torch", "triton", "numba_cuda", "commit", "timestamp")
+                 "softcap", "lengths", "seqlen_q", "page_size")
+COLUMNS = (*SHAPE_COLUMNS, "ms", "tflops", "tbps", "peak_mem_gb", "gpu", "torch", "triton", "numba_cuda", "commit",
+           "timestamp")
 ISSUE_COLUMNS = (*SHAPE_COLUMNS, "status", "reason", "timestamp")
-KEY = ("provider", "mode", "dtype", "head_dim", "causal", "seqlen", "heads_k", "window", "softcap", "lengths")
+KEY = ("provider", "mode", "dtype", "head_dim", "causal", "seqlen", "batch", "heads_k", "window", "softcap", "lengths",
+       "seqlen_q", "page_size")
 MODES = ("fwd", "bwd")
 EMULATED_GPU = "cpu (emulated)"
 
@@ -96,6 +110,36 @@ VARLEN_DEFAULTS = {
     (False, True): (GPU_TOKENS, (256, 4096), (128,), ("bf16",), (2048,)),
     (True, False): (256, (16, 64), (16, 32), ("fp16",), (32,)),
     (True, True): (256, (16, 64), (16,), ("fp16",), (32,)),
+}
+
+
+@dataclass(frozen=True)
+class Decode:
+    """--decode's sweep: ``queries`` query tokens per sequence at each (batch, cached keys) of ``points``,
+    the cache contiguous and paged in pages of each of ``page_sizes``; ``heads`` query heads, heads / group
+    key/value heads (Config.heads overrides the heads)."""
+
+    points: tuple[tuple[int, int], ...]
+    queries: tuple[int, ...]
+    page_sizes: tuple[int, ...]
+    heads: int
+    group: int
+
+    def describe(self) -> dict:
+        """What run.json records of it."""
+        return {"points": [list(p) for p in self.points], "queries": list(self.queries),
+                "page_sizes": list(self.page_sizes), "heads": self.heads, "group": self.group}
+
+
+# --decode, (emulated, quick): the sweep, head_dims, dtypes. GPU: issue 22's shapes (32 query heads / 8 key-value
+# heads, D 128, bf16). Emulated: within numba's simulator's budget (EMULATED_BUDGET; <= 64 keys, D 16), fp16 (the
+# interpreter and the simulator have no bf16); 40 keys are not a whole number of pages of 16 or 32.
+DECODE_DEFAULTS = {
+    (False, False): (Decode(((8, 8192), (8, 32768), (1, 131072), (64, 4096)), (1, 4), (16, 256), 32, 4), (128,),
+                     ("bf16",)),
+    (False, True): (Decode(((8, 32768),), (1, 4), (16, 256), 32, 4), (128,), ("bf16",)),
+    (True, False): (Decode(((2, 40), (1, 64)), (1, 4), (16, 32), 4, 2), (16,), ("fp16",)),
+    (True, True): (Decode(((2, 40),), (1,), (16,), 4, 2), (16,), ("fp16",)),
 }
 
 
@@ -157,6 +201,8 @@ class Config:
     bwd_dtypes: tuple[str, ...] | None = None
     # --varlen: the packed batch of every shape; seqlens are then the N of the fa2 backends' dense reference.
     varlen: Packing | None = None
+    # --decode: the decode sweep (seqlens and causals are then not read).
+    decode: Decode | None = None
 
     @property
     def emulated(self) -> bool:
@@ -167,6 +213,8 @@ class Config:
         --varlen: per (mode, dtype, D, causal) the packed batch, then the dense reference shapes."""
         if self.varlen:
             return self._varlen_shapes()
+        if self.decode:
+            return self._decode_shapes()
         if any(w >= 0 for w in self.windows) and True not in self.causals:
             raise ValueError(f"--window {','.join(map(str, self.windows))} is fa2's window (W, 0) with causal=True: "
                              "give --causal yes")
@@ -215,6 +263,17 @@ class Config:
                                 for n in seqlens]
         return out
 
+    def _decode_shapes(self) -> list[Shape]:
+        if self.windows != (-1,) or self.softcaps != (0.0,) or self.modes != ("fwd",):
+            raise ValueError("--decode times the forward of plain attention: no --window, --softcap or backward")
+        d = self.decode
+        heads = self.heads or d.heads
+        if heads % d.group:
+            raise ValueError(f"--group {d.group} does not divide the {heads} query heads")
+        return [Shape(dtype, head_dim, False, seqlen, batch, heads, group=d.group, seqlen_q=n_q, page_size=page)
+                for dtype in self.dtypes for head_dim in self.head_dims for n_q in d.queries
+                for batch, seqlen in d.points for page in (0, *d.page_sizes)]
+
     def path(self, suffix: str) -> Path:
         return self.out_dir / f"{self.name}{suffix}"
 
@@ -228,6 +287,8 @@ def skip_reason(p: Provider, shape: Shape, cfg: Config) -> str | None:
     if cfg.varlen and not shape.varlen and p.backend is None:
         return ("--varlen: the dense shapes are the fa2 backends' own reference (issue 21: packed at least 0.95x "
                 "the backend's dense TFLOP/s at N = 2k)")
+    if shape.page_size and not p.paged:
+        return f"paged cache: {_NO_PAGES.get(p.name, f'{p.name} reads no block table')}"
     if shape.mode not in p.modes:
         return f"{shape.mode}: {p.name} is timed in {', '.join(p.modes)} only"
     if shape.dtype not in p.dtypes:
@@ -245,6 +306,10 @@ def skip_reason(p: Provider, shape: Shape, cfg: Config) -> str | None:
         return (f"N > --math-max-seqlen {cfg.math_max_seqlen}: SDPA math materialises B·H·N² scores "
                 "(tens of GB at N = 16k)")
     return None
+
+
+_NO_PAGES = {name: "SDPA has no paged cache (the paged rows are each fa2 backend's, against its contiguous rows)"
+             for name in ("sdpa", "sdpa-flash")} | {"flex": "fa2.bench gives FlexAttention no paged cache"}
 
 
 def _no_option(p: Provider, option: str) -> str:
@@ -342,15 +407,17 @@ class Records:
 
 
 def read_csv(path: Path) -> list[dict[str, str]]:
-    """The rows of a results or skipped CSV; those written before the heads_k, window, softcap and lengths
-    columns existed get their values (heads_k = heads, no window, no softcap, dense)."""
+    """The rows of a results or skipped CSV; those written before the heads_k, window, softcap, lengths,
+    seqlen_q, page_size and tbps columns existed get their values (heads_k = heads, no window, no softcap,
+    dense, not decode, contiguous, no rate)."""
     if not path.exists():
         return []
     with path.open(newline="") as f:
         rows = list(csv.DictReader(f))
     for r in rows:
         if "heads" in r:
-            for column, default in (("heads_k", r["heads"]), ("window", "-1"), ("softcap", "0"), ("lengths", "")):
+            for column, default in (("heads_k", r["heads"]), ("window", "-1"), ("softcap", "0"), ("lengths", ""),
+                                    ("seqlen_q", "0"), ("page_size", "0"), ("tbps", "")):
                 if not r.get(column):
                     r[column] = default
     return rows
@@ -359,7 +426,8 @@ def read_csv(path: Path) -> list[dict[str, str]]:
 def _shape_columns(provider: str, s: Shape) -> dict:
     return {"provider": provider, "mode": s.mode, "dtype": s.dtype, "head_dim": s.head_dim, "causal": s.causal,
             "seqlen": s.seqlen, "batch": s.batch, "heads": s.heads, "heads_k": s.heads_k, "window": s.window,
-            "softcap": f"{s.softcap:g}", "lengths": " ".join(map(str, s.lengths))}
+            "softcap": f"{s.softcap:g}", "lengths": " ".join(map(str, s.lengths)), "seqlen_q": s.seqlen_q,
+            "page_size": s.page_size}
 
 
 def _key(provider: str, s: Shape) -> tuple[str, ...]:
@@ -375,14 +443,17 @@ def heads_first(shape: Shape, x: torch.Tensor | None) -> torch.Tensor | None:
     return x.unsqueeze(0) if x.dim() == 2 else x.transpose(0, 1).unsqueeze(0)
 
 
-def measure(p: Provider, shape: Shape, q, k, v, sample: check.Sample, device: torch.device, dO=None):
+def measure(p: Provider, shape: Shape, q, k, v, sample: check.Sample, device: torch.device, dO=None,
+            extra: tuple = ()):
     """("ok", (call, first_s, peak_mem_gb)) or (status, reason) with status "wrong", "skipped" or "failed":
     ``call`` runs what is timed, its first run took ``first_s``. Mode "bwd" times the backward alone, given dO.
-    A packed shape's q, k, v, dO and what the provider returns are (total, heads, ...) (``heads_first``)."""
+    A packed shape's q, k, v, dO and what the provider returns are (total, heads, ...) (``heads_first``). The
+    provider is called with (q, k, v, *extra), or with what its ``prepare`` makes of them (untimed)."""
     checked = lambda *xs: [heads_first(shape, x) for x in xs]
     try:
         fn = p.build(shape, device)
-        call = lambda: fn(q, k, v)
+        args = p.prepare(q, k, v, *extra) if p.prepare else (q, k, v, *extra)
+        call = lambda: fn(*args)
         if shape.mode == "bwd":
             inputs = tuple(t.detach().requires_grad_() for t in (q, k, v))
             with torch.enable_grad():
@@ -430,9 +501,9 @@ def time_rounds(calls: dict[str, tuple], device: torch.device) -> dict[str, tupl
 
 def run(cfg: Config, progress) -> None:
     """Measures every (shape, provider) of ``cfg`` into ``<name>.csv``, ``<name>-skipped.csv`` and
-    ``<name>-run.json`` (the environment, the command, the matmul ceilings, the wall time) under
-    ``cfg.out_dir``, through ``Records`` (nothing measured: the earlier files stay, and SystemExit says so).
-    ``progress(total)``: a tqdm-like bar."""
+    ``<name>-run.json`` (the environment, the command, the matmul ceilings or with --decode the copy ceiling,
+    the wall time) under ``cfg.out_dir``, through ``Records`` (nothing measured: the earlier files stay, and
+    SystemExit says so). ``progress(total)``: a tqdm-like bar."""
     started = time.perf_counter()
     if cfg.emulated:
         # On a few shared cores torch's thread pool makes CPU times swing a hundredfold; one thread is steady.
@@ -440,43 +511,71 @@ def run(cfg: Config, progress) -> None:
     env = environment(cfg.device)
     shapes = cfg.shapes()
     records = Records(cfg, shapes)
-    # Each provider's dense and packed (--varlen) path; a name may have only one of them.
+    # Each provider's dense, packed (--varlen) and decode (--decode) path; a name may have only some of them.
     dense = {name: fa2_provider(PROVIDERS[name], cfg.fa2_entry) if PROVIDERS[name].backend else PROVIDERS[name]
              for name in cfg.providers if name in PROVIDERS}
     packed = {name: VARLEN_PROVIDERS[name] for name in cfg.providers if name in VARLEN_PROVIDERS}
-    unavailable = {name: (dense.get(name) or packed[name]).unavailable(cfg.device) for name in cfg.providers}
+    decoding = {name: DECODE_PROVIDERS[name] for name in cfg.providers if name in DECODE_PROVIDERS}
+    paths = {"dense": dense, "packed": packed, "decode": decoding}
+    # Per path: a name's paths can differ in what they need (sdpa-flash: an aten op, or the dispatcher on the CPU).
+    unavailable = {(path, name): p.unavailable(cfg.device)
+                   for path, table in paths.items() for name, p in table.items()}
     earlier = read_runs(cfg.path("-run.json")) if cfg.append else []
     info = {**env, "device": str(cfg.device), "emulated": cfg.emulated, "command": cfg.command,
             "started": _now(), "timing": timing.describe(cfg.device),
-            "ceilings": timing.matmul_ceilings(cfg.device)}
+            "ceilings": timing.copy_ceiling(cfg.device) if cfg.decode else timing.matmul_ceilings(cfg.device)}
     if cfg.varlen:
         info["varlen"] = cfg.varlen.describe()
+    if cfg.decode:
+        info["decode"] = cfg.decode.describe()
     write_runs(cfg, earlier + [info])
 
     bar = progress(len(shapes) * len(cfg.providers))
     with torch.no_grad():
-        for shape in shapes:
+        for group in timing_groups(shapes):
             runnable = []
-            for name in cfg.providers:
-                p = (packed if shape.varlen else dense).get(name)
-                reason = unavailable[name] or (_no_path(name, shape) if p is None else skip_reason(p, shape, cfg))
-                if reason:
-                    records.issue(name, shape, "skipped", reason)
-                    bar.update()
-                else:
-                    runnable.append(p)
-            if runnable:
-                _measure_shape(shape, runnable, cfg, env, records, bar)
+            for shape in group:
+                for name in cfg.providers:
+                    path = "decode" if shape.decode else "packed" if shape.varlen else "dense"
+                    p = paths[path].get(name)
+                    reason = _no_path(name, shape) if p is None else (unavailable[path, name] or
+                                                                      skip_reason(p, shape, cfg))
+                    if reason:
+                        records.issue(name, shape, "skipped", reason)
+                        bar.update()
+                    else:
+                        runnable.append((p, shape))
+            if runnable and group[0].decode:
+                _measure_decode(group, runnable, cfg, env, records, bar)
+            elif runnable:
+                _measure_shape(group[0], [p for p, _ in runnable], cfg, env, records, bar)
     bar.close()
     info["wall_s"] = round(time.perf_counter() - started, 1)
     write_runs(cfg, earlier + [info])
     records.commit()
 
 
+def timing_groups(shapes: list[Shape]) -> list[list[Shape]]:
+    """The shapes measured together, their providers timed in the same rounds: a decode point's layouts
+    (contiguous and each page size, one after the other in ``Config.shapes``), every other shape alone."""
+    groups: list[list[Shape]] = []
+    for shape in shapes:
+        if shape.decode and groups and groups[-1][0].decode and \
+                replace(groups[-1][0], page_size=0) == replace(shape, page_size=0):
+            groups[-1].append(shape)
+        else:
+            groups.append([shape])
+    return groups
+
+
 def _no_path(name: str, shape: Shape) -> str:
+    if shape.decode:
+        return f"decode: {name} has no KV-cache path here (--decode times {', '.join(DECODE_PROVIDERS)})"
     if shape.varlen:
         return f"packed: {name} has no packed-batch path here (--varlen times {', '.join(VARLEN_PROVIDERS)})"
-    return f"dense: {name} is timed on packed batches only (--varlen)"
+    if name in VARLEN_PROVIDERS:
+        return f"dense: {name} is timed on packed batches only (--varlen)"
+    return f"dense: {name} is timed on decode shapes only (--decode)"
 
 
 def _measure_shape(shape: Shape, providers: list[Provider], cfg: Config, env: dict, records: Records, bar):
@@ -515,6 +614,87 @@ def _measure_shape(shape: Shape, providers: list[Provider], cfg: Config, env: di
             mem = checked[name][2]
             records.result({**_shape_columns(name, shape), "ms": f"{outcome:.6g}",
                             "tflops": f"{shape.flops / (outcome * 1e-3) / 1e12:.6g}",
+                            "peak_mem_gb": "" if mem is None else f"{mem:.4g}", **env, "timestamp": _now()})
+        else:
+            records.issue(name, shape, status, outcome)
+            bar.write(f"{name} {shape}: {status}: {outcome}")
+
+
+def decode_inputs(group: list[Shape], device: torch.device):
+    """The tensors of a decode point's layouts (``group``: its shapes, the contiguous one first): the logical
+    (q, k, v) (batch, heads[_k], seqlen[_q], head_dim) the reference reads, cache_seqlens (batch,) int32 all
+    seqlen, and per page size P (0: contiguous) the cache as the providers get it, (k, v, block_table):
+
+    - q: a transposed view of flash-attn's (batch, seqlen_q, heads, head_dim), standard normal;
+    - contiguous: k, v transposed views of flash-attn's (batch, seqlen, heads_k, head_dim), capacity seqlen;
+    - paged: the same keys in (num_pages, P, heads_k, head_dim) pages, num_pages = batch · ⌈seqlen / P⌉, as
+      transposed views (num_pages, heads_k, P, head_dim); block_table (batch, pages_per_seq) int32 is a random
+      permutation of the pages (as flash-attn's tests build it), key j of row b at page block_table[b, j // P],
+      row j % P; a last page's rows past seqlen (P not dividing seqlen) standard normal.
+    The same keys in every layout, so that each layout is checked against the same reference."""
+    s = group[0]
+    dtype = DTYPES[s.dtype]
+    randn = lambda *shape: torch.randn(*shape, device=device, dtype=dtype)
+    q = randn(s.batch, s.seqlen_q, s.heads, s.head_dim).transpose(1, 2)
+    k_flash, v_flash = (randn(s.batch, s.seqlen, s.heads_k, s.head_dim) for _ in range(2))
+    cache_seqlens = torch.full((s.batch,), s.seqlen, dtype=torch.int32, device=device)
+    layouts = {}
+    for page in sorted({shape.page_size for shape in group}):
+        if not page:
+            layouts[0] = (k_flash.transpose(1, 2), v_flash.transpose(1, 2), None)
+            continue
+        pages_per_seq = -(-s.seqlen // page)
+        num_pages = s.batch * pages_per_seq
+        block_table = torch.randperm(num_pages, device=device).to(torch.int32).reshape(s.batch, pages_per_seq)
+        caches = []
+        for flash in (k_flash, v_flash):
+            tail = pages_per_seq * page - s.seqlen
+            keys = torch.cat([flash, randn(s.batch, tail, s.heads_k, s.head_dim)], dim=1) if tail else flash
+            pages = torch.empty(num_pages, page, s.heads_k, s.head_dim, device=device, dtype=dtype)
+            pages[block_table.flatten().long()] = keys.reshape(num_pages, page, s.heads_k, s.head_dim)
+            caches.append(pages.transpose(1, 2))
+        layouts[page] = (*caches, block_table)
+    return (q, k_flash.transpose(1, 2), v_flash.transpose(1, 2)), cache_seqlens, layouts
+
+
+def _measure_decode(group: list[Shape], runnable: list[tuple[Provider, Shape]], cfg: Config, env: dict,
+                    records: Records, bar):
+    """A decode point: its layouts' inputs (``decode_inputs``), one reference on the sample for all of them,
+    each (provider, layout) checked, then all timed in the same rounds."""
+    s = group[0]
+    seed = s.seqlen * 7 + s.head_dim + 1009 * s.seqlen_q + 31 * s.batch
+    torch.manual_seed(seed)
+    try:
+        (q, k, v), cache_seqlens, layouts = decode_inputs(group, cfg.device)
+        sample = check.reference_sample(q, k, v, False, seed)
+        del k, v
+    except Exception as e:
+        for p, shape in runnable:
+            records.issue(p.name, shape, "failed", f"the inputs or the reference check could not be made: {_reason(e)}")
+            bar.update()
+        return
+    checked = {}
+    for p, shape in runnable:
+        bar.set_postfix_str(f"{p.name} {shape}")
+        k_cache, v_cache, block_table = layouts[shape.page_size]
+        status, outcome = measure(p, shape, q, k_cache, v_cache, sample, cfg.device,
+                                  extra=(cache_seqlens, block_table))
+        if status == "ok":
+            checked[p.name, shape] = outcome
+        else:
+            records.issue(p.name, shape, status, outcome)
+            if status != "skipped":
+                bar.write(f"{p.name} {shape}: {status}: {outcome}")
+        bar.update()
+    bar.set_postfix_str(f"timing {s}")
+    timed = time_rounds({key: (call, first_s) for key, (call, first_s, _) in checked.items()}, cfg.device)
+    for (name, shape), (status, outcome) in timed.items():
+        if status == "ok":
+            mem = checked[name, shape][2]
+            seconds = outcome * 1e-3
+            records.result({**_shape_columns(name, shape), "ms": f"{outcome:.6g}",
+                            "tflops": f"{shape.flops / seconds / 1e12:.6g}",
+                            "tbps": f"{shape.kv_bytes / seconds / 1e12:.6g}",
                             "peak_mem_gb": "" if mem is None else f"{mem:.4g}", **env, "timestamp": _now()})
         else:
             records.issue(name, shape, status, outcome)

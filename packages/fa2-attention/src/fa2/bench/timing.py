@@ -1,4 +1,5 @@
-"""Clocks: ``triton.testing.do_bench`` on a GPU, ``time.perf_counter`` on the CPU; peak memory; ceilings.
+"""Clocks: ``triton.testing.do_bench`` on a GPU, ``time.perf_counter`` on the CPU; peak memory; ceilings (a
+matmul's TFLOP/s; for --decode a device-to-device copy's bytes per second).
 
 GPU: median of do_bench (warm-up 25 ms, then 100 ms of repetitions; it flushes the L2 cache before each),
 taken in ``GPU_ROUNDS`` rounds over the providers of a shape, every other round in reverse order; a provider's
@@ -22,6 +23,8 @@ CPU_BUDGET_S = 1.0
 CPU_MAX_REPS = 10
 GPU_ROUNDS = 3
 CEILING_SIZE = {"cuda": 8192, "cpu": 1024}
+# The copy ceiling's tensor, in bytes: far beyond the H200's 60 MB of L2, so that the copy runs from memory.
+COPY_BYTES = {"cuda": 2**30, "cpu": 2**26}
 
 
 def describe(device: torch.device) -> str:
@@ -92,3 +95,16 @@ def matmul_ceilings(device: torch.device) -> dict[str, float | int]:
     finally:
         torch.set_float32_matmul_precision(precision)
     return out
+
+
+def copy_ceiling(device: torch.device) -> dict[str, float | int]:
+    """A device-to-device copy (``dst.copy_(src)`` of COPY_BYTES of bf16) timed as the attention calls are:
+    the bytes read plus the bytes written per second, in TB/s (1e12 bytes), the memory ceiling a decode
+    step's K/V reads are measured against."""
+    n = COPY_BYTES[device.type]
+    src = torch.randn(n // 2, device=device, dtype=torch.bfloat16)
+    dst = torch.empty_like(src)
+    fn = lambda: dst.copy_(src)
+    _, first_s = timed_once(fn, device)
+    seconds = median_ms(fn, device, first_s) * 1e-3
+    return {"copy_bytes": n, "copy_tbps": 2 * n / seconds / 1e12}
