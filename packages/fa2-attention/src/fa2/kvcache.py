@@ -129,12 +129,14 @@ def kvcache_attention(
         )
     num_splits = _num_splits(num_splits)
     rotary = _check_rotary(rotary_cos, rotary_sin, q, k, head_dim)
-    if not (_capturing() or torch.compiler.is_compiling()):
+    if not (_capturing(q) or torch.compiler.is_compiling()):
         _check_ranges(cache_seqlens if isinstance(cache_seqlens, torch.Tensor) else None, seqlens, seqlen_new,
                       capacity, k_cache.shape[0], block_table, cache_batch_idx, cache_leftpad)
 
     if rotary is not None:
         cos, sin = rotary
+        # flash-attn's rule: with a mask, query t sits at cache_seqlens + t; without one, every query at
+        # cache_seqlens.
         offset = torch.arange(seqlen_q, device=q.device) if spec.masked else torch.zeros(seqlen_q, device=q.device,
                                                                                           dtype=torch.int64)
         q = _rotate(q, cos, sin, seqlens[:, None] + offset, rotary_interleaved)
@@ -142,8 +144,10 @@ def kvcache_attention(
     if k is not None:
         _append(k_cache, v_cache, k, v, seqlens, block_table, cache_batch_idx)
         seqlens = seqlens + seqlen_new
-    spec = dataclasses.replace(spec, cache_seqlens=seqlens.to(torch.int32), cache_leftpad=cache_leftpad,
-                               cache_batch_idx=cache_batch_idx, block_table=block_table, num_splits=num_splits)
+    # A new spec rather than dataclasses.replace, which costs several times the construction in host time.
+    spec = AttentionSpec(spec.scale, spec.window, spec.softcap, spec.alibi_slopes, spec.group,
+                         cache_seqlens=seqlens, cache_leftpad=cache_leftpad, cache_batch_idx=cache_batch_idx,
+                         block_table=block_table, num_splits=num_splits)
     O, L = run(q, k_cache, v_cache, spec, backend)
     return AttentionOutput(O, L)
 
@@ -174,7 +178,7 @@ def varlen_paged(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: 
     _check_index("block_table", block_table, (num_seqs, None), q.device)
     capacity = block_table.shape[1] * k_pages.shape[2]
     seqlens = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).long()
-    if not (_capturing() or torch.compiler.is_compiling()):
+    if not (_capturing(q) or torch.compiler.is_compiling()):
         _check_ranges(cu_seqlens_k, seqlens, 0, capacity, k_pages.shape[0], block_table, None, None)
     spec = api.make_spec(q4, k_pages, causal, scale, window, softcap)
     slopes = None if alibi_slopes is None else api._varlen_alibi(alibi_slopes, q, num_seqs)
@@ -225,8 +229,20 @@ def _check_caches(q, k_cache, v_cache, block_table) -> tuple[int, int, int, int]
         raise ValueError(f"a paged cache needs at least one page of at least one row, got {tuple(k_cache.shape)}")
     if k_cache.shape[0] == 0:
         raise ValueError(f"a contiguous cache needs at least one row, got k_cache {tuple(k_cache.shape)}")
-    # fa2.attention's checks of dtypes, devices, head_dim and the heads' ratio, on q against one cache row.
-    api._validate(q, k_cache[:1].expand(q.shape[0], -1, -1, -1), v_cache[:1].expand(q.shape[0], -1, -1, -1))
+    # fa2.attention's checks (api._validate), written out for the cache's shapes.
+    if q.dtype not in api._FLOAT_DTYPES:
+        raise TypeError(f"q must be float32, float16 or bfloat16, got {q.dtype}")
+    if not (q.dtype == k_cache.dtype == v_cache.dtype):
+        raise TypeError(f"q, k_cache and v_cache must have one dtype, got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
+    if not (q.device == k_cache.device == v_cache.device):
+        raise ValueError(f"q, k_cache and v_cache must be on one device, got {q.device}, {k_cache.device}, "
+                         f"{v_cache.device}")
+    if q.shape[3] != k_cache.shape[3] or not 1 <= q.shape[3] <= api.MAX_HEAD_DIM:
+        raise ValueError(f"q and the caches must have one head_dim, from 1 to {api.MAX_HEAD_DIM}, got q "
+                         f"{tuple(q.shape)} and k_cache {tuple(k_cache.shape)}")
+    if k_cache.shape[1] == 0 or q.shape[1] % k_cache.shape[1]:
+        raise ValueError(f"q's heads must be a multiple of the caches' (grouped-query attention), got q "
+                         f"{tuple(q.shape)} and k_cache {tuple(k_cache.shape)}")
     if block_table is not None:
         _check_index("block_table", block_table, (q.shape[0], None), q.device)
     return tuple(q.shape)
@@ -253,14 +269,15 @@ def _check_new(q, k_cache, k, v) -> int:
 
 
 def _cache_seqlens(cache_seqlens, batch: int, capacity: int, seqlen_new: int, device) -> torch.Tensor:
-    """(batch,) int64 on device: the keys in each row's cache before the append."""
+    """(batch,) int32 on device: the keys in each row's cache before the append (the caller's tensor as it
+    is: no conversion kernel in a decode step)."""
     if cache_seqlens is None:
         if seqlen_new:
             raise ValueError("new k and v need cache_seqlens: where to write them in the cache")
-        return torch.full((batch,), capacity, dtype=torch.int64, device=device)
+        return torch.full((batch,), capacity, dtype=torch.int32, device=device)
     if isinstance(cache_seqlens, torch.Tensor):
         _check_index("cache_seqlens", cache_seqlens, (batch,), device)
-        return cache_seqlens.long()
+        return cache_seqlens
     if isinstance(cache_seqlens, bool) or not api._is_integer(cache_seqlens):
         raise TypeError(f"cache_seqlens must be an int or an int32 tensor, got {type(cache_seqlens).__name__}")
     n = int(cache_seqlens)
@@ -268,7 +285,7 @@ def _cache_seqlens(cache_seqlens, batch: int, capacity: int, seqlen_new: int, de
         raise ValueError(
             f"cache_seqlens {n} + seqlen_new {seqlen_new} must be within the cache's capacity {capacity} (and >= 0)"
         )
-    return torch.full((batch,), n, dtype=torch.int64, device=device)
+    return torch.full((batch,), n, dtype=torch.int32, device=device)
 
 
 def _check_index(name: str, t, shape: tuple, device) -> None:
@@ -317,7 +334,7 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: to
     """x (batch, heads, n, head_dim) with its first rotary_dim channels rotated by the angles of
     ``positions`` (batch, n), in float32, returned in x's dtype (a new tensor)."""
     half = cos.shape[1]
-    positions = positions.clamp(0, cos.shape[0] - 1)
+    positions = positions.long().clamp(0, cos.shape[0] - 1)
     c = cos[positions].float()[:, None]  # (batch, 1, n, rotary_dim / 2)
     s = sin[positions].float()[:, None]
     rot = x[..., : 2 * half].float()
@@ -332,7 +349,7 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: to
 
 def _append(k_cache, v_cache, k, v, seqlens: torch.Tensor, block_table, cache_batch_idx) -> None:
     """Writes k, v (batch, heads_k, seqlen_new, head_dim) at positions seqlens[b] + t of each row's cache."""
-    positions = seqlens[:, None] + torch.arange(k.shape[2], device=k.device)  # (batch, seqlen_new)
+    positions = seqlens.long()[:, None] + torch.arange(k.shape[2], device=k.device)  # (batch, seqlen_new)
     if block_table is None:
         rows = (torch.arange(k.shape[0], device=k.device) if cache_batch_idx is None
                 else cache_batch_idx.long().clamp(0, k_cache.shape[0] - 1))[:, None].expand_as(positions)
@@ -347,8 +364,8 @@ def _append(k_cache, v_cache, k, v, seqlens: torch.Tensor, block_table, cache_ba
     v_cache[rows, :, slots] = v.transpose(1, 2)
 
 
-def _capturing() -> bool:
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+def _capturing(q: torch.Tensor) -> bool:
+    return q.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
 # The index tensors' ids and what they were checked against -> (weak references to them, their version
@@ -370,6 +387,7 @@ def _check_ranges(user_seqlens, seqlens, seqlen_new: int, capacity: int, num_row
     if versions is not None and hit is not None and hit[1] == versions and all(
             r() is t for r, t in zip(hit[0], tensors)):
         return
+    seqlens = seqlens.long()
     zero = seqlens.new_zeros(())
     total = seqlens + seqlen_new
     low = torch.stack([

@@ -22,8 +22,10 @@ Nq = 2, K_b = 6, leftpad_b = 1 and window (2, 0)::
     0 0 1 1 1 0        (K_b = 6: the last key is 5; query 1 sees 3, 4, 5 ... and 5 only if right >= 0)
 
 Key j of row b lives, in a contiguous cache, at row j of cache entry cache_batch_idx[b] (or b); in a paged
-one (PAGED), at row j % PAGE_SIZE of page block_table[b, j // PAGE_SIZE], looked up per key row, so any
-page size works, and pages need not be tile-aligned. Every index read from the device (cache_seqlens,
+one (PAGED), at row j % PAGE_SIZE of page block_table[b, j // PAGE_SIZE]: looked up once per key tile
+where the page size is a multiple of the tile's BLOCK_N, else per key row, so any page size works.
+PAGE_SIZE is a compile-time constant (a compilation per page size met, the divisions by it shifts for
+powers of two). Every index read from the device (cache_seqlens,
 cache_leftpad, cache_batch_idx, the block table, cu_seqlens_q) is clamped into its tensor: wrong values
 give wrong rows, never accesses outside the tensors. Nothing is read on the host and nothing but torch's
 allocator allocates, so a call can be captured in a CUDA graph.
@@ -55,17 +57,17 @@ def _kvcache_fwd(
     stride_os, stride_ob, stride_oh, stride_om, stride_od,
     stride_ls, stride_lb, stride_lh, stride_lm,
     stride_sb, stride_sh, stride_tb, stride_tp,
-    H, GROUP, N_Q, TOTAL_Q, CAPACITY, NUM_ROWS, PAGE_SIZE, PAGES_PER_SEQ, CHUNK, NUM_SPLITS, head_dim,
+    H, GROUP, N_Q, TOTAL_Q, CAPACITY, NUM_ROWS, CHUNK, NUM_SPLITS, head_dim,
     WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
-    LEFTPAD: tl.constexpr, BATCH_IDX: tl.constexpr, PAGED: tl.constexpr, VARLEN: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+    LEFTPAD: tl.constexpr, BATCH_IDX: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    VARLEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
     EVEN_D: tl.constexpr,
 ):
     """One program per (split, batch row, key/value head, tile of GROUP · seqlen_q query rows).
 
     Q: (B, H, N_Q, D) (VARLEN: (1, H, TOTAL_Q, D), row b's queries [Cu_q[b], Cu_q[b + 1]), N_Q the
     longest). K, V: (NUM_ROWS, H // GROUP, CAPACITY, D) contiguous-cache entries, or PAGED (NUM_ROWS pages,
-    H // GROUP, PAGE_SIZE, D) with BlockTable (B, PAGES_PER_SEQ). Seqlens (B,) int32: K_b; Leftpad,
+    H // GROUP, PAGE_SIZE, D) with BlockTable (B, CAPACITY // PAGE_SIZE). Seqlens (B,) int32: K_b; Leftpad,
     BatchIdx (B,) int32 where LEFTPAD, BATCH_IDX. Split s visits keys [s · CHUNK, (s + 1) · CHUNK), CHUNK a
     multiple of BLOCK_N. With NUM_SPLITS > 1, O and L have a leading split axis (stride_os, stride_ls), O in
     fp32, each split's own softmax; otherwise (strides 0 there) O, in q's dtype, and L are final. The score arguments as ``_attn_fwd``'s
@@ -146,10 +148,19 @@ def _kvcache_fwd(
     kv_head = off_hk.to(tl.int64)
     for start_n in tl.range(lo, hi, BLOCK_N):
         cols = start_n + offs_n
-        load_ok = cols < hi
+        # Keys outside [first_k, hi) are not loaded: unused cache slots may hold anything (NaN from
+        # torch.empty), and 0 · NaN in P·V would reach O.
+        load_ok = (cols >= first_k) & (cols < hi)
         # side-by-side: kvcache pages
-        if PAGED:
-            # Each key row's page from the block table: pages of any size, tile-aligned or not.
+        if PAGED and PAGE_SIZE % BLOCK_N == 0:
+            # The tile lies in one page: one lookup, and the tile's rows are consecutive rows of the page.
+            page = tl.load(BlockTable + off_b.to(tl.int64) * stride_tb + (start_n // PAGE_SIZE) * stride_tp)
+            page = tl.minimum(tl.maximum(page, 0), NUM_ROWS - 1).to(tl.int64)
+            slots = (start_n % PAGE_SIZE + offs_n).to(tl.int64)
+            k_rows = page * stride_kb + slots * stride_kn
+            v_rows = page * stride_vb + slots * stride_vn
+        elif PAGED:
+            # Pages smaller than a tile, or not dividing it: each key row's page from the block table.
             page = tl.load(BlockTable + off_b.to(tl.int64) * stride_tb + (cols // PAGE_SIZE) * stride_tp,
                            mask=load_ok, other=0)
             page = tl.minimum(tl.maximum(page, 0), NUM_ROWS - 1).to(tl.int64)
@@ -265,14 +276,16 @@ def kvcache_forward(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         return O, L
     group = heads // heads_k
     if spec.paged:
-        page_size, pages_per_seq = k_cache.shape[2], spec.block_table.shape[1]
-        capacity = page_size * pages_per_seq
+        page_size = k_cache.shape[2]
+        capacity = page_size * spec.block_table.shape[1]
     else:
-        page_size, pages_per_seq, capacity = 1, 1, k_cache.shape[2]
+        page_size, capacity = 1, k_cache.shape[2]
     tiles = _tiles(head_dim, q.dtype, group * seqlen_q)
     m_tiles = triton.cdiv(group * seqlen_q, tiles.block_m)
     programs = batch * heads_k * m_tiles
-    splits = spec.num_splits or num_splits(programs, triton.cdiv(capacity, tiles.block_n), q.device)
+    HEAD_DIM = max(16, triton.next_power_of_2(head_dim))
+    splits = spec.num_splits or num_splits(programs, triton.cdiv(capacity, tiles.block_n),
+                                           slots(tiles, HEAD_DIM, q.element_size(), q.device))
     splits = max(1, min(splits, triton.cdiv(max(capacity, 1), tiles.block_n)))
     chunk = triton.cdiv(triton.cdiv(max(capacity, 1), splits), tiles.block_n) * tiles.block_n
     if splits > 1:
@@ -283,7 +296,6 @@ def kvcache_forward(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         O_out, L_out = O, L
         o_strides, l_strides = (0, *O.stride()), (0, *L.stride())
     s = score_args(spec, q.dtype)
-    HEAD_DIM = max(16, triton.next_power_of_2(head_dim))
     stand_in = spec.cache_seqlens
     slopes = stand_in if s.slopes is None else s.slopes
     table = spec.block_table if spec.paged else stand_in
@@ -297,11 +309,10 @@ def kvcache_forward(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
              s.qk_scale, s.cap_scale, LOG2_E, s.window_left, s.window_right,
              *q.stride(), *k_cache.stride(), *v_cache.stride(), *o_strides, *l_strides, *s.slope_strides,
              *(table.stride() if spec.paged else (0, 0)),
-             heads, group, seqlen_q, seqlen_t, capacity, k_cache.shape[0], page_size, pages_per_seq, chunk,
-             splits, head_dim),
+             heads, group, seqlen_q, seqlen_t, capacity, k_cache.shape[0], chunk, splits, head_dim),
             dict(WINDOW_LEFT=s.WINDOW_LEFT, WINDOW_RIGHT=s.WINDOW_RIGHT, SOFTCAP=s.SOFTCAP, ALIBI=s.ALIBI,
                  LEFTPAD=spec.cache_leftpad is not None, BATCH_IDX=spec.cache_batch_idx is not None,
-                 PAGED=spec.paged, VARLEN=spec.varlen, BLOCK_M=tiles.block_m,
+                 PAGED=spec.paged, PAGE_SIZE=page_size, VARLEN=spec.varlen, BLOCK_M=tiles.block_m,
                  BLOCK_N=tiles.block_n, HEAD_DIM=HEAD_DIM, EVEN_D=HEAD_DIM == head_dim),
             dict(num_warps=tiles.num_warps, num_stages=tiles.num_stages),
         )
@@ -318,35 +329,46 @@ def kvcache_forward(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     return O, L
 
 
-def _tiles(head_dim: int, dtype: torch.dtype, rows: int):
+def _tiles(head_dim: int, dtype: torch.dtype, rows: int) -> Tiles:
     """The split kernel's launch: BLOCK_M covers the group's query rows (at least tl.dot's 16), BLOCK_N
-    keeps a key tile near 16 KB (the bytes in flight a memory-bound loop needs), 8 warps from D = 256."""
+    makes a key tile of about 32 KB (at most 128 rows): on the H200, 128-key tiles at D = 128 beat 64-key
+    ones at every decode shape of issue 22 (.whl probe at feab801: 8 x 32k keys 264 against 306 µs, 64 x 4k
+    261 against 294), a fourth stage did not help; 8 warps from D = 256."""
     width = 2 if dtype in (torch.float16, torch.bfloat16) else 4
     HEAD_DIM = max(16, triton.next_power_of_2(head_dim))
-    block_n = max(16, min(128, 16384 // (HEAD_DIM * width)))
+    block_n = max(16, min(128, 32768 // (HEAD_DIM * width)))
     block_m = max(16, min(64 if HEAD_DIM <= 128 else 32, triton.next_power_of_2(rows)))
     return Tiles(block_m, block_n, 8 if HEAD_DIM >= 256 else 4, 3)
 
 
-def num_splits(programs: int, key_tiles: int, device: torch.device) -> int:
+def num_splits(programs: int, key_tiles: int, slots: int) -> int:
     """How many key ranges to split each (batch row, key/value head) into: the fewest whose grid fills the
-    GPU's program slots (``_slots``) nearly as well as the best count up to 128 does (flash-attn's rule:
-    within 85% of the best wave efficiency), keeping at least 4 key tiles a split."""
-    slots = _slots(device)
+    GPU's program slots nearly as well as the best count up to 128 does (flash-attn's rule: within 85% of
+    the best wave efficiency), keeping at least 4 key tiles a split."""
     if programs >= slots:
         return 1
     most = max(1, min(128, key_tiles // 4))
+
     def efficiency(s):
         n = programs * s
         return n / (triton.cdiv(n, slots) * slots)
+
     best = max(efficiency(s) for s in range(1, most + 1))
     return next(s for s in range(1, most + 1) if efficiency(s) >= 0.85 * best)
 
 
-@functools.cache
-def _slots(device: torch.device) -> int:
-    """Programs of the split kernel that run at once: two per SM (its shared memory: three stages of K and V
-    tiles of 16 KB). The interpreter: 8."""
+def slots(tiles: Tiles, head_dim_padded: int, width: int, device: torch.device) -> int:
+    """Programs of the split kernel that run at once: the SMs times the programs whose pipelined K and V
+    tiles (num_stages of each) fit in one SM's shared memory. The interpreter: 8."""
     if INTERPRETED or device.type != "cuda":
         return 8
-    return 2 * torch.cuda.get_device_properties(device).multi_processor_count
+    sms, shared = _sm_resources(device)
+    per_program = tiles.num_stages * 2 * tiles.block_n * head_dim_padded * width
+    return sms * max(1, min(4, shared // per_program))
+
+
+@functools.cache
+def _sm_resources(device: torch.device) -> tuple[int, int]:
+    props = torch.cuda.get_device_properties(device)
+    # The H200's 228 KB where this torch does not report it.
+    return props.multi_processor_count, getattr(props, "shared_memory_per_multiprocessor", 233472)
