@@ -315,17 +315,28 @@ def _build_kernel(HEAD_DIM, config, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN, PAGED, 
         """Keys start_n .. start_n + BLOCK_N of K and V into the stage at shared row stage_row (K, then V
         BLOCK_N rows on), zeros from key hi on: chunk ld_c of tile rows ld_r, ld_r + ROW_STEP, ... A paged
         cache's page ids are read from the block table and clamped into the cache (a key past hi reads the
-        table at the last key of the capacity, and nothing of the cache)."""
+        table at the last key of the capacity, and nothing of the cache). One division a tile: the thread's
+        next rows step (page, row in page) on by ROW_STEP keys."""
+        if PAGED:
+            page_idx = (start_n + ld_r) // page_size
+            in_page = (start_n + ld_r) - page_idx * page_size
         for it in range(LOADS):
             r = ld_r + ROW_STEP * it
             key = start_n + r
             visible = key < hi
             if PAGED:
-                key_c = min(key, capacity - 1)
-                page = int(block_table[uint64(off_b * stride_tb + (key_c // page_size) * stride_tp)])
+                if it > 0:
+                    in_page += ROW_STEP
+                    while in_page >= page_size:
+                        in_page -= page_size
+                        page_idx += 1
+                last = capacity - 1  # keys past the capacity (only invisible ones) read the last page id
+                if key > last:
+                    page_idx, in_page = last // page_size, last % page_size
+                page = int(block_table[uint64(off_b * stride_tb + page_idx * stride_tp)])
                 page = min(max(page, 0), cache_rows - 1)
-                k_off = k_head + page * stride_kb + (key_c % page_size) * stride_kn
-                v_off = v_head + page * stride_vb + (key_c % page_size) * stride_vn
+                k_off = k_head + page * stride_kb + in_page * stride_kn
+                v_off = v_head + page * stride_vb + in_page * stride_vn
             else:
                 k_off = k_head + key * stride_kn
                 v_off = v_head + key * stride_vn
@@ -506,7 +517,7 @@ def _build_kernel(HEAD_DIM, config, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN, PAGED, 
                     if LEFT:
                         visible = visible and key >= tok_i[i] + diag - window_left
                     if not visible:
-                        score = -math.inf
+                        score = float32(-math.inf)  # a float32 -inf: a float64 one would make score float64
                     # side-by-side: softmax
                     m_new = score  # the row max over the tile's keys: the other key lanes of the warp
                     for b in range(LOG_DS, 5):
@@ -580,14 +591,14 @@ def _build_kernel(HEAD_DIM, config, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN, PAGED, 
                                 if EVEN_HEAD_DIM or col < head_dim:
                                     o[uint64(o_row * head_dim + col)] = acc[i, e] * inv_l
                         if dc == 0:
-                            lse[uint64(o_row)] = m_tile[r] + math.log2(l_sum) if l_sum != 0.0 else math.inf
+                            lse[uint64(o_row)] = m_tile[r] + math.log2(l_sum) if l_sum != 0.0 else float32(math.inf)
                     else:
                         for e in range(VEC):
                             col = VEC * dc + e
                             if EVEN_HEAD_DIM or col < head_dim:
                                 o[uint64(o_row * head_dim + col)] = from_float(acc[i, e] * inv_l)
                         if dc == 0:
-                            L = (m_tile[r] + math.log2(l_sum)) * LN2 if l_sum != 0.0 else math.inf
+                            L = (m_tile[r] + math.log2(l_sum)) * float32(LN2) if l_sum != 0.0 else float32(math.inf)
                             lse[uint64(o_row)] = L
         # side-by-side: end
 
@@ -607,7 +618,7 @@ def _build_combine(IS_BF16):
         if row >= rows_total:
             return
         # L = log2 Σ_s 2^(L_s), over the splits that saw a key (L_s != +inf), around their max.
-        m = -math.inf
+        m = float32(-math.inf)
         for sp in range(num_splits):
             ls = lse_part[uint64(sp * rows_total + row)]
             if ls != math.inf and ls > m:
@@ -628,7 +639,7 @@ def _build_combine(IS_BF16):
                     value += math.exp2(ls - lse2) * o_part[uint64((sp * rows_total + row) * head_dim + c)]
             o[uint64(row * head_dim + c)] = from_float(value)
         if lane == 0:
-            lse[uint64(row)] = lse2 * LN2 if not empty else math.inf
+            lse[uint64(row)] = lse2 * float32(LN2) if not empty else float32(math.inf)
 
     return cuda.jit(_combine)
 
