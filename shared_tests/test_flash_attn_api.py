@@ -32,6 +32,7 @@ from fa2.flash_attn import (
     flash_attn_varlen_func,
     flash_attn_varlen_kvpacked_func,
     flash_attn_varlen_qkvpacked_func,
+    flash_attn_with_kvcache,
 )
 from test_conformance import DTYPES, require_runnable
 from test_gradients import FP32_GRAD_ATOL, assert_grads_match
@@ -64,10 +65,25 @@ def test_signatures_are_flash_attns(func):
     ]
 
 
+def test_kvcache_signature_is_flash_attns():
+    """flash_attn_with_kvcache's parameters in flash-attn 2.8.3's order with its defaults (rotary
+    interleaved by default), then the keyword-only backend=None."""
+    params = list(inspect.signature(flash_attn_with_kvcache).parameters.values())
+    want = [("q", inspect.Parameter.empty), ("k_cache", inspect.Parameter.empty), ("v_cache", inspect.Parameter.empty),
+            ("k", None), ("v", None), ("rotary_cos", None), ("rotary_sin", None), ("cache_seqlens", None),
+            ("cache_batch_idx", None), ("cache_leftpad", None), ("block_table", None), ("softmax_scale", None),
+            ("causal", False), ("window_size", (-1, -1)), ("softcap", 0.0), ("rotary_interleaved", True),
+            ("alibi_slopes", None), ("num_splits", 0), ("return_softmax_lse", False)]
+    assert [(p.name, p.default) for p in params if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD] == want
+    assert [(p.name, p.default, p.kind) for p in params[len(want):]] == [
+        ("backend", None, inspect.Parameter.KEYWORD_ONLY)
+    ]
+
+
 def test_exported_from_fa2():
     assert fa2.flash_attn.flash_attn_func is flash_attn_func
     assert fa2.flash_attn.flash_attn_varlen_func is flash_attn_varlen_func
-    assert {f.__name__ for f in FLASH_ATTN_SIGNATURES} <= set(fa2.flash_attn.__all__)
+    assert {f.__name__ for f in FLASH_ATTN_SIGNATURES} | {"flash_attn_with_kvcache"} <= set(fa2.flash_attn.__all__)
     assert issubclass(FlashAttnValueError, RuntimeError) and issubclass(FlashAttnValueError, ValueError)
     assert issubclass(FlashAttnTypeError, RuntimeError) and issubclass(FlashAttnTypeError, TypeError)
 
@@ -678,11 +694,34 @@ def test_varlen_inputs_reach_the_backend_as_views(backend, status, device, monke
         assert s[6] is cu_q and s[7] is cu_k and s[8:] == (max_q, max_k)
 
 
-def test_varlen_block_table_is_refused():
-    q = torch.randn(5, 2, 16)
-    cu = torch.tensor([0, 5], dtype=torch.int32)
-    with pytest.raises(NotImplementedError, match=r"block_table.*#22"):
-        flash_attn_varlen_func(q, q, q, cu, cu, 5, 5, block_table=torch.zeros(1, 1, dtype=torch.int32))
+@pytest.mark.parametrize("page_size", [16, 5], ids=["page16", "page5"])
+def test_varlen_block_table_equals_contiguous_keys(backend, status, device, page_size):
+    """flash_attn_varlen_func with a block table: each sequence's keys read from its pages give what the
+    same keys packed contiguously give (GQA, causal, a sequence without queries and one without keys);
+    its output refuses a backward (forward only, as flash-attn's)."""
+    dtype = torch.float16 if status == "emulated" else torch.bfloat16
+    lens_q, lens_k, heads, heads_k, d = [3, 0, 4], [9, 6, 0], 4, 2, 16
+    require_runnable(backend, status, device, dtype, (len(lens_q), heads, max(lens_q), max(lens_k), d))
+    g = torch.Generator().manual_seed(0)
+    per_seq = -(-max(lens_k) // page_size)
+    k_pages = torch.randn(3 * per_seq + 2, page_size, heads_k, d, generator=g).to(device, dtype)
+    v_pages = torch.randn(k_pages.shape, generator=g).to(device, dtype)
+    table = torch.randperm(k_pages.shape[0], generator=g)[: 3 * per_seq].reshape(3, per_seq).to(device, torch.int32)
+    keys = [k_pages[table[s].long()].flatten(0, 1)[:n] for s, n in enumerate(lens_k)]
+    values = [v_pages[table[s].long()].flatten(0, 1)[:n] for s, n in enumerate(lens_k)]
+    cu = lambda lens: torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32, device=device)  # noqa: E731
+    q = torch.randn(sum(lens_q), heads, d, generator=g).to(device, dtype).requires_grad_()
+    args = (cu(lens_q), cu(lens_k), max(lens_q), max(lens_k))
+    out, lse, _ = flash_attn_varlen_func(q, k_pages, v_pages, *args, causal=True, block_table=table,
+                                         return_attn_probs=True, backend=backend)
+    want, want_lse, _ = flash_attn_varlen_func(q.detach(), torch.cat(keys), torch.cat(values), *args, causal=True,
+                                               return_attn_probs=True, backend=backend)
+    assert max_err(out, want) <= 2e-3 * want.abs().max().item() + 1e-3
+    assert torch.equal(torch.isinf(lse), torch.isinf(want_lse))
+    finite = torch.isfinite(want_lse)
+    assert max_err(lse[finite], want_lse[finite]) <= 1e-3
+    with pytest.raises(NotImplementedError, match="no backward through a KV cache"):
+        out.sum().backward()
 
 
 def test_varlen_dropout_is_refused():
