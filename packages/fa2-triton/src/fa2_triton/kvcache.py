@@ -82,7 +82,7 @@ def _kvcache_fwd(
     off_b = rest % num_b
     tile_m = rest // num_b
 
-    # side-by-side: kvcache rows
+    # side-by-side: rows
     # This row's queries (a packed batch: its sequence's) and keys, every index clamped into its tensor.
     if VARLEN:
         q_start, n_q = _rows(Cu_q, off_b, TOTAL_Q)
@@ -107,7 +107,7 @@ def _kvcache_fwd(
         cache_row = off_b.to(tl.int64)
     # side-by-side: end
 
-    # side-by-side: kvcache group
+    # side-by-side: group
     # Row r of the tile: token r // GROUP of query head off_hk · GROUP + r % GROUP.
     offs_r = start_r + tl.arange(0, BLOCK_M)
     offs_i = offs_r // GROUP
@@ -127,7 +127,7 @@ def _kvcache_fwd(
         alibi = tl.load(Slopes + off_b.to(tl.int64) * stride_sb + offs_h.to(tl.int64) * stride_sh,
                         mask=row_ok, other=0.0) * alibi_scale
 
-    # side-by-side: kvcache range
+    # side-by-side: range
     # The keys some row of the tile sees, cut to this split's range: whole tiles of the split, skipped
     # entirely outside the window.
     first_i = start_r // GROUP
@@ -151,7 +151,7 @@ def _kvcache_fwd(
         # Keys outside [first_k, hi) are not loaded: unused cache slots may hold anything (NaN from
         # torch.empty), and 0 · NaN in P·V would reach O.
         load_ok = (cols >= first_k) & (cols < hi)
-        # side-by-side: kvcache pages
+        # side-by-side: pages
         if PAGED and PAGE_SIZE % BLOCK_N == 0:
             # The tile lies in one page: one lookup, and the tile's rows are consecutive rows of the page.
             page = tl.load(BlockTable + off_b.to(tl.int64) * stride_tb + (start_n // PAGE_SIZE) * stride_tp)
@@ -180,7 +180,7 @@ def _kvcache_fwd(
         if ALIBI:
             distance = tl.abs(offs_i[:, None] + diag - cols[None, :]).to(tl.float32)
             qk = qk - alibi[:, None] * distance
-        # side-by-side: kvcache mask
+        # side-by-side: mask
         visible = (cols[None, :] >= first_k) & (cols[None, :] < seqlen_k) & row_ok[:, None]
         if WINDOW_RIGHT:
             visible = visible & (cols[None, :] <= offs_i[:, None] + diag + window_right)
