@@ -23,7 +23,8 @@ Nq = 2, K_b = 6, leftpad_b = 1 and window (2, 0)::
 
 Key j of row b lives, in a contiguous cache, at row j of cache entry cache_batch_idx[b] (or b); in a paged
 one (PAGED), at row j % PAGE_SIZE of page block_table[b, j // PAGE_SIZE]: looked up once per key tile
-where the page size is a multiple of the tile's BLOCK_N, else per key row, so any page size works.
+where the page size is a multiple of the tile's BLOCK_N, once per page where it divides BLOCK_N, else per
+key row, so any page size works.
 PAGE_SIZE is a compile-time constant (a compilation per page size met, the divisions by it shifts for
 powers of two). Every index read from the device (cache_seqlens,
 cache_leftpad, cache_batch_idx, the block table, cu_seqlens_q) is clamped into its tensor: wrong values
@@ -37,6 +38,7 @@ bfloat16 (not bfloat16 in the interpreter, as the forward); forward only.
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 import triton
@@ -159,8 +161,17 @@ def _kvcache_fwd(
             slots = (start_n % PAGE_SIZE + offs_n).to(tl.int64)
             k_rows = page * stride_kb + slots * stride_kn
             v_rows = page * stride_vb + slots * stride_vn
+        elif PAGED and BLOCK_N % PAGE_SIZE == 0:
+            # Pages that divide the tile: one lookup per page, each page's rows consecutive.
+            offs_p = tl.arange(0, BLOCK_N // PAGE_SIZE)
+            page = tl.load(BlockTable + off_b.to(tl.int64) * stride_tb + (start_n // PAGE_SIZE + offs_p) * stride_tp,
+                           mask=start_n + offs_p * PAGE_SIZE < hi, other=0)
+            page = tl.minimum(tl.maximum(page, 0), NUM_ROWS - 1).to(tl.int64)
+            in_page = tl.arange(0, PAGE_SIZE).to(tl.int64)
+            k_rows = tl.reshape(page[:, None] * stride_kb + in_page[None, :] * stride_kn, (BLOCK_N,))
+            v_rows = tl.reshape(page[:, None] * stride_vb + in_page[None, :] * stride_vn, (BLOCK_N,))
         elif PAGED:
-            # Pages smaller than a tile, or not dividing it: each key row's page from the block table.
+            # Pages that do not divide the tile: each key row's page from the block table.
             page = tl.load(BlockTable + off_b.to(tl.int64) * stride_tb + (cols // PAGE_SIZE) * stride_tp,
                            mask=load_ok, other=0)
             page = tl.minimum(tl.maximum(page, 0), NUM_ROWS - 1).to(tl.int64)
@@ -274,20 +285,12 @@ def kvcache_forward(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             O.zero_()
             L.fill_(float("inf"))
         return O, L
-    group = heads // heads_k
-    if spec.paged:
-        page_size = k_cache.shape[2]
-        capacity = page_size * spec.block_table.shape[1]
-    else:
-        page_size, capacity = 1, k_cache.shape[2]
-    tiles = _tiles(head_dim, q.dtype, group * seqlen_q)
-    m_tiles = triton.cdiv(group * seqlen_q, tiles.block_m)
-    programs = batch * heads_k * m_tiles
-    HEAD_DIM = max(16, triton.next_power_of_2(head_dim))
-    splits = spec.num_splits or num_splits(programs, triton.cdiv(capacity, tiles.block_n),
-                                           slots(tiles, HEAD_DIM, q.element_size(), q.device))
-    splits = max(1, min(splits, triton.cdiv(max(capacity, 1), tiles.block_n)))
-    chunk = triton.cdiv(triton.cdiv(max(capacity, 1), splits), tiles.block_n) * tiles.block_n
+    paged = spec.paged
+    page_size = k_cache.shape[2] if paged else 1
+    capacity = page_size * spec.block_table.shape[1] if paged else k_cache.shape[2]
+    plan = _plan(heads // heads_k, seqlen_q, head_dim, q.dtype, batch * heads_k, capacity, page_size if paged else 0,
+                 spec.num_splits, q.device)
+    splits = plan.splits
     if splits > 1:
         O_out = torch.empty((splits, *q.shape), device=q.device, dtype=torch.float32)
         L_out = torch.empty((splits, *q.shape[:-1]), device=q.device, dtype=torch.float32)
@@ -297,24 +300,22 @@ def kvcache_forward(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         o_strides, l_strides = (0, *O.stride()), (0, *L.stride())
     s = score_args(spec, q.dtype)
     stand_in = spec.cache_seqlens
-    slopes = stand_in if s.slopes is None else s.slopes
-    table = spec.block_table if spec.paged else stand_in
+    table = spec.block_table if paged else stand_in
     with on_device(q.device):
         launch(
-            _kvcache_fwd, splits * programs,
-            (q, k_cache, v_cache, O_out, L_out, slopes, spec.cache_seqlens,
+            _kvcache_fwd, plan.grid,
+            (q, k_cache, v_cache, O_out, L_out, stand_in if s.slopes is None else s.slopes, spec.cache_seqlens,
              stand_in if spec.cache_leftpad is None else spec.cache_leftpad,
              stand_in if spec.cache_batch_idx is None else spec.cache_batch_idx, table,
              spec.cu_seqlens_q if spec.varlen else stand_in,
              s.qk_scale, s.cap_scale, LOG2_E, s.window_left, s.window_right,
              *q.stride(), *k_cache.stride(), *v_cache.stride(), *o_strides, *l_strides, *s.slope_strides,
-             *(table.stride() if spec.paged else (0, 0)),
-             heads, group, seqlen_q, seqlen_t, capacity, k_cache.shape[0], chunk, splits, head_dim),
+             *(table.stride() if paged else (0, 0)),
+             heads, plan.group, seqlen_q, seqlen_t, capacity, k_cache.shape[0], plan.chunk, splits, head_dim),
             dict(WINDOW_LEFT=s.WINDOW_LEFT, WINDOW_RIGHT=s.WINDOW_RIGHT, SOFTCAP=s.SOFTCAP, ALIBI=s.ALIBI,
                  LEFTPAD=spec.cache_leftpad is not None, BATCH_IDX=spec.cache_batch_idx is not None,
-                 PAGED=spec.paged, PAGE_SIZE=page_size, VARLEN=spec.varlen, BLOCK_M=tiles.block_m,
-                 BLOCK_N=tiles.block_n, HEAD_DIM=HEAD_DIM, EVEN_D=HEAD_DIM == head_dim),
-            dict(num_warps=tiles.num_warps, num_stages=tiles.num_stages),
+                 PAGED=paged, PAGE_SIZE=page_size, VARLEN=spec.varlen, **plan.constexprs),
+            plan.options,
         )
         if splits > 1:
             rows = O.numel() // head_dim
@@ -323,13 +324,49 @@ def kvcache_forward(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                 _kvcache_combine, rows,
                 (parts, lses, O.view(rows, head_dim), L.view(rows), *parts.stride(), *lses.stride(),
                  head_dim, 1, 1, splits, head_dim),
-                dict(BLOCK_S=max(2, triton.next_power_of_2(splits)), HEAD_DIM=HEAD_DIM),
-                dict(num_warps=4 if HEAD_DIM >= 128 else 1, num_stages=1),
+                plan.combine_constexprs, plan.combine_options,
             )
     return O, L
 
 
-def _tiles(head_dim: int, dtype: torch.dtype, rows: int) -> Tiles:
+class Plan(NamedTuple):
+    """One launch of the split kernel (and of the combine where splits > 1), for a class of inputs."""
+
+    group: int
+    splits: int
+    chunk: int
+    grid: int
+    constexprs: dict
+    options: dict
+    combine_constexprs: dict
+    combine_options: dict
+
+
+@functools.lru_cache(maxsize=4096)
+def _plan(group: int, seqlen_q: int, head_dim: int, dtype: torch.dtype, batch_heads_k: int, capacity: int,
+          page_size: int, num_splits_asked: int, device: torch.device) -> Plan:
+    """The tiles, the split count and the grid, worked out once per class of inputs (page_size 0: a
+    contiguous cache): a decode loop asks the same question every step, and the answer cost ~30 µs of
+    host time a call on the H200 before it was cached (Triton's cdiv, the split search)."""
+    tiles = _tiles(head_dim, dtype, group * seqlen_q, page_size)
+    head_dim_padded = max(16, 1 << (head_dim - 1).bit_length())
+    programs = batch_heads_k * -(-group * seqlen_q // tiles.block_m)
+    key_tiles = max(1, -(-capacity // tiles.block_n))
+    splits = num_splits_asked or num_splits(programs, key_tiles,
+                                            slots(tiles, head_dim_padded, dtype.itemsize, page_size > 0, device))
+    splits = max(1, min(splits, key_tiles))
+    chunk = -(-key_tiles // splits) * tiles.block_n
+    return Plan(
+        group, splits, chunk, splits * programs,
+        dict(BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, HEAD_DIM=head_dim_padded,
+             EVEN_D=head_dim_padded == head_dim),
+        dict(num_warps=tiles.num_warps, num_stages=tiles.num_stages),
+        dict(BLOCK_S=max(2, 1 << (splits - 1).bit_length()), HEAD_DIM=head_dim_padded),
+        dict(num_warps=4 if head_dim_padded >= 128 else 1, num_stages=1),
+    )
+
+
+def _tiles(head_dim: int, dtype: torch.dtype, rows: int, page_size: int = 0) -> Tiles:
     """The split kernel's launch: BLOCK_M covers the group's query rows (at least tl.dot's 16), BLOCK_N
     makes a key tile of about 32 KB (at most 128 rows): on the H200, 128-key tiles at D = 128 beat 64-key
     ones at every decode shape of issue 22 (.whl probe at feab801: 8 x 32k keys 264 against 306 µs, 64 x 4k
@@ -338,13 +375,18 @@ def _tiles(head_dim: int, dtype: torch.dtype, rows: int) -> Tiles:
     HEAD_DIM = max(16, triton.next_power_of_2(head_dim))
     block_n = max(16, min(128, 32768 // (HEAD_DIM * width)))
     block_m = max(16, min(64 if HEAD_DIM <= 128 else 32, triton.next_power_of_2(rows)))
-    return Tiles(block_m, block_n, 8 if HEAD_DIM >= 256 else 4, 3)
+    # Pages smaller than a tile: 8 warps for the per-page address arithmetic (8 x 32k keys, pages of 16:
+    # 279 against 287 µs on the H200 probe).
+    sub_tile_pages = 0 < page_size < block_n
+    return Tiles(block_m, block_n, 8 if HEAD_DIM >= 256 or sub_tile_pages else 4, 3)
 
 
+@functools.lru_cache(maxsize=1024)
 def num_splits(programs: int, key_tiles: int, slots: int) -> int:
     """How many key ranges to split each (batch row, key/value head) into: the fewest whose grid fills the
     GPU's program slots nearly as well as the best count up to 128 does (flash-attn's rule: within 85% of
-    the best wave efficiency), keeping at least 4 key tiles a split."""
+    the best wave efficiency), keeping at least 4 key tiles a split. Cached: a decode loop asks the same
+    question every step, and the search is ~250 Python calls at 128k keys."""
     if programs >= slots:
         return 1
     most = max(1, min(128, key_tiles // 4))
@@ -357,14 +399,17 @@ def num_splits(programs: int, key_tiles: int, slots: int) -> int:
     return next(s for s in range(1, most + 1) if efficiency(s) >= 0.85 * best)
 
 
-def slots(tiles: Tiles, head_dim_padded: int, width: int, device: torch.device) -> int:
-    """Programs of the split kernel that run at once: the SMs times the programs whose pipelined K and V
-    tiles (num_stages of each) fit in one SM's shared memory. The interpreter: 8."""
+def slots(tiles: Tiles, head_dim_padded: int, width: int, paged: bool, device: torch.device) -> int:
+    """Programs of the split kernel to aim the grid at: the SMs times the programs whose pipelined K and V
+    tiles (num_stages of each) fit in one SM's shared memory; twice that for a paged cache, whose loads
+    wait on the block table and need more programs in flight (8 x 32k keys in pages of 256, on the H200
+    probe: 4 splits 259 µs, the 2 that one wave gives 368; the contiguous cache 253 with 2). The
+    interpreter: 8."""
     if INTERPRETED or device.type != "cuda":
         return 8
     sms, shared = _sm_resources(device)
     per_program = tiles.num_stages * 2 * tiles.block_n * head_dim_padded * width
-    return sms * max(1, min(4, shared // per_program))
+    return sms * max(1, min(4, shared // per_program)) * (2 if paged else 1)
 
 
 @functools.cache
