@@ -23,8 +23,7 @@ Nq = 2, K_b = 6, leftpad_b = 1 and window (2, 0)::
 
 Key j of row b lives, in a contiguous cache, at row j of cache entry cache_batch_idx[b] (or b); in a paged
 one (PAGED), at row j % PAGE_SIZE of page block_table[b, j // PAGE_SIZE]: looked up once per key tile
-where the page size is a multiple of the tile's BLOCK_N, once per page where it divides BLOCK_N, else per
-key row, so any page size works.
+where the page size is a multiple of the tile's BLOCK_N, else per key row, so any page size works.
 PAGE_SIZE is a compile-time constant (a compilation per page size met, the divisions by it shifts for
 powers of two). Every index read from the device (cache_seqlens,
 cache_leftpad, cache_batch_idx, the block table, cu_seqlens_q) is clamped into its tensor: wrong values
@@ -161,17 +160,9 @@ def _kvcache_fwd(
             slots = (start_n % PAGE_SIZE + offs_n).to(tl.int64)
             k_rows = page * stride_kb + slots * stride_kn
             v_rows = page * stride_vb + slots * stride_vn
-        elif PAGED and BLOCK_N % PAGE_SIZE == 0:
-            # Pages that divide the tile: one lookup per page, each page's rows consecutive.
-            offs_p = tl.arange(0, BLOCK_N // PAGE_SIZE)
-            page = tl.load(BlockTable + off_b.to(tl.int64) * stride_tb + (start_n // PAGE_SIZE + offs_p) * stride_tp,
-                           mask=start_n + offs_p * PAGE_SIZE < hi, other=0)
-            page = tl.minimum(tl.maximum(page, 0), NUM_ROWS - 1).to(tl.int64)
-            in_page = tl.arange(0, PAGE_SIZE).to(tl.int64)
-            k_rows = tl.reshape(page[:, None] * stride_kb + in_page[None, :] * stride_kn, (BLOCK_N,))
-            v_rows = tl.reshape(page[:, None] * stride_vb + in_page[None, :] * stride_vn, (BLOCK_N,))
         elif PAGED:
-            # Pages that do not divide the tile: each key row's page from the block table.
+            # Pages smaller than a tile, or not dividing it: each key row's page from the block table (a
+            # vector of one id per page, reshaped to the rows, ran at a third of this speed on the H200).
             page = tl.load(BlockTable + off_b.to(tl.int64) * stride_tb + (cols // PAGE_SIZE) * stride_tp,
                            mask=load_ok, other=0)
             page = tl.minimum(tl.maximum(page, 0), NUM_ROWS - 1).to(tl.int64)
