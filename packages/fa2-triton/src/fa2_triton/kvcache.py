@@ -10,9 +10,12 @@ query head hk · GROUP + r % GROUP: each cached key is read once per key/value h
 
 ``_kvcache_fwd`` runs the FA2 online softmax of ``forward.py`` (log2 domain, the same softcap, ALiBi and
 mask arithmetic) over the key tiles of its range that some row sees, and writes either the final O and L
-(one split) or its range's O (normalised, fp32) and L into a partial buffer with a leading split axis, which
-``_kvcache_combine`` merges row by row: L = log Σ_s exp(L_s), O = Σ_s exp(L_s - L) · O_s (``fa2.combine``'s
-merge), ranges a row sees no key of (L_s = +inf) weighing nothing.
+(one split) or its range's O (normalised, fp32) and L into a partial buffer with a leading split axis. The
+last program of a (batch row, key/value head, row tile) to finish its split, told by an atomic count, then
+merges the splits' results in the same launch: L = log Σ_s exp(L_s), O = Σ_s exp(L_s - L) · O_s
+(``fa2.combine``'s merge), ranges a row sees no key of (L_s = +inf) weighing nothing. One launch, not a
+split kernel and a combine kernel: on the H200's host each Triton launch costs 30-55 µs, more than the GPU
+time of a short decode step (``.whl`` host probe at 10d37e2: 54.5 and 30.8 µs).
 
 Row b of q attends to keys [0, K_b) of its cache, K_b = cache_seqlens[b], and query i sees key j iff
 leftpad_b <= j < K_b and i + K_b - Nq - left <= j <= i + K_b - Nq + right (the bounded sides only). With
@@ -50,19 +53,20 @@ from fa2_triton.launch import launch, on_device
 
 @triton.jit
 def _kvcache_fwd(
-    Q, K, V, O, L, Slopes, Seqlens, Leftpad, BatchIdx, BlockTable, Cu_q,
+    Q, K, V, O, L, O_final, L_final, Counter, Slopes, Seqlens, Leftpad, BatchIdx, BlockTable, Cu_q,
     qk_scale, cap_scale, alibi_scale, window_left, window_right,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_os, stride_ob, stride_oh, stride_om, stride_od,
     stride_ls, stride_lb, stride_lh, stride_lm,
+    stride_fob, stride_foh, stride_fom, stride_fod, stride_flb, stride_flh, stride_flm,
     stride_sb, stride_sh, stride_tb, stride_tp,
     H, GROUP, N_Q, TOTAL_Q, CAPACITY, NUM_ROWS, CHUNK, NUM_SPLITS, head_dim,
     WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
     LEFTPAD: tl.constexpr, BATCH_IDX: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
     VARLEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-    EVEN_D: tl.constexpr,
+    EVEN_D: tl.constexpr, SPLIT: tl.constexpr, FENCE: tl.constexpr,
 ):
     """One program per (split, batch row, key/value head, tile of GROUP · seqlen_q query rows).
 
@@ -70,9 +74,13 @@ def _kvcache_fwd(
     longest). K, V: (NUM_ROWS, H // GROUP, CAPACITY, D) contiguous-cache entries, or PAGED (NUM_ROWS pages,
     H // GROUP, PAGE_SIZE, D) with BlockTable (B, CAPACITY // PAGE_SIZE). Seqlens (B,) int32: K_b; Leftpad,
     BatchIdx (B,) int32 where LEFTPAD, BATCH_IDX. Split s visits keys [s · CHUNK, (s + 1) · CHUNK), CHUNK a
-    multiple of BLOCK_N. With NUM_SPLITS > 1, O and L have a leading split axis (stride_os, stride_ls), O in
-    fp32, each split's own softmax; otherwise (strides 0 there) O, in q's dtype, and L are final. The score arguments as ``_attn_fwd``'s
-    (FUSED_EXP2 always off here: the scale is applied before the max)."""
+    multiple of BLOCK_N. SPLIT (NUM_SPLITS > 1): O and L are the partial results, with a leading split axis
+    (stride_os, stride_ls), O in fp32, each split's own softmax; the last split of a (batch row, key/value
+    head, row tile) to finish, counted by an atomic on its int32 Counter entry (zero before the launch),
+    merges them all into O_final (q's dtype) and L_final. Otherwise O, in q's dtype, and L are final
+    (strides 0 on the split axis). FENCE (on a GPU): each thread fences its partial stores before the count.
+    The score arguments as ``_attn_fwd``'s (FUSED_EXP2 always off here: the scale is applied before the
+    max)."""
     pid = tl.program_id(0)
     split = pid % NUM_SPLITS
     rest = pid // NUM_SPLITS
@@ -212,36 +220,50 @@ def _kvcache_fwd(
               + heads64[:, None] * stride_oh + rows64[:, None] * stride_om + offs_d.to(tl.int64)[None, :] * stride_od)
     tl.store(o_ptrs, acc.to(O.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
+    # side-by-side: combine
+    if SPLIT:
+        # The last of this tile's splits to finish merges them all: the partial stores of every thread
+        # made visible, then one atomic count per program.
+        if FENCE:
+            _fence(offs_r)
+        tl.debug_barrier()
+        tile = (off_b * HK + off_hk) * tl.cdiv(GROUP * N_Q, BLOCK_M) + tile_m
+        if tl.atomic_add(Counter + tile, 1, sem="acq_rel") == NUM_SPLITS - 1:
+            l_rows = tl.cast(off_bt, tl.int64) * stride_lb + heads64 * stride_lh + rows64 * stride_lm
+            o_rows = (tl.cast(off_bt, tl.int64) * stride_ob + heads64[:, None] * stride_oh + rows64[:, None] * stride_om
+                      + offs_d.to(tl.int64)[None, :] * stride_od)
+            # L = logsumexp_s L_s, O = sum_s exp(L_s - L) O_s; a split that saw no key (L_s = +inf) weighs 0.
+            m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+            for s in range(0, NUM_SPLITS):
+                l_s = tl.load(L + s * stride_ls + l_rows, mask=row_ok, other=float("inf"), cache_modifier=".cg")
+                m = tl.maximum(m, tl.where(l_s == float("inf"), float("-inf"), l_s))
+            m_safe = tl.where(m == float("-inf"), 0.0, m)
+            total = tl.zeros([BLOCK_M], dtype=tl.float32)
+            out = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+            for s in range(0, NUM_SPLITS):
+                l_s = tl.load(L + s * stride_ls + l_rows, mask=row_ok, other=float("inf"), cache_modifier=".cg")
+                w = tl.where(l_s == float("inf"), 0.0, tl.exp(l_s - m_safe))
+                o_s = tl.load(O + s * stride_os + o_rows, mask=(w > 0.0)[:, None] & d_ok[None, :], other=0.0,
+                              cache_modifier=".cg")
+                out += w[:, None] * o_s
+                total += w
+            none = total == 0.0
+            out = out / tl.where(none, 1.0, total)[:, None]
+            lse = tl.where(none, float("inf"), m_safe + tl.log(tl.where(none, 1.0, total)))
+            tl.store(L_final + tl.cast(off_bt, tl.int64) * stride_flb + heads64 * stride_flh + rows64 * stride_flm,
+                     lse, mask=row_ok)
+            tl.store(O_final + tl.cast(off_bt, tl.int64) * stride_fob + heads64[:, None] * stride_foh
+                     + rows64[:, None] * stride_fom + offs_d.to(tl.int64)[None, :] * stride_fod,
+                     out.to(O_final.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+    # side-by-side: end
+
 
 @triton.jit
-def _kvcache_combine(
-    O_part, L_part, O, L,
-    stride_ps, stride_pr, stride_pd, stride_qs, stride_qr,
-    stride_or, stride_od, stride_lr,
-    NUM_SPLITS, head_dim,
-    BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr,
-):
-    """One program per query row (its (batch, head, token) flattened to r): L = logsumexp_s L_part[s, r],
-    O[r] = Σ_s exp(L_part[s, r] - L) · O_part[s, r], the splits with L_part = +inf (no key seen) left out;
-    a row that no split saw: O = 0, L = +inf."""
-    r = tl.program_id(0).to(tl.int64)
-    offs_s = tl.arange(0, BLOCK_S)
-    offs_d = tl.arange(0, HEAD_DIM)
-    s_ok = offs_s < NUM_SPLITS
-    lse = tl.load(L_part + offs_s * stride_qs + r * stride_qr, mask=s_ok, other=float("inf"))
-    # +inf (a split that saw nothing) holds no probability mass: -inf in the logsumexp.
-    lse = tl.where(lse == float("inf"), float("-inf"), lse)
-    m = tl.max(lse, 0)
-    m_safe = tl.where(m == float("-inf"), 0.0, m)
-    w = tl.exp(lse - m_safe)
-    total = tl.sum(w, 0)
-    empty = total == 0.0
-    w = w / tl.where(empty, 1.0, total)
-    parts = tl.load(O_part + offs_s[:, None] * stride_ps + r * stride_pr + offs_d[None, :] * stride_pd,
-                    mask=(w > 0.0)[:, None] & (offs_d < head_dim)[None, :], other=0.0)
-    out = tl.sum(parts * w[:, None], 0)
-    tl.store(O + r * stride_or + offs_d * stride_od, out.to(O.dtype.element_ty), mask=offs_d < head_dim)
-    tl.store(L + r * stride_lr, tl.where(empty, float("inf"), m_safe + tl.log(total)))
+def _fence(x):
+    """A GPU-scope acquire-release fence in every thread (PTX fence.acq_rel.gpu): its stores before it are
+    seen before anything after it, the release half of the split count. x only carries the call."""
+    tl.inline_asm_elementwise("fence.acq_rel.gpu;\n mov.b32 $0, $1;", "=r,r", [x.to(tl.int32)], dtype=tl.int32,
+                              is_pure=False, pack=1)
 
 
 def kvcache_forward(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -286,8 +308,9 @@ def kvcache_forward(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         O_out = torch.empty((splits, *q.shape), device=q.device, dtype=torch.float32)
         L_out = torch.empty((splits, *q.shape[:-1]), device=q.device, dtype=torch.float32)
         o_strides, l_strides = O_out.stride(), L_out.stride()
+        counter = torch.zeros(plan.grid // splits, device=q.device, dtype=torch.int32)
     else:
-        O_out, L_out = O, L
+        O_out, L_out, counter = O, L, spec.cache_seqlens
         o_strides, l_strides = (0, *O.stride()), (0, *L.stride())
     s = score_args(spec, q.dtype)
     stand_in = spec.cache_seqlens
@@ -295,33 +318,25 @@ def kvcache_forward(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     with on_device(q.device):
         launch(
             _kvcache_fwd, plan.grid,
-            (q, k_cache, v_cache, O_out, L_out, stand_in if s.slopes is None else s.slopes, spec.cache_seqlens,
+            (q, k_cache, v_cache, O_out, L_out, O, L, counter, stand_in if s.slopes is None else s.slopes,
+             spec.cache_seqlens,
              stand_in if spec.cache_leftpad is None else spec.cache_leftpad,
              stand_in if spec.cache_batch_idx is None else spec.cache_batch_idx, table,
              spec.cu_seqlens_q if spec.varlen else stand_in,
              s.qk_scale, s.cap_scale, LOG2_E, s.window_left, s.window_right,
-             *q.stride(), *k_cache.stride(), *v_cache.stride(), *o_strides, *l_strides, *s.slope_strides,
-             *(table.stride() if paged else (0, 0)),
+             *q.stride(), *k_cache.stride(), *v_cache.stride(), *o_strides, *l_strides, *O.stride(), *L.stride(),
+             *s.slope_strides, *(table.stride() if paged else (0, 0)),
              heads, plan.group, seqlen_q, seqlen_t, capacity, k_cache.shape[0], plan.chunk, splits, head_dim),
             dict(WINDOW_LEFT=s.WINDOW_LEFT, WINDOW_RIGHT=s.WINDOW_RIGHT, SOFTCAP=s.SOFTCAP, ALIBI=s.ALIBI,
                  LEFTPAD=spec.cache_leftpad is not None, BATCH_IDX=spec.cache_batch_idx is not None,
                  PAGED=paged, PAGE_SIZE=page_size, VARLEN=spec.varlen, **plan.constexprs),
             plan.options,
         )
-        if splits > 1:
-            rows = O.numel() // head_dim
-            parts, lses = O_out.view(splits, rows, head_dim), L_out.view(splits, rows)
-            launch(
-                _kvcache_combine, rows,
-                (parts, lses, O.view(rows, head_dim), L.view(rows), *parts.stride(), *lses.stride(),
-                 head_dim, 1, 1, splits, head_dim),
-                plan.combine_constexprs, plan.combine_options,
-            )
     return O, L
 
 
 class Plan(NamedTuple):
-    """One launch of the split kernel (and of the combine where splits > 1), for a class of inputs."""
+    """One launch of the split kernel, for a class of inputs."""
 
     group: int
     splits: int
@@ -329,8 +344,6 @@ class Plan(NamedTuple):
     grid: int
     constexprs: dict
     options: dict
-    combine_constexprs: dict
-    combine_options: dict
 
 
 @functools.lru_cache(maxsize=4096)
@@ -350,10 +363,8 @@ def _plan(group: int, seqlen_q: int, head_dim: int, dtype: torch.dtype, batch_he
     return Plan(
         group, splits, chunk, splits * programs,
         dict(BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, HEAD_DIM=head_dim_padded,
-             EVEN_D=head_dim_padded == head_dim),
+             EVEN_D=head_dim_padded == head_dim, SPLIT=splits > 1, FENCE=not INTERPRETED),
         dict(num_warps=tiles.num_warps, num_stages=tiles.num_stages),
-        dict(BLOCK_S=max(2, 1 << (splits - 1).bit_length()), HEAD_DIM=head_dim_padded),
-        dict(num_warps=4 if head_dim_padded >= 128 else 1, num_stages=1),
     )
 
 
