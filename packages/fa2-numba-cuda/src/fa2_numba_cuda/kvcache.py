@@ -59,8 +59,11 @@ Inputs: fp32, fp16 or bf16 (bf16 as int16 bit patterns, numba having no bf16); h
 to a power of two (at least 32) inside the block. Launch: on torch's current stream, no host
 synchronisation, allocation by torch only (capturable in a CUDA graph); kernels compiled once per (padded
 head dim, ``DecodeConfig``, ``forward.Features``, cache kind, split or not, input kind, head_dim == padded,
-cp.async or plain loads) and cached. Under numba's CUDA simulator (NUMBA_ENABLE_CUDASIM=1) the same kernels
-run on CPU tensors, ``cp.async`` and ``shfl_xor`` emulated by ``mma.py``: use tiny shapes there.
+cp.async or plain loads) and cached; launched through ``fa2_numba_cuda.launch`` (numba's own launch for the
+first call of a class of arguments, then the compiled kernel's parameters packed on the host and one driver
+call; numba's own launch of both kernels cost 0.8-1.6 ms of host time a call on the H200's host). Under
+numba's CUDA simulator (NUMBA_ENABLE_CUDASIM=1) the same kernels run on CPU tensors, ``cp.async`` and
+``shfl_xor`` emulated by ``mma.py``: use tiny shapes there.
 """
 
 from __future__ import annotations
@@ -80,7 +83,6 @@ from fa2_numba_cuda.forward import (
     SHARED_ALIGN,
     _bf16_to_float,
     _check_device,
-    _flat,
     _float_to_bf16,
     _identity,
     _int_as_float,
@@ -91,6 +93,7 @@ from fa2_numba_cuda.forward import (
     sequence,
     simulated,
 )
+from fa2_numba_cuda.launch import launch
 from fa2_numba_cuda.mma import (
     cp_async_16,
     cp_async_commit,
@@ -210,6 +213,7 @@ def num_splits_heuristic(blocks: int, slots: int, n_tiles: int, max_splits: int 
 
 
 _SLOTS: dict[tuple, int] = {}
+_SPLITS: dict[tuple, int] = {}  # num_splits_heuristic's answers by its arguments
 
 
 def block_slots(device: torch.device, HEAD_DIM: int, element_size: int, config: DecodeConfig) -> int:
@@ -664,40 +668,40 @@ def _combine_kernel(is_bf16: bool):
     return kernel
 
 
-_ZEROS: dict[torch.device, object] = {}
+_ZEROS: dict[torch.device, torch.Tensor] = {}
 
 
-def _no_index(device: torch.device):
+def _no_index(device: torch.device) -> torch.Tensor:
     """The argument of an index tensor a kernel does not read: one int32 zero on ``device``, made once."""
-    flat = _ZEROS.get(device)
-    if flat is None:
-        flat = _ZEROS[device] = _flat(torch.zeros(1, dtype=torch.int32, device=device))
-    return flat
+    zero = _ZEROS.get(device)
+    if zero is None:
+        zero = _ZEROS[device] = torch.zeros(1, dtype=torch.int32, device=device)
+    return zero
 
 
-def _index(t: torch.Tensor | None, device: torch.device):
-    return _no_index(device) if t is None else _flat(t.to(torch.int32).contiguous())
+def _index(t: torch.Tensor | None, device: torch.device) -> torch.Tensor:
+    if t is None:
+        return _no_index(device)
+    return t if t.dtype == torch.int32 and t.is_contiguous() else t.to(torch.int32).contiguous()
 
 
 def _async_ok(t: torch.Tensor, vec: int) -> bool:
     """cp.async can copy t's rows: contiguous along head_dim, every row and 16 B chunk 16 B aligned."""
-    return (t.stride(3) == 1 and t.data_ptr() % 16 == 0
-            and all(s % vec == 0 for s in t.stride()[:3]))
+    s = t.stride()
+    return s[3] == 1 and t.data_ptr() % 16 == 0 and s[0] % vec == 0 and s[1] % vec == 0 and s[2] % vec == 0
 
 
-def _cache_view(t: torch.Tensor):
-    """The kernel's view of a K or V cache: ``_flat``, fp16 as its int16 bit patterns too (the plain loads
-    move bits into the 32-bit words of the shared tiles)."""
-    return _flat(t.view(torch.int16) if t.dtype == torch.float16 else t)
+def _cache_view(t: torch.Tensor) -> torch.Tensor:
+    """The kernel's view of a K or V cache (``launch`` passes it as ``_flat`` of it): fp16 as its int16 bit
+    patterns (the plain loads move bits into the 32-bit words of the shared tiles), bf16 too (``_flat``)."""
+    return t.view(torch.int16) if t.dtype == torch.float16 else t
 
 
 def _launch(kernel, grid, block, device, args):
-    if simulated():
-        kernel[grid, block](*args)
-    else:
-        with cuda.gpus[device.index]:
-            stream = cuda.external_stream(torch.cuda.current_stream(device).cuda_stream)
-            kernel[grid, block, stream](*args)
+    """``kernel[grid, block, torch's current stream](*args)``, tensors as ``forward._flat`` of them, through
+    ``launch.launch`` (numba's own launch the first time a class of arguments is met and in the simulator;
+    then the compiled kernel's parameters packed on the host and one driver call)."""
+    launch(kernel, grid, block, device, args)
 
 
 def kvcache_forward(
@@ -772,7 +776,10 @@ def kvcache_forward(
     num_splits = spec.num_splits
     if num_splits == 0:
         slots = block_slots(device, HEAD_DIM, element_size, config)
-        num_splits = num_splits_heuristic(blocks, slots, -(-tiles // MIN_SPLIT_TILES))
+        key = (blocks, slots, -(-tiles // MIN_SPLIT_TILES))
+        num_splits = _SPLITS.get(key)
+        if num_splits is None:  # a loop over up to MAX_SPLITS counts: computed once per shape
+            num_splits = _SPLITS[key] = num_splits_heuristic(*key)
     # Ranges of whole tiles; as many splits as hold a key of the capacity (at least one).
     split_keys = -(-max(tiles, 1) // num_splits) * config.BLOCK_N
     num_splits = max(1, -(-capacity // split_keys))
@@ -791,8 +798,8 @@ def kvcache_forward(
     block_table = spec.block_table if spec.paged else None
     table_strides = block_table.stride() if block_table is not None else (0, 0)
     args = (
-        _flat(q), _cache_view(k_cache), _cache_view(v_cache), _flat(o_out), _flat(lse_out),
-        _flat(block_table) if block_table is not None else _no_index(device),
+        q, _cache_view(k_cache), _cache_view(v_cache), o_out, lse_out,
+        block_table if block_table is not None else _no_index(device),
         _index(spec.cache_seqlens, device), _index(spec.cache_leftpad, device),
         _index(spec.cache_batch_idx, device), _index(spec.cu_seqlens_q, device),
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *table_strides,
@@ -804,7 +811,7 @@ def kvcache_forward(
     if split:
         combine = _combine_kernel(q.dtype == torch.bfloat16)
         _launch(combine, -(-rows_total // COMBINE_ROWS), NUM_THREADS, device,
-                (_flat(o_out), _flat(lse_out), _flat(O), _flat(L), num_splits, rows_total, head_dim))
+                (o_out, lse_out, O, L, num_splits, rows_total, head_dim))
     return O, L
 
 

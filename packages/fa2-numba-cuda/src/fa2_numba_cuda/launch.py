@@ -1,0 +1,227 @@
+"""Launching fa2-numba-cuda's kernels with less host time per call.
+
+``kernel[grid, block, stream](*args)`` costs most of a decode call's host time: for every launch numba's
+dispatcher types each argument again (a torch tensor through DLPack, ``_typeof_dlpack``), finds the
+compiled kernel for those types, and ``_Kernel.launch`` converts each array once more
+(``_to_strided_memory_view``) to build the kernel's parameters, ~40 arguments a KV-cache call. fa2 launches
+the same few kernels with arguments of the same kinds again and again, so ``launch`` (as
+``fa2_triton.launch``) keeps, per class of arguments, the kernel numba compiled for them, and on later calls
+of that class packs the parameters itself and calls the driver's ``cuLaunchKernel`` on torch's current
+stream (a CUDA-graph capture records it as it records numba's launch).
+
+Parameters, as numba's ``_Kernel._prepare_args`` lays them out (numba-cuda 0.30): an array is meminfo (0),
+parent (0), nitems, itemsize, data pointer, then its shape and its strides in bytes, each 8 bytes; an int64
+scalar 8 bytes, a float32 4 and a float64 8. Every array argument here is ``forward._flat`` of a tensor, a
+1-d C-contiguous array over the memory the tensor spans (``launch`` applies ``_flat`` itself, so that the
+fast path need not build the views): nitems = shape = that span, stride = itemsize.
+
+The class is (kernel, device, and per argument: a tensor's dtype, else the argument's Python type). numba
+specialises a compilation on the argument types it infers: an array's dtype (``_flat`` maps bf16 to int16,
+a function of the dtype), ndim (1) and layout ("C"), both fixed by ``_flat``, and its readonly flag (torch
+exports its tensors, inference-mode ones too, as writable; the flag changes what numba lets a kernel write,
+not the code that reads);
+a Python int's type by its bit length (int64 below 64 bits: packing with struct's "q" refuses a larger
+value, and such a call is launched by numba); np.float32 as float32, a float as float64. So two calls of
+one class are two calls numba sends to the same compiled kernel. When a class is first met its call is
+launched by numba (compiling if needed); then the packed parameters of that very call are compared byte by
+byte with what numba's own ``_prepare_args`` builds for the compiled kernel's argument types, and a
+mismatch raises: a wrong layout fails loudly on its first use, never as a wrong result. Kernels compiled
+with debug, as cooperative or sensitive to the launch configuration, with argument extensions or a type
+this module does not pack, and calls with an empty tensor (``_flat`` substitutes a fresh array) are always
+launched by numba.
+
+Under numba's CUDA simulator (NUMBA_ENABLE_CUDASIM=1) every launch is ``kernel[grid, block](*args)``.
+Setting ``FAST = False`` makes every launch numba's own (the tests compare the two).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import struct
+import threading
+from operator import mul
+from typing import Any, NamedTuple
+
+import torch
+from numba import cuda
+
+from fa2_numba_cuda.forward import _flat, simulated
+
+FAST = not simulated()
+
+# (kernel, device index, argument kinds) -> _Launcher, or None for a class numba always launches.
+_LAUNCHERS: dict[tuple, Any] = {}
+
+if not simulated():
+    from cuda.bindings import driver as _driver
+    from numba.cuda import types as _types
+
+    _SUCCESS = _driver.CUresult.CUDA_SUCCESS
+    _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
+class _Launcher(NamedTuple):
+    """What a fast launch of one class needs: the driver's handle of the compiled kernel, the struct that
+    packs the parameters into ``buffer`` (8 bytes a parameter), the array of pointers to them that
+    cuLaunchKernel reads (its address), the primary context numba compiled in, and a lock (the buffer is
+    shared by the calls of the class)."""
+
+    function: Any
+    packer: struct.Struct
+    buffer: Any
+    pointers: Any
+    params: int
+    context: int
+    lock: threading.Lock
+
+
+def launch(kernel, grid: int, block: int, device: torch.device, args: tuple) -> None:
+    """Runs ``kernel[grid, block, torch's current stream](*args)`` on ``device``, each tensor argument passed
+    as ``forward._flat(tensor)``. Arguments: tensors, ints, floats and np.float32 (other types: numba's own
+    launch)."""
+    if not FAST:
+        _numba_launch(kernel, grid, block, device, args)
+        return
+    values = parameter_values(args, [kernel, device.index])
+    if values is None:  # an empty tensor
+        _numba_launch(kernel, grid, block, device, args)
+        return
+    values, key = values
+    try:
+        launcher = _LAUNCHERS[key]
+    except KeyError:
+        _LAUNCHERS[key] = _first_launch(kernel, grid, block, device, args, values)
+        return
+    if launcher is None:
+        _numba_launch(kernel, grid, block, device, args)
+        return
+    stream = _raw_stream(device.index) if _raw_stream is not None else torch.cuda.current_stream(device).cuda_stream
+    with launcher.lock:
+        try:
+            launcher.packer.pack_into(launcher.buffer, 0, *values)
+        except struct.error:  # an int of 64 bits or more, which numba types otherwise
+            err = None
+        else:
+            if int(_driver.cuCtxGetCurrent()[1]) == launcher.context:
+                (err,) = _driver.cuLaunchKernel(launcher.function, grid, 1, 1, block, 1, 1, 0, stream,
+                                                launcher.params, 0)
+            else:  # another context is current: make numba's (the device's primary context) current
+                with cuda.gpus[device.index]:
+                    (err,) = _driver.cuLaunchKernel(launcher.function, grid, 1, 1, block, 1, 1, 0, stream,
+                                                    launcher.params, 0)
+    if err is None:
+        _numba_launch(kernel, grid, block, device, args)
+    elif err != _SUCCESS:
+        raise RuntimeError(f"fa2_numba_cuda.launch: cuLaunchKernel failed: {err!r}")
+
+
+def parameter_values(args: tuple, kinds: list) -> tuple[list, tuple] | None:
+    """The values ``launch`` packs for ``args`` (each tensor as the seven of its ``_flat`` array) and the
+    class key: ``kinds`` followed by each argument's kind (a tensor's dtype, else its type). None when a
+    tensor is empty."""
+    values = []
+    for a in args:
+        if type(a) is torch.Tensor:
+            n = a.numel()
+            if n == 0:
+                return None
+            if not a.is_contiguous():  # the span: 1 + sum((size - 1) * stride)
+                st = a.stride()
+                n = 1 + sum(map(mul, a.shape, st)) - sum(st)
+            es = a.element_size()
+            values += (0, 0, n, es, a.data_ptr(), n, es)
+            kinds.append(a.dtype)
+        else:
+            values.append(a)
+            kinds.append(type(a))
+    return values, tuple(kinds)
+
+
+def _numba_launch(kernel, grid, block, device, args):
+    """numba's own launch: ``kernel[grid, block, stream](*flat args)`` on torch's current stream."""
+    flat = [_flat(a) if isinstance(a, torch.Tensor) else a for a in args]
+    if simulated():
+        kernel[grid, block](*flat)
+        return flat
+    with cuda.gpus[device.index]:
+        stream = cuda.external_stream(torch.cuda.current_stream(device).cuda_stream)
+        kernel[grid, block, stream](*flat)
+    return flat
+
+
+def _first_launch(kernel, grid, block, device, args, values):
+    """Launches the first call of a class through numba, then returns its ``_Launcher`` (None where the
+    class stays with numba), after checking that ``values`` packs into numba's own parameters."""
+    flat = _numba_launch(kernel, grid, block, device, args)
+    argtypes = tuple(kernel.typeof_pyval(a) for a in flat)
+    compiled = kernel.overloads.get(argtypes)
+    if (compiled is None or compiled.debug or compiled.cooperative or compiled.extensions
+            or getattr(compiled, "launch_config_sensitive", False)
+            or getattr(kernel, "_launch_config_sensitive", False)):
+        return None  # numba would pick, or launch, the kernel by more than the argument types
+    layout = parameter_layout(compiled.argument_types)
+    if layout is None:
+        return None
+    packer = struct.Struct(layout)
+    count = packer.size // 8
+    buffer = (ctypes.c_char * packer.size)()
+    try:
+        packer.pack_into(buffer, 0, *values)
+    except struct.error:
+        return None
+    expected = numba_parameters(compiled, flat)
+    assert_same_parameters(bytes(buffer), expected)
+    base = ctypes.addressof(buffer)
+    pointers = (ctypes.c_void_p * count)(*[base + 8 * i for i in range(count)])
+    with cuda.gpus[device.index]:
+        cufunc = compiled._codelibrary.get_cufunc()
+        context = int(cuda.current_context().handle)
+    function = _driver.CUfunction(int(cufunc.handle))
+    return _Launcher(function, packer, buffer, pointers, ctypes.addressof(pointers), context, threading.Lock())
+
+
+def parameter_layout(argument_types) -> str | None:
+    """The struct format of a kernel's parameters for numba argument types, 8 bytes each ("<": no padding
+    but what the format spells), or None for a type this module does not pack."""
+    parts = ["<"]
+    for ty in argument_types:
+        if isinstance(ty, _types.Array) and ty.ndim == 1:
+            parts.append("qqqqQqq")  # meminfo, parent, nitems, itemsize, data, shape, stride
+        elif ty == _types.int64:
+            parts.append("q")
+        elif ty == _types.float32:
+            parts.append("f4x")
+        elif ty == _types.float64:
+            parts.append("d")
+        else:
+            return None
+    return "".join(parts)
+
+
+def numba_parameters(compiled, flat_args) -> list[bytes]:
+    """The kernel parameters numba's ``_Kernel._prepare_args`` builds for ``flat_args``, each as the bytes
+    the driver copies (a Python int is a pointer-sized integer; ctypes scalars their own bytes)."""
+    params = []
+    for ty, value in zip(compiled.argument_types, flat_args):
+        compiled._prepare_args(ty, value, -1, [], params)  # stream -1: DLPack export without a sync
+    out = []
+    for p in params:
+        if isinstance(p, int):
+            out.append(p.to_bytes(8, "little", signed=p < 0))
+        elif isinstance(p, ctypes._SimpleCData):
+            out.append(bytes(p))
+        else:
+            raise AssertionError(f"fa2_numba_cuda.launch: numba passes a {type(p).__name__} parameter")
+    return out
+
+
+def assert_same_parameters(packed: bytes, expected: list[bytes]) -> None:
+    """``packed`` (8 bytes a parameter) holds exactly numba's parameters ``expected``."""
+    if len(packed) != 8 * len(expected):
+        raise AssertionError(f"fa2_numba_cuda.launch: {len(packed) // 8} parameters packed, numba has "
+                             f"{len(expected)}")
+    for i, p in enumerate(expected):
+        if len(p) > 8 or packed[8 * i: 8 * i + len(p)] != p:
+            raise AssertionError(f"fa2_numba_cuda.launch: parameter {i} packed as "
+                                 f"{packed[8 * i: 8 * i + 8].hex()}, numba's is {p.hex()}")
+
