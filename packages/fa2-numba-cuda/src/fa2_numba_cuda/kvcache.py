@@ -328,6 +328,7 @@ def _build_kernel(HEAD_DIM, config, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN, PAGED, 
             r = ld_r + ROW_STEP * it
             key = start_n + r
             visible = key < hi
+            # side-by-side: pages
             if PAGED:
                 if it > 0:
                     in_page += ROW_STEP
@@ -344,6 +345,7 @@ def _build_kernel(HEAD_DIM, config, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN, PAGED, 
             else:
                 k_off = k_head + key * stride_kn
                 v_off = v_head + key * stride_vn
+            # side-by-side: end
             load_row(kv_tile, stage_row + r, k, k_base, k_off, stride_kd, ld_c, head_dim, visible)
             load_row(kv_tile, stage_row + BLOCK_N + r, v, v_base, v_off, stride_vd, ld_c, head_dim, visible)
         if ASYNC_LOADS:
@@ -621,6 +623,7 @@ def _build_combine(IS_BF16):
         lane = cuda.threadIdx.x % 32
         if row >= rows_total:
             return
+        # side-by-side: combine
         # L = log2 Σ_s 2^(L_s), over the splits that saw a key (L_s != +inf), around their max.
         m = float32(-math.inf)
         for sp in range(num_splits):
@@ -644,6 +647,7 @@ def _build_combine(IS_BF16):
             o[uint64(row * head_dim + c)] = from_float(value)
         if lane == 0:
             lse[uint64(row)] = lse2 * float32(LN2) if not empty else float32(math.inf)
+        # side-by-side: end
 
     return cuda.jit(_combine)
 
