@@ -14,8 +14,8 @@ mask arithmetic) over the key tiles of its range that some row sees, and writes 
 last program of a (batch row, key/value head, row tile) to finish its split, told by an atomic count, then
 merges the splits' results in the same launch: L = log Σ_s exp(L_s), O = Σ_s exp(L_s - L) · O_s
 (``fa2.combine``'s merge), ranges a row sees no key of (L_s = +inf) weighing nothing. One launch, not a
-split kernel and a combine kernel: on the H200's host each Triton launch costs 30-55 µs, more than the GPU
-time of a short decode step (``.whl`` host probe at 10d37e2: 54.5 and 30.8 µs).
+split kernel and a combine kernel: a Triton launch is the largest item of a decode step's host time (an
+H200 probe at 10d37e2, calls back to back: 54.5 µs for the split kernel's launch, 30.8 for the combine's).
 
 Row b of q attends to keys [0, K_b) of its cache, K_b = cache_seqlens[b], and query i sees key j iff
 leftpad_b <= j < K_b and i + K_b - Nq - left <= j <= i + K_b - Nq + right (the bounded sides only). With
