@@ -23,7 +23,7 @@ import pytest
 import torch
 
 pytest.importorskip("fa2_numba_cuda")
-from fa2_numba_cuda import forward, kvcache, launch  # noqa: E402
+from fa2_numba_cuda import common, kvcache, launch  # noqa: E402
 from fa2.spec import AttentionSpec  # noqa: E402
 
 HERE = Path(__file__).parent
@@ -54,7 +54,7 @@ def check_parameters_match_numba() -> int:
     from numba.cuda.typing.typeof import Purpose, typeof
     from test_kvcache import CASES, _make
 
-    assert not forward.simulated()
+    assert not common.simulated()
     calls = []
     real = kvcache.launch, kvcache._check_device, kvcache.block_slots
     kvcache.launch = lambda kernel, grid, block, device, args: calls.append((kernel, args))
@@ -69,7 +69,7 @@ def check_parameters_match_numba() -> int:
         kvcache.launch, kvcache._check_device, kvcache.block_slots = real
     for kernel, args in calls:
         values, key = launch.parameter_values(args, [kernel, 0])
-        flat = [forward._flat(a) if isinstance(a, torch.Tensor) else a for a in args]
+        flat = [common._flat(a) if isinstance(a, torch.Tensor) else a for a in args]
         compiled = _Kernel.__new__(_Kernel)  # only what _prepare_args reads: no compilation, no GPU
         compiled.extensions = []
         compiled.signature = types.SimpleNamespace(args=[typeof(a, Purpose.argument) for a in flat])
@@ -85,7 +85,7 @@ def check_parameters_match_numba() -> int:
 
 
 def test_packed_parameters_are_numbas():
-    if not forward.simulated():
+    if not common.simulated():
         assert check_parameters_match_numba() >= 15 * 3  # a split kernel each, and combines
         return
     env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}

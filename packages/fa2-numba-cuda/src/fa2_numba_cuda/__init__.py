@@ -3,7 +3,8 @@ CUDA simulator on the CPU (NUMBA_ENABLE_CUDASIM=1, set before numba is imported)
 
 from fa2_numba_cuda.autograd import FlashAttention2
 from fa2_numba_cuda.backward import flash_attn_backward
-from fa2_numba_cuda.forward import flash_attn_forward, kernel_resources, simulated
+from fa2_numba_cuda.common import simulated
+from fa2_numba_cuda.forward import flash_attn_forward, kernel_resources
 from fa2_numba_cuda.kvcache import kvcache_forward
 
 NAME = "numba-cuda"

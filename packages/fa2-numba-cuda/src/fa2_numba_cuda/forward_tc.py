@@ -1,6 +1,6 @@
 """FlashAttention-2 forward on tensor cores: fp16 and bf16, ``mma.sync`` from numba-cuda through inline PTX.
 
-The algorithm of ``fa2_numba_cuda.forward`` (FA2, Algorithm 1: running max ``m_i``, running sum ``l_i``,
+The algorithm of ``fa2_numba_cuda.forward_simt`` (FA2, Algorithm 1: running max ``m_i``, running sum ``l_i``,
 unnormalised ``acc``, rescaled by ``alpha`` per key tile; scores in base 2; O and L written once), with
 both matrix products on tensor cores, as FlashAttention-2's own CUDA kernel does (``mma.py`` has the
 instructions and their register layouts):
@@ -32,13 +32,13 @@ instructions and their register layouts):
   that tensor-core and FP32 instructions issue side by side within the warp; s[0] and s[1] take turns.
   Without it the same happens only between warps of different blocks, where two fit on an SM.
 
-Grouped-query attention (GQA; MQA with one key/value head), as ``fa2_numba_cuda.forward``: query head h
+Grouped-query attention (GQA; MQA with one key/value head), as ``fa2_numba_cuda.forward_simt``: query head h
 reads key/value head ``off_hk = h // group`` (group = heads // heads_k, a runtime argument) in place.
 
-Windows, softcap and ALiBi as ``fa2_numba_cuda.forward`` (the same ``Features``, compile-time switches;
-window sizes, softcap and slopes runtime arguments): the window (left, right) is bottom-right aligned, key j
-visible to query i iff i + diag - left <= j <= i + diag + right with diag = seqlen_k - seqlen_q (causal is
-(-1, 0)). A block visits only the key tiles [begin_n, end_n) that hold a key some row of it sees; with a
+Windows, softcap and ALiBi as ``fa2_numba_cuda.forward_simt`` (the same ``common.Features``, compile-time
+switches; window sizes, softcap and slopes runtime arguments): the window (left, right) is bottom-right
+aligned, key j visible to query i iff i + diag - left <= j <= i + diag + right with diag = seqlen_k -
+seqlen_q (causal is (-1, 0)). A block visits only the key tiles [begin_n, end_n) that hold a key some row of it sees; with a
 left bound, a warp computes only on those its own 16 rows see (on the others it takes part in the loads
 and barriers alone); a warp masks only the tiles that cross a window edge of its rows or the end of the keys. Blocks with a right
 bound are launched longest-first. With a softcap or ALiBi, ``row_max`` turns the raw scores into the final
@@ -49,7 +49,7 @@ the exponentials then take x with a scale of 1. Rows that see no key get O = 0 a
 seqlen_k need not be multiples of anything (tiles are zero-padded, padded keys masked), head_dim is padded
 to a multiple of 16 with zeros.
 
-Packed (variable-length) batches as ``fa2_numba_cuda.forward`` (``spec.varlen``; the VARLEN switch of
+Packed (variable-length) batches as ``fa2_numba_cuda.forward_simt`` (``spec.varlen``; the VARLEN switch of
 ``Features``): q (1, heads, total_q, head_dim), k, v (1, heads_k, total_k, head_dim), O and L in q's
 layout; one launch over (query tile of max_seqlen_q, sequence·head), each block reading its sequence's
 offsets, exiting before its first load where its tile starts past the sequence's end (the whole block:
@@ -80,7 +80,7 @@ from numba import cuda, float32, int16, int32, uint32, uint64
 
 from fa2.spec import AttentionSpec
 
-from fa2_numba_cuda.forward import (
+from fa2_numba_cuda.common import (
     LN2,
     LOG2E,
     SHARED_ALIGN,
@@ -488,10 +488,10 @@ def _build_kernel(HEAD_DIM, config, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN, IS_BF16
         """One block: BLOCK_M query rows of one (batch, head). q, k, v: flat int16 views (fp16 or bf16 bit
         patterns) of (B, H, N, D) tensors, k and v with H // group heads, with the given element strides;
         o: (B, H, seqlen_q, head_dim), flat, contiguous, int32 pairs (O_PAIRS) or int16; lse: (B, H,
-        seqlen_q) fp32, flat. The window, softcap and slopes arguments as ``forward.feature_args`` gives
+        seqlen_q) fp32, flat. The window, softcap and slopes arguments as ``common.feature_args`` gives
         them, read only where the kernel's Features say so. VARLEN: B = 1, N the packed totals, and the
         block's (tile, sequence·head) reads its sequence's rows from cu_seqlens_q and cu_seqlens_k
-        (``forward.offset_args``); num_m_tiles covers max_seqlen_q."""
+        (``common.offset_args``); num_m_tiles covers max_seqlen_q."""
         # Key j is visible to query i iff i + diag - window_left <= j <= i + diag + window_right.
         diag = seqlen_k - seqlen_q
         m_block = cuda.blockIdx.x % num_m_tiles

@@ -1,7 +1,7 @@
 """FlashAttention-2 decoding from a KV cache as numba-cuda kernels: split-KV on CUDA cores, then an LSE combine.
 
-Flash-decoding (Dao, Haziza, Massa, Sizov, 2023) in the terms of ``fa2_numba_cuda.forward``: the keys of one
-(batch, key/value head) are split into ranges of the cache's capacity, one block per (query tile, split,
+Flash-decoding (Dao, Haziza, Massa, Sizov, 2023) in the terms of ``fa2_numba_cuda.forward_simt``: the keys of
+one (batch, key/value head) are split into ranges of the cache's capacity, one block per (query tile, split,
 batch, key/value head) runs the online softmax (running max ``m_i``, running sum ``l_i``, unnormalised
 ``acc``, rescaled by ``alpha`` per key tile; scores in base 2) over its range and writes a partial O (fp32)
 and L, and ``_combine`` merges the splits by their logsumexp (``fa2.combine``'s formula: L = log Σ_s exp(L_s),
@@ -32,7 +32,7 @@ its loads:
 
 Per query row i (token i of its head, Nq_b = seqlen_q or the sequence's own count) and key j of row b's
 cache, with K_b = cache_seqlens[b] (clamped to the capacity) and diag = K_b - Nq_b, in this order:
-softcap c (Q pre-scaled by scale / c, score tanh(s) · c · log2 e, ``forward._tanh``); ALiBi (minus
+softcap c (Q pre-scaled by scale / c, score tanh(s) · c · log2 e, ``common._tanh``); ALiBi (minus
 slope[b, h] · log2 e · |i + diag - j|); the mask: key j is visible iff leftpad_b <= j < K_b and
 i + diag - left <= j <= i + diag + right (window (left, right), -1 unbounded; causal is (-1, 0)). With
 Nq_b = 2, K_b = 5, leftpad_b = 1 and causal::
@@ -49,7 +49,7 @@ cache_batch_idx[b] (or b); or paged (num_pages, heads_k, page_size, head_dim), k
 j % page_size of page block_table[b, j // page_size]; any page size, any strides. Indices that nobody
 checked (the interface checks them outside a CUDA-graph capture) are clamped: cache_seqlens into [0,
 capacity], cache_leftpad into [0, K_b], cache_batch_idx and page ids into the cache, cu_seqlens_q as in
-``forward.sequence``: wrong indices give wrong rows, never an access outside a tensor.
+``common.sequence``: wrong indices give wrong rows, never an access outside a tensor.
 
 Splits (``num_splits``; 0 picks, ``num_splits_heuristic``): ranges of ``split_keys`` keys (a multiple of
 BLOCK_N) of the capacity, never of cache_seqlens (which stays on the device). A split past K_b finds an
@@ -58,7 +58,7 @@ empty range and writes only L = +inf.
 Inputs: fp32, fp16 or bf16 (bf16 as int16 bit patterns, numba having no bf16); head_dim up to 256, padded
 to a power of two (at least 32) inside the block. Launch: on torch's current stream, no host
 synchronisation, allocation by torch only (capturable in a CUDA graph); kernels compiled once per (padded
-head dim, ``DecodeConfig``, ``forward.Features``, cache kind, split or not, input kind, head_dim == padded,
+head dim, ``DecodeConfig``, ``common.Features``, cache kind, split or not, input kind, head_dim == padded,
 cp.async or plain loads) and cached; launched through ``fa2_numba_cuda.launch`` (numba's own launch for the
 first call of a class of arguments, then the compiled kernel's parameters packed on the host and one driver
 call; numba's own launch of both kernels cost 0.8-1.6 ms of host time a call on the H200's host). Under
@@ -76,7 +76,7 @@ import torch
 from fa2.spec import AttentionSpec
 from numba import cuda, float32, int32, uint32, uint64
 
-from fa2_numba_cuda.forward import (
+from fa2_numba_cuda.common import (
     LN2,
     LOG2E,
     MAX_HEAD_DIM,
@@ -112,8 +112,8 @@ MIN_SPLIT_TILES = 4  # the heuristic's splits hold at least this many key tiles
 COMBINE_ROWS = NUM_WARPS  # rows a combine block merges, one a warp
 
 if simulated():
-    # As in forward.py: numba's scalar types are slow to call in the simulator; numpy's round alike.
-    from fa2_numba_cuda.forward import float32, uint64  # noqa: F811 (numpy's float32; uint64 the identity)
+    # As in common.py: numba's scalar types are slow to call in the simulator; numpy's round alike.
+    from fa2_numba_cuda.common import float32, uint64  # noqa: F811 (numpy's float32; uint64 the identity)
 
     int32, uint32 = np.int32, np.uint32
 
@@ -702,7 +702,7 @@ def _cache_view(t: torch.Tensor) -> torch.Tensor:
 
 
 def _launch(kernel, grid, block, device, args):
-    """``kernel[grid, block, torch's current stream](*args)``, tensors as ``forward._flat`` of them, through
+    """``kernel[grid, block, torch's current stream](*args)``, tensors as ``common._flat`` of them, through
     ``launch.launch`` (numba's own launch the first time a class of arguments is met and in the simulator;
     then the compiled kernel's parameters packed on the host and one driver call)."""
     launch(kernel, grid, block, device, args)
@@ -820,7 +820,7 @@ def kvcache_forward(
 
 
 def score_scale(spec: AttentionSpec) -> float:
-    """What Q is pre-scaled by (``forward.score_scale``): scale · log2 e, or with a softcap c, scale / c."""
+    """What Q is pre-scaled by (``common.score_scale``): scale · log2 e, or with a softcap c, scale / c."""
     return spec.scale / spec.softcap if spec.softcap > 0 else spec.scale * LOG2E
 
 

@@ -11,7 +11,7 @@ stream (a CUDA-graph capture records it as it records numba's launch).
 
 Parameters, as numba's ``_Kernel._prepare_args`` lays them out (numba-cuda 0.30): an array is meminfo (0),
 parent (0), nitems, itemsize, data pointer, then its shape and its strides in bytes, each 8 bytes; an int64
-scalar 8 bytes, a float32 4 and a float64 8. Every array argument here is ``forward._flat`` of a tensor, a
+scalar 8 bytes, a float32 4 and a float64 8. Every array argument here is ``common._flat`` of a tensor, a
 1-d C-contiguous array over the memory the tensor spans (``launch`` applies ``_flat`` itself, so that the
 fast path need not build the views): nitems = shape = that span, stride = itemsize.
 
@@ -45,7 +45,7 @@ from typing import Any, NamedTuple
 import torch
 from numba import cuda
 
-from fa2_numba_cuda.forward import _flat, simulated
+from fa2_numba_cuda.common import _flat, simulated
 
 FAST = not simulated()
 
@@ -77,7 +77,7 @@ class _Launcher(NamedTuple):
 
 def launch(kernel, grid: int, block: int, device: torch.device, args: tuple) -> None:
     """Runs ``kernel[grid, block, torch's current stream](*args)`` on ``device``, each tensor argument passed
-    as ``forward._flat(tensor)``. Arguments: tensors, ints, floats and np.float32 (other types: numba's own
+    as ``common._flat(tensor)``. Arguments: tensors, ints, floats and np.float32 (other types: numba's own
     launch)."""
     if not FAST:
         _numba_launch(kernel, grid, block, device, args)

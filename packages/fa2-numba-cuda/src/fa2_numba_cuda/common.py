@@ -1,0 +1,264 @@
+"""What fa2-numba-cuda's kernels share: the SIMT forward's and backward's (``forward_simt``,
+``backward_simt``), the tensor-core forward's (``forward_tc``) and the KV-cache kernels' (``kvcache``).
+
+- the simulator switch (``simulated``) and what differs under it: no libdevice, no aligned shared arrays,
+  numpy's float32 and plain ints for numba's slow scalar casts;
+- bf16 as int16 bit patterns (``_bf16_to_float``, ``_float_to_bf16``) and the fp32 ``_tanh`` of the softcap;
+- ``Features``: an ``AttentionSpec``'s compile-time switches, with their runtime arguments (``feature_args``),
+  the grid's extent and the packed batch's offsets (``grid_extent``, ``offset_args``, ``sequence``);
+- the SIMT kernels' block (``BlockConfig``, ``padded_head_dim``, ``_tile_loader``) and pre-scale
+  (``score_scale``);
+- the kernels' views of tensors (``_flat``) and the device check (``_check_device``).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import numba
+import numpy as np
+import torch
+from fa2.spec import UNBOUNDED, AttentionSpec
+from numba import cuda, float32, int16, int32, uint64
+
+MAX_HEAD_DIM = 256  # of the SIMT and KV-cache kernels (forward_tc has its own)
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+
+def simulated() -> bool:
+    """True when numba runs its CUDA simulator (NUMBA_ENABLE_CUDASIM=1 before numba was imported)."""
+    return bool(numba.config.ENABLE_CUDASIM)
+
+
+if simulated():
+    # The simulator runs kernels as Python: it has no libdevice (numpy reinterprets the bits instead) and
+    # refuses an alignment for shared arrays. On the GPU, 16 B aligned tiles let the 4-float shared loads
+    # be single vector loads (ld.shared.v4.f32).
+    SHARED_ALIGN = None
+
+    def _int_as_float(bits):
+        return np.int32(bits).view(np.float32)
+
+    def _float_as_int(x):
+        return np.float32(x).view(np.int32)
+
+    # numba's scalar types are slow to call in the simulator, a type-system call each: uint64(i) takes about
+    # 4 µs (and indexing with its result 8 µs), float32(x) about 10 µs, most of a simulated kernel's time.
+    # The kernels' uint64 index casts (see forward_simt's module docstring) stay Python ints there, as the
+    # indices are never negative; float32 is numpy's, the same rounding (and a dtype for the shared and local
+    # arrays).
+    def uint64(i):
+        return i
+
+    float32 = np.float32
+
+else:
+    SHARED_ALIGN = 16
+    _int_as_float = cuda.libdevice.int_as_float
+    _float_as_int = cuda.libdevice.float_as_int
+
+
+@cuda.jit(device=True)
+def _bf16_to_float(bits):
+    """The bf16 whose bit pattern is the int16 ``bits``, as fp32 (exact: bf16 is fp32's top half)."""
+    return _int_as_float(int32(bits) << int32(16))
+
+
+@cuda.jit(device=True)
+def _float_to_bf16(x):
+    """fp32 ``x`` rounded to the nearest bf16 (ties to even), as that bf16's int16 bit pattern."""
+    bits = _float_as_int(x)
+    bits += int32(0x7FFF) + ((bits >> int32(16)) & int32(1))
+    return int16(bits >> int32(16))
+
+
+@cuda.jit(device=True)
+def _to_float(x):
+    return float32(x)
+
+
+@cuda.jit(device=True)
+def _identity(x):
+    return x
+
+
+@cuda.jit(device=True)
+def _tanh(x):
+    """tanh(x) in fp32 from exp2, for the softcap: sign(x) · (1 - e) / (1 + e) with e = exp(-2|x|) in [0, 1],
+    so that nothing overflows: exactly ±1 once e is below fp32's resolution at 1 (|x| > 9), NaN for NaN;
+    absolute error about 1e-7 (the rounding of 1 - e). numba's simulator may give math.tanh as a libdevice
+    stub; this runs the same in the simulator and on the GPU."""
+    e = math.exp2(float32(-2.0 * LOG2E) * abs(x))
+    t = (float32(1.0) - e) / (float32(1.0) + e)
+    return t if x >= float32(0.0) else -t
+
+
+class Features(NamedTuple):
+    """The compile-time switches an ``AttentionSpec`` becomes, part of every kernel's key (the forward's,
+    the tensor-core forward's and the backward's): LEFT, RIGHT: the window bounds keys on that side (causal:
+    RIGHT with window_right = 0); SOFTCAP: scores are capped; ALIBI: scores get the ALiBi bias; VARLEN: a
+    packed batch, each block reading its sequence's offsets (``offset_args``). The window sizes, the softcap
+    and the slopes are runtime arguments (``feature_args``). Without VARLEN the offsets are never read and
+    the kernels are those of a dense batch."""
+
+    LEFT: bool
+    RIGHT: bool
+    SOFTCAP: bool
+    ALIBI: bool
+    VARLEN: bool
+
+
+def features(spec: AttentionSpec) -> Features:
+    left, right = spec.window
+    return Features(left != UNBOUNDED, right != UNBOUNDED, spec.softcap > 0, spec.alibi_slopes is not None,
+                    spec.varlen)
+
+
+def feature_args(spec: AttentionSpec, seqlen_q: int, seqlen_k: int, device: torch.device) -> tuple:
+    """The kernels' runtime arguments for the spec's features: window_left, window_right (each clamped to
+    seqlen_q + seqlen_k, past which a bound excludes nothing more; 0 where unbounded, unread), softcap_log2 =
+    softcap · log2 e (0 without), and the slopes as a flat fp32 array with their batch and head strides
+    (without ALiBi, one fp32 zero on ``device`` with strides 0, unread)."""
+    far = seqlen_q + seqlen_k
+    left, right = (min(w, far) if w != UNBOUNDED else 0 for w in spec.window)
+    slopes = spec.alibi_slopes
+    if slopes is None:
+        slopes_args = (_no_slopes(device), 0, 0)
+    else:
+        slopes_args = (_flat(slopes), *slopes.stride())
+    return (left, right, np.float32(spec.softcap * LOG2E), *slopes_args)
+
+
+_NO_SLOPES: dict[torch.device, object] = {}
+
+
+def _no_slopes(device: torch.device):
+    """The slopes argument of kernels without ALiBi: a flat fp32 array of one zero, one per device, made once
+    (not an alias of another argument: the simulator copies each array argument back after the launch)."""
+    flat = _NO_SLOPES.get(device)
+    if flat is None:
+        flat = _NO_SLOPES[device] = _flat(torch.zeros(1, dtype=torch.float32, device=device))
+    return flat
+
+
+def grid_extent(spec: AttentionSpec, q: torch.Tensor, k: torch.Tensor) -> tuple[int, int, int]:
+    """(batch, seqlen_q, seqlen_k) that a kernel's grid spans: q's batch and lengths; for a packed batch
+    (spec.varlen), the number of sequences and max_seqlen_q, max_seqlen_k, the longest sequence's (tiles of a
+    shorter sequence past its end exit at once). Read from the spec, never from the offsets: no sync."""
+    if spec.varlen:
+        return spec.cu_seqlens_q.numel() - 1, spec.max_seqlen_q, spec.max_seqlen_k
+    return q.shape[0], q.shape[2], k.shape[2]
+
+
+def offset_args(spec: AttentionSpec, device: torch.device) -> tuple:
+    """The kernels' last two arguments: cu_seqlens_q and cu_seqlens_k as flat int32 arrays (a packed batch),
+    or without VARLEN one int32 zero on ``device`` twice, unread."""
+    if spec.varlen:
+        return _flat(spec.cu_seqlens_q.contiguous()), _flat(spec.cu_seqlens_k.contiguous())
+    flat = _NO_OFFSETS.get(device)
+    if flat is None:
+        flat = _NO_OFFSETS[device] = _flat(torch.zeros(1, dtype=torch.int32, device=device))
+    return flat, flat
+
+
+_NO_OFFSETS: dict[torch.device, object] = {}
+
+
+@cuda.jit(device=True)
+def sequence(cu_seqlens, s, total):
+    """Sequence s of a packed batch of ``total`` rows: (its first row, its length), as ints. The offsets are
+    clamped into [0, total] (a length below 0 becomes 0), so that offsets nobody checked (that would need a
+    sync) never take a block outside the tensors: wrong offsets give wrong rows, not wild accesses."""
+    start = min(max(int(cu_seqlens[s]), 0), total)
+    end = min(max(int(cu_seqlens[s + 1]), start), total)
+    return start, end - start
+
+
+def score_scale(spec: AttentionSpec) -> float:
+    """What the SIMT kernels pre-scale Q (or K) by: scale · log2 e, so that S comes out ready for exp2; with
+    a softcap c, scale / c, the argument of tanh (the kernel then multiplies tanh by c · log2 e)."""
+    return spec.scale / spec.softcap if spec.softcap > 0 else spec.scale * LOG2E
+
+
+class BlockConfig(NamedTuple):
+    """One block's shape. THREADS_M x THREADS_N threads; each owns BLOCK_M / THREADS_M rows, BLOCK_N /
+    THREADS_N keys of S and HEAD_DIM / THREADS_N columns of O. SHARE_KV: K and V take turns in one shared
+    buffer (V is loaded once S is computed) where two would not fit in the 48 KB of static shared memory.
+    MAX_REGISTERS caps ptxas, which otherwise hoists loads for latency, so that registers allow as many
+    blocks per SM as shared memory does."""
+
+    BLOCK_M: int
+    BLOCK_N: int
+    THREADS_M: int
+    THREADS_N: int
+    SHARE_KV: bool
+    MAX_REGISTERS: int
+
+
+def padded_head_dim(head_dim: int) -> int:
+    """The head dim the block computes with: a multiple of 32 (4 columns x THREADS_N = 8 thread columns),
+    the extra columns zero-filled."""
+    return max(32, -(-head_dim // 32) * 32)
+
+
+
+def _tile_loader(HEAD_DIM, NUM_WARPS, EVEN_HEAD_DIM, UNIT_STRIDE_D, to_float):
+    """The device function ``load_tile`` of a block of NUM_WARPS warps, for one padded head dim and input
+    kind (``to_float`` widens an element to fp32); the forward's and the backward's kernels share it."""
+
+    @cuda.jit(device=True)
+    def load_tile(tile, x, offset, stride_n, stride_d, start, seqlen, head_dim, scale):
+        """tile[r, c] = scale · x[offset + (start + r)·stride_n + c·stride_d] as fp32, zeros past seqlen and
+        head_dim: warp w loads rows w, w + NUM_WARPS, ...; lane l loads columns l, l + 32, ... (coalesced
+        when stride_d = 1, conflict-free)."""
+        warp = cuda.threadIdx.x // 32
+        lane = cuda.threadIdx.x % 32
+        row_offset = offset + (start + warp) * stride_n
+        for rr in range(tile.shape[0] // NUM_WARPS):
+            r = warp + NUM_WARPS * rr
+            row_visible = start + r < seqlen
+            for cc in range(HEAD_DIM // 32):
+                c = lane + 32 * cc
+                value = float32(0.0)
+                if row_visible and (EVEN_HEAD_DIM or c < head_dim):
+                    value = scale * to_float(x[uint64(row_offset + (c if UNIT_STRIDE_D else c * stride_d))])
+                tile[uint64(r), uint64(c)] = value
+            row_offset += NUM_WARPS * stride_n
+
+    return load_tile
+
+
+def _feature_columns(switches) -> dict:
+    """kernel_resources' columns for a kernel's Features."""
+    return {name.lower(): bool(on) for name, on in zip(Features._fields, switches)}
+
+
+def _check_device(q: torch.Tensor) -> None:
+    if simulated() and q.device.type != "cpu":
+        raise ValueError(
+            f"numba's CUDA simulator (NUMBA_ENABLE_CUDASIM=1) runs fa2-numba-cuda on CPU tensors, got {q.device}; "
+            "for CUDA tensors start Python without NUMBA_ENABLE_CUDASIM"
+        )
+    if not simulated() and q.device.type != "cuda":
+        raise ValueError(
+            f"fa2-numba-cuda runs on CUDA tensors, got {q.device}; to run it on the CPU, in numba's CUDA "
+            "simulator, set NUMBA_ENABLE_CUDASIM=1 before numba is imported"
+        )
+
+
+def _flat(t: torch.Tensor):
+    """The kernel's view of ``t``: a flat array over the memory ``t`` spans (element i at ``t.stride()``
+    offsets from the first), without a copy; bf16 as its int16 bit patterns. A CUDA array through
+    __cuda_array_interface__, or under the simulator a numpy view of the same memory."""
+    t = t.detach()
+    if t.dtype == torch.bfloat16:
+        t = t.view(torch.int16)
+    if t.numel() == 0:
+        # Nothing is read (seqlen_k = 0 means no key tile); the kernel still needs an array to index.
+        t = torch.zeros(1, dtype=t.dtype, device=t.device)
+    span = 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+    flat = t.as_strided((span,), (1,))
+    return flat.numpy() if simulated() else flat
+
