@@ -1,4 +1,4 @@
-"""``fa2.distributed``: context parallelism, attention over a sequence sharded across ranks (ring attention).
+r"""``fa2.distributed``: context parallelism, attention over a sequence sharded across ranks (ring attention).
 
     import fa2.distributed as cp
     q, k, v = (cp.shard(x, rank, world, layout="zigzag") for x in (q_full, k_full, v_full))
