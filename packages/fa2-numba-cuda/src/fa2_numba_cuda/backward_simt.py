@@ -63,9 +63,11 @@ registers.
   the whole block; ``v_tile`` and ``k_tile`` a step (with SHARE_KV one buffer: V for dP, then K for S and
   dQ, with no reload); ``ds_tile``.
 
-Inputs as the forward's: fp32, fp16, or bf16 (as int16 bit patterns); any strides; head_dim up to 256;
-kernels compiled once per specialisation and launched on torch's current CUDA stream; numba's CUDA
-simulator runs them on CPU tensors (use tiny shapes there).
+Inputs as the forward's: fp32, fp16, or bf16 (as int16 bit patterns); any strides; head_dim up to 256; kernels
+compiled once per specialisation and launched on torch's current CUDA stream, through ``launch.prepare``: a
+class of calls (shapes, strides, dtypes, device, the spec's values, the config) is launched by numba once,
+then its packed parameters are kept and each later call of the class writes its tensors' data pointers and
+calls cuLaunchKernel (``_PREPARED``); numba's CUDA simulator runs them on CPU tensors (use tiny shapes there).
 """
 
 from __future__ import annotations
@@ -79,6 +81,7 @@ from numba import cuda
 
 from fa2.spec import AttentionSpec
 
+from fa2_numba_cuda import launch
 from fa2_numba_cuda.common import (
     LOG2E,
     MAX_HEAD_DIM,
@@ -86,7 +89,6 @@ from fa2_numba_cuda.common import (
     BlockConfig,
     _bf16_to_float,
     _check_device,
-    _flat,
     _float_to_bf16,
     _feature_columns,
     _identity,
@@ -102,6 +104,9 @@ from fa2_numba_cuda.common import (
     score_scale,
     sequence,
     simulated,
+    spec_class,
+    spec_positions,
+    spec_tensors,
     uint64,
 )
 
@@ -698,6 +703,10 @@ def _build_dq(HEAD_DIM, config, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN, IS_BF16, EV
 # ("dkdv" or "dq", HEAD_DIM, config, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN, IS_BF16, EVEN_HEAD_DIM, UNIT_STRIDE_D).
 _KERNELS: dict[tuple, object] = {}
 _BUILDERS = {"preprocess": _build_preprocess, "dkdv": _build_dkdv, "dq": _build_dq}
+# Prepared launches (preprocess, dK/dV, dQ; ``launch.prepare``) by class of call: the shapes, strides and dtypes
+# of q, k, v, O, L and dO, the device, the spec's values (``spec_class``), the config: everything the kernels,
+# their grids and their arguments other than the tensors' memory are functions of.
+_PREPARED: dict[tuple, tuple] = {}
 
 
 def _kernel(name, *key):
@@ -720,6 +729,27 @@ def flash_attn_backward(
     """The SIMT kernels' launches (preprocess, dK/dV, dQ): arguments and returns as
     ``fa2_numba_cuda.backward.flash_attn_backward`` (fp32, fp16 or bf16, head_dim up to 256); config: the two
     kernels' blocks, for tuning; default ``bwd_block_config(padded_head_dim(head_dim))``."""
+    key = None
+    if launch.FAST:  # a call of a class met before: the kernels' parameters are packed, only pointers change
+        key = (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), O.shape, O.stride(), L.shape,
+               L.stride(), dO.shape, dO.stride(), q.dtype, k.dtype, v.dtype, O.dtype, L.dtype, dO.dtype, q.device,
+               spec_class(spec), None if config is None else tuple(map(tuple, config)))
+        plan = _PREPARED.get(key)
+        if plan is not None:
+            preprocess, dkdv, dq_kernel = plan
+            dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+            dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+            dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+            dO = dO.to(q.dtype)
+            delta = torch.empty(q.shape[0] * q.shape[1] * q.shape[2], dtype=torch.float32, device=q.device)
+            extra = spec_tensors(spec)
+            if preprocess is not None:
+                preprocess(O, dO, delta)
+            if dkdv is not None:
+                dkdv(q, k, v, dO, L, delta, dk, dv, *extra)
+            if dq_kernel is not None:
+                dq_kernel(q, k, v, dO, L, delta, dq, *extra)
+            return dq, dk, dv
     batch, heads, seqlen_q, head_dim = q.shape
     heads_k, seqlen_k = k.shape[1], k.shape[2]
     if head_dim > MAX_HEAD_DIM:
@@ -739,15 +769,13 @@ def flash_attn_backward(
     is_bf16, even_head_dim = q.dtype == torch.bfloat16, head_dim == HEAD_DIM
     unit_stride_d = q.stride(3) == k.stride(3) == v.stride(3) == dO.stride(3) == 1
     flags = (*features(spec), is_bf16, even_head_dim, unit_stride_d)
-    # The kernels' views of the tensors: flat arrays over their memory, indexed with their element strides.
-    flat_q, flat_k, flat_v, flat_do, flat_lse, flat_delta = (_flat(t) for t in (q, k, v, dO, L, delta))
-    inputs = (flat_q, flat_k, flat_v, flat_do, flat_lse, flat_delta)
+    # The kernels' tensors (``launch`` passes each as a flat array over its memory, indexed with its element
+    # strides), their strides and sizes.
+    inputs = (q, k, v, dO, L, delta)
     strides = (*q.stride(), *k.stride(), *v.stride(), *dO.stride(), *L.stride())
     group = heads // heads_k  # query heads per key/value head (the interface checked the division)
-    sizes = (
-        heads, group, seqlen_q, seqlen_k, head_dim, np.float32(spec.scale), np.float32(score_scale(spec)),
-        *feature_args(spec, seqlen_q, seqlen_k, q.device),
-    )
+    sizes = (heads, group, seqlen_q, seqlen_k, head_dim, np.float32(spec.scale), np.float32(score_scale(spec)))
+    feats = feature_args(spec, seqlen_q, seqlen_k, q.device)
     offsets = offset_args(spec, q.device)
     # delta is per row: the preprocess runs on a packed batch as on one sequence of total_q rows. The main
     # kernels' grids: per (sequence, head), the tiles of the longest sequence; the others' extra tiles exit.
@@ -756,34 +784,32 @@ def flash_attn_backward(
     num_n_tiles = -(-grid_seqlen_k // dkdv_config.BLOCK_N)
     num_m_tiles = -(-grid_seqlen_q // dq_config.BLOCK_M)
 
-    # (kernel, grid, block, arguments), in order; a kernel with no rows to write is not launched.
-    launches = []
+    # The preprocess, dK/dV and dQ launches in order, each prepared (``launch.prepare``: launched, and kept
+    # for the later calls of the class) or None where it has no rows to write. What changes within a class:
+    # the tensors, and the spec's.
+    plan = [None, None, None]
+    prepared = True
     if seqlen_q:
-        launches.append((
-            _kernel("preprocess", HEAD_DIM, is_bf16, even_head_dim), pre_m_tiles * batch * heads,
-            32 * PRE_WARPS,
-            (_flat(O), flat_do, flat_delta, *O.stride(), *dO.stride(), heads, seqlen_q, head_dim, pre_m_tiles),
-        ))
+        args = (O, dO, delta, *O.stride(), *dO.stride(), heads, seqlen_q, head_dim, pre_m_tiles)
+        plan[0] = launch.prepare(_kernel("preprocess", HEAD_DIM, is_bf16, even_head_dim),
+                                 pre_m_tiles * batch * heads, 32 * PRE_WARPS, q.device, args, (0, 1, 2))
+        prepared = prepared and plan[0] is not None
     if seqlen_k and num_n_tiles * grid_batch:
-        launches.append((
-            _kernel("dkdv", HEAD_DIM, dkdv_config, *flags), num_n_tiles * grid_batch * heads_k,
-            dkdv_config.THREADS_N * dkdv_config.THREADS_M,
-            (*inputs, _flat(dk), _flat(dv), *strides, *sizes, num_n_tiles, *offsets),
-        ))
+        head = (*inputs, dk, dv, *strides, *sizes)
+        args = (*head, *feats, num_n_tiles, *offsets)
+        varying = (*range(8), *spec_positions(spec, len(head), len(args) - 2))
+        plan[1] = launch.prepare(_kernel("dkdv", HEAD_DIM, dkdv_config, *flags), num_n_tiles * grid_batch * heads_k,
+                                 dkdv_config.THREADS_N * dkdv_config.THREADS_M, q.device, args, varying)
+        prepared = prepared and plan[1] is not None
     if seqlen_q and num_m_tiles * grid_batch:
-        launches.append((
-            _kernel("dq", HEAD_DIM, dq_config, *flags), num_m_tiles * grid_batch * heads,
-            dq_config.THREADS_M * dq_config.THREADS_N,
-            (*inputs, _flat(dq), *strides, *sizes, num_m_tiles, *offsets),
-        ))
-    if simulated():
-        for kernel, grid, block, args in launches:
-            kernel[grid, block](*args)
-    else:
-        with cuda.gpus[q.device.index]:
-            stream = cuda.external_stream(torch.cuda.current_stream(q.device).cuda_stream)
-            for kernel, grid, block, args in launches:
-                kernel[grid, block, stream](*args)
+        head = (*inputs, dq, *strides, *sizes)
+        args = (*head, *feats, num_m_tiles, *offsets)
+        varying = (*range(7), *spec_positions(spec, len(head), len(args) - 2))
+        plan[2] = launch.prepare(_kernel("dq", HEAD_DIM, dq_config, *flags), num_m_tiles * grid_batch * heads,
+                                 dq_config.THREADS_M * dq_config.THREADS_N, q.device, args, varying)
+        prepared = prepared and plan[2] is not None
+    if prepared and key is not None:
+        _PREPARED[key] = tuple(plan)
     return dq, dk, dv
 
 

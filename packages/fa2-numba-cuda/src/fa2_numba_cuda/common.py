@@ -166,6 +166,36 @@ def offset_args(spec: AttentionSpec, device: torch.device) -> tuple:
 _NO_OFFSETS: dict[torch.device, object] = {}
 
 
+def spec_class(spec: AttentionSpec) -> tuple:
+    """What the dense kernels' launches read of ``spec`` other than its tensors' memory, for a class key
+    (``launch.prepare``): scale, window, softcap, the slopes' shape, strides and dtype, a packed batch's
+    number of offsets and max lengths. A spec's tensors make it unhashable, hence this tuple."""
+    slopes = spec.alibi_slopes
+    return (
+        spec.scale, spec.window, spec.softcap,
+        None if slopes is None else (slopes.shape, slopes.stride(), slopes.dtype),
+        (spec.cu_seqlens_q.numel(), spec.cu_seqlens_k.numel(), spec.max_seqlen_q, spec.max_seqlen_k)
+        if spec.varlen else None,
+    )
+
+
+def spec_tensors(spec: AttentionSpec) -> tuple:
+    """The spec's tensors a dense kernel reads, as ``feature_args`` and ``offset_args`` pass them (the
+    slopes with ALiBi; cu_seqlens_q and cu_seqlens_k, contiguous, for a packed batch): what a call of a
+    ``launch.prepare`` class passes besides q, k, v and the outputs."""
+    slopes = () if spec.alibi_slopes is None else (spec.alibi_slopes,)
+    if spec.varlen:
+        return (*slopes, spec.cu_seqlens_q.contiguous(), spec.cu_seqlens_k.contiguous())
+    return slopes
+
+
+def spec_positions(spec: AttentionSpec, features_at: int, offsets_at: int) -> tuple[int, ...]:
+    """Where ``spec_tensors``' tensors are among a kernel's arguments, ``feature_args`` starting at
+    ``features_at`` (the slopes are its fourth) and ``offset_args`` at ``offsets_at``."""
+    slopes = () if spec.alibi_slopes is None else (features_at + 3,)
+    return (*slopes, offsets_at, offsets_at + 1) if spec.varlen else slopes
+
+
 @cuda.jit(device=True)
 def sequence(cu_seqlens, s, total):
     """Sequence s of a packed batch of ``total`` rows: (its first row, its length), as ints. The offsets are

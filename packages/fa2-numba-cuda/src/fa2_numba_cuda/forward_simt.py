@@ -74,8 +74,11 @@ to 256, padded to a multiple of 32 inside the block.
 Launch: on torch's current CUDA stream, no host synchronisation; one compiled kernel per (padded head dim,
 block shape, Features, bf16 or not, head_dim == padded, unit head-dim strides), built once by
 ``_build_kernel`` and cached; ``kernel_resources`` reports registers, shared and local memory of each.
-Under numba's CUDA simulator (NUMBA_ENABLE_CUDASIM=1) the same kernel runs on CPU tensors, one Python
-thread per CUDA thread: use tiny shapes there.
+Launched through ``launch.prepare``: a class of calls (shapes, strides, dtypes, device, the spec's values, the
+config) is launched by numba once, then its packed parameters are kept and each later call of the class writes
+its tensors' data pointers and calls cuLaunchKernel (``_PREPARED``). Under numba's CUDA simulator
+(NUMBA_ENABLE_CUDASIM=1) the same kernel runs on CPU tensors, one Python thread per CUDA thread: use tiny
+shapes there.
 """
 
 from __future__ import annotations
@@ -87,6 +90,7 @@ import torch
 from fa2.spec import AttentionSpec
 from numba import cuda
 
+from fa2_numba_cuda import launch
 from fa2_numba_cuda.common import (
     LN2,
     LOG2E,
@@ -96,7 +100,6 @@ from fa2_numba_cuda.common import (
     _bf16_to_float,
     _check_device,
     _feature_columns,
-    _flat,
     _float_to_bf16,
     _identity,
     _tanh,
@@ -111,6 +114,9 @@ from fa2_numba_cuda.common import (
     score_scale,
     sequence,
     simulated,
+    spec_class,
+    spec_positions,
+    spec_tensors,
     uint64,
 )
 
@@ -386,6 +392,10 @@ def _build_kernel(HEAD_DIM, config, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN, IS_BF16
 # Compiled kernels by (HEAD_DIM, BlockConfig, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN, IS_BF16, EVEN_HEAD_DIM,
 # UNIT_STRIDE_D).
 _KERNELS: dict[tuple, object] = {}
+# Prepared launches (``launch.prepare``) by class of call: q's, k's and v's shapes, strides and dtypes, the
+# device, the spec's values (``spec_class``), the config: everything the kernel, its grid and its arguments
+# other than the tensors' memory are functions of.
+_PREPARED: dict[tuple, object] = {}
 
 
 def _kernel(*key):
@@ -405,6 +415,16 @@ def flash_attn_forward(
     """The SIMT kernel's launch: arguments and returns as ``fa2_numba_cuda.forward.flash_attn_forward``
     (fp32, fp16 or bf16, head_dim up to 256); config: the block shape, for tuning; default
     ``block_config(padded_head_dim(head_dim))``."""
+    key = None
+    if launch.FAST:  # a call of a class met before: the kernel's parameters are packed, only pointers change
+        key = (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype, v.dtype,
+               q.device, spec_class(spec), None if config is None else tuple(config))
+        prepared = _PREPARED.get(key)
+        if prepared is not None:
+            O = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+            L = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
+            prepared(q, k, v, O, L, *spec_tensors(spec))
+            return O, L
     batch, heads, seqlen_q, head_dim = q.shape
     if head_dim > MAX_HEAD_DIM:
         raise NotImplementedError(f"fa2-numba-cuda supports head_dim up to {MAX_HEAD_DIM}, got {head_dim}")
@@ -426,17 +446,16 @@ def flash_attn_forward(
     grid, block = num_m_tiles * grid_batch * heads, config.THREADS_M * config.THREADS_N
     if grid == 0:
         return O, L
-    args = (
-        *(_flat(t) for t in (q, k, v, O, L)), *q.stride(), *k.stride(), *v.stride(),
+    head = (
+        q, k, v, O, L, *q.stride(), *k.stride(), *v.stride(),
         heads, group, seqlen_q, k.shape[2], head_dim, np.float32(score_scale(spec)), num_m_tiles,
-        *feature_args(spec, seqlen_q, k.shape[2], q.device), *offset_args(spec, q.device),
     )
-    if simulated():
-        kernel[grid, block](*args)
-    else:
-        with cuda.gpus[q.device.index]:
-            stream = cuda.external_stream(torch.cuda.current_stream(q.device).cuda_stream)
-            kernel[grid, block, stream](*args)
+    args = (*head, *feature_args(spec, seqlen_q, k.shape[2], q.device), *offset_args(spec, q.device))
+    # What changes within a class: q, k, v, O, L and the spec's tensors.
+    varying = (0, 1, 2, 3, 4, *spec_positions(spec, len(head), len(args) - 2))
+    prepared = launch.prepare(kernel, grid, block, q.device, args, varying)
+    if prepared is not None and key is not None:
+        _PREPARED[key] = prepared
     return O, L
 
 

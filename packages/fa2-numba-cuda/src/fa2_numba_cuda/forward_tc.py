@@ -37,17 +37,17 @@ reads key/value head ``off_hk = h // group`` (group = heads // heads_k, a runtim
 
 Windows, softcap and ALiBi as ``fa2_numba_cuda.forward_simt`` (the same ``common.Features``, compile-time
 switches; window sizes, softcap and slopes runtime arguments): the window (left, right) is bottom-right
-aligned, key j visible to query i iff i + diag - left <= j <= i + diag + right with diag = seqlen_k -
-seqlen_q (causal is (-1, 0)). A block visits only the key tiles [begin_n, end_n) that hold a key some row of it sees; with a
-left bound, a warp computes only on those its own 16 rows see (on the others it takes part in the loads
-and barriers alone); a warp masks only the tiles that cross a window edge of its rows or the end of the keys. Blocks with a right
-bound are launched longest-first. With a softcap or ALiBi, ``row_max`` turns the raw scores into the final
-ones in base 2 before the mask: x = s · qk_scale; softcap c: x = c · log2 e · tanh(s · |scale| / c) =
-c · log2 e · (1 - 2 / (1 + exp2(s · qk_scale))), qk_scale = 2 · log2 e · |scale| / c (``_softcap_log2``:
-ex2.approx and rcp.approx, no division, no overflow); ALiBi: x -= slope · log2 e · |i + diag - j|;
-the exponentials then take x with a scale of 1. Rows that see no key get O = 0 and L = +inf. seqlen_q and
-seqlen_k need not be multiples of anything (tiles are zero-padded, padded keys masked), head_dim is padded
-to a multiple of 16 with zeros.
+aligned, key j visible to query i iff i + diag - left <= j <= i + diag + right with diag = seqlen_k - seqlen_q
+(causal is (-1, 0)). A block visits only the key tiles [begin_n, end_n) that hold a key some row of it sees;
+with a left bound, a warp computes only on those its own 16 rows see (on the others it takes part in the loads
+and barriers alone); a warp masks only the tiles that cross a window edge of its rows or the end of the keys.
+Blocks with a right bound are launched longest-first. With a softcap or ALiBi, ``row_max`` turns the raw
+scores into the final ones in base 2 before the mask: x = s · qk_scale; softcap c: x = c · log2 e · tanh(s ·
+|scale| / c) = c · log2 e · (1 - 2 / (1 + exp2(s · qk_scale))), qk_scale = 2 · log2 e · |scale| / c
+(``_softcap_log2``: ex2.approx and rcp.approx, no division, no overflow); ALiBi: x -= slope · log2 e · |i +
+diag - j|; the exponentials then take x with a scale of 1. Rows that see no key get O = 0 and L = +inf.
+seqlen_q and seqlen_k need not be multiples of anything (tiles are zero-padded, padded keys masked), head_dim
+is padded to a multiple of 16 with zeros.
 
 Packed (variable-length) batches as ``fa2_numba_cuda.forward_simt`` (``spec.varlen``; the VARLEN switch of
 ``Features``): q (1, heads, total_q, head_dim), k, v (1, heads_k, total_k, head_dim), O and L in q's
@@ -66,7 +66,10 @@ raised, never answered by the other. Under numba's simulator this kernel runs on
 
 Launch: on torch's current CUDA stream, no host synchronisation; one compiled kernel per (padded head dim,
 TensorCoreConfig, Features, bf16 or fp16, head_dim == padded, cp.async or plain loads, head_dim even: O stored
-in pairs), cached; ``kernel_resources`` reports registers, shared and local memory of each.
+in pairs), cached; ``kernel_resources`` reports registers, shared and local memory of each. Launched
+through ``launch.prepare``: a class of calls (shapes, strides, dtypes, device, the spec's values, the
+config) is launched by numba once, then its packed parameters are kept and each later call of the class
+writes its tensors' data pointers and calls cuLaunchKernel (``_PREPARED``).
 """
 
 from __future__ import annotations
@@ -80,19 +83,22 @@ from numba import cuda, float32, int16, int32, uint32, uint64
 
 from fa2.spec import AttentionSpec
 
+from fa2_numba_cuda import launch
 from fa2_numba_cuda.common import (
     LN2,
     LOG2E,
     SHARED_ALIGN,
     _check_device,
     _feature_columns,
-    _flat,
     feature_args,
     features,
     grid_extent,
     offset_args,
     sequence,
     simulated,
+    spec_class,
+    spec_positions,
+    spec_tensors,
 )
 from fa2_numba_cuda.mma import (
     all_lanes,
@@ -174,8 +180,20 @@ def uses_tensor_cores(q: torch.Tensor) -> bool:
         and q.dtype in (torch.float16, torch.bfloat16)
         and q.shape[-1] <= MAX_HEAD_DIM
         and q.device.type == "cuda"
-        and torch.cuda.get_device_capability(q.device) >= MIN_COMPUTE_CAPABILITY
+        and capability(q.device) >= MIN_COMPUTE_CAPABILITY
     )
+
+
+_CAPABILITIES: dict[torch.device, tuple[int, int]] = {}
+
+
+def capability(device: torch.device) -> tuple[int, int]:
+    """The CUDA device's compute capability, asked once per device (``torch.cuda.get_device_capability``
+    costs microseconds a call)."""
+    found = _CAPABILITIES.get(device)
+    if found is None:
+        found = _CAPABILITIES[device] = torch.cuda.get_device_capability(device)
+    return found
 
 
 @device_function
@@ -705,6 +723,10 @@ def _build_kernel(HEAD_DIM, config, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN, IS_BF16
 # Compiled kernels by (HEAD_DIM, TensorCoreConfig, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN, IS_BF16, EVEN_HEAD_DIM,
 # ASYNC_LOADS, O_PAIRS).
 _KERNELS: dict[tuple, object] = {}
+# Prepared launches (``launch.prepare``) by class of call: q's, k's and v's shapes, strides and dtypes, the
+# device, whether their data is 16 B aligned (cp.async), the spec's values (``spec_class``), the config:
+# everything the kernel, its grid and its arguments other than the tensors' memory are functions of.
+_PREPARED: dict[tuple, object] = {}
 
 
 def _kernel(*key):
@@ -781,6 +803,17 @@ def flash_attn_forward(
         rows that see no key get O = 0 and L = +inf. Packed: O (1, heads, total_q, head_dim), L (1, heads,
         total_q); one kernel launch.
     """
+    key = None
+    if launch.FAST:  # a call of a class met before: the kernel's parameters are packed, only pointers change
+        aligned = (q.data_ptr() | k.data_ptr() | v.data_ptr()) % 16 == 0
+        key = (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype, v.dtype,
+               q.device, aligned, spec_class(spec), None if config is None else tuple(config))
+        prepared = _PREPARED.get(key)
+        if prepared is not None:
+            O = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+            L = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
+            prepared(q, k, v, O, L, *spec_tensors(spec))
+            return O, L
     batch, heads, seqlen_q, head_dim = q.shape
     if q.dtype not in (torch.float16, torch.bfloat16):
         raise NotImplementedError(f"fa2-numba-cuda's tensor-core kernel takes fp16 or bf16, got {q.dtype}")
@@ -789,10 +822,10 @@ def flash_attn_forward(
             f"fa2-numba-cuda's tensor-core kernel supports head_dim up to {MAX_HEAD_DIM}, got {head_dim}"
         )
     _check_device(q)
-    if not simulated() and torch.cuda.get_device_capability(q.device) < MIN_COMPUTE_CAPABILITY:
+    if not simulated() and capability(q.device) < MIN_COMPUTE_CAPABILITY:
         raise NotImplementedError(
             f"fa2-numba-cuda's tensor-core kernel needs compute capability 8.0 or newer (mma.sync m16n8k16 with "
-            f"bf16, ldmatrix, cp.async), got {torch.cuda.get_device_capability(q.device)} on {q.device}"
+            f"bf16, ldmatrix, cp.async), got {capability(q.device)} on {q.device}"
         )
     O = torch.empty(batch, heads, seqlen_q, head_dim, dtype=q.dtype, device=q.device)
     L = torch.empty(batch, heads, seqlen_q, dtype=torch.float32, device=q.device)
@@ -814,18 +847,17 @@ def flash_attn_forward(
     if grid == 0:
         return O, L
     o_view = O.view(torch.int32) if o_pairs else O.view(torch.int16)
-    args = (
-        *(_flat(t.view(torch.int16)) for t in (q, k, v)), _flat(o_view), _flat(L),
+    head = (
+        *(t.view(torch.int16) for t in (q, k, v)), o_view, L,
         *q.stride(), *k.stride(), *v.stride(),
         heads, group, seqlen_q, k.shape[2], head_dim, _score_scale(spec), spec.scale < 0, num_m_tiles,
-        *feature_args(spec, seqlen_q, k.shape[2], q.device), *offset_args(spec, q.device),
     )
-    if simulated():
-        kernel[grid, block](*args)
-    else:
-        with cuda.gpus[q.device.index]:
-            stream = cuda.external_stream(torch.cuda.current_stream(q.device).cuda_stream)
-            kernel[grid, block, stream](*args)
+    args = (*head, *feature_args(spec, seqlen_q, k.shape[2], q.device), *offset_args(spec, q.device))
+    # What changes within a class: q, k, v, O, L and the spec's tensors.
+    varying = (0, 1, 2, 3, 4, *spec_positions(spec, len(head), len(args) - 2))
+    prepared = launch.prepare(kernel, grid, block, q.device, args, varying)
+    if prepared is not None and key is not None:
+        _PREPARED[key] = prepared
     return O, L
 
 

@@ -11,9 +11,10 @@ stream (a CUDA-graph capture records it as it records numba's launch).
 
 Parameters, as numba's ``_Kernel._prepare_args`` lays them out (numba-cuda 0.30): an array is meminfo (0),
 parent (0), nitems, itemsize, data pointer, then its shape and its strides in bytes, each 8 bytes; an int64
-scalar 8 bytes, a float32 4 and a float64 8. Every array argument here is ``common._flat`` of a tensor, a
-1-d C-contiguous array over the memory the tensor spans (``launch`` applies ``_flat`` itself, so that the
-fast path need not build the views): nitems = shape = that span, stride = itemsize.
+scalar 8 bytes, a float32 4, a float64 8, a bool its first byte (numba hands the driver the Python bool);
+each is packed into 8 bytes here. Every array argument here is ``common._flat`` of a tensor, a 1-d
+C-contiguous array over the memory the tensor spans (``launch`` applies ``_flat`` itself, so that the fast
+path need not build the views): nitems = shape = that span, stride = itemsize.
 
 The class is (kernel, device, and per argument: a tensor's dtype, else the argument's Python type). numba
 specialises a compilation on the argument types it infers: an array's dtype (``_flat`` maps bf16 to int16,
@@ -29,6 +30,13 @@ mismatch raises: a wrong layout fails loudly on its first use, never as a wrong 
 with debug, as cooperative or sensitive to the launch configuration, with argument extensions or a type
 this module does not pack, and calls with an empty tensor (``_flat`` substitutes a fresh array) are always
 launched by numba.
+
+The dense forward and backward go one step further (``prepare``): their callers key a class by everything
+the launch depends on but the tensors' memory (shapes, strides, dtypes, device, the spec's values), so that
+within a class every parameter but the tensors' data pointers is the same. ``prepare`` launches a class's
+first call through numba, checks its packing as above, and keeps the packed parameters; a later call of the
+class (``Prepared.__call__``) writes its tensors' data pointers into their slots and calls the driver,
+with no argument list built or packed at all.
 
 Under numba's CUDA simulator (NUMBA_ENABLE_CUDASIM=1) every launch is ``kernel[grid, block](*args)``.
 Setting ``FAST = False`` makes every launch numba's own (the tests compare the two).
@@ -77,8 +85,8 @@ class _Launcher(NamedTuple):
 
 def launch(kernel, grid: int, block: int, device: torch.device, args: tuple) -> None:
     """Runs ``kernel[grid, block, torch's current stream](*args)`` on ``device``, each tensor argument passed
-    as ``common._flat(tensor)``. Arguments: tensors, ints, floats and np.float32 (other types: numba's own
-    launch)."""
+    as ``common._flat(tensor)``. Arguments: tensors, ints, floats, bools and np.float32 (other types: numba's
+    own launch)."""
     if not FAST:
         _numba_launch(kernel, grid, block, device, args)
         return
@@ -153,6 +161,20 @@ def _first_launch(kernel, grid, block, device, args, values):
     """Launches the first call of a class through numba, then returns its ``_Launcher`` (None where the
     class stays with numba), after checking that ``values`` packs into numba's own parameters."""
     flat = _numba_launch(kernel, grid, block, device, args)
+    checked = _checked_packing(kernel, device, flat, values)
+    if checked is None:
+        return None
+    function, packer, buffer, context = checked
+    count = packer.size // 8
+    base = ctypes.addressof(buffer)
+    pointers = (ctypes.c_void_p * count)(*[base + 8 * i for i in range(count)])
+    return _Launcher(function, packer, buffer, pointers, ctypes.addressof(pointers), context, threading.Lock())
+
+
+def _checked_packing(kernel, device, flat, values):
+    """(driver function, struct, a buffer holding ``values`` packed, context) for the kernel numba compiled
+    for the arguments ``flat`` (just launched), the packing checked byte for byte against numba's
+    ``_prepare_args``; None where numba must launch the class itself."""
     argtypes = tuple(kernel.typeof_pyval(a) for a in flat)
     compiled = kernel.overloads.get(argtypes)
     if (compiled is None or compiled.debug or compiled.cooperative or compiled.extensions
@@ -163,21 +185,92 @@ def _first_launch(kernel, grid, block, device, args, values):
     if layout is None:
         return None
     packer = struct.Struct(layout)
-    count = packer.size // 8
     buffer = (ctypes.c_char * packer.size)()
     try:
         packer.pack_into(buffer, 0, *values)
     except struct.error:
         return None
-    expected = numba_parameters(compiled, flat)
-    assert_same_parameters(bytes(buffer), expected)
-    base = ctypes.addressof(buffer)
-    pointers = (ctypes.c_void_p * count)(*[base + 8 * i for i in range(count)])
+    assert_same_parameters(bytes(buffer), numba_parameters(compiled, flat))
     with cuda.gpus[device.index]:
         cufunc = compiled._codelibrary.get_cufunc()
         context = int(cuda.current_context().handle)
-    function = _driver.CUfunction(int(cufunc.handle))
-    return _Launcher(function, packer, buffer, pointers, ctypes.addressof(pointers), context, threading.Lock())
+    return _driver.CUfunction(int(cufunc.handle)), packer, buffer, context
+
+
+class Prepared:
+    """The fast launch of one class of calls (``prepare``): the first call's parameters, packed; each call
+    writes its tensors' data pointers into their slots (``pointer_slots``) and calls cuLaunchKernel."""
+
+    __slots__ = ("function", "grid", "block", "device", "buffer", "words", "slots", "pointers", "params",
+                 "context", "lock")
+
+    def __init__(self, function, grid, block, device, buffer, slots, context):
+        self.function, self.grid, self.block, self.device = function, grid, block, device
+        self.buffer, self.slots, self.context = buffer, slots, context
+        count = len(buffer) // 8
+        self.words = (ctypes.c_uint64 * count).from_buffer(buffer)  # the parameters as 8-byte words
+        base = ctypes.addressof(buffer)
+        self.pointers = (ctypes.c_void_p * count)(*[base + 8 * i for i in range(count)])
+        self.params = ctypes.addressof(self.pointers)
+        self.lock = threading.Lock()  # the buffer is shared by the calls of the class
+
+    def __call__(self, *tensors: torch.Tensor) -> None:
+        """Launches the class's kernel on torch's current stream with ``tensors`` (the tensors at the
+        positions ``varying`` named to ``prepare``, in that order) in place of the first call's."""
+        index = self.device.index
+        if _raw_stream is not None:
+            stream = _raw_stream(index)
+        else:
+            stream = torch.cuda.current_stream(self.device).cuda_stream
+        with self.lock:
+            words = self.words
+            for slot, t in zip(self.slots, tensors, strict=True):
+                words[slot] = t.data_ptr()
+            if int(_driver.cuCtxGetCurrent()[1]) == self.context:
+                (err,) = _driver.cuLaunchKernel(self.function, self.grid, 1, 1, self.block, 1, 1, 0, stream,
+                                                self.params, 0)
+            else:  # another context is current: make numba's (the device's primary context) current
+                with cuda.gpus[index]:
+                    (err,) = _driver.cuLaunchKernel(self.function, self.grid, 1, 1, self.block, 1, 1, 0, stream,
+                                                    self.params, 0)
+        if err != _SUCCESS:
+            raise RuntimeError(f"fa2_numba_cuda.launch: cuLaunchKernel failed: {err!r}")
+
+
+def prepare(kernel, grid: int, block: int, device: torch.device, args: tuple,
+            varying: tuple[int, ...]) -> Prepared | None:
+    """Launches ``kernel[grid, block, torch's current stream](*args)`` (tensors as ``common._flat`` of them)
+    through numba, as ``launch`` launches a class's first call, and returns the ``Prepared`` launch of the
+    calls that differ from this one only in the memory of the tensors at the positions ``varying`` of
+    ``args`` (the caller's class key holds everything else: shapes, strides, dtypes, device, every scalar).
+    None where numba launches every call (the simulator, ``FAST`` off, an empty tensor, a type ``launch``
+    does not pack)."""
+    if not FAST:
+        _numba_launch(kernel, grid, block, device, args)
+        return None
+    values = parameter_values(args, [])
+    if values is None:
+        _numba_launch(kernel, grid, block, device, args)
+        return None
+    flat = _numba_launch(kernel, grid, block, device, args)
+    checked = _checked_packing(kernel, device, flat, values[0])
+    if checked is None:
+        return None
+    function, _, buffer, context = checked
+    return Prepared(function, grid, block, device, buffer, pointer_slots(args, varying), context)
+
+
+def pointer_slots(args: tuple, varying: tuple[int, ...]) -> tuple[int, ...]:
+    """The 8-byte parameter holding the data pointer of each tensor ``args[i]``, i in ``varying``: a tensor
+    is seven parameters (the data pointer its fifth), any other argument one."""
+    starts, n = [], 0
+    for a in args:
+        starts.append(n)
+        n += 7 if type(a) is torch.Tensor else 1
+    for i in varying:
+        if type(args[i]) is not torch.Tensor:
+            raise TypeError(f"fa2_numba_cuda.launch: argument {i} is a {type(args[i]).__name__}, not a tensor")
+    return tuple(starts[i] + 4 for i in varying)
 
 
 def parameter_layout(argument_types) -> str | None:
@@ -193,6 +286,8 @@ def parameter_layout(argument_types) -> str | None:
             parts.append("f4x")
         elif ty == _types.float64:
             parts.append("d")
+        elif ty == _types.boolean:
+            parts.append("?7x")
         else:
             return None
     return "".join(parts)
