@@ -65,6 +65,17 @@ def test_arg_class_is_at_least_as_fine_as_tritons():
     assert shared > 20
 
 
+def test_launch_classifies_as_arg_class():
+    """The classes launch() keys its cache on, computed inline for speed, are arg_class's, met once or
+    again (the integers' memo), for tensor subclasses too."""
+    samples = INTS + FLOATS + _tensors() + _descriptors() + [torch.nn.Parameter(torch.zeros(8))]
+    want = tuple(launch.arg_class(a) for a in samples)
+    assert launch._classes(tuple(samples)) == want
+    assert launch._classes(tuple(samples)) == want
+    with pytest.raises(TypeError, match="no argument class for bool"):
+        launch._classes((1, True))
+
+
 def test_arg_class_refuses_what_it_cannot_classify():
     with pytest.raises(TypeError, match="no argument class for bool"):
         launch.arg_class(True)
