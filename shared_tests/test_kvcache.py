@@ -80,6 +80,8 @@ CASES = [
     _case(varlen=(1, 4, 0, 6), b=4, h=4, hk=2, cap=48, seqlens=(10, 48, 5, 3), page=16, window=(6, 1),
           alibi="row", splits=0),
     _case(varlen=(3, 1), b=2, h=2, hk=2, cap=40, seqlens=(40, 0), splits=3),
+    # a capacity of several key tiles in every backend (fa2-triton's are up to 128 keys), three splits of it
+    _case(q=2, b=2, h=4, hk=2, cap=260, seqlens=(260, 161), splits=3),
 ]
 
 
@@ -215,6 +217,25 @@ def test_unused_cache_slots_never_reach_the_output(backend, status, device, dtyp
         cache.masked_fill_(~used.to(device)[:, None, :, None], math.nan)
     O, L = forward(q, k_cache, v_cache, spec)
     assert_matches_kvcache_reference(O, L, q, k_cache, v_cache, spec)
+
+
+def test_triton_split_counters_are_zero_again_after_a_call(backend, status, device):
+    """fa2-triton's split kernel counts each tile's finished splits in counters it keeps per stream and that
+    the merging program zeroes again: calls in a row, on other shapes too, each merge every split."""
+    if backend != "triton":
+        pytest.skip("fa2-triton's split counters")
+    from fa2_triton import kvcache as triton_kvcache
+
+    # Several key tiles a split (400 keys, fa2-triton's tiles being up to 128), on other grids in turn: GQA
+    # with 4 tokens, leftpad, pages of 16.
+    cases = [dict(CASES[i].values[0], cap=400, splits=3) for i in (-1, -1, 1, 4, 5, -1)]
+    require_runnable(backend, status, device, torch.float32, max(map(_work, cases)))
+    for seed, case in enumerate(cases):
+        q, k_cache, v_cache, spec = _make(case, False, torch.float32, device, seed=seed)
+        O, L = triton_kvcache.kvcache_forward(q, k_cache, v_cache, spec)
+        assert_matches_kvcache_reference(O, L, q, k_cache, v_cache, spec)
+        counters = [c for (d, _), c in triton_kvcache._COUNTERS.items() if d == q.device]
+        assert counters and all(int(c.abs().sum()) == 0 for c in counters), "a split count was left behind"
 
 
 def test_kvcache_mask_is_aligned_on_each_rows_keys(backend, status, device):

@@ -10,9 +10,9 @@ query head hk · GROUP + r % GROUP: each cached key is read once per key/value h
 
 ``_kvcache_fwd`` runs the FA2 online softmax of ``forward.py`` (log2 domain, the same softcap, ALiBi and
 mask arithmetic) over the key tiles of its range that some row sees, and writes either the final O and L
-(one split) or its range's O (normalised, fp32) and L into a partial buffer with a leading split axis. The
+(one split) or its range's O (normalised, fp32) and L into a workspace, one allocation for every split. The
 last program of a (batch row, key/value head, row tile) to finish its split, told by an atomic count, then
-merges the splits' results in the same launch: L = log Σ_s exp(L_s), O = Σ_s exp(L_s - L) · O_s
+merges the splits' results in the same launch (and zeroes its count again, for the next launch): L = log Σ_s exp(L_s), O = Σ_s exp(L_s - L) · O_s
 (``fa2.combine``'s merge), ranges a row sees no key of (L_s = +inf) weighing nothing. One launch, not a
 split kernel and a combine kernel: a Triton launch is the largest item of a decode step's host time (an
 H200 probe at 10d37e2, calls back to back: 54.5 µs for the split kernel's launch, 30.8 for the combine's).
@@ -53,16 +53,14 @@ from fa2_triton.launch import launch, on_device
 
 @triton.jit
 def _kvcache_fwd(
-    Q, K, V, O, L, O_final, L_final, Counter, Slopes, Seqlens, Leftpad, BatchIdx, BlockTable, Cu_q,
+    Q, K, V, O, L, Work, Counter, Slopes, Seqlens, Leftpad, BatchIdx, BlockTable, Cu_q,
     qk_scale, cap_scale, alibi_scale, window_left, window_right,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
-    stride_os, stride_ob, stride_oh, stride_om, stride_od,
-    stride_ls, stride_lb, stride_lh, stride_lm,
-    stride_fob, stride_foh, stride_fom, stride_fod, stride_flb, stride_flh, stride_flm,
+    stride_ob, stride_oh, stride_om, stride_od, stride_lb, stride_lh, stride_lm,
     stride_sb, stride_sh, stride_tb, stride_tp,
-    H, GROUP, N_Q, TOTAL_Q, CAPACITY, NUM_ROWS, CHUNK, NUM_SPLITS, head_dim,
+    H, GROUP, N_Q, TOTAL_Q, CAPACITY, NUM_ROWS, CHUNK, NUM_SPLITS, ROWS, head_dim,
     WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
     LEFTPAD: tl.constexpr, BATCH_IDX: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
     VARLEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
@@ -73,12 +71,14 @@ def _kvcache_fwd(
     Q: (B, H, N_Q, D) (VARLEN: (1, H, TOTAL_Q, D), row b's queries [Cu_q[b], Cu_q[b + 1]), N_Q the
     longest). K, V: (NUM_ROWS, H // GROUP, CAPACITY, D) contiguous-cache entries, or PAGED (NUM_ROWS pages,
     H // GROUP, PAGE_SIZE, D) with BlockTable (B, CAPACITY // PAGE_SIZE). Seqlens (B,) int32: K_b; Leftpad,
-    BatchIdx (B,) int32 where LEFTPAD, BATCH_IDX. Split s visits keys [s · CHUNK, (s + 1) · CHUNK), CHUNK a
-    multiple of BLOCK_N. SPLIT (NUM_SPLITS > 1): O and L are the partial results, with a leading split axis
-    (stride_os, stride_ls), O in fp32, each split's own softmax; the last split of a (batch row, key/value
-    head, row tile) to finish, counted by an atomic on its int32 Counter entry (zero before the launch),
-    merges them all into O_final (q's dtype) and L_final. Otherwise O, in q's dtype, and L are final
-    (strides 0 on the split axis). FENCE (on a GPU): each thread fences its partial stores before the count.
+    BatchIdx (B,) int32 where LEFTPAD, BATCH_IDX. O (q's shape and dtype) and L (q's shape but the last
+    dim), L contiguous. Split s visits keys [s · CHUNK, (s + 1) · CHUNK), CHUNK a multiple of BLOCK_N.
+    SPLIT (NUM_SPLITS > 1): each split writes its own softmax's result into Work, fp32, laid out as L's
+    rows (R = L's numel): L_s of row r at Work[s · R + r], O_s at Work[NUM_SPLITS · R + (s · R + r) ·
+    head_dim + d]; the last split of a (batch row, key/value head, row tile) to finish, counted by an atomic
+    on its int32 Counter entry (zero before the launch), merges them all into O and L and sets its Counter
+    entry back to zero, so that the next launch can use the same counters. Otherwise each program writes O
+    and L itself. FENCE (on a GPU): each thread fences its partial stores before the count.
     The score arguments as ``_attn_fwd``'s (FUSED_EXP2 always off here: the scale is applied before the
     max)."""
     pid = tl.program_id(0)
@@ -214,11 +214,19 @@ def _kvcache_fwd(
     lse = tl.where(empty, float("inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)
     rows64 = (q_start + offs_i).to(tl.int64)
     heads64 = offs_h.to(tl.int64)
-    base_l = L + split.to(tl.int64) * stride_ls + tl.cast(off_bt, tl.int64) * stride_lb
-    tl.store(base_l + heads64 * stride_lh + rows64 * stride_lm, lse, mask=row_ok)
-    o_ptrs = (O + split.to(tl.int64) * stride_os + tl.cast(off_bt, tl.int64) * stride_ob
-              + heads64[:, None] * stride_oh + rows64[:, None] * stride_om + offs_d.to(tl.int64)[None, :] * stride_od)
-    tl.store(o_ptrs, acc.to(O.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+    d64 = offs_d.to(tl.int64)[None, :]
+    l_rows = tl.cast(off_bt, tl.int64) * stride_lb + heads64 * stride_lh + rows64 * stride_lm
+    o_rows = (tl.cast(off_bt, tl.int64) * stride_ob + heads64[:, None] * stride_oh + rows64[:, None] * stride_om
+              + d64 * stride_od)
+    O_parts = Work + tl.cast(NUM_SPLITS, tl.int64) * ROWS
+    if SPLIT:
+        # This split's result, at its rows of L's order in Work (fp32): R L_s rows, then R O_s rows.
+        l_part = split.to(tl.int64) * ROWS + l_rows
+        tl.store(Work + l_part, lse, mask=row_ok)
+        tl.store(O_parts + l_part[:, None] * head_dim + d64, acc, mask=row_ok[:, None] & d_ok[None, :])
+    else:
+        tl.store(L + l_rows, lse, mask=row_ok)
+        tl.store(O + o_rows, acc.to(O.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
     # side-by-side: combine
     if SPLIT:
@@ -229,32 +237,28 @@ def _kvcache_fwd(
         tl.debug_barrier()
         tile = (off_b * HK + off_hk) * tl.cdiv(GROUP * N_Q, BLOCK_M) + tile_m
         if tl.atomic_add(Counter + tile, 1, sem="acq_rel") == NUM_SPLITS - 1:
-            l_rows = tl.cast(off_bt, tl.int64) * stride_lb + heads64 * stride_lh + rows64 * stride_lm
-            o_rows = (tl.cast(off_bt, tl.int64) * stride_ob + heads64[:, None] * stride_oh + rows64[:, None] * stride_om
-                      + offs_d.to(tl.int64)[None, :] * stride_od)
             # L = logsumexp_s L_s, O = sum_s exp(L_s - L) O_s; a split that saw no key (L_s = +inf) weighs 0.
             m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
             for s in range(0, NUM_SPLITS):
-                l_s = tl.load(L + s * stride_ls + l_rows, mask=row_ok, other=float("inf"), cache_modifier=".cg")
+                l_s = tl.load(Work + s * ROWS + l_rows, mask=row_ok, other=float("inf"), cache_modifier=".cg")
                 m = tl.maximum(m, tl.where(l_s == float("inf"), float("-inf"), l_s))
             m_safe = tl.where(m == float("-inf"), 0.0, m)
             total = tl.zeros([BLOCK_M], dtype=tl.float32)
             out = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
             for s in range(0, NUM_SPLITS):
-                l_s = tl.load(L + s * stride_ls + l_rows, mask=row_ok, other=float("inf"), cache_modifier=".cg")
+                l_s = tl.load(Work + s * ROWS + l_rows, mask=row_ok, other=float("inf"), cache_modifier=".cg")
                 w = tl.where(l_s == float("inf"), 0.0, tl.exp(l_s - m_safe))
-                o_s = tl.load(O + s * stride_os + o_rows, mask=(w > 0.0)[:, None] & d_ok[None, :], other=0.0,
-                              cache_modifier=".cg")
+                o_s = tl.load(O_parts + (s * ROWS + l_rows)[:, None] * head_dim + d64,
+                              mask=(w > 0.0)[:, None] & d_ok[None, :], other=0.0, cache_modifier=".cg")
                 out += w[:, None] * o_s
                 total += w
             none = total == 0.0
             out = out / tl.where(none, 1.0, total)[:, None]
             lse = tl.where(none, float("inf"), m_safe + tl.log(tl.where(none, 1.0, total)))
-            tl.store(L_final + tl.cast(off_bt, tl.int64) * stride_flb + heads64 * stride_flh + rows64 * stride_flm,
-                     lse, mask=row_ok)
-            tl.store(O_final + tl.cast(off_bt, tl.int64) * stride_fob + heads64[:, None] * stride_foh
-                     + rows64[:, None] * stride_fom + offs_d.to(tl.int64)[None, :] * stride_fod,
-                     out.to(O_final.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+            tl.store(L + l_rows, lse, mask=row_ok)
+            tl.store(O + o_rows, out.to(O.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+            # Every split of the tile has counted: the entry is this program's to reset.
+            tl.store(Counter + tile, 0)
     # side-by-side: end
 
 
@@ -304,35 +308,57 @@ def kvcache_forward(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     plan = _plan(heads // heads_k, seqlen_q, head_dim, q.dtype, batch * heads_k, capacity, page_size if paged else 0,
                  spec.num_splits, q.device)
     splits = plan.splits
-    if splits > 1:
-        O_out = torch.empty((splits, *q.shape), device=q.device, dtype=torch.float32)
-        L_out = torch.empty((splits, *q.shape[:-1]), device=q.device, dtype=torch.float32)
-        o_strides, l_strides = O_out.stride(), L_out.stride()
-        counter = torch.zeros(plan.grid // splits, device=q.device, dtype=torch.int32)
-    else:
-        O_out, L_out, counter = O, L, spec.cache_seqlens
-        o_strides, l_strides = (0, *O.stride()), (0, *L.stride())
-    s = score_args(spec, q.dtype)
     stand_in = spec.cache_seqlens
+    rows = L.numel()
+    if splits > 1:
+        # One allocation for the splits' results, and counters that the kernel leaves at zero.
+        work = torch.empty(splits * rows * (head_dim + 1), device=q.device, dtype=torch.float32)
+        counter = _counters(q.device, plan.grid // splits)
+    else:
+        work, counter = L, stand_in
+    s = score_args(spec, q.dtype)
     table = spec.block_table if paged else stand_in
     with on_device(q.device):
         launch(
             _kvcache_fwd, plan.grid,
-            (q, k_cache, v_cache, O_out, L_out, O, L, counter, stand_in if s.slopes is None else s.slopes,
+            (q, k_cache, v_cache, O, L, work, counter, stand_in if s.slopes is None else s.slopes,
              spec.cache_seqlens,
              stand_in if spec.cache_leftpad is None else spec.cache_leftpad,
              stand_in if spec.cache_batch_idx is None else spec.cache_batch_idx, table,
              spec.cu_seqlens_q if spec.varlen else stand_in,
              s.qk_scale, s.cap_scale, LOG2_E, s.window_left, s.window_right,
-             *q.stride(), *k_cache.stride(), *v_cache.stride(), *o_strides, *l_strides, *O.stride(), *L.stride(),
+             *q.stride(), *k_cache.stride(), *v_cache.stride(), *O.stride(), *L.stride(),
              *s.slope_strides, *(table.stride() if paged else (0, 0)),
-             heads, plan.group, seqlen_q, seqlen_t, capacity, k_cache.shape[0], plan.chunk, splits, head_dim),
+             heads, plan.group, seqlen_q, seqlen_t, capacity, k_cache.shape[0], plan.chunk, splits, rows, head_dim),
             dict(WINDOW_LEFT=s.WINDOW_LEFT, WINDOW_RIGHT=s.WINDOW_RIGHT, SOFTCAP=s.SOFTCAP, ALIBI=s.ALIBI,
                  LEFTPAD=spec.cache_leftpad is not None, BATCH_IDX=spec.cache_batch_idx is not None,
                  PAGED=paged, PAGE_SIZE=page_size, VARLEN=spec.varlen, **plan.constexprs),
             plan.options,
         )
     return O, L
+
+
+# (device, stream) -> int32 counters, zero between launches: the split kernel's last program of a tile
+# resets the entry it counted on. A launch on one stream runs after the previous one, so the stream's
+# counters are free again when it starts; launches on other streams have their own. Not under a CUDA-graph
+# capture: there each call allocates (and the graph zeroes) its own, so that graphs replayed side by side
+# never share counters.
+_COUNTERS: dict[tuple, torch.Tensor] = {}
+
+
+def _counters(device: torch.device, n: int) -> torch.Tensor:
+    """At least n int32 zeros for the split kernel's counts, on device and for its current stream. Saves a
+    zero fill per call (torch.zeros: 8.6 µs of host time a call on the H200, behind a busy GPU)."""
+    if device.type != "cuda":
+        key = (device, 0)
+    elif torch.cuda.is_current_stream_capturing():
+        return torch.zeros(n, device=device, dtype=torch.int32)
+    else:
+        key = (device, triton.runtime.driver.active.get_current_stream(device.index))
+    counters = _COUNTERS.get(key)
+    if counters is None or counters.numel() < n:
+        counters = _COUNTERS[key] = torch.zeros(max(n, 1024), device=device, dtype=torch.int32)
+    return counters
 
 
 class Plan(NamedTuple):
