@@ -296,9 +296,11 @@ def make_spec(
     window=(-1, -1),
     softcap: float = 0.0,
     alibi_slopes: torch.Tensor | None = None,
+    **fields,
 ) -> AttentionSpec:
     """The AttentionSpec of validated q and k (``_validate``) and the caller's options, checked here; the
-    ALiBi slopes come out as the (batch, heads) of q's (B, H, N, D) view (``fa2.layout.as_bhnd``)."""
+    ALiBi slopes come out as the (batch, heads) of q's (B, H, N, D) view (``fa2.layout.as_bhnd``). ``fields``:
+    AttentionSpec's other fields (a KV cache's, a packed batch's), set as given."""
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
     else:
@@ -311,11 +313,14 @@ def make_spec(
     softcap = _softcap(softcap)
     slopes = None if alibi_slopes is None else _alibi(alibi_slopes, q)
     group = q.shape[-3] // k.shape[-3] if q.dim() > 2 and k.shape[-3] else 1
-    return AttentionSpec(scale, (left, right), softcap, slopes, group)
+    return AttentionSpec(scale, (left, right), softcap, slopes, group, **fields)
 
 
 def _window(window, arg: str = "window") -> tuple[int, int]:
     """(left, right) as ints; ``arg``: the argument's name in the messages (fa2.flash_attn's window_size)."""
+    if type(window) is tuple and len(window) == 2 and type(window[0]) is int and type(window[1]) is int and (
+            window[0] >= -1 and window[1] >= -1):
+        return window  # the common case, on every call: already a pair of valid ints
     try:
         left, right = window
     except (TypeError, ValueError):

@@ -117,7 +117,6 @@ def kvcache_attention(
     seqlen_new = _check_new(q, k_cache, k, v)
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool, got {type(causal).__name__} {causal!r}")
-    spec = api.make_spec(q, k_cache, causal, scale, window, softcap, alibi_slopes)
     seqlens = _cache_seqlens(cache_seqlens, batch, capacity, seqlen_new, q.device)
     for name, t, size in (("cache_batch_idx", cache_batch_idx, batch), ("cache_leftpad", cache_leftpad, batch)):
         _check_index(name, t, (size,), q.device)
@@ -127,11 +126,14 @@ def kvcache_attention(
         raise ValueError(
             f"a contiguous cache without cache_batch_idx has q's batch {batch} rows, got k_cache {tuple(k_cache.shape)}"
         )
-    num_splits = _num_splits(num_splits)
     rotary = _check_rotary(rotary_cos, rotary_sin, q, k, head_dim)
     if not (_capturing(q) or torch.compiler.is_compiling()):
         _check_ranges(cache_seqlens if isinstance(cache_seqlens, torch.Tensor) else None, seqlens, seqlen_new,
                       capacity, k_cache.shape[0], block_table, cache_batch_idx, cache_leftpad)
+    # The keys each row attends to, the new ones included (a tensor op: the append below reads seqlens).
+    spec = api.make_spec(q, k_cache, causal, scale, window, softcap, alibi_slopes,
+                         cache_seqlens=seqlens + seqlen_new if seqlen_new else seqlens, cache_leftpad=cache_leftpad,
+                         cache_batch_idx=cache_batch_idx, block_table=block_table, num_splits=_num_splits(num_splits))
 
     if rotary is not None:
         cos, sin = rotary
@@ -143,11 +145,6 @@ def kvcache_attention(
         k = _rotate(k, cos, sin, seqlens[:, None] + torch.arange(seqlen_new, device=q.device), rotary_interleaved)
     if k is not None:
         _append(k_cache, v_cache, k, v, seqlens, block_table, cache_batch_idx)
-        seqlens = seqlens + seqlen_new
-    # A new spec rather than dataclasses.replace, which costs several times the construction in host time.
-    spec = AttentionSpec(spec.scale, spec.window, spec.softcap, spec.alibi_slopes, spec.group,
-                         cache_seqlens=seqlens, cache_leftpad=cache_leftpad, cache_batch_idx=cache_batch_idx,
-                         block_table=block_table, num_splits=num_splits)
     O, L = run(q, k_cache, v_cache, spec, backend)
     return AttentionOutput(O, L)
 
