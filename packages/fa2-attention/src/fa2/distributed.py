@@ -293,7 +293,6 @@ def _finish(works, recv: torch.Tensor) -> torch.Tensor:
 
 # --- agreeing on the input: every rank raises the same error instead of some hanging in the ring -----------
 
-_DESC_LEN = 1 + 3 * 4 + 3 + 3  # error flag, q/k/v shapes, q/k/v dtypes, causal, layout, scale's bits
 
 
 def _check(q, k, v, causal, scale, group, backend, layout) -> _Plan:
@@ -364,7 +363,8 @@ def _comm_device(q, group) -> torch.device:
 
 
 def _describe(q, k, v, causal, scale, layout, error) -> torch.Tensor:
-    """(_DESC_LEN,) int64: what this rank was given, comparable across ranks."""
+    """(19,) int64: what this rank was given, comparable across ranks: an error flag, q, k, v shapes (-1s
+    where not 4-D), their dtypes (an index into _DTYPES, -1 for another), causal, layout, the scale's bits."""
     desc = [int(error is not None)]
     for t in (q, k, v):
         shape = list(t.shape) if isinstance(t, torch.Tensor) and t.dim() == 4 else [-1] * 4
@@ -387,10 +387,11 @@ def _disagreement(every: list[torch.Tensor], error, group, world: int) -> str:
     for r, (d, msg) in enumerate(zip(every, messages)):
         shapes = [tuple(d[1 + 4 * i: 5 + 4 * i].tolist()) for i in range(3)]
         dtypes = [str(_DTYPES[c]).removeprefix("torch.") if c >= 0 else "?" for c in d[13:16].tolist()]
-        scale = struct.unpack("<d", struct.pack("<q", int(d[18])))[0]
+        # A rank that refused its input never resolved its scale.
+        scale = "?" if d[0] else f"{struct.unpack('<d', struct.pack('<q', int(d[18])))[0]:.6g}"
         layout = LAYOUTS[d[17]] if d[17] >= 0 else "?"
         line = (f"rank {r}: q {shapes[0]} {dtypes[0]}, k {shapes[1]} {dtypes[1]}, v {shapes[2]} {dtypes[2]}, "
-                f"causal {bool(d[16]) if d[16] >= 0 else '?'}, scale {scale:.6g}, layout {layout}")
+                f"causal {bool(d[16]) if d[16] >= 0 else '?'}, scale {scale}, layout {layout}")
         lines.append(line + (f" -- refused: {msg}" if msg else ""))
     return ("ring_attention: the ranks' inputs do not fit one sharded sequence (every rank needs q, k, v of the "
             "same shapes and dtype, and the same causal, scale and layout):\n  " + "\n  ".join(lines))
