@@ -55,14 +55,17 @@ def _shape(*dims):
     return pytest.param(s, id=f"B{s.batch}-H{s.heads}-Hk{s.heads_k}-{kind}-{s.seqlen_shard}perrank-D{s.head_dim}")
 
 
-# Shard lengths whose zig-zag chunks (half a shard) end inside tiles (7, 17, 20); MHA, GQA, MQA; head_dim
-# 16 to 128. The first is the size numba's simulator can afford.
+# Shard lengths whose zig-zag chunks (half a shard) end inside tiles (7, 17, 20, 13, 9); MHA, GQA, MQA;
+# head_dim 16 to 256; batches of 1 and 2 (the conformance suite's classes that a ring can shard: its q and
+# k have one length). The first is the size numba's simulator can afford.
 SHAPES = [
     _shape(1, 1, 1, 16, 16),
     _shape(1, 4, 2, 14, 16),
     _shape(1, 3, 1, 34, 32),
     _shape(1, 2, 2, 64, 64),
     _shape(1, 1, 1, 40, 128),
+    _shape(2, 4, 2, 26, 64),
+    _shape(2, 1, 1, 18, 256),
 ]
 SIMULATOR_REASON = ("numba's CUDA simulator runs a Python thread per GPU thread (2 s a block's forward and "
                     "backward): its rings are the first shape, fp32, causal, on 2 ranks (every kind of block: causal, "
