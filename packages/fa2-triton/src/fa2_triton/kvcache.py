@@ -378,7 +378,7 @@ def _plan(group: int, seqlen_q: int, head_dim: int, dtype: torch.dtype, batch_he
     """The tiles, the split count and the grid, worked out once per class of inputs (page_size 0: a
     contiguous cache): a decode loop asks the same question every step, and the answer cost ~30 µs of
     host time a call on the H200 before it was cached (Triton's cdiv, the split search)."""
-    tiles = _tiles(head_dim, dtype, group * seqlen_q, page_size)
+    tiles = _tiles(head_dim, dtype, group, seqlen_q, page_size)
     head_dim_padded = max(16, 1 << (head_dim - 1).bit_length())
     programs = batch_heads_k * -(-group * seqlen_q // tiles.block_m)
     key_tiles = max(1, -(-capacity // tiles.block_n))
@@ -394,7 +394,7 @@ def _plan(group: int, seqlen_q: int, head_dim: int, dtype: torch.dtype, batch_he
     )
 
 
-def _tiles(head_dim: int, dtype: torch.dtype, rows: int, page_size: int = 0) -> Tiles:
+def _tiles(head_dim: int, dtype: torch.dtype, group: int, seqlen_q: int, page_size: int = 0) -> Tiles:
     """The split kernel's launch: BLOCK_M covers the group's query rows (at least tl.dot's 16), BLOCK_N
     makes a key tile of about 32 KB (at most 128 rows): on the H200, 128-key tiles at D = 128 beat 64-key
     ones at every decode shape of issue 22 (.whl probe at feab801: 8 x 32k keys 264 against 306 µs, 64 x 4k
@@ -402,11 +402,12 @@ def _tiles(head_dim: int, dtype: torch.dtype, rows: int, page_size: int = 0) -> 
     width = 2 if dtype in (torch.float16, torch.bfloat16) else 4
     HEAD_DIM = max(16, triton.next_power_of_2(head_dim))
     block_n = max(16, min(128, 32768 // (HEAD_DIM * width)))
-    block_m = max(16, min(64 if HEAD_DIM <= 128 else 32, triton.next_power_of_2(rows)))
-    # Pages smaller than a tile: 8 warps for the per-page address arithmetic (8 x 32k keys, pages of 16:
-    # 279 against 287 µs on the H200 probe).
-    sub_tile_pages = 0 < page_size < block_n
-    return Tiles(block_m, block_n, 8 if HEAD_DIM >= 256 or sub_tile_pages else 4, 3)
+    block_m = max(16, min(64 if HEAD_DIM <= 128 else 32, triton.next_power_of_2(group * seqlen_q)))
+    # Pages smaller than a tile, one query token: 8 warps for the per-row page lookups (8 x 32k keys, pages
+    # of 16: 278 against 290 µs on the H200, .whl/scripts/kv_tiles.py at 7d48f83). With more tokens 8 warps
+    # run far slower (four tokens: 416 against 293 µs there, 248 against 185 at 1 x 128k).
+    one_token_sub_tile_pages = 0 < page_size < block_n and seqlen_q == 1
+    return Tiles(block_m, block_n, 8 if HEAD_DIM >= 256 or one_token_sub_tile_pages else 4, 3)
 
 
 @functools.lru_cache(maxsize=1024)
