@@ -329,7 +329,7 @@ def kvcache_forward(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
              s.qk_scale, s.cap_scale, LOG2_E, s.window_left, s.window_right,
              *q.stride(), *k_cache.stride(), *v_cache.stride(), *O.stride(), *L.stride(),
              *s.slope_strides, *(table.stride() if paged else (0, 0)),
-             heads, plan.group, seqlen_q, seqlen_t, capacity, k_cache.shape[0], plan.chunk, splits, rows, head_dim),
+             heads, heads // heads_k, seqlen_q, seqlen_t, capacity, k_cache.shape[0], plan.chunk, splits, rows, head_dim),
             dict(WINDOW_LEFT=s.WINDOW_LEFT, WINDOW_RIGHT=s.WINDOW_RIGHT, SOFTCAP=s.SOFTCAP, ALIBI=s.ALIBI,
                  LEFTPAD=spec.cache_leftpad is not None, BATCH_IDX=spec.cache_batch_idx is not None,
                  PAGED=paged, PAGE_SIZE=page_size, VARLEN=spec.varlen, **plan.constexprs),
@@ -364,7 +364,6 @@ def _counters(device: torch.device, n: int) -> torch.Tensor:
 class Plan(NamedTuple):
     """One launch of the split kernel, for a class of inputs."""
 
-    group: int
     splits: int
     chunk: int
     grid: int
@@ -378,8 +377,8 @@ def _plan(group: int, seqlen_q: int, head_dim: int, dtype: torch.dtype, batch_he
     """The tiles, the split count and the grid, worked out once per class of inputs (page_size 0: a
     contiguous cache): a decode loop asks the same question every step, and the answer cost ~30 µs of
     host time a call on the H200 before it was cached (Triton's cdiv, the split search)."""
-    tiles = _tiles(head_dim, dtype, group, seqlen_q, page_size)
-    head_dim_padded = max(16, 1 << (head_dim - 1).bit_length())
+    head_dim_padded = max(16, triton.next_power_of_2(head_dim))
+    tiles = _tiles(head_dim_padded, dtype, group, seqlen_q, page_size)
     programs = batch_heads_k * -(-group * seqlen_q // tiles.block_m)
     key_tiles = max(1, -(-capacity // tiles.block_n))
     splits = num_splits_asked or num_splits(programs, key_tiles,
@@ -387,27 +386,25 @@ def _plan(group: int, seqlen_q: int, head_dim: int, dtype: torch.dtype, batch_he
     splits = max(1, min(splits, key_tiles))
     chunk = -(-key_tiles // splits) * tiles.block_n
     return Plan(
-        group, splits, chunk, splits * programs,
+        splits, chunk, splits * programs,
         dict(BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, HEAD_DIM=head_dim_padded,
              EVEN_D=head_dim_padded == head_dim, SPLIT=splits > 1, FENCE=not INTERPRETED),
         dict(num_warps=tiles.num_warps, num_stages=tiles.num_stages),
     )
 
 
-def _tiles(head_dim: int, dtype: torch.dtype, group: int, seqlen_q: int, page_size: int = 0) -> Tiles:
+def _tiles(head_dim_padded: int, dtype: torch.dtype, group: int, seqlen_q: int, page_size: int = 0) -> Tiles:
     """The split kernel's launch: BLOCK_M covers the group's query rows (at least tl.dot's 16), BLOCK_N
     makes a key tile of about 32 KB (at most 128 rows): on the H200, 128-key tiles at D = 128 beat 64-key
     ones at every decode shape of issue 22 (.whl probe at feab801: 8 x 32k keys 264 against 306 µs, 64 x 4k
     261 against 294), a fourth stage did not help; 8 warps from D = 256."""
-    width = 2 if dtype in (torch.float16, torch.bfloat16) else 4
-    HEAD_DIM = max(16, triton.next_power_of_2(head_dim))
-    block_n = max(16, min(128, 32768 // (HEAD_DIM * width)))
-    block_m = max(16, min(64 if HEAD_DIM <= 128 else 32, triton.next_power_of_2(group * seqlen_q)))
+    block_n = max(16, min(128, 32768 // (head_dim_padded * dtype.itemsize)))
+    block_m = max(16, min(64 if head_dim_padded <= 128 else 32, triton.next_power_of_2(group * seqlen_q)))
     # Pages smaller than a tile, one query token: 8 warps for the per-row page lookups (8 x 32k keys, pages
     # of 16: 278 against 290 µs on the H200, .whl/scripts/kv_tiles.py at 7d48f83). With more tokens 8 warps
     # run far slower (four tokens: 416 against 293 µs there, 248 against 185 at 1 x 128k).
     one_token_sub_tile_pages = 0 < page_size < block_n and seqlen_q == 1
-    return Tiles(block_m, block_n, 8 if HEAD_DIM >= 256 or one_token_sub_tile_pages else 4, 3)
+    return Tiles(block_m, block_n, 8 if head_dim_padded >= 256 or one_token_sub_tile_pages else 4, 3)
 
 
 @functools.lru_cache(maxsize=1024)
