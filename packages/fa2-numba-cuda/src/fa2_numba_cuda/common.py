@@ -169,12 +169,14 @@ _NO_OFFSETS: dict[torch.device, object] = {}
 def spec_class(spec: AttentionSpec) -> tuple:
     """What the dense kernels' launches read of ``spec`` other than its tensors' memory, for a class key
     (``launch.prepare``): scale, window, softcap, the slopes' shape, strides and dtype, a packed batch's
-    number of offsets and max lengths. A spec's tensors make it unhashable, hence this tuple."""
+    number of offsets and max lengths (a KV cache's packed queries have no cu_seqlens_k). A spec's tensors make
+    it unhashable, hence this tuple."""
     slopes = spec.alibi_slopes
     return (
         spec.scale, spec.window, spec.softcap,
         None if slopes is None else (slopes.shape, slopes.stride(), slopes.dtype),
-        (spec.cu_seqlens_q.numel(), spec.cu_seqlens_k.numel(), spec.max_seqlen_q, spec.max_seqlen_k)
+        (spec.cu_seqlens_q.numel(), None if spec.cu_seqlens_k is None else spec.cu_seqlens_k.numel(),
+         spec.max_seqlen_q, spec.max_seqlen_k)
         if spec.varlen else None,
     )
 

@@ -59,9 +59,11 @@ Inputs: fp32, fp16 or bf16 (bf16 as int16 bit patterns, numba having no bf16); h
 to a power of two (at least 32) inside the block. Launch: on torch's current stream, no host
 synchronisation, allocation by torch only (capturable in a CUDA graph); kernels compiled once per (padded
 head dim, ``DecodeConfig``, ``common.Features``, cache kind, split or not, input kind, head_dim == padded,
-cp.async or plain loads) and cached; launched through ``fa2_numba_cuda.launch`` (numba's own launch for the
-first call of a class of arguments, then the compiled kernel's parameters packed on the host and one driver
-call; numba's own launch of both kernels cost 0.8-1.6 ms of host time a call on the H200's host). Under
+cp.async or plain loads) and cached; launched through ``launch.prepare`` (numba's own launch cost 0.8-1.6 ms
+of host time a call of both kernels on the H200's host): a class of calls (``_class_key``: shapes, strides,
+dtypes, device, the caches' alignment, the spec's values and its index tensors' layouts, the config) is
+launched by numba once, then its packed parameters are kept and each later call writes its tensors' data
+pointers and calls cuLaunchKernel (``_PREPARED``: the split kernel's launch and the combine's). Under
 numba's CUDA simulator (NUMBA_ENABLE_CUDASIM=1) the same kernels run on CPU tensors, ``cp.async`` and
 ``shfl_xor`` emulated by ``mma.py``: use tiny shapes there.
 """
@@ -92,8 +94,9 @@ from fa2_numba_cuda.common import (
     features,
     sequence,
     simulated,
+    spec_class,
 )
-from fa2_numba_cuda.launch import launch
+from fa2_numba_cuda import launch
 from fa2_numba_cuda.mma import (
     cp_async_16,
     cp_async_commit,
@@ -701,11 +704,53 @@ def _cache_view(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.int16) if t.dtype == torch.float16 else t
 
 
-def _launch(kernel, grid, block, device, args):
-    """``kernel[grid, block, torch's current stream](*args)``, tensors as ``common._flat`` of them, through
-    ``launch.launch`` (numba's own launch the first time a class of arguments is met and in the simulator;
-    then the compiled kernel's parameters packed on the host and one driver call)."""
-    launch(kernel, grid, block, device, args)
+def _index_tensors(spec: AttentionSpec, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """The split kernel's index arguments 5 .. 9 (block table, cache_seqlens, cache_leftpad, cache_batch_idx,
+    cu_seqlens_q), each as the kernel reads it (int32, contiguous) or ``_no_index`` where absent."""
+    return (spec.block_table if spec.paged else _no_index(device), _index(spec.cache_seqlens, device),
+            _index(spec.cache_leftpad, device), _index(spec.cache_batch_idx, device),
+            _index(spec.cu_seqlens_q, device))
+
+
+def _varying(spec: AttentionSpec, slopes_at: int) -> tuple[int, ...]:
+    """The split kernel's arguments that change within a ``launch.prepare`` class: q, k, v, the outputs, the
+    index tensors the spec has (``_index_tensors``' positions 5 .. 9) and the slopes (at ``slopes_at``)."""
+    present = (spec.paged, True, spec.cache_leftpad is not None, spec.cache_batch_idx is not None, spec.varlen)
+    indices = tuple(5 + i for i, there in enumerate(present) if there)
+    return (0, 1, 2, 3, 4, *indices, *((slopes_at,) if spec.alibi_slopes is not None else ()))
+
+
+def _varying_tensors(spec: AttentionSpec, index_tensors: tuple) -> tuple[torch.Tensor, ...]:
+    """The tensors of a call at ``_varying``'s positions after the five of q, k, v and the outputs."""
+    present = (spec.paged, True, spec.cache_leftpad is not None, spec.cache_batch_idx is not None, spec.varlen)
+    slopes = (spec.alibi_slopes,) if spec.alibi_slopes is not None else ()
+    return (*(t for t, there in zip(index_tensors, present) if there), *slopes)
+
+
+def _class_key(q, k_cache, v_cache, spec, config) -> tuple:
+    """A ``launch.prepare`` class of kvcache_forward calls: everything the kernels, their grids and their
+    arguments other than the tensors' memory are functions of (shapes, strides, dtypes, the device, the caches'
+    16 B alignment for cp.async, the spec's values and its index tensors' layouts, the config)."""
+    def layout(t):
+        return None if t is None else (t.shape, t.stride(), t.dtype)
+
+    return (layout(q), layout(k_cache), layout(v_cache), q.device, (k_cache.data_ptr() | v_cache.data_ptr()) % 16 == 0,
+            spec_class(spec), spec.num_splits, layout(spec.block_table), layout(spec.cache_seqlens),
+            layout(spec.cache_leftpad), layout(spec.cache_batch_idx), layout(spec.cu_seqlens_q),
+            None if config is None else tuple(config))
+
+
+class _Plan(NamedTuple):
+    """A class's prepared launches: the split kernel's, and with splits the combine's and the partial
+    results' shape (num_splits, rows_total, head_dim)."""
+
+    split: object
+    combine: object | None
+    parts: tuple[int, int, int] | None
+
+
+# Prepared launches by class of call (``_class_key``).
+_PREPARED: dict[tuple, _Plan] = {}
 
 
 def kvcache_forward(
@@ -743,6 +788,22 @@ def kvcache_forward(
         NotImplementedError: head_dim above 256.
         ValueError: q and the caches of different dtypes, or tensors on the wrong device for the mode.
     """
+    key = None
+    if launch.FAST:  # a call of a class met before: the kernels' parameters are packed, only pointers change
+        key = _class_key(q, k_cache, v_cache, spec, config)
+        plan = _PREPARED.get(key)
+        if plan is not None:
+            O = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+            L = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
+            varying = _varying_tensors(spec, _index_tensors(spec, q.device))
+            if plan.combine is None:
+                plan.split(q, k_cache, v_cache, O, L, *varying)
+            else:
+                o_out = torch.empty(plan.parts, dtype=torch.float32, device=q.device)
+                lse_out = torch.empty(plan.parts[:2], dtype=torch.float32, device=q.device)
+                plan.split(q, k_cache, v_cache, o_out, lse_out, *varying)
+                plan.combine(o_out, lse_out, O, L)
+            return O, L
     batch_q, heads, seqlen_rows, head_dim = q.shape
     if head_dim > MAX_HEAD_DIM:
         raise NotImplementedError(f"fa2-numba-cuda's KV-cache path supports head_dim up to {MAX_HEAD_DIM}, got {head_dim}")
@@ -780,10 +841,10 @@ def kvcache_forward(
     num_splits = spec.num_splits
     if num_splits == 0:
         slots = block_slots(device, HEAD_DIM, element_size, config)
-        key = (blocks, slots, -(-tiles // MIN_SPLIT_TILES))
-        num_splits = _SPLITS.get(key)
+        shape = (blocks, slots, -(-tiles // MIN_SPLIT_TILES))
+        num_splits = _SPLITS.get(shape)
         if num_splits is None:  # a loop over up to MAX_SPLITS counts: computed once per shape
-            num_splits = _SPLITS[key] = num_splits_heuristic(*key)
+            num_splits = _SPLITS[shape] = num_splits_heuristic(*shape)
     # Ranges of whole tiles; as many splits as hold a key of the capacity (at least one).
     split_keys = -(-max(tiles, 1) // num_splits) * config.BLOCK_N
     num_splits = max(1, -(-capacity // split_keys))
@@ -799,23 +860,24 @@ def kvcache_forward(
         lse_out = torch.empty(num_splits, rows_total, dtype=torch.float32, device=device)
     else:
         o_out, lse_out = O, L
-    block_table = spec.block_table if spec.paged else None
-    table_strides = block_table.stride() if block_table is not None else (0, 0)
-    args = (
-        q, _cache_view(k_cache), _cache_view(v_cache), o_out, lse_out,
-        block_table if block_table is not None else _no_index(device),
-        _index(spec.cache_seqlens, device), _index(spec.cache_leftpad, device),
-        _index(spec.cache_batch_idx, device), _index(spec.cu_seqlens_q, device),
+    table_strides = spec.block_table.stride() if spec.paged else (0, 0)
+    head = (
+        q, _cache_view(k_cache), _cache_view(v_cache), o_out, lse_out, *_index_tensors(spec, device),
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *table_strides,
         heads, heads_k, group, seqlen_q, seqlen_rows, capacity, k_cache.shape[0], page_size, head_dim,
-        np.float32(score_scale(spec)), num_m_tiles, num_splits, split_keys,
-        rows_total, *feature_args(spec, seqlen_q, capacity, device),
+        np.float32(score_scale(spec)), num_m_tiles, num_splits, split_keys, rows_total,
     )
-    _launch(kernel, blocks * num_splits, NUM_THREADS, device, args)
+    args = (*head, *feature_args(spec, seqlen_q, capacity, device))
+    # Each launch is numba's the first time a class is met, then prepared (``launch.prepare``).
+    split_launch = launch.prepare(kernel, blocks * num_splits, NUM_THREADS, device, args,
+                                  _varying(spec, len(head) + 3))
+    combine_launch = None
     if split:
-        combine = _combine_kernel(q.dtype == torch.bfloat16)
-        _launch(combine, -(-rows_total // COMBINE_ROWS), NUM_THREADS, device,
-                (o_out, lse_out, O, L, num_splits, rows_total, head_dim))
+        combine_launch = launch.prepare(_combine_kernel(q.dtype == torch.bfloat16), -(-rows_total // COMBINE_ROWS),
+                                        NUM_THREADS, device, (o_out, lse_out, O, L, num_splits, rows_total, head_dim),
+                                        (0, 1, 2, 3))
+    if key is not None and split_launch is not None and (combine_launch is not None or not split):
+        _PREPARED[key] = _Plan(split_launch, combine_launch, tuple(o_out.shape) if split else None)
     return O, L
 
 
