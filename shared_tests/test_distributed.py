@@ -4,10 +4,11 @@ Worlds of 1, 2 and 3 processes on loopback (gloo and CPU tensors here; NCCL and 
 --device cuda), each rank holding its shard of q, k and v, contiguous or zig-zag. Forward and backward of
 every case are checked on the whole sequence (the ranks' shards unsharded): O, L, dq, dk, dv against the
 fp64 reference by the suite's rules (checks.assert_matches_reference, test_gradients.assert_grads_match:
-the bar fa2.attention itself meets), and O, L against single-process fa2.attention on the same backend
-within the same tolerances. Also: a ring on a subgroup whose ranks are not 0..n-1 globally; bad input
-(shards of different lengths, heads, dtypes, options, a rank whose own input is refused) raising a
-ValueError on every rank instead of hanging; and the same group running the good cases after those errors.
+the bar fa2.attention itself meets), and O, L, dq, dk, dv against single-process fa2.attention on the
+same backend within the same tolerances. Also: a ring on a subgroup whose ranks are not 0..n-1 globally;
+bad input (shards of different lengths, heads, dtypes, options, a rank whose own input is refused) raising
+a ValueError on every rank instead of hanging; and the same group running the good cases after those
+errors.
 
 One launch of world_size processes per (backend, world) runs every case and writes its shards of the
 results to a file (a process costs seconds of torch import, so not one launch per case); the tests read
@@ -31,7 +32,7 @@ import fa2
 from checks import assert_matches_reference, max_err, random_qkv, tolerances
 from fa2.distributed import ring_attention, shard, unshard
 from test_conformance import CAUSAL, DTYPES, EMULATOR_GAPS, require_runnable
-from test_gradients import assert_grads_match
+from test_gradients import assert_grads_match, grad_tolerances
 
 WORLDS = [pytest.param(1, id="world1"), pytest.param(2, id="world2"), pytest.param(3, id="world3")]
 LAYOUTS = [pytest.param("contiguous", id="contiguous"), pytest.param("zigzag", id="zigzag")]
@@ -315,12 +316,19 @@ def _assert_matches(got: dict, case: Case, world: int, backend: str, device) -> 
     q, k, v, dO = _inputs(case, world, torch.device("cpu"))
     assert_matches_reference(got["O"], got["L"], q, k, v, case.causal)
     assert_grads_match(got["dq"], got["dk"], got["dv"], q, k, v, dO, case.causal)
-    # And next to single-process fa2.attention on the whole sequence, within the same tolerances.
-    O_one, L_one = fa2.attention(q.to(device), k.to(device), v.to(device), causal=case.causal, backend=backend)
+    # And next to single-process fa2.attention on the whole sequence, forward and backward, within the same
+    # tolerances.
+    q1, k1, v1 = (t.to(device).requires_grad_() for t in (q, k, v))
+    O_one, L_one = fa2.attention(q1, k1, v1, causal=case.causal, backend=backend)
+    grads_one = torch.autograd.grad(O_one, (q1, k1, v1), dO.to(device))
     tol_O, tol_L = tolerances(q, k, v, case.causal)
-    err_O, err_L = max_err(got["O"], O_one.cpu().double()), max_err(got["L"], L_one.cpu().double())
+    err_O, err_L = max_err(got["O"], O_one.detach().cpu().double()), max_err(got["L"], L_one.cpu().double())
     assert err_O <= tol_O, f"max |O - fa2.attention's O| = {err_O:.3g} > tolerance {tol_O:.3g}"
     assert err_L <= tol_L, f"max |L - fa2.attention's L| = {err_L:.3g} > tolerance {tol_L:.3g}"
+    _, tols = grad_tolerances(q, k, v, dO, case.causal)
+    for name, one, tol in zip(("dq", "dk", "dv"), grads_one, tols):
+        err = max_err(got[name], one.cpu().double())
+        assert err <= tol, f"max |{name} - fa2.attention's {name}| = {err:.3g} > tolerance {tol:.3g}"
 
 
 # --- the tests ------------------------------------------------------------------------------------------------

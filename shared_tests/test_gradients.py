@@ -36,18 +36,23 @@ def grads(O, inputs, dO):
         pytest.skip(str(e))
 
 
-def assert_grads_match(dq, dk, dv, q, k, v, dO, causal, **features):
-    """``features``: window, softcap, alibi_slopes, as fa2.reference.attention takes them."""
+def grad_tolerances(q, k, v, dO, causal, **features):
+    """(the fp64 reference's dq, dk, dv; the tolerance of each): fp32 a fixed bound, fp16/bf16 three times
+    a same-precision naive attention's error plus twice the reference's rounding to the dtype."""
     q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
     O64 = reference.attention(q64, k64, v64, causal, **features)[0]
     ref = torch.autograd.grad(O64, (q64, k64, v64), dO.double())
     if q.dtype == torch.float32:
-        tols = [FP32_GRAD_ATOL] * 3
-    else:
-        ql, kl, vl = (t.detach().requires_grad_() for t in (q, k, v))
-        O_naive = reference.attention(ql, kl, vl, causal, upcast=False, **features)[0]
-        naive = torch.autograd.grad(O_naive, (ql, kl, vl), dO)
-        tols = [3 * max_err(n, r) + 2 * max_err(r.to(q.dtype), r) for n, r in zip(naive, ref)]
+        return ref, [FP32_GRAD_ATOL] * 3
+    ql, kl, vl = (t.detach().requires_grad_() for t in (q, k, v))
+    O_naive = reference.attention(ql, kl, vl, causal, upcast=False, **features)[0]
+    naive = torch.autograd.grad(O_naive, (ql, kl, vl), dO)
+    return ref, [3 * max_err(n, r) + 2 * max_err(r.to(q.dtype), r) for n, r in zip(naive, ref)]
+
+
+def assert_grads_match(dq, dk, dv, q, k, v, dO, causal, **features):
+    """``features``: window, softcap, alibi_slopes, as fa2.reference.attention takes them."""
+    ref, tols = grad_tolerances(q, k, v, dO, causal, **features)
     for name, g, r, tol, x in zip(("dq", "dk", "dv"), (dq, dk, dv), ref, tols, (q, k, v)):
         assert g.shape == x.shape and g.dtype == x.dtype, f"{name}: {tuple(g.shape)} {g.dtype}"
         assert not torch.isnan(g).any(), f"NaN in {name}"
