@@ -484,6 +484,31 @@ def test_kvcache_tensor_core_kernel(device, monkeypatch, dtype, case, scale, cau
     assert_matches_kvcache_reference(O, L, q, k_cache, v_cache, spec)
 
 
+@pytest.mark.skipif(SIMULATED or not torch.cuda.is_available(), reason=(
+    "registers and local memory of the compiled kernel: a CUDA GPU of compute capability 8.0+ only"))
+@pytest.mark.parametrize("page", [None, 256], ids=["contiguous", "paged256"])
+def test_kvcache_tensor_core_kernel_on_the_gpu(page):
+    """The decode benchmark's class (bf16, 32 query / 8 key-value heads, D 128, one token, split): the
+    tensor-core kernel runs, matches the reference, and keeps its registers (offline, ptxas sm_90: 174
+    registers and no local memory contiguous, 36 B of spills paged)."""
+    from fa2_numba_cuda import kvcache
+    from test_kvcache import _make, assert_matches_kvcache_reference
+
+    if torch.cuda.get_device_capability() < forward_tc.MIN_COMPUTE_CAPABILITY:
+        pytest.skip(f"compute capability {torch.cuda.get_device_capability()} < 8.0: the SIMT kernel runs")
+    case = dict(q=1, b=2, h=32, hk=8, d=128, cap=4096, seqlens=[4096, 2999], leftpad=None, batch_idx=None,
+                page=page, window=(-1, -1), softcap=0.0, alibi=None, splits=0, varlen=None)
+    q, k_cache, v_cache, spec = _make(case, False, torch.bfloat16, "cuda", seed=5)
+    O, L = kvcache.kvcache_forward(q, k_cache, v_cache, spec)
+    assert_matches_kvcache_reference(O, L, q, k_cache, v_cache, spec)
+    # (HEAD_DIM, config, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN, PAGED, BATCH_IDX, LEFTPAD, SPLIT, IS_BF16, ...)
+    rows = [r for r in kvcache.kernel_resources() if r["kernel"] == "kvcache-tensor-core" and r["HEAD_DIM"] == 128
+            and r["switches"][:6] == [False] * 5 + [page is not None] and r["switches"][9]]
+    print(f"\nkvcache tensor-core kernel ({'paged 256' if page else 'contiguous'}): {rows}")
+    assert rows, "the tensor-core split kernel of this class did not run"
+    assert all(r["local_bytes_per_thread"] <= 64 for r in rows), f"local memory: {rows}"
+
+
 def test_kvcache_kernel_choice_by_dtype_and_head_dim(device):
     """fp16/bf16 with head_dim <= 128 take the tensor-core split kernel (on compute capability 8.0+, or under
     the simulator); fp32 and head_dim > 128 keep the SIMT one, and forcing the tensor-core one on them is
