@@ -673,9 +673,9 @@ def tc_decode_config(HEAD_DIM: int) -> TensorCoreDecodeConfig:
     """The tensor-core block for a padded head dim (32, 64 or 128): two stages of K and V tiles and their
     16 B row padding in the 48 KB of static shared memory, Q and the warps' final merge reusing them::
 
-        HEAD_DIM   warps   keys a tile   shared memory
-        32, 64     4       64            20, 37 KB
-        128        2       32            35 KB
+        HEAD_DIM   warps   keys a tile   shared memory (as ptxas reports it)
+        32, 64     4       64            20,992, 37,376 B
+        128        2       32            35,072 B
 
     Registers per thread (fragments: fp32 O HEAD_DIM / 2, Q HEAD_DIM / 4, S 8): capped at 128 up to HEAD_DIM
     64 and at 176 at 128, where ptxas (CUDA 13.0, sm_90, offline) needs no spill; at 128 that is five blocks an
