@@ -243,7 +243,7 @@ def _compare_prepared(args, varying, tensors, args2, given) -> int:
             assert t.data_ptr() == a2.data_ptr(), f"argument {i}: not the call's own tensor"
         else:
             assert _span_bytes(t) == _span_bytes(a2), f"argument {i}: an output of another size"
-    values, _ = launch.parameter_values(args, [])
+    values = launch.parameter_values(args)
     packed = bytearray(struct.pack(launch.parameter_layout(compiled.argument_types), *values))
     expected = launch.numba_parameters(compiled2, flat2)
     with pytest.raises(AssertionError, match=f"parameter {slots[0]} packed as"):

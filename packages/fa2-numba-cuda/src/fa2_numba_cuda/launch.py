@@ -1,42 +1,34 @@
 """Launching fa2-numba-cuda's kernels with less host time per call.
 
-``kernel[grid, block, stream](*args)`` costs most of a decode call's host time: for every launch numba's
+``kernel[grid, block, stream](*args)`` costs most of a short call's host time: for every launch numba's
 dispatcher types each argument again (a torch tensor through DLPack, ``_typeof_dlpack``), finds the
 compiled kernel for those types, and ``_Kernel.launch`` converts each array once more
 (``_to_strided_memory_view``) to build the kernel's parameters, ~40 arguments a KV-cache call. fa2 launches
-the same few kernels with arguments of the same kinds again and again, so ``launch`` (as
-``fa2_triton.launch``) keeps, per class of arguments, the kernel numba compiled for them, and on later calls
-of that class packs the parameters itself and calls the driver's ``cuLaunchKernel`` on torch's current
-stream (a CUDA-graph capture records it as it records numba's launch).
+the same few kernels with arguments of the same kinds again and again, so ``prepare`` (as
+``fa2_triton.launch``) launches the first call of a class of calls through numba, keeps that call's
+parameters packed, and on later calls of the class writes only the tensors' data pointers into them
+(``Prepared.__call__``) and calls the driver's ``cuLaunchKernel`` on torch's current stream (a CUDA-graph
+capture records it as it records numba's launch).
 
 Parameters, as numba's ``_Kernel._prepare_args`` lays them out (numba-cuda 0.30): an array is meminfo (0),
 parent (0), nitems, itemsize, data pointer, then its shape and its strides in bytes, each 8 bytes; an int64
 scalar 8 bytes, a float32 4, a float64 8, a bool its first byte (numba hands the driver the Python bool);
 each is packed into 8 bytes here. Every array argument here is ``common._flat`` of a tensor, a 1-d
-C-contiguous array over the memory the tensor spans (``launch`` applies ``_flat`` itself, so that the fast
-path need not build the views): nitems = shape = that span, stride = itemsize.
+C-contiguous array over the memory the tensor spans: nitems = shape = that span, stride = itemsize.
 
-The class is (kernel, device, and per argument: a tensor's dtype, else the argument's Python type). numba
-specialises a compilation on the argument types it infers: an array's dtype (``_flat`` maps bf16 to int16,
-a function of the dtype), ndim (1) and layout ("C"), both fixed by ``_flat``, and its readonly flag (torch
-exports its tensors, inference-mode ones too, as writable; the flag changes what numba lets a kernel write,
-not the code that reads);
-a Python int's type by its bit length (int64 below 64 bits: packing with struct's "q" refuses a larger
-value, and such a call is launched by numba); np.float32 as float32, a float as float64. So two calls of
-one class are two calls numba sends to the same compiled kernel. When a class is first met its call is
-launched by numba (compiling if needed); then the packed parameters of that very call are compared byte by
-byte with what numba's own ``_prepare_args`` builds for the compiled kernel's argument types, and a
-mismatch raises: a wrong layout fails loudly on its first use, never as a wrong result. Kernels compiled
-with debug, as cooperative or sensitive to the launch configuration, with argument extensions or a type
-this module does not pack, and calls with an empty tensor (``_flat`` substitutes a fresh array) are always
-launched by numba.
-
-The dense forward and backward go one step further (``prepare``): their callers key a class by everything
-the launch depends on but the tensors' memory (shapes, strides, dtypes, device, the spec's values), so that
-within a class every parameter but the tensors' data pointers is the same. ``prepare`` launches a class's
-first call through numba, checks its packing as above, and keeps the packed parameters; a later call of the
-class (``Prepared.__call__``) writes its tensors' data pointers into their slots and calls the driver,
-with no argument list built or packed at all.
+The callers key a class by everything the launch depends on but the tensors' memory: shapes, strides,
+dtypes, device, the spec's values and the configuration. That holds what numba specialises a compilation on,
+the argument types it infers: an array's dtype (``_flat`` maps bf16 to int16, a function of the dtype),
+ndim (1) and layout ("C"), both fixed by ``_flat``, and its readonly flag (torch exports its tensors,
+inference-mode ones too, as writable; the flag changes what numba lets a kernel write, not the code that
+reads); a Python int's type by its bit length (int64 below 64 bits: packing with struct's "q" refuses a
+larger value, and such a class is launched by numba); np.float32 as float32, a float as float64. So within
+a class every parameter but the data pointers is the first call's. When a class is first met, its packed
+parameters are compared byte by byte with what numba's own ``_prepare_args`` builds for the compiled
+kernel's argument types, and a mismatch raises: a wrong layout fails loudly on its first use, never as a
+wrong result. Kernels compiled with debug, as cooperative or sensitive to the launch configuration, with
+argument extensions or a type this module does not pack, and calls with an empty tensor (``_flat``
+substitutes a fresh array) are always launched by numba.
 
 Under numba's CUDA simulator (NUMBA_ENABLE_CUDASIM=1) every launch is ``kernel[grid, block](*args)``.
 Setting ``FAST = False`` makes every launch numba's own (the tests compare the two).
@@ -48,7 +40,6 @@ import ctypes
 import struct
 import threading
 from operator import mul
-from typing import Any, NamedTuple
 
 import torch
 from numba import cuda
@@ -56,9 +47,6 @@ from numba import cuda
 from fa2_numba_cuda.common import _flat, simulated
 
 FAST = not simulated()
-
-# (kernel, device index, argument kinds) -> _Launcher, or None for a class numba always launches.
-_LAUNCHERS: dict[tuple, Any] = {}
 
 if not simulated():
     from cuda.bindings import driver as _driver
@@ -68,65 +56,9 @@ if not simulated():
     _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 
-class _Launcher(NamedTuple):
-    """What a fast launch of one class needs: the driver's handle of the compiled kernel, the struct that
-    packs the parameters into ``buffer`` (8 bytes a parameter), the array of pointers to them that
-    cuLaunchKernel reads (its address), the primary context numba compiled in, and a lock (the buffer is
-    shared by the calls of the class)."""
-
-    function: Any
-    packer: struct.Struct
-    buffer: Any
-    pointers: Any
-    params: int
-    context: int
-    lock: threading.Lock
-
-
-def launch(kernel, grid: int, block: int, device: torch.device, args: tuple) -> None:
-    """Runs ``kernel[grid, block, torch's current stream](*args)`` on ``device``, each tensor argument passed
-    as ``common._flat(tensor)``. Arguments: tensors, ints, floats, bools and np.float32 (other types: numba's
-    own launch)."""
-    if not FAST:
-        _numba_launch(kernel, grid, block, device, args)
-        return
-    values = parameter_values(args, [kernel, device.index])
-    if values is None:  # an empty tensor
-        _numba_launch(kernel, grid, block, device, args)
-        return
-    values, key = values
-    try:
-        launcher = _LAUNCHERS[key]
-    except KeyError:
-        _LAUNCHERS[key] = _first_launch(kernel, grid, block, device, args, values)
-        return
-    if launcher is None:
-        _numba_launch(kernel, grid, block, device, args)
-        return
-    stream = _raw_stream(device.index) if _raw_stream is not None else torch.cuda.current_stream(device).cuda_stream
-    with launcher.lock:
-        try:
-            launcher.packer.pack_into(launcher.buffer, 0, *values)
-        except struct.error:  # an int of 64 bits or more, which numba types otherwise
-            err = None
-        else:
-            if int(_driver.cuCtxGetCurrent()[1]) == launcher.context:
-                (err,) = _driver.cuLaunchKernel(launcher.function, grid, 1, 1, block, 1, 1, 0, stream,
-                                                launcher.params, 0)
-            else:  # another context is current: make numba's (the device's primary context) current
-                with cuda.gpus[device.index]:
-                    (err,) = _driver.cuLaunchKernel(launcher.function, grid, 1, 1, block, 1, 1, 0, stream,
-                                                    launcher.params, 0)
-    if err is None:
-        _numba_launch(kernel, grid, block, device, args)
-    elif err != _SUCCESS:
-        raise RuntimeError(f"fa2_numba_cuda.launch: cuLaunchKernel failed: {err!r}")
-
-
-def parameter_values(args: tuple, kinds: list) -> tuple[list, tuple] | None:
-    """The values ``launch`` packs for ``args`` (each tensor as the seven of its ``_flat`` array) and the
-    class key: ``kinds`` followed by each argument's kind (a tensor's dtype, else its type). None when a
-    tensor is empty."""
+def parameter_values(args: tuple) -> list | None:
+    """The values ``prepare`` packs for ``args``, each tensor as the seven of its ``_flat`` array; None when
+    a tensor is empty."""
     values = []
     for a in args:
         if type(a) is torch.Tensor:
@@ -138,11 +70,9 @@ def parameter_values(args: tuple, kinds: list) -> tuple[list, tuple] | None:
                 n = 1 + sum(map(mul, a.shape, st)) - sum(st)
             es = a.element_size()
             values += (0, 0, n, es, a.data_ptr(), n, es)
-            kinds.append(a.dtype)
         else:
             values.append(a)
-            kinds.append(type(a))
-    return values, tuple(kinds)
+    return values
 
 
 def _numba_launch(kernel, grid, block, device, args):
@@ -157,22 +87,8 @@ def _numba_launch(kernel, grid, block, device, args):
     return flat
 
 
-def _first_launch(kernel, grid, block, device, args, values):
-    """Launches the first call of a class through numba, then returns its ``_Launcher`` (None where the
-    class stays with numba), after checking that ``values`` packs into numba's own parameters."""
-    flat = _numba_launch(kernel, grid, block, device, args)
-    checked = _checked_packing(kernel, device, flat, values)
-    if checked is None:
-        return None
-    function, packer, buffer, context = checked
-    count = packer.size // 8
-    base = ctypes.addressof(buffer)
-    pointers = (ctypes.c_void_p * count)(*[base + 8 * i for i in range(count)])
-    return _Launcher(function, packer, buffer, pointers, ctypes.addressof(pointers), context, threading.Lock())
-
-
 def _checked_packing(kernel, device, flat, values):
-    """(driver function, struct, a buffer holding ``values`` packed, context) for the kernel numba compiled
+    """(driver function, a buffer holding ``values`` packed, context) for the kernel numba compiled
     for the arguments ``flat`` (just launched), the packing checked byte for byte against numba's
     ``_prepare_args``; None where numba must launch the class itself."""
     argtypes = tuple(kernel.typeof_pyval(a) for a in flat)
@@ -194,7 +110,7 @@ def _checked_packing(kernel, device, flat, values):
     with cuda.gpus[device.index]:
         cufunc = compiled._codelibrary.get_cufunc()
         context = int(cuda.current_context().handle)
-    return _driver.CUfunction(int(cufunc.handle)), packer, buffer, context
+    return _driver.CUfunction(int(cufunc.handle)), buffer, context
 
 
 class Prepared:
@@ -240,23 +156,18 @@ class Prepared:
 def prepare(kernel, grid: int, block: int, device: torch.device, args: tuple,
             varying: tuple[int, ...]) -> Prepared | None:
     """Launches ``kernel[grid, block, torch's current stream](*args)`` (tensors as ``common._flat`` of them)
-    through numba, as ``launch`` launches a class's first call, and returns the ``Prepared`` launch of the
-    calls that differ from this one only in the memory of the tensors at the positions ``varying`` of
-    ``args`` (the caller's class key holds everything else: shapes, strides, dtypes, device, every scalar).
-    None where numba launches every call (the simulator, ``FAST`` off, an empty tensor, a type ``launch``
-    does not pack)."""
-    if not FAST:
-        _numba_launch(kernel, grid, block, device, args)
-        return None
-    values = parameter_values(args, [])
-    if values is None:
-        _numba_launch(kernel, grid, block, device, args)
-        return None
+    through numba and returns the ``Prepared`` launch of the calls that differ from this one only in the
+    memory of the tensors at the positions ``varying`` of ``args`` (the caller's class key holds everything
+    else: shapes, strides, dtypes, device, every scalar). None where numba launches every call (the
+    simulator, ``FAST`` off, an empty tensor, a type this module does not pack)."""
+    values = parameter_values(args) if FAST else None
     flat = _numba_launch(kernel, grid, block, device, args)
-    checked = _checked_packing(kernel, device, flat, values[0])
+    if values is None:
+        return None
+    checked = _checked_packing(kernel, device, flat, values)
     if checked is None:
         return None
-    function, _, buffer, context = checked
+    function, buffer, context = checked
     return Prepared(function, grid, block, device, buffer, pointer_slots(args, varying), context)
 
 
