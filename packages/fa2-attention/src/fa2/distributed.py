@@ -294,7 +294,6 @@ def _finish(works, recv: torch.Tensor) -> torch.Tensor:
 # --- agreeing on the input: every rank raises the same error instead of some hanging in the ring -----------
 
 
-
 def _check(q, k, v, causal, scale, group, backend, layout) -> _Plan:
     world = dist.get_world_size(group)
     rank = dist.get_rank(group)

@@ -12,10 +12,11 @@ query head hk · GROUP + r % GROUP: each cached key is read once per key/value h
 mask arithmetic) over the key tiles of its range that some row sees, and writes either the final O and L
 (one split) or its range's O (normalised, fp32) and L into a workspace, one allocation for every split. The
 last program of a (batch row, key/value head, row tile) to finish its split, told by an atomic count, then
-merges the splits' results in the same launch (and zeroes its count again, for the next launch): L = log Σ_s exp(L_s), O = Σ_s exp(L_s - L) · O_s
-(``fa2.combine``'s merge), ranges a row sees no key of (L_s = +inf) weighing nothing. One launch, not a
-split kernel and a combine kernel: a Triton launch is the largest item of a decode step's host time (an
-H200 probe at 10d37e2, calls back to back: 54.5 µs for the split kernel's launch, 30.8 for the combine's).
+merges the splits' results in the same launch, and zeroes its count again for the next launch:
+L = log Σ_s exp(L_s), O = Σ_s exp(L_s - L) · O_s (``fa2.combine``'s merge), ranges a row sees no key of
+(L_s = +inf) weighing nothing. One launch, not a split kernel and a combine kernel: a Triton launch is the
+largest item of a decode step's host time (an H200 probe at 10d37e2, calls back to back: 54.5 µs for the
+split kernel's launch, 30.8 for the combine's).
 
 Row b of q attends to keys [0, K_b) of its cache, K_b = cache_seqlens[b], and query i sees key j iff
 leftpad_b <= j < K_b and i + K_b - Nq - left <= j <= i + K_b - Nq + right (the bounded sides only). With
@@ -329,7 +330,8 @@ def kvcache_forward(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
              s.qk_scale, s.cap_scale, LOG2_E, s.window_left, s.window_right,
              *q.stride(), *k_cache.stride(), *v_cache.stride(), *O.stride(), *L.stride(),
              *s.slope_strides, *(table.stride() if paged else (0, 0)),
-             heads, heads // heads_k, seqlen_q, seqlen_t, capacity, k_cache.shape[0], plan.chunk, splits, rows, head_dim),
+             heads, heads // heads_k, seqlen_q, seqlen_t, capacity, k_cache.shape[0], plan.chunk, splits, rows,
+             head_dim),
             dict(WINDOW_LEFT=s.WINDOW_LEFT, WINDOW_RIGHT=s.WINDOW_RIGHT, SOFTCAP=s.SOFTCAP, ALIBI=s.ALIBI,
                  LEFTPAD=spec.cache_leftpad is not None, BATCH_IDX=spec.cache_batch_idx is not None,
                  PAGED=paged, PAGE_SIZE=page_size, VARLEN=spec.varlen, **plan.constexprs),
