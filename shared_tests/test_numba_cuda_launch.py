@@ -46,43 +46,49 @@ def _numba_cuda_selected(request):
 # --- the packing against numba's, on the CPU ----------------------------------------------------------
 
 
-def _kvcache_inputs(case, dtype, seed):
+def _kvcache_inputs(case, dtype, tensor_cores, seed):
     """(launcher, its arguments, the tensors the caller gave) of one kvcache_forward call of a test_kvcache
-    case (not causal), on CPU tensors."""
+    case (not causal), on CPU tensors, the split kernel the SIMT one or (``tensor_cores``) the tensor-core
+    one."""
+    import functools
+
     from test_kvcache import _make
 
     q, k_cache, v_cache, spec = _make(case, False, dtype, "cpu", seed=seed)
     given = (q, k_cache, v_cache, *(t for t in (spec.block_table, spec.cache_seqlens, spec.cache_leftpad,
                                                  spec.cache_batch_idx, spec.cu_seqlens_q, spec.alibi_slopes)
                                     if t is not None))
-    return kvcache.kvcache_forward, (q, k_cache, v_cache, spec), given
+    return functools.partial(kvcache.kvcache_forward, tensor_cores=tensor_cores), (q, k_cache, v_cache, spec), given
 
 
 def check_parameters_match_numba() -> int:
-    """The prepared launches of kvcache_forward (split kernel and combine) over test_kvcache's cases and
-    three dtypes (contiguous, paged, leftpad, cache_batch_idx, packed queries with a block table, ALiBi,
-    windows; one split and several) on CPU tensors, kernels not run, as ``check_dense_parameters_match_numba``
-    checks the dense kernels'. Needs numba-cuda without the simulator (no GPU). Returns the number of launches
-    compared."""
+    """The prepared launches of kvcache_forward (split kernel and combine) over test_kvcache's cases, with the
+    SIMT split kernel in three dtypes and the tensor-core one in fp16 and bf16 (contiguous, paged, leftpad,
+    cache_batch_idx, packed queries with a block table, ALiBi, windows; one split and several) on CPU tensors,
+    kernels not run, as ``check_dense_parameters_match_numba`` checks the dense kernels'. Needs numba-cuda
+    without the simulator (no GPU). Returns the number of launches compared."""
     from test_kvcache import CASES
 
     assert not common.simulated()
-    real = kvcache._check_device, kvcache.block_slots
+    real = kvcache._check_device, kvcache.block_slots, kvcache.capability
     kvcache._check_device = lambda q: None  # CPU tensors, kernels not launched
     kvcache.block_slots = lambda *a: 132 * 4  # an H100's SMs x blocks, without asking a GPU
+    kvcache.capability = lambda device: (9, 0)
+    kinds = [(torch.float32, False), (torch.float16, False), (torch.bfloat16, False), (torch.float16, True),
+             (torch.bfloat16, True)]
     try:
-        return _check_prepared([(f"{case.id}-{dtype}", lambda seed, c=case.values[0], d=dtype: _kvcache_inputs(c, d, seed))
-                                for case in CASES for dtype in (torch.float32, torch.float16, torch.bfloat16)],
-                               (kvcache,))
+        return _check_prepared([(f"{case.id}-{dtype}-{'tc' if tc else 'simt'}",
+                                 lambda seed, c=case.values[0], d=dtype, tc=tc: _kvcache_inputs(c, d, tc, seed))
+                                for case in CASES for dtype, tc in kinds], (kvcache,))
     finally:
-        kvcache._check_device, kvcache.block_slots = real
+        kvcache._check_device, kvcache.block_slots, kvcache.capability = real
 
 
 def test_packed_parameters_are_numbas():
     """kvcache_forward's prepared launches: a class's first call packed with a second call's pointers equals
     numba's parameters for that second call (``check_parameters_match_numba``)."""
     if not common.simulated():
-        assert check_parameters_match_numba() >= 16 * 3  # a split kernel each, and combines
+        assert check_parameters_match_numba() >= 16 * 5  # a split kernel each, and combines
         return
     env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
     code = ("import sys; sys.path.insert(0, sys.argv[1]); import test_numba_cuda_launch as t; "
@@ -90,7 +96,7 @@ def test_packed_parameters_are_numbas():
     done = subprocess.run([sys.executable, "-c", code, str(HERE)], env=env, capture_output=True, text=True,
                           timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert int(done.stdout.split()[-1]) >= 16 * 3, done.stdout
+    assert int(done.stdout.split()[-1]) >= 16 * 5, done.stdout
 
 
 def _dense_spec(case: str, batch: int, heads: int, seqlen_q: int, seqlen_k: int, head_dim: int,

@@ -1,4 +1,5 @@
-"""fa2-numba-cuda's tensor-core kernel (``fa2_numba_cuda.forward_tc``, instructions in ``fa2_numba_cuda.mma``).
+"""fa2-numba-cuda's tensor-core kernels (``fa2_numba_cuda.forward_tc`` and the KV-cache split kernel of
+``fa2_numba_cuda.kvcache``, instructions in ``fa2_numba_cuda.mma``).
 
 On the GPU the conformance suite runs it: ``fa2.attention`` on fp16/bf16 CUDA tensors with head_dim <= 128
 dispatches to it (``test_dispatch_on_the_gpu`` checks that, and that no kernel spills). numba's simulator
@@ -14,7 +15,10 @@ kernel's index math on the CPU instead, in two ways:
   every address is bounds-checked), on small blocks, against the fp64 reference with the suite's tolerances.
 
 Both check the kernel against the ISA's tables, not the hardware: the GPU run is what shows the tables and
-the hardware agree.
+the hardware agree. The KV-cache split kernel on tensor cores runs by default for fp16/bf16, in the simulator
+too (test_kvcache's fp16 cases take it there); its own cases here (the block shapes of HEAD_DIM 128 and 64,
+plain loads, two row tiles, bf16) check that it is the kernel chosen and that it matches the reference, on
+the simulator or, with --device cuda, on the GPU.
 """
 
 from __future__ import annotations
@@ -417,6 +421,110 @@ def test_simulated_kernel_varlen_window_skips_key_tiles():
         rows, keys = slice(16 * s, 16 * s + 16), slice(start + 64, start + 96)
         assert_matches_reference(O[:, :, rows], L[:, :, rows], q[:, :, rows], k[:, :, keys], v[:, :, keys], False,
                                  0.25, window=(8, 0))
+
+
+# --- the KV-cache split kernel on tensor cores (``kvcache._build_tc_kernel``) ---------------------------
+# fa2's decode path takes it by default for fp16/bf16 with head_dim <= 128, under the simulator too (decode
+# blocks are small), so test_kvcache's fp16 cases run it there; these add what those D-16 cases leave out:
+# the two-warp block of HEAD_DIM 128, HEAD_DIM 64, a head_dim padded with plain loads, more than 16 query rows
+# (two row tiles), bf16, a negative scale. On a GPU (--device cuda) they run the compiled kernel.
+
+
+def _kv(dtype, scale=None, **case):
+    """A test_kvcache case (its ``_case`` arguments) in ``dtype``, optionally with another scale."""
+    from test_kvcache import _case as kv_case
+
+    param = kv_case(**case)
+    kind = "bf16" if dtype == torch.bfloat16 else "fp16"
+    suffix = f"-scale{scale}" if scale is not None else ""
+    return pytest.param(dtype, param.values[0], scale, id=f"{kind}-{param.id}{suffix}")
+
+
+KV_TC_CASES = [
+    # HEAD_DIM 128: two warps of 16 keys a 32-key tile; 4 tokens x group 4 = 16 rows; pages of 16; two splits
+    _kv(torch.bfloat16, q=4, b=1, h=8, hk=2, d=128, cap=80, seqlens=(70,), page=16, splits=2),
+    # HEAD_DIM 64 (four warps, 64-key tiles), one token of GQA 4: leftpad, a left window, softcap, ALiBi per
+    # row; no split (O in fp16, natural L); a negative scale
+    _kv(torch.float16, -0.2, q=1, b=2, h=4, hk=1, d=64, cap=100, seqlens=(100, 41), leftpad=(3, 0),
+        window=(20, -1), softcap=4.0, alibi="row", splits=1),
+    # head_dim 36 padded to 64 (rows 72 B apart: plain loads); 5 tokens x group 4 = 20 rows, two row tiles;
+    # cache_batch_idx, a row with no key; the backend picks the splits
+    _kv(torch.float16, q=5, b=2, h=4, hk=1, d=36, cap=50, seqlens=(50, 0), batch_idx=(1, 0), splits=0),
+    # packed queries with a block table, three splits
+    _kv(torch.bfloat16, varlen=(2, 5), b=2, h=4, hk=2, d=32, cap=48, seqlens=(48, 20), page=16, splits=3),
+]
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype, case, scale", KV_TC_CASES)
+def test_kvcache_tensor_core_kernel(device, monkeypatch, dtype, case, scale, causal):
+    """kvcache_forward's default choice for fp16/bf16 is the tensor-core split kernel (the SIMT one never
+    built), and it matches ``fa2.reference.kvcache_attention`` with test_kvcache's tolerances."""
+    import dataclasses
+
+    from fa2_numba_cuda import kvcache
+    from test_kvcache import _make, assert_matches_kvcache_reference
+
+    if SIMULATED != (device.type == "cpu"):
+        pytest.skip(f"the kernel runs on CUDA tensors, or on CPU tensors under numba's simulator; got {device}")
+    if device.type == "cuda" and torch.cuda.get_device_capability() < forward_tc.MIN_COMPUTE_CAPABILITY:
+        pytest.skip(f"compute capability {torch.cuda.get_device_capability()} < 8.0: the SIMT kernel runs")
+    q, k_cache, v_cache, spec = _make(case, causal, dtype, device, seed=case["cap"] + case["d"])
+    if scale is not None:
+        spec = dataclasses.replace(spec, scale=scale)
+    assert kvcache.uses_tensor_cores(q)
+    built = []
+    real = kvcache._tc_kernel
+    monkeypatch.setattr(kvcache, "_tc_kernel", lambda *key: built.append(key) or real(*key))
+    monkeypatch.setattr(kvcache, "_kernel", lambda *key: pytest.fail(f"the SIMT split kernel ran: {key}"))
+    monkeypatch.setattr(kvcache, "_PREPARED", {})  # a prepared class would launch without asking for a kernel
+    O, L = kvcache.kvcache_forward(q, k_cache, v_cache, spec)
+    head_dim = kvcache.padded_head_dim(case["d"])
+    assert built and built[0][:2] == (head_dim, kvcache.tc_decode_config(head_dim)), built
+    assert_matches_kvcache_reference(O, L, q, k_cache, v_cache, spec)
+
+
+@pytest.mark.skipif(SIMULATED or not torch.cuda.is_available(), reason=(
+    "registers and local memory of the compiled kernel: a CUDA GPU of compute capability 8.0+ only"))
+@pytest.mark.parametrize("page", [None, 256], ids=["contiguous", "paged256"])
+def test_kvcache_tensor_core_kernel_on_the_gpu(page):
+    """The decode benchmark's class (bf16, 32 query / 8 key-value heads, D 128, one token, split): the
+    tensor-core kernel runs, matches the reference, and keeps its registers (offline, ptxas sm_90: 174
+    registers and no local memory contiguous, 36 B of spills paged)."""
+    from fa2_numba_cuda import kvcache
+    from test_kvcache import _make, assert_matches_kvcache_reference
+
+    if torch.cuda.get_device_capability() < forward_tc.MIN_COMPUTE_CAPABILITY:
+        pytest.skip(f"compute capability {torch.cuda.get_device_capability()} < 8.0: the SIMT kernel runs")
+    case = dict(q=1, b=2, h=32, hk=8, d=128, cap=4096, seqlens=[4096, 2999], leftpad=None, batch_idx=None,
+                page=page, window=(-1, -1), softcap=0.0, alibi=None, splits=0, varlen=None)
+    q, k_cache, v_cache, spec = _make(case, False, torch.bfloat16, "cuda", seed=5)
+    O, L = kvcache.kvcache_forward(q, k_cache, v_cache, spec)
+    assert_matches_kvcache_reference(O, L, q, k_cache, v_cache, spec)
+    # (HEAD_DIM, config, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN, PAGED, BATCH_IDX, LEFTPAD, SPLIT, IS_BF16, ...)
+    rows = [r for r in kvcache.kernel_resources() if r["kernel"] == "kvcache-tensor-core" and r["HEAD_DIM"] == 128
+            and r["switches"][:6] == [False] * 5 + [page is not None] and r["switches"][9]]
+    print(f"\nkvcache tensor-core kernel ({'paged 256' if page else 'contiguous'}): {rows}")
+    assert rows, "the tensor-core split kernel of this class did not run"
+    assert all(r["local_bytes_per_thread"] <= 64 for r in rows), f"local memory: {rows}"
+
+
+def test_kvcache_kernel_choice_by_dtype_and_head_dim(device):
+    """fp16/bf16 with head_dim <= 128 take the tensor-core split kernel (on compute capability 8.0+, or under
+    the simulator); fp32 and head_dim > 128 keep the SIMT one, and forcing the tensor-core one on them is
+    refused."""
+    from fa2_numba_cuda import kvcache
+
+    if SIMULATED != (device.type == "cpu"):
+        pytest.skip(f"the kernels run on CUDA tensors, or on CPU tensors under numba's simulator; got {device}")
+    q = torch.zeros(1, 4, 1, 64, device=device)
+    capable = SIMULATED or torch.cuda.get_device_capability() >= forward_tc.MIN_COMPUTE_CAPABILITY
+    assert kvcache.uses_tensor_cores(q.half()) == capable and kvcache.uses_tensor_cores(q.bfloat16()) == capable
+    assert not kvcache.uses_tensor_cores(q) and not kvcache.uses_tensor_cores(torch.zeros(1, 4, 1, 160).half())
+    spec = AttentionSpec(0.125, cache_seqlens=torch.ones(1, dtype=torch.int32, device=device))
+    cache = torch.zeros(1, 4, 8, 64, device=device)
+    with pytest.raises(NotImplementedError, match="fp16 or bf16 with head_dim up to 128, got torch.float32"):
+        kvcache.kvcache_forward(q, cache, cache, spec, tensor_cores=True)
 
 
 def test_cpu_tensors_and_fp32_keep_the_simt_kernel():
