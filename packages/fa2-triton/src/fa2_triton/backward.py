@@ -140,11 +140,12 @@ def _attn_bwd_dkdv_tile(
     do = _load_tile(do_ptrs + g64 * stride_doh + start_m64 * stride_dom, rows, N_Q, offs_d, head_dim,
                     IN_BAND, EVEN_D)  # [BLOCK_M, HEAD_DIM]
     dv = tl.dot(pT.to(do.dtype), do, dv, input_precision="ieee")
+    if SOFTCAP:
+        # d(softcap · tanh(s / softcap)) / ds = 1 - tanh², folded into P once dV has it, so the tanh tile dies
+        # before dP's product instead of living through it (a [BLOCK_N, BLOCK_M] fp32 tile fewer).
+        pT = pT * (1.0 - qkT * qkT)
     dpT = tl.dot(v, tl.trans(do), input_precision="ieee")  # [BLOCK_N, BLOCK_M]
     dsT = pT * (dpT - delta[None, :])
-    if SOFTCAP:
-        # d(softcap · tanh(s / softcap)) / ds = 1 - tanh².
-        dsT = dsT * (1.0 - qkT * qkT)
     dk = tl.dot(dsT.to(q.dtype), q, dk, input_precision="ieee")
     if ATOMIC_DQ:
         dq = tl.dot(tl.trans(dsT.to(k.dtype)), k, input_precision="ieee")  # [BLOCK_M, HEAD_DIM]
@@ -348,13 +349,14 @@ def _attn_bwd_dq_inner(
             if WINDOW_LEFT:
                 visible = visible & (cols[None, :] >= offs_m[:, None] + diag_left)
             p = tl.where(visible, p, 0.0)
+        if SOFTCAP:
+            # d(softcap · tanh(s / softcap)) / ds = 1 - tanh², folded into P before dP's product, as in the
+            # dK/dV kernel.
+            p = p * (1.0 - qk * qk)
         v = _load_tile(v_ptrs + start_n64 * stride_vn, cols, N_K, offs_d, head_dim,
                        IN_BAND, EVEN_D)  # [BLOCK_N, HEAD_DIM]
         dp = tl.dot(do, tl.trans(v), input_precision="ieee")  # [BLOCK_M, BLOCK_N]
         ds = p * (dp - delta[:, None])
-        if SOFTCAP:
-            # d(softcap · tanh(s / softcap)) / ds = 1 - tanh².
-            ds = ds * (1.0 - qk * qk)
         dq = tl.dot(ds.to(k.dtype), k, dq, input_precision="ieee")
     return dq
 
