@@ -125,6 +125,18 @@ def test_a_run_that_measures_nothing_keeps_the_earlier_results(tmp_path, append)
     assert "a CUDA kernel" in (tmp_path / "h200.partial-skipped.csv").read_text()
 
 
+def test_append_keeps_the_other_providers_skipped_rows(tmp_path):
+    """--append with an earlier skipped row of a provider this run does not measure: the row stays as it was
+    (no results-only column such as tbps added to it)."""
+    skipped = "sdpa,fwd,fp32,16,False,16,1,2,2,-1,0,,0,0,skipped,no reason,2026-12-01"
+    (tmp_path / "cpu-skipped.csv").write_text(",".join(sweep.ISSUE_COLUMNS) + "\n" + skipped + "\n")
+    cfg = sweep.Config(providers=("sdpa-math",), seqlens=(16,), head_dims=(16,), causals=(False,),
+                       dtypes=("fp32",), device=torch.device("cpu"), out_dir=tmp_path, name="cpu", append=True)
+    sweep.run(cfg, lambda total: cli._PlainProgress(total))
+    assert [r["provider"] for r in sweep.read_csv(tmp_path / "cpu.csv")] == ["sdpa-math"]
+    assert (tmp_path / "cpu-skipped.csv").read_text().splitlines()[1:] == [skipped]
+
+
 def test_a_run_that_measures_replaces_the_earlier_results(tmp_path):
     (tmp_path / "cpu.csv").write_text("stale\n")
     cfg = sweep.Config(providers=("sdpa-math",), seqlens=(16,), head_dims=(16,), causals=(False,),

@@ -409,15 +409,16 @@ class Records:
 def read_csv(path: Path) -> list[dict[str, str]]:
     """The rows of a results or skipped CSV; those written before the heads_k, window, softcap, lengths,
     seqlen_q, page_size and tbps columns existed get their values (heads_k = heads, no window, no softcap,
-    dense, not decode, contiguous, no rate)."""
+    dense, not decode, contiguous, no rate); tbps only in a results CSV, whose rows have ms."""
     if not path.exists():
         return []
     with path.open(newline="") as f:
         rows = list(csv.DictReader(f))
     for r in rows:
         if "heads" in r:
-            for column, default in (("heads_k", r["heads"]), ("window", "-1"), ("softcap", "0"), ("lengths", ""),
-                                    ("seqlen_q", "0"), ("page_size", "0"), ("tbps", "")):
+            defaults = [("heads_k", r["heads"]), ("window", "-1"), ("softcap", "0"), ("lengths", ""),
+                        ("seqlen_q", "0"), ("page_size", "0")] + [("tbps", "")] * ("ms" in r)
+            for column, default in defaults:
                 if not r.get(column):
                     r[column] = default
     return rows
