@@ -43,9 +43,9 @@ with a left bound, a warp computes only on those its own 16 rows see (on the oth
 and barriers alone); a warp masks only the tiles that cross a window edge of its rows or the end of the keys.
 Blocks with a right bound are launched longest-first. With a softcap or ALiBi, ``row_max`` turns the raw
 scores into the final ones in base 2 before the mask: x = s · qk_scale; softcap c: x = c · log2 e · tanh(s ·
-|scale| / c) = c · log2 e · (1 - 2 / (1 + exp2(s · qk_scale))), qk_scale = 2 · log2 e · |scale| / c
-(``_softcap_log2``: ex2.approx and rcp.approx, no division, no overflow); ALiBi: x -= slope · log2 e · |i +
-diag - j|; the exponentials then take x with a scale of 1. Rows that see no key get O = 0 and L = +inf.
+qk_scale), qk_scale = |scale| / c (``_softcap_log2``: one tanh.approx, relative error at most 2^-10.99,
+about fp16's unit roundoff: this kernel takes only 16-bit inputs); ALiBi: x -= slope · log2 e · |i + diag -
+j|; the exponentials then take x with a scale of 1. Rows that see no key get O = 0 and L = +inf.
 seqlen_q and seqlen_k need not be multiples of anything (tiles are zero-padded, padded keys masked), head_dim
 is padded to a multiple of 16 with zeros.
 
@@ -116,9 +116,9 @@ from fa2_numba_cuda.mma import (
     mma_f16,
     pack_bf16x2,
     pack_f16x2,
-    rcp_approx,
     shared_address,
     shfl_xor,
+    tanh_approx,
 )
 
 MAX_HEAD_DIM = 128
@@ -198,13 +198,12 @@ def capability(device: torch.device) -> tuple[int, int]:
 
 @device_function
 def _softcap_log2(s, qk_scale, softcap_log2):
-    """The capped score in base 2, softcap_log2 · tanh(x) with softcap_log2 = c · log2 e, of a raw score s,
-    x = s · |scale| / c, from qk_scale = 2 · log2 e · |scale| / c: tanh(x) = 1 - 2 / (1 + e^2x) with e^2x =
-    exp2(s · qk_scale), two MUFU instructions (ex2.approx, rcp.approx) and no division; the product with
-    softcap_log2 folds into one FMA. Saturates without overflow: e^2x = inf gives c · log2 e (rcp(inf) = 0),
-    e^2x = 0 gives -c · log2 e; NaN stays NaN."""
-    r = rcp_approx(float32(1.0) + exp2_approx(s * qk_scale))
-    return cuda.fma(float32(-2.0) * softcap_log2, r, softcap_log2)
+    """The capped score in base 2, softcap_log2 · tanh(s · qk_scale) with softcap_log2 = c · log2 e, of a raw
+    score s, qk_scale = |scale| / c: one MUFU instruction (tanh.approx.f32) between two multiplies, as
+    fa2-triton's 16-bit path. Its relative error, at most 2^-10.99, is about fp16's unit roundoff and 8x below
+    bf16's: the naive 16-bit attention of the precision rule rounds the scores that much anyway (the SIMT
+    kernels, which take fp32, keep ``common._tanh``). Saturates at ±c · log2 e; NaN stays NaN."""
+    return tanh_approx(s * qk_scale) * softcap_log2
 
 
 def _build_kernel(HEAD_DIM, config, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN, IS_BF16, EVEN_HEAD_DIM, ASYNC_LOADS,
@@ -346,7 +345,7 @@ def _build_kernel(HEAD_DIM, config, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN, IS_BF16
             if SCALED:
                 for j in range(N_TILES):
                     for e in range(4):
-                        if SOFTCAP:  # softcap c: qk_scale = 2 · log2 e · |scale| / c
+                        if SOFTCAP:  # softcap c: qk_scale = |scale| / c
                             x = _softcap_log2(s[BUF, j, e], qk_scale, softcap_log2)
                         else:
                             x = s[BUF, j, e] * qk_scale
@@ -766,10 +765,9 @@ def _qk_scale(scale: float) -> np.float32:
 
 def _score_scale(spec: AttentionSpec) -> np.float32:
     """What the kernel multiplies raw scores (of q's sign-flipped fragments) by: ``_qk_scale``, or with a
-    softcap c, 2 · log2 e · |scale| / c, the exponent of e^2x, x = s · |scale| / c the argument of tanh
-    (``_softcap_log2``)."""
+    softcap c, |scale| / c, the argument of tanh (``_softcap_log2``)."""
     if spec.softcap > 0:
-        return np.float32(2.0 * LOG2E * abs(spec.scale) / spec.softcap)
+        return np.float32(abs(spec.scale) / spec.softcap)
     return _qk_scale(spec.scale)
 
 

@@ -22,8 +22,8 @@ with the lower index (the order ``mma`` and ``ldmatrix`` use).
     all_lanes(predicate) -> bool: ``cuda.all_sync`` over the full warp.
     exp2_approx(x) -> float32: ex2.approx.ftz.f32, one MUFU instruction (libdevice's exp2f adds a range
         check and two multiplies for denormal results; here they flush to 0). exp2_approx(-inf) = 0.
-    rcp_approx(x) -> float32: rcp.approx.ftz.f32, 1 / x in one MUFU instruction, within 1 ulp (an IEEE
-        division, div.rn.f32, is a few FMA more and a branch to a slow path). rcp_approx(inf) = 0.
+    tanh_approx(x) -> float32: tanh.approx.f32, one MUFU instruction, relative error at most 2^-10.99 (PTX
+        ISA; fine for the scores of fp16 and bf16 inputs, not for fp32 ones). ±1 at ±inf, NaN for NaN.
 
 Fragment layouts (PTX ISA, "Matrix Fragments for mma.m16n8k16 with floating point type"). Each matrix is
 spread over the 32 lanes of a warp; lane = 4 g + t, with g = lane // 4 ("groupID", 0..7) and t = lane % 4
@@ -63,12 +63,15 @@ meet at a barrier, exchange their registers and each takes its own lane's result
 get virtual addresses, bounds-checked on every access; shared memory starts as NaN bit patterns and
 ``cp.async`` copies land only at ``cp_async_wait_all``, so reading a tile too early gives NaN. That checks a
 kernel's index math and synchronisation against the ISA's layouts on the CPU; it is slow (tests only), and
-says nothing of the hardware beyond those tables.
+says nothing of the hardware beyond those tables. The approximate MUFU instructions (ex2.approx,
+tanh.approx) are emulated by the exact function rounded to fp32 (numpy's exp2, math.tanh): their error on
+the hardware (tanh.approx's up to 2^-10.99 relative) is not reproduced; only runs on a GPU see it.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 import threading
 
 import numba
@@ -337,9 +340,8 @@ if numba.config.ENABLE_CUDASIM:
         with np.errstate(under="ignore", over="ignore"):
             return np.exp2(np.float32(x))
 
-    def rcp_approx(x):
-        with np.errstate(divide="ignore"):
-            return np.float32(1.0) / np.float32(x)
+    def tanh_approx(x):
+        return np.float32(math.tanh(float(x)))
 
 else:
     from llvmlite import ir
@@ -470,10 +472,10 @@ else:
         return types.float32(x), codegen
 
     @intrinsic
-    def rcp_approx(typingctx, x):
+    def tanh_approx(typingctx, x):
         def codegen(context, builder, sig, args):
             (x,) = _cast(context, builder, sig, args, [types.float32])
-            return _asm(builder, _f32, [x], "rcp.approx.ftz.f32 $0, $1;", "=f,f")
+            return _asm(builder, _f32, [x], "tanh.approx.f32 $0, $1;", "=f,f")
 
         return types.float32(x), codegen
 
