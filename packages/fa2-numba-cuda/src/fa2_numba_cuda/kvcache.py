@@ -95,7 +95,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 from fa2.spec import AttentionSpec
-from numba import cuda, float32, int32, int64, uint32, uint64
+from numba import cuda, float32, int32, uint32, uint64
 
 from fa2_numba_cuda.common import (
     LN2,
@@ -316,38 +316,32 @@ def _kv_loader(BLOCK_N, ROW_STEP, LDW, KIND, PAGED, EVEN_HEAD_DIM, ASYNC_LOADS):
         BLOCK_N rows on), zeros from key hi on: chunk ld_c of tile rows ld_r, ld_r + ROW_STEP, ... A paged
         cache's page ids are read from the block table and clamped into the cache (a key past hi reads the
         table at the last key of the capacity, and nothing of the cache). One division a tile: the thread's
-        next rows step (page, row in page) on by ROW_STEP keys. The thread's page ids are all read before
-        its first copy: each copy's address waits on its id, and the copies (inline PTX) keep the reads
-        from being moved ahead of them, so reads between copies would wait one after another."""
-        # side-by-side: pages
+        next rows step (page, row in page) on by ROW_STEP keys."""
         if PAGED:
-            pages = cuda.local.array(LOADS, int64)
-            rows_in_page = cuda.local.array(LOADS, int64)
             page_idx = (start_n + ld_r) // page_size
             in_page = (start_n + ld_r) - page_idx * page_size
-            last = capacity - 1  # keys past the capacity (only invisible ones) read the last page id
-            for it in range(LOADS):
+        for it in range(LOADS):
+            r = ld_r + ROW_STEP * it
+            key = start_n + r
+            visible = key < hi
+            # side-by-side: pages
+            if PAGED:
                 if it > 0:
                     in_page += ROW_STEP
                     while in_page >= page_size:
                         in_page -= page_size
                         page_idx += 1
-                if start_n + ld_r + ROW_STEP * it > last:
+                last = capacity - 1  # keys past the capacity (only invisible ones) read the last page id
+                if key > last:
                     page_idx, in_page = last // page_size, last % page_size
                 page = int(block_table[uint64(off_b * stride_tb + page_idx * stride_tp)])
-                pages[it] = min(max(page, 0), cache_rows - 1)
-                rows_in_page[it] = in_page
-        # side-by-side: end
-        for it in range(LOADS):
-            r = ld_r + ROW_STEP * it
-            key = start_n + r
-            visible = key < hi
-            if PAGED:
-                k_off = k_head + pages[it] * stride_kb + rows_in_page[it] * stride_kn
-                v_off = v_head + pages[it] * stride_vb + rows_in_page[it] * stride_vn
+                page = min(max(page, 0), cache_rows - 1)
+                k_off = k_head + page * stride_kb + in_page * stride_kn
+                v_off = v_head + page * stride_vb + in_page * stride_vn
             else:
                 k_off = k_head + key * stride_kn
                 v_off = v_head + key * stride_vn
+            # side-by-side: end
             load_row(kv_tile, stage_row + r, k, k_base, k_off, stride_kd, ld_c, head_dim, visible)
             load_row(kv_tile, stage_row + BLOCK_N + r, v, v_base, v_off, stride_vd, ld_c, head_dim, visible)
         if ASYNC_LOADS:
