@@ -37,11 +37,6 @@ key tiles its tile sees. Key rows past seqlen_k need no mask in the dK/dV kernel
 never stored and feed no other row). The softcap's chain rule: dS times 1 - tanh², from the tanh the scores
 were recomputed with; ALiBi adds nothing to dS.
 
-Packed batches (VARLEN) as in the forward: one launch per kernel, the grid's batch axis the sequences, each
-program the dense one on its sequence's rows, and the heads (in the dK/dV kernel the key/value heads)
-fastest in the grid, since a packed batch's rows are (total, heads, head_dim) in memory
-(``fa2_triton.forward._grid_position``).
-
 Each kernel has its own launch configuration (``KernelTiles``: tiles, num_warps, num_stages), chosen per
 (head_dim, dtype class, masked (causal's entries serve every window), seqlen bucket) from ``BWD_TILES``,
 which ``python -m fa2_triton.tune_backward`` measures on a GPU, timing the dK/dV and dQ kernels apart.
@@ -65,8 +60,8 @@ import triton.language as tl
 from fa2.spec import AttentionSpec
 
 from fa2_triton.forward import (
-    DTYPE_CLASS, MAX_HEAD_DIM, _check_device, _grid_position, _load_tile, _sequence, _tanh, _tiles_in_window,
-    group_size, packed, score_args,
+    DTYPE_CLASS, MAX_HEAD_DIM, _check_device, _load_tile, _sequence, _tanh, _tiles_in_window, group_size, packed,
+    score_args,
 )
 from fa2_triton.launch import launch, on_device
 
@@ -223,14 +218,15 @@ def _attn_bwd_dkdv(
     as in the forward. The window, softcap and ALiBi arguments as the forward's (``_attn_fwd``), Slopes (B,
     H) per query head. VARLEN: a packed batch as in the forward (B = 1 in the tensors, the sequences' rows
     from Cu_q and Cu_k; N_Q and N_K the longest lengths), dQ_acc then (H, total_q + BLOCK_M, HEAD_DIM)."""
-    # One program per (key tile, batch·key/value head), flattened to one grid axis, key tiles fastest (a
-    # packed batch's key/value heads faster still, ``_grid_position``); under causal the first key tiles
-    # are seen by the most query rows, so the longest programs start first.
+    # One program per (key tile, batch·key/value head), flattened to one grid axis, key tiles fastest; under
+    # causal the first key tiles are seen by the most query rows, so the longest programs start first.
+    pid = tl.program_id(0)
     num_n_tiles = tl.cdiv(N_K, BLOCK_N)
-    off_b, off_hk, tile_n = _grid_position(num_n_tiles, H // GROUP, 0, VARLEN)
-    off_b = off_b.to(tl.int64)
-    off_hk = off_hk.to(tl.int64)
-    start_n = tile_n * BLOCK_N
+    H_K = H // GROUP
+    off_bhk = (pid // num_n_tiles).to(tl.int64)
+    off_b = off_bhk // H_K
+    off_hk = off_bhk % H_K
+    start_n = (pid % num_n_tiles) * BLOCK_N
     # A packed batch: off_b is a sequence, and every length below is that sequence's own.
     off_bt, q_start, k_start, N_Q, N_K = _sequence(Cu_q, Cu_k, off_b, N_Q, N_K, TOTAL_Q, TOTAL_K, VARLEN)
     if VARLEN:
@@ -382,16 +378,16 @@ def _attn_bwd_dq(
 ):
     """Q, dO, dQ: (B, H, N_Q, D); K, V: (B, H // GROUP, N_K, D); L: (B, H, N_Q); Delta: (B·H, N_Q) at row
     stride stride_delta. The window, softcap, ALiBi and VARLEN arguments as the forward's (``_attn_fwd``)."""
-    # One program per (query tile, batch·head), flattened to one grid axis, query tiles fastest (a packed
-    # batch's heads faster still, ``_grid_position``) and last first: under causal the last query tiles see
-    # the most keys, so the longest programs start first.
+    # One program per (query tile, batch·head), flattened to one grid axis, query tiles fastest and last
+    # first: under causal the last query tiles see the most keys, so the longest programs start first.
+    pid = tl.program_id(0)
     num_m_tiles = tl.cdiv(N_Q, BLOCK_M)
-    off_b, off_h, tile_m = _grid_position(num_m_tiles, H, 1, VARLEN)
-    off_b = off_b.to(tl.int64)
-    off_h = off_h.to(tl.int64)
+    off_bh = (pid // num_m_tiles).to(tl.int64)
+    off_b = off_bh // H
+    off_h = off_bh % H
     # Grouped-query attention: the query heads h of one group share key/value head h // GROUP.
     off_hk = off_h // GROUP
-    start_m = tile_m * BLOCK_M
+    start_m = (num_m_tiles - 1 - pid % num_m_tiles) * BLOCK_M
     # A packed batch: off_b is a sequence, and every length below is that sequence's own.
     off_bt, q_start, k_start, N_Q, N_K = _sequence(Cu_q, Cu_k, off_b, N_Q, N_K, TOTAL_Q, TOTAL_K, VARLEN)
     if VARLEN:

@@ -40,9 +40,7 @@ log2(e) is folded in: qk_scale = softcap · log2(e) plays the part scale · log2
 subtracts slope · |i + diag - j| (times log2(e)) from the capped score before the mask.
 
 Packed batches (``spec.varlen``: flash-attn's varlen layout) run in the same kernel, one launch: VARLEN makes
-the batch axis of the grid the sequences and the query-tile axis cdiv(max_seqlen_q, BLOCK_M) long, and runs
-the heads fastest (the packed rows are (total, H, D), so the programs that run together read the heads of
-the same rows, side by side in memory, not one head's slice of many rows: ``_grid_position``); each
+the batch axis of the grid the sequences and the query-tile axis cdiv(max_seqlen_q, BLOCK_M) long; each
 program reads its sequence's offsets from cu_seqlens_q and cu_seqlens_k, moves its base pointers to the
 sequence's first rows and from there runs exactly the dense program with that sequence's seqlen_q and
 seqlen_k (``_sequence``), so windows, causal alignment, ALiBi and the tile skipping are each sequence's own;
@@ -207,36 +205,6 @@ def _sequence(Cu_q, Cu_k, off_b, N_Q, N_K, TOTAL_Q, TOTAL_K, VARLEN: tl.constexp
 
 
 @triton.jit
-def _grid_position(num_tiles, H, GRID_ORDER: tl.constexpr, VARLEN: tl.constexpr):
-    """This program's (batch entry, head, tile index) on a grid of batch · H · num_tiles programs.
-    GRID_ORDER 0: tiles fastest; 1: tiles fastest, the last first; 2: batch·heads fastest, the last tiles
-    first. VARLEN: the heads fastest of all, then GRID_ORDER's order over (sequence, tile). A packed batch
-    is (total, H, D) in memory: one head's row is D elements out of every H·D, so one head's tiles read a
-    narrow slice of many rows, while the heads of the same rows lie side by side; the programs that run
-    together should be those. Dense inputs, (B, H, N, D), keep each head's rows contiguous, and their
-    order is unchanged."""
-    pid = tl.program_id(0)
-    if VARLEN:
-        off_h = pid % H
-        pid = pid // H
-        num_rows = tl.num_programs(0) // H // num_tiles  # the sequences
-    else:
-        num_rows = tl.num_programs(0) // num_tiles  # batch·heads
-    if GRID_ORDER == 2:
-        row = pid % num_rows
-        tile = num_tiles - 1 - pid // num_rows
-    else:
-        row = pid // num_tiles
-        tile = pid % num_tiles
-        if GRID_ORDER == 1:
-            tile = num_tiles - 1 - tile
-    if VARLEN:
-        return row, off_h, tile
-    else:
-        return row // H, row % H, tile
-
-
-@triton.jit
 def _attn_fwd_inner(
     acc, l_i, m_i, q,
     k_src, v_src, stride_kn, stride_vn, off_b, off_hk, kv_row,
@@ -367,12 +335,22 @@ def _attn_fwd(
     q, k, v and O read and written through 2-D descriptors built here (with WARP_SPECIALIZE, or for a
     packed batch: over one sequence's rows of one head, unit stride along D, the other strides multiples
     of 16 bytes)."""
-    # One program per (query tile, batch·head), flattened to one grid axis; GRID_ORDER picks the order
-    # (``_grid_position``): 0 and 1 query tiles fastest (the programs running together share K and V in
-    # L2), 1 and 2 the last (under causal the longest) query tiles first; a packed batch's heads fastest.
+    # One program per (query tile, batch·head), flattened to one grid axis; GRID_ORDER picks the order.
+    pid = tl.program_id(0)
     num_m_tiles = tl.cdiv(N_Q, BLOCK_M)
-    off_b, off_h, tile_m = _grid_position(num_m_tiles, H, GRID_ORDER, VARLEN)
-    off_bh = off_b * H + off_h
+    if GRID_ORDER == 2:
+        # Batch·heads fastest, the last (under causal the longest) query tiles of every head first.
+        num_bh = tl.num_programs(0) // num_m_tiles
+        off_bh = pid % num_bh
+        tile_m = num_m_tiles - 1 - pid // num_bh
+    else:
+        # Query tiles fastest (the programs running together share K and V in L2); GRID_ORDER 1: last first.
+        off_bh = pid // num_m_tiles
+        tile_m = pid % num_m_tiles
+        if GRID_ORDER == 1:
+            tile_m = num_m_tiles - 1 - tile_m
+    off_b = off_bh // H
+    off_h = off_bh % H
     start_m = tile_m * BLOCK_M
     # side-by-side: varlen
     # A packed batch: off_b is a sequence, and every length below is that sequence's own.
@@ -531,8 +509,7 @@ class Tiles(NamedTuple):
     # otherwise, or if False, pointer loads. Either way the same kernel, the same arithmetic.
     tma: bool = False
     # The order of the programs: 0 query tiles fastest; 1 query tiles fastest, the last (under causal the
-    # longest) first; 2 batch·heads fastest, the last query tiles first. A packed batch runs its heads
-    # fastest of all, then this order over (sequence, query tile) (``_grid_position``).
+    # longest) first; 2 batch·heads fastest, the last query tiles first.
     grid_order: int = 0
     # Rescale acc only when some row's max moved by more than RESCALE_THRESHOLD (one branch per tile).
     lazy_rescale: bool = False
