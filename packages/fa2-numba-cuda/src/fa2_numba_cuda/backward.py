@@ -1,8 +1,13 @@
 """FlashAttention-2's backward in fa2-numba-cuda: ``flash_attn_backward`` picks the kernels for the inputs.
 
-Every input runs the SIMT kernels today (``backward_simt``: CUDA cores, fp32 arithmetic; fp32, fp16, bf16,
-head_dim up to 256, in numba's simulator too). This module is where a tensor-core backward (issue 23) is to
-be chosen, as ``forward`` chooses between ``forward_tc`` and ``forward_simt``.
+- ``backward_tc``: tensor cores (``mma.sync`` through inline PTX), for fp16 and bf16 with head_dim <= 128 and a
+  spec it supports (dense batches, any scale and window, causal included: ``backward_tc.supports``), on a CUDA
+  device of compute capability 8.0 or newer or under numba's simulator (``backward_tc.uses_tensor_cores``);
+- ``backward_simt``: CUDA cores, fp32 arithmetic, for everything else: fp32, head_dim up to 256, older GPUs,
+  and every spec with a softcap, ALiBi slopes or a packed batch (cu_seqlens), whatever the dtype.
+
+The choice is made from the inputs' dtype, head_dim and device and the spec alone, before any launch; an
+error in the chosen kernels is raised, never answered by the other ones.
 """
 
 from __future__ import annotations
@@ -10,7 +15,7 @@ from __future__ import annotations
 import torch
 from fa2.spec import AttentionSpec
 
-from fa2_numba_cuda import backward_simt
+from fa2_numba_cuda import backward_simt, backward_tc
 from fa2_numba_cuda.backward_simt import DkDvConfig
 from fa2_numba_cuda.common import BlockConfig
 
@@ -23,7 +28,8 @@ def flash_attn_backward(
     L: torch.Tensor,
     dO: torch.Tensor,
     spec: AttentionSpec,
-    config: tuple[DkDvConfig, BlockConfig] | None = None,
+    config: tuple[DkDvConfig, BlockConfig] | backward_tc.TensorCoreBwdConfig | None = None,
+    tensor_cores: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Arguments:
         q: (batch, heads, seqlen_q, head_dim); k, v: (batch, heads_k, seqlen_k, head_dim), heads a multiple
@@ -37,8 +43,13 @@ def flash_attn_backward(
             ``fa2_numba_cuda.forward.flash_attn_forward``; the slopes get no gradient. Packed (spec.varlen):
             q, O, dO (1, heads, total_q, head_dim), L (1, heads, total_q), k, v (1, heads_k, total_k,
             head_dim), each sequence's rows given by the offsets, its gradients its own.
-        config: the two kernels' blocks, for tuning; default
-            ``backward_simt.bwd_block_config(padded_head_dim(head_dim))``.
+        config: the kernels' blocks, for tuning: for the SIMT kernels a (DkDvConfig, BlockConfig) pair,
+            default ``backward_simt.bwd_block_config(common.padded_head_dim(head_dim))``; for the tensor-core
+            kernels a ``backward_tc.TensorCoreBwdConfig``, default ``backward_tc.tc_bwd_config(...)``.
+        tensor_cores: which kernels. None: the tensor-core ones (``backward_tc``) for fp16 and bf16 with
+            head_dim <= 128, no softcap, no ALiBi, no packed batch, on compute capability 8.0+ or the
+            simulator (``backward_tc.uses_tensor_cores``), the SIMT ones (``backward_simt``) otherwise; True
+            or False forces one (an input the forced kernels cannot take is an error).
 
     Returns:
         dq, dk, dv in the shapes and dtypes of q, k, v (dk, dv: (batch, heads_k, seqlen_k, head_dim), each
@@ -47,10 +58,15 @@ def flash_attn_backward(
         total_k, head_dim); three kernel launches (preprocess, dK/dV, dQ) whatever the number of sequences,
         no host sync.
     """
+    if tensor_cores is None:
+        tensor_cores = backward_tc.uses_tensor_cores(q, spec)
+    if tensor_cores:
+        return backward_tc.flash_attn_backward(q, k, v, O, L, dO, spec, config)
     return backward_simt.flash_attn_backward(q, k, v, O, L, dO, spec, config)
 
 
 def kernel_resources() -> list[dict]:
     """Registers and local memory per thread, static shared memory per block, of every backward kernel
-    compiled so far in this process (one row per compiled specialisation); empty under the simulator."""
-    return backward_simt.kernel_resources()
+    compiled so far in this process: the SIMT kernels' rows, then the tensor-core ones' ("kernel": "tensor-core
+    dkdv" or "tensor-core dq"; their preprocess is the SIMT one's); empty under the simulator."""
+    return backward_simt.kernel_resources() + backward_tc.kernel_resources()

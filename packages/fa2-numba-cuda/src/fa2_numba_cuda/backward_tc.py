@@ -1,0 +1,710 @@
+"""FlashAttention-2 backward on tensor cores: fp16 and bf16, ``mma.sync`` from numba-cuda through inline PTX.
+
+The algorithm of ``fa2_numba_cuda.backward_simt`` (FA2, Algorithm 2, in its two-kernel split: delta =
+rowsum(dO ∘ O) by the SIMT preprocess, then one kernel for dK and dV, one for dQ; every element of dq, dk,
+dv written once, no atomics: deterministic), with every matrix product on tensor cores (``mma.py``'s
+m16n8k16 instructions and layouts; fp32 accumulators; P and dS rounded to the inputs' 16-bit type as
+operands, as FlashAttention-2's own kernel does):
+
+- ``_attn_bwd_dkdv_tc``: one block per (key tile of BLOCK_N = 16 · DKDV_WARPS keys, batch·key/value head);
+  warp w owns keys 16 w .. 16 w + 15 of the tile and never exchanges data with another warp. Its K and V
+  rows are loaded once (through shared memory, ``ldmatrix``) into A fragments that stay in registers. For
+  each query head of the group (GQA) and each query tile of DKDV_BLOCK_M rows that sees the key tile, Q and
+  dO go to shared memory (with L · log2 e and delta of its rows), and per warp, in the accumulator layout of
+  ``mma.py`` (lane 4 g + t: keys g and g + 8, queries 8 j + 2 t and 8 j + 2 t + 1)::
+
+      Sᵀ = K Qᵀ         B = Qᵀ: Q's rows are B's columns, ``ldmatrix`` as K's in the forward
+      Pᵀ = exp2(Sᵀ · scale · log2 e - L · log2 e)   (masked elements 0)
+      dPᵀ = V dOᵀ       B = dOᵀ, as Qᵀ
+      dSᵀ = Pᵀ ∘ (dPᵀ - delta)
+      dV += Pᵀ dO       A = Pᵀ repacked from its accumulators (the forward's P V), B = dO by ``ldmatrix.trans``
+      dK += dSᵀ Q       A = dSᵀ repacked, B = Q by ``ldmatrix.trans``
+
+  then dk = scale · dK and dv = dV are written once. Per thread: K's and V's fragments (HEAD_DIM / 4
+  registers each), dK's and dV's accumulators (HEAD_DIM / 2 each), Sᵀ and dPᵀ (DKDV_BLOCK_M / 2 each).
+- ``_attn_bwd_dq_tc``: one block per (query tile of BLOCK_M = 16 · DQ_WARPS rows, batch·head); warp w owns
+  rows 16 w .. 16 w + 15 with their Q and dO fragments in registers, L and delta of its two rows per lane;
+  per key tile of DQ_BLOCK_N keys that its rows see (K and V in shared memory): S = Q Kᵀ and dP = dO Vᵀ (B
+  fragments as the forward's Kᵀ), P, dS = P ∘ (dP - delta), dQ += dS K (K by ``ldmatrix.trans``, as the
+  forward's V); dq = scale · dQ written once.
+
+Shared memory: rows of HEAD_DIM + 8 16-bit elements (the forward's padding: an ``ldmatrix``'s 8 row
+addresses in distinct banks), loaded with ``cp.async`` (16 B a thread, zero-filled past the rows or
+head_dim) where q, k, v and dO are contiguous along head_dim with 16 B aligned rows, else with plain loads
+(any strides); each tile is loaded, waited for and fenced by a barrier before use (no overlap of loads and
+compute yet). Static, under 48 KB.
+
+Scores, masks and L as ``backward_simt``: base 2 (P = exp2(S · scale · log2 e - L · log2 e)), rows with L =
++inf (they see no key) and query rows past seqlen_q (read with L = +inf) get P = 0, so zero gradients;
+keys past seqlen_k are masked in the dQ kernel (their zero-filled K and V rows are never written back by
+the dK/dV kernel). Windows (LEFT, RIGHT of ``common.Features``; causal is (-1, 0)), bottom-right aligned,
+key j visible to query i iff i + diag - left <= j <= i + diag + right, diag = seqlen_k - seqlen_q: masked
+per element where a tile crosses a window edge, and whole tiles skipped as ``backward_simt`` skips them.
+seqlen_q, seqlen_k need not be multiples of anything; head_dim is padded to a multiple of 16 with zeros.
+
+Not here (``fa2_numba_cuda.backward.flash_attn_backward`` sends them to ``backward_simt`` by the spec, before
+any launch): softcap, ALiBi, packed (varlen) batches (``supports``); fp32 and head_dim > 128.
+
+Launch: on torch's current CUDA stream, no host synchronisation; one compiled kernel per (kernel, padded
+head dim, TensorCoreBwdConfig, Features, bf16 or fp16, head_dim == padded, cp.async or plain loads, head_dim
+even: outputs stored in pairs), cached; ``kernel_resources`` reports registers, shared and local memory of
+each. Launched through ``launch.prepare``, classes of calls keyed as ``backward_simt``'s (``_PREPARED``).
+Under numba's CUDA simulator the instructions are ``mma.py``'s Python emulations (slow: tiny shapes).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import numpy as np
+import torch
+from numba import cuda, float32, int16, int32, uint32, uint64
+
+from fa2.spec import AttentionSpec
+
+from fa2_numba_cuda import backward_simt, launch
+from fa2_numba_cuda.common import (
+    LOG2E,
+    SHARED_ALIGN,
+    _check_device,
+    _feature_columns,
+    feature_args,
+    features,
+    simulated,
+    spec_class,
+)
+from fa2_numba_cuda.common import padded_head_dim as simt_padded_head_dim
+from fa2_numba_cuda.forward_tc import MAX_HEAD_DIM, MIN_COMPUTE_CAPABILITY, capability, padded_head_dim
+from fa2_numba_cuda.mma import (
+    cp_async_16,
+    cp_async_commit,
+    cp_async_wait_all,
+    device_function,
+    exp2_approx,
+    global_address,
+    ldmatrix_a_row_col,
+    ldmatrix_b_row_col,
+    ldmatrix_x4,
+    ldmatrix_x4_trans,
+    mma_bf16,
+    mma_f16,
+    pack_bf16x2,
+    pack_f16x2,
+    shared_address,
+)
+
+
+class TensorCoreBwdConfig(NamedTuple):
+    """The two kernels' blocks: the dK/dV kernel's DKDV_WARPS warps of 16 keys each (BLOCK_N = 16 ·
+    DKDV_WARPS) against query tiles of DKDV_BLOCK_M rows (a multiple of 16); the dQ kernel's DQ_WARPS warps of
+    16 query rows each against key tiles of DQ_BLOCK_N keys (a multiple of 16). MAX_REGISTERS caps ptxas (0:
+    no cap)."""
+
+    DKDV_WARPS: int
+    DKDV_BLOCK_M: int
+    DQ_WARPS: int
+    DQ_BLOCK_N: int
+    MAX_REGISTERS: int
+
+
+def tc_bwd_config(HEAD_DIM: int) -> TensorCoreBwdConfig:
+    """The blocks for a padded head dim: 64 keys (4 warps) against 64-query tiles up to HEAD_DIM 64, 32-query
+    tiles above (the dK/dV kernel holds K, V, dK and dV of its 16 keys per warp in registers: 3 HEAD_DIM / 2
+    per thread, plus Sᵀ and dPᵀ); 64 query rows (4 warps) against 64-key tiles in the dQ kernel."""
+    if HEAD_DIM <= 64:
+        return TensorCoreBwdConfig(4, 64, 4, 64, 0)
+    return TensorCoreBwdConfig(4, 32, 4, 64, 0)
+
+
+def supports(spec: AttentionSpec) -> bool:
+    """Whether these kernels compute ``spec``: dense batches with any scale and window (causal included),
+    no softcap, no ALiBi, no packed batch. ``fa2_numba_cuda.backward`` sends the rest to ``backward_simt``."""
+    feats = features(spec)
+    return not (feats.SOFTCAP or feats.ALIBI or feats.VARLEN)
+
+
+def uses_tensor_cores(q: torch.Tensor, spec: AttentionSpec) -> bool:
+    """Whether ``fa2_numba_cuda.backward.flash_attn_backward`` runs these kernels: fp16 or bf16, head_dim <=
+    128, a spec they support (``supports``), on a CUDA device of compute capability 8.0 or newer or under
+    numba's simulator (the instructions' emulations)."""
+    return (
+        q.dtype in (torch.float16, torch.bfloat16)
+        and q.shape[-1] <= MAX_HEAD_DIM
+        and supports(spec)
+        and (simulated() or (q.device.type == "cuda" and capability(q.device) >= MIN_COMPUTE_CAPABILITY))
+    )
+
+
+def _tile_loader(ROWS, NUM_THREADS, HEAD_DIM, EVEN_HEAD_DIM, ASYNC_LOADS):
+    """load(smem, smem_base, row0, x, x_base, offset, stride_n, stride_d, start, seqlen, head_dim): rows start
+    .. start + ROWS of x (element offset + n · stride_n + c · stride_d) into shared rows row0 .. (of HEAD_DIM
+    + 8 elements), zeros past seqlen and head_dim. ASYNC_LOADS: 16 B chunks with cp.async, complete after
+    ``cp_async_wait_all``; else plain 16-bit loads (any strides). As ``forward_tc``'s loader."""
+    LD = HEAD_DIM + 8
+    CHUNKS = HEAD_DIM // 8
+    if ASYNC_LOADS:
+        ITEMS = ROWS * CHUNKS
+
+        @device_function
+        def load(smem, smem_base, row0, x, x_base, offset, stride_n, stride_d, start, seqlen, head_dim):
+            for it in range(-(-ITEMS // NUM_THREADS)):
+                item = cuda.threadIdx.x + it * NUM_THREADS
+                if ITEMS % NUM_THREADS == 0 or item < ITEMS:
+                    r = item // CHUNKS
+                    c = item % CHUNKS * 8
+                    n = start + r
+                    nbytes = 0
+                    element = offset  # a valid address for copies that read nothing
+                    if n < seqlen:
+                        nbytes = 16 if EVEN_HEAD_DIM else 2 * min(max(head_dim - c, 0), 8)
+                        if nbytes > 0:
+                            element = offset + n * stride_n + c
+                    dst = smem_base + uint32(2 * ((row0 + r) * LD + c))
+                    cp_async_16(dst, x_base + uint64(2 * element), int32(nbytes))
+            cp_async_commit()
+
+        return load
+
+    ITEMS = ROWS * HEAD_DIM
+
+    @device_function
+    def load(smem, smem_base, row0, x, x_base, offset, stride_n, stride_d, start, seqlen, head_dim):
+        for it in range(-(-ITEMS // NUM_THREADS)):
+            item = cuda.threadIdx.x + it * NUM_THREADS
+            if ITEMS % NUM_THREADS == 0 or item < ITEMS:
+                r = item // HEAD_DIM
+                c = item % HEAD_DIM
+                n = start + r
+                value = int16(0)
+                if n < seqlen and (EVEN_HEAD_DIM or c < head_dim):
+                    value = x[uint64(offset + n * stride_n + c * stride_d)]
+                smem[(row0 + r) * LD + c] = value
+
+    return load
+
+
+def _helpers(HEAD_DIM, IS_BF16, ASYNC_LOADS, OUT_PAIRS, EVEN_HEAD_DIM):
+    """The device functions both kernels use: wait_tiles, the fragment products (``products``), and the
+    epilogue's store of a warp's 16 rows of an fp32 accumulator."""
+    D_STEPS = HEAD_DIM // 16
+    O_TILES = HEAD_DIM // 8
+    LD = HEAD_DIM + 8
+    mma = mma_bf16 if IS_BF16 else mma_f16
+    pack = pack_bf16x2 if IS_BF16 else pack_f16x2
+
+    @device_function
+    def wait_tiles():
+        """This thread's tile copies have landed (a barrier after it makes the whole tile visible)."""
+        if ASYNC_LOADS:
+            cp_async_wait_all()
+
+    @device_function
+    def load_frag(frag, lane_address):
+        """frag[kk] = the A fragment of the warp's 16 shared rows, head dims 16 kk .. 16 kk + 15."""
+        for kk in range(D_STEPS):
+            a0, a1, a2, a3 = ldmatrix_x4(lane_address + uint32(32 * kk))
+            frag[kk, 0] = a0
+            frag[kk, 1] = a1
+            frag[kk, 2] = a2
+            frag[kk, 3] = a3
+
+    def products(N_TILES):
+        @device_function
+        def rows_dot(s, frag, b_lane):
+            """s = A Bᵀ for the warp's 16 rows A (frag, D_STEPS A fragments) and the N_TILES · 8 shared rows B
+            (head dims as columns) at b_lane: per 16 rows and 16 head dims one ldmatrix (two B fragments)
+            and two mma, into s [N_TILES, 4] (8-column C tiles)."""
+            for j in range(N_TILES):
+                for e in range(4):
+                    s[j, e] = 0.0
+            for jj in range(N_TILES // 2):
+                for kk in range(D_STEPS):
+                    b0, b1, b2, b3 = ldmatrix_x4(b_lane + uint32(2 * (16 * jj * LD + 16 * kk)))
+                    d0, d1, d2, d3 = mma(frag[kk, 0], frag[kk, 1], frag[kk, 2], frag[kk, 3], b0, b1,
+                                         s[2 * jj, 0], s[2 * jj, 1], s[2 * jj, 2], s[2 * jj, 3])
+                    s[2 * jj, 0] = d0
+                    s[2 * jj, 1] = d1
+                    s[2 * jj, 2] = d2
+                    s[2 * jj, 3] = d3
+                    d0, d1, d2, d3 = mma(frag[kk, 0], frag[kk, 1], frag[kk, 2], frag[kk, 3], b2, b3,
+                                         s[2 * jj + 1, 0], s[2 * jj + 1, 1], s[2 * jj + 1, 2], s[2 * jj + 1, 3])
+                    s[2 * jj + 1, 0] = d0
+                    s[2 * jj + 1, 1] = d1
+                    s[2 * jj + 1, 2] = d2
+                    s[2 * jj + 1, 3] = d3
+
+        @device_function
+        def acc_plus(acc, p, x_lane):
+            """acc += P X for P = p [N_TILES, 4] (the warp's 16 rows of N_TILES · 8 columns, C tiles repacked
+            two at a time as A fragments, rounded to 16 bits) and X the N_TILES · 8 shared rows at x_lane
+            (``ldmatrix.trans``: rows are P's columns, head dims X's columns); acc [HEAD_DIM / 8, 4]."""
+            for kk in range(N_TILES // 2):
+                a0 = pack(p[2 * kk, 0], p[2 * kk, 1])
+                a1 = pack(p[2 * kk, 2], p[2 * kk, 3])
+                a2 = pack(p[2 * kk + 1, 0], p[2 * kk + 1, 1])
+                a3 = pack(p[2 * kk + 1, 2], p[2 * kk + 1, 3])
+                for dd in range(D_STEPS):
+                    b0, b1, b2, b3 = ldmatrix_x4_trans(x_lane + uint32(2 * (16 * kk * LD + 16 * dd)))
+                    d0, d1, d2, d3 = mma(a0, a1, a2, a3, b0, b1,
+                                         acc[2 * dd, 0], acc[2 * dd, 1], acc[2 * dd, 2], acc[2 * dd, 3])
+                    acc[2 * dd, 0] = d0
+                    acc[2 * dd, 1] = d1
+                    acc[2 * dd, 2] = d2
+                    acc[2 * dd, 3] = d3
+                    d0, d1, d2, d3 = mma(a0, a1, a2, a3, b2, b3, acc[2 * dd + 1, 0], acc[2 * dd + 1, 1],
+                                         acc[2 * dd + 1, 2], acc[2 * dd + 1, 3])
+                    acc[2 * dd + 1, 0] = d0
+                    acc[2 * dd + 1, 1] = d1
+                    acc[2 * dd + 1, 2] = d2
+                    acc[2 * dd + 1, 3] = d3
+
+        return rows_dot, acc_plus
+
+    @device_function
+    def store_rows(out, acc, factor, row0, rows, head_dim, g, t):
+        """out's rows row0 + g and row0 + g + 8 (those below ``rows``; out flat, rows of head_dim, int32
+        pairs with OUT_PAIRS, else int16) = factor · acc, rounded to 16 bits; each element once."""
+        for h in range(2):
+            row = row0 + g + 8 * h
+            if row < rows:
+                base = row * head_dim
+                for c in range(O_TILES):
+                    col = 8 * c + 2 * t
+                    pair = pack(acc[c, 2 * h] * factor, acc[c, 2 * h + 1] * factor)
+                    if OUT_PAIRS:
+                        if EVEN_HEAD_DIM or col < head_dim:
+                            out[uint64((base + col) // 2)] = pair
+                    else:
+                        if col < head_dim:
+                            out[uint64(base + col)] = int16(pair & 0xFFFF)
+                        if col + 1 < head_dim:
+                            out[uint64(base + col + 1)] = int16(pair >> 16)
+
+    return wait_tiles, load_frag, products, store_rows
+
+
+def _build_dkdv(HEAD_DIM, config, LEFT, RIGHT, IS_BF16, EVEN_HEAD_DIM, ASYNC_LOADS, OUT_PAIRS):
+    """The dK/dV kernel for one padded head dim, block shape, window switches and input kind (compile-time)."""
+    NUM_WARPS, BLOCK_M = config.DKDV_WARPS, config.DKDV_BLOCK_M
+    BLOCK_N = 16 * NUM_WARPS
+    NUM_THREADS = 32 * NUM_WARPS
+    LD = HEAD_DIM + 8
+    D_STEPS = HEAD_DIM // 16
+    O_TILES = HEAD_DIM // 8
+    M_TILES = BLOCK_M // 8  # 8-query tiles of Sᵀ
+    SMEM_ROWS = max(2 * BLOCK_N, 2 * BLOCK_M)  # K and V, then Q (rows 0 ..) and dO (rows BLOCK_M ..)
+    assert BLOCK_M % 16 == 0 and HEAD_DIM % 16 == 0 and BLOCK_M <= NUM_THREADS
+    wait_tiles, load_frag, products, store_rows = _helpers(HEAD_DIM, IS_BF16, ASYNC_LOADS, OUT_PAIRS,
+                                                           EVEN_HEAD_DIM)
+    rows_dot, acc_plus = products(M_TILES)
+    load_kv = _tile_loader(BLOCK_N, NUM_THREADS, HEAD_DIM, EVEN_HEAD_DIM, ASYNC_LOADS)
+    load_qdo = _tile_loader(BLOCK_M, NUM_THREADS, HEAD_DIM, EVEN_HEAD_DIM, ASYNC_LOADS)
+
+    def _attn_bwd_dkdv_tc(
+        q, k, v, do, lse, delta, dk, dv,
+        stride_qb, stride_qh, stride_qm, stride_qd,
+        stride_kb, stride_kh, stride_kn, stride_kd,
+        stride_vb, stride_vh, stride_vn, stride_vd,
+        stride_dob, stride_doh, stride_dom, stride_dod,
+        stride_lb, stride_lh, stride_lm,
+        heads, group, seqlen_q, seqlen_k, head_dim, scale, qk_scale, window_left, window_right, num_n_tiles,
+    ):
+        """One block: BLOCK_N keys of one (batch, key/value head), for the group's query heads. q, k, v, do:
+        flat int16 views (fp16 or bf16 bit patterns) of (B, H, N, D) tensors, k and v with H // group heads,
+        with the given element strides; lse: (B, H, seqlen_q) fp32; delta: (B·H, seqlen_q) fp32; dk, dv:
+        (B, H // group, seqlen_k, head_dim), flat, contiguous, int32 pairs (OUT_PAIRS) or int16. qk_scale =
+        scale · log2 e."""
+        diag = seqlen_k - seqlen_q
+        start_n = (cuda.blockIdx.x % num_n_tiles) * BLOCK_N
+        heads_k = heads // group
+        off_bhk = cuda.blockIdx.x // num_n_tiles
+        off_b = off_bhk // heads_k
+        off_hk = off_bhk % heads_k
+        warp = cuda.threadIdx.x // 32
+        lane = cuda.threadIdx.x % 32
+        g = lane // 4
+        t = lane % 4
+
+        smem = cuda.shared.array(SMEM_ROWS * LD, int16, alignment=SHARED_ALIGN)
+        lse_tile = cuda.shared.array(BLOCK_M, float32)  # L · log2 e of the tile's queries (+inf past the end)
+        delta_tile = cuda.shared.array(BLOCK_M, float32)
+        smem_base = shared_address(smem)
+        q_base, k_base, v_base, do_base = global_address(q), global_address(k), global_address(v), global_address(do)
+        a_row, a_col = ldmatrix_a_row_col(lane)
+        b_row, b_col = ldmatrix_b_row_col(lane)
+        own_lane = smem_base + uint32(2 * ((16 * warp + a_row) * LD + a_col))  # the warp's K rows (A)
+        # Q at rows 0 .., dO at BLOCK_M ..: B fragments of Qᵀ and dOᵀ (rows as columns), and with .trans of Q
+        # and dO (queries as k).
+        q_b_lane = smem_base + uint32(2 * (b_row * LD + b_col))
+        do_b_lane = q_b_lane + uint32(2 * BLOCK_M * LD)
+        q_t_lane = smem_base + uint32(2 * (a_row * LD + a_col))
+        do_t_lane = q_t_lane + uint32(2 * BLOCK_M * LD)
+
+        # K and V of the tile: global -> shared -> the warp's A fragments, held for the whole block.
+        k_offset = off_b * stride_kb + off_hk * stride_kh
+        v_offset = off_b * stride_vb + off_hk * stride_vh
+        load_kv(smem, smem_base, 0, k, k_base, k_offset, stride_kn, stride_kd, start_n, seqlen_k, head_dim)
+        load_kv(smem, smem_base, BLOCK_N, v, v_base, v_offset, stride_vn, stride_vd, start_n, seqlen_k, head_dim)
+        wait_tiles()
+        cuda.syncthreads()
+        k_frag = cuda.local.array((D_STEPS, 4), int32)  # [16 keys, HEAD_DIM] as D_STEPS A fragments
+        v_frag = cuda.local.array((D_STEPS, 4), int32)
+        load_frag(k_frag, own_lane)
+        load_frag(v_frag, own_lane + uint32(2 * BLOCK_N * LD))
+
+        dk_acc = cuda.local.array((O_TILES, 4), float32)  # [16 keys, HEAD_DIM] as 8-column C tiles
+        dv_acc = cuda.local.array((O_TILES, 4), float32)
+        s = cuda.local.array((M_TILES, 4), float32)  # Sᵀ, then Pᵀ: [16 keys, BLOCK_M]
+        dp = cuda.local.array((M_TILES, 4), float32)  # dPᵀ, then dSᵀ
+        for c in range(O_TILES):
+            for e in range(4):
+                dk_acc[c, e] = 0.0
+                dv_acc[c, e] = 0.0
+
+        # The query tiles that see a key of this tile, as backward_simt's: query i sees key j iff j - diag -
+        # window_right <= i <= j - diag + window_left (causal: window_right = 0).
+        last_key = min(start_n + BLOCK_N, seqlen_k) - 1
+        begin_m = max(start_n - diag - window_right, 0) // BLOCK_M * BLOCK_M if RIGHT else 0
+        end_m = min(seqlen_q, last_key - diag + window_left + 1) if LEFT else seqlen_q
+        key0 = start_n + 16 * warp + g  # the lane's keys: key0 and key0 + 8
+        # GQA: dK and dV of off_hk sum over the group's query heads, accumulated in the same registers.
+        for off_h in range(off_hk * group, off_hk * group + group):
+            q_offset = off_b * stride_qb + off_h * stride_qh
+            do_offset = off_b * stride_dob + off_h * stride_doh
+            l_offset = off_b * stride_lb + off_h * stride_lh
+            delta_offset = (off_b * heads + off_h) * seqlen_q
+            for start_m in range(begin_m, end_m, BLOCK_M):
+                cuda.syncthreads()  # every warp is done with the previous Q, dO, L and delta (or K and V)
+                load_qdo(smem, smem_base, 0, q, q_base, q_offset, stride_qm, stride_qd, start_m, seqlen_q,
+                         head_dim)
+                load_qdo(smem, smem_base, BLOCK_M, do, do_base, do_offset, stride_dom, stride_dod, start_m,
+                         seqlen_q, head_dim)
+                if cuda.threadIdx.x < BLOCK_M:
+                    row = start_m + cuda.threadIdx.x
+                    # Rows past seqlen_q: L = +inf makes their P zero.
+                    lse_tile[cuda.threadIdx.x] = float32(math.inf)
+                    delta_tile[cuda.threadIdx.x] = 0.0
+                    if row < seqlen_q:
+                        lse_tile[cuda.threadIdx.x] = lse[uint64(l_offset + row * stride_lm)] * float32(LOG2E)
+                        delta_tile[cuda.threadIdx.x] = delta[uint64(delta_offset + row)]
+                wait_tiles()
+                cuda.syncthreads()
+
+                rows_dot(s, k_frag, q_b_lane)  # Sᵀ = K Qᵀ
+                rows_dot(dp, v_frag, do_b_lane)  # dPᵀ = V dOᵀ
+                # Only tiles that cross a window edge are masked: the causal diagonal (key > query + diag +
+                # right) or a left edge.
+                crosses = ((RIGHT and start_n + BLOCK_N - 1 > start_m + diag + window_right)
+                           or (LEFT and start_n < start_m + BLOCK_M - 1 + diag - window_left))
+                for j in range(M_TILES):
+                    for e in range(4):
+                        col = 8 * j + 2 * t + e % 2
+                        p = exp2_approx(s[j, e] * qk_scale - lse_tile[col])
+                        if crosses:
+                            key = key0 + 8 * (e // 2)
+                            query = start_m + col
+                            if ((RIGHT and key > query + diag + window_right)
+                                    or (LEFT and key < query + diag - window_left)):
+                                p = float32(0.0)
+                        s[j, e] = p
+                        dp[j, e] = p * (dp[j, e] - delta_tile[col])
+                acc_plus(dv_acc, s, do_t_lane)  # dV += Pᵀ dO
+                acc_plus(dk_acc, dp, q_t_lane)  # dK += dSᵀ Q
+
+        # Epilogue: dk = scale · dK, dv = dV, each element once (keys that no row sees: zeros).
+        dkv_start = off_bhk * seqlen_k
+        store_rows(dk, dk_acc, scale, dkv_start + start_n + 16 * warp, dkv_start + seqlen_k, head_dim, g, t)
+        store_rows(dv, dv_acc, float32(1.0), dkv_start + start_n + 16 * warp, dkv_start + seqlen_k, head_dim, g,
+                   t)
+
+    return _jit(_attn_bwd_dkdv_tc, config.MAX_REGISTERS)
+
+
+def _build_dq(HEAD_DIM, config, LEFT, RIGHT, IS_BF16, EVEN_HEAD_DIM, ASYNC_LOADS, OUT_PAIRS):
+    """The dQ kernel for one padded head dim, block shape, window switches and input kind (compile-time)."""
+    NUM_WARPS, BLOCK_N = config.DQ_WARPS, config.DQ_BLOCK_N
+    BLOCK_M = 16 * NUM_WARPS
+    NUM_THREADS = 32 * NUM_WARPS
+    LD = HEAD_DIM + 8
+    D_STEPS = HEAD_DIM // 16
+    O_TILES = HEAD_DIM // 8
+    N_TILES = BLOCK_N // 8  # 8-key tiles of S
+    SMEM_ROWS = max(2 * BLOCK_M, 2 * BLOCK_N)  # Q and dO, then K (rows 0 ..) and V (rows BLOCK_N ..)
+    assert BLOCK_N % 16 == 0 and HEAD_DIM % 16 == 0
+    wait_tiles, load_frag, products, store_rows = _helpers(HEAD_DIM, IS_BF16, ASYNC_LOADS, OUT_PAIRS,
+                                                           EVEN_HEAD_DIM)
+    rows_dot, acc_plus = products(N_TILES)
+    load_qdo = _tile_loader(BLOCK_M, NUM_THREADS, HEAD_DIM, EVEN_HEAD_DIM, ASYNC_LOADS)
+    load_kv = _tile_loader(BLOCK_N, NUM_THREADS, HEAD_DIM, EVEN_HEAD_DIM, ASYNC_LOADS)
+
+    def _attn_bwd_dq_tc(
+        q, k, v, do, lse, delta, dq,
+        stride_qb, stride_qh, stride_qm, stride_qd,
+        stride_kb, stride_kh, stride_kn, stride_kd,
+        stride_vb, stride_vh, stride_vn, stride_vd,
+        stride_dob, stride_doh, stride_dom, stride_dod,
+        stride_lb, stride_lh, stride_lm,
+        heads, group, seqlen_q, seqlen_k, head_dim, scale, qk_scale, window_left, window_right, num_m_tiles,
+    ):
+        """One block: BLOCK_M query rows of one (batch, head); arguments as ``_attn_bwd_dkdv_tc``'s, dq: (B, H,
+        seqlen_q, head_dim), flat, contiguous, int32 pairs (OUT_PAIRS) or int16."""
+        diag = seqlen_k - seqlen_q
+        start_m = (cuda.blockIdx.x % num_m_tiles) * BLOCK_M
+        off_bh = cuda.blockIdx.x // num_m_tiles
+        off_b = off_bh // heads
+        off_h = off_bh % heads
+        off_hk = off_h // group
+        warp = cuda.threadIdx.x // 32
+        lane = cuda.threadIdx.x % 32
+        g = lane // 4
+        t = lane % 4
+
+        smem = cuda.shared.array(SMEM_ROWS * LD, int16, alignment=SHARED_ALIGN)
+        smem_base = shared_address(smem)
+        q_base, k_base, v_base, do_base = global_address(q), global_address(k), global_address(v), global_address(do)
+        a_row, a_col = ldmatrix_a_row_col(lane)
+        b_row, b_col = ldmatrix_b_row_col(lane)
+        own_lane = smem_base + uint32(2 * ((16 * warp + a_row) * LD + a_col))  # the warp's Q rows (A)
+        k_b_lane = smem_base + uint32(2 * (b_row * LD + b_col))  # Kᵀ, Vᵀ as B (keys as columns)
+        v_b_lane = k_b_lane + uint32(2 * BLOCK_N * LD)
+        k_t_lane = smem_base + uint32(2 * (a_row * LD + a_col))  # K as B with .trans (keys as k)
+
+        # Q and dO: global -> shared -> the warp's A fragments.
+        q_offset = off_b * stride_qb + off_h * stride_qh
+        do_offset = off_b * stride_dob + off_h * stride_doh
+        load_qdo(smem, smem_base, 0, q, q_base, q_offset, stride_qm, stride_qd, start_m, seqlen_q, head_dim)
+        load_qdo(smem, smem_base, BLOCK_M, do, do_base, do_offset, stride_dom, stride_dod, start_m, seqlen_q,
+                 head_dim)
+        wait_tiles()
+        cuda.syncthreads()
+        q_frag = cuda.local.array((D_STEPS, 4), int32)
+        do_frag = cuda.local.array((D_STEPS, 4), int32)
+        load_frag(q_frag, own_lane)
+        load_frag(do_frag, own_lane + uint32(2 * BLOCK_M * LD))
+
+        # L · log2 e and delta of the lane's rows row0 and row0 + 8; rows past seqlen_q: L = +inf, P = 0.
+        row0 = start_m + 16 * warp + g
+        lse_r = cuda.local.array(2, float32)
+        delta_r = cuda.local.array(2, float32)
+        for h in range(2):
+            row = row0 + 8 * h
+            lse_r[h] = float32(math.inf)
+            delta_r[h] = 0.0
+            if row < seqlen_q:
+                lse_r[h] = lse[uint64(off_b * stride_lb + off_h * stride_lh + row * stride_lm)] * float32(LOG2E)
+                delta_r[h] = delta[uint64(off_bh * seqlen_q + row)]
+
+        acc = cuda.local.array((O_TILES, 4), float32)  # [16 rows, HEAD_DIM] as 8-column C tiles
+        s = cuda.local.array((N_TILES, 4), float32)  # S, then P: [16 rows, BLOCK_N]
+        dp = cuda.local.array((N_TILES, 4), float32)  # dP, then dS
+        for c in range(O_TILES):
+            for e in range(4):
+                acc[c, e] = 0.0
+
+        k_offset = off_b * stride_kb + off_hk * stride_kh
+        v_offset = off_b * stride_vb + off_hk * stride_vh
+        # The key tiles the tile's rows see, as the forward's; the others are skipped.
+        begin_n = max(start_m + diag - window_left, 0) // BLOCK_N * BLOCK_N if LEFT else 0
+        end_n = min(seqlen_k, min(start_m + BLOCK_M, seqlen_q) + diag + window_right) if RIGHT else seqlen_k
+        for start_n in range(begin_n, end_n, BLOCK_N):
+            cuda.syncthreads()  # every warp has its fragments, or is done with the previous K and V
+            load_kv(smem, smem_base, 0, k, k_base, k_offset, stride_kn, stride_kd, start_n, seqlen_k, head_dim)
+            load_kv(smem, smem_base, BLOCK_N, v, v_base, v_offset, stride_vn, stride_vd, start_n, seqlen_k,
+                    head_dim)
+            wait_tiles()
+            cuda.syncthreads()
+
+            rows_dot(s, q_frag, k_b_lane)  # S = Q Kᵀ
+            rows_dot(dp, do_frag, v_b_lane)  # dP = dO Vᵀ
+            # Masked: the tiles that cross the end of the keys or a window edge of the block's rows.
+            crosses = (start_n + BLOCK_N > seqlen_k
+                       or (RIGHT and start_n + BLOCK_N - 1 > start_m + diag + window_right)
+                       or (LEFT and start_n < start_m + BLOCK_M - 1 + diag - window_left))
+            for j in range(N_TILES):
+                for e in range(4):
+                    h = e // 2
+                    p = exp2_approx(s[j, e] * qk_scale - lse_r[h])
+                    if crosses:
+                        key = start_n + 8 * j + 2 * t + e % 2
+                        row = row0 + 8 * h
+                        if (key >= seqlen_k or (RIGHT and key > row + diag + window_right)
+                                or (LEFT and key < row + diag - window_left)):
+                            p = float32(0.0)
+                    s[j, e] = p
+                    dp[j, e] = p * (dp[j, e] - delta_r[h])
+            acc_plus(acc, dp, k_t_lane)  # dQ += dS K
+
+        # Epilogue: dq = scale · dQ, each element once (rows that see no key: zeros).
+        store_rows(dq, acc, scale, off_bh * seqlen_q + start_m + 16 * warp, off_bh * seqlen_q + seqlen_q,
+                   head_dim, g, t)
+
+    return _jit(_attn_bwd_dq_tc, config.MAX_REGISTERS)
+
+
+def _jit(kernel, MAX_REGISTERS):
+    # The simulator's jit takes no max_registers.
+    if simulated() or not MAX_REGISTERS:
+        return cuda.jit(kernel)
+    return cuda.jit(max_registers=MAX_REGISTERS)(kernel)
+
+
+# Compiled kernels by (name, *the builder's arguments): ("dkdv" or "dq", HEAD_DIM, config, LEFT, RIGHT, IS_BF16,
+# EVEN_HEAD_DIM, ASYNC_LOADS, OUT_PAIRS).
+_KERNELS: dict[tuple, object] = {}
+_BUILDERS = {"dkdv": _build_dkdv, "dq": _build_dq}
+# Prepared launches (preprocess, dK/dV, dQ; ``launch.prepare``) by class of call, keyed as backward_simt's
+# plus whether the tensors' data is 16 B aligned (cp.async).
+_PREPARED: dict[tuple, tuple] = {}
+
+
+def _kernel(name, *key):
+    kernel = _KERNELS.get((name, *key))
+    if kernel is None:
+        kernel = _KERNELS[name, *key] = _BUILDERS[name](*key)
+    return kernel
+
+
+def _rows_16b_aligned(t: torch.Tensor) -> bool:
+    """Whether cp.async can copy t's rows in 16 B chunks: contiguous along head_dim, first element and every
+    row, head and batch start 16 B aligned."""
+    return t.stride(3) == 1 and t.data_ptr() % 16 == 0 and all(s % 8 == 0 for s in t.stride()[:3])
+
+
+def _check_config(HEAD_DIM: int, config: TensorCoreBwdConfig) -> None:
+    if (config.DKDV_WARPS < 1 or config.DQ_WARPS < 1 or config.DKDV_BLOCK_M < 16 or config.DKDV_BLOCK_M % 16
+            or config.DQ_BLOCK_N < 16 or config.DQ_BLOCK_N % 16):
+        raise ValueError(f"TensorCoreBwdConfig needs warps >= 1 and tiles multiples of 16, got {config}")
+    for name, rows in (("dK/dV", max(32 * config.DKDV_WARPS, 2 * config.DKDV_BLOCK_M)),
+                       ("dQ", max(32 * config.DQ_WARPS, 2 * config.DQ_BLOCK_N))):
+        if 2 * rows * (HEAD_DIM + 8) > 48 * 1024:
+            raise ValueError(
+                f"{config} at head dim {HEAD_DIM} needs {2 * rows * (HEAD_DIM + 8)} B of shared memory in the "
+                f"{name} kernel, over the 48 KB a block may have statically"
+            )
+
+
+def flash_attn_backward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    O: torch.Tensor,
+    L: torch.Tensor,
+    dO: torch.Tensor,
+    spec: AttentionSpec,
+    config: TensorCoreBwdConfig | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The tensor-core launches (the SIMT preprocess, dK/dV, dQ): arguments and returns as
+    ``fa2_numba_cuda.backward.flash_attn_backward``, for fp16 and bf16 with head_dim <= 128 and a spec that
+    ``supports`` takes (dense, any window); CUDA tensors on compute capability 8.0+, or CPU tensors under
+    numba's simulator. config: the blocks, for tuning; default ``tc_bwd_config(padded_head_dim(head_dim))``."""
+    key = None
+    if launch.FAST:  # a call of a class met before: the kernels' parameters are packed, only pointers change
+        aligned = (q.data_ptr() | k.data_ptr() | v.data_ptr() | dO.data_ptr()) % 16 == 0
+        key = (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), O.shape, O.stride(), L.shape,
+               L.stride(), dO.shape, dO.stride(), q.dtype, k.dtype, v.dtype, O.dtype, L.dtype, dO.dtype, q.device,
+               aligned, spec_class(spec), None if config is None else tuple(config))
+        plan = _PREPARED.get(key)
+        if plan is not None:
+            preprocess, dkdv, dq_kernel = plan
+            dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+            dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+            dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+            dO = dO.to(q.dtype)
+            delta = torch.empty(q.shape[0] * q.shape[1] * q.shape[2], dtype=torch.float32, device=q.device)
+            if preprocess is not None:
+                preprocess(O, dO, delta)
+            if dkdv is not None:
+                dkdv(q, k, v, dO, L, delta, dk, dv)
+            if dq_kernel is not None:
+                dq_kernel(q, k, v, dO, L, delta, dq)
+            return dq, dk, dv
+    batch, heads, seqlen_q, head_dim = q.shape
+    heads_k, seqlen_k = k.shape[1], k.shape[2]
+    if q.dtype not in (torch.float16, torch.bfloat16):
+        raise NotImplementedError(f"fa2-numba-cuda's tensor-core backward takes fp16 or bf16, got {q.dtype}")
+    if head_dim > MAX_HEAD_DIM:
+        raise NotImplementedError(
+            f"fa2-numba-cuda's tensor-core backward supports head_dim up to {MAX_HEAD_DIM}, got {head_dim}"
+        )
+    if not supports(spec):
+        raise NotImplementedError(
+            f"fa2-numba-cuda's tensor-core backward has no softcap, ALiBi or packed batches, got {features(spec)}"
+        )
+    _check_device(q)
+    if not simulated() and capability(q.device) < MIN_COMPUTE_CAPABILITY:
+        raise NotImplementedError(
+            f"fa2-numba-cuda's tensor-core backward needs compute capability 8.0 or newer, got "
+            f"{capability(q.device)} on {q.device}"
+        )
+    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    if head_dim == 0 or batch * heads == 0:
+        return dq, dk, dv
+    dO = dO.to(q.dtype)
+    delta = torch.empty(batch * heads * seqlen_q, dtype=torch.float32, device=q.device)
+
+    HEAD_DIM = padded_head_dim(head_dim)
+    config = TensorCoreBwdConfig(*config) if config is not None else tc_bwd_config(HEAD_DIM)
+    _check_config(HEAD_DIM, config)
+    is_bf16 = q.dtype == torch.bfloat16
+    async_loads = all(_rows_16b_aligned(t) for t in (q, k, v, dO))
+    out_pairs = head_dim % 2 == 0
+    flags = (*features(spec)[:2], is_bf16, head_dim == HEAD_DIM, async_loads, out_pairs)
+    out_dtype = torch.int32 if out_pairs else torch.int16
+    group = heads // heads_k  # query heads per key/value head (the interface checked the division)
+    window_left, window_right = feature_args(spec, seqlen_q, seqlen_k, q.device)[:2]
+    qk_scale = np.float32(spec.scale * LOG2E)
+    inputs = (*(t.view(torch.int16) for t in (q, k, v, dO)), L, delta)
+    tail = (*q.stride(), *k.stride(), *v.stride(), *dO.stride(), *L.stride(), heads, group, seqlen_q, seqlen_k,
+            head_dim, np.float32(spec.scale), qk_scale, window_left, window_right)
+    num_n_tiles = -(-seqlen_k // (16 * config.DKDV_WARPS))
+    num_m_tiles = -(-seqlen_q // (16 * config.DQ_WARPS))
+
+    plan = [None, None, None]
+    prepared = True
+    if seqlen_q:
+        # delta = rowsum(dO ∘ O): the SIMT preprocess (fp32 sums, its own head-dim padding).
+        pre_m_tiles = -(-seqlen_q // backward_simt.PRE_BLOCK_M)
+        pre = backward_simt._kernel("preprocess", simt_padded_head_dim(head_dim), is_bf16,
+                                    head_dim == simt_padded_head_dim(head_dim))
+        args = (O, dO, delta, *O.stride(), *dO.stride(), heads, seqlen_q, head_dim, pre_m_tiles)
+        plan[0] = launch.prepare(pre, pre_m_tiles * batch * heads, 32 * backward_simt.PRE_WARPS, q.device, args,
+                                 (0, 1, 2))
+        prepared = prepared and plan[0] is not None
+    if seqlen_k:
+        args = (*inputs, dk.view(out_dtype), dv.view(out_dtype), *tail, num_n_tiles)
+        plan[1] = launch.prepare(_kernel("dkdv", HEAD_DIM, config, *flags), num_n_tiles * batch * heads_k,
+                                 32 * config.DKDV_WARPS, q.device, args, tuple(range(8)))
+        prepared = prepared and plan[1] is not None
+    if seqlen_q:
+        args = (*inputs, dq.view(out_dtype), *tail, num_m_tiles)
+        plan[2] = launch.prepare(_kernel("dq", HEAD_DIM, config, *flags), num_m_tiles * batch * heads,
+                                 32 * config.DQ_WARPS, q.device, args, tuple(range(7)))
+        prepared = prepared and plan[2] is not None
+    if prepared and key is not None:
+        _PREPARED[key] = tuple(plan)
+    return dq, dk, dv
+
+
+def kernel_resources() -> list[dict]:
+    """Registers and local memory per thread, static shared memory per block, of every tensor-core backward
+    kernel compiled so far in this process (one row per specialisation); empty under the simulator."""
+    if simulated():
+        return []
+    rows = []
+    for (name, HEAD_DIM, config, LEFT, RIGHT, IS_BF16, EVEN_HEAD_DIM, ASYNC_LOADS, OUT_PAIRS), kernel in (
+            _KERNELS.items()):
+        regs = kernel.get_regs_per_thread()
+        shared = kernel.get_shared_mem_per_block()
+        local = kernel.get_local_mem_per_thread()
+        for signature in regs:
+            rows.append({
+                "kernel": f"tensor-core {name}", "HEAD_DIM": HEAD_DIM, **config._asdict(),
+                **_feature_columns((LEFT, RIGHT, False, False, False)), "bf16": IS_BF16,
+                "even_head_dim": EVEN_HEAD_DIM, "async_loads": ASYNC_LOADS, "out_pairs": OUT_PAIRS,
+                "signature": ", ".join(str(t) for t in signature), "registers_per_thread": regs[signature],
+                "shared_bytes_per_block": shared[signature], "local_bytes_per_thread": local[signature],
+            })
+    return rows
