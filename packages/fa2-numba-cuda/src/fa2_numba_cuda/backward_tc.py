@@ -99,22 +99,32 @@ class TensorCoreBwdConfig(NamedTuple):
     """The two kernels' blocks: the dK/dV kernel's DKDV_WARPS warps of 16 keys each (BLOCK_N = 16 ·
     DKDV_WARPS) against query tiles of DKDV_BLOCK_M rows (a multiple of 16); the dQ kernel's DQ_WARPS warps of
     16 query rows each against key tiles of DQ_BLOCK_N keys (a multiple of 16). MAX_REGISTERS caps ptxas (0:
-    no cap)."""
+    no cap). V_IN_SHARED: the dK/dV kernel keeps V's tile in shared memory, its A fragments loaded by
+    ``ldmatrix`` for each dPᵀ, instead of in registers (HEAD_DIM / 4 fewer per thread)."""
 
     DKDV_WARPS: int
     DKDV_BLOCK_M: int
     DQ_WARPS: int
     DQ_BLOCK_N: int
     MAX_REGISTERS: int
+    V_IN_SHARED: bool = False
 
 
 def tc_bwd_config(HEAD_DIM: int) -> TensorCoreBwdConfig:
-    """The blocks for a padded head dim: 64 keys (4 warps) against 64-query tiles up to HEAD_DIM 64, 32-query
-    tiles above (the dK/dV kernel holds K, V, dK and dV of its 16 keys per warp in registers: 3 HEAD_DIM / 2
-    per thread, plus Sᵀ and dPᵀ); 64 query rows (4 warps) against 64-key tiles in the dQ kernel."""
-    if HEAD_DIM <= 64:
-        return TensorCoreBwdConfig(4, 64, 4, 64, 0)
-    return TensorCoreBwdConfig(4, 32, 4, 64, 0)
+    """The blocks for a padded head dim: the dK/dV kernel's 64 keys (4 warps) against 16-query tiles with V's
+    tile in shared memory (per thread K's fragments, dK's and dV's accumulators, HEAD_DIM / 4 + HEAD_DIM
+    registers, and Sᵀ, dPᵀ 8 each); the dQ kernel's 64 query rows (4 warps) against 32-key tiles. No cap.
+    Offline (numba's PTX, ptxas -v, sm_90, bf16, cp.async, even head_dim), registers per thread, spill
+    stores / loads, static shared memory, full / causal:
+
+        HEAD_DIM   dK/dV                                   dQ
+        64         170 / 167, no spills, 18,560 B          167 / 164, no spills, 18,432 B
+        128        254 / 255, 0 / 20-44 B, 34,944 B        255 / 254, no spills, 34,816 B
+
+    (Against: 64-query tiles with V in registers, D64 250 / 255 registers, 0 / 100 B spilled; at D128,
+    32-query tiles 255 registers with 208-292 B spilled.) Not yet timed on a GPU.
+    """
+    return TensorCoreBwdConfig(4, 16, 4, 32, 0, True)
 
 
 def supports(spec: AttentionSpec) -> bool:
@@ -259,7 +269,31 @@ def _helpers(HEAD_DIM, IS_BF16, ASYNC_LOADS, OUT_PAIRS, EVEN_HEAD_DIM):
                     acc[2 * dd + 1, 2] = d2
                     acc[2 * dd + 1, 3] = d3
 
-        return rows_dot, acc_plus
+        @device_function
+        def rows_dot_shared(s, a_lane, b_lane):
+            """rows_dot with the warp's 16 rows A in shared memory at a_lane: per 16 head dims one ldmatrix of
+            A, then per 16 rows of B one ldmatrix and two mma."""
+            for j in range(N_TILES):
+                for e in range(4):
+                    s[j, e] = 0.0
+            for kk in range(D_STEPS):
+                a0, a1, a2, a3 = ldmatrix_x4(a_lane + uint32(32 * kk))
+                for jj in range(N_TILES // 2):
+                    b0, b1, b2, b3 = ldmatrix_x4(b_lane + uint32(2 * (16 * jj * LD + 16 * kk)))
+                    d0, d1, d2, d3 = mma(a0, a1, a2, a3, b0, b1, s[2 * jj, 0], s[2 * jj, 1], s[2 * jj, 2],
+                                         s[2 * jj, 3])
+                    s[2 * jj, 0] = d0
+                    s[2 * jj, 1] = d1
+                    s[2 * jj, 2] = d2
+                    s[2 * jj, 3] = d3
+                    d0, d1, d2, d3 = mma(a0, a1, a2, a3, b2, b3, s[2 * jj + 1, 0], s[2 * jj + 1, 1],
+                                         s[2 * jj + 1, 2], s[2 * jj + 1, 3])
+                    s[2 * jj + 1, 0] = d0
+                    s[2 * jj + 1, 1] = d1
+                    s[2 * jj + 1, 2] = d2
+                    s[2 * jj + 1, 3] = d3
+
+        return rows_dot, rows_dot_shared, acc_plus
 
     @device_function
     def store_rows(out, acc, factor, row0, rows, head_dim, g, t):
@@ -293,11 +327,15 @@ def _build_dkdv(HEAD_DIM, config, LEFT, RIGHT, IS_BF16, EVEN_HEAD_DIM, ASYNC_LOA
     D_STEPS = HEAD_DIM // 16
     O_TILES = HEAD_DIM // 8
     M_TILES = BLOCK_M // 8  # 8-query tiles of Sᵀ
-    SMEM_ROWS = max(2 * BLOCK_N, 2 * BLOCK_M)  # K and V, then Q (rows 0 ..) and dO (rows BLOCK_M ..)
+    V_IN_SHARED = config.V_IN_SHARED
+    # K at rows 0 .. (into registers before the query loop, then Q at rows 0 .., dO at BLOCK_M ..), V at V_ROW
+    # (past Q and dO when it stays there).
+    V_ROW = max(BLOCK_N, 2 * BLOCK_M) if V_IN_SHARED else BLOCK_N
+    SMEM_SIZE = (V_ROW + BLOCK_N if V_IN_SHARED else max(2 * BLOCK_N, 2 * BLOCK_M)) * LD
     assert BLOCK_M % 16 == 0 and HEAD_DIM % 16 == 0 and BLOCK_M <= NUM_THREADS
     wait_tiles, load_frag, products, store_rows = _helpers(HEAD_DIM, IS_BF16, ASYNC_LOADS, OUT_PAIRS,
                                                            EVEN_HEAD_DIM)
-    rows_dot, acc_plus = products(M_TILES)
+    rows_dot, rows_dot_shared, acc_plus = products(M_TILES)
     load_kv = _tile_loader(BLOCK_N, NUM_THREADS, HEAD_DIM, EVEN_HEAD_DIM, ASYNC_LOADS)
     load_qdo = _tile_loader(BLOCK_M, NUM_THREADS, HEAD_DIM, EVEN_HEAD_DIM, ASYNC_LOADS)
 
@@ -326,7 +364,7 @@ def _build_dkdv(HEAD_DIM, config, LEFT, RIGHT, IS_BF16, EVEN_HEAD_DIM, ASYNC_LOA
         g = lane // 4
         t = lane % 4
 
-        smem = cuda.shared.array(SMEM_ROWS * LD, int16, alignment=SHARED_ALIGN)
+        smem = cuda.shared.array(SMEM_SIZE, int16, alignment=SHARED_ALIGN)
         lse_tile = cuda.shared.array(BLOCK_M, float32)  # L · log2 e of the tile's queries (+inf past the end)
         delta_tile = cuda.shared.array(BLOCK_M, float32)
         smem_base = shared_address(smem)
@@ -345,13 +383,15 @@ def _build_dkdv(HEAD_DIM, config, LEFT, RIGHT, IS_BF16, EVEN_HEAD_DIM, ASYNC_LOA
         k_offset = off_b * stride_kb + off_hk * stride_kh
         v_offset = off_b * stride_vb + off_hk * stride_vh
         load_kv(smem, smem_base, 0, k, k_base, k_offset, stride_kn, stride_kd, start_n, seqlen_k, head_dim)
-        load_kv(smem, smem_base, BLOCK_N, v, v_base, v_offset, stride_vn, stride_vd, start_n, seqlen_k, head_dim)
+        load_kv(smem, smem_base, V_ROW, v, v_base, v_offset, stride_vn, stride_vd, start_n, seqlen_k, head_dim)
         wait_tiles()
         cuda.syncthreads()
+        v_lane = own_lane + uint32(2 * V_ROW * LD)
         k_frag = cuda.local.array((D_STEPS, 4), int32)  # [16 keys, HEAD_DIM] as D_STEPS A fragments
         v_frag = cuda.local.array((D_STEPS, 4), int32)
         load_frag(k_frag, own_lane)
-        load_frag(v_frag, own_lane + uint32(2 * BLOCK_N * LD))
+        if not V_IN_SHARED:
+            load_frag(v_frag, v_lane)
 
         dk_acc = cuda.local.array((O_TILES, 4), float32)  # [16 keys, HEAD_DIM] as 8-column C tiles
         dv_acc = cuda.local.array((O_TILES, 4), float32)
@@ -392,7 +432,10 @@ def _build_dkdv(HEAD_DIM, config, LEFT, RIGHT, IS_BF16, EVEN_HEAD_DIM, ASYNC_LOA
                 cuda.syncthreads()
 
                 rows_dot(s, k_frag, q_b_lane)  # Sᵀ = K Qᵀ
-                rows_dot(dp, v_frag, do_b_lane)  # dPᵀ = V dOᵀ
+                if V_IN_SHARED:
+                    rows_dot_shared(dp, v_lane, do_b_lane)  # dPᵀ = V dOᵀ
+                else:
+                    rows_dot(dp, v_frag, do_b_lane)
                 # Only tiles that cross a window edge are masked: the causal diagonal (key > query + diag +
                 # right) or a left edge.
                 crosses = ((RIGHT and start_n + BLOCK_N - 1 > start_m + diag + window_right)
@@ -430,11 +473,11 @@ def _build_dq(HEAD_DIM, config, LEFT, RIGHT, IS_BF16, EVEN_HEAD_DIM, ASYNC_LOADS
     D_STEPS = HEAD_DIM // 16
     O_TILES = HEAD_DIM // 8
     N_TILES = BLOCK_N // 8  # 8-key tiles of S
-    SMEM_ROWS = max(2 * BLOCK_M, 2 * BLOCK_N)  # Q and dO, then K (rows 0 ..) and V (rows BLOCK_N ..)
+    SMEM_SIZE = max(2 * BLOCK_M, 2 * BLOCK_N) * LD  # Q and dO, then K (rows 0 ..) and V (rows BLOCK_N ..)
     assert BLOCK_N % 16 == 0 and HEAD_DIM % 16 == 0
     wait_tiles, load_frag, products, store_rows = _helpers(HEAD_DIM, IS_BF16, ASYNC_LOADS, OUT_PAIRS,
                                                            EVEN_HEAD_DIM)
-    rows_dot, acc_plus = products(N_TILES)
+    rows_dot, _, acc_plus = products(N_TILES)
     load_qdo = _tile_loader(BLOCK_M, NUM_THREADS, HEAD_DIM, EVEN_HEAD_DIM, ASYNC_LOADS)
     load_kv = _tile_loader(BLOCK_N, NUM_THREADS, HEAD_DIM, EVEN_HEAD_DIM, ASYNC_LOADS)
 
@@ -460,7 +503,7 @@ def _build_dq(HEAD_DIM, config, LEFT, RIGHT, IS_BF16, EVEN_HEAD_DIM, ASYNC_LOADS
         g = lane // 4
         t = lane % 4
 
-        smem = cuda.shared.array(SMEM_ROWS * LD, int16, alignment=SHARED_ALIGN)
+        smem = cuda.shared.array(SMEM_SIZE, int16, alignment=SHARED_ALIGN)
         smem_base = shared_address(smem)
         q_base, k_base, v_base, do_base = global_address(q), global_address(k), global_address(v), global_address(do)
         a_row, a_col = ldmatrix_a_row_col(lane)

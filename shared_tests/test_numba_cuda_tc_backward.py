@@ -1,0 +1,158 @@
+"""fa2-numba-cuda's tensor-core backward (``fa2_numba_cuda.backward_tc``): the kernels chosen, their gradients.
+
+``fa2_numba_cuda.backward.flash_attn_backward`` runs the tensor-core kernels for fp16 and bf16 with head_dim
+<= 128 on dense batches (any window, causal included), on compute capability 8.0+ or under numba's
+simulator (``mma.py``'s emulated instructions), and the SIMT kernels for everything else, chosen by the
+inputs and the spec alone. Each case here checks that the kernels it expects were the ones called and
+built, and the gradients against the fp64 reference with the suite's FlashAttention-2 rule
+(``test_gradients.assert_grads_match``); outputs start as NaN (conftest's ``poison_empty``). O and L come
+from the fp64 reference (O rounded to the dtype), so that only the backward is under test. Tiny shapes:
+the simulator is slow. With --device cuda the same cases run the real instructions on the GPU.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from checks import random_qkv
+from fa2 import reference
+from fa2.spec import AttentionSpec
+from test_gradients import assert_grads_match
+
+pytest.importorskip("fa2_numba_cuda")
+from fa2_numba_cuda import backward, backward_simt, backward_tc, common  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _numba_cuda_selected(request):
+    selected = request.config.getoption("--backend")
+    if selected and "numba-cuda" not in selected:
+        pytest.skip(f"numba-cuda's own tests; --backend {selected}")
+
+
+@pytest.fixture
+def tc_device(device):
+    """Where the tensor-core backward runs: the simulator on the CPU, or a GPU of compute capability 8.0+."""
+    if common.simulated() != (device.type == "cpu"):
+        pytest.skip(f"--device {device.type} with NUMBA_ENABLE_CUDASIM={int(common.simulated())}: numba runs "
+                    "CPU tensors only in its simulator and CUDA tensors only without it")
+    if device.type == "cuda" and backward_tc.capability(device) < backward_tc.MIN_COMPUTE_CAPABILITY:
+        pytest.skip(f"the tensor-core backward needs compute capability 8.0+, got {backward_tc.capability(device)}")
+    return device
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    """Which of backward_tc's and backward_simt's flash_attn_backward ``backward`` called, in order."""
+    made = []
+    for module, name in ((backward_tc, "tc"), (backward_simt, "simt")):
+        real = module.flash_attn_backward
+
+        def spy(*args, _real=real, _name=name, **kwargs):
+            made.append(_name)
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(module, "flash_attn_backward", spy)
+    return made
+
+
+def _case(dtype, b, h, h_k, n_q, n_k, d, causal, window=(-1, -1), scale=None, layout="contiguous"):
+    kind = "bf16" if dtype == torch.bfloat16 else "fp16"
+    parts = [kind, f"B{b}-H{h}" + (f"-Hk{h_k}" if h_k != h else ""), f"{n_q}x{n_k}-D{d}",
+             "causal" if causal else "full"]
+    parts += [f"w{window[0]}.{window[1]}"] if window != (-1, -1) else []
+    parts += [f"scale{scale}"] if scale is not None else []
+    parts += [layout] if layout != "contiguous" else []
+    case = dict(shape=(b, h, h_k, n_q, n_k, d), causal=causal, window=window, scale=scale, layout=layout)
+    return pytest.param(dtype, case, id="-".join(parts))
+
+
+CASES = [
+    case
+    for dtype in (torch.float16, torch.bfloat16)
+    for causal in (False, True)
+    for case in (
+        # GQA (group 2), seqlen_q != seqlen_k, neither a multiple of a tile: several query tiles in the dK/dV
+        # kernel, two key tiles in the dQ kernel
+        _case(dtype, 1, 2, 1, 37, 40, 64, causal),
+        # seqlen_q > seqlen_k (causal rows that see no key: zero dq), head_dim padded 40 -> 48
+        _case(dtype, 1, 1, 1, 45, 29, 40, causal),
+        # head_dim 128: the GPU's largest block
+        _case(dtype, 1, 1, 1, 17, 20, 128, causal),
+    )
+] + [
+    # two dK/dV blocks (64 keys each), causal tiles skipped in both kernels
+    _case(torch.float16, 1, 2, 1, 37, 70, 16, True),
+    # a window with both edges inside the keys: tiles skipped on both sides, edge tiles masked
+    _case(torch.float16, 1, 1, 1, 37, 53, 16, False, window=(5, 3)),
+    # odd head_dim (outputs stored element by element; rows not 16 B apart: plain loads), a negative scale
+    _case(torch.float16, 1, 2, 2, 21, 30, 13, True, scale=-0.7),
+    # q as (B, N, H, D) memory (cp.async with strides), k with a head_dim stride of 2 (plain loads)
+    _case(torch.bfloat16, 1, 2, 1, 19, 24, 32, True, layout="strided"),
+]
+
+
+def _inputs(dtype, case, device):
+    b, h, h_k, n_q, n_k, d = case["shape"]
+    q, k, v = random_qkv((b, h, n_q, d), (b, h_k, n_k, d), dtype, device, seed=n_q + n_k + d)
+    if case["layout"] == "strided":
+        q = q.transpose(1, 2).contiguous().transpose(1, 2)
+        k = torch.stack([k, torch.zeros_like(k)], dim=-1).flatten(-2)[..., ::2]
+    dO = torch.randn(q.shape, generator=torch.Generator().manual_seed(d)).to(device=device, dtype=dtype)
+    return q, k, v, dO
+
+
+def _forward(q, k, v, causal, window, scale):
+    """O (in q's dtype) and L (fp32) from the fp64 reference."""
+    O64, L64 = reference.attention(q.double(), k.double(), v.double(), causal, scale, window=window)
+    return O64.to(q.dtype), L64.float()
+
+
+@pytest.mark.parametrize("dtype, case", CASES)
+def test_tensor_core_backward_matches_reference(tc_device, calls, dtype, case):
+    b, h, h_k, n_q, n_k, d = case["shape"]
+    causal, window, scale = case["causal"], case["window"], case["scale"]
+    q, k, v, dO = _inputs(dtype, case, tc_device)
+    O, L = _forward(q, k, v, causal, window, scale)
+    spec_window = (window[0], 0) if causal else window
+    spec = AttentionSpec(d**-0.5 if scale is None else scale, spec_window, 0.0, None, h // h_k)
+    dq, dk, dv = backward.flash_attn_backward(q, k, v, O, L, dO, spec)
+    assert calls == ["tc"], f"expected the tensor-core backward alone, got {calls}"
+    HEAD_DIM = backward_tc.padded_head_dim(d)
+    built = {key[:2] for key in backward_tc._KERNELS}
+    assert {("dkdv", HEAD_DIM), ("dq", HEAD_DIM)} <= built, f"tensor-core kernels built: {sorted(built)}"
+    assert_grads_match(dq, dk, dv, q, k, v, dO, causal, window=window, **({} if scale is None else {"scale": scale}))
+
+
+@pytest.mark.parametrize(
+    "dtype, d, features, expected",
+    [
+        pytest.param(torch.float16, 16, {}, "tc", id="fp16-D16-dense-tc"),
+        pytest.param(torch.float32, 16, {}, "simt", id="fp32-simt"),
+        pytest.param(torch.float16, 160, {}, "simt", id="fp16-D160-simt"),
+        pytest.param(torch.float16, 16, {"softcap": 5.0}, "simt", id="fp16-softcap-simt"),
+        pytest.param(torch.float16, 16, {"alibi": True}, "simt", id="fp16-alibi-simt"),
+        pytest.param(torch.float16, 16, {"varlen": True}, "simt", id="fp16-varlen-simt"),
+    ],
+)
+def test_dispatch_by_input_and_spec(tc_device, dtype, d, features, expected):
+    """backward_tc.uses_tensor_cores: dtype, head_dim and the spec's features alone decide (no launch)."""
+    q = torch.zeros(1, 2, 4, d, dtype=dtype, device=tc_device)
+    slopes = torch.ones(1, 2, device=tc_device) if features.get("alibi") else None
+    offsets = torch.tensor([0, 4], dtype=torch.int32, device=tc_device) if features.get("varlen") else None
+    spec = AttentionSpec(0.5, (-1, 0), features.get("softcap", 0.0), slopes, 1, offsets, offsets,
+                         4 if offsets is not None else 0, 4 if offsets is not None else 0)
+    assert backward_tc.uses_tensor_cores(q, spec) == (expected == "tc")
+
+
+def test_simt_features_run_simt_kernels(tc_device, calls):
+    """A softcap sends fp16 to the SIMT backward, which matches the reference there."""
+    dtype = torch.float16
+    q, k, v = random_qkv((1, 1, 17, 16), (1, 1, 29, 16), dtype, tc_device, seed=5)
+    dO = torch.randn(q.shape, generator=torch.Generator().manual_seed(5)).to(device=tc_device, dtype=dtype)
+    O64, L64 = reference.attention(q.double(), k.double(), v.double(), True, softcap=5.0)
+    spec = AttentionSpec(0.25, (-1, 0), 5.0, None, 1)
+    dq, dk, dv = backward.flash_attn_backward(q, k, v, O64.to(dtype), L64.float(), dO, spec)
+    assert calls == ["simt"], f"expected the SIMT backward alone, got {calls}"
+    assert_grads_match(dq, dk, dv, q, k, v, dO, True, softcap=5.0)
