@@ -31,8 +31,11 @@ operands, as FlashAttention-2's own kernel does):
 Shared memory: rows of HEAD_DIM + 8 16-bit elements (the forward's padding: an ``ldmatrix``'s 8 row
 addresses in distinct banks), loaded with ``cp.async`` (16 B a thread, zero-filled past the rows or
 head_dim) where q, k, v and dO are contiguous along head_dim with 16 B aligned rows, else with plain loads
-(any strides); each tile is loaded, waited for and fenced by a barrier before use (no overlap of loads and
-compute yet). Static, under 48 KB.
+(any strides). Both loops are double-buffered with one barrier a step: step i waits for its tiles, passes
+the barrier (every warp is then done with the other buffer), issues step i + 1's copies into the other
+buffer and computes, so that the copies overlap the mma work. The dK/dV kernel's steps run over (query head
+of the group, query tile); its two Q/dO buffers take the rows K's tile used before its fragments were in
+registers. Static, under 48 KB.
 
 Scores, masks and L as ``backward_simt``: base 2 (P = exp2(S · scale · log2 e - L · log2 e)), rows with L =
 +inf (they see no key) and query rows past seqlen_q (read with L = +inf) get P = 0, so zero gradients;
@@ -118,11 +121,11 @@ def tc_bwd_config(HEAD_DIM: int) -> TensorCoreBwdConfig:
     stores / loads, static shared memory, full / causal:
 
         HEAD_DIM   dK/dV                                   dQ
-        64         170 / 167, no spills, 18,560 B          167 / 164, no spills, 18,432 B
-        128        254 / 255, 0 / 20-44 B, 34,944 B        255 / 254, no spills, 34,816 B
+        64         172 / 168, no spills, 18,688 B          158 / 156, no spills, 18,432 B
+        128        255 / 254, 0 / 12-8 B, 35,072 B         246 / 238, no spills, 34,816 B
 
-    (Against: 64-query tiles with V in registers, D64 250 / 255 registers, 0 / 100 B spilled; at D128,
-    32-query tiles 255 registers with 208-292 B spilled.) Not yet timed on a GPU.
+    (Against, before double-buffering: 64-query tiles with V in registers, D64 250 / 255 registers, 0 / 100
+    B spilled; at D128, 32-query tiles 255 registers with 208-292 B spilled.) Not yet timed on a GPU.
     """
     return TensorCoreBwdConfig(4, 16, 4, 32, 0, True)
 
@@ -328,16 +331,37 @@ def _build_dkdv(HEAD_DIM, config, LEFT, RIGHT, IS_BF16, EVEN_HEAD_DIM, ASYNC_LOA
     O_TILES = HEAD_DIM // 8
     M_TILES = BLOCK_M // 8  # 8-query tiles of Sᵀ
     V_IN_SHARED = config.V_IN_SHARED
-    # K at rows 0 .. (into registers before the query loop, then Q at rows 0 .., dO at BLOCK_M ..), V at V_ROW
-    # (past Q and dO when it stays there).
-    V_ROW = max(BLOCK_N, 2 * BLOCK_M) if V_IN_SHARED else BLOCK_N
-    SMEM_SIZE = (V_ROW + BLOCK_N if V_IN_SHARED else max(2 * BLOCK_N, 2 * BLOCK_M)) * LD
+    # K at rows 0 .. (into registers before the query loop), then two buffers of a Q tile and its dO tile
+    # (buffer b: Q at rows 2 BLOCK_M b .., dO at 2 BLOCK_M b + BLOCK_M ..); V at V_ROW (past the buffers when
+    # it stays there).
+    V_ROW = max(BLOCK_N, 4 * BLOCK_M) if V_IN_SHARED else BLOCK_N
+    SMEM_SIZE = (V_ROW + BLOCK_N if V_IN_SHARED else max(2 * BLOCK_N, 4 * BLOCK_M)) * LD
+    ROW_STATS = 2 * BLOCK_M  # L · log2 e and delta of both buffers' queries
     assert BLOCK_M % 16 == 0 and HEAD_DIM % 16 == 0 and BLOCK_M <= NUM_THREADS
     wait_tiles, load_frag, products, store_rows = _helpers(HEAD_DIM, IS_BF16, ASYNC_LOADS, OUT_PAIRS,
                                                            EVEN_HEAD_DIM)
     rows_dot, rows_dot_shared, acc_plus = products(M_TILES)
     load_kv = _tile_loader(BLOCK_N, NUM_THREADS, HEAD_DIM, EVEN_HEAD_DIM, ASYNC_LOADS)
     load_qdo = _tile_loader(BLOCK_M, NUM_THREADS, HEAD_DIM, EVEN_HEAD_DIM, ASYNC_LOADS)
+
+    @device_function
+    def load_step(smem, smem_base, lse_tile, delta_tile, buf, start_m, q, q_base, q_offset, stride_qm, stride_qd,
+                  do, do_base, do_offset, stride_dom, stride_dod, lse, l_offset, stride_lm, delta, delta_offset,
+                  seqlen_q, head_dim):
+        """Buffer buf := the query tile at start_m of one head: its Q and dO rows (cp.async: landed after
+        wait_tiles), L · log2 e and delta (+inf and 0 past seqlen_q: their P is zero)."""
+        load_qdo(smem, smem_base, 2 * BLOCK_M * buf, q, q_base, q_offset, stride_qm, stride_qd, start_m, seqlen_q,
+                 head_dim)
+        load_qdo(smem, smem_base, 2 * BLOCK_M * buf + BLOCK_M, do, do_base, do_offset, stride_dom, stride_dod,
+                 start_m, seqlen_q, head_dim)
+        if cuda.threadIdx.x < BLOCK_M:
+            r = cuda.threadIdx.x
+            row = start_m + r
+            lse_tile[BLOCK_M * buf + r] = float32(math.inf)
+            delta_tile[BLOCK_M * buf + r] = 0.0
+            if row < seqlen_q:
+                lse_tile[BLOCK_M * buf + r] = lse[uint64(l_offset + row * stride_lm)] * float32(LOG2E)
+                delta_tile[BLOCK_M * buf + r] = delta[uint64(delta_offset + row)]
 
     def _attn_bwd_dkdv_tc(
         q, k, v, do, lse, delta, dk, dv,
@@ -365,15 +389,16 @@ def _build_dkdv(HEAD_DIM, config, LEFT, RIGHT, IS_BF16, EVEN_HEAD_DIM, ASYNC_LOA
         t = lane % 4
 
         smem = cuda.shared.array(SMEM_SIZE, int16, alignment=SHARED_ALIGN)
-        lse_tile = cuda.shared.array(BLOCK_M, float32)  # L · log2 e of the tile's queries (+inf past the end)
-        delta_tile = cuda.shared.array(BLOCK_M, float32)
+        # L · log2 e and delta of each buffer's queries.
+        lse_tile = cuda.shared.array(ROW_STATS, float32)
+        delta_tile = cuda.shared.array(ROW_STATS, float32)
         smem_base = shared_address(smem)
         q_base, k_base, v_base, do_base = global_address(q), global_address(k), global_address(v), global_address(do)
         a_row, a_col = ldmatrix_a_row_col(lane)
         b_row, b_col = ldmatrix_b_row_col(lane)
         own_lane = smem_base + uint32(2 * ((16 * warp + a_row) * LD + a_col))  # the warp's K rows (A)
-        # Q at rows 0 .., dO at BLOCK_M ..: B fragments of Qᵀ and dOᵀ (rows as columns), and with .trans of Q
-        # and dO (queries as k).
+        # Buffer 0's Q and dO (buffer 1's: 2 BLOCK_M rows on): B fragments of Qᵀ and dOᵀ (rows as columns),
+        # and with .trans of Q and dO (queries as k).
         q_b_lane = smem_base + uint32(2 * (b_row * LD + b_col))
         do_b_lane = q_b_lane + uint32(2 * BLOCK_M * LD)
         q_t_lane = smem_base + uint32(2 * (a_row * LD + a_col))
@@ -392,6 +417,7 @@ def _build_dkdv(HEAD_DIM, config, LEFT, RIGHT, IS_BF16, EVEN_HEAD_DIM, ASYNC_LOA
         load_frag(k_frag, own_lane)
         if not V_IN_SHARED:
             load_frag(v_frag, v_lane)
+        cuda.syncthreads()  # every warp has its fragments: K's rows (and V's, held in registers) are free
 
         dk_acc = cuda.local.array((O_TILES, 4), float32)  # [16 keys, HEAD_DIM] as 8-column C tiles
         dv_acc = cuda.local.array((O_TILES, 4), float32)
@@ -408,52 +434,55 @@ def _build_dkdv(HEAD_DIM, config, LEFT, RIGHT, IS_BF16, EVEN_HEAD_DIM, ASYNC_LOA
         begin_m = max(start_n - diag - window_right, 0) // BLOCK_M * BLOCK_M if RIGHT else 0
         end_m = min(seqlen_q, last_key - diag + window_left + 1) if LEFT else seqlen_q
         key0 = start_n + 16 * warp + g  # the lane's keys: key0 and key0 + 8
-        # GQA: dK and dV of off_hk sum over the group's query heads, accumulated in the same registers.
-        for off_h in range(off_hk * group, off_hk * group + group):
-            q_offset = off_b * stride_qb + off_h * stride_qh
-            do_offset = off_b * stride_dob + off_h * stride_doh
-            l_offset = off_b * stride_lb + off_h * stride_lh
-            delta_offset = (off_b * heads + off_h) * seqlen_q
-            for start_m in range(begin_m, end_m, BLOCK_M):
-                cuda.syncthreads()  # every warp is done with the previous Q, dO, L and delta (or K and V)
-                load_qdo(smem, smem_base, 0, q, q_base, q_offset, stride_qm, stride_qd, start_m, seqlen_q,
-                         head_dim)
-                load_qdo(smem, smem_base, BLOCK_M, do, do_base, do_offset, stride_dom, stride_dod, start_m,
-                         seqlen_q, head_dim)
-                if cuda.threadIdx.x < BLOCK_M:
-                    row = start_m + cuda.threadIdx.x
-                    # Rows past seqlen_q: L = +inf makes their P zero.
-                    lse_tile[cuda.threadIdx.x] = float32(math.inf)
-                    delta_tile[cuda.threadIdx.x] = 0.0
-                    if row < seqlen_q:
-                        lse_tile[cuda.threadIdx.x] = lse[uint64(l_offset + row * stride_lm)] * float32(LOG2E)
-                        delta_tile[cuda.threadIdx.x] = delta[uint64(delta_offset + row)]
-                wait_tiles()
-                cuda.syncthreads()
-
-                rows_dot(s, k_frag, q_b_lane)  # Sᵀ = K Qᵀ
-                if V_IN_SHARED:
-                    rows_dot_shared(dp, v_lane, do_b_lane)  # dPᵀ = V dOᵀ
-                else:
-                    rows_dot(dp, v_frag, do_b_lane)
-                # Only tiles that cross a window edge are masked: the causal diagonal (key > query + diag +
-                # right) or a left edge.
-                crosses = ((RIGHT and start_n + BLOCK_N - 1 > start_m + diag + window_right)
-                           or (LEFT and start_n < start_m + BLOCK_M - 1 + diag - window_left))
-                for j in range(M_TILES):
-                    for e in range(4):
-                        col = 8 * j + 2 * t + e % 2
-                        p = exp2_approx(s[j, e] * qk_scale - lse_tile[col])
-                        if crosses:
-                            key = key0 + 8 * (e // 2)
-                            query = start_m + col
-                            if ((RIGHT and key > query + diag + window_right)
-                                    or (LEFT and key < query + diag - window_left)):
-                                p = float32(0.0)
-                        s[j, e] = p
-                        dp[j, e] = p * (dp[j, e] - delta_tile[col])
-                acc_plus(dv_acc, s, do_t_lane)  # dV += Pᵀ dO
-                acc_plus(dk_acc, dp, q_t_lane)  # dK += dSᵀ Q
+        # GQA: dK and dV of off_hk sum over the group's query heads, accumulated in the same registers: steps
+        # it = 0 .. group · m_steps over (query head off_hk · group + it // m_steps, query tile it % m_steps).
+        # Step it computes on buffer it % 2 while step it + 1's tiles load into the other.
+        m_steps = (end_m - begin_m + BLOCK_M - 1) // BLOCK_M if end_m > begin_m else 0
+        steps = group * m_steps
+        head0 = off_hk * group
+        if steps > 0:
+            load_step(smem, smem_base, lse_tile, delta_tile, 0, begin_m, q, q_base,
+                      off_b * stride_qb + head0 * stride_qh, stride_qm, stride_qd, do, do_base,
+                      off_b * stride_dob + head0 * stride_doh, stride_dom, stride_dod, lse,
+                      off_b * stride_lb + head0 * stride_lh, stride_lm, delta, (off_b * heads + head0) * seqlen_q,
+                      seqlen_q, head_dim)
+        for it in range(steps):
+            buf = it % 2
+            start_m = begin_m + it % m_steps * BLOCK_M
+            wait_tiles()
+            cuda.syncthreads()  # step it's tiles have landed; every warp is done with the other buffer
+            if it + 1 < steps:
+                off_h = head0 + (it + 1) // m_steps
+                load_step(smem, smem_base, lse_tile, delta_tile, 1 - buf, begin_m + (it + 1) % m_steps * BLOCK_M,
+                          q, q_base, off_b * stride_qb + off_h * stride_qh, stride_qm, stride_qd, do, do_base,
+                          off_b * stride_dob + off_h * stride_doh, stride_dom, stride_dod, lse,
+                          off_b * stride_lb + off_h * stride_lh, stride_lm, delta, (off_b * heads + off_h) * seqlen_q,
+                          seqlen_q, head_dim)
+            buf_bytes = uint32(2 * 2 * BLOCK_M * LD * buf)
+            lse_row = BLOCK_M * buf
+            rows_dot(s, k_frag, q_b_lane + buf_bytes)  # Sᵀ = K Qᵀ
+            if V_IN_SHARED:
+                rows_dot_shared(dp, v_lane, do_b_lane + buf_bytes)  # dPᵀ = V dOᵀ
+            else:
+                rows_dot(dp, v_frag, do_b_lane + buf_bytes)
+            # Only tiles that cross a window edge are masked: the causal diagonal (key > query + diag +
+            # right) or a left edge.
+            crosses = ((RIGHT and start_n + BLOCK_N - 1 > start_m + diag + window_right)
+                       or (LEFT and start_n < start_m + BLOCK_M - 1 + diag - window_left))
+            for j in range(M_TILES):
+                for e in range(4):
+                    col = 8 * j + 2 * t + e % 2
+                    p = exp2_approx(s[j, e] * qk_scale - lse_tile[lse_row + col])
+                    if crosses:
+                        key = key0 + 8 * (e // 2)
+                        query = start_m + col
+                        if ((RIGHT and key > query + diag + window_right)
+                                or (LEFT and key < query + diag - window_left)):
+                            p = float32(0.0)
+                    s[j, e] = p
+                    dp[j, e] = p * (dp[j, e] - delta_tile[lse_row + col])
+            acc_plus(dv_acc, s, do_t_lane + buf_bytes)  # dV += Pᵀ dO
+            acc_plus(dk_acc, dp, q_t_lane + buf_bytes)  # dK += dSᵀ Q
 
         # Epilogue: dk = scale · dK, dv = dV, each element once (keys that no row sees: zeros).
         dkv_start = off_bhk * seqlen_k
@@ -473,7 +502,9 @@ def _build_dq(HEAD_DIM, config, LEFT, RIGHT, IS_BF16, EVEN_HEAD_DIM, ASYNC_LOADS
     D_STEPS = HEAD_DIM // 16
     O_TILES = HEAD_DIM // 8
     N_TILES = BLOCK_N // 8  # 8-key tiles of S
-    SMEM_SIZE = max(2 * BLOCK_M, 2 * BLOCK_N) * LD  # Q and dO, then K (rows 0 ..) and V (rows BLOCK_N ..)
+    # Q and dO, then two buffers of a K tile and its V tile (buffer b: K at rows 2 BLOCK_N b .., V at 2 BLOCK_N b
+    # + BLOCK_N ..).
+    SMEM_SIZE = max(2 * BLOCK_M, 4 * BLOCK_N) * LD
     assert BLOCK_N % 16 == 0 and HEAD_DIM % 16 == 0
     wait_tiles, load_frag, products, store_rows = _helpers(HEAD_DIM, IS_BF16, ASYNC_LOADS, OUT_PAIRS,
                                                            EVEN_HEAD_DIM)
@@ -509,6 +540,7 @@ def _build_dq(HEAD_DIM, config, LEFT, RIGHT, IS_BF16, EVEN_HEAD_DIM, ASYNC_LOADS
         a_row, a_col = ldmatrix_a_row_col(lane)
         b_row, b_col = ldmatrix_b_row_col(lane)
         own_lane = smem_base + uint32(2 * ((16 * warp + a_row) * LD + a_col))  # the warp's Q rows (A)
+        # Buffer 0's K and V (buffer 1's: 2 BLOCK_N rows on).
         k_b_lane = smem_base + uint32(2 * (b_row * LD + b_col))  # Kᵀ, Vᵀ as B (keys as columns)
         v_b_lane = k_b_lane + uint32(2 * BLOCK_N * LD)
         k_t_lane = smem_base + uint32(2 * (a_row * LD + a_col))  # K as B with .trans (keys as k)
@@ -550,16 +582,27 @@ def _build_dq(HEAD_DIM, config, LEFT, RIGHT, IS_BF16, EVEN_HEAD_DIM, ASYNC_LOADS
         # The key tiles the tile's rows see, as the forward's; the others are skipped.
         begin_n = max(start_m + diag - window_left, 0) // BLOCK_N * BLOCK_N if LEFT else 0
         end_n = min(seqlen_k, min(start_m + BLOCK_M, seqlen_q) + diag + window_right) if RIGHT else seqlen_k
-        for start_n in range(begin_n, end_n, BLOCK_N):
-            cuda.syncthreads()  # every warp has its fragments, or is done with the previous K and V
-            load_kv(smem, smem_base, 0, k, k_base, k_offset, stride_kn, stride_kd, start_n, seqlen_k, head_dim)
-            load_kv(smem, smem_base, BLOCK_N, v, v_base, v_offset, stride_vn, stride_vd, start_n, seqlen_k,
+        # Step it computes on buffer it % 2 while step it + 1's K and V load into the other.
+        steps = (end_n - begin_n + BLOCK_N - 1) // BLOCK_N if end_n > begin_n else 0
+        cuda.syncthreads()  # every warp has its fragments: Q's and dO's rows are free
+        if steps > 0:
+            load_kv(smem, smem_base, 0, k, k_base, k_offset, stride_kn, stride_kd, begin_n, seqlen_k, head_dim)
+            load_kv(smem, smem_base, BLOCK_N, v, v_base, v_offset, stride_vn, stride_vd, begin_n, seqlen_k,
                     head_dim)
+        for it in range(steps):
+            buf = it % 2
+            start_n = begin_n + it * BLOCK_N
             wait_tiles()
-            cuda.syncthreads()
+            cuda.syncthreads()  # step it's tiles have landed; every warp is done with the other buffer
+            if it + 1 < steps:
+                load_kv(smem, smem_base, 2 * BLOCK_N * (1 - buf), k, k_base, k_offset, stride_kn, stride_kd,
+                        start_n + BLOCK_N, seqlen_k, head_dim)
+                load_kv(smem, smem_base, 2 * BLOCK_N * (1 - buf) + BLOCK_N, v, v_base, v_offset, stride_vn,
+                        stride_vd, start_n + BLOCK_N, seqlen_k, head_dim)
+            buf_bytes = uint32(2 * 2 * BLOCK_N * LD * buf)
 
-            rows_dot(s, q_frag, k_b_lane)  # S = Q Kᵀ
-            rows_dot(dp, do_frag, v_b_lane)  # dP = dO Vᵀ
+            rows_dot(s, q_frag, k_b_lane + buf_bytes)  # S = Q Kᵀ
+            rows_dot(dp, do_frag, v_b_lane + buf_bytes)  # dP = dO Vᵀ
             # Masked: the tiles that cross the end of the keys or a window edge of the block's rows.
             crosses = (start_n + BLOCK_N > seqlen_k
                        or (RIGHT and start_n + BLOCK_N - 1 > start_m + diag + window_right)
@@ -576,7 +619,7 @@ def _build_dq(HEAD_DIM, config, LEFT, RIGHT, IS_BF16, EVEN_HEAD_DIM, ASYNC_LOADS
                             p = float32(0.0)
                     s[j, e] = p
                     dp[j, e] = p * (dp[j, e] - delta_r[h])
-            acc_plus(acc, dp, k_t_lane)  # dQ += dS K
+            acc_plus(acc, dp, k_t_lane + buf_bytes)  # dQ += dS K
 
         # Epilogue: dq = scale · dQ, each element once (rows that see no key: zeros).
         store_rows(dq, acc, scale, off_bh * seqlen_q + start_m + 16 * warp, off_bh * seqlen_q + seqlen_q,
