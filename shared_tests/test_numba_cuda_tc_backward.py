@@ -156,3 +156,34 @@ def test_simt_features_run_simt_kernels(tc_device, calls):
     dq, dk, dv = backward.flash_attn_backward(q, k, v, O64.to(dtype), L64.float(), dO, spec)
     assert calls == ["simt"], f"expected the SIMT backward alone, got {calls}"
     assert_grads_match(dq, dk, dv, q, k, v, dO, True, softcap=5.0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype, d, causal, layout", [
+    pytest.param(torch.bfloat16, 128, True, "contiguous", id="bf16-D128-causal-cp.async"),
+    pytest.param(torch.float16, 40, False, "strided", id="fp16-D40-full-plain-loads"),
+])
+def test_prepared_launch_equals_numbas_bit_for_bit(device, monkeypatch, dtype, d, causal, layout):
+    """On the GPU: a class's second call takes the prepared launches (``launch.prepare`` not called again)
+    and gives the gradients of numba's own launches bit for bit (no atomics: deterministic); the kernels keep
+    local memory (spills) at most 64 B a thread."""
+    if device.type != "cuda":
+        pytest.skip("prepared launches are the GPU's (the simulator launches through numba); --device cuda")
+    q, k, v, dO = _inputs(dtype, dict(shape=(2, 4, 2, 300, 333, d), layout=layout), device)
+    O, L = _forward(q, k, v, causal, (-1, -1), None)
+    spec = AttentionSpec(d**-0.5, (-1, 0) if causal else (-1, -1), 0.0, None, 2)
+    monkeypatch.setattr(backward_tc.launch, "FAST", False)
+    expected = backward.flash_attn_backward(q, k, v, O, L, dO, spec)
+    monkeypatch.setattr(backward_tc.launch, "FAST", True)
+    backward.flash_attn_backward(q, k, v, O, L, dO, spec)  # a class's first call: numba's launch, then prepared
+    prepares = []
+    real = backward_tc.launch.prepare
+    monkeypatch.setattr(backward_tc.launch, "prepare", lambda *a: prepares.append(a) or real(*a))
+    got = backward.flash_attn_backward(q, k, v, O, L, dO, spec)
+    assert not prepares, "the second call of a class must take the prepared launches"
+    torch.cuda.synchronize()
+    for name, x, ref in zip(("dq", "dk", "dv"), got, expected):
+        assert torch.equal(x, ref), f"{name}: max |fast - numba| = {(x.float() - ref.float()).abs().max():.3g}"
+    assert_grads_match(*got, q, k, v, dO, causal)
+    rows = [r for r in backward_tc.kernel_resources() if r["HEAD_DIM"] == backward_tc.padded_head_dim(d)]
+    assert rows and all(r["local_bytes_per_thread"] <= 64 for r in rows), f"local memory: {rows}"
