@@ -280,6 +280,9 @@ FEATURE_SIM_CASES = [
     # both window edges inside the keys: later blocks start past key tile 0, edge tiles masked per warp
     _feature_case(torch.float16, 1, 1, 1, 37, 53, 16, SMALL, window=(5, 3)),
     _feature_case(torch.float16, 1, 1, 1, 37, 53, 16, SMALL_AHEAD, window=(5, 3)),
+    # a right bound alone, past the diagonal (row_max's mask without a left bound, tiles masked from a
+    # right edge that is not causal's)
+    _feature_case(torch.float16, 1, 1, 1, 37, 53, 16, SMALL_AHEAD, window=(-1, 3)),
     # seqlen_q > seqlen_k with a window: rows that see no key (O = 0, L = +inf), left = 0 with right > 0
     _feature_case(torch.bfloat16, 1, 1, 1, 37, 19, 16, ONE_WARP, window=(0, 2)),
     # causal with a left bound, GQA, S_AHEAD's pairs of tiles starting past 0
