@@ -75,7 +75,7 @@ CASES = [
     for case in (
         # GQA (group 2), seqlen_q != seqlen_k, neither a multiple of a tile: several query tiles in the dK/dV
         # kernel, two key tiles in the dQ kernel
-        _case(dtype, 1, 2, 1, 37, 40, 64, causal),
+        _case(dtype, 1, 2, 1, 21, 36, 64, causal),
         # seqlen_q > seqlen_k (causal rows that see no key: zero dq), head_dim padded 40 -> 48
         _case(dtype, 1, 1, 1, 45, 29, 40, causal),
         # head_dim 128: the GPU's largest block
