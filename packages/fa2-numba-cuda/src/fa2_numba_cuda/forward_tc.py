@@ -225,7 +225,6 @@ def _build_kernel(HEAD_DIM, config, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN, IS_BF16
     SIGN_BITS = -0x7FFF8000  # 0x80008000 as an int32: the sign bits of a pair of 16-bit floats
     CHUNKS = HEAD_DIM // 8  # 16 B chunks per row
     SCALED = SOFTCAP or ALIBI  # row_max turns s into the final scores, in base 2: exponentials scale by 1
-    PER_ELEMENT_MASK = LEFT and HEAD_DIM > 112  # row_max's form of the mask (see there)
     assert BLOCK_N % 16 == 0 and HEAD_DIM % 16 == 0
     mma = mma_bf16 if IS_BF16 else mma_f16
     pack = pack_bf16x2 if IS_BF16 else pack_f16x2
@@ -335,26 +334,15 @@ def _build_kernel(HEAD_DIM, config, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN, IS_BF16
 
     def softmax_max(BUF):
         @device_function
-        def row_max(s, m_i, alpha, m_safe, start_n, qk_scale, softcap_log2, slope, mask_after, mask_before,
-                    lane_end, lane_lo, lane_hi, lane_diag):
+        def row_max(s, m_i, alpha, m_safe, start_n, seqlen_k, warp_m, diag, row0, t, qk_scale, window_left,
+                    window_right, softcap_log2, slope):
             """The first half of the online softmax of s[BUF] (the key tile at start_n), for rows g (h = 0:
-            s[BUF, :, 0:2]) and g + 8 (h = 1: s[BUF, :, 2:4]) of the warp's 16: with a softcap or ALiBi the
-            final scores in base 2 (SCALED), the mask, the new row max m_i, alpha and m_safe, the max to
-            subtract. In base 2: without SCALED, the max of the raw scores times qk_scale > 0 is the max of the
-            scaled ones. Returns whether acc must be rescaled: some row of the warp has a new max (alpha != 1).
-
-            Element (j, e) is key start_n + 2 t + 8 j + e % 2 of row row0 + 8 (e // 2) (row0 = warp_m + g), so
-            the mask and ALiBi need only bounds the kernel computes once per lane, counted in keys from key 2 t
-            (the lane's first column) of a tile at 0, for row row0 (row0 + 8 adds 8): keys end at lane_end =
-            seqlen_k - 2 t; the window's visible keys are lane_lo <= . < lane_hi; the diagonal is lane_diag
-            (ALiBi's distance: lane_diag - key). The warp masks only tiles with start_n > mask_after (a tile
-            crossing the end of the keys or a right window edge of its rows) or start_n < mask_before (a left
-            edge)."""
+            s[BUF, :, 0:2]) and g + 8 (h = 1: s[BUF, :, 2:4]) of the warp's 16 from warp_m: with a softcap or
+            ALiBi the final scores in base 2 (SCALED), the mask, the new row max m_i, alpha and m_safe, the max
+            to subtract. In base 2: without SCALED, the max of the raw scores times qk_scale > 0 is the max of
+            the scaled ones. Returns whether acc must be rescaled: some row of the warp has a new max (alpha
+            != 1)."""
             if SCALED:
-                if ALIBI:
-                    # Row g's distance to key 2 t of the tile; element (j, e)'s is that plus 8 (e // 2) - 8 j -
-                    # e % 2: one conversion a tile, an add and an FMA per score (exact in fp32 below 2^24).
-                    distance = float32(lane_diag - start_n)
                 for j in range(N_TILES):
                     for e in range(4):
                         if SOFTCAP:  # softcap c: qk_scale = |scale| / c
@@ -362,29 +350,21 @@ def _build_kernel(HEAD_DIM, config, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN, IS_BF16
                         else:
                             x = s[BUF, j, e] * qk_scale
                         if ALIBI:
-                            x = cuda.fma(-slope, abs(distance + float32(8 * (e // 2) - 8 * j - e % 2)), x)
+                            key = start_n + 8 * j + 2 * t + e % 2
+                            row = row0 + 8 * (e // 2)
+                            x -= slope * float32(abs(row + diag - key))
                         s[BUF, j, e] = x
-            if start_n > mask_after or (LEFT and start_n < mask_before):
-                # Two forms of one test, each where ptxas makes less of it (sm_90, bf16, window (left, 0)): per
-                # row, the bounds as offsets in the tile against the constant 8 j + e % 2 (D128 causal: 3234
-                # SASS instructions against 3386 per element; D96 window: 244 registers, 3715 instructions
-                # against 254, 3826), and per element for D128 with a left bound (window: 3767 instructions
-                # against 3910; window + softcap: 8 B of spill stores against 80).
-                if PER_ELEMENT_MASK:
-                    for j in range(N_TILES):
-                        for e in range(4):
-                            key = start_n + 8 * j + e % 2
-                            if (key >= lane_end or (RIGHT and key >= lane_hi + 8 * (e // 2))
-                                    or key < lane_lo + 8 * (e // 2)):
-                                s[BUF, j, e] = -math.inf
-                else:
-                    for h in range(2):
-                        hi = (min(lane_end, lane_hi + 8 * h) if RIGHT else lane_end) - start_n
-                        lo = lane_lo + 8 * h - start_n
-                        for j in range(N_TILES):
-                            for e in range(2 * h, 2 * h + 2):
-                                if 8 * j + e % 2 >= hi or (LEFT and 8 * j + e % 2 < lo):
-                                    s[BUF, j, e] = -math.inf
+            # The mask, only on tiles that cross the end of the keys or a window edge of the warp's rows.
+            if (start_n + BLOCK_N > seqlen_k
+                    or (RIGHT and start_n + BLOCK_N - 1 > warp_m + diag + window_right)
+                    or (LEFT and start_n < warp_m + 15 + diag - window_left)):
+                for j in range(N_TILES):
+                    for e in range(4):
+                        key = start_n + 8 * j + 2 * t + e % 2
+                        row = row0 + 8 * (e // 2)
+                        if (key >= seqlen_k or (RIGHT and key > row + diag + window_right)
+                                or (LEFT and key < row + diag - window_left)):
+                            s[BUF, j, e] = -math.inf
             unchanged = True
             for h in range(2):
                 m_tile = s[BUF, 0, 2 * h]
@@ -622,13 +602,6 @@ def _build_kernel(HEAD_DIM, config, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN, IS_BF16
         # scores.
         slope = slopes[uint64(off_b * stride_ab + off_h * stride_ah)] * float32(LOG2E) if ALIBI else float32(0.0)
         exp_scale = float32(1.0) if SCALED else qk_scale
-        # row_max's bounds (see its docstring), computed once rather than per tile and score.
-        mask_after = (min(seqlen_k, warp_m + diag + window_right + 1) if RIGHT else seqlen_k) - BLOCK_N
-        mask_before = warp_m + 15 + diag - window_left
-        lane_diag = row0 + diag - 2 * t
-        lane_end = seqlen_k - 2 * t
-        lane_lo = lane_diag - window_left
-        lane_hi = lane_diag + window_right + 1
         if begin_n < end_n:
             load_kv(smem, smem_base, 0, k, k_base, k_offset, stride_kn, stride_kd, begin_n, seqlen_k, head_dim)
         if S_AHEAD:
@@ -659,8 +632,8 @@ def _build_kernel(HEAD_DIM, config, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN, IS_BF16
                         rescale = False
                         if half == 0:
                             if sees:
-                                rescale = max_0(s, m_i, alpha, m_safe, n0, qk_scale, softcap_log2, slope,
-                                                mask_after, mask_before, lane_end, lane_lo, lane_hi, lane_diag)
+                                rescale = max_0(s, m_i, alpha, m_safe, n0, seqlen_k, warp_m, diag, row0, t,
+                                                qk_scale, window_left, window_right, softcap_log2, slope)
                                 if sees_next:
                                     ahead_0(s, q_frag, k_lane, l_i, alpha, m_safe, exp_scale)
                                 else:
@@ -670,8 +643,8 @@ def _build_kernel(HEAD_DIM, config, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN, IS_BF16
                                 qk_1(s, q_frag, k_lane)
                         else:
                             if sees:
-                                rescale = max_1(s, m_i, alpha, m_safe, n0, qk_scale, softcap_log2, slope,
-                                                mask_after, mask_before, lane_end, lane_lo, lane_hi, lane_diag)
+                                rescale = max_1(s, m_i, alpha, m_safe, n0, seqlen_k, warp_m, diag, row0, t,
+                                                qk_scale, window_left, window_right, softcap_log2, slope)
                                 if sees_next:
                                     ahead_1(s, q_frag, k_lane, l_i, alpha, m_safe, exp_scale)
                                 else:
@@ -704,8 +677,8 @@ def _build_kernel(HEAD_DIM, config, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN, IS_BF16
                     load_kv(smem, smem_base, 0, k, k_base, k_offset, stride_kn, stride_kd, start_n + BLOCK_N,
                             seqlen_k, head_dim)
                 if sees:
-                    rescale = max_0(s, m_i, alpha, m_safe, start_n, qk_scale, softcap_log2, slope, mask_after,
-                                    mask_before, lane_end, lane_lo, lane_hi, lane_diag)
+                    rescale = max_0(s, m_i, alpha, m_safe, start_n, seqlen_k, warp_m, diag, row0, t, qk_scale,
+                                    window_left, window_right, softcap_log2, slope)
                     exp_0_row_g(s, l_i, alpha, m_safe, exp_scale)
                     exp_0_row_g8(s, l_i, alpha, m_safe, exp_scale)
                     pv_0(s, acc, alpha, rescale, v_lane)
