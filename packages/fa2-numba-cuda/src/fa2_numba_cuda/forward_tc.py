@@ -335,14 +335,18 @@ def _build_kernel(HEAD_DIM, config, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN, IS_BF16
     def softmax_max(BUF):
         @device_function
         def row_max(s, m_i, alpha, m_safe, start_n, seqlen_k, warp_m, diag, row0, t, qk_scale, window_left,
-                    window_right, softcap_log2, slope):
+                    window_right, softcap_log2, slope, lane_diag):
             """The first half of the online softmax of s[BUF] (the key tile at start_n), for rows g (h = 0:
             s[BUF, :, 0:2]) and g + 8 (h = 1: s[BUF, :, 2:4]) of the warp's 16 from warp_m: with a softcap or
             ALiBi the final scores in base 2 (SCALED), the mask, the new row max m_i, alpha and m_safe, the max
             to subtract. In base 2: without SCALED, the max of the raw scores times qk_scale > 0 is the max of
             the scaled ones. Returns whether acc must be rescaled: some row of the warp has a new max (alpha
-            != 1)."""
+            != 1). ALiBi's distance of element (j, e), row0 + 8 (e // 2) + diag - (start_n + 8 j + 2 t + e % 2),
+            is lane_diag - start_n (lane_diag = row0 + diag - 2 t, computed once) plus a constant."""
             if SCALED:
+                if ALIBI:
+                    # One conversion a tile, then an add and an FMA a score (exact in fp32 below 2^24 keys).
+                    distance = float32(lane_diag - start_n)
                 for j in range(N_TILES):
                     for e in range(4):
                         if SOFTCAP:  # softcap c: qk_scale = |scale| / c
@@ -350,9 +354,7 @@ def _build_kernel(HEAD_DIM, config, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN, IS_BF16
                         else:
                             x = s[BUF, j, e] * qk_scale
                         if ALIBI:
-                            key = start_n + 8 * j + 2 * t + e % 2
-                            row = row0 + 8 * (e // 2)
-                            x -= slope * float32(abs(row + diag - key))
+                            x = cuda.fma(-slope, abs(distance + float32(8 * (e // 2) - 8 * j - e % 2)), x)
                         s[BUF, j, e] = x
             # The mask, only on tiles that cross the end of the keys or a window edge of the warp's rows.
             if (start_n + BLOCK_N > seqlen_k
@@ -602,6 +604,7 @@ def _build_kernel(HEAD_DIM, config, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN, IS_BF16
         # scores.
         slope = slopes[uint64(off_b * stride_ab + off_h * stride_ah)] * float32(LOG2E) if ALIBI else float32(0.0)
         exp_scale = float32(1.0) if SCALED else qk_scale
+        lane_diag = row0 + diag - 2 * t  # row g's diagonal, counted from the lane's first key column (ALiBi)
         if begin_n < end_n:
             load_kv(smem, smem_base, 0, k, k_base, k_offset, stride_kn, stride_kd, begin_n, seqlen_k, head_dim)
         if S_AHEAD:
@@ -633,7 +636,7 @@ def _build_kernel(HEAD_DIM, config, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN, IS_BF16
                         if half == 0:
                             if sees:
                                 rescale = max_0(s, m_i, alpha, m_safe, n0, seqlen_k, warp_m, diag, row0, t,
-                                                qk_scale, window_left, window_right, softcap_log2, slope)
+                                                qk_scale, window_left, window_right, softcap_log2, slope, lane_diag)
                                 if sees_next:
                                     ahead_0(s, q_frag, k_lane, l_i, alpha, m_safe, exp_scale)
                                 else:
@@ -644,7 +647,7 @@ def _build_kernel(HEAD_DIM, config, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN, IS_BF16
                         else:
                             if sees:
                                 rescale = max_1(s, m_i, alpha, m_safe, n0, seqlen_k, warp_m, diag, row0, t,
-                                                qk_scale, window_left, window_right, softcap_log2, slope)
+                                                qk_scale, window_left, window_right, softcap_log2, slope, lane_diag)
                                 if sees_next:
                                     ahead_1(s, q_frag, k_lane, l_i, alpha, m_safe, exp_scale)
                                 else:
@@ -678,7 +681,7 @@ def _build_kernel(HEAD_DIM, config, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN, IS_BF16
                             seqlen_k, head_dim)
                 if sees:
                     rescale = max_0(s, m_i, alpha, m_safe, start_n, seqlen_k, warp_m, diag, row0, t, qk_scale,
-                                    window_left, window_right, softcap_log2, slope)
+                                    window_left, window_right, softcap_log2, slope, lane_diag)
                     exp_0_row_g(s, l_i, alpha, m_safe, exp_scale)
                     exp_0_row_g8(s, l_i, alpha, m_safe, exp_scale)
                     pv_0(s, acc, alpha, rescale, v_lane)
