@@ -12,7 +12,7 @@ import torch
 fa2_triton = pytest.importorskip("fa2_triton")
 from fa2_triton import backward, tune_backward  # noqa: E402
 from fa2_triton.backward import BwdTiles, KernelTiles  # noqa: E402
-from fa2_triton.forward import INTERPRETED  # noqa: E402
+from fa2_triton.common import INTERPRETED  # noqa: E402
 
 
 def test_every_bwd_tiles_entry_ends_with_an_unbounded_one():

@@ -6,7 +6,8 @@ import triton
 
 from fa2_triton.autograd import FlashAttention2
 from fa2_triton.backward import flash_attn_backward
-from fa2_triton.forward import INTERPRETED, flash_attn_forward
+from fa2_triton.common import INTERPRETED
+from fa2_triton.forward import flash_attn_forward
 from fa2_triton.kvcache import kvcache_forward
 
 NAME = "triton"

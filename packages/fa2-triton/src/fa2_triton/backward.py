@@ -59,10 +59,10 @@ import triton
 import triton.language as tl
 from fa2.spec import AttentionSpec
 
-from fa2_triton.forward import (
-    DTYPE_CLASS, MAX_HEAD_DIM, _check_device, _load_tile, _sequence, _tanh, _tiles_in_window, group_size, packed,
-    score_args,
+from fa2_triton.common import (
+    MAX_HEAD_DIM, _check_device, _load_tile, _sequence, _tanh, _tiles_in_window, group_size, packed, score_args,
 )
+from fa2_triton.forward import DTYPE_CLASS
 from fa2_triton.launch import launch, on_device
 
 

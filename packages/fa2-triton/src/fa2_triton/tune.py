@@ -54,7 +54,8 @@ from fa2.bench.report import seqlen_label
 from fa2.spec import UNBOUNDED, AttentionSpec
 
 from fa2_triton import forward
-from fa2_triton.forward import INTERPRETED, Tiles
+from fa2_triton.common import INTERPRETED
+from fa2_triton.forward import Tiles
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 TOKENS, HIDDEN = 16384, 2048
