@@ -1,4 +1,4 @@
-"""fa2-triton's speed levers (the fields of ``forward.Tiles``) change how the forward runs, never what it
+"""fa2-triton's speed levers (the fields of ``tiles.Tiles``) change how the forward runs, never what it
 returns: every lever on its own, and the configurations the tile table ships, against the fp64 reference,
 into NaN-poisoned outputs. Shapes where a lever's path applies (the descriptor paths need whole tiles for
 the warp-specialised loop) and where it does not (a ragged seqlen, causal), so that both the lever's path
@@ -20,7 +20,7 @@ from fa2 import reference  # noqa: E402
 from fa2_triton import backward, forward  # noqa: E402
 from fa2_triton.common import INTERPRETED  # noqa: E402
 from fa2.spec import AttentionSpec  # noqa: E402
-from fa2_triton.forward import Tiles  # noqa: E402
+from fa2_triton.tiles import TILES, Tiles, tiles_for, ws_layout  # noqa: E402
 
 BASE = Tiles(128, 64, 4, 2, tma=True)
 LEVERS = {
@@ -75,7 +75,7 @@ def test_lever_matches_reference(native_or_interpreted, device, dtype, lever, he
     L = torch.full(q.shape[:-1], math.nan, device=device)
     compiled = forward._launch(q, k, v, O, L, _spec(causal, head_dim**-0.5), tiles)
     assert_matches_reference(O, L, q, k, v, causal)
-    specialised = forward.ws_layout(q, k, v, causal, head_dim, tiles)
+    specialised = ws_layout(q, k, v, causal, head_dim, tiles)
     # Not green by accident: the warp-specialised path runs exactly where its conditions say.
     assert specialised == (tiles.warp_specialize and not causal and n_q % 128 == 0 and n_k % tiles.block_n == 0)
     if specialised and device.type == "cuda":
@@ -107,7 +107,7 @@ def test_lever_with_features_matches_reference(native_or_interpreted, device, dt
     L = torch.full(q.shape[:-1], math.nan, device=device)
     compiled = forward._launch(q, k, v, O, L, spec, tiles)
     assert_matches_reference(O, L, q, k, v, causal, **f)
-    specialised = forward.ws_layout(q, k, v, spec.masked, 64, tiles)
+    specialised = ws_layout(q, k, v, spec.masked, 64, tiles)
     assert specialised == (tiles.warp_specialize and not spec.masked and n_k % tiles.block_n == 0)
     if specialised and device.type == "cuda":
         assert compiled.metadata.num_warps == 3 * tiles.num_warps, compiled.metadata.num_warps
@@ -119,7 +119,7 @@ def test_shipped_tiles_match_reference(native_or_interpreted, device, head_dim, 
     """Every configuration of the 16-bit tile table, at a seqlen of whole tiles (so each path it asks for
     is taken)."""
     q, k, v = random_qkv((1, 2, 256, head_dim), (1, 2, 256, head_dim), torch.float16, device, seed=3)
-    for _, tiles in forward.TILES[head_dim, "16-bit", causal]:
+    for _, tiles in TILES[head_dim, "16-bit", causal]:
         O = torch.full_like(q, math.nan)
         L = torch.full(q.shape[:-1], math.nan, device=device)
         forward._launch(q, k, v, O, L, _spec(causal, head_dim**-0.5), tiles)
@@ -129,7 +129,7 @@ def test_shipped_tiles_match_reference(native_or_interpreted, device, head_dim, 
 def test_tile_table_entries_are_ordered_with_fallbacks():
     """Bounds grow to a last unbounded entry; an entry asking for warp specialisation is followed by its
     fallback, with the same bound and without it."""
-    for key, entries in forward.TILES.items():
+    for key, entries in TILES.items():
         bounds = [b for b, _ in entries]
         assert bounds[-1] is None, key
         finite = [b for b in bounds if b is not None]
@@ -141,12 +141,12 @@ def test_tile_table_entries_are_ordered_with_fallbacks():
 
 def test_tiles_for_passes_over_warp_specialisation_where_the_inputs_cannot_take_it(monkeypatch):
     small, ws, fallback = Tiles(64, 64, 4, 2), Tiles(128, 128, 4, 2, warp_specialize=True), Tiles(128, 64, 4, 2)
-    monkeypatch.setitem(forward.TILES, (128, "16-bit", False), ((1024, small), (None, ws), (None, fallback)))
-    assert forward.tiles_for(128, torch.float16, False, 1024) == small
-    assert forward.tiles_for(128, torch.float16, False, 4096) == ws
-    assert forward.tiles_for(128, torch.float16, False, 4096, lambda t: True) == ws
-    assert forward.tiles_for(128, torch.bfloat16, False, 4096, lambda t: False) == fallback
-    assert forward.tiles_for(128, torch.bfloat16, False, 1000, lambda t: False) == small
+    monkeypatch.setitem(TILES, (128, "16-bit", False), ((1024, small), (None, ws), (None, fallback)))
+    assert tiles_for(128, torch.float16, False, 1024) == small
+    assert tiles_for(128, torch.float16, False, 4096) == ws
+    assert tiles_for(128, torch.float16, False, 4096, lambda t: True) == ws
+    assert tiles_for(128, torch.bfloat16, False, 4096, lambda t: False) == fallback
+    assert tiles_for(128, torch.bfloat16, False, 1000, lambda t: False) == small
 
 
 @pytest.mark.parametrize("seqlen", [256, 200], ids=["whole_tiles", "ragged"])
@@ -154,7 +154,7 @@ def test_default_tiles_specialise_exactly_where_the_inputs_can(native_or_interpr
     """Without tiles given, the table's warp-specialised entry runs where the inputs can take it and its
     fallback elsewhere (a ragged seqlen would read across heads in the specialised loop)."""
     ws, fallback = Tiles(128, 64, 4, 2, tma=True, warp_specialize=True), Tiles(128, 64, 4, 2, tma=True)
-    monkeypatch.setitem(forward.TILES, (64, "16-bit", False), ((None, ws), (None, fallback)))
+    monkeypatch.setitem(TILES, (64, "16-bit", False), ((None, ws), (None, fallback)))
     taken = []
     real_launch = forward.launch
 

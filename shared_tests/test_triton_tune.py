@@ -10,13 +10,13 @@ import pytest
 import torch
 
 fa2_triton = pytest.importorskip("fa2_triton")
-from fa2_triton import backward, tune_backward  # noqa: E402
-from fa2_triton.backward import BwdTiles, KernelTiles  # noqa: E402
+from fa2_triton import tune_backward  # noqa: E402
 from fa2_triton.common import INTERPRETED  # noqa: E402
+from fa2_triton.tiles import BWD_TILES, BWD_TILES_16BIT_PADDED, BwdTiles, KernelTiles, bwd_tiles_for  # noqa: E402
 
 
 def test_every_bwd_tiles_entry_ends_with_an_unbounded_one():
-    for key, entries in backward.BWD_TILES.items():
+    for key, entries in BWD_TILES.items():
         bounds = [b for b, _ in entries]
         assert bounds[-1] is None and None not in bounds[:-1], key
         assert bounds[:-1] == sorted(bounds[:-1]), key
@@ -25,13 +25,13 @@ def test_every_bwd_tiles_entry_ends_with_an_unbounded_one():
 def test_bwd_tiles_for_picks_by_seqlen_and_padding(monkeypatch):
     small = BwdTiles(KernelTiles(32, 64, 4, 2), KernelTiles(64, 32, 4, 2))
     large = BwdTiles(KernelTiles(64, 128, 8, 3), KernelTiles(128, 64, 8, 3))
-    monkeypatch.setitem(backward.BWD_TILES, (64, "16-bit", True), ((2048, small), (None, large)))
-    assert backward.bwd_tiles_for(64, torch.bfloat16, True, 2048) == small
-    assert backward.bwd_tiles_for(64, torch.float16, True, 2049) == large
-    assert backward.bwd_tiles_for(64, torch.bfloat16, True) == large
+    monkeypatch.setitem(BWD_TILES, (64, "16-bit", True), ((2048, small), (None, large)))
+    assert bwd_tiles_for(64, torch.bfloat16, True, 2048) == small
+    assert bwd_tiles_for(64, torch.float16, True, 2049) == large
+    assert bwd_tiles_for(64, torch.bfloat16, True) == large
     # A padded head_dim keeps its own table; fp32 its own keys.
-    assert backward.bwd_tiles_for(56, torch.bfloat16, True, 1024) == backward.BWD_TILES_16BIT_PADDED[64]
-    assert backward.bwd_tiles_for(64, torch.float32, True, 1024) == backward.BWD_TILES[64, "fp32", True][0][1]
+    assert bwd_tiles_for(56, torch.bfloat16, True, 1024) == BWD_TILES_16BIT_PADDED[64]
+    assert bwd_tiles_for(64, torch.float32, True, 1024) == BWD_TILES[64, "fp32", True][0][1]
 
 
 @pytest.mark.skipif(not INTERPRETED, reason="the interpreted self-check (TRITON_INTERPRET=1); on a GPU the tuner "

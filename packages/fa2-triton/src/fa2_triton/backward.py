@@ -52,8 +52,6 @@ tensor cores with fp32 accumulation, P and dS rounded to the input dtype before 
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 import triton
 import triton.language as tl
@@ -62,8 +60,8 @@ from fa2.spec import AttentionSpec
 from fa2_triton.common import (
     MAX_HEAD_DIM, _check_device, _load_tile, _sequence, _tanh, _tiles_in_window, group_size, packed, score_args,
 )
-from fa2_triton.forward import DTYPE_CLASS
 from fa2_triton.launch import launch, on_device
+from fa2_triton.tiles import PREPROCESS_ELEMENTS, BwdTiles, KernelTiles, bwd_tiles_for
 
 
 @triton.jit
@@ -468,97 +466,6 @@ def _attn_bwd_dq(
     tl.store(dq_ptrs, dq.to(dQ.dtype.element_ty), mask=mask)
 
 
-class KernelTiles(NamedTuple):
-    """One kernel's launch configuration. dK/dV kernel: block_m the query step, block_n the key tile;
-    dQ kernel: block_m the query tile, block_n the key step."""
-
-    block_m: int
-    block_n: int
-    num_warps: int
-    num_stages: int
-
-
-class BwdTiles(NamedTuple):
-    """The two kernels' configurations, tuned apart (``python -m fa2_triton.tune_backward``)."""
-
-    dkdv: KernelTiles
-    dq: KernelTiles
-
-
-# Defaults for Hopper (H100/H200) with pointer loads, by HEAD_DIM (head_dim padded to a power of two);
-# each compiles for sm_90a on Triton 3.6 and 3.9 without register spills (contiguous inputs), except
-# where noted. 16-bit inputs, wgmma: the dK/dV kernel holds two fp32 [BLOCK_N1, HEAD_DIM] accumulators,
-# so its tiles shrink as HEAD_DIM grows. D = 256 spills a few bytes in the dK/dV kernel.
-# fp32, FMA matmuls (no TF32): each thread holds whole rows of the operands, so small tiles from D = 64.
-_UNTUNED = {
-    (16, "16-bit"): BwdTiles(KernelTiles(64, 128, 8, 3), KernelTiles(128, 64, 8, 3)),
-    (32, "16-bit"): BwdTiles(KernelTiles(64, 128, 8, 3), KernelTiles(128, 64, 8, 3)),
-    (64, "16-bit"): BwdTiles(KernelTiles(64, 128, 8, 3), KernelTiles(128, 64, 8, 3)),
-    (128, "16-bit"): BwdTiles(KernelTiles(32, 128, 8, 3), KernelTiles(128, 64, 8, 3)),
-    (256, "16-bit"): BwdTiles(KernelTiles(16, 64, 8, 2), KernelTiles(64, 32, 8, 2)),
-    (16, "fp32"): BwdTiles(KernelTiles(32, 32, 4, 2), KernelTiles(32, 32, 4, 2)),
-    (32, "fp32"): BwdTiles(KernelTiles(32, 32, 4, 2), KernelTiles(32, 32, 4, 2)),
-    (64, "fp32"): BwdTiles(KernelTiles(16, 32, 8, 2), KernelTiles(32, 32, 8, 2)),
-    (128, "fp32"): BwdTiles(KernelTiles(16, 32, 8, 2), KernelTiles(32, 32, 8, 2)),
-    (256, "fp32"): BwdTiles(KernelTiles(16, 32, 8, 2), KernelTiles(16, 32, 8, 2)),
-}
-# (HEAD_DIM, dtype class, causal) -> ((largest seqlen_k, BwdTiles), ..., (None, BwdTiles)): the first entry
-# whose bound holds seqlen_k wins, as forward.TILES. `python -m fa2_triton.tune_backward` on a GPU times
-# each kernel's candidates on the benchmark's shapes and prints these entries, tuned, ready to replace
-# the ones below.
-BWD_TILES: dict[tuple[int, str, bool], tuple[tuple[int | None, BwdTiles], ...]] = {
-    **{(d, c, causal): ((None, t),) for (d, c), t in _UNTUNED.items() for causal in (False, True)},
-    # Tuned on the H200 (python -m fa2_triton.tune_backward --budget-s 110, bf16, N = 1k / 4k / 16k; its CSV
-    # is docs/benchmarks/h200-tune-bwd.csv): the winner per bucket, seqlen_k <= bound.
-    (64, "16-bit", False): (
-        (2048, BwdTiles(KernelTiles(32, 64, 4, 3), KernelTiles(64, 64, 4, 3))),
-        (8192, BwdTiles(KernelTiles(32, 128, 8, 4), KernelTiles(64, 64, 4, 3))),
-        (None, BwdTiles(KernelTiles(32, 128, 8, 3), KernelTiles(64, 64, 4, 3))),
-    ),
-    (64, "16-bit", True): (
-        (2048, BwdTiles(KernelTiles(32, 64, 4, 4), KernelTiles(128, 64, 8, 3))),
-        (8192, BwdTiles(KernelTiles(64, 128, 4, 3), KernelTiles(128, 64, 8, 4))),
-        (None, BwdTiles(KernelTiles(64, 128, 4, 3), KernelTiles(128, 64, 4, 3))),
-    ),
-    (128, "16-bit", False): (
-        (2048, BwdTiles(KernelTiles(64, 128, 8, 3), KernelTiles(128, 64, 8, 3))),
-        (8192, BwdTiles(KernelTiles(64, 128, 8, 3), KernelTiles(128, 64, 8, 4))),
-        (None, BwdTiles(KernelTiles(64, 128, 8, 3), KernelTiles(128, 64, 8, 3))),
-    ),
-    (128, "16-bit", True): (
-        (2048, BwdTiles(KernelTiles(64, 128, 8, 3), KernelTiles(64, 64, 4, 2))),
-        (None, BwdTiles(KernelTiles(64, 128, 8, 3), KernelTiles(128, 64, 8, 4))),
-    ),
-}
-# A padded head_dim (16-bit, not a multiple of 16: loads masked along it and not vectorised) needs more
-# registers for the same tiles: smaller ones, by HEAD_DIM. They still spill a few hundred bytes from
-# HEAD_DIM = 128 (as the forward does). Not tuned: no benchmark shape has one.
-BWD_TILES_16BIT_PADDED = {
-    16: BwdTiles(KernelTiles(64, 128, 8, 3), KernelTiles(128, 64, 8, 3)),
-    32: BwdTiles(KernelTiles(64, 128, 8, 3), KernelTiles(128, 64, 8, 3)),
-    64: BwdTiles(KernelTiles(32, 128, 8, 3), KernelTiles(128, 32, 8, 3)),
-    128: BwdTiles(KernelTiles(32, 64, 8, 3), KernelTiles(128, 32, 8, 3)),
-    256: BwdTiles(KernelTiles(16, 32, 8, 2), KernelTiles(64, 16, 8, 2)),
-}
-# The preprocess kernel reads O and dO once: 4096 elements of each per program, 8 warps.
-PREPROCESS_ELEMENTS = 4096
-
-
-def bwd_tiles_for(head_dim: int, dtype: torch.dtype, masked: bool = False, seqlen_k: int | None = None) -> BwdTiles:
-    """The launch configuration for a head_dim (unpadded), an input dtype, whether a window masks some keys
-    (``AttentionSpec.masked``: causal's entries serve every window) and seqlen_k (None: the largest
-    bucket). The interpreter gets the same tiles as the GPU (it ignores num_warps and num_stages), so CPU
-    tests cover the GPU's tiling."""
-    HEAD_DIM = max(16, triton.next_power_of_2(head_dim))
-    dtype_class = DTYPE_CLASS[dtype]
-    if dtype_class == "16-bit" and head_dim % 16:
-        return BWD_TILES_16BIT_PADDED[HEAD_DIM]
-    for bound, tiles in BWD_TILES[HEAD_DIM, dtype_class, masked]:
-        if bound is None or (seqlen_k is not None and seqlen_k <= bound):
-            return tiles
-    raise AssertionError(f"BWD_TILES[{HEAD_DIM}, {dtype_class}, {masked}] lacks its last (None) entry")
-
-
 def flash_attn_backward(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -698,3 +605,22 @@ def launch_dkdv(q, k, v, dO, L, delta, dk, dv, dq_acc, spec: AttentionSpec, t: K
              EVEN_D=HEAD_DIM == head_dim, ATOMIC_DQ=dq_acc is not None, VARLEN=spec.varlen, GQA=group > 1),
         dict(num_warps=t.num_warps, num_stages=t.num_stages),
     )
+
+
+# Defaults for Hopper (H100/H200) with pointer loads, by HEAD_DIM (head_dim padded to a power of two);
+# each compiles for sm_90a on Triton 3.6 and 3.9 without register spills (contiguous inputs), except
+# where noted. 16-bit inputs, wgmma: the dK/dV kernel holds two fp32 [BLOCK_N1, HEAD_DIM] accumulators,
+# so its tiles shrink as HEAD_DIM grows. D = 256 spills a few bytes in the dK/dV kernel.
+# fp32, FMA matmuls (no TF32): each thread holds whole rows of the operands, so small tiles from D = 64.
+_BWD_UNTUNED = {
+    (16, "16-bit"): BwdTiles(KernelTiles(64, 128, 8, 3), KernelTiles(128, 64, 8, 3)),
+    (32, "16-bit"): BwdTiles(KernelTiles(64, 128, 8, 3), KernelTiles(128, 64, 8, 3)),
+    (64, "16-bit"): BwdTiles(KernelTiles(64, 128, 8, 3), KernelTiles(128, 64, 8, 3)),
+    (128, "16-bit"): BwdTiles(KernelTiles(32, 128, 8, 3), KernelTiles(128, 64, 8, 3)),
+    (256, "16-bit"): BwdTiles(KernelTiles(16, 64, 8, 2), KernelTiles(64, 32, 8, 2)),
+    (16, "fp32"): BwdTiles(KernelTiles(32, 32, 4, 2), KernelTiles(32, 32, 4, 2)),
+    (32, "fp32"): BwdTiles(KernelTiles(32, 32, 4, 2), KernelTiles(32, 32, 4, 2)),
+    (64, "fp32"): BwdTiles(KernelTiles(16, 32, 8, 2), KernelTiles(32, 32, 8, 2)),
+    (128, "fp32"): BwdTiles(KernelTiles(16, 32, 8, 2), KernelTiles(32, 32, 8, 2)),
+    (256, "fp32"): BwdTiles(KernelTiles(16, 32, 8, 2), KernelTiles(16, 32, 8, 2)),
+}

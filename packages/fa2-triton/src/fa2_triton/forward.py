@@ -88,8 +88,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from typing import NamedTuple
-
 import torch
 import triton
 import triton.language as tl
@@ -97,10 +95,10 @@ from fa2.spec import AttentionSpec
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from fa2_triton.common import (
-    INTERPRETED, LOG2_E, MAX_HEAD_DIM, _capability, _check_device, _load_tile, _sequence, _tanh, _tiles_in_window,
-    group_size, packed, score_args,
+    LOG2_E, MAX_HEAD_DIM, _check_device, _load_tile, _sequence, _tanh, _tiles_in_window, group_size, packed, score_args,
 )
 from fa2_triton.launch import launch, on_device, scratch_allocator
+from fa2_triton.tiles import Tiles, tiles_for, tma_layout, ws_layout
 
 
 # LAZY_RESCALE keeps a row's max until a tile's is this much larger (log2 units): p <= 2^8 (FA4's choice).
@@ -399,155 +397,6 @@ def _attn_fwd(
             o_mask = o_mask & (offs_d[None, :] < head_dim)
         tl.store(o_ptrs, acc.to(O.dtype.element_ty), mask=o_mask)
     # side-by-side: end
-
-
-class Tiles(NamedTuple):
-    """One launch configuration: the tiles, and levers that change the speed but not the result."""
-
-    block_m: int
-    block_n: int
-    num_warps: int
-    num_stages: int
-    # Read q, k, v and write O through tensor descriptors (TMA on Hopper) when ``tma_layout`` allows it;
-    # otherwise, or if False, pointer loads. Either way the same kernel, the same arithmetic.
-    tma: bool = False
-    # The order of the programs: 0 query tiles fastest; 1 query tiles fastest, the last (under causal the
-    # longest) first; 2 batch·heads fastest, the last query tiles first.
-    grid_order: int = 0
-    # Rescale acc only when some row's max moved by more than RESCALE_THRESHOLD (one branch per tile).
-    lazy_rescale: bool = False
-    # Scale and subtract the max in one FMA inside exp2; taken only when scale > 0.
-    fused_exp2: bool = True
-    # Registers per thread at most (PTX .maxnreg), so that more programs fit on one SM; None: the compiler's.
-    maxnreg: int | None = None
-    # One key loop that Triton splits into a producer warp group (the loads) and two consumer warp groups of
-    # BLOCK_M / 2 rows each, so that one group's softmax overlaps the other's matmuls; taken when
-    # ``ws_layout`` holds (else the path the fields above choose; ``tiles_for`` picks a table's fallback).
-    warp_specialize: bool = False
-
-
-# Keys of TILES: HEAD_DIM (head_dim padded to a power of two), the dtype class, masked (causal or any window:
-# causal's entries serve them all).
-DTYPE_CLASS = {torch.float16: "16-bit", torch.bfloat16: "16-bit", torch.float32: "fp32"}
-
-# (HEAD_DIM, dtype class, masked) -> ((largest seqlen_k, Tiles), ..., (None, Tiles)): the first entry whose
-# bound holds seqlen_k wins, passing over one that asks for warp specialisation where the inputs cannot take
-# it: each such entry is followed by its fallback, with the same bound. Each compiles for sm_90a on Triton
-# 3.6 and 3.9 without register spills for head_dim = HEAD_DIM (a padded head_dim such as 72 takes the
-# pointer path with column masks and spills).
-# 16-bit inputs, wgmma. D = 64 and 128 are the benchmark's; `python -m fa2_triton.tune` on a GPU times
-# candidates on its shapes and prints these entries, tuned, ready to replace the ones below.
-# D = 256 halves BLOCK_M and keeps two stages (160 KiB of shared memory).
-# fp32, FMA matmuls (no TF32): each thread holds whole rows of the operands, so small tiles from D = 64.
-_UNTUNED = {
-    (16, "16-bit"): Tiles(128, 64, 4, 3, tma=True),
-    (32, "16-bit"): Tiles(128, 64, 4, 3, tma=True),
-    (256, "16-bit"): Tiles(64, 64, 8, 2, tma=True),
-    (16, "fp32"): Tiles(64, 32, 4, 2),
-    (32, "fp32"): Tiles(64, 32, 4, 2),
-    (64, "fp32"): Tiles(32, 32, 8, 2),
-    (128, "fp32"): Tiles(32, 32, 8, 2),
-    (256, "fp32"): Tiles(32, 32, 8, 2),
-}
-TILES: dict[tuple[int, str, bool], tuple[tuple[int | None, Tiles], ...]] = {
-    **{(d, c, causal): ((None, t),) for (d, c), t in _UNTUNED.items() for causal in (False, True)},
-    # Tuned on the H200 (python -m fa2_triton.tune --budget-s 270, bf16, N = 1k / 4k / 16k; its CSV is
-    # docs/benchmarks/h200-tune.csv): the winner per bucket, seqlen_k <= bound.
-    # From N = 1k: pointer loads, 8 warps, two programs per SM (maxnreg), since a search with pointer loads
-    # among the tiles (docs/benchmarks/h200-tune-w8.csv): 1.03-1.11x the 64x128 entry at 1k-8k in that run,
-    # 1.01-1.08x in one process over four alternating rounds (fp16 and bf16, N = 1k ... 16k).
-    (64, "16-bit", False): (
-        (724, Tiles(64, 128, 4, 2, tma=True)),
-        (None, Tiles(128, 128, 8, 3, maxnreg=128)),
-    ),
-    (64, "16-bit", True): (
-        (2048, Tiles(64, 64, 4, 2, tma=True, maxnreg=96)),
-        (8192, Tiles(64, 128, 4, 2, tma=True)),
-        (None, Tiles(64, 128, 4, 2, tma=True, grid_order=1)),
-    ),
-    # Tuned again with warp specialisation (fp16 and bf16, N = 512 ... 16k; docs/benchmarks/h200-tune-ws.csv):
-    # 1.01-1.02x the unspecialised winner at 2k, 1.07-1.12x from 4k.
-    (128, "16-bit", False): (
-        (1448, Tiles(128, 64, 4, 2, tma=True)),
-        (None, Tiles(128, 128, 4, 2, tma=True, warp_specialize=True)),
-        (None, Tiles(128, 64, 4, 2, tma=True)),
-    ),
-    # The 16k entry reads through descriptors since a run over both dtypes and every N (h200-tune-all-n.csv):
-    # 1.04-1.05x the pointer loads it had, in both dtypes.
-    (128, "16-bit", True): (
-        (2048, Tiles(64, 64, 4, 3, tma=True)),
-        (8192, Tiles(128, 64, 4, 2, tma=True)),
-        (None, Tiles(128, 128, 8, 3, tma=True, grid_order=1)),
-    ),
-}
-
-
-def tiles_for(head_dim_padded: int, dtype: torch.dtype, masked: bool = False, seqlen_k: int | None = None,
-              can_specialize=None) -> Tiles:
-    """The launch configuration for a padded head_dim, an input dtype, whether a window masks some keys
-    (``AttentionSpec.masked``: causal's entries serve every window, whose programs also end at a band) and
-    seqlen_k (None: the largest bucket). ``can_specialize(tiles)``: whether the inputs can take the
-    warp-specialised loop with those tiles (None: as if they could); an entry that asks for it where they
-    cannot is passed over for its fallback. The interpreter gets the same tiles as the GPU (it ignores
-    num_warps and num_stages), so CPU tests cover the GPU's tiling."""
-    for bound, tiles in TILES[head_dim_padded, DTYPE_CLASS[dtype], masked]:
-        if tiles.warp_specialize and can_specialize is not None and not can_specialize(tiles):
-            continue
-        if bound is None or (seqlen_k is not None and seqlen_k <= bound):
-            return tiles
-    raise AssertionError(f"TILES[{head_dim_padded}, {DTYPE_CLASS[dtype]}, {masked}] lacks its last (None) entry")
-
-
-def tma_layout(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, head_dim_padded: int) -> bool:
-    """Whether q, k, v can be read through (B, H or H_K, N, D) tensor descriptors: a Hopper or later GPU (or the
-    interpreter), head_dim already a power of two >= 16 (HEAD_DIM == head_dim, so a block never reaches past
-    a row), no empty dimension, unit stride along head_dim, every other stride (of a dimension longer than
-    one) positive and a multiple of 16 bytes, and 16-byte aligned data. O, fresh and contiguous, always
-    qualifies then. The block is [1, 1, BLOCK, HEAD_DIM], so a tile never crosses into another head: rows
-    past seqlen come back as zeros and are not written."""
-    if q.shape[-1] != head_dim_padded:
-        return False
-    if not INTERPRETED and _capability(q.device.index)[0] < 9:
-        return False
-    for t in (q, k, v):
-        if t.numel() == 0 or t.stride(-1) != 1 or t.data_ptr() % 16:
-            return False
-        for size, stride in zip(t.shape[:-1], t.stride()[:-1]):
-            if size > 1 and (stride <= 0 or stride * t.element_size() % 16):
-                return False
-    return True
-
-
-def ws_tiles(tiles: Tiles, masked: bool) -> bool:
-    """Whether ``tiles`` take the warp-specialised loop where the inputs allow it: asked for, no window
-    (``masked``: causal or any window; Triton 3.6 does not specialise a kernel with a second key loop, the
-    band's, and causal as one loop masking every tile ran at 0.83-1.01x the unspecialised kernel at D = 128
-    and 0.59-0.78x at D = 64), and the configuration measured correct on the H200 with Triton 3.6: BLOCK_M
-    128 (two consumer groups of 64 rows), 4 warps a group, 2 stages (3 gave NaN there), without lazy_rescale
-    (its branch keeps Triton from specialising the loop) or maxnreg (the groups set their own). Softcap and
-    ALiBi take it: they are elementwise work inside the one loop."""
-    shape = (tiles.block_m, tiles.num_warps, tiles.num_stages)
-    return (tiles.warp_specialize and not masked and shape == (128, 4, 2) and not tiles.lazy_rescale
-            and tiles.maxnreg is None)
-
-
-def ws_layout(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, masked: bool, head_dim_padded: int,
-              tiles: Tiles) -> bool:
-    """Whether the warp-specialised loop runs: ``ws_tiles``, a Hopper GPU (sm_90; or the interpreter,
-    which runs the loop without specialising it), contiguous q, k, v with head_dim a power of two >= 16
-    (descriptors built in the kernel over the (B·H·N, D) rows of q and the (B·H_K·N, D) rows of k and v,
-    16-byte aligned), seqlen_q a multiple of
-    BLOCK_M and seqlen_k of BLOCK_N (so no tile crosses into another head and no key needs a mask), and
-    fewer than 2^31 rows."""
-    if not ws_tiles(tiles, masked):
-        return False
-    if not INTERPRETED and _capability(q.device.index)[0] != 9:
-        return False
-    if q.shape[-1] != head_dim_padded or q.shape[2] % tiles.block_m or k.shape[2] % tiles.block_n:
-        return False
-    if max(q.shape[0] * q.shape[1] * q.shape[2], k.shape[0] * k.shape[1] * k.shape[2]) >= 2**31:
-        return False
-    return all(t.numel() > 0 and t.is_contiguous() and t.data_ptr() % 16 == 0 for t in (q, k, v))
 
 
 def _descriptor(t: torch.Tensor, block_rows: int) -> TensorDescriptor:

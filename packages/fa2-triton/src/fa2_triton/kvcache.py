@@ -49,8 +49,8 @@ import triton.language as tl
 from fa2.spec import AttentionSpec
 
 from fa2_triton.common import INTERPRETED, LOG2_E, MAX_HEAD_DIM, _check_device, _rows, _tanh, score_args
-from fa2_triton.forward import Tiles
 from fa2_triton.launch import launch, on_device
+from fa2_triton.tiles import Tiles
 
 
 @triton.jit

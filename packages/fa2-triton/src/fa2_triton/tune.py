@@ -55,7 +55,7 @@ from fa2.spec import UNBOUNDED, AttentionSpec
 
 from fa2_triton import forward
 from fa2_triton.common import INTERPRETED
-from fa2_triton.forward import Tiles
+from fa2_triton.tiles import Tiles, tiles_for, ws_tiles
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 TOKENS, HIDDEN = 16384, 2048
@@ -173,7 +173,7 @@ def base_candidates(args: argparse.Namespace, causal: bool) -> list[Tiles]:
     ]
     # The warp-specialised loop builds its own descriptors whatever ``tma`` says: one such variant per tiling.
     out = [v for t in tiles for v in (t, t._replace(tma=True, warp_specialize=True))
-           if v is t or forward.ws_tiles(v, causal)]
+           if v is t or ws_tiles(v, causal)]
     return list(dict.fromkeys(out))
 
 
@@ -560,7 +560,7 @@ def main(argv: list[str]) -> int:
     for p in pts:
         b = benches[p]
         winners = best(b.results, 1)
-        current = forward.tiles_for(max(16, triton.next_power_of_2(p.head_dim)), DTYPES[p.dtype], p.causal, p.seqlen)
+        current = tiles_for(max(16, triton.next_power_of_2(p.head_dim)), DTYPES[p.dtype], p.causal, p.seqlen)
         row = {"p": p, "tiles": winners[0] if winners else None, "ms": {}}
         for name, t in (("winner", row["tiles"]), ("current", current)):
             r = b.measure(t, search=False) if t is not None else Result("failed", "no configuration passed")

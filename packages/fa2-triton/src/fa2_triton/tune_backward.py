@@ -52,7 +52,7 @@ from fa2.bench.providers import PROVIDERS, Shape
 from fa2.spec import AttentionSpec
 
 from fa2_triton import backward, forward, tune
-from fa2_triton.backward import BwdTiles, KernelTiles
+from fa2_triton.tiles import BwdTiles, KernelTiles, bwd_tiles_for
 from fa2_triton.tune import (
     CSV_COLUMNS, DTYPES, MAX_REASONS, SMEM_PER_SM, SMEM_RESERVED, WARM_SEQLEN, Result, Run, _context_lost,
     _gpu_name, _reason, add_shape_arguments, median_ms, parse_with_run_arguments, precompile, shape_spec,
@@ -100,7 +100,7 @@ def points(args: argparse.Namespace) -> list[Point]:
 
 
 def current_tiles(p: Point) -> BwdTiles:
-    return backward.bwd_tiles_for(p.head_dim, DTYPES[p.dtype], p.causal, p.seqlen)
+    return bwd_tiles_for(p.head_dim, DTYPES[p.dtype], p.causal, p.seqlen)
 
 
 def candidates(args: argparse.Namespace, p: Point, kind: str) -> list[KernelTiles]:
