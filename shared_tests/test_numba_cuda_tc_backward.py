@@ -57,14 +57,21 @@ def calls(monkeypatch):
     return made
 
 
-def _case(dtype, b, h, h_k, n_q, n_k, d, causal, window=(-1, -1), scale=None, layout="contiguous"):
+# 16-query dK/dV tiles and 16-key dQ tiles: several tiles, and tiles skipped, at shapes the simulator runs
+# quickly (the default tiles at head dims up to 64 are 64 queries and 64 keys).
+SMALL_TILES = backward_tc.TensorCoreBwdConfig(4, 16, 4, 16, 0, True)
+
+
+def _case(dtype, b, h, h_k, n_q, n_k, d, causal, window=(-1, -1), scale=None, layout="contiguous", config=None):
     kind = "bf16" if dtype == torch.bfloat16 else "fp16"
     parts = [kind, f"B{b}-H{h}" + (f"-Hk{h_k}" if h_k != h else ""), f"{n_q}x{n_k}-D{d}",
              "causal" if causal else "full"]
     parts += [f"w{window[0]}.{window[1]}"] if window != (-1, -1) else []
     parts += [f"scale{scale}"] if scale is not None else []
     parts += [layout] if layout != "contiguous" else []
-    case = dict(shape=(b, h, h_k, n_q, n_k, d), causal=causal, window=window, scale=scale, layout=layout)
+    parts += ["small-tiles"] if config is not None else []
+    case = dict(shape=(b, h, h_k, n_q, n_k, d), causal=causal, window=window, scale=scale, layout=layout,
+                config=config)
     return pytest.param(dtype, case, id="-".join(parts))
 
 
@@ -73,8 +80,8 @@ CASES = [
     for dtype in (torch.float16, torch.bfloat16)
     for causal in (False, True)
     for case in (
-        # GQA (group 2), seqlen_q != seqlen_k, neither a multiple of a tile: several query tiles in the dK/dV
-        # kernel, two key tiles in the dQ kernel
+        # GQA (group 2), seqlen_q != seqlen_k, neither a multiple of a tile: the dK/dV kernel's steps over the
+        # group's heads (one 64-query tile each), one 64-key tile in the dQ kernel
         _case(dtype, 1, 2, 1, 21, 36, 64, causal),
         # seqlen_q > seqlen_k (causal rows that see no key: zero dq), head_dim padded 40 -> 48
         _case(dtype, 1, 1, 1, 45, 29, 40, causal),
@@ -82,10 +89,12 @@ CASES = [
         _case(dtype, 1, 1, 1, 17, 20, 128, causal),
     )
 ] + [
-    # two dK/dV blocks (64 keys each), causal tiles skipped in both kernels
+    # two dK/dV blocks (64 keys each), two 64-key dQ tiles; with small tiles, causal tiles skipped in both
+    # kernels and several query tiles a head in the dK/dV kernel
     _case(torch.float16, 1, 2, 1, 37, 70, 16, True),
+    _case(torch.float16, 1, 2, 1, 37, 70, 16, True, config=SMALL_TILES),
     # a window with both edges inside the keys: tiles skipped on both sides, edge tiles masked
-    _case(torch.float16, 1, 1, 1, 37, 53, 16, False, window=(5, 3)),
+    _case(torch.float16, 1, 1, 1, 37, 53, 16, False, window=(5, 3), config=SMALL_TILES),
     # odd head_dim (outputs stored element by element; rows not 16 B apart: plain loads), a negative scale
     _case(torch.float16, 1, 2, 2, 21, 30, 13, True, scale=-0.7),
     # q as (B, N, H, D) memory (cp.async with strides), k with a head_dim stride of 2 (plain loads)
@@ -117,7 +126,7 @@ def test_tensor_core_backward_matches_reference(tc_device, calls, dtype, case):
     O, L = _forward(q, k, v, causal, window, scale)
     spec_window = (window[0], 0) if causal else window
     spec = AttentionSpec(d**-0.5 if scale is None else scale, spec_window, 0.0, None, h // h_k)
-    dq, dk, dv = backward.flash_attn_backward(q, k, v, O, L, dO, spec)
+    dq, dk, dv = backward.flash_attn_backward(q, k, v, O, L, dO, spec, case["config"])
     assert calls == ["tc"], f"expected the tensor-core backward alone, got {calls}"
     HEAD_DIM = backward_tc.padded_head_dim(d)
     built = {key[:2] for key in backward_tc._KERNELS}

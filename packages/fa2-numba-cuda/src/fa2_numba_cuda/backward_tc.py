@@ -113,21 +113,56 @@ class TensorCoreBwdConfig(NamedTuple):
     V_IN_SHARED: bool = False
 
 
+# The blocks by padded head dim (the largest tiles whose static shared memory stays under 48 KB and whose
+# registers do not spill, offline): up to 64, 64-query tiles in the dK/dV kernel and 64-key tiles in the dQ
+# kernel; 80 and 96, 32 and 48; 112 and 128, 16 and 32 (their dK/dV kernel at 242-255 registers).
+TC_BWD_CONFIGS = {
+    64: TensorCoreBwdConfig(4, 64, 4, 64, 0, True),
+    96: TensorCoreBwdConfig(4, 32, 4, 48, 0, True),
+    128: TensorCoreBwdConfig(4, 16, 4, 32, 0, True),
+}
+
+
 def tc_bwd_config(HEAD_DIM: int) -> TensorCoreBwdConfig:
-    """The blocks for a padded head dim: the dK/dV kernel's 64 keys (4 warps) against 16-query tiles with V's
-    tile in shared memory (per thread K's fragments, dK's and dV's accumulators, HEAD_DIM / 4 + HEAD_DIM
-    registers, and Sᵀ, dPᵀ 8 each); the dQ kernel's 64 query rows (4 warps) against 32-key tiles. No cap.
-    Offline (numba's PTX, ptxas -v, sm_90, bf16, cp.async, even head_dim), registers per thread, spill
-    stores / loads, static shared memory, full / causal:
+    """The blocks for a padded head dim (``TC_BWD_CONFIGS``' entry for the least head dim >= HEAD_DIM): the
+    dK/dV kernel's 64 keys (4 warps, V's tile in shared memory) against DKDV_BLOCK_M-query tiles, the dQ
+    kernel's 64 query rows (4 warps) against DQ_BLOCK_N-key tiles. Per dK/dV thread: K's fragments, dK's and
+    dV's accumulators, HEAD_DIM / 4 + HEAD_DIM registers, and Sᵀ, dPᵀ DKDV_BLOCK_M / 2 each; per dQ thread:
+    Q's and dO's fragments, dQ's accumulator, HEAD_DIM registers, and S, dP DQ_BLOCK_N / 2 each. No cap.
+    Offline (numba's PTX, ptxas -v, sm_90, bf16, cp.async, even head_dim), registers per thread (no spills
+    in any), shared memory per block, full / causal:
 
-        HEAD_DIM   dK/dV                                   dQ
-        64         172 / 168, no spills, 18,688 B          158 / 156, no spills, 18,432 B
-        128        255 / 254, 0 / 12-8 B, 35,072 B         246 / 238, no spills, 34,816 B
+        HEAD_DIM   dK/dV                                dQ
+        32         162 / 154, 26,624 B (64 queries)     127 / 164, 20,480 B (64 keys)
+        48         179 / 239, 36,864 B (64)             169 / 166, 28,672 B (64)
+        64         239 / 243, 47,104 B (64)             166 / 236, 36,864 B (64)
+        96         246 / 246, 40,448 B (32)             250 / 254, 39,936 B (48)
+        112        - / 245, 30,976 B (16)               - / 244, 30,720 B (32)
+        128        255 / 242, 35,072 B (16)             240 / 240, 34,816 B (32)
 
-    (Against, before double-buffering: 64-query tiles with V in registers, D64 250 / 255 registers, 0 / 100
-    B spilled; at D128, 32-query tiles 255 registers with 208-292 B spilled.) Not yet timed on a GPU.
+    Plain loads (rows not 16 B aligned) at D48, D64 and D128 causal: at most 248 registers, no spills.
+    Instructions in the dK/dV kernel's loop body a step (nvdisasm of the same cubin), full: D64 696 for
+    128 mma (was 350 for 32), D128 366 for 64 (was 445).
+    (Before these tiles, 16-query dK/dV tiles and 32-key dQ tiles at every head dim: D64 dK/dV 172 / 168,
+    dQ 158 / 156 registers; D128 dK/dV 255 / 254 with 0 / 12 B spilled, dQ 246 / 238. 64-query tiles at D64
+    spilled 52 B causal before the masks became one compare with a constant per element.) Larger tiles at
+    D128 need more than the 48 KB of static shared memory (32-query dK/dV tiles: 52,736 B). Not yet timed on
+    a GPU.
     """
-    return TensorCoreBwdConfig(4, 16, 4, 32, 0, True)
+    return TC_BWD_CONFIGS[min(d for d in TC_BWD_CONFIGS if d >= HEAD_DIM)]
+
+
+def shared_bytes(name: str, HEAD_DIM: int, config: TensorCoreBwdConfig) -> int:
+    """The static shared memory of kernel ``name`` ("dkdv" or "dq") per block, as ``_build_dkdv`` and
+    ``_build_dq`` lay it out: rows of HEAD_DIM + 8 16-bit elements (and the dK/dV kernel's L and delta of
+    two query tiles, fp32)."""
+    LD = HEAD_DIM + 8
+    if name == "dkdv":
+        BLOCK_N, BLOCK_M = 16 * config.DKDV_WARPS, config.DKDV_BLOCK_M
+        v_row = max(BLOCK_N, 4 * BLOCK_M) if config.V_IN_SHARED else BLOCK_N
+        rows = v_row + BLOCK_N if config.V_IN_SHARED else max(2 * BLOCK_N, 4 * BLOCK_M)
+        return 2 * rows * LD + 4 * 2 * (2 * BLOCK_M)
+    return 2 * max(2 * 16 * config.DQ_WARPS, 4 * config.DQ_BLOCK_N) * LD
 
 
 def supports(spec: AttentionSpec) -> bool:
@@ -159,13 +194,21 @@ def _tile_loader(ROWS, NUM_THREADS, HEAD_DIM, EVEN_HEAD_DIM, ASYNC_LOADS):
     if ASYNC_LOADS:
         ITEMS = ROWS * CHUNKS
 
+        # Where the block's threads cover whole rows at a time (NUM_THREADS a multiple of CHUNKS), a thread's
+        # chunk column is the same on every pass and its row steps by ROW_STEP: no division per pass.
+        ROW_STEP = NUM_THREADS // CHUNKS if NUM_THREADS % CHUNKS == 0 else 0
+
         @device_function
         def load(smem, smem_base, row0, x, x_base, offset, stride_n, stride_d, start, seqlen, head_dim):
             for it in range(-(-ITEMS // NUM_THREADS)):
                 item = cuda.threadIdx.x + it * NUM_THREADS
                 if ITEMS % NUM_THREADS == 0 or item < ITEMS:
-                    r = item // CHUNKS
-                    c = item % CHUNKS * 8
+                    if ROW_STEP:
+                        r = cuda.threadIdx.x // CHUNKS + it * ROW_STEP
+                        c = cuda.threadIdx.x % CHUNKS * 8
+                    else:
+                        r = item // CHUNKS
+                        c = item % CHUNKS * 8
                     n = start + r
                     nbytes = 0
                     element = offset  # a valid address for copies that read nothing
@@ -435,8 +478,10 @@ def _build_dkdv(HEAD_DIM, config, LEFT, RIGHT, IS_BF16, EVEN_HEAD_DIM, ASYNC_LOA
         end_m = min(seqlen_q, last_key - diag + window_left + 1) if LEFT else seqlen_q
         key0 = start_n + 16 * warp + g  # the lane's keys: key0 and key0 + 8
         # GQA: dK and dV of off_hk sum over the group's query heads, accumulated in the same registers: steps
-        # it = 0 .. group · m_steps over (query head off_hk · group + it // m_steps, query tile it % m_steps).
-        # Step it computes on buffer it % 2 while step it + 1's tiles load into the other.
+        # it = 0 .. group · m_steps over (query head off_hk · group + it // m_steps, query tile it % m_steps),
+        # each step's (head, tile) the previous one's next tile, wrapping to the next head (no division in the
+        # loop: 64-bit ones). Step it computes on buffer it % 2 while step
+        # it + 1's tiles load into the other.
         m_steps = (end_m - begin_m + BLOCK_M - 1) // BLOCK_M if end_m > begin_m else 0
         steps = group * m_steps
         head0 = off_hk * group
@@ -446,18 +491,22 @@ def _build_dkdv(HEAD_DIM, config, LEFT, RIGHT, IS_BF16, EVEN_HEAD_DIM, ASYNC_LOA
                       off_b * stride_dob + head0 * stride_doh, stride_dom, stride_dod, lse,
                       off_b * stride_lb + head0 * stride_lh, stride_lm, delta, (off_b * heads + head0) * seqlen_q,
                       seqlen_q, head_dim)
+        start_m = begin_m
+        next_h = head0
         for it in range(steps):
             buf = it % 2
-            start_m = begin_m + it % m_steps * BLOCK_M
             wait_tiles()
             cuda.syncthreads()  # step it's tiles have landed; every warp is done with the other buffer
+            next_m = start_m + BLOCK_M
+            if next_m >= end_m:
+                next_m = begin_m
+                next_h += 1
             if it + 1 < steps:
-                off_h = head0 + (it + 1) // m_steps
-                load_step(smem, smem_base, lse_tile, delta_tile, 1 - buf, begin_m + (it + 1) % m_steps * BLOCK_M,
-                          q, q_base, off_b * stride_qb + off_h * stride_qh, stride_qm, stride_qd, do, do_base,
-                          off_b * stride_dob + off_h * stride_doh, stride_dom, stride_dod, lse,
-                          off_b * stride_lb + off_h * stride_lh, stride_lm, delta, (off_b * heads + off_h) * seqlen_q,
-                          seqlen_q, head_dim)
+                load_step(smem, smem_base, lse_tile, delta_tile, 1 - buf, next_m, q, q_base,
+                          off_b * stride_qb + next_h * stride_qh, stride_qm, stride_qd, do, do_base,
+                          off_b * stride_dob + next_h * stride_doh, stride_dom, stride_dod, lse,
+                          off_b * stride_lb + next_h * stride_lh, stride_lm, delta,
+                          (off_b * heads + next_h) * seqlen_q, seqlen_q, head_dim)
             buf_bytes = uint32(2 * 2 * BLOCK_M * LD * buf)
             lse_row = BLOCK_M * buf
             rows_dot(s, k_frag, q_b_lane + buf_bytes)  # Sᵀ = K Qᵀ
@@ -469,20 +518,25 @@ def _build_dkdv(HEAD_DIM, config, LEFT, RIGHT, IS_BF16, EVEN_HEAD_DIM, ASYNC_LOA
             # right) or a left edge.
             crosses = ((RIGHT and start_n + BLOCK_N - 1 > start_m + diag + window_right)
                        or (LEFT and start_n < start_m + BLOCK_M - 1 + diag - window_left))
+            # Element (j, e) is key key0 + 8 (e // 2) against query start_m + 2 t + 8 j + e % 2: masked iff
+            # rel - window_right > 8 j + e % 2 - 8 (e // 2) (right) or rel + window_left < the same (left),
+            # rel = key0 - start_m - 2 t - diag. So a compare with a constant each, from two values a step.
+            rel = key0 - start_m - 2 * t - diag
+            rel_right = rel - window_right
+            rel_left = rel + window_left
             for j in range(M_TILES):
                 for e in range(4):
                     col = 8 * j + 2 * t + e % 2
                     p = exp2_approx(s[j, e] * qk_scale - lse_tile[lse_row + col])
                     if crosses:
-                        key = key0 + 8 * (e // 2)
-                        query = start_m + col
-                        if ((RIGHT and key > query + diag + window_right)
-                                or (LEFT and key < query + diag - window_left)):
+                        offset = 8 * j + e % 2 - 8 * (e // 2)
+                        if (RIGHT and rel_right > offset) or (LEFT and rel_left < offset):
                             p = float32(0.0)
                     s[j, e] = p
                     dp[j, e] = p * (dp[j, e] - delta_tile[lse_row + col])
             acc_plus(dv_acc, s, do_t_lane + buf_bytes)  # dV += Pᵀ dO
             acc_plus(dk_acc, dp, q_t_lane + buf_bytes)  # dK += dSᵀ Q
+            start_m = next_m
 
         # Epilogue: dk = scale · dK, dv = dV, each element once (keys that no row sees: zeros).
         dkv_start = off_bhk * seqlen_k
@@ -607,15 +661,21 @@ def _build_dq(HEAD_DIM, config, LEFT, RIGHT, IS_BF16, EVEN_HEAD_DIM, ASYNC_LOADS
             crosses = (start_n + BLOCK_N > seqlen_k
                        or (RIGHT and start_n + BLOCK_N - 1 > start_m + diag + window_right)
                        or (LEFT and start_n < start_m + BLOCK_M - 1 + diag - window_left))
+            # Element (j, e) is key start_n + 2 t + 8 j + e % 2 against row row0 + 8 (e // 2): masked iff 8 j + e %
+            # 2 >= key_end, or offset = 8 j + e % 2 - 8 (e // 2) > rel_right (right), or < rel_left (left), with
+            # rel = row0 + diag - start_n - 2 t. So a compare with a constant each, from three values a step.
+            key_end = seqlen_k - start_n - 2 * t
+            rel = row0 + diag - start_n - 2 * t
+            rel_right = rel + window_right
+            rel_left = rel - window_left
             for j in range(N_TILES):
                 for e in range(4):
                     h = e // 2
                     p = exp2_approx(s[j, e] * qk_scale - lse_r[h])
                     if crosses:
-                        key = start_n + 8 * j + 2 * t + e % 2
-                        row = row0 + 8 * h
-                        if (key >= seqlen_k or (RIGHT and key > row + diag + window_right)
-                                or (LEFT and key < row + diag - window_left)):
+                        offset = 8 * j + e % 2 - 8 * h
+                        if (8 * j + e % 2 >= key_end or (RIGHT and offset > rel_right)
+                                or (LEFT and offset < rel_left)):
                             p = float32(0.0)
                     s[j, e] = p
                     dp[j, e] = p * (dp[j, e] - delta_r[h])
@@ -659,14 +719,14 @@ def _rows_16b_aligned(t: torch.Tensor) -> bool:
 
 def _check_config(HEAD_DIM: int, config: TensorCoreBwdConfig) -> None:
     if (config.DKDV_WARPS < 1 or config.DQ_WARPS < 1 or config.DKDV_BLOCK_M < 16 or config.DKDV_BLOCK_M % 16
-            or config.DQ_BLOCK_N < 16 or config.DQ_BLOCK_N % 16):
-        raise ValueError(f"TensorCoreBwdConfig needs warps >= 1 and tiles multiples of 16, got {config}")
-    for name, rows in (("dK/dV", max(32 * config.DKDV_WARPS, 2 * config.DKDV_BLOCK_M)),
-                       ("dQ", max(32 * config.DQ_WARPS, 2 * config.DQ_BLOCK_N))):
-        if 2 * rows * (HEAD_DIM + 8) > 48 * 1024:
+            or config.DKDV_BLOCK_M > 32 * config.DKDV_WARPS or config.DQ_BLOCK_N < 16 or config.DQ_BLOCK_N % 16):
+        raise ValueError(f"TensorCoreBwdConfig needs warps >= 1, tiles multiples of 16 and DKDV_BLOCK_M <= 32 · "
+                         f"DKDV_WARPS, got {config}")
+    for name in ("dkdv", "dq"):
+        if shared_bytes(name, HEAD_DIM, config) > 48 * 1024:
             raise ValueError(
-                f"{config} at head dim {HEAD_DIM} needs {2 * rows * (HEAD_DIM + 8)} B of shared memory in the "
-                f"{name} kernel, over the 48 KB a block may have statically"
+                f"{config} at head dim {HEAD_DIM} needs {shared_bytes(name, HEAD_DIM, config)} B of shared memory "
+                f"in the {name} kernel, over the 48 KB a block may have statically"
             )
 
 
