@@ -172,7 +172,7 @@ def test_default_tiles_specialise_exactly_where_the_inputs_can(native_or_interpr
 
 
 def test_tuner_writes_a_fallback_after_a_warp_specialised_entry():
-    tune = pytest.importorskip("fa2_triton.tune")
+    tune = pytest.importorskip("fa2_triton.tuning.forward")
     small, ws = Tiles(128, 64, 4, 2, tma=True), Tiles(128, 128, 4, 2, tma=True, warp_specialize=True)
     [line] = tune.table_entries({(128, False): [(1024, small), (2048, ws, small), (4096, ws, small)]})
     assert line == (f'    (128, "16-bit", False): ((1448, {tune.describe(small)}), (None, {tune.describe(ws)}), '
@@ -180,7 +180,7 @@ def test_tuner_writes_a_fallback_after_a_warp_specialised_entry():
 
 
 def test_tuner_searches_both_loads_and_each_warp_specialised_tiling_once():
-    tune = pytest.importorskip("fa2_triton.tune")
+    tune = pytest.importorskip("fa2_triton.tuning.forward")
     args = tune.parse_args(["--block-m", "128", "--block-n", "64,128", "--warps", "4", "--stages", "2"])
     full = tune.base_candidates(args, causal=False)
     plain = [t for t in full if not t.warp_specialize]

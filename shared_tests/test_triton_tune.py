@@ -1,4 +1,4 @@
-"""fa2-triton's backward tile table and its tuner (``python -m fa2_triton.tune_backward``), on the CPU:
+"""fa2-triton's backward tile table and its tuner (``python -m fa2_triton.tuning.backward``), on the CPU:
 the table's lookup, and one tiny run of the tuner in Triton's interpreter in which a candidate that
 computes wrong gradients and one that fails to launch are recorded as such and never win."""
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 fa2_triton = pytest.importorskip("fa2_triton")
-from fa2_triton import tune_backward  # noqa: E402
+from fa2_triton.tuning import backward as tune_backward  # noqa: E402
 from fa2_triton.common import INTERPRETED  # noqa: E402
 from fa2_triton.tiles import BWD_TILES, BWD_TILES_16BIT_PADDED, BwdTiles, KernelTiles, bwd_tiles_for  # noqa: E402
 

@@ -5,7 +5,7 @@ kernel, or with ``deterministic=False`` the dK/dV kernel alone, adding dQ into a
 atomics.
 
 Each launcher (``launch_preprocess``, ``launch_dq``, ``launch_dkdv``) runs one kernel, so that the tuner
-(``python -m fa2_triton.tune_backward``) can time them apart; each kernel's tiles come from
+(``python -m fa2_triton.tuning.backward``) can time them apart; each kernel's tiles come from
 ``tiles.bwd_tiles_for``, the spec as the kernels' arguments from ``common.score_args``.
 """
 

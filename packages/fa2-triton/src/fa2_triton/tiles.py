@@ -3,13 +3,13 @@
 Forward: the levers that change the speed but not the result (the tile sizes, the order of the programs, a
 lazy rescale, maxnreg, tensor descriptors, warp specialisation) are the fields of ``Tiles``, chosen per
 (head_dim, dtype class, masked (causal's entries serve every window), seqlen bucket) from ``TILES`` by
-``tiles_for``, which ``python -m fa2_triton.tune`` measures on a GPU. Whether the inputs can take what the
+``tiles_for``, which ``python -m fa2_triton.tuning.forward`` measures on a GPU. Whether the inputs can take what the
 tiles ask for: ``tma_layout`` (host tensor descriptors over (B, H, N, D)) and ``ws_tiles`` / ``ws_layout``
 (the warp-specialised loop).
 
 Backward: each kernel has its own configuration (``KernelTiles``: tiles, num_warps, num_stages; a
 ``BwdTiles`` for the dK/dV and dQ kernels), chosen the same way from ``BWD_TILES`` by ``bwd_tiles_for``,
-which ``python -m fa2_triton.tune_backward`` measures on a GPU, timing the two kernels apart; padded 16-bit
+which ``python -m fa2_triton.tuning.backward`` measures on a GPU, timing the two kernels apart; padded 16-bit
 head dims take ``BWD_TILES_16BIT_PADDED``, the preprocess kernel ``PREPROCESS_ELEMENTS``.
 """
 
@@ -57,7 +57,7 @@ DTYPE_CLASS = {torch.float16: "16-bit", torch.bfloat16: "16-bit", torch.float32:
 # it: each such entry is followed by its fallback, with the same bound. Each compiles for sm_90a on Triton
 # 3.6 and 3.9 without register spills for head_dim = HEAD_DIM (a padded head_dim such as 72 takes the
 # pointer path with column masks and spills).
-# 16-bit inputs, wgmma. D = 64 and 128 are the benchmark's; `python -m fa2_triton.tune` on a GPU times
+# 16-bit inputs, wgmma. D = 64 and 128 are the benchmark's; `python -m fa2_triton.tuning.forward` on a GPU times
 # candidates on its shapes and prints these entries, tuned, ready to replace the ones below.
 # D = 256 halves BLOCK_M and keeps two stages (160 KiB of shared memory).
 # fp32, FMA matmuls (no TF32): each thread holds whole rows of the operands, so small tiles from D = 64.
@@ -73,7 +73,7 @@ _UNTUNED = {
 }
 TILES: dict[tuple[int, str, bool], tuple[tuple[int | None, Tiles], ...]] = {
     **{(d, c, causal): ((None, t),) for (d, c), t in _UNTUNED.items() for causal in (False, True)},
-    # Tuned on the H200 (python -m fa2_triton.tune --budget-s 270, bf16, N = 1k / 4k / 16k; its CSV is
+    # Tuned on the H200 (python -m fa2_triton.tuning.forward --budget-s 270, bf16, N = 1k / 4k / 16k; its CSV is
     # docs/benchmarks/h200-tune.csv): the winner per bucket, seqlen_k <= bound.
     # From N = 1k: pointer loads, 8 warps, two programs per SM (maxnreg), since a search with pointer loads
     # among the tiles (docs/benchmarks/h200-tune-w8.csv): 1.03-1.11x the 64x128 entry at 1k-8k in that run,
@@ -183,7 +183,7 @@ class KernelTiles(NamedTuple):
 
 
 class BwdTiles(NamedTuple):
-    """The two kernels' configurations, tuned apart (``python -m fa2_triton.tune_backward``)."""
+    """The two kernels' configurations, tuned apart (``python -m fa2_triton.tuning.backward``)."""
 
     dkdv: KernelTiles
     dq: KernelTiles
@@ -207,12 +207,12 @@ _BWD_UNTUNED = {
     (256, "fp32"): BwdTiles(KernelTiles(16, 32, 8, 2), KernelTiles(16, 32, 8, 2)),
 }
 # (HEAD_DIM, dtype class, causal) -> ((largest seqlen_k, BwdTiles), ..., (None, BwdTiles)): the first entry
-# whose bound holds seqlen_k wins, as TILES. `python -m fa2_triton.tune_backward` on a GPU times
+# whose bound holds seqlen_k wins, as TILES. `python -m fa2_triton.tuning.backward` on a GPU times
 # each kernel's candidates on the benchmark's shapes and prints these entries, tuned, ready to replace
 # the ones below.
 BWD_TILES: dict[tuple[int, str, bool], tuple[tuple[int | None, BwdTiles], ...]] = {
     **{(d, c, causal): ((None, t),) for (d, c), t in _BWD_UNTUNED.items() for causal in (False, True)},
-    # Tuned on the H200 (python -m fa2_triton.tune_backward --budget-s 110, bf16, N = 1k / 4k / 16k; its CSV
+    # Tuned on the H200 (python -m fa2_triton.tuning.backward --budget-s 110, bf16, N = 1k / 4k / 16k; its CSV
     # is docs/benchmarks/h200-tune-bwd.csv): the winner per bucket, seqlen_k <= bound.
     (64, "16-bit", False): (
         (2048, BwdTiles(KernelTiles(32, 64, 4, 3), KernelTiles(64, 64, 4, 3))),

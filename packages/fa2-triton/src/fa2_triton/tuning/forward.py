@@ -1,12 +1,12 @@
-"""``python -m fa2_triton.tune``: times launch configurations of the forward kernel on this GPU and proposes
-the tile table (``forward.TILES``) entries for the benchmark's shapes.
+"""``python -m fa2_triton.tuning.forward``: times launch configurations of the forward kernel on this GPU and
+proposes the tile table (``tiles.TILES``) entries for the benchmark's shapes.
 
 Shapes: the benchmark's (16k tokens, hidden 2048: B = 16384 / N, H = 2048 / D), contiguous (B, H, N, D).
 Candidates: every BLOCK_M ∈ {64, 128}, BLOCK_N ∈ {32, 64, 128}, num_warps ∈ {4, 8}, num_stages ∈ {2, 3, 4}
 with tensor descriptors and with pointer loads (``--loads``: which of the two go with the tiles decides
 the registers, and so how many programs share an SM) and, under causal, the longest query tiles first;
 each also with ``maxnreg`` lowered so that one more program fits on an SM by registers (where shared
-memory allows it), and with ``warp_specialize`` where ``forward.ws_tiles`` allows it. Then the levers one
+memory allows it), and with ``warp_specialize`` where ``tiles.ws_tiles`` allows it. Then the levers one
 at a time on the two fastest of those per shape: the other loads, ``fused_exp2`` off, ``lazy_rescale`` on,
 the other grid orders (causal), warp specialisation off, and the winner is the fastest of everything
 measured.
@@ -26,7 +26,7 @@ Candidates whose tiles need more shared memory than an SM has are recorded as su
 
 Writes every measurement to a CSV (default ``docs/benchmarks/<gpu>-tune.csv``) and prints, compactly:
 the failures by reason, each lever's effect, the per-shape table and the ``TILES`` entries to paste into
-forward.py. Without a GPU it runs in Triton's interpreter (``TRITON_INTERPRET=1``) on tiny shapes, timed
+tiles.py. Without a GPU it runs in Triton's interpreter (``TRITON_INTERPRET=1``) on tiny shapes, timed
 with ``time.perf_counter``: a check of this tool, not a measurement.
 """
 
@@ -185,7 +185,7 @@ def smem_estimate(t: Tiles, head_dim: int, elem_bytes: int = 2) -> int:
 def lever_variants(t: Tiles, causal: bool) -> list[Tiles]:
     if t.warp_specialize:
         # On the tuner's shapes it builds its own descriptors (tma changes nothing) and takes no lazy
-        # rescale (forward.ws_tiles): of those levers only turning it off gives another kernel.
+        # rescale (tiles.ws_tiles): of those levers only turning it off gives another kernel.
         out = [t._replace(warp_specialize=False), t._replace(fused_exp2=not t.fused_exp2)]
     else:
         out = [t._replace(tma=not t.tma), t._replace(fused_exp2=not t.fused_exp2),
@@ -257,7 +257,7 @@ def precompile(run: Run, jobs: list[tuple], until_s: float, compile_job=None, ck
     cancelled and stay unrecorded: the main process compiles those itself if the budget allows. No job
     is left running on return (its kernel would disturb the timings). ``compile_job`` (a module-level
     function, run in the workers) and ``ckey`` (a job's key in run.compiled) default to this module's;
-    ``fa2_triton.tune_backward`` passes its own."""
+    ``fa2_triton.tuning.backward`` passes its own."""
     compile_job = compile_job or _compile_job
     ckey = ckey or _ckey
     jobs = [j for j in jobs if ckey(j) not in run.compiled]
@@ -404,7 +404,7 @@ def best(results: dict, k: int = 1) -> list[Tiles]:
 def proposal(pts: list[Point], benches: dict) -> dict:
     """(head_dim, causal) -> [(seqlen, Tiles, ...)]: per seqlen the configuration with the smallest geometric
     mean of time / best time over the dtypes measured there (all one dtype class, 16-bit); after a
-    warp-specialised one, the best of those without it (its fallback in forward.TILES)."""
+    warp-specialised one, the best of those without it (its fallback in tiles.TILES)."""
     groups: dict = {}
     for p in pts:
         groups.setdefault((p.head_dim, p.causal, p.seqlen), []).append(p)
@@ -430,7 +430,7 @@ def proposal(pts: list[Point], benches: dict) -> dict:
 
 
 def table_entries(prop: dict, show=None) -> list[str]:
-    """forward.TILES entries from ``proposal``'s (seqlen, configuration, [fallback]): bounds halfway
+    """tiles.TILES entries from ``proposal``'s (seqlen, configuration, [fallback]): bounds halfway
     (geometrically) between the tuned seqlens, equal neighbours merged, a fallback after its entry with the
     same bound. ``show`` writes a configuration as Python (default ``describe``; the backward tuner's own
     for BWD_TILES)."""
@@ -450,7 +450,7 @@ def table_entries(prop: dict, show=None) -> list[str]:
 
 
 # ---------------------------------------------------------------------------------------------------------
-# What both tuners (this one and fa2_triton.tune_backward) share: the shape arguments, the run's arguments
+# What both tuners (this one and fa2_triton.tuning.backward) share: the shape arguments, the run's arguments
 # and the device.
 
 
@@ -492,7 +492,7 @@ def tuning_device() -> torch.device | None:
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     ints = lambda text: tuple(int(x) for x in text.split(",") if x)
-    parser = argparse.ArgumentParser(prog="python -m fa2_triton.tune", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m fa2_triton.tuning.forward", description=__doc__.split("\n\n")[0])
     add_shape_arguments(parser, ints)
     parser.add_argument("--block-m", type=ints, default=(128, 64))
     parser.add_argument("--block-n", type=ints, default=(64, 128, 32))
@@ -641,7 +641,7 @@ def print_summary(run: Run, pts: list[Point], benches: dict, table: list[dict]) 
         winner = _short(row["tiles"]) if row["tiles"] else "-"
         print(f"{p.label:18} {p.dtype:5} {winner:36} " + " ".join(f"{c:5.0f}" for c in cells) + " "
               + " ".join(f"{r:5.2f}" for r in ratios))
-    print("TILES entries for forward.py (16-bit; replace the ones with the same keys):")
+    print("TILES entries for tiles.py (16-bit; replace the ones with the same keys):")
     for line in table_entries(proposal(pts, benches)):
         print(line)
 

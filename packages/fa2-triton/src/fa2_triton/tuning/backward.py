@@ -1,5 +1,5 @@
-"""``python -m fa2_triton.tune_backward``: times launch configurations of the backward's two kernels on
-this GPU and proposes the tile table (``backward.BWD_TILES``) entries for the benchmark's shapes.
+"""``python -m fa2_triton.tuning.backward``: times launch configurations of the backward's two kernels on
+this GPU and proposes the tile table (``tiles.BWD_TILES``) entries for the benchmark's shapes.
 
 Shapes: the benchmark's (16k tokens, hidden 2048: B = 16384 / N, H = 2048 / D), contiguous (B, H, N, D).
 The dK/dV kernel and the dQ kernel are tuned apart, each timed alone on the same inputs (O and L from
@@ -27,7 +27,7 @@ winner (its dq, dk, dv checked first as above), the current table's choice, the 
 once a stage's share is spent, its remaining compiles are left to this process and its remaining timings
 are skipped (and recorded as such); candidates go in list order, each on every shape before the next.
 Writes every measurement to a CSV (default ``docs/benchmarks/<gpu>-tune-bwd.csv``) and prints, compactly,
-the failures by reason, the per-shape table and the ``BWD_TILES`` entries to paste into backward.py.
+the failures by reason, the per-shape table and the ``BWD_TILES`` entries to paste into tiles.py.
 Without a GPU it runs in Triton's interpreter (``TRITON_INTERPRET=1``) on tiny shapes, fp16, timed with
 ``time.perf_counter``: a check of this tool, not a measurement.
 """
@@ -51,9 +51,10 @@ from fa2.bench.__main__ import default_name
 from fa2.bench.providers import PROVIDERS, Shape
 from fa2.spec import AttentionSpec
 
-from fa2_triton import backward, forward, tune
+from fa2_triton import backward, forward
 from fa2_triton.tiles import BwdTiles, KernelTiles, bwd_tiles_for
-from fa2_triton.tune import (
+from fa2_triton.tuning import forward as tune_forward
+from fa2_triton.tuning.forward import (
     CSV_COLUMNS, DTYPES, MAX_REASONS, SMEM_PER_SM, SMEM_RESERVED, WARM_SEQLEN, Result, Run, _context_lost,
     _gpu_name, _reason, add_shape_arguments, median_ms, parse_with_run_arguments, precompile, shape_spec,
     table_entries, tuning_device,
@@ -68,7 +69,7 @@ COMPILE_SHARE, SEARCH_SHARE, ATOMIC_COMPILE_SHARE = 0.4, 0.9, 1.0
 CROSS_ULPS = 4
 
 
-class Point(tune.Point):
+class Point(tune_forward.Point):
     """One shape of the sweep; ``flops``: the backward's, 2.5 times the forward's (as fa2.bench)."""
 
     @property
@@ -96,7 +97,7 @@ def _short(t: KernelTiles) -> str:
 
 
 def points(args: argparse.Namespace) -> list[Point]:
-    return tune.points(args, Point)
+    return tune_forward.points(args, Point)
 
 
 def current_tiles(p: Point) -> BwdTiles:
@@ -157,7 +158,7 @@ def _launch(prob: Problem, kind: str, t: KernelTiles, out: tuple[torch.Tensor, .
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Compiling in worker processes (as fa2_triton.tune)
+# Compiling in worker processes (as fa2_triton.tuning.forward)
 
 
 def _warm_problem(dtype: torch.dtype, head_dim: int, heads: int, causal: bool, device: torch.device) -> Problem:
@@ -427,7 +428,7 @@ def proposal(pts: list[Point], benches: dict, table: list[dict]) -> dict:
 def parse_args(argv: list[str]) -> argparse.Namespace:
     ints = lambda text: tuple(int(x) for x in text.split(",") if x)
     pairs = lambda text: tuple(tuple(int(y) for y in x.split("x")) for x in text.split(",") if x)
-    parser = argparse.ArgumentParser(prog="python -m fa2_triton.tune_backward", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m fa2_triton.tuning.backward", description=__doc__.split("\n\n")[0])
     add_shape_arguments(parser, ints)
     parser.add_argument("--dkdv-tiles", type=pairs, default=((32, 64), (32, 128), (64, 64), (64, 128)),
                         help="dK/dV kernel's block_m x block_n (default 32x64,32x128,64x64,64x128)")
@@ -515,7 +516,7 @@ def print_summary(run: Run, table: list[dict], prop: dict) -> None:
         kernels = [_short(t.dkdv), _short(t.dq)] if t else ["-", "-"]
         print(f"{p.label:15} {p.dtype:5} {kernels[0]:12} {kernels[1]:12} " + " ".join(f"{c:5.0f}" for c in cells)
               + " " + " ".join(f"{r:5.2f}" for r in ratios) + f" {ms['winner'] / ms['atomic-dq']:6.2f}")
-    print("BWD_TILES entries for backward.py (16-bit; replace the ones with the same keys):")
+    print("BWD_TILES entries for tiles.py (16-bit; replace the ones with the same keys):")
     for line in table_entries(prop, describe):
         print(line)
 
