@@ -8,9 +8,9 @@ A source file marks a region with two comment lines (the same in Python for ever
 
 and the page quotes it as a fenced block right after a marker comment naming file and region:
 
-    <!-- excerpt: packages/fa2-triton/src/fa2_triton/forward.py#scores -->
+    <!-- excerpt: packages/fa2-triton/src/fa2_triton/forward_tl.py#scores -->
     ```python
-    # packages/fa2-triton/src/fa2_triton/forward.py, in _attn_fwd_inner(), at "# side-by-side: scores"
+    # packages/fa2-triton/src/fa2_triton/forward_tl.py, in _attn_fwd_inner(), at "# side-by-side: scores"
     ...code, dedented...
     ```
 
