@@ -290,6 +290,10 @@ FEATURE_SIM_CASES = [
     # four warps whose windows start one key tile apart: each skips the block's first or last tiles, S_AHEAD's
     # S of a warp's first tile coming from either buffer
     _feature_case(torch.float16, 1, 1, 1, 64, 80, 16, (4, 16, 0, True), causal=True, window=(10, 0)),
+    # the GPU's D128 block shape with both window edges and a softcap: row_max's per-element mask (a left bound
+    # at D128), the end of the keys inside the last tile
+    _feature_case(torch.bfloat16, 1, 1, 1, 70, 90, 128, forward_tc.tc_config(128), window=(20, 3), softcap=5.0,
+                  gain=2.0),
     # softcap on large scores, with and without S_AHEAD; a negative scale (q's sign flipped)
     _feature_case(torch.float16, 1, 1, 1, 20, 48, 16, SMALL_AHEAD, softcap=5.0, gain=4.0),
     _feature_case(torch.bfloat16, 1, 1, 1, 29, 17, 32, SMALL, causal=True, softcap=2.0, gain=3.0, scale=-0.4),

@@ -40,12 +40,14 @@ switches; window sizes, softcap and slopes runtime arguments): the window (left,
 aligned, key j visible to query i iff i + diag - left <= j <= i + diag + right with diag = seqlen_k - seqlen_q
 (causal is (-1, 0)). A block visits only the key tiles [begin_n, end_n) that hold a key some row of it sees;
 with a left bound, a warp computes only on those its own 16 rows see (on the others it takes part in the loads
-and barriers alone); a warp masks only the tiles that cross a window edge of its rows or the end of the keys.
-Blocks with a right bound are launched longest-first. With a softcap or ALiBi, ``row_max`` turns the raw
-scores into the final ones in base 2 before the mask: x = s · qk_scale; softcap c: x = c · log2 e · tanh(s ·
-qk_scale), qk_scale = |scale| / c (``_softcap_log2``: one tanh.approx, relative error at most 2^-10.99,
-about fp16's unit roundoff: this kernel takes only 16-bit inputs); ALiBi: x -= slope · log2 e · |i + diag -
-j|; the exponentials then take x with a scale of 1. Rows that see no key get O = 0 and L = +inf.
+and barriers alone); a warp masks only the tiles that cross a window edge of its rows or the end of the keys,
+and on each only the edges it crosses. Blocks with a right bound are launched longest-first. With ALiBi,
+``row_max`` turns the raw scores into the final ones in base 2 before the mask: x = s · qk_scale, or with a
+softcap c, x = c · log2 e · tanh(s · qk_scale), qk_scale = |scale| / c (``_softcap_log2``: one tanh.approx,
+relative error at most 2^-10.99, about fp16's unit roundoff: this kernel takes only 16-bit inputs); then x -=
+slope · log2 e · |i + diag - j|, and the exponentials take x with a scale of 1. With a softcap alone it leaves
+tanh(s · qk_scale), and the exponentials' FFMA scales by c · log2 e. Rows that see no key get O = 0 and L =
++inf.
 seqlen_q and seqlen_k need not be multiples of anything (tiles are zero-padded, padded keys masked), head_dim
 is padded to a multiple of 16 with zeros.
 
@@ -224,7 +226,15 @@ def _build_kernel(HEAD_DIM, config, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN, IS_BF16
     O_TILES = HEAD_DIM // 8  # 8-column tiles of O
     SIGN_BITS = -0x7FFF8000  # 0x80008000 as an int32: the sign bits of a pair of 16-bit floats
     CHUNKS = HEAD_DIM // 8  # 16 B chunks per row
-    SCALED = SOFTCAP or ALIBI  # row_max turns s into the final scores, in base 2: exponentials scale by 1
+    # What row_max leaves in s, and the exponentials' scale: with ALiBi the final scores in base 2 (scale 1);
+    # with a softcap alone tanh(s · |scale| / c), scaled by c · log2 e in the exponentials' FFMA (one multiply
+    # a score fewer: the max commutes with a positive scale); else the raw scores, scaled by qk_scale.
+    SCALED = SOFTCAP or ALIBI
+    # row_max's mask in two forms of one test, each where ptxas makes less of it (offline, sm_90, bf16): per row,
+    # the bounds as offsets into the tile against the constant 8 j + e % 2 (D128 causal: 244 registers, 3226
+    # SASS instructions, against 246 and 3521 per element), and per element at D128 with a left bound
+    # (window + softcap: 254 registers and no spills, against 255 and 56 B of spill stores per row).
+    PER_ELEMENT_MASK = LEFT and HEAD_DIM > 112
     assert BLOCK_N % 16 == 0 and HEAD_DIM % 16 == 0
     mma = mma_bf16 if IS_BF16 else mma_f16
     pack = pack_bf16x2 if IS_BF16 else pack_f16x2
@@ -334,39 +344,66 @@ def _build_kernel(HEAD_DIM, config, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN, IS_BF16
 
     def softmax_max(BUF):
         @device_function
-        def row_max(s, m_i, alpha, m_safe, start_n, seqlen_k, warp_m, diag, row0, t, qk_scale, window_left,
-                    window_right, softcap_log2, slope, lane_diag):
+        def row_max(s, m_i, alpha, m_safe, start_n, seqlen_k, warp_diag, lane_diag, t, qk_scale, window_left,
+                    window_right, softcap_log2, slope, exp_scale):
             """The first half of the online softmax of s[BUF] (the key tile at start_n), for rows g (h = 0:
-            s[BUF, :, 0:2]) and g + 8 (h = 1: s[BUF, :, 2:4]) of the warp's 16 from warp_m: with a softcap or
-            ALiBi the final scores in base 2 (SCALED), the mask, the new row max m_i, alpha and m_safe, the max
-            to subtract. In base 2: without SCALED, the max of the raw scores times qk_scale > 0 is the max of
-            the scaled ones. Returns whether acc must be rescaled: some row of the warp has a new max (alpha
-            != 1). ALiBi's distance of element (j, e), row0 + 8 (e // 2) + diag - (start_n + 8 j + 2 t + e % 2),
-            is lane_diag - start_n (lane_diag = row0 + diag - 2 t, computed once) plus a constant."""
+            s[BUF, :, 0:2]) and g + 8 (h = 1: s[BUF, :, 2:4]) of the warp's 16: with a softcap or ALiBi the
+            final scores in base 2 (with a softcap alone, their tanh: exp_scale = c · log2 e), the mask, the
+            new row max m_i, alpha and m_safe, the max to subtract. In base 2: the max of s times exp_scale > 0
+            is the max of the scaled scores. Returns whether acc must be rescaled: some row of the warp has a
+            new max (alpha != 1).
+
+            Element (j, e) is key start_n + 2 t + 8 j + e % 2 of row row0 + 8 (e // 2), row0 = warp_m + g; the
+            kernel computes once the warp's diagonal warp_diag = warp_m + diag and the lane's, lane_diag = row0 +
+            diag - 2 t, counted from the lane's first key column: the mask's bounds and ALiBi's distance
+            (lane_diag - start_n + 8 (e // 2) - 8 j - e % 2) are then a subtraction a tile from them."""
             if SCALED:
                 if ALIBI:
                     # One conversion a tile, then an add and an FMA a score (exact in fp32 below 2^24 keys).
                     distance = float32(lane_diag - start_n)
                 for j in range(N_TILES):
                     for e in range(4):
-                        if SOFTCAP:  # softcap c: qk_scale = |scale| / c
+                        if SOFTCAP and ALIBI:  # softcap c: qk_scale = |scale| / c
                             x = _softcap_log2(s[BUF, j, e], qk_scale, softcap_log2)
+                        elif SOFTCAP:
+                            x = tanh_approx(s[BUF, j, e] * qk_scale)
                         else:
                             x = s[BUF, j, e] * qk_scale
                         if ALIBI:
                             x = cuda.fma(-slope, abs(distance + float32(8 * (e // 2) - 8 * j - e % 2)), x)
                         s[BUF, j, e] = x
-            # The mask, only on tiles that cross the end of the keys or a window edge of the warp's rows.
-            if (start_n + BLOCK_N > seqlen_k
-                    or (RIGHT and start_n + BLOCK_N - 1 > warp_m + diag + window_right)
-                    or (LEFT and start_n < warp_m + 15 + diag - window_left)):
-                for j in range(N_TILES):
-                    for e in range(4):
-                        key = start_n + 8 * j + 2 * t + e % 2
-                        row = row0 + 8 * (e // 2)
-                        if (key >= seqlen_k or (RIGHT and key > row + diag + window_right)
-                                or (LEFT and key < row + diag - window_left)):
-                            s[BUF, j, e] = -math.inf
+            # The mask, each edge only on the tiles that cross it: the end of the keys or a right window edge of
+            # the warp's rows, and a left edge (with window (1024, 0), each warp's tile on the diagonal and the
+            # one at its rows' left edge: two of its 17 tiles, each testing one edge).
+            if start_n + BLOCK_N > seqlen_k or (RIGHT and start_n + BLOCK_N - 1 > warp_diag + window_right):
+                if PER_ELEMENT_MASK:
+                    for j in range(N_TILES):
+                        for e in range(4):
+                            key = start_n + 8 * j + e % 2  # from the lane's first column
+                            if key >= seqlen_k - 2 * t or (RIGHT and key > lane_diag + 8 * (e // 2) + window_right):
+                                s[BUF, j, e] = -math.inf
+                else:
+                    for h in range(2):  # keys from column hi of the lane's row on
+                        hi = seqlen_k - 2 * t - start_n
+                        if RIGHT:
+                            hi = min(hi, lane_diag + 8 * h + window_right + 1 - start_n)
+                        for j in range(N_TILES):
+                            for e in range(2 * h, 2 * h + 2):
+                                if 8 * j + e % 2 >= hi:
+                                    s[BUF, j, e] = -math.inf
+            if LEFT and start_n < warp_diag + 15 - window_left:
+                if PER_ELEMENT_MASK:
+                    for j in range(N_TILES):
+                        for e in range(4):
+                            if start_n + 8 * j + e % 2 < lane_diag + 8 * (e // 2) - window_left:
+                                s[BUF, j, e] = -math.inf
+                else:
+                    for h in range(2):  # keys before column lo of the lane's row
+                        lo = lane_diag + 8 * h - window_left - start_n
+                        for j in range(N_TILES):
+                            for e in range(2 * h, 2 * h + 2):
+                                if 8 * j + e % 2 < lo:
+                                    s[BUF, j, e] = -math.inf
             unchanged = True
             for h in range(2):
                 m_tile = s[BUF, 0, 2 * h]
@@ -374,7 +411,7 @@ def _build_kernel(HEAD_DIM, config, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN, IS_BF16
                     m_tile = max(m_tile, max(s[BUF, j, 2 * h], s[BUF, j, 2 * h + 1]))
                 m_tile = max(m_tile, shfl_xor(m_tile, 1))
                 m_tile = max(m_tile, shfl_xor(m_tile, 2))
-                m_new = max(m_i[h], m_tile if SCALED else m_tile * qk_scale)
+                m_new = max(m_i[h], m_tile if ALIBI else m_tile * exp_scale)
                 unchanged = unchanged and m_new == m_i[h]
                 # A row with nothing visible yet has m_new = -inf; subtracting 0 instead keeps exp2 at 0, not NaN.
                 m_safe[h] = m_new if m_new != -math.inf else float32(0.0)
@@ -603,8 +640,9 @@ def _build_kernel(HEAD_DIM, config, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN, IS_BF16
         # ALiBi's slope for this (batch or sequence, head), in base 2; with SCALED, the exponentials take final
         # scores.
         slope = slopes[uint64(off_b * stride_ab + off_h * stride_ah)] * float32(LOG2E) if ALIBI else float32(0.0)
-        exp_scale = float32(1.0) if SCALED else qk_scale
-        lane_diag = row0 + diag - 2 * t  # row g's diagonal, counted from the lane's first key column (ALiBi)
+        exp_scale = float32(1.0) if ALIBI else softcap_log2 if SOFTCAP else qk_scale
+        warp_diag = warp_m + diag  # row_max's diagonals, of the warp's first row and of the lane's row g
+        lane_diag = row0 + diag - 2 * t
         if begin_n < end_n:
             load_kv(smem, smem_base, 0, k, k_base, k_offset, stride_kn, stride_kd, begin_n, seqlen_k, head_dim)
         if S_AHEAD:
@@ -635,8 +673,8 @@ def _build_kernel(HEAD_DIM, config, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN, IS_BF16
                         rescale = False
                         if half == 0:
                             if sees:
-                                rescale = max_0(s, m_i, alpha, m_safe, n0, seqlen_k, warp_m, diag, row0, t,
-                                                qk_scale, window_left, window_right, softcap_log2, slope, lane_diag)
+                                rescale = max_0(s, m_i, alpha, m_safe, n0, seqlen_k, warp_diag, lane_diag, t,
+                                                qk_scale, window_left, window_right, softcap_log2, slope, exp_scale)
                                 if sees_next:
                                     ahead_0(s, q_frag, k_lane, l_i, alpha, m_safe, exp_scale)
                                 else:
@@ -646,8 +684,8 @@ def _build_kernel(HEAD_DIM, config, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN, IS_BF16
                                 qk_1(s, q_frag, k_lane)
                         else:
                             if sees:
-                                rescale = max_1(s, m_i, alpha, m_safe, n0, seqlen_k, warp_m, diag, row0, t,
-                                                qk_scale, window_left, window_right, softcap_log2, slope, lane_diag)
+                                rescale = max_1(s, m_i, alpha, m_safe, n0, seqlen_k, warp_diag, lane_diag, t,
+                                                qk_scale, window_left, window_right, softcap_log2, slope, exp_scale)
                                 if sees_next:
                                     ahead_1(s, q_frag, k_lane, l_i, alpha, m_safe, exp_scale)
                                 else:
@@ -680,8 +718,8 @@ def _build_kernel(HEAD_DIM, config, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN, IS_BF16
                     load_kv(smem, smem_base, 0, k, k_base, k_offset, stride_kn, stride_kd, start_n + BLOCK_N,
                             seqlen_k, head_dim)
                 if sees:
-                    rescale = max_0(s, m_i, alpha, m_safe, start_n, seqlen_k, warp_m, diag, row0, t, qk_scale,
-                                    window_left, window_right, softcap_log2, slope, lane_diag)
+                    rescale = max_0(s, m_i, alpha, m_safe, start_n, seqlen_k, warp_diag, lane_diag, t, qk_scale,
+                                    window_left, window_right, softcap_log2, slope, exp_scale)
                     exp_0_row_g(s, l_i, alpha, m_safe, exp_scale)
                     exp_0_row_g8(s, l_i, alpha, m_safe, exp_scale)
                     pv_0(s, acc, alpha, rescale, v_lane)
