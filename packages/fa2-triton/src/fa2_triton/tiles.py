@@ -3,14 +3,17 @@
 Forward: the levers that change the speed but not the result (the tile sizes, the order of the programs, a
 lazy rescale, maxnreg, tensor descriptors, warp specialisation) are the fields of ``Tiles``, chosen per
 (head_dim, dtype class, masked (causal's entries serve every window), seqlen bucket) from ``TILES`` by
-``tiles_for``, which ``python -m fa2_triton.tuning.forward`` measures on a GPU. Whether the inputs can take what the
-tiles ask for: ``tma_layout`` (host tensor descriptors over (B, H, N, D)) and ``ws_tiles`` / ``ws_layout``
-(the warp-specialised loop).
+``tiles_for``, which ``python -m fa2_triton.tuning.forward`` measures on a GPU. Whether the inputs can take
+what the tiles ask for: ``tma_layout`` (host tensor descriptors over (B, H, N, D)) and ``ws_tiles`` /
+``ws_layout`` (the warp-specialised loop).
 
-Backward: each kernel has its own configuration (``KernelTiles``: tiles, num_warps, num_stages; a
-``BwdTiles`` for the dK/dV and dQ kernels), chosen the same way from ``BWD_TILES`` by ``bwd_tiles_for``,
-which ``python -m fa2_triton.tuning.backward`` measures on a GPU, timing the two kernels apart; padded 16-bit
-head dims take ``BWD_TILES_16BIT_PADDED``, the preprocess kernel ``PREPROCESS_ELEMENTS``.
+Backward: each kernel has its own configuration (``KernelTiles``: tiles, num_warps, num_stages; a ``BwdTiles``
+for the dK/dV and dQ kernels), chosen the same way from ``BWD_TILES`` by ``bwd_tiles_for``, which
+``python -m fa2_triton.tuning.backward`` measures on a GPU, timing the two kernels apart; padded 16-bit head
+dims take ``BWD_TILES_16BIT_PADDED``, the preprocess kernel ``PREPROCESS_ELEMENTS``.
+
+The KV-cache kernel's tiles are worked out from head_dim, the dtype, the group's query rows and the page size,
+not read from a table (``kvcache._tiles``).
 """
 
 from __future__ import annotations
