@@ -8,7 +8,7 @@ GROUP query heads that share the key/value head, as the rows of its tile, row r 
 query head hk · GROUP + r % GROUP: each cached key is read once per key/value head, and the key ranges
 (splits) make batch · heads_k · splits programs, enough to fill the GPU when batch · heads_k alone is not.
 
-``_kvcache_fwd`` runs the FA2 online softmax of ``forward.py`` (log2 domain, the same softcap, ALiBi and
+``_kvcache_fwd`` runs the FA2 online softmax of ``forward_tl.py`` (log2 domain, the same softcap, ALiBi and
 mask arithmetic) over the key tiles of its range that some row sees, and writes either the final O and L
 (one split) or its range's O (normalised, fp32) and L into a workspace, one allocation for every split. The
 last program of a (batch row, key/value head, row tile) to finish its split, told by an atomic count, then
