@@ -1,6 +1,8 @@
 """FlashAttention-2's forward in fa2-triton: ``flash_attn_forward`` checks the inputs, allocates O and L and
-launches the forward kernel, ``forward_tl._attn_fwd`` (``triton.language``; its docstring says how it
-computes and what it takes).
+launches a forward kernel: ``forward_gluon``'s warp-specialised Hopper kernel (Gluon) where
+``forward_gluon.uses_gluon`` says it takes the inputs and the GPU can run it, by the inputs and the device
+alone; everywhere else ``forward_tl._attn_fwd`` (``triton.language``; its docstring says how it computes and
+what it takes). An error in one kernel is raised, never retried on the other.
 
 ``_launch`` makes the launch: the tiles and levers from ``tiles.tiles_for`` (an entry that asks for warp
 specialisation is passed over where ``tiles.ws_layout`` says the inputs cannot take it); how the kernel
@@ -22,6 +24,7 @@ import triton
 from fa2.spec import AttentionSpec
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from fa2_triton import forward_gluon
 from fa2_triton.common import LOG2_E, MAX_HEAD_DIM, _check_device, group_size, packed, score_args
 from fa2_triton.forward_tl import _attn_fwd
 from fa2_triton.launch import launch, on_device, scratch_allocator
@@ -69,8 +72,10 @@ def flash_attn_forward(
             [0, total], so wrong ones give wrong rows, never accesses outside the tensors: a sequence whose
             offsets decrease is empty, rows that two sequences claim are written twice, and rows past
             max_seqlen_q in a sequence are not written.
-        tiles: BLOCK_M, BLOCK_N (powers of two >= 16), num_warps, num_stages and the levers; default
-            ``tiles_for`` (for a packed batch at max_seqlen_k, passing over warp specialisation).
+        tiles: BLOCK_M, BLOCK_N (powers of two >= 16), num_warps, num_stages and the levers of the tl
+            kernel; default ``tiles_for`` (for a packed batch at max_seqlen_k, passing over warp
+            specialisation), or the Gluon kernel where it takes the inputs. Given tiles always run the tl
+            kernel (the tuners time it).
 
     Returns:
         O: (batch, heads, seqlen_q, head_dim), q's dtype, contiguous. L: (batch, heads, seqlen_q), float32,
@@ -88,6 +93,8 @@ def flash_attn_forward(
             f"fa2-triton supports head_dim a multiple of 8 from 8 to {MAX_HEAD_DIM}, got {head_dim}"
         )
 
+    if tiles is None and forward_gluon.uses_gluon(q, k, v, spec):
+        return forward_gluon.flash_attn_forward(q, k, v, spec)
     O = torch.empty(batch, heads, seqlen_q, head_dim, device=q.device, dtype=q.dtype)
     L = torch.empty(batch, heads, seqlen_q, device=q.device, dtype=torch.float32)
     if O.numel() == 0:

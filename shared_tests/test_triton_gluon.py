@@ -1,0 +1,162 @@
+"""fa2-triton's Hopper forward in Gluon (``fa2_triton.forward_gluon``): which inputs take it (on the CPU,
+whatever the GPU), that it compiles for sm_90a with the Gluon API of the Triton this runs with (wherever
+Gluon is importable, a GPU or not: Gluon's API moves between releases, and this pins what the kernel uses),
+and, on a Hopper GPU, that its O and L match the fp64 reference and that fa2.attention reaches it."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import tempfile
+
+import pytest
+import torch
+
+import fa2
+from fa2.spec import AttentionSpec
+
+fa2_triton = pytest.importorskip("fa2_triton")
+import triton  # noqa: E402
+from checks import assert_matches_reference, random_qkv  # noqa: E402
+from fa2_triton import forward_gluon  # noqa: E402
+from fa2_triton.forward import flash_attn_forward  # noqa: E402
+
+needs_gluon = pytest.mark.skipif(not forward_gluon.GLUON,
+                                 reason=f"Triton {triton.__version__} has no Gluon Hopper API")
+SCALE = 128 ** -0.5
+
+
+def _qkv(batch, heads, heads_k, seqlen_q, seqlen_k, dtype=torch.bfloat16, device="cpu", interleaved=False,
+         head_dim=128):
+    """q (batch, heads, seqlen_q, head_dim), k, v (batch, heads_k, seqlen_k, head_dim); interleaved: views
+    of (batch, seqlen, heads, head_dim) tensors, flash-attn's layout."""
+    if interleaved:
+        q, k, v = random_qkv((batch, seqlen_q, heads, head_dim), (batch, seqlen_k, heads_k, head_dim), dtype, device)
+        return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    return random_qkv((batch, heads, seqlen_q, head_dim), (batch, heads_k, seqlen_k, head_dim), dtype, device)
+
+
+def _spec(group=1, window=(-1, -1), softcap=0.0, alibi=None, **packed):
+    return AttentionSpec(SCALE, window, softcap, alibi, group, **packed)
+
+
+TAKES = {
+    "bf16-256x384": (dict(), dict(), True),
+    "fp16-gqa4-384x640": (dict(heads=8, heads_k=2, seqlen_q=384, seqlen_k=640, dtype=torch.float16),
+                          dict(group=4), True),
+    "flash-attn-layout": (dict(interleaved=True), dict(), True),
+    "causal": (dict(), dict(window=(-1, 0)), False),
+    "window": (dict(), dict(window=(64, 64)), False),
+    "softcap": (dict(), dict(softcap=30.0), False),
+    "alibi": (dict(), dict(alibi=torch.ones(2, 4)), False),
+    "head_dim-64": (dict(head_dim=64), dict(), False),
+    "seqlen_q-200": (dict(seqlen_q=200), dict(), False),
+    "seqlen_k-200": (dict(seqlen_k=200), dict(), False),
+    "fp32": (dict(dtype=torch.float32), dict(), False),
+}
+
+
+@pytest.mark.parametrize("case", TAKES, ids=list(TAKES))
+def test_which_inputs_the_gluon_kernel_takes(case):
+    shape, spec, expected = TAKES[case]
+    shape = dict(batch=2, heads=4, heads_k=4, seqlen_q=256, seqlen_k=384) | shape
+    q, k, v = _qkv(**shape)
+    assert forward_gluon.takes(q, k, v, _spec(**spec)) is expected
+
+
+def test_the_gluon_kernel_takes_no_mixed_or_strided_layouts():
+    q, k, v = _qkv(2, 4, 4, 256, 256)
+    assert forward_gluon.takes(q, k, v, _spec())
+    _, k_i, _ = _qkv(2, 4, 4, 256, 256, interleaved=True)
+    assert not forward_gluon.takes(q, k_i, v, _spec()), "k interleaved, v not: one layout switch serves both"
+    wide = torch.randn(2, 4, 512, 128, dtype=torch.bfloat16)[:, :, ::2]
+    assert not forward_gluon.takes(wide, k, v, _spec()), "rows 2 apart are neither layout"
+
+
+def test_no_gluon_kernel_off_a_hopper_gpu():
+    q, k, v = _qkv(2, 4, 4, 256, 256)
+    assert not forward_gluon.uses_gluon(q, k, v, _spec()), "CPU tensors never take the Gluon kernel"
+
+
+def _sm90a_compile(dtype, q_cols, kv_cols):
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    q_layout, kv_layout = forward_gluon._smem_layouts(dtype)
+    name = {torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
+    rows, block_n, d = forward_gluon.BLOCK_M // 2, forward_gluon.BLOCK_N, forward_gluon.HEAD_DIM
+    fn = forward_gluon._attn_fwd_gluon
+    constexprs = dict(Q_COLS=q_cols, KV_COLS=kv_cols, HEAD_DIM=d)
+    signature = {"q_desc": f"tensordesc<{name}[{rows}, {d}],{q_layout!r}>",
+                 "k_desc": f"tensordesc<{name}[{block_n}, {d}],{kv_layout!r}>",
+                 "v_desc": f"tensordesc<{name}[{block_n}, {d}],{kv_layout!r}>",
+                 "o_desc": f"tensordesc<{name}[{rows}, {d}],{q_layout!r}>", "L": "*fp32", "qk_scale": "fp32"}
+    for arg in fn.arg_names:
+        signature.setdefault(arg, "constexpr" if arg in constexprs else "i32")
+    src = GluonASTSource(fn=fn, signature=signature,
+                         constexprs={(fn.arg_names.index(n), ): v for n, v in constexprs.items()})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=4, maxnreg=forward_gluon.MAXNREG))
+
+
+@needs_gluon
+@pytest.mark.parametrize("dtype, q_cols, kv_cols", [(torch.bfloat16, False, False), (torch.float16, True, True)],
+                         ids=["bf16-heads-contiguous", "fp16-flash-attn-layout"])
+def test_the_gluon_kernel_compiles_for_sm90a(dtype, q_cols, kv_cols):
+    """ptxas's sm_90a build: warpgroup MMAs in the SASS, no local memory, the shared memory within a CTA's
+    227 KB."""
+    kernel = _sm90a_compile(dtype, q_cols, kv_cols)
+    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile("wb", suffix=".cubin", delete=False) as f:
+        f.write(kernel.asm["cubin"])
+    try:
+        usage = subprocess.run([cuobjdump, "--dump-resource-usage", f.name], capture_output=True, text=True,
+                               check=True).stdout
+        sass = subprocess.run([cuobjdump, "-sass", f.name], capture_output=True, text=True, check=True).stdout
+    finally:
+        os.unlink(f.name)
+    assert "HGMMA" in sass, "no warpgroup MMA in the SASS"
+    assert int(re.search(r"STACK:(\d+)", usage).group(1)) == 0, f"local memory: {usage.strip()}"
+    assert kernel.metadata.shared <= 227 * 1024, f"{kernel.metadata.shared} B of shared memory"
+
+
+def _hopper(device):
+    if device.type != "cuda":
+        pytest.skip("needs a Hopper GPU (--device cuda)")
+    if not forward_gluon._on_hopper(device):
+        pytest.skip(f"the Gluon kernel runs on compute capability 9.0 with Gluon's Hopper API "
+                    f"(this GPU: {torch.cuda.get_device_capability(device)}, Gluon: {forward_gluon.GLUON})")
+
+
+CASES = {
+    "B2-H4-256x256": dict(batch=2, heads=4, heads_k=4, seqlen_q=256, seqlen_k=256),
+    "gqa4-384x640": dict(batch=1, heads=8, heads_k=2, seqlen_q=384, seqlen_k=640),
+    "mqa-flash-attn-layout-512x256": dict(batch=2, heads=4, heads_k=1, seqlen_q=512, seqlen_k=256,
+                                          interleaved=True),
+    "B3-H2-128x1024": dict(batch=3, heads=2, heads_k=2, seqlen_q=128, seqlen_k=1024),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("case", CASES, ids=list(CASES))
+def test_the_gluon_kernel_matches_the_reference(case, dtype, device):
+    _hopper(device)
+    q, k, v = _qkv(dtype=dtype, device=device, **CASES[case])
+    spec = _spec(group=q.shape[1] // k.shape[1])
+    assert forward_gluon.uses_gluon(q, k, v, spec)
+    O, L = flash_attn_forward(q, k, v, spec)
+    assert O.is_contiguous()
+    assert_matches_reference(O, L, q, k, v, False, SCALE)
+
+
+def test_fa2_attention_reaches_the_gluon_kernel(device, monkeypatch):
+    _hopper(device)
+    calls = []
+    real = forward_gluon.flash_attn_forward
+    monkeypatch.setattr(forward_gluon, "flash_attn_forward", lambda *a: calls.append(1) or real(*a))
+    q, k, v = _qkv(2, 4, 4, 256, 256, device=device)
+    out = fa2.attention(q, k, v, scale=SCALE, backend="triton")
+    assert calls == [1]
+    assert_matches_reference(out.O, out.L, q, k, v, False, SCALE)
+    fa2.attention(q, k, v, scale=SCALE, causal=True, backend="triton")
+    assert calls == [1], "causal inputs run the tl kernel"
