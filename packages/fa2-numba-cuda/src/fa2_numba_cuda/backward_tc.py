@@ -114,10 +114,11 @@ class TensorCoreBwdConfig(NamedTuple):
 
 
 # The blocks by padded head dim (the largest tiles whose static shared memory stays under 48 KB and whose
-# registers do not spill, offline): up to 64, 64-query tiles in the dK/dV kernel and 64-key tiles in the dQ
-# kernel; 80 and 96, 32 and 48; 112 and 128, 16 and 32 (their dK/dV kernel at 242-255 registers).
+# registers do not spill, offline; at D64 the dQ kernel's 32-key tiles, faster on the H200 than 64): up to 64,
+# 64-query tiles in the dK/dV kernel and 32-key tiles in the dQ kernel; 80 and 96, 32 and 48; 112 and 128,
+# 16 and 32 (their dK/dV kernel at 242-255 registers).
 TC_BWD_CONFIGS = {
-    64: TensorCoreBwdConfig(4, 64, 4, 64, 0, True),
+    64: TensorCoreBwdConfig(4, 64, 4, 32, 0, True),
     96: TensorCoreBwdConfig(4, 32, 4, 48, 0, True),
     128: TensorCoreBwdConfig(4, 16, 4, 32, 0, True),
 }
@@ -135,7 +136,7 @@ def tc_bwd_config(HEAD_DIM: int) -> TensorCoreBwdConfig:
         HEAD_DIM   dK/dV                                dQ
         32         162 / 154, 26,624 B (64 queries)     127 / 164, 20,480 B (64 keys)
         48         179 / 239, 36,864 B (64)             169 / 166, 28,672 B (64)
-        64         239 / 243, 47,104 B (64)             166 / 236, 36,864 B (64)
+        64         239 / 243, 47,104 B (64)             126 / 128 (32 keys; 166 / 236 with 64)
         96         246 / 246, 40,448 B (32)             250 / 254, 39,936 B (48)
         112        - / 245, 30,976 B (16)               - / 244, 30,720 B (32)
         128        255 / 242, 35,072 B (16)             240 / 240, 34,816 B (32)
@@ -146,8 +147,11 @@ def tc_bwd_config(HEAD_DIM: int) -> TensorCoreBwdConfig:
     (Before these tiles, 16-query dK/dV tiles and 32-key dQ tiles at every head dim: D64 dK/dV 172 / 168,
     dQ 158 / 156 registers; D128 dK/dV 255 / 254 with 0 / 12 B spilled, dQ 246 / 238. 64-query tiles at D64
     spilled 52 B causal before the masks became one compare with a constant per element.) Larger tiles at
-    D128 need more than the 48 KB of static shared memory (32-query dK/dV tiles: 52,736 B). Not yet timed on
-    a GPU.
+    D128 need more than the 48 KB of static shared memory (32-query dK/dV tiles: 52,736 B).
+    On the H200 (.whl/scripts/bench_tc_bwd_tiles.py at 1d3e465: bf16, B 4, H 16, dK/dV + dQ + preprocess,
+    TFLOP/s as 2.5x the forward's over the visible pairs), N 2048 / 4096, full and causal: D64 with 32-key dQ
+    tiles 197 / 212 and 159 / 191 (64-key: 193 / 211 and 154 / 183; the old 16/32 tiles 157 / 178 and
+    132 / 157), 0.79-0.90 of SDPA flash's backward; D128 176 / 187 and 152 / 176, 0.64-0.75 of it.
     """
     return TC_BWD_CONFIGS[min(d for d in TC_BWD_CONFIGS if d >= HEAD_DIM)]
 
