@@ -200,6 +200,7 @@ if GLUON:
               HAS_PREV: gl.constexpr):
         """Key tile j: P V of tile j - 1 (HAS_PREV) and S = Q K_j^T issued in this warpgroup's turn, then
         the online softmax of S. Returns P (as the next MMA's register operand), O, m, l."""
+        # side-by-side: gluon-step
         s = j % _STAGES
         mbarrier.wait(k_ready.index(s), (j // _STAGES) & 1)
         sp = (j + _STAGES - 1) % _STAGES
@@ -220,6 +221,7 @@ if GLUON:
         p = gl.exp2(s2 - m_new[:, None])
         l_i = l_i * alpha + gl.sum(p, axis=1)
         acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+        # side-by-side: end
         return gl.convert_layout(p.to(q.dtype), p_layout), acc, m_new, l_i
 
     @gluon.jit
@@ -294,6 +296,7 @@ if GLUON:
         for i in gl.static_range(2):
             mbarrier.init(turn.index(i), count=1)
         # The partitions' arguments are spelled out: a tuple bound to a name first loses its constexprs.
+        # side-by-side: gluon-partitions
         gl.warp_specialize([
             (_consumer0, (q_desc, k_desc, v_desc, o_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready,
                           kv_empty, turn, L, qk_scale, N_Q, N_K, H, GROUP, Q_COLS, KV_COLS, HEAD_DIM)),
@@ -302,3 +305,4 @@ if GLUON:
             (_loader, (q_desc, k_desc, v_desc, o_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready,
                        kv_empty, turn, L, qk_scale, N_Q, N_K, H, GROUP, Q_COLS, KV_COLS, HEAD_DIM)),
         ], [4, 1], [_CONSUMER_REGS, _LOADER_REGS])
+        # side-by-side: end
