@@ -5,9 +5,11 @@ and, on a Hopper GPU, that its O and L match the fp64 reference and that fa2.att
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
+import sys
 import tempfile
 
 import pytest
@@ -74,38 +76,40 @@ def test_the_gluon_kernel_takes_no_mixed_or_strided_layouts():
     assert not forward_gluon.takes(wide, k, v, _spec()), "rows 2 apart are neither layout"
 
 
+def test_the_gluon_kernel_takes_no_more_than_its_grid_holds():
+    """batch·heads is the grid's second axis, at most 65,535 (meta tensors: shapes without memory)."""
+    q, k, v = (torch.empty(65535, 1, 128, 128, dtype=torch.bfloat16, device="meta") for _ in range(3))
+    assert forward_gluon.takes(q, k, v, _spec())
+    q, k, v = (torch.empty(16384, 4, 128, 128, dtype=torch.bfloat16, device="meta") for _ in range(3))
+    assert not forward_gluon.takes(q, k, v, _spec())
+
+
 def test_no_gluon_kernel_off_a_hopper_gpu():
     q, k, v = _qkv(2, 4, 4, 256, 256)
     assert not forward_gluon.uses_gluon(q, k, v, _spec()), "CPU tensors never take the Gluon kernel"
 
 
-def _sm90a_compile(dtype, q_cols, kv_cols):
+def _sm90a_build(dtype_name: str, q_cols: bool, kv_cols: bool) -> dict:
+    """The kernel compiled for sm_90a by ptxas (no GPU needed): its SASS's HGMMA count, local memory and
+    shared memory per CTA. Triton's interpreter cannot compile Gluon (its kernels become interpreted
+    functions), so the test calls this in a subprocess without TRITON_INTERPRET."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype_name]
     q_layout, kv_layout = forward_gluon._smem_layouts(dtype)
-    name = {torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
     rows, block_n, d = forward_gluon.BLOCK_M // 2, forward_gluon.BLOCK_N, forward_gluon.HEAD_DIM
     fn = forward_gluon._attn_fwd_gluon
     constexprs = dict(Q_COLS=q_cols, KV_COLS=kv_cols, HEAD_DIM=d)
-    signature = {"q_desc": f"tensordesc<{name}[{rows}, {d}],{q_layout!r}>",
-                 "k_desc": f"tensordesc<{name}[{block_n}, {d}],{kv_layout!r}>",
-                 "v_desc": f"tensordesc<{name}[{block_n}, {d}],{kv_layout!r}>",
-                 "o_desc": f"tensordesc<{name}[{rows}, {d}],{q_layout!r}>", "L": "*fp32", "qk_scale": "fp32"}
+    signature = {"q_desc": f"tensordesc<{dtype_name}[{rows}, {d}],{q_layout!r}>",
+                 "k_desc": f"tensordesc<{dtype_name}[{block_n}, {d}],{kv_layout!r}>",
+                 "v_desc": f"tensordesc<{dtype_name}[{block_n}, {d}],{kv_layout!r}>",
+                 "o_desc": f"tensordesc<{dtype_name}[{rows}, {d}],{q_layout!r}>", "L": "*fp32", "qk_scale": "fp32"}
     for arg in fn.arg_names:
         signature.setdefault(arg, "constexpr" if arg in constexprs else "i32")
     src = GluonASTSource(fn=fn, signature=signature,
                          constexprs={(fn.arg_names.index(n), ): v for n, v in constexprs.items()})
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                          options=dict(num_warps=4, maxnreg=forward_gluon.MAXNREG))
-
-
-@needs_gluon
-@pytest.mark.parametrize("dtype, q_cols, kv_cols", [(torch.bfloat16, False, False), (torch.float16, True, True)],
-                         ids=["bf16-heads-contiguous", "fp16-flash-attn-layout"])
-def test_the_gluon_kernel_compiles_for_sm90a(dtype, q_cols, kv_cols):
-    """ptxas's sm_90a build: warpgroup MMAs in the SASS, no local memory, the shared memory within a CTA's
-    227 KB."""
-    kernel = _sm90a_compile(dtype, q_cols, kv_cols)
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                            options=dict(num_warps=4, maxnreg=forward_gluon.MAXNREG))
     cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     with tempfile.NamedTemporaryFile("wb", suffix=".cubin", delete=False) as f:
         f.write(kernel.asm["cubin"])
@@ -115,9 +119,26 @@ def test_the_gluon_kernel_compiles_for_sm90a(dtype, q_cols, kv_cols):
         sass = subprocess.run([cuobjdump, "-sass", f.name], capture_output=True, text=True, check=True).stdout
     finally:
         os.unlink(f.name)
-    assert "HGMMA" in sass, "no warpgroup MMA in the SASS"
-    assert int(re.search(r"STACK:(\d+)", usage).group(1)) == 0, f"local memory: {usage.strip()}"
-    assert kernel.metadata.shared <= 227 * 1024, f"{kernel.metadata.shared} B of shared memory"
+    return dict(hgmma=sass.count("HGMMA"), stack=int(re.search(r"STACK:(\d+)", usage).group(1)),
+                shared=kernel.metadata.shared)
+
+
+@needs_gluon
+@pytest.mark.parametrize("dtype, q_cols, kv_cols", [("bf16", False, False), ("fp16", True, True)],
+                         ids=["bf16-heads-contiguous", "fp16-flash-attn-layout"])
+def test_the_gluon_kernel_compiles_for_sm90a(dtype, q_cols, kv_cols):
+    """ptxas's sm_90a build: warpgroup MMAs in the SASS, no local memory, the shared memory within a CTA's
+    227 KB."""
+    env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
+    code = ("import json, sys; sys.path.insert(0, sys.argv[1]); import test_triton_gluon as t; "
+            f"print(json.dumps(t._sm90a_build({dtype!r}, {q_cols}, {kv_cols})))")
+    run = subprocess.run([sys.executable, "-c", code, os.path.dirname(os.path.abspath(__file__))], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    build = json.loads(run.stdout.strip().splitlines()[-1])
+    assert build["hgmma"] > 0, "no warpgroup MMA in the SASS"
+    assert build["stack"] == 0, f"{build['stack']} B of local memory a thread"
+    assert build["shared"] <= 227 * 1024, f"{build['shared']} B of shared memory"
 
 
 def _hopper(device):

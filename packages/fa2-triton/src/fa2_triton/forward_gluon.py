@@ -21,7 +21,7 @@ seqlen_q and seqlen_k multiples of 128 (the copies are 2-D, over all heads' rows
 would read, or write, the next head's rows); each of q, k, v with its heads' rows contiguous,
 (batch, heads, seqlen, head_dim), or interleaved, (batch, seqlen, heads, head_dim) as flash-attn's layout,
 16-byte aligned. Grouped-query attention is in the kernel (query head h reads key/value head
-h // group). Everything else runs ``forward_tl.py``'s kernel; the choice depends on the inputs alone,
+h // group), batch·heads at most 65,535 (the grid's second axis). Everything else runs ``forward_tl.py``'s kernel; the choice depends on the inputs alone,
 and an error in this kernel is raised, never retried on the other one.
 
 Gluon is experimental and its API moves between Triton releases: Triton 3.6 (the H200's) names the TMA
@@ -55,6 +55,7 @@ except ImportError:  # a Triton without Gluon's Hopper API: the tl kernel runs e
 BLOCK_M = 128  # query rows a CTA: two consumer warpgroups of 64
 BLOCK_N = 128  # keys a K/V tile
 HEAD_DIM = 128
+MAX_GRID_Y = 65535
 STAGES = 3  # K/V buffers: 3 x 2 x 32 KB, with Q's 32 KB 224 KB of the H200's 227 KB a CTA
 # Registers: 12 warps (two consumer warpgroups, the loader's) x 168 at launch fill the 64K; the partitions
 # then set 240 (consumers) and 24 (loader).
@@ -80,6 +81,8 @@ def takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionSpec
     if spec.masked or spec.softcap or spec.alibi_slopes is not None or spec.varlen:
         return False
     if q.shape[2] == 0 or q.shape[2] % BLOCK_M or k.shape[2] == 0 or k.shape[2] % BLOCK_N:
+        return False
+    if q.shape[0] * q.shape[1] > MAX_GRID_Y:  # the grid's second axis is batch·heads
         return False
     layouts = [_rows_layout(t) for t in (q, k, v)]
     return None not in layouts and layouts[1] == layouts[2] and all(t.data_ptr() % 16 == 0 for t in (q, k, v))
