@@ -34,7 +34,8 @@ def _qkv(batch, heads, heads_k, seqlen_q, seqlen_k, dtype=torch.bfloat16, device
     """q (batch, heads, seqlen_q, head_dim), k, v (batch, heads_k, seqlen_k, head_dim); interleaved: views
     of (batch, seqlen, heads, head_dim) tensors, flash-attn's layout."""
     if interleaved:
-        q, k, v = random_qkv((batch, seqlen_q, heads, head_dim), (batch, seqlen_k, heads_k, head_dim), dtype, device)
+        q, k, v = random_qkv((batch, seqlen_q, heads, head_dim), (batch, seqlen_k, heads_k, head_dim), dtype,
+                             device)
         return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     return random_qkv((batch, heads, seqlen_q, head_dim), (batch, heads_k, seqlen_k, head_dim), dtype, device)
 

@@ -20,14 +20,15 @@ head_dim 128; no mask (no causal, no window), no softcap, no ALiBi, no packed ba
 seqlen_q and seqlen_k multiples of 128 (the copies are 2-D, over all heads' rows: a tile past a head's end
 would read, or write, the next head's rows); each of q, k, v with its heads' rows contiguous,
 (batch, heads, seqlen, head_dim), or interleaved, (batch, seqlen, heads, head_dim) as flash-attn's layout,
-16-byte aligned. Grouped-query attention is in the kernel (query head h reads key/value head
-h // group), batch·heads at most 65,535 (the grid's second axis). Everything else runs ``forward_tl.py``'s kernel; the choice depends on the inputs alone,
-and an error in this kernel is raised, never retried on the other one.
+16-byte aligned; batch·heads at most 65,535 (the grid's second axis). Grouped-query attention is in the
+kernel (query head h reads key/value head h // group). Everything else runs ``forward_tl.py``'s kernel; the
+choice depends on the inputs alone, and an error in this kernel is raised, never retried on the other one.
 
 Gluon is experimental and its API moves between Triton releases: Triton 3.6 (the H200's) names the TMA
 copies ``tma.async_copy_global_to_shared`` / ``async_copy_shared_to_global``, later releases
-``tma.async_load`` / ``async_store`` (``_NEW_TMA_NAMES``); shared_tests/test_triton_gluon.py compiles
-the kernel for sm_90a wherever Gluon is importable, a GPU or not.
+``tma.async_load`` / ``async_store`` (the module binds whichever exists as ``_async_load``,
+``_async_store``); shared_tests/test_triton_gluon.py compiles the kernel for sm_90a wherever Gluon is
+importable, a GPU or not.
 """
 
 from __future__ import annotations
@@ -243,8 +244,8 @@ if GLUON:
         l_i = gl.zeros([_ROWS], gl.float32, gl.SliceLayout(1, s_layout))
         acc = gl.zeros([_ROWS, HEAD_DIM], gl.float32, o_layout)
         p = gl.zeros([_ROWS, _BLOCK_N], q_desc.dtype, p_layout)
-        p, acc, m_i, l_i = _step(0, q, k_smem, v_smem, k_ready, v_ready, kv_empty, turn, p, acc, m_i, l_i, qk_scale,
-                                 s_layout, o_layout, p_layout, WG, False)
+        p, acc, m_i, l_i = _step(0, q, k_smem, v_smem, k_ready, v_ready, kv_empty, turn, p, acc, m_i, l_i,
+                                 qk_scale, s_layout, o_layout, p_layout, WG, False)
         n = N_K // _BLOCK_N
         for j in range(1, n):
             p, acc, m_i, l_i = _step(j, q, k_smem, v_smem, k_ready, v_ready, kv_empty, turn, p, acc, m_i, l_i,
