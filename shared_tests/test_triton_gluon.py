@@ -57,6 +57,10 @@ TAKES = {
     "seqlen_q-200": (dict(seqlen_q=200), dict(), False),
     "seqlen_k-200": (dict(seqlen_k=200), dict(), False),
     "fp32": (dict(dtype=torch.float32), dict(), False),
+    "batch-0": (dict(batch=0), dict(), False),
+    "packed": (dict(batch=1), dict(cu_seqlens_q=torch.tensor([0, 256], dtype=torch.int32),
+                                   cu_seqlens_k=torch.tensor([0, 384], dtype=torch.int32),
+                                   max_seqlen_q=256, max_seqlen_k=384), False),
 }
 
 
@@ -75,6 +79,8 @@ def test_the_gluon_kernel_takes_no_mixed_or_strided_layouts():
     assert not forward_gluon.takes(q, k_i, v, _spec()), "k interleaved, v not: one layout switch serves both"
     wide = torch.randn(2, 4, 512, 128, dtype=torch.bfloat16)[:, :, ::2]
     assert not forward_gluon.takes(wide, k, v, _spec()), "rows 2 apart are neither layout"
+    shifted = torch.randn(2 * 4 * 256 * 128 + 1, dtype=torch.bfloat16)[1:].view(2, 4, 256, 128)
+    assert not forward_gluon.takes(shifted, k, v, _spec()), "q 2 bytes off a 16-byte boundary"
 
 
 def test_the_gluon_kernel_takes_no_more_than_its_grid_holds():
@@ -169,6 +175,23 @@ def test_the_gluon_kernel_matches_the_reference(case, dtype, device):
     O, L = flash_attn_forward(q, k, v, spec)
     assert O.is_contiguous()
     assert_matches_reference(O, L, q, k, v, False, SCALE)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_the_gluon_kernel_on_keys_of_minus_inf(dtype, device):
+    """Keys whose scores are -inf for every row (k = -inf in column 0, q > 0 there), as test_hardening asks
+    of every backend at D16: head 0's first key tile all -inf (its rows' attention over the other keys),
+    head 1's every key (rows that see no finite score: O = 0, L = +inf)."""
+    _hopper(device)
+    q, k, v = _qkv(1, 2, 2, 128, 256, dtype=dtype, device=device)
+    q[..., 0] = q[..., 0].abs() + 0.1
+    k[:, 0, :128, 0] = -float("inf")
+    k[:, 1, :, 0] = -float("inf")
+    assert forward_gluon.uses_gluon(q, k, v, _spec())
+    O, L = flash_attn_forward(q, k, v, _spec())
+    assert_matches_reference(O[:, :1], L[:, :1], q[:, :1], k[:, :1, 128:], v[:, :1, 128:], False, SCALE)
+    assert torch.equal(O[:, 1], torch.zeros_like(O[:, 1])), "no finite score: O = 0"
+    assert torch.isinf(L[:, 1]).all() and (L[:, 1] > 0).all(), "no finite score: L = +inf"
 
 
 def test_fa2_attention_reaches_the_gluon_kernel(device, monkeypatch):

@@ -36,7 +36,6 @@ from __future__ import annotations
 import functools
 
 import torch
-import triton
 from fa2.spec import AttentionSpec
 
 from fa2_triton.common import INTERPRETED, LOG2_E, _capability, group_size
@@ -81,7 +80,7 @@ def takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionSpec
         return False
     if spec.masked or spec.softcap or spec.alibi_slopes is not None or spec.varlen:
         return False
-    if q.shape[2] == 0 or q.shape[2] % BLOCK_M or k.shape[2] == 0 or k.shape[2] % BLOCK_N:
+    if q.numel() == 0 or k.numel() == 0 or q.shape[2] % BLOCK_M or k.shape[2] % BLOCK_N:
         return False
     if q.shape[0] * q.shape[1] > MAX_GRID_Y:  # the grid's second axis is batch·heads
         return False
@@ -116,9 +115,9 @@ def flash_attn_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     L = torch.empty(batch, heads, seqlen_q, device=q.device, dtype=torch.float32)
     q_layout, kv_layout = _smem_layouts(q.dtype)
     q_cols, kv_cols = _rows_layout(q), _rows_layout(k)
-    q_desc = GluonTensorDescriptor.from_tensor(_rows(q, q_cols), [BLOCK_M // 2, head_dim], q_layout)
-    k_desc = GluonTensorDescriptor.from_tensor(_rows(k, kv_cols), [BLOCK_N, head_dim], kv_layout)
-    v_desc = GluonTensorDescriptor.from_tensor(_rows(v, kv_cols), [BLOCK_N, head_dim], kv_layout)
+    q_desc = GluonTensorDescriptor.from_tensor(_rows_2d(q, q_cols), [BLOCK_M // 2, head_dim], q_layout)
+    k_desc = GluonTensorDescriptor.from_tensor(_rows_2d(k, kv_cols), [BLOCK_N, head_dim], kv_layout)
+    v_desc = GluonTensorDescriptor.from_tensor(_rows_2d(v, kv_cols), [BLOCK_N, head_dim], kv_layout)
     o_desc = GluonTensorDescriptor.from_tensor(O.view(-1, head_dim), [BLOCK_M // 2, head_dim], q_layout)
     with on_device(q.device):
         _attn_fwd_gluon[(seqlen_q // BLOCK_M, batch * heads)](
@@ -127,7 +126,7 @@ def flash_attn_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return O, L
 
 
-def _rows(t: torch.Tensor, heads_in_cols: bool) -> torch.Tensor:
+def _rows_2d(t: torch.Tensor, heads_in_cols: bool) -> torch.Tensor:
     """t's rows as the 2-D tensor the copies read: (batch·heads·seqlen, head_dim) or
     (batch·seqlen, heads·head_dim)."""
     if heads_in_cols:
@@ -221,8 +220,11 @@ if GLUON:
             mbarrier.arrive(kv_empty.index(sp), count=1)
         s2 = S * qk_scale
         m_new = gl.maximum(m_i, gl.max(s2, axis=1))
-        alpha = gl.exp2(m_i - m_new)
-        p = gl.exp2(s2 - m_new[:, None])
+        # A row whose scores so far are all -inf (keys of -inf) keeps m = -inf: exponents from 0 then, so
+        # that -inf - -inf never makes a NaN.
+        m_safe = gl.where(m_new == -float("inf"), 0.0, m_new)
+        alpha = gl.exp2(m_i - m_safe)
+        p = gl.exp2(s2 - m_safe[:, None])
         l_i = l_i * alpha + gl.sum(p, axis=1)
         acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
         # side-by-side: end
@@ -257,13 +259,16 @@ if GLUON:
         mbarrier.arrive(turn.index(1 - WG), count=1)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
 
-        o = (acc / gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))[:, None]).to(q_desc.dtype)
+        # A row with no finite score (l = 0) gets O = 0 and L = +inf, the convention of rows that see no key.
+        empty = l_i == 0.0
+        l_o = gl.convert_layout(gl.where(empty, 1.0, l_i), gl.SliceLayout(1, o_layout))
+        o = (acc / l_o[:, None]).to(q_desc.dtype)
         q.store(o)  # Q's buffer is free: this warpgroup's last Q K^T has completed
         fence_async_shared()
         _async_store(o_desc, [o_row + WG * _ROWS, 0], q)
         # m is in log2 units of the scaled scores; L in natural log.
         rows = o_row + WG * _ROWS + gl.arange(0, _ROWS, layout=gl.SliceLayout(1, s_layout))
-        gl.store(L + rows, (m_i + gl.log2(l_i)) * 0.6931471805599453)
+        gl.store(L + rows, gl.where(empty, float("inf"), (m_i + gl.log2(l_i)) * 0.6931471805599453))
         tma.store_wait(0)
 
     @gluon.jit
@@ -299,7 +304,8 @@ if GLUON:
             mbarrier.init(kv_empty.index(i), count=2)  # both consumers release a buffer
         for i in gl.static_range(2):
             mbarrier.init(turn.index(i), count=1)
-        # The partitions' arguments are spelled out: a tuple bound to a name first loses its constexprs.
+        # The worker partitions take one signature, so every partition gets the whole list; it is spelled
+        # out here because a tuple bound to a name first loses its constexprs.
         # side-by-side: gluon-partitions
         gl.warp_specialize([
             (_consumer0, (q_desc, k_desc, v_desc, o_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready,
