@@ -58,7 +58,7 @@ def calls(monkeypatch):
 
 
 # 16-query dK/dV tiles and 16-key dQ tiles: several tiles, and tiles skipped, at shapes the simulator runs
-# quickly (the default tiles at head dims up to 64 are 64 queries and 64 keys).
+# quickly (the default tiles at head dims up to 64 are 64 queries and 32 keys).
 SMALL_TILES = backward_tc.TensorCoreBwdConfig(4, 16, 4, 16, 0, True)
 
 
@@ -81,7 +81,7 @@ CASES = [
     for causal in (False, True)
     for case in (
         # GQA (group 2), seqlen_q != seqlen_k, neither a multiple of a tile: the dK/dV kernel's steps over the
-        # group's heads (one 64-query tile each), one 64-key tile in the dQ kernel
+        # group's heads (one 64-query tile each), two 32-key tiles in the dQ kernel
         _case(dtype, 1, 2, 1, 21, 36, 64, causal),
         # seqlen_q > seqlen_k (causal rows that see no key: zero dq), head_dim padded 40 -> 48
         _case(dtype, 1, 1, 1, 45, 29, 40, causal),
@@ -89,7 +89,7 @@ CASES = [
         _case(dtype, 1, 1, 1, 17, 20, 128, causal),
     )
 ] + [
-    # two dK/dV blocks (64 keys each), two 64-key dQ tiles; with small tiles, causal tiles skipped in both
+    # two dK/dV blocks (64 keys each), three 32-key dQ tiles; with small tiles, causal tiles skipped in both
     # kernels and several query tiles a head in the dK/dV kernel
     _case(torch.float16, 1, 2, 1, 37, 70, 16, True),
     _case(torch.float16, 1, 2, 1, 37, 70, 16, True, config=SMALL_TILES),

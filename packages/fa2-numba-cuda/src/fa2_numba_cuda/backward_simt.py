@@ -1,6 +1,6 @@
 """FlashAttention-2 backward as numba-cuda kernels on CUDA cores (SIMT, fp32 arithmetic), for every input.
 
-The FA2 paper's Algorithm 2 in FA2's two-kernel split, as ``fa2_triton.backward``. From L, each tile's
+The FA2 paper's Algorithm 2 in FA2's two-kernel split, as ``fa2_triton.backward_tl``. From L, each tile's
 probabilities are recomputed instead of stored, P = exp(S - L), and
 
     delta  = rowsum(dO ∘ O)              _attn_bwd_preprocess: once, fp32

@@ -134,8 +134,8 @@ def tc_bwd_config(HEAD_DIM: int) -> TensorCoreBwdConfig:
     in any), shared memory per block, full / causal:
 
         HEAD_DIM   dK/dV                                dQ
-        32         162 / 154, 26,624 B (64 queries)     127 / 164, 20,480 B (64 keys)
-        48         179 / 239, 36,864 B (64)             169 / 166, 28,672 B (64)
+        32         162 / 154, 26,624 B (64 queries)     127 / 164, 20,480 B (measured with 64 keys)
+        48         179 / 239, 36,864 B (64)             169 / 166, 28,672 B (measured with 64 keys)
         64         239 / 243, 47,104 B (64)             126 / 128 (32 keys; 166 / 236 with 64)
         96         246 / 246, 40,448 B (32)             250 / 254, 39,936 B (48)
         112        - / 245, 30,976 B (16)               - / 244, 30,720 B (32)
@@ -484,8 +484,8 @@ def _build_dkdv(HEAD_DIM, config, LEFT, RIGHT, IS_BF16, EVEN_HEAD_DIM, ASYNC_LOA
         # GQA: dK and dV of off_hk sum over the group's query heads, accumulated in the same registers: steps
         # it = 0 .. group · m_steps over (query head off_hk · group + it // m_steps, query tile it % m_steps),
         # each step's (head, tile) the previous one's next tile, wrapping to the next head (no division in the
-        # loop: 64-bit ones). Step it computes on buffer it % 2 while step
-        # it + 1's tiles load into the other.
+        # loop: 64-bit ones). Step it computes on buffer it % 2 while step it + 1's tiles load into the
+        # other.
         m_steps = (end_m - begin_m + BLOCK_M - 1) // BLOCK_M if end_m > begin_m else 0
         steps = group * m_steps
         head0 = off_hk * group

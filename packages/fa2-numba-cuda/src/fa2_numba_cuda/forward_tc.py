@@ -637,7 +637,7 @@ def _build_kernel(HEAD_DIM, config, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN, IS_BF16
         # block's 18 tiles.
         warp_lo = warp_m + diag - window_left if LEFT else 0
         warp_hi = min(warp_m + 16, seqlen_q) + diag + window_right if RIGHT else seqlen_k
-        # ALiBi's slope for this (batch or sequence, head), in base 2; with SCALED, the exponentials take final
+        # ALiBi's slope for this (batch or sequence, head), in base 2; with ALiBi, the exponentials take final
         # scores.
         slope = slopes[uint64(off_b * stride_ab + off_h * stride_ah)] * float32(LOG2E) if ALIBI else float32(0.0)
         exp_scale = float32(1.0) if ALIBI else softcap_log2 if SOFTCAP else qk_scale

@@ -160,4 +160,3 @@ def launch_dkdv(q, k, v, dO, L, delta, dk, dv, dq_acc, spec: AttentionSpec, t: K
              EVEN_D=HEAD_DIM == head_dim, ATOMIC_DQ=dq_acc is not None, VARLEN=spec.varlen, GQA=group > 1),
         dict(num_warps=t.num_warps, num_stages=t.num_stages),
     )
-

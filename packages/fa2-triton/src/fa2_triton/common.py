@@ -1,5 +1,5 @@
-"""What fa2-triton's kernels and their launchers share: the forward's (``forward_tl``, ``forward``), the
-backward's (``backward_tl``, ``backward``) and the KV-cache kernel's (``kvcache``).
+"""What fa2-triton's kernels and their launchers share: the forward's (``forward_tl``, ``forward``,
+``forward_gluon``), the backward's (``backward_tl``, ``backward``) and the KV-cache kernel's (``kvcache``).
 
 - the interpreter switch (``INTERPRETED``: TRITON_INTERPRET was set when fa2_triton was imported) and the
   device check (``_check_device``: what this build of the kernels cannot run, bfloat16 in the interpreter);

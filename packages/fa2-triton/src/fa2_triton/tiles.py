@@ -91,7 +91,9 @@ TILES: dict[tuple[int, str, bool], tuple[tuple[int | None, Tiles], ...]] = {
         (None, Tiles(64, 128, 4, 2, tma=True, grid_order=1)),
     ),
     # Tuned again with warp specialisation (fp16 and bf16, N = 512 ... 16k; docs/benchmarks/h200-tune-ws.csv):
-    # 1.01-1.02x the unspecialised winner at 2k, 1.07-1.12x from 4k.
+    # 1.01-1.02x the unspecialised winner at 2k, 1.07-1.12x from 4k. On a Hopper GPU with Gluon, inputs
+    # without softcap or ALiBi and lengths in multiples of 128 run forward_gluon's kernel instead
+    # (forward_gluon.uses_gluon): these entries serve the rest, and the tuner times only this tl kernel.
     (128, "16-bit", False): (
         (1448, Tiles(128, 64, 4, 2, tma=True)),
         (None, Tiles(128, 128, 4, 2, tma=True, warp_specialize=True)),
@@ -194,7 +196,7 @@ class BwdTiles(NamedTuple):
 
 # Defaults for Hopper (H100/H200) with pointer loads, by HEAD_DIM (head_dim padded to a power of two);
 # each compiles for sm_90a on Triton 3.6 and 3.9 without register spills (contiguous inputs), except
-# where noted. 16-bit inputs, wgmma: the dK/dV kernel holds two fp32 [BLOCK_N1, HEAD_DIM] accumulators,
+# where noted. 16-bit inputs, wgmma: the dK/dV kernel holds two fp32 [BLOCK_N, HEAD_DIM] accumulators,
 # so its tiles shrink as HEAD_DIM grows. D = 256 spills a few bytes in the dK/dV kernel.
 # fp32, FMA matmuls (no TF32): each thread holds whole rows of the operands, so small tiles from D = 64.
 _BWD_UNTUNED = {
