@@ -184,8 +184,8 @@ def _check_prepared(cases, modules) -> int:
         def __call__(self, *tensors):
             fast.append(tensors)
 
-    def fake_prepare(kernel, grid, block, device, args, varying):
-        prepared.append((kernel, grid, block, args, varying))
+    def fake_prepare(kernel, grid, block, device, args, varying, shared=0):
+        prepared.append(((kernel, shared), grid, block, args, varying))
         return Recorder()
 
     real = launch.prepare

@@ -59,19 +59,24 @@ def calls(monkeypatch):
 
 # 16-query dK/dV tiles and 16-key dQ tiles: several tiles, and tiles skipped, at shapes the simulator runs
 # quickly (the default tiles at head dims up to 64 are 64 queries and 32 keys).
-SMALL_TILES = backward_tc.TensorCoreBwdConfig(4, 16, 4, 16, 0, True)
+SMALL_TILES = ("small-tiles", backward_tc.TensorCoreBwdConfig(4, 16, 4, 16, 0, True))
+# The same with K (dK/dV) and Q, dO (dQ) read from shared memory for each product, not held in registers.
+SHARED_OPERANDS = ("shared-operands", backward_tc.TensorCoreBwdConfig(4, 16, 4, 16, 0, True, True, True))
+# Tiles past the 48 KB a block may have without raising its limit: at D128 139,264 B (dK/dV: 128 keys, 8
+# warps, 64-query tiles) and 104,448 B (dQ: 64 rows against 64-key tiles), in dynamic shared memory.
+LARGE_TILES = ("large-tiles", backward_tc.TensorCoreBwdConfig(8, 64, 4, 64, 0, True, True, True))
 
 
-def _case(dtype, b, h, h_k, n_q, n_k, d, causal, window=(-1, -1), scale=None, layout="contiguous", config=None):
+def _case(dtype, b, h, h_k, n_q, n_k, d, causal, window=(-1, -1), scale=None, layout="contiguous", tiles=None):
     kind = "bf16" if dtype == torch.bfloat16 else "fp16"
     parts = [kind, f"B{b}-H{h}" + (f"-Hk{h_k}" if h_k != h else ""), f"{n_q}x{n_k}-D{d}",
              "causal" if causal else "full"]
     parts += [f"w{window[0]}.{window[1]}"] if window != (-1, -1) else []
     parts += [f"scale{scale}"] if scale is not None else []
     parts += [layout] if layout != "contiguous" else []
-    parts += ["small-tiles"] if config is not None else []
+    parts += [tiles[0]] if tiles is not None else []
     case = dict(shape=(b, h, h_k, n_q, n_k, d), causal=causal, window=window, scale=scale, layout=layout,
-                config=config)
+                config=tiles[1] if tiles is not None else None)
     return pytest.param(dtype, case, id="-".join(parts))
 
 
@@ -92,9 +97,12 @@ CASES = [
     # two dK/dV blocks (64 keys each), three 32-key dQ tiles; with small tiles, causal tiles skipped in both
     # kernels and several query tiles a head in the dK/dV kernel
     _case(torch.float16, 1, 2, 1, 37, 70, 16, True),
-    _case(torch.float16, 1, 2, 1, 37, 70, 16, True, config=SMALL_TILES),
+    _case(torch.float16, 1, 2, 1, 37, 70, 16, True, tiles=SMALL_TILES),
+    _case(torch.float16, 1, 2, 1, 37, 70, 16, True, tiles=SHARED_OPERANDS),
     # a window with both edges inside the keys: tiles skipped on both sides, edge tiles masked
-    _case(torch.float16, 1, 1, 1, 37, 53, 16, False, window=(5, 3), config=SMALL_TILES),
+    _case(torch.float16, 1, 1, 1, 37, 53, 16, False, window=(5, 3), tiles=SMALL_TILES),
+    # head_dim 128 with tiles over 48 KB of shared memory (on the GPU: the raised limit, the launch's size)
+    _case(torch.bfloat16, 1, 1, 1, 17, 20, 128, True, tiles=LARGE_TILES),
     # odd head_dim (outputs stored element by element; rows not 16 B apart: plain loads), a negative scale
     _case(torch.float16, 1, 2, 2, 21, 30, 13, True, scale=-0.7),
     # q as (B, N, H, D) memory (cp.async with strides), k with a head_dim stride of 2 (plain loads)
@@ -168,31 +176,35 @@ def test_simt_features_run_simt_kernels(tc_device, calls):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype, d, causal, layout", [
-    pytest.param(torch.bfloat16, 128, True, "contiguous", id="bf16-D128-causal-cp.async"),
-    pytest.param(torch.float16, 40, False, "strided", id="fp16-D40-full-plain-loads"),
+@pytest.mark.parametrize("dtype, d, causal, layout, config", [
+    pytest.param(torch.bfloat16, 128, True, "contiguous", None, id="bf16-D128-causal-cp.async"),
+    pytest.param(torch.bfloat16, 128, False, "contiguous", LARGE_TILES[1], id="bf16-D128-full-large-tiles"),
+    pytest.param(torch.float16, 40, False, "strided", None, id="fp16-D40-full-plain-loads"),
 ])
-def test_prepared_launch_equals_numbas_bit_for_bit(device, monkeypatch, dtype, d, causal, layout):
+def test_prepared_launch_equals_numbas_bit_for_bit(device, monkeypatch, dtype, d, causal, layout, config):
     """On the GPU: a class's second call takes the prepared launches (``launch.prepare`` not called again)
-    and gives the gradients of numba's own launches bit for bit (no atomics: deterministic); the kernels keep
-    local memory (spills) at most 64 B a thread."""
+    and gives the gradients of numba's own launches bit for bit (no atomics: deterministic), tiles over
+    48 KB of shared memory included (the prepared launch passes their dynamic size); the kernels keep local
+    memory (spills) at most 64 B a thread."""
     if device.type != "cuda":
         pytest.skip("prepared launches are the GPU's (the simulator launches through numba); --device cuda")
     q, k, v, dO = _inputs(dtype, dict(shape=(2, 4, 2, 300, 333, d), layout=layout), device)
     O, L = _forward(q, k, v, causal, (-1, -1), None)
     spec = AttentionSpec(d**-0.5, (-1, 0) if causal else (-1, -1), 0.0, None, 2)
     monkeypatch.setattr(backward_tc.launch, "FAST", False)
-    expected = backward.flash_attn_backward(q, k, v, O, L, dO, spec)
+    expected = backward.flash_attn_backward(q, k, v, O, L, dO, spec, config)
     monkeypatch.setattr(backward_tc.launch, "FAST", True)
-    backward.flash_attn_backward(q, k, v, O, L, dO, spec)  # a class's first call: numba's launch, then prepared
+    backward.flash_attn_backward(q, k, v, O, L, dO, spec, config)  # a class's first call: numba's, then prepared
     prepares = []
     real = backward_tc.launch.prepare
     monkeypatch.setattr(backward_tc.launch, "prepare", lambda *a: prepares.append(a) or real(*a))
-    got = backward.flash_attn_backward(q, k, v, O, L, dO, spec)
+    got = backward.flash_attn_backward(q, k, v, O, L, dO, spec, config)
     assert not prepares, "the second call of a class must take the prepared launches"
     torch.cuda.synchronize()
     for name, x, ref in zip(("dq", "dk", "dv"), got, expected):
         assert torch.equal(x, ref), f"{name}: max |fast - numba| = {(x.float() - ref.float()).abs().max():.3g}"
     assert_grads_match(*got, q, k, v, dO, causal)
     rows = [r for r in backward_tc.kernel_resources() if r["HEAD_DIM"] == backward_tc.padded_head_dim(d)]
+    if config is not None:
+        assert any(r["dynamic_shared_bytes_per_block"] > 48 * 1024 for r in rows), f"shared memory: {rows}"
     assert rows and all(r["local_bytes_per_thread"] <= 64 for r in rows), f"local memory: {rows}"

@@ -35,7 +35,11 @@ head_dim) where q, k, v and dO are contiguous along head_dim with 16 B aligned r
 the barrier (every warp is then done with the other buffer), issues step i + 1's copies into the other
 buffer and computes, so that the copies overlap the mma work. The dK/dV kernel's steps run over (query head
 of the group, query tile); its two Q/dO buffers take the rows K's tile used before its fragments were in
-registers. Static, under 48 KB.
+registers, or follow K's and V's tiles where these stay in shared memory (``K_IN_SHARED``; the dQ kernel's
+Q and dO likewise, ``QDO_IN_SHARED``). The tiles are dynamic shared memory (``tile_bytes``, passed by the
+launch), so that a block may have more than the 48 KB of static shared memory: ``launch`` raises the
+kernel's limit past 48 KB (up to 227 KB on sm_90); L and delta of the dK/dV kernel's query tiles are
+static.
 
 Scores, masks and L as ``backward_simt``: base 2 (P = exp2(S · scale · log2 e - L · log2 e)), rows with L =
 +inf (they see no key) and query rows past seqlen_q (read with L = +inf) get P = 0, so zero gradients;
@@ -103,7 +107,9 @@ class TensorCoreBwdConfig(NamedTuple):
     DKDV_WARPS) against query tiles of DKDV_BLOCK_M rows (a multiple of 16); the dQ kernel's DQ_WARPS warps of
     16 query rows each against key tiles of DQ_BLOCK_N keys (a multiple of 16). MAX_REGISTERS caps ptxas (0:
     no cap). V_IN_SHARED: the dK/dV kernel keeps V's tile in shared memory, its A fragments loaded by
-    ``ldmatrix`` for each dPᵀ, instead of in registers (HEAD_DIM / 4 fewer per thread)."""
+    ``ldmatrix`` for each dPᵀ, instead of in registers (HEAD_DIM / 4 fewer per thread); K_IN_SHARED: the
+    same for K's tile and each Sᵀ. QDO_IN_SHARED: the dQ kernel keeps its Q and dO rows in shared memory
+    (their A fragments loaded for each S and dP) instead of in registers (HEAD_DIM / 2 fewer)."""
 
     DKDV_WARPS: int
     DKDV_BLOCK_M: int
@@ -111,10 +117,13 @@ class TensorCoreBwdConfig(NamedTuple):
     DQ_BLOCK_N: int
     MAX_REGISTERS: int
     V_IN_SHARED: bool = False
+    K_IN_SHARED: bool = False
+    QDO_IN_SHARED: bool = False
 
 
-# The blocks by padded head dim (the largest tiles whose static shared memory stays under 48 KB and whose
-# registers do not spill, offline; at D64 the dQ kernel's 32-key tiles, faster on the H200 than 64): up to 64,
+# The blocks by padded head dim (chosen when the tiles had to fit 48 KB of static shared memory: the largest
+# that did and whose registers do not spill, offline; at D64 the dQ kernel's 32-key tiles, faster on the
+# H200 than 64; larger D128 tiles, in dynamic shared memory, are .whl/scripts/bench_tc_bwd_dyn.py's): up to 64,
 # 64-query tiles in the dK/dV kernel and 32-key tiles in the dQ kernel; 80 and 96, 32 and 48; 112 and 128,
 # 16 and 32 (their dK/dV kernel at 242-255 registers).
 TC_BWD_CONFIGS = {
@@ -156,17 +165,47 @@ def tc_bwd_config(HEAD_DIM: int) -> TensorCoreBwdConfig:
     return TC_BWD_CONFIGS[min(d for d in TC_BWD_CONFIGS if d >= HEAD_DIM)]
 
 
+# The most shared memory a block may have, static and dynamic together, on any GPU these kernels run on
+# (sm_90's 227 KB; sm_80 allows 163 KB, sm_86 and sm_89 99 KB: the launch fails there, naming the limit).
+MAX_SHARED_BYTES = 227 * 1024
+
+
+def _dkdv_rows(config: TensorCoreBwdConfig) -> tuple[int, int, int]:
+    """The dK/dV kernel's tile rows: (QDO_ROW, V_ROW, ROWS), its two Q/dO buffers from row QDO_ROW on, V's
+    tile at V_ROW, ROWS in all (K's tile at row 0). K_IN_SHARED: K, V, then the buffers. Else the buffers
+    take K's rows once its fragments are in registers, and V stays past them (V_IN_SHARED) or shares them
+    too."""
+    BLOCK_N, BLOCK_M = 16 * config.DKDV_WARPS, config.DKDV_BLOCK_M
+    if config.K_IN_SHARED:
+        return 2 * BLOCK_N, BLOCK_N, 2 * BLOCK_N + 4 * BLOCK_M
+    if config.V_IN_SHARED:
+        v_row = max(BLOCK_N, 4 * BLOCK_M)
+        return 0, v_row, v_row + BLOCK_N
+    return 0, BLOCK_N, max(2 * BLOCK_N, 4 * BLOCK_M)
+
+
+def _dq_rows(config: TensorCoreBwdConfig) -> tuple[int, int]:
+    """The dQ kernel's tile rows: (KV_ROW, ROWS), its two K/V buffers from row KV_ROW on, ROWS in all (Q's
+    rows at 0, dO's at BLOCK_M). QDO_IN_SHARED: Q, dO, then the buffers; else the buffers take Q's and
+    dO's rows once their fragments are in registers."""
+    BLOCK_M, BLOCK_N = 16 * config.DQ_WARPS, config.DQ_BLOCK_N
+    if config.QDO_IN_SHARED:
+        return 2 * BLOCK_M, 2 * BLOCK_M + 4 * BLOCK_N
+    return 0, max(2 * BLOCK_M, 4 * BLOCK_N)
+
+
+def tile_bytes(name: str, HEAD_DIM: int, config: TensorCoreBwdConfig) -> int:
+    """The dynamic shared memory of kernel ``name`` ("dkdv" or "dq") per block: its tiles, rows of HEAD_DIM
+    + 8 16-bit elements as ``_dkdv_rows`` and ``_dq_rows`` lay them out (the launch's shared size)."""
+    rows = _dkdv_rows(config)[2] if name == "dkdv" else _dq_rows(config)[1]
+    return 2 * rows * (HEAD_DIM + 8)
+
+
 def shared_bytes(name: str, HEAD_DIM: int, config: TensorCoreBwdConfig) -> int:
-    """The static shared memory of kernel ``name`` ("dkdv" or "dq") per block, as ``_build_dkdv`` and
-    ``_build_dq`` lay it out: rows of HEAD_DIM + 8 16-bit elements (and the dK/dV kernel's L and delta of
-    two query tiles, fp32)."""
-    LD = HEAD_DIM + 8
-    if name == "dkdv":
-        BLOCK_N, BLOCK_M = 16 * config.DKDV_WARPS, config.DKDV_BLOCK_M
-        v_row = max(BLOCK_N, 4 * BLOCK_M) if config.V_IN_SHARED else BLOCK_N
-        rows = v_row + BLOCK_N if config.V_IN_SHARED else max(2 * BLOCK_N, 4 * BLOCK_M)
-        return 2 * rows * LD + 4 * 2 * (2 * BLOCK_M)
-    return 2 * max(2 * 16 * config.DQ_WARPS, 4 * config.DQ_BLOCK_N) * LD
+    """All the shared memory of kernel ``name`` per block: ``tile_bytes`` (dynamic) and the dK/dV kernel's
+    static L and delta of two query tiles (fp32)."""
+    stats = 4 * 2 * (2 * config.DKDV_BLOCK_M) if name == "dkdv" else 0
+    return tile_bytes(name, HEAD_DIM, config) + stats
 
 
 def supports(spec: AttentionSpec) -> bool:
@@ -377,12 +416,10 @@ def _build_dkdv(HEAD_DIM, config, LEFT, RIGHT, IS_BF16, EVEN_HEAD_DIM, ASYNC_LOA
     D_STEPS = HEAD_DIM // 16
     O_TILES = HEAD_DIM // 8
     M_TILES = BLOCK_M // 8  # 8-query tiles of Sᵀ
-    V_IN_SHARED = config.V_IN_SHARED
-    # K at rows 0 .. (into registers before the query loop), then two buffers of a Q tile and its dO tile
-    # (buffer b: Q at rows 2 BLOCK_M b .., dO at 2 BLOCK_M b + BLOCK_M ..); V at V_ROW (past the buffers when
-    # it stays there).
-    V_ROW = max(BLOCK_N, 4 * BLOCK_M) if V_IN_SHARED else BLOCK_N
-    SMEM_SIZE = (V_ROW + BLOCK_N if V_IN_SHARED else max(2 * BLOCK_N, 4 * BLOCK_M)) * LD
+    V_IN_SHARED, K_IN_SHARED = config.V_IN_SHARED, config.K_IN_SHARED
+    # K at rows 0 .., V at V_ROW .., two buffers of a Q tile and its dO tile from QDO_ROW on (buffer b: Q at
+    # rows QDO_ROW + 2 BLOCK_M b .., dO BLOCK_M rows on), in dynamic shared memory (``tile_bytes``).
+    QDO_ROW, V_ROW, _ = _dkdv_rows(config)
     ROW_STATS = 2 * BLOCK_M  # L · log2 e and delta of both buffers' queries
     assert BLOCK_M % 16 == 0 and HEAD_DIM % 16 == 0 and BLOCK_M <= NUM_THREADS
     wait_tiles, load_frag, products, store_rows = _helpers(HEAD_DIM, IS_BF16, ASYNC_LOADS, OUT_PAIRS,
@@ -397,10 +434,10 @@ def _build_dkdv(HEAD_DIM, config, LEFT, RIGHT, IS_BF16, EVEN_HEAD_DIM, ASYNC_LOA
                   seqlen_q, head_dim):
         """Buffer buf := the query tile at start_m of one head: its Q and dO rows (cp.async: landed after
         wait_tiles), L · log2 e and delta (+inf and 0 past seqlen_q: their P is zero)."""
-        load_qdo(smem, smem_base, 2 * BLOCK_M * buf, q, q_base, q_offset, stride_qm, stride_qd, start_m, seqlen_q,
-                 head_dim)
-        load_qdo(smem, smem_base, 2 * BLOCK_M * buf + BLOCK_M, do, do_base, do_offset, stride_dom, stride_dod,
-                 start_m, seqlen_q, head_dim)
+        load_qdo(smem, smem_base, QDO_ROW + 2 * BLOCK_M * buf, q, q_base, q_offset, stride_qm, stride_qd, start_m,
+                 seqlen_q, head_dim)
+        load_qdo(smem, smem_base, QDO_ROW + 2 * BLOCK_M * buf + BLOCK_M, do, do_base, do_offset, stride_dom,
+                 stride_dod, start_m, seqlen_q, head_dim)
         if cuda.threadIdx.x < BLOCK_M:
             r = cuda.threadIdx.x
             row = start_m + r
@@ -435,7 +472,7 @@ def _build_dkdv(HEAD_DIM, config, LEFT, RIGHT, IS_BF16, EVEN_HEAD_DIM, ASYNC_LOA
         g = lane // 4
         t = lane % 4
 
-        smem = cuda.shared.array(SMEM_SIZE, int16, alignment=SHARED_ALIGN)
+        smem = cuda.shared.array(0, int16, alignment=SHARED_ALIGN)  # the tiles: the launch's dynamic size
         # L · log2 e and delta of each buffer's queries.
         lse_tile = cuda.shared.array(ROW_STATS, float32)
         delta_tile = cuda.shared.array(ROW_STATS, float32)
@@ -446,12 +483,12 @@ def _build_dkdv(HEAD_DIM, config, LEFT, RIGHT, IS_BF16, EVEN_HEAD_DIM, ASYNC_LOA
         own_lane = smem_base + uint32(2 * ((16 * warp + a_row) * LD + a_col))  # the warp's K rows (A)
         # Buffer 0's Q and dO (buffer 1's: 2 BLOCK_M rows on): B fragments of Qᵀ and dOᵀ (rows as columns),
         # and with .trans of Q and dO (queries as k).
-        q_b_lane = smem_base + uint32(2 * (b_row * LD + b_col))
+        q_b_lane = smem_base + uint32(2 * ((QDO_ROW + b_row) * LD + b_col))
         do_b_lane = q_b_lane + uint32(2 * BLOCK_M * LD)
-        q_t_lane = smem_base + uint32(2 * (a_row * LD + a_col))
+        q_t_lane = smem_base + uint32(2 * ((QDO_ROW + a_row) * LD + a_col))
         do_t_lane = q_t_lane + uint32(2 * BLOCK_M * LD)
 
-        # K and V of the tile: global -> shared -> the warp's A fragments, held for the whole block.
+        # K and V of the tile: global -> shared (-> the warp's A fragments), held for the whole block.
         k_offset = off_b * stride_kb + off_hk * stride_kh
         v_offset = off_b * stride_vb + off_hk * stride_vh
         load_kv(smem, smem_base, 0, k, k_base, k_offset, stride_kn, stride_kd, start_n, seqlen_k, head_dim)
@@ -461,10 +498,12 @@ def _build_dkdv(HEAD_DIM, config, LEFT, RIGHT, IS_BF16, EVEN_HEAD_DIM, ASYNC_LOA
         v_lane = own_lane + uint32(2 * V_ROW * LD)
         k_frag = cuda.local.array((D_STEPS, 4), int32)  # [16 keys, HEAD_DIM] as D_STEPS A fragments
         v_frag = cuda.local.array((D_STEPS, 4), int32)
-        load_frag(k_frag, own_lane)
+        if not K_IN_SHARED:
+            load_frag(k_frag, own_lane)
         if not V_IN_SHARED:
             load_frag(v_frag, v_lane)
-        cuda.syncthreads()  # every warp has its fragments: K's rows (and V's, held in registers) are free
+        if not K_IN_SHARED:
+            cuda.syncthreads()  # every warp has its fragments: K's rows (the first buffer's) are free
 
         dk_acc = cuda.local.array((O_TILES, 4), float32)  # [16 keys, HEAD_DIM] as 8-column C tiles
         dv_acc = cuda.local.array((O_TILES, 4), float32)
@@ -513,7 +552,10 @@ def _build_dkdv(HEAD_DIM, config, LEFT, RIGHT, IS_BF16, EVEN_HEAD_DIM, ASYNC_LOA
                           (off_b * heads + next_h) * seqlen_q, seqlen_q, head_dim)
             buf_bytes = uint32(2 * 2 * BLOCK_M * LD * buf)
             lse_row = BLOCK_M * buf
-            rows_dot(s, k_frag, q_b_lane + buf_bytes)  # Sᵀ = K Qᵀ
+            if K_IN_SHARED:
+                rows_dot_shared(s, own_lane, q_b_lane + buf_bytes)  # Sᵀ = K Qᵀ
+            else:
+                rows_dot(s, k_frag, q_b_lane + buf_bytes)
             if V_IN_SHARED:
                 rows_dot_shared(dp, v_lane, do_b_lane + buf_bytes)  # dPᵀ = V dOᵀ
             else:
@@ -560,13 +602,14 @@ def _build_dq(HEAD_DIM, config, LEFT, RIGHT, IS_BF16, EVEN_HEAD_DIM, ASYNC_LOADS
     D_STEPS = HEAD_DIM // 16
     O_TILES = HEAD_DIM // 8
     N_TILES = BLOCK_N // 8  # 8-key tiles of S
-    # Q and dO, then two buffers of a K tile and its V tile (buffer b: K at rows 2 BLOCK_N b .., V at 2 BLOCK_N b
-    # + BLOCK_N ..).
-    SMEM_SIZE = max(2 * BLOCK_M, 4 * BLOCK_N) * LD
+    QDO_IN_SHARED = config.QDO_IN_SHARED
+    # Q and dO at rows 0 and BLOCK_M, two buffers of a K tile and its V tile from KV_ROW on (buffer b: K at
+    # rows KV_ROW + 2 BLOCK_N b .., V BLOCK_N rows on), in dynamic shared memory (``tile_bytes``).
+    KV_ROW = _dq_rows(config)[0]
     assert BLOCK_N % 16 == 0 and HEAD_DIM % 16 == 0
     wait_tiles, load_frag, products, store_rows = _helpers(HEAD_DIM, IS_BF16, ASYNC_LOADS, OUT_PAIRS,
                                                            EVEN_HEAD_DIM)
-    rows_dot, _, acc_plus = products(N_TILES)
+    rows_dot, rows_dot_shared, acc_plus = products(N_TILES)
     load_qdo = _tile_loader(BLOCK_M, NUM_THREADS, HEAD_DIM, EVEN_HEAD_DIM, ASYNC_LOADS)
     load_kv = _tile_loader(BLOCK_N, NUM_THREADS, HEAD_DIM, EVEN_HEAD_DIM, ASYNC_LOADS)
 
@@ -592,18 +635,19 @@ def _build_dq(HEAD_DIM, config, LEFT, RIGHT, IS_BF16, EVEN_HEAD_DIM, ASYNC_LOADS
         g = lane // 4
         t = lane % 4
 
-        smem = cuda.shared.array(SMEM_SIZE, int16, alignment=SHARED_ALIGN)
+        smem = cuda.shared.array(0, int16, alignment=SHARED_ALIGN)  # the tiles: the launch's dynamic size
         smem_base = shared_address(smem)
         q_base, k_base, v_base, do_base = global_address(q), global_address(k), global_address(v), global_address(do)
         a_row, a_col = ldmatrix_a_row_col(lane)
         b_row, b_col = ldmatrix_b_row_col(lane)
         own_lane = smem_base + uint32(2 * ((16 * warp + a_row) * LD + a_col))  # the warp's Q rows (A)
+        do_lane = own_lane + uint32(2 * BLOCK_M * LD)  # the warp's dO rows
         # Buffer 0's K and V (buffer 1's: 2 BLOCK_N rows on).
-        k_b_lane = smem_base + uint32(2 * (b_row * LD + b_col))  # Kᵀ, Vᵀ as B (keys as columns)
+        k_b_lane = smem_base + uint32(2 * ((KV_ROW + b_row) * LD + b_col))  # Kᵀ, Vᵀ as B (keys as columns)
         v_b_lane = k_b_lane + uint32(2 * BLOCK_N * LD)
-        k_t_lane = smem_base + uint32(2 * (a_row * LD + a_col))  # K as B with .trans (keys as k)
+        k_t_lane = smem_base + uint32(2 * ((KV_ROW + a_row) * LD + a_col))  # K as B with .trans (keys as k)
 
-        # Q and dO: global -> shared -> the warp's A fragments.
+        # Q and dO: global -> shared (-> the warp's A fragments).
         q_offset = off_b * stride_qb + off_h * stride_qh
         do_offset = off_b * stride_dob + off_h * stride_doh
         load_qdo(smem, smem_base, 0, q, q_base, q_offset, stride_qm, stride_qd, start_m, seqlen_q, head_dim)
@@ -613,8 +657,9 @@ def _build_dq(HEAD_DIM, config, LEFT, RIGHT, IS_BF16, EVEN_HEAD_DIM, ASYNC_LOADS
         cuda.syncthreads()
         q_frag = cuda.local.array((D_STEPS, 4), int32)
         do_frag = cuda.local.array((D_STEPS, 4), int32)
-        load_frag(q_frag, own_lane)
-        load_frag(do_frag, own_lane + uint32(2 * BLOCK_M * LD))
+        if not QDO_IN_SHARED:
+            load_frag(q_frag, own_lane)
+            load_frag(do_frag, do_lane)
 
         # L · log2 e and delta of the lane's rows row0 and row0 + 8; rows past seqlen_q: L = +inf, P = 0.
         row0 = start_m + 16 * warp + g
@@ -642,10 +687,11 @@ def _build_dq(HEAD_DIM, config, LEFT, RIGHT, IS_BF16, EVEN_HEAD_DIM, ASYNC_LOADS
         end_n = min(seqlen_k, min(start_m + BLOCK_M, seqlen_q) + diag + window_right) if RIGHT else seqlen_k
         # Step it computes on buffer it % 2 while step it + 1's K and V load into the other.
         steps = (end_n - begin_n + BLOCK_N - 1) // BLOCK_N if end_n > begin_n else 0
-        cuda.syncthreads()  # every warp has its fragments: Q's and dO's rows are free
+        if not QDO_IN_SHARED:
+            cuda.syncthreads()  # every warp has its fragments: Q's and dO's rows (the first buffer's) are free
         if steps > 0:
-            load_kv(smem, smem_base, 0, k, k_base, k_offset, stride_kn, stride_kd, begin_n, seqlen_k, head_dim)
-            load_kv(smem, smem_base, BLOCK_N, v, v_base, v_offset, stride_vn, stride_vd, begin_n, seqlen_k,
+            load_kv(smem, smem_base, KV_ROW, k, k_base, k_offset, stride_kn, stride_kd, begin_n, seqlen_k, head_dim)
+            load_kv(smem, smem_base, KV_ROW + BLOCK_N, v, v_base, v_offset, stride_vn, stride_vd, begin_n, seqlen_k,
                     head_dim)
         for it in range(steps):
             buf = it % 2
@@ -653,14 +699,18 @@ def _build_dq(HEAD_DIM, config, LEFT, RIGHT, IS_BF16, EVEN_HEAD_DIM, ASYNC_LOADS
             wait_tiles()
             cuda.syncthreads()  # step it's tiles have landed; every warp is done with the other buffer
             if it + 1 < steps:
-                load_kv(smem, smem_base, 2 * BLOCK_N * (1 - buf), k, k_base, k_offset, stride_kn, stride_kd,
-                        start_n + BLOCK_N, seqlen_k, head_dim)
-                load_kv(smem, smem_base, 2 * BLOCK_N * (1 - buf) + BLOCK_N, v, v_base, v_offset, stride_vn,
-                        stride_vd, start_n + BLOCK_N, seqlen_k, head_dim)
+                load_kv(smem, smem_base, KV_ROW + 2 * BLOCK_N * (1 - buf), k, k_base, k_offset, stride_kn,
+                        stride_kd, start_n + BLOCK_N, seqlen_k, head_dim)
+                load_kv(smem, smem_base, KV_ROW + 2 * BLOCK_N * (1 - buf) + BLOCK_N, v, v_base, v_offset,
+                        stride_vn, stride_vd, start_n + BLOCK_N, seqlen_k, head_dim)
             buf_bytes = uint32(2 * 2 * BLOCK_N * LD * buf)
 
-            rows_dot(s, q_frag, k_b_lane + buf_bytes)  # S = Q Kᵀ
-            rows_dot(dp, do_frag, v_b_lane + buf_bytes)  # dP = dO Vᵀ
+            if QDO_IN_SHARED:
+                rows_dot_shared(s, own_lane, k_b_lane + buf_bytes)  # S = Q Kᵀ
+                rows_dot_shared(dp, do_lane, v_b_lane + buf_bytes)  # dP = dO Vᵀ
+            else:
+                rows_dot(s, q_frag, k_b_lane + buf_bytes)
+                rows_dot(dp, do_frag, v_b_lane + buf_bytes)
             # Masked: the tiles that cross the end of the keys or a window edge of the block's rows.
             crosses = (start_n + BLOCK_N > seqlen_k
                        or (RIGHT and start_n + BLOCK_N - 1 > start_m + diag + window_right)
@@ -700,18 +750,27 @@ def _jit(kernel, MAX_REGISTERS):
 
 
 # Compiled kernels by (name, *the builder's arguments): ("dkdv" or "dq", HEAD_DIM, config, LEFT, RIGHT, IS_BF16,
-# EVEN_HEAD_DIM, ASYNC_LOADS, OUT_PAIRS).
+# EVEN_HEAD_DIM, ASYNC_LOADS, OUT_PAIRS), config holding only the fields of that kernel (``_own_fields``):
+# configurations that differ in the other kernel's tiles share it.
 _KERNELS: dict[tuple, object] = {}
 _BUILDERS = {"dkdv": _build_dkdv, "dq": _build_dq}
+_FIELDS = {"dkdv": ("DKDV_WARPS", "DKDV_BLOCK_M", "MAX_REGISTERS", "V_IN_SHARED", "K_IN_SHARED"),
+           "dq": ("DQ_WARPS", "DQ_BLOCK_N", "MAX_REGISTERS", "QDO_IN_SHARED")}
+
+
+def _own_fields(name: str, config: TensorCoreBwdConfig) -> TensorCoreBwdConfig:
+    """config with the fields kernel ``name`` does not read set to None."""
+    return config._replace(**{f: None for f in config._fields if f not in _FIELDS[name]})
 # Prepared launches (preprocess, dK/dV, dQ; ``launch.prepare``) by class of call, keyed as backward_simt's
 # plus whether the tensors' data is 16 B aligned (cp.async).
 _PREPARED: dict[tuple, tuple] = {}
 
 
-def _kernel(name, *key):
-    kernel = _KERNELS.get((name, *key))
+def _kernel(name, HEAD_DIM, config, *flags):
+    key = (name, HEAD_DIM, _own_fields(name, config), *flags)
+    kernel = _KERNELS.get(key)
     if kernel is None:
-        kernel = _KERNELS[name, *key] = _BUILDERS[name](*key)
+        kernel = _KERNELS[key] = _BUILDERS[name](*key[1:])
     return kernel
 
 
@@ -727,10 +786,10 @@ def _check_config(HEAD_DIM: int, config: TensorCoreBwdConfig) -> None:
         raise ValueError(f"TensorCoreBwdConfig needs warps >= 1, tiles multiples of 16 and DKDV_BLOCK_M <= 32 · "
                          f"DKDV_WARPS, got {config}")
     for name in ("dkdv", "dq"):
-        if shared_bytes(name, HEAD_DIM, config) > 48 * 1024:
+        if shared_bytes(name, HEAD_DIM, config) > MAX_SHARED_BYTES:
             raise ValueError(
                 f"{config} at head dim {HEAD_DIM} needs {shared_bytes(name, HEAD_DIM, config)} B of shared memory "
-                f"in the {name} kernel, over the 48 KB a block may have statically"
+                f"in the {name} kernel, over the {MAX_SHARED_BYTES} B a block may have"
             )
 
 
@@ -826,12 +885,14 @@ def flash_attn_backward(
     if seqlen_k:
         args = (*inputs, dk.view(out_dtype), dv.view(out_dtype), *tail, num_n_tiles)
         plan[1] = launch.prepare(_kernel("dkdv", HEAD_DIM, config, *flags), num_n_tiles * batch * heads_k,
-                                 32 * config.DKDV_WARPS, q.device, args, tuple(range(8)))
+                                 32 * config.DKDV_WARPS, q.device, args, tuple(range(8)),
+                                 tile_bytes("dkdv", HEAD_DIM, config))
         prepared = prepared and plan[1] is not None
     if seqlen_q:
         args = (*inputs, dq.view(out_dtype), *tail, num_m_tiles)
         plan[2] = launch.prepare(_kernel("dq", HEAD_DIM, config, *flags), num_m_tiles * batch * heads,
-                                 32 * config.DQ_WARPS, q.device, args, tuple(range(7)))
+                                 32 * config.DQ_WARPS, q.device, args, tuple(range(7)),
+                                 tile_bytes("dq", HEAD_DIM, config))
         prepared = prepared and plan[2] is not None
     if prepared and key is not None:
         _PREPARED[key] = tuple(plan)
@@ -839,8 +900,9 @@ def flash_attn_backward(
 
 
 def kernel_resources() -> list[dict]:
-    """Registers and local memory per thread, static shared memory per block, of every tensor-core backward
-    kernel compiled so far in this process (one row per specialisation); empty under the simulator."""
+    """Registers and local memory per thread, static and dynamic shared memory per block, of every
+    tensor-core backward kernel compiled so far in this process (one row per specialisation); empty under
+    the simulator."""
     if simulated():
         return []
     rows = []
@@ -855,6 +917,8 @@ def kernel_resources() -> list[dict]:
                 **_feature_columns((LEFT, RIGHT, False, False, False)), "bf16": IS_BF16,
                 "even_head_dim": EVEN_HEAD_DIM, "async_loads": ASYNC_LOADS, "out_pairs": OUT_PAIRS,
                 "signature": ", ".join(str(t) for t in signature), "registers_per_thread": regs[signature],
-                "shared_bytes_per_block": shared[signature], "local_bytes_per_thread": local[signature],
+                "shared_bytes_per_block": shared[signature],
+                "dynamic_shared_bytes_per_block": tile_bytes(name, HEAD_DIM, config),
+                "local_bytes_per_thread": local[signature],
             })
     return rows

@@ -30,7 +30,13 @@ wrong result. Kernels compiled with debug, as cooperative or sensitive to the la
 argument extensions or a type this module does not pack, and calls with an empty tensor (``_flat``
 substitutes a fresh array) are always launched by numba.
 
-Under numba's CUDA simulator (NUMBA_ENABLE_CUDASIM=1) every launch is ``kernel[grid, block](*args)``.
+A kernel whose tiles live in dynamic shared memory (``cuda.shared.array(0, dtype)``) is launched with its
+size (``prepare``'s ``shared``): numba's launch ``kernel[grid, block, stream, shared]`` and the prepared
+cuLaunchKernel's sharedMemBytes. Over the 48 KB a block may have without opting in, the kernel's
+CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES is raised first (``allow_dynamic_shared``: numba-cuda 0.30
+has no call for it; cuFuncSetAttribute on the CUfunction numba loaded for the call's argument types).
+
+Under numba's CUDA simulator (NUMBA_ENABLE_CUDASIM=1) every launch is ``kernel[grid, block, 0, shared](*args)``.
 Setting ``FAST = False`` makes every launch numba's own (the tests compare the two).
 """
 
@@ -75,16 +81,39 @@ def parameter_values(args: tuple) -> list | None:
     return values
 
 
-def _numba_launch(kernel, grid, block, device, args):
-    """numba's own launch: ``kernel[grid, block, stream](*flat args)`` on torch's current stream."""
+# The dynamic shared memory a block may have without raising the kernel's limit (every GPU since sm_20).
+PORTABLE_SHARED_BYTES = 48 * 1024
+
+
+def _numba_launch(kernel, grid, block, device, args, shared=0):
+    """numba's own launch: ``kernel[grid, block, stream, shared](*flat args)`` on torch's current stream, with
+    ``shared`` bytes of dynamic shared memory a block (the kernel's limit raised first when over 48 KB)."""
     flat = [_flat(a) if isinstance(a, torch.Tensor) else a for a in args]
     if simulated():
-        kernel[grid, block](*flat)
+        kernel[grid, block, 0, shared](*flat)
         return flat
     with cuda.gpus[device.index]:
+        if shared > PORTABLE_SHARED_BYTES:
+            allow_dynamic_shared(kernel, flat, shared)
         stream = cuda.external_stream(torch.cuda.current_stream(device).cuda_stream)
-        kernel[grid, block, stream](*flat)
+        kernel[grid, block, stream, shared](*flat)
     return flat
+
+
+def allow_dynamic_shared(kernel, flat, shared: int) -> None:
+    """Raises the dynamic shared memory limit of the kernel numba compiles for the arguments ``flat`` (numba
+    arrays and scalars) to ``shared`` bytes, in the current context: compiled now if it was not (numba's
+    launch then finds it in ``kernel.overloads``). Fails naming the device's limit when over it."""
+    compiled = kernel.compile(tuple(kernel.typeof_pyval(a) for a in flat))
+    function = _driver.CUfunction(int(compiled._codelibrary.get_cufunc().handle))
+    (err,) = _driver.cuFuncSetAttribute(
+        function, _driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, shared)
+    if err != _SUCCESS:
+        device = int(_driver.cuCtxGetDevice()[1])
+        _, optin = _driver.cuDeviceGetAttribute(
+            _driver.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN, device)
+        raise RuntimeError(f"fa2_numba_cuda.launch: {shared} B of dynamic shared memory a block refused ({err!r}); "
+                           f"this device allows {optin} B a block in all, static shared memory included")
 
 
 def _checked_packing(kernel, device, flat, values):
@@ -117,11 +146,11 @@ class Prepared:
     """The fast launch of one class of calls (``prepare``): the first call's parameters, packed; each call
     writes its tensors' data pointers into their slots (``pointer_slots``) and calls cuLaunchKernel."""
 
-    __slots__ = ("function", "grid", "block", "device", "buffer", "words", "slots", "pointers", "params",
-                 "context", "lock")
+    __slots__ = ("function", "grid", "block", "shared", "device", "buffer", "words", "slots", "pointers",
+                 "params", "context", "lock")
 
-    def __init__(self, function, grid, block, device, buffer, slots, context):
-        self.function, self.grid, self.block, self.device = function, grid, block, device
+    def __init__(self, function, grid, block, shared, device, buffer, slots, context):
+        self.function, self.grid, self.block, self.shared, self.device = function, grid, block, shared, device
         self.buffer, self.slots, self.context = buffer, slots, context
         count = len(buffer) // 8
         self.words = (ctypes.c_uint64 * count).from_buffer(buffer)  # the parameters as 8-byte words
@@ -143,32 +172,33 @@ class Prepared:
             for slot, t in zip(self.slots, tensors, strict=True):
                 words[slot] = t.data_ptr()
             if int(_driver.cuCtxGetCurrent()[1]) == self.context:
-                (err,) = _driver.cuLaunchKernel(self.function, self.grid, 1, 1, self.block, 1, 1, 0, stream,
+                (err,) = _driver.cuLaunchKernel(self.function, self.grid, 1, 1, self.block, 1, 1, self.shared, stream,
                                                 self.params, 0)
             else:  # another context is current: make numba's (the device's primary context) current
                 with cuda.gpus[index]:
-                    (err,) = _driver.cuLaunchKernel(self.function, self.grid, 1, 1, self.block, 1, 1, 0, stream,
+                    (err,) = _driver.cuLaunchKernel(self.function, self.grid, 1, 1, self.block, 1, 1, self.shared, stream,
                                                     self.params, 0)
         if err != _SUCCESS:
             raise RuntimeError(f"fa2_numba_cuda.launch: cuLaunchKernel failed: {err!r}")
 
 
-def prepare(kernel, grid: int, block: int, device: torch.device, args: tuple,
-            varying: tuple[int, ...]) -> Prepared | None:
-    """Launches ``kernel[grid, block, torch's current stream](*args)`` (tensors as ``common._flat`` of them)
-    through numba and returns the ``Prepared`` launch of the calls that differ from this one only in the
-    memory of the tensors at the positions ``varying`` of ``args`` (the caller's class key holds everything
-    else: shapes, strides, dtypes, device, every scalar). None where numba launches every call (the
-    simulator, ``FAST`` off, an empty tensor, a type this module does not pack)."""
+def prepare(kernel, grid: int, block: int, device: torch.device, args: tuple, varying: tuple[int, ...],
+            shared: int = 0) -> Prepared | None:
+    """Launches ``kernel[grid, block, torch's current stream, shared](*args)`` (tensors as ``common._flat`` of
+    them; ``shared``: bytes of dynamic shared memory a block) through numba and returns the ``Prepared``
+    launch of the calls that differ from this one only in the memory of the tensors at the positions
+    ``varying`` of ``args`` (the caller's class key holds everything else: shapes, strides, dtypes, device,
+    every scalar). None where numba launches every call (the simulator, ``FAST`` off, an empty tensor, a
+    type this module does not pack)."""
     values = parameter_values(args) if FAST else None
-    flat = _numba_launch(kernel, grid, block, device, args)
+    flat = _numba_launch(kernel, grid, block, device, args, shared)
     if values is None:
         return None
     checked = _checked_packing(kernel, device, flat, values)
     if checked is None:
         return None
     function, buffer, context = checked
-    return Prepared(function, grid, block, device, buffer, pointer_slots(args, varying), context)
+    return Prepared(function, grid, block, shared, device, buffer, pointer_slots(args, varying), context)
 
 
 def pointer_slots(args: tuple, varying: tuple[int, ...]) -> tuple[int, ...]:

@@ -247,18 +247,22 @@ if numba.config.ENABLE_CUDASIM:
 
     def _register(array, space: str) -> int:
         """The array's virtual base address in this block. A shared array is filled with 0xFF bytes when the
-        block first takes its address: NaN in fp16 and bf16, so that a tile read before it is written shows."""
+        block first takes its address: NaN in fp16 and bf16, so that a tile read before it is written shows.
+        Arrays are told apart by their memory (first byte and size), not by the Python object: the
+        simulator's dynamic shared array (``cuda.shared.array(0, dtype)``) is a new numpy view of the same
+        buffer for every thread that declares it."""
         data = getattr(array, "_item", None)
         data = data._ary if data is not None else array  # a kernel argument's numpy array
+        key = (data.__array_interface__["data"][0], data.nbytes)
         block = _block()
         with _lock:
-            entry = block.regions.get(id(data))
+            entry = block.regions.get(key)
             if entry is None:
                 base = block.next_base[space]
                 block.next_base[space] = base + -(-data.nbytes // _GAP) * _GAP + _GAP
                 if space == "shared":
                     data.view(np.uint8)[:] = 0xFF
-                entry = block.regions[id(data)] = (base, data.reshape(-1).view(np.uint8), data)
+                entry = block.regions[key] = (base, data.reshape(-1).view(np.uint8), data)
         return entry[0]
 
     def _bytes(address: int, nbytes: int) -> np.ndarray:
