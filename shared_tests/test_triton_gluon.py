@@ -205,3 +205,25 @@ def test_fa2_attention_reaches_the_gluon_kernel(device, monkeypatch):
     assert_matches_reference(out.O, out.L, q, k, v, False, SCALE)
     fa2.attention(q, k, v, scale=SCALE, causal=True, backend="triton")
     assert calls == [1], "causal inputs run the tl kernel"
+
+
+def test_gluon_calls_share_a_compiled_kernel_only_within_a_class(device):
+    """The Gluon launch goes through fa2_triton.launch's cache: new data of one class reuses the compiled
+    kernel, another dtype or layout (a constexpr) gets its own entry, and each matches the reference."""
+    _hopper(device)
+    from fa2_triton import launch
+
+    def entries():
+        return sum(1 for key in launch._COMPILED if key[0] is forward_gluon._attn_fwd_gluon)
+
+    launch._COMPILED.clear()
+    for n, (dtype, interleaved, seed) in enumerate([(torch.bfloat16, False, 1), (torch.bfloat16, False, 2),
+                                                    (torch.float16, False, 3), (torch.bfloat16, True, 4)]):
+        q, k, v = random_qkv((2, 256, 4, 128) if interleaved else (2, 4, 256, 128),
+                             (2, 256, 4, 128) if interleaved else (2, 4, 256, 128), dtype, device, seed=seed)
+        if interleaved:
+            q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        assert forward_gluon.uses_gluon(q, k, v, _spec())
+        O, L = flash_attn_forward(q, k, v, _spec())
+        assert_matches_reference(O, L, q, k, v, False, SCALE)
+        assert entries() == [1, 1, 2, 3][n]

@@ -40,6 +40,14 @@ def _descriptors():
             t = torch.zeros(shape, dtype=dtype)
             for rows in (16, 64):
                 out.append(TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, rows, 64]))
+    if launch.GluonTensorDescriptor is not None:  # the Gluon kernel's 2-D descriptors, with their layouts
+        from triton.experimental.gluon import language as gl
+        for dtype, gl_dtype in ((torch.float16, gl.float16), (torch.bfloat16, gl.bfloat16)):
+            for shape in ((512, 128), (384, 128), (512, 512)):
+                t = torch.zeros(shape, dtype=dtype)
+                for rows in (64, 128):
+                    layout = gl.NVMMASharedLayout.get_default_for([rows, 128], gl_dtype)
+                    out.append(launch.GluonTensorDescriptor.from_tensor(t, [rows, 128], layout))
     return out
 
 

@@ -12,7 +12,9 @@ FlashAttention-3 does: one CTA per 128 query rows of a (batch, head) has three p
   softmax runs while the other's MMAs keep the tensor cores busy.
 
 The kernel's outputs are the tl kernel's: O (batch, heads, seqlen_q, head_dim) contiguous, staged in the
-consumer's Q buffer and stored by TMA, and L = m + log(l) in natural log.
+consumer's Q buffer and stored by TMA, and L = m + log(l) in natural log. It is launched through
+``fa2_triton.launch`` as the tl kernels are: Triton's dispatch once per class of inputs, not every call
+(on the H200 its host time had made fa2.attention's calls at N = 512 wait on the host).
 
 Which inputs take it (``uses_gluon``), as measured on the H200 (docs/notes/gluon-forward.md): a Hopper GPU
 (compute capability 9.0) with Gluon's Hopper API importable, not the interpreter; fp16 or bf16;
@@ -39,7 +41,7 @@ import torch
 from fa2.spec import AttentionSpec
 
 from fa2_triton.common import INTERPRETED, LOG2_E, _capability, group_size
-from fa2_triton.launch import on_device
+from fa2_triton.launch import launch, on_device
 
 try:
     from triton.experimental import gluon
@@ -120,9 +122,9 @@ def flash_attn_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     v_desc = GluonTensorDescriptor.from_tensor(_rows_2d(v, kv_cols), [BLOCK_N, head_dim], kv_layout)
     o_desc = GluonTensorDescriptor.from_tensor(O.view(-1, head_dim), [BLOCK_M // 2, head_dim], q_layout)
     with on_device(q.device):
-        _attn_fwd_gluon[(seqlen_q // BLOCK_M, batch * heads)](
-            q_desc, k_desc, v_desc, o_desc, L, spec.scale * LOG2_E, seqlen_q, seqlen_k, heads, group_size(q, k),
-            q_cols, kv_cols, head_dim, num_warps=4, maxnreg=MAXNREG)
+        launch(_attn_fwd_gluon, (seqlen_q // BLOCK_M, batch * heads),
+               (q_desc, k_desc, v_desc, o_desc, L, spec.scale * LOG2_E, seqlen_q, seqlen_k, heads, group_size(q, k)),
+               dict(Q_COLS=q_cols, KV_COLS=kv_cols, HEAD_DIM=head_dim), dict(num_warps=4, maxnreg=MAXNREG))
     return O, L
 
 

@@ -12,11 +12,11 @@ The class must hold everything Triton specialises a compilation on, or a kernel 
 would run: a wrong class is a wrong result, not a slow one. ``arg_class`` is finer than Triton's rules
 (3.6 and 3.9): an integer by whether it equals 1, is divisible by 16 and fits in 32 or 64 bits; a
 tensor by dtype and 16-byte alignment of its data; a tensor descriptor by dtype, block shape, padding and
-the same facts about its data, shape and strides; a float by its type. With the constexprs, the launch
-options, the device and Triton's debug and instrumentation settings, two calls of one class are two calls
-Triton would send to the same compiled kernel, which ``test_triton_launch`` checks against Triton's own
-classifier. Kernels that Triton's interpreter runs, and kernels with pre-run hooks, are launched as
-written.
+the same facts about its data, shape and strides (a Gluon descriptor by its shared-memory layout too); a
+float by its type. With the constexprs, the launch options, the device and Triton's debug and
+instrumentation settings, two calls of one class are two calls Triton would send to the same compiled
+kernel, which ``test_triton_launch`` checks against Triton's own classifier. Kernels that Triton's
+interpreter runs, and kernels with pre-run hooks, are launched as written.
 """
 
 from __future__ import annotations
@@ -29,6 +29,11 @@ import triton
 from triton.runtime import _allocation
 from triton.runtime.jit import JITFunction
 from triton.tools.tensor_descriptor import TensorDescriptor
+
+try:  # Gluon's descriptors carry their shared-memory layout (Triton 3.5 and up)
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTensorDescriptor
+except ImportError:
+    GluonTensorDescriptor = None
 
 # (kernel, device, constexprs, options, Triton settings, argument classes) -> the compiled kernel. One entry
 # per class of arguments met, so it stays as small as Triton's own cache of compilations.
@@ -68,6 +73,11 @@ def arg_class(arg: Any) -> Any:
         return _int_classes((arg,))[0]
     if isinstance(arg, torch.Tensor):
         return arg.dtype, arg.data_ptr() % 16 == 0
+    if GluonTensorDescriptor is not None and isinstance(arg, GluonTensorDescriptor):
+        return (
+            arg.base.dtype, arg.base.data_ptr() % 16 == 0, tuple(arg.block_shape), arg.layout, arg.padding,
+            getattr(arg, "round_f32_to_tf32", False), _int_classes((*arg.shape, *arg.strides)),
+        )
     if isinstance(arg, TensorDescriptor):
         return (
             arg.base.dtype, arg.base.data_ptr() % 16 == 0, tuple(arg.block_shape), arg.padding,
@@ -109,14 +119,17 @@ def _classes(args: tuple) -> tuple:
     ])
 
 
-def launch(kernel, grid: int, args: tuple, constexprs: dict[str, Any], options: dict[str, Any]):
-    """Runs ``kernel[(grid,)](*args, **constexprs, **options)`` on the current device and stream; returns
-    the compiled kernel (on a GPU; what the launch returns under the interpreter).
+def launch(kernel, grid: int | tuple[int, ...], args: tuple, constexprs: dict[str, Any], options: dict[str, Any]):
+    """Runs ``kernel[grid](*args, **constexprs, **options)`` on the current device and stream (``grid``: the
+    programs along one axis, or a tuple of up to three); returns the compiled kernel (on a GPU; what the
+    launch returns under the interpreter). Gluon kernels too (their ``GluonJITFunction`` is a
+    ``JITFunction``, launched the same way).
 
     ``constexprs`` must be the kernel's last parameters, in order (checked when a class is first met).
     """
+    grid = (grid,) if type(grid) is int else tuple(grid)
     if not isinstance(kernel, JITFunction) or kernel.pre_run_hooks:
-        return kernel[(grid,)](*args, **constexprs, **options)
+        return kernel[grid](*args, **constexprs, **options)
     device = torch.cuda.current_device()
     knobs = triton.knobs
     key = (
@@ -127,15 +140,16 @@ def launch(kernel, grid: int, args: tuple, constexprs: dict[str, Any], options: 
     if compiled is None:
         if kernel.arg_names[len(args):] != list(constexprs):
             raise AssertionError(f"{kernel.arg_names[len(args):]} are not the constexprs {list(constexprs)}")
-        compiled = kernel[(grid,)](*args, **constexprs, **options)
+        compiled = kernel[grid](*args, **constexprs, **options)
         _COMPILED[key] = compiled
         return compiled
     # What JITFunction.run does once it has found the compiled kernel (Triton 3.6 and 3.9).
     bound = (*args, *constexprs.values())
     stream = triton.runtime.driver.active.get_current_stream(device)
+    grid = (grid + (1, 1))[:3]
     compiled.run(
-        grid, 1, 1, stream, compiled.function, compiled.packed_metadata,
-        compiled.launch_metadata((grid, 1, 1), stream, *bound),
+        *grid, stream, compiled.function, compiled.packed_metadata,
+        compiled.launch_metadata(grid, stream, *bound),
         knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook, *bound,
     )
     return compiled
