@@ -156,7 +156,13 @@ def tc_bwd_config(HEAD_DIM: int) -> TensorCoreBwdConfig:
     (Before these tiles, 16-query dK/dV tiles and 32-key dQ tiles at every head dim: D64 dK/dV 172 / 168,
     dQ 158 / 156 registers; D128 dK/dV 255 / 254 with 0 / 12 B spilled, dQ 246 / 238. 64-query tiles at D64
     spilled 52 B causal before the masks became one compare with a constant per element.) Larger tiles at
-    D128 need more than the 48 KB of static shared memory (32-query dK/dV tiles: 52,736 B).
+    D128 need more than 48 KB of shared memory (32-query dK/dV tiles with K in registers: 52,736 B, 40 B
+    spilled full), in dynamic shared memory; offline, no spills, registers full / causal and shared memory a
+    block: dK/dV with 8 warps (128 keys) x 16 queries 254 / 242, 69,888 B; with K and V in shared memory
+    (K_IN_SHARED) 4 warps x 32 queries 250 / 254, 70,144 B, 8 x 32 248 / 246, 104,960 B, 8 x 64 255 / 255,
+    140,288 B (4 x 64: 28 B spilled full); dQ with Q and dO in shared memory (QDO_IN_SHARED) 4 warps x 32
+    keys 164 / 162, 69,632 B, 4 x 64 240 / 242, 104,448 B, 8 x 32 160 / 158, 104,448 B. Not yet timed on
+    a GPU (.whl/scripts/bench_tc_bwd_dyn.py times them).
     On the H200 (.whl/scripts/bench_tc_bwd_tiles.py at 1d3e465: bf16, B 4, H 16, dK/dV + dQ + preprocess,
     TFLOP/s as 2.5x the forward's over the visible pairs), N 2048 / 4096, full and causal: D64 with 32-key dQ
     tiles 197 / 212 and 159 / 191 (64-key: 193 / 211 and 154 / 183; the old 16/32 tiles 157 / 178 and

@@ -34,7 +34,8 @@ A kernel whose tiles live in dynamic shared memory (``cuda.shared.array(0, dtype
 size (``prepare``'s ``shared``): numba's launch ``kernel[grid, block, stream, shared]`` and the prepared
 cuLaunchKernel's sharedMemBytes. Over the 48 KB a block may have without opting in, the kernel's
 CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES is raised first (``allow_dynamic_shared``: numba-cuda 0.30
-has no call for it; cuFuncSetAttribute on the CUfunction numba loaded for the call's argument types).
+has no call for it; cuKernelSetAttribute on the kernel numba loaded for the call's argument types, a
+cuda.core library's CUkernel, for the context's device).
 
 Under numba's CUDA simulator (NUMBA_ENABLE_CUDASIM=1) every launch is ``kernel[grid, block, 0, shared](*args)``.
 Setting ``FAST = False`` makes every launch numba's own (the tests compare the two).
@@ -105,15 +106,18 @@ def allow_dynamic_shared(kernel, flat, shared: int) -> None:
     arrays and scalars) to ``shared`` bytes, in the current context: compiled now if it was not (numba's
     launch then finds it in ``kernel.overloads``). Fails naming the device's limit when over it."""
     compiled = kernel.compile(tuple(kernel.typeof_pyval(a) for a in flat))
-    function = _driver.CUfunction(int(compiled._codelibrary.get_cufunc().handle))
-    (err,) = _driver.cuFuncSetAttribute(
-        function, _driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, shared)
+    handle = compiled._codelibrary.get_cufunc().handle
+    attribute = _driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+    device = _driver.cuCtxGetDevice()[1]
+    if isinstance(handle, _driver.CUfunction):
+        (err,) = _driver.cuFuncSetAttribute(handle, attribute, shared)
+    else:  # numba-cuda 0.30 loads through cuda.core: a library's kernel (CUkernel), set per device
+        (err,) = _driver.cuKernelSetAttribute(attribute, shared, _driver.CUkernel(int(handle)), device)
     if err != _SUCCESS:
-        device = int(_driver.cuCtxGetDevice()[1])
         _, optin = _driver.cuDeviceGetAttribute(
             _driver.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN, device)
-        raise RuntimeError(f"fa2_numba_cuda.launch: {shared} B of dynamic shared memory a block refused ({err!r}); "
-                           f"this device allows {optin} B a block in all, static shared memory included")
+        raise RuntimeError(f"fa2_numba_cuda.launch: {shared} B of dynamic shared memory a block refused "
+                           f"({err!r}); this device allows {optin} B a block in all, static shared memory included")
 
 
 def _checked_packing(kernel, device, flat, values):
@@ -176,8 +180,8 @@ class Prepared:
                                                 self.params, 0)
             else:  # another context is current: make numba's (the device's primary context) current
                 with cuda.gpus[index]:
-                    (err,) = _driver.cuLaunchKernel(self.function, self.grid, 1, 1, self.block, 1, 1, self.shared, stream,
-                                                    self.params, 0)
+                    (err,) = _driver.cuLaunchKernel(self.function, self.grid, 1, 1, self.block, 1, 1, self.shared,
+                                                    stream, self.params, 0)
         if err != _SUCCESS:
             raise RuntimeError(f"fa2_numba_cuda.launch: cuLaunchKernel failed: {err!r}")
 
