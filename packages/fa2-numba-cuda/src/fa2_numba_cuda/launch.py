@@ -34,7 +34,8 @@ A kernel whose tiles live in dynamic shared memory (``cuda.shared.array(0, dtype
 size (``prepare``'s ``shared``): numba's launch ``kernel[grid, block, stream, shared]`` and the prepared
 cuLaunchKernel's sharedMemBytes. Over the 48 KB a block may have without opting in, the kernel's
 CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES is raised first (``allow_dynamic_shared``: numba-cuda 0.30
-has no call for it; cuFuncSetAttribute on the function numba loaded for the call's argument types).
+has no call for it; cuKernelSetAttribute on the kernel numba loaded for the call's argument types, a
+cuda.core library's CUkernel, for the context's device).
 
 Under numba's CUDA simulator (NUMBA_ENABLE_CUDASIM=1) every launch is ``kernel[grid, block, 0, shared](*args)``.
 Setting ``FAST = False`` makes every launch numba's own (the tests compare the two).
@@ -105,12 +106,13 @@ def allow_dynamic_shared(kernel, flat, shared: int) -> None:
     arrays and scalars) to ``shared`` bytes, in the current context: compiled now if it was not (numba's
     launch then finds it in ``kernel.overloads``). Fails naming the device's limit when over it."""
     compiled = kernel.compile(tuple(kernel.typeof_pyval(a) for a in flat))
-    # The handle as the prepared launch passes it to cuLaunchKernel (on the H200, numba-cuda 0.30.4's
-    # handle is not a cuda-bindings CUfunction object, and taken for a CUkernel it was refused as invalid).
-    function = _driver.CUfunction(int(compiled._codelibrary.get_cufunc().handle))
+    handle = compiled._codelibrary.get_cufunc().handle
     attribute = _driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
     device = _driver.cuCtxGetDevice()[1]
-    (err,) = _driver.cuFuncSetAttribute(function, attribute, shared)
+    if isinstance(handle, _driver.CUfunction):
+        (err,) = _driver.cuFuncSetAttribute(handle, attribute, shared)
+    else:  # numba-cuda 0.30 loads through cuda.core: a library's kernel (CUkernel), set per device
+        (err,) = _driver.cuKernelSetAttribute(attribute, shared, _driver.CUkernel(int(handle)), device)
     if err != _SUCCESS:
         _, optin = _driver.cuDeviceGetAttribute(
             _driver.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN, device)
