@@ -66,3 +66,18 @@ def test_tuner_records_wrong_and_failed_candidates(tmp_path, monkeypatch, capsys
     assert "KernelTiles(32, 16" not in final["final-winner"]["config"]
     printed = capsys.readouterr().out
     assert '(16, "16-bit", True): ((None, BwdTiles(KernelTiles(' in printed
+
+
+def test_bwd_tiles_for_packed_batches():
+    """A packed batch's dK/dV kernel at head_dim 64 takes BWD_DKDV_VARLEN's capped tiles (full: every length;
+    causal: up to 2048 keys, then the dense bucket); the dQ kernel keeps the dense bucket's, and other head
+    dims and dense batches are unchanged."""
+    from fa2_triton.tiles import BWD_DKDV_VARLEN
+    for causal, seqlen in [(False, 1024), (False, 3902), (True, 2048)]:
+        tiles = bwd_tiles_for(64, torch.bfloat16, causal, seqlen, varlen=True)
+        dense = bwd_tiles_for(64, torch.bfloat16, causal, seqlen)
+        assert tiles.dkdv == BWD_DKDV_VARLEN[64, "16-bit", causal][0][1] and tiles.dkdv.maxnreg == 168
+        assert tiles.dq == dense.dq
+    assert bwd_tiles_for(64, torch.bfloat16, True, 3902, varlen=True) == bwd_tiles_for(64, torch.bfloat16, True, 3902)
+    assert bwd_tiles_for(128, torch.float16, False, 3902, varlen=True) == bwd_tiles_for(128, torch.float16, False, 3902)
+    assert bwd_tiles_for(64, torch.float32, False, 1024, varlen=True).dkdv.maxnreg is None

@@ -41,7 +41,8 @@ def flash_attn_backward(
         spec: what the forward computed (``fa2.spec.AttentionSpec``: scale, window, softcap, ALiBi), as in
             ``flash_attn_forward``. The softcap's gradient multiplies dS by 1 - tanh² of the scaled score over
             softcap; ALiBi adds nothing to it, and the slopes get no gradient.
-        tiles: each kernel's tiles (powers of two >= 16), num_warps, num_stages; default ``bwd_tiles_for``.
+        tiles: each kernel's tiles (powers of two >= 16), num_warps, num_stages, maxnreg; default
+            ``bwd_tiles_for``.
         deterministic: True (the default) computes dq in its own kernel, every element written once, so
             that the same inputs give the same bits. False adds dq into a zeroed fp32 accumulator from the
             dK/dV kernel with atomics instead (as FA2's CUDA kernel): S and dP are computed once instead of
@@ -67,7 +68,8 @@ def flash_attn_backward(
 
     dk = torch.empty(k.shape, device=k.device, dtype=k.dtype)
     dv = torch.empty(v.shape, device=v.device, dtype=v.dtype)
-    tiles = tiles or bwd_tiles_for(head_dim, q.dtype, spec.masked, spec.max_seqlen_k if spec.varlen else seqlen_k)
+    tiles = tiles or bwd_tiles_for(head_dim, q.dtype, spec.masked, spec.max_seqlen_k if spec.varlen else seqlen_k,
+                                   spec.varlen)
     with on_device(q.device):
         delta = launch_preprocess(O, dO)
         if deterministic:
@@ -126,7 +128,7 @@ def launch_dq(q, k, v, dO, L, delta, dq, spec: AttentionSpec, t: KernelTiles):
         dict(WINDOW_LEFT=a.WINDOW_LEFT, WINDOW_RIGHT=a.WINDOW_RIGHT, SOFTCAP=a.SOFTCAP, ALIBI=a.ALIBI,
              BLOCK_M=t.block_m, BLOCK_N=t.block_n, HEAD_DIM=HEAD_DIM, EVEN_D=HEAD_DIM == head_dim,
              VARLEN=spec.varlen),
-        dict(num_warps=t.num_warps, num_stages=t.num_stages),
+        _options(t),
     )
 
 
@@ -158,5 +160,12 @@ def launch_dkdv(q, k, v, dO, L, delta, dk, dv, dq_acc, spec: AttentionSpec, t: K
         dict(WINDOW_LEFT=a.WINDOW_LEFT, WINDOW_RIGHT=a.WINDOW_RIGHT, SOFTCAP=a.SOFTCAP, ALIBI=a.ALIBI,
              BLOCK_M=t.block_m, BLOCK_N=t.block_n, HEAD_DIM=HEAD_DIM,
              EVEN_D=HEAD_DIM == head_dim, ATOMIC_DQ=dq_acc is not None, VARLEN=spec.varlen, GQA=group > 1),
-        dict(num_warps=t.num_warps, num_stages=t.num_stages),
+        _options(t),
     )
+
+
+def _options(t: KernelTiles) -> dict:
+    """The launch options of a kernel's tiles: maxnreg only where the tiles cap the registers."""
+    if t.maxnreg is None:
+        return dict(num_warps=t.num_warps, num_stages=t.num_stages)
+    return dict(num_warps=t.num_warps, num_stages=t.num_stages, maxnreg=t.maxnreg)

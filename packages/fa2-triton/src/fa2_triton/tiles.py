@@ -7,10 +7,11 @@ lazy rescale, maxnreg, tensor descriptors, warp specialisation) are the fields o
 what the tiles ask for: ``tma_layout`` (host tensor descriptors over (B, H, N, D)) and ``ws_tiles`` /
 ``ws_layout`` (the warp-specialised loop).
 
-Backward: each kernel has its own configuration (``KernelTiles``: tiles, num_warps, num_stages; a ``BwdTiles``
-for the dK/dV and dQ kernels), chosen the same way from ``BWD_TILES`` by ``bwd_tiles_for``, which
-``python -m fa2_triton.tuning.backward`` measures on a GPU, timing the two kernels apart; padded 16-bit head
-dims take ``BWD_TILES_16BIT_PADDED``, the preprocess kernel ``PREPROCESS_ELEMENTS``.
+Backward: each kernel has its own configuration (``KernelTiles``: tiles, num_warps, num_stages, a register
+cap; a ``BwdTiles`` for the dK/dV and dQ kernels), chosen the same way from ``BWD_TILES`` by
+``bwd_tiles_for``, which ``python -m fa2_triton.tuning.backward`` measures on a GPU, timing the two kernels
+apart; packed batches' dK/dV kernel at head_dim 64 takes ``BWD_DKDV_VARLEN``, padded 16-bit head dims
+``BWD_TILES_16BIT_PADDED``, the preprocess kernel ``PREPROCESS_ELEMENTS``.
 
 The KV-cache kernel's tiles are worked out from head_dim, the dtype, the group's query rows and the page size,
 not read from a table (``kvcache._tiles``).
@@ -185,6 +186,7 @@ class KernelTiles(NamedTuple):
     block_n: int
     num_warps: int
     num_stages: int
+    maxnreg: int | None = None  # registers per thread at most (PTX .maxnreg); None: the compiler's
 
 
 class BwdTiles(NamedTuple):
@@ -239,6 +241,20 @@ BWD_TILES: dict[tuple[int, str, bool], tuple[tuple[int | None, BwdTiles], ...]] 
         (None, BwdTiles(KernelTiles(64, 128, 8, 3), KernelTiles(128, 64, 8, 4))),
     ),
 }
+# Packed batches (VARLEN), the dK/dV kernel at HEAD_DIM = 64, 16-bit: (HEAD_DIM, dtype class, causal) ->
+# ((largest max_seqlen_k, KernelTiles), ...), the first bound that holds wins; past the last, BWD_TILES'
+# bucket. Each sequence's offsets and lengths are loaded from memory, so the lengths and everything derived
+# from them (the loops' bounds, the masks' diagonals) sit in per-thread registers where a dense batch's
+# are kernel arguments: offline (sm_90a, Triton 3.6) the (32, 64, 4 warps) kernel takes 177 registers full
+# and 233 causal against 158 / 168 dense, two blocks an SM instead of three. Capped at 168 (no spills full,
+# 24 B causal; GQA, softcap and the atomic dQ spill 24-112 B): on the H200 (.whl/scripts/varlen_ctrl.py,
+# bf16, 8 sequences of 2048, the dK/dV kernel alone) full 294 -> 378 TFLOP/s (dense: 451), causal
+# 247 -> 324 (348). The 8-warp tiles of the longer buckets lose as much (276 against dense 446, one block
+# an SM either way; not explained yet), so the full kernel keeps the capped 4-warp tiles at every length.
+BWD_DKDV_VARLEN: dict[tuple[int, str, bool], tuple[tuple[int | None, KernelTiles], ...]] = {
+    (64, "16-bit", False): ((None, KernelTiles(32, 64, 4, 3, 168)),),
+    (64, "16-bit", True): ((2048, KernelTiles(32, 64, 4, 4, 168)),),
+}
 # A padded head_dim (16-bit, not a multiple of 16: loads masked along it and not vectorised) needs more
 # registers for the same tiles: smaller ones, by HEAD_DIM. They still spill a few hundred bytes from
 # HEAD_DIM = 128 (as the forward does). Not tuned: no benchmark shape has one.
@@ -253,16 +269,27 @@ BWD_TILES_16BIT_PADDED = {
 PREPROCESS_ELEMENTS = 4096
 
 
-def bwd_tiles_for(head_dim: int, dtype: torch.dtype, masked: bool = False, seqlen_k: int | None = None) -> BwdTiles:
+def bwd_tiles_for(head_dim: int, dtype: torch.dtype, masked: bool = False, seqlen_k: int | None = None,
+                  varlen: bool = False) -> BwdTiles:
     """The launch configuration for a head_dim (unpadded), an input dtype, whether a window masks some keys
-    (``AttentionSpec.masked``: causal's entries serve every window) and seqlen_k (None: the largest
-    bucket). The interpreter gets the same tiles as the GPU (it ignores num_warps and num_stages), so CPU
-    tests cover the GPU's tiling."""
+    (``AttentionSpec.masked``: causal's entries serve every window), seqlen_k (None: the largest bucket;
+    a packed batch's max_seqlen_k) and whether the batch is packed (``BWD_DKDV_VARLEN``'s dK/dV tiles where
+    it has them). The interpreter gets the same tiles as the GPU (it ignores num_warps, num_stages and
+    maxnreg), so CPU tests cover the GPU's tiling."""
     HEAD_DIM = max(16, triton.next_power_of_2(head_dim))
     dtype_class = DTYPE_CLASS[dtype]
     if dtype_class == "16-bit" and head_dim % 16:
         return BWD_TILES_16BIT_PADDED[HEAD_DIM]
-    for bound, tiles in BWD_TILES[HEAD_DIM, dtype_class, masked]:
+    tiles = _bucket(BWD_TILES[HEAD_DIM, dtype_class, masked], seqlen_k)
+    if tiles is None:
+        raise AssertionError(f"BWD_TILES[{HEAD_DIM}, {dtype_class}, {masked}] lacks its last (None) entry")
+    dkdv = _bucket(BWD_DKDV_VARLEN.get((HEAD_DIM, dtype_class, masked), ()), seqlen_k) if varlen else None
+    return tiles if dkdv is None else tiles._replace(dkdv=dkdv)
+
+
+def _bucket(entries, seqlen_k: int | None):
+    """The first entry whose bound holds seqlen_k (a bound of None holds any), or None."""
+    for bound, tiles in entries:
         if bound is None or (seqlen_k is not None and seqlen_k <= bound):
             return tiles
-    raise AssertionError(f"BWD_TILES[{HEAD_DIM}, {dtype_class}, {masked}] lacks its last (None) entry")
+    return None

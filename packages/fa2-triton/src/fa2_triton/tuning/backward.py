@@ -89,7 +89,7 @@ KERNEL_FLOPS = {"dkdv": 2.0, "dq": 1.5}
 def describe(t: BwdTiles | KernelTiles) -> str:
     if isinstance(t, BwdTiles):
         return f"BwdTiles({describe(t.dkdv)}, {describe(t.dq)})"
-    return f"KernelTiles({', '.join(str(x) for x in t)})"
+    return f"KernelTiles({', '.join(str(x) for x in t if x is not None)})"
 
 
 def _short(t: KernelTiles) -> str:
