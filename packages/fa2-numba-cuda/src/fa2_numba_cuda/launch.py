@@ -35,7 +35,7 @@ size (``prepare``'s ``shared``): numba's launch ``kernel[grid, block, stream, sh
 cuLaunchKernel's sharedMemBytes. Over the 48 KB a block may have without opting in, the kernel's
 CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES is raised first (``allow_dynamic_shared``: numba-cuda 0.30
 has no call for it; cuKernelSetAttribute on the kernel numba loaded for the call's argument types, a
-cuda.core library's CUkernel, for the context's device).
+cuda.core library's CUkernel, for the context's device, or cuFuncSetAttribute on its function).
 
 Under numba's CUDA simulator (NUMBA_ENABLE_CUDASIM=1) every launch is ``kernel[grid, block, 0, shared](*args)``.
 Setting ``FAST = False`` makes every launch numba's own (the tests compare the two).
@@ -104,20 +104,34 @@ def _numba_launch(kernel, grid, block, device, args, shared=0):
 def allow_dynamic_shared(kernel, flat, shared: int) -> None:
     """Raises the dynamic shared memory limit of the kernel numba compiles for the arguments ``flat`` (numba
     arrays and scalars) to ``shared`` bytes, in the current context: compiled now if it was not (numba's
-    launch then finds it in ``kernel.overloads``). Fails naming the device's limit when over it."""
+    launch then finds it in ``kernel.overloads``). Fails naming the device's limit and each call's error."""
     compiled = kernel.compile(tuple(kernel.typeof_pyval(a) for a in flat))
-    handle = compiled._codelibrary.get_cufunc().handle
+    handle = int(compiled._codelibrary.get_cufunc().handle)
     attribute = _driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
     device = _driver.cuCtxGetDevice()[1]
-    if isinstance(handle, _driver.CUfunction):
-        (err,) = _driver.cuFuncSetAttribute(handle, attribute, shared)
-    else:  # numba-cuda 0.30 loads through cuda.core: a library's kernel (CUkernel), set per device
-        (err,) = _driver.cuKernelSetAttribute(attribute, shared, _driver.CUkernel(int(handle)), device)
+    # numba-cuda 0.30 loads through cuda.core (cuLibraryLoadData, cuLibraryGetKernel): the handle is a
+    # library's CUkernel, which cuLaunchKernel takes in place of a function but cuFuncSetAttribute does not.
+    # So: the kernel's attribute for this device; else the attribute of its function in this context; else
+    # (a loader that hands out a module's CUfunction) the function's. The first that succeeds stands.
+    kernel_handle = _driver.CUkernel(handle)
+    (err,) = _driver.cuKernelSetAttribute(attribute, shared, kernel_handle, device)
+    errors = [f"cuKernelSetAttribute {err!r}"]
+    if err != _SUCCESS:
+        err, function = _driver.cuKernelGetFunction(kernel_handle)
+        if err == _SUCCESS:
+            (err,) = _driver.cuFuncSetAttribute(function, attribute, shared)
+            errors.append(f"cuKernelGetFunction + cuFuncSetAttribute {err!r}")
+        else:
+            errors.append(f"cuKernelGetFunction {err!r}")
+    if err != _SUCCESS:
+        (err,) = _driver.cuFuncSetAttribute(_driver.CUfunction(handle), attribute, shared)
+        errors.append(f"cuFuncSetAttribute {err!r}")
     if err != _SUCCESS:
         _, optin = _driver.cuDeviceGetAttribute(
             _driver.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN, device)
         raise RuntimeError(f"fa2_numba_cuda.launch: {shared} B of dynamic shared memory a block refused "
-                           f"({err!r}); this device allows {optin} B a block in all, static shared memory included")
+                           f"({'; '.join(errors)}); this device allows {optin} B a block in all, static shared "
+                           f"memory included")
 
 
 def _checked_packing(kernel, device, flat, values):
