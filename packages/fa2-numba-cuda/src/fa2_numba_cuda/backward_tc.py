@@ -121,15 +121,19 @@ class TensorCoreBwdConfig(NamedTuple):
     QDO_IN_SHARED: bool = False
 
 
-# The blocks by padded head dim (chosen when the tiles had to fit 48 KB of static shared memory: the largest
-# that did and whose registers do not spill, offline; at D64 the dQ kernel's 32-key tiles, faster on the
-# H200 than 64; larger D128 tiles, in dynamic shared memory, are .whl/scripts/bench_tc_bwd_dyn.py's): up to 64,
-# 64-query tiles in the dK/dV kernel and 32-key tiles in the dQ kernel; 80 and 96, 32 and 48; 112 and 128,
-# 16 and 32 (their dK/dV kernel at 242-255 registers).
+# The blocks by padded head dim (up to 112 chosen when the tiles had to fit 48 KB of static shared memory:
+# the largest that did and whose registers do not spill, offline; at D64 the dQ kernel's 32-key tiles,
+# faster on the H200 than 64): up to 64, 64-query tiles in the dK/dV kernel and 32-key tiles in the dQ
+# kernel; 80 and 96, 32 and 48; 112, 16 and 32 (8 warps x 64 queries spill 36 B there). 128: 8 dK/dV warps
+# (128 keys) against 64-query tiles with K and V read from shared memory, 140,288 B of dynamic shared memory:
+# the fastest of six dK/dV and four dQ candidates on the H200 (.whl/scripts/bench_tc_bwd_dyn.py, bf16, B 4,
+# H 16, N 2k / 4k, full / causal: 201 / 166 / 213 / 195 TFLOP/s against 177 / 152 / 188 / 176 with the
+# 16-query tiles of 4 warps; the dQ candidates with Q and dO in shared memory were slower).
 TC_BWD_CONFIGS = {
     64: TensorCoreBwdConfig(4, 64, 4, 32, 0, True),
     96: TensorCoreBwdConfig(4, 32, 4, 48, 0, True),
-    128: TensorCoreBwdConfig(4, 16, 4, 32, 0, True),
+    112: TensorCoreBwdConfig(4, 16, 4, 32, 0, True),
+    128: TensorCoreBwdConfig(8, 64, 4, 32, 0, True, True),
 }
 
 
@@ -148,7 +152,7 @@ def tc_bwd_config(HEAD_DIM: int) -> TensorCoreBwdConfig:
         64         239 / 243, 47,104 B (64)             126 / 128 (32 keys; 166 / 236 with 64)
         96         246 / 246, 40,448 B (32)             250 / 254, 39,936 B (48)
         112        - / 245, 30,976 B (16)               - / 244, 30,720 B (32)
-        128        255 / 242, 35,072 B (16)             240 / 240, 34,816 B (32)
+        128        255 / 255, 140,288 B (8 warps, 64)   240 / 240, 34,816 B (32)
 
     Plain loads (rows not 16 B aligned) at D48, D64 and D128 causal: at most 248 registers, no spills.
     Instructions in the dK/dV kernel's loop body a step (nvdisasm of the same cubin), full: D64 696 for
@@ -161,12 +165,13 @@ def tc_bwd_config(HEAD_DIM: int) -> TensorCoreBwdConfig:
     block: dK/dV with 8 warps (128 keys) x 16 queries 254 / 242, 69,888 B; with K and V in shared memory
     (K_IN_SHARED) 4 warps x 32 queries 250 / 254, 70,144 B, 8 x 32 248 / 246, 104,960 B, 8 x 64 255 / 255,
     140,288 B (4 x 64: 28 B spilled full); dQ with Q and dO in shared memory (QDO_IN_SHARED) 4 warps x 32
-    keys 164 / 162, 69,632 B, 4 x 64 240 / 242, 104,448 B, 8 x 32 160 / 158, 104,448 B. Not yet timed on
-    a GPU (.whl/scripts/bench_tc_bwd_dyn.py times them).
+    keys 164 / 162, 69,632 B, 4 x 64 240 / 242, 104,448 B, 8 x 32 160 / 158, 104,448 B.
     On the H200 (.whl/scripts/bench_tc_bwd_tiles.py at 1d3e465: bf16, B 4, H 16, dK/dV + dQ + preprocess,
     TFLOP/s as 2.5x the forward's over the visible pairs), N 2048 / 4096, full and causal: D64 with 32-key dQ
     tiles 197 / 212 and 159 / 191 (64-key: 193 / 211 and 154 / 183; the old 16/32 tiles 157 / 178 and
-    132 / 157), 0.79-0.90 of SDPA flash's backward; D128 176 / 187 and 152 / 176, 0.64-0.75 of it.
+    132 / 157), 0.79-0.90 of SDPA flash's backward. D128 (.whl/scripts/bench_tc_bwd_dyn.py at 64e2ca3, the
+    same measure): 8 warps x 64 queries with K in shared memory 201 / 213 and 166 / 195, 0.73-0.81 of SDPA
+    flash's (16-query tiles: 177 / 188 and 152 / 176).
     """
     return TC_BWD_CONFIGS[min(d for d in TC_BWD_CONFIGS if d >= HEAD_DIM)]
 
