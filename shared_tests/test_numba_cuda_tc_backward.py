@@ -194,9 +194,16 @@ def test_prepared_launch_equals_numbas_bit_for_bit(device, monkeypatch, dtype, d
     monkeypatch.setattr(backward_tc.launch, "FAST", False)
     expected = backward.flash_attn_backward(q, k, v, O, L, dO, spec, config)
     monkeypatch.setattr(backward_tc.launch, "FAST", True)
+    real = backward_tc.launch.prepare
+    sizes = []  # the dynamic shared memory each prepared launch asks for
+
+    def recording(*a):
+        sizes.append(a[6] if len(a) > 6 else 0)
+        return real(*a)
+
+    monkeypatch.setattr(backward_tc.launch, "prepare", recording)
     backward.flash_attn_backward(q, k, v, O, L, dO, spec, config)  # a class's first call: numba's, then prepared
     prepares = []
-    real = backward_tc.launch.prepare
     monkeypatch.setattr(backward_tc.launch, "prepare", lambda *a: prepares.append(a) or real(*a))
     got = backward.flash_attn_backward(q, k, v, O, L, dO, spec, config)
     assert not prepares, "the second call of a class must take the prepared launches"
@@ -204,7 +211,20 @@ def test_prepared_launch_equals_numbas_bit_for_bit(device, monkeypatch, dtype, d
     for name, x, ref in zip(("dq", "dk", "dv"), got, expected):
         assert torch.equal(x, ref), f"{name}: max |fast - numba| = {(x.float() - ref.float()).abs().max():.3g}"
     assert_grads_match(*got, q, k, v, dO, causal)
-    rows = [r for r in backward_tc.kernel_resources() if r["HEAD_DIM"] == backward_tc.padded_head_dim(d)]
     if config is not None:
-        assert any(r["dynamic_shared_bytes_per_block"] > 48 * 1024 for r in rows), f"shared memory: {rows}"
+        assert max(sizes) > 48 * 1024, f"the large tiles' launches asked for {sizes} B of dynamic shared memory"
+    rows = [r for r in backward_tc.kernel_resources() if r["HEAD_DIM"] == backward_tc.padded_head_dim(d)]
     assert rows and all(r["local_bytes_per_thread"] <= 64 for r in rows), f"local memory: {rows}"
+
+
+def test_d128_tiles_fall_back_where_the_device_allows_less_shared_memory():
+    """D128's default tiles need 140,288 B a block; a device that allows less (sm_86 and sm_89: 99 KB) gets
+    the tiles that fit 48 KB, and head dims whose tiles fit keep them."""
+    big = backward_tc.TC_BWD_CONFIGS[128]
+    assert max(backward_tc.shared_bytes(n, 128, big) for n in ("dkdv", "dq")) > 99 * 1024
+    assert backward_tc.tc_bwd_config(128) == big
+    assert backward_tc.tc_bwd_config(128, 227 * 1024) == big
+    small = backward_tc.tc_bwd_config(128, 99 * 1024)
+    assert small == backward_tc.TC_BWD_CONFIGS_48KB[128]
+    assert max(backward_tc.shared_bytes(n, 128, small) for n in ("dkdv", "dq")) <= 48 * 1024
+    assert backward_tc.tc_bwd_config(64, 99 * 1024) == backward_tc.TC_BWD_CONFIGS[64]

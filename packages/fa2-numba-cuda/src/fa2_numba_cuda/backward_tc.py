@@ -61,6 +61,7 @@ Under numba's CUDA simulator the instructions are ``mma.py``'s Python emulations
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import NamedTuple
 
@@ -125,23 +126,31 @@ class TensorCoreBwdConfig(NamedTuple):
 # the largest that did and whose registers do not spill, offline; at D64 the dQ kernel's 32-key tiles,
 # faster on the H200 than 64): up to 64, 64-query tiles in the dK/dV kernel and 32-key tiles in the dQ
 # kernel; 80 and 96, 32 and 48; 112, 16 and 32 (8 warps x 64 queries spill 36 B there). 128: 8 dK/dV warps
-# (128 keys) against 64-query tiles with K and V read from shared memory, 140,288 B of dynamic shared memory:
-# the fastest of six dK/dV and four dQ candidates on the H200 (.whl/scripts/bench_tc_bwd_dyn.py, bf16, B 4,
-# H 16, N 2k / 4k, full / causal: 201 / 166 / 213 / 195 TFLOP/s against 177 / 152 / 188 / 176 with the
-# 16-query tiles of 4 warps; the dQ candidates with Q and dO in shared memory were slower).
+# (128 keys) against 64-query tiles with K and V read from shared memory (139,264 B of dynamic shared memory
+# and 1,024 static a block): the fastest of six dK/dV and four dQ candidates on the H200
+# (.whl/scripts/bench_tc_bwd_dyn.py, bf16, B 4, H 16, N 2k / 4k, full / causal: 201 / 166 / 213 / 195 TFLOP/s
+# against 177 / 152 / 188 / 176 with the 16-query tiles of 4 warps; the dQ candidates with Q and dO in
+# shared memory were slower).
 TC_BWD_CONFIGS = {
     64: TensorCoreBwdConfig(4, 64, 4, 32, 0, True),
     96: TensorCoreBwdConfig(4, 32, 4, 48, 0, True),
     112: TensorCoreBwdConfig(4, 16, 4, 32, 0, True),
     128: TensorCoreBwdConfig(8, 64, 4, 32, 0, True, True),
 }
+# Where a device allows a block less shared memory than an entry needs (sm_86 and sm_89: 99 KB, against
+# D128's 140,288 B): the tiles that fit 48 KB, D128's before the dynamic shared memory.
+TC_BWD_CONFIGS_48KB = {
+    128: TensorCoreBwdConfig(4, 16, 4, 32, 0, True),
+}
 
 
-def tc_bwd_config(HEAD_DIM: int) -> TensorCoreBwdConfig:
-    """The blocks for a padded head dim (``TC_BWD_CONFIGS``' entry for the least head dim >= HEAD_DIM): the
-    dK/dV kernel's 64 keys (4 warps, V's tile in shared memory) against DKDV_BLOCK_M-query tiles, the dQ
-    kernel's 64 query rows (4 warps) against DQ_BLOCK_N-key tiles. Per dK/dV thread: K's fragments, dK's and
-    dV's accumulators, HEAD_DIM / 4 + HEAD_DIM registers, and Sᵀ, dPᵀ DKDV_BLOCK_M / 2 each; per dQ thread:
+def tc_bwd_config(HEAD_DIM: int, max_shared: int | None = None) -> TensorCoreBwdConfig:
+    """The blocks for a padded head dim (``TC_BWD_CONFIGS``' entry for the least head dim >= HEAD_DIM; where
+    it needs more shared memory a block than ``max_shared``, the device's limit, ``TC_BWD_CONFIGS_48KB``'s):
+    the dK/dV kernel's 16 · DKDV_WARPS keys (V's tile in shared memory, K's too with K_IN_SHARED) against
+    DKDV_BLOCK_M-query tiles, the dQ kernel's 64 query rows (4 warps) against DQ_BLOCK_N-key tiles. Per
+    dK/dV thread: K's fragments (but with K_IN_SHARED), dK's and dV's accumulators, HEAD_DIM / 4 + HEAD_DIM
+    registers, and Sᵀ, dPᵀ DKDV_BLOCK_M / 2 each; per dQ thread:
     Q's and dO's fragments, dQ's accumulator, HEAD_DIM registers, and S, dP DQ_BLOCK_N / 2 each. No cap.
     Offline (numba's PTX, ptxas -v, sm_90, bf16, cp.async, even head_dim), registers per thread (no spills
     in any), shared memory per block, full / causal:
@@ -173,7 +182,24 @@ def tc_bwd_config(HEAD_DIM: int) -> TensorCoreBwdConfig:
     same measure): 8 warps x 64 queries with K in shared memory 201 / 213 and 166 / 195, 0.73-0.81 of SDPA
     flash's (16-query tiles: 177 / 188 and 152 / 176).
     """
-    return TC_BWD_CONFIGS[min(d for d in TC_BWD_CONFIGS if d >= HEAD_DIM)]
+    d = min(d for d in TC_BWD_CONFIGS if d >= HEAD_DIM)
+    config = TC_BWD_CONFIGS[d]
+    if max_shared is not None and max(shared_bytes(n, HEAD_DIM, config) for n in ("dkdv", "dq")) > max_shared:
+        return TC_BWD_CONFIGS_48KB.get(d, config)
+    return config
+
+
+def max_shared_bytes(device: torch.device) -> int:
+    """The most shared memory a block may have on ``device``: its opt-in limit as torch reports it, else
+    (under the simulator, or a torch without the field) the kernels' own bound, ``MAX_SHARED_BYTES``."""
+    if simulated():
+        return MAX_SHARED_BYTES
+    return _optin_shared(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _optin_shared(index: int) -> int:
+    return getattr(torch.cuda.get_device_properties(index), "shared_memory_per_block_optin", MAX_SHARED_BYTES)
 
 
 # The most shared memory a block may have, static and dynamic together, on any GPU these kernels run on
@@ -866,7 +892,8 @@ def flash_attn_backward(
     delta = torch.empty(batch * heads * seqlen_q, dtype=torch.float32, device=q.device)
 
     HEAD_DIM = padded_head_dim(head_dim)
-    config = TensorCoreBwdConfig(*config) if config is not None else tc_bwd_config(HEAD_DIM)
+    config = (TensorCoreBwdConfig(*config) if config is not None
+              else tc_bwd_config(HEAD_DIM, max_shared_bytes(q.device)))
     _check_config(HEAD_DIM, config)
     is_bf16 = q.dtype == torch.bfloat16
     async_loads = all(_rows_16b_aligned(t) for t in (q, k, v, dO))

@@ -127,13 +127,13 @@ def launch(kernel, grid: int | tuple[int, ...], args: tuple, constexprs: dict[st
 
     ``constexprs`` must be the kernel's last parameters, in order (checked when a class is first met).
     """
-    grid = (grid,) if type(grid) is int else tuple(grid)
+    grid = (grid,) if isinstance(grid, int) else tuple(grid)
     if not isinstance(kernel, JITFunction) or kernel.pre_run_hooks:
         return kernel[grid](*args, **constexprs, **options)
     device = torch.cuda.current_device()
     knobs = triton.knobs
     key = (
-        kernel, device, *constexprs.values(), *options.values(),
+        kernel, device, *constexprs.values(), *options.items(),
         knobs.runtime.debug, knobs.compilation.instrumentation_mode, _classes(args),
     )
     compiled = _COMPILED.get(key)
