@@ -128,7 +128,7 @@ def launch_dq(q, k, v, dO, L, delta, dq, spec: AttentionSpec, t: KernelTiles):
         dict(WINDOW_LEFT=a.WINDOW_LEFT, WINDOW_RIGHT=a.WINDOW_RIGHT, SOFTCAP=a.SOFTCAP, ALIBI=a.ALIBI,
              BLOCK_M=t.block_m, BLOCK_N=t.block_n, HEAD_DIM=HEAD_DIM, EVEN_D=HEAD_DIM == head_dim,
              VARLEN=spec.varlen),
-        _options(t),
+        dict(num_warps=t.num_warps, num_stages=t.num_stages, maxnreg=t.maxnreg),
     )
 
 
@@ -160,12 +160,5 @@ def launch_dkdv(q, k, v, dO, L, delta, dk, dv, dq_acc, spec: AttentionSpec, t: K
         dict(WINDOW_LEFT=a.WINDOW_LEFT, WINDOW_RIGHT=a.WINDOW_RIGHT, SOFTCAP=a.SOFTCAP, ALIBI=a.ALIBI,
              BLOCK_M=t.block_m, BLOCK_N=t.block_n, HEAD_DIM=HEAD_DIM,
              EVEN_D=HEAD_DIM == head_dim, ATOMIC_DQ=dq_acc is not None, VARLEN=spec.varlen, GQA=group > 1),
-        _options(t),
+        dict(num_warps=t.num_warps, num_stages=t.num_stages, maxnreg=t.maxnreg),
     )
-
-
-def _options(t: KernelTiles) -> dict:
-    """The launch options of a kernel's tiles: maxnreg only where the tiles cap the registers."""
-    if t.maxnreg is None:
-        return dict(num_warps=t.num_warps, num_stages=t.num_stages)
-    return dict(num_warps=t.num_warps, num_stages=t.num_stages, maxnreg=t.maxnreg)

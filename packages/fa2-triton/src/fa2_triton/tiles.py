@@ -118,11 +118,11 @@ def tiles_for(head_dim_padded: int, dtype: torch.dtype, masked: bool = False, se
     warp-specialised loop with those tiles (None: as if they could); an entry that asks for it where they
     cannot is passed over for its fallback. The interpreter gets the same tiles as the GPU (it ignores
     num_warps and num_stages), so CPU tests cover the GPU's tiling."""
-    for bound, tiles in TILES[head_dim_padded, DTYPE_CLASS[dtype], masked]:
-        if tiles.warp_specialize and can_specialize is not None and not can_specialize(tiles):
-            continue
-        if bound is None or (seqlen_k is not None and seqlen_k <= bound):
-            return tiles
+    entries = TILES[head_dim_padded, DTYPE_CLASS[dtype], masked]
+    tiles = _bucket(((bound, t) for bound, t in entries
+                     if not (t.warp_specialize and can_specialize is not None and not can_specialize(t))), seqlen_k)
+    if tiles is not None:
+        return tiles
     raise AssertionError(f"TILES[{head_dim_padded}, {DTYPE_CLASS[dtype]}, {masked}] lacks its last (None) entry")
 
 
