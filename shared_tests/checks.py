@@ -15,6 +15,9 @@ correct kernel pass, while one that overflows or loses a term still fails.
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
 
 import torch
 
@@ -124,3 +127,12 @@ def random_qkv(shape_q, shape_k, dtype, device, seed=0):
     g = torch.Generator(device="cpu").manual_seed(seed)
     make = lambda s: torch.randn(s, generator=g, dtype=torch.float32).to(device=device, dtype=dtype)
     return make(shape_q), make(shape_k), make(shape_k)
+
+
+def run_python(code: str, without: str, timeout: float) -> subprocess.CompletedProcess:
+    """``code`` run by a fresh interpreter, its output captured, with this process's environment less the
+    variable ``without`` (an emulator's switch: TRITON_INTERPRET, NUMBA_ENABLE_CUDASIM) and with this
+    process's sys.path, so that the test modules and these helpers import there as they do here."""
+    env = {name: value for name, value in os.environ.items() if name != without}
+    env["PYTHONPATH"] = os.pathsep.join(sys.path)
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=timeout)

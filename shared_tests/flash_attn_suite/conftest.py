@@ -17,7 +17,7 @@ collection, and collection
   chosen test functions on fewer head dims and sequence lengths, every flag of theirs kept.
 
 Everything else runs unchanged: the test's own reference, its tolerance rule, its skips. The conformance
-suite's conftest (shared_tests/conftest.py) is loaded too; its ``--backend`` and ``--device`` do not
+suite's conftest (conftest.py at the repository's root) is loaded too; its ``--backend`` and ``--device`` do not
 apply here, and its NaN-poisoned ``torch.empty`` (``poison_empty``) is overridden below by a no-op, so
 that flash-attn's tests run as they were written.
 """

@@ -29,7 +29,7 @@ choice depends on the inputs alone, and an error in this kernel is raised, never
 Gluon is experimental and its API moves between Triton releases: Triton 3.6 (the H200's) names the TMA
 copies ``tma.async_copy_global_to_shared`` / ``async_copy_shared_to_global``, later releases
 ``tma.async_load`` / ``async_store`` (the module binds whichever exists as ``_async_load``,
-``_async_store``); shared_tests/test_triton_gluon.py compiles the kernel for sm_90a wherever Gluon is
+``_async_store``); packages/fa2-triton/tests/test_triton_gluon.py compiles the kernel for sm_90a wherever Gluon is
 importable, a GPU or not.
 """
 

@@ -9,7 +9,6 @@ import json
 import os
 import re
 import subprocess
-import sys
 import tempfile
 
 import pytest
@@ -18,11 +17,10 @@ import torch
 import fa2
 from fa2.spec import AttentionSpec
 
-fa2_triton = pytest.importorskip("fa2_triton")
-import triton  # noqa: E402
-from checks import assert_matches_reference, random_qkv  # noqa: E402
-from fa2_triton import forward_gluon  # noqa: E402
-from fa2_triton.forward import flash_attn_forward  # noqa: E402
+import triton
+from checks import assert_matches_reference, random_qkv, run_python
+from fa2_triton import forward_gluon
+from fa2_triton.forward import flash_attn_forward
 
 needs_gluon = pytest.mark.skipif(not forward_gluon.GLUON,
                                  reason=f"Triton {triton.__version__} has no Gluon Hopper API")
@@ -136,11 +134,8 @@ def _sm90a_build(dtype_name: str, q_cols: bool, kv_cols: bool) -> dict:
 def test_the_gluon_kernel_compiles_for_sm90a(dtype, q_cols, kv_cols):
     """ptxas's sm_90a build: warpgroup MMAs in the SASS, no local memory, the shared memory within a CTA's
     227 KB."""
-    env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
-    code = ("import json, sys; sys.path.insert(0, sys.argv[1]); import test_triton_gluon as t; "
-            f"print(json.dumps(t._sm90a_build({dtype!r}, {q_cols}, {kv_cols})))")
-    run = subprocess.run([sys.executable, "-c", code, os.path.dirname(os.path.abspath(__file__))], env=env,
-                         capture_output=True, text=True, timeout=300)
+    code = f"import json, test_triton_gluon as t; print(json.dumps(t._sm90a_build({dtype!r}, {q_cols}, {kv_cols})))"
+    run = run_python(code, without="TRITON_INTERPRET", timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     build = json.loads(run.stdout.strip().splitlines()[-1])
     assert build["hgmma"] > 0, "no warpgroup MMA in the SASS"

@@ -31,8 +31,7 @@ import fa2
 from checks import assert_matches_reference, random_qkv
 from fa2.spec import AttentionSpec
 
-pytest.importorskip("fa2_numba_cuda")
-from fa2_numba_cuda import common, forward, forward_tc, mma  # noqa: E402
+from fa2_numba_cuda import common, forward, forward_tc, mma
 
 SIMULATED = common.simulated()
 

@@ -12,11 +12,10 @@ import pytest
 import torch
 from fa2.spec import AttentionSpec
 
-pytest.importorskip("fa2_pytorch")
-from checks import assert_matches_reference, random_qkv  # noqa: E402
-from fa2_pytorch.backward import flash_attn_backward  # noqa: E402
-from fa2_pytorch.forward import flash_attn_forward  # noqa: E402
-from test_gradients import assert_grads_match  # noqa: E402
+from checks import assert_matches_reference, random_qkv
+from fa2_pytorch.backward import flash_attn_backward
+from fa2_pytorch.forward import flash_attn_forward
+from test_gradients import assert_grads_match
 
 # Powers of two like the defaults, and odd sizes, whose tile edges land where powers of two cannot.
 TILES = [pytest.param((8, 16), id="tiles8x16"), pytest.param((5, 7), id="tiles5x7")]

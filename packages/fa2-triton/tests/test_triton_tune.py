@@ -9,10 +9,9 @@ import csv
 import pytest
 import torch
 
-fa2_triton = pytest.importorskip("fa2_triton")
-from fa2_triton.tuning import backward as tune_backward  # noqa: E402
-from fa2_triton.common import INTERPRETED  # noqa: E402
-from fa2_triton.tiles import BWD_TILES, BWD_TILES_16BIT_PADDED, BwdTiles, KernelTiles, bwd_tiles_for  # noqa: E402
+from fa2_triton.tuning import backward as tune_backward
+from fa2_triton.common import INTERPRETED
+from fa2_triton.tiles import BWD_TILES, BWD_TILES_16BIT_PADDED, BwdTiles, KernelTiles, bwd_tiles_for
 
 
 def test_every_bwd_tiles_entry_ends_with_an_unbounded_one():

@@ -14,13 +14,14 @@ import math
 import pytest
 import torch
 
-fa2_triton = pytest.importorskip("fa2_triton")
-from checks import assert_matches_reference, max_err, random_qkv  # noqa: E402
-from fa2 import reference  # noqa: E402
-from fa2_triton import backward, forward  # noqa: E402
-from fa2_triton.common import INTERPRETED  # noqa: E402
-from fa2.spec import AttentionSpec  # noqa: E402
-from fa2_triton.tiles import TILES, Tiles, tiles_for, ws_layout  # noqa: E402
+import fa2_triton
+
+from checks import assert_matches_reference, max_err, random_qkv
+from fa2 import reference
+from fa2_triton import backward, forward
+from fa2_triton.common import INTERPRETED
+from fa2.spec import AttentionSpec
+from fa2_triton.tiles import TILES, Tiles, tiles_for, ws_layout
 
 BASE = Tiles(128, 64, 4, 2, tma=True)
 LEVERS = {

@@ -12,13 +12,13 @@ import pytest
 import torch
 
 import fa2
+import fa2_triton
 from fa2.spec import AttentionSpec
 
-fa2_triton = pytest.importorskip("fa2_triton")
-from checks import assert_matches_reference, random_qkv  # noqa: E402
-from fa2_triton import launch  # noqa: E402
-from fa2_triton.common import INTERPRETED  # noqa: E402
-from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: E402
+from checks import assert_matches_reference, random_qkv
+from fa2_triton import launch
+from fa2_triton.common import INTERPRETED
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 INTS = [0, 1, 2, 8, 15, 16, 17, 32, 48, 200, 208, 2**31 - 16, 2**31 - 1, 2**31, 2**31 + 16, 2**32,
         2**63 - 16, 2**63, 2**63 + 16, -1, -16, -(2**31), -(2**31) - 16]

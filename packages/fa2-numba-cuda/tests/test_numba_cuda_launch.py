@@ -17,20 +17,15 @@ A wrong packing is a wrong result, not a slow one, so:
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
+from checks import run_python
 
-pytest.importorskip("fa2_numba_cuda")
-from fa2_numba_cuda import backward_simt, common, forward, forward_simt, forward_tc, kvcache, launch  # noqa: E402
-from fa2.spec import AttentionSpec  # noqa: E402
+from fa2_numba_cuda import backward_simt, common, forward, forward_simt, forward_tc, kvcache, launch
+from fa2.spec import AttentionSpec
 
-HERE = Path(__file__).parent
 # A guard against the ~1.2 ms a call of numba's own launch, not yet issue 23's 100 µs: on the H200 at 87cbb30
 # this call took 114 µs with the fast launch and 1188 µs with numba's.
 HOST_US_LIMIT = 150.0
@@ -90,11 +85,8 @@ def test_packed_parameters_are_numbas():
     if not common.simulated():
         assert check_parameters_match_numba() >= 16 * 5  # a split kernel each, and combines
         return
-    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
-    code = ("import sys; sys.path.insert(0, sys.argv[1]); import test_numba_cuda_launch as t; "
-            "print('compared', t.check_parameters_match_numba())")
-    done = subprocess.run([sys.executable, "-c", code, str(HERE)], env=env, capture_output=True, text=True,
-                          timeout=600)
+    code = "import test_numba_cuda_launch as t; print('compared', t.check_parameters_match_numba())"
+    done = run_python(code, without="NUMBA_ENABLE_CUDASIM", timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
     assert int(done.stdout.split()[-1]) >= 16 * 5, done.stdout
 
@@ -266,11 +258,8 @@ def test_dense_prepared_parameters_are_numbas():
     if not common.simulated():
         assert check_dense_parameters_match_numba() >= len(DENSE_CASES)
         return
-    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
-    code = ("import sys; sys.path.insert(0, sys.argv[1]); import test_numba_cuda_launch as t; "
-            "print('compared', t.check_dense_parameters_match_numba())")
-    done = subprocess.run([sys.executable, "-c", code, str(HERE)], env=env, capture_output=True, text=True,
-                          timeout=600)
+    code = "import test_numba_cuda_launch as t; print('compared', t.check_dense_parameters_match_numba())"
+    done = run_python(code, without="NUMBA_ENABLE_CUDASIM", timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
     assert int(done.stdout.split()[-1]) >= len(DENSE_CASES), done.stdout
 

@@ -20,8 +20,7 @@ from fa2 import reference
 from fa2.spec import AttentionSpec
 from test_gradients import assert_grads_match
 
-pytest.importorskip("fa2_numba_cuda")
-from fa2_numba_cuda import backward, backward_simt, backward_tc, common  # noqa: E402
+from fa2_numba_cuda import backward, backward_simt, backward_tc, common
 
 
 @pytest.fixture(autouse=True)
