@@ -1,9 +1,11 @@
-"""The conformance suite's knobs: which backends (``--backend``, default every installed one) on which
-device (``--device cpu|cuda``), and NaN-poisoned ``torch.empty`` so that an unwritten output fails."""
+"""The test suites' knobs, shared by shared_tests/ and packages/<backend>/tests/: which backends
+(``--backend``, default every installed one) on which device (``--device cpu|cuda``), NaN-poisoned
+``torch.empty`` so that an unwritten output fails, and the ``alone`` tests that pytest-xdist's workers skip."""
 
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 import torch
@@ -20,15 +22,26 @@ def pytest_addoption(parser):
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU (--device cuda); skipped, with the reason, on the CPU")
+    config.addinivalue_line(
+        "markers",
+        "alone: measures the whole GPU or the host's time (free device memory, host microseconds a call), which "
+        "other processes on the same GPU and cores disturb; skipped under pytest-xdist with several workers: "
+        "run them in a pytest of their own, as nox -s test_gpu does",
+    )
 
 
 def pytest_collection_modifyitems(config, items):
-    if config.getoption("--device") == "cuda":
-        return
-    skip = pytest.mark.skip(reason="GPU-only: run with --device cuda on a machine with a CUDA GPU")
+    skips = []
+    if config.getoption("--device") != "cuda":
+        skips.append(("gpu", pytest.mark.skip(reason="GPU-only: run with --device cuda on a machine with a CUDA GPU")))
+    # Each xdist worker collects with PYTEST_XDIST_WORKER_COUNT set.
+    if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
+        skips.append(("alone", pytest.mark.skip(reason="disturbed by the other xdist workers: run with -m alone, "
+                                                       "without -n (nox -s test_gpu does)")))
     for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+        for marker, skip in skips:
+            if marker in item.keywords:
+                item.add_marker(skip)
 
 
 def pytest_generate_tests(metafunc):
@@ -39,7 +52,7 @@ def pytest_generate_tests(metafunc):
 
 def pytest_report_header(config):
     infos = fa2.backends()
-    lines = [f"fa2 backends: " + "; ".join(f"{i.name} ({i.status}: {i.detail})" for i in infos.values())]
+    lines = ["fa2 backends: " + "; ".join(f"{i.name} ({i.status}: {i.detail})" for i in infos.values())]
     lines.append(f"fa2 device: {config.getoption('--device')}")
     return lines
 

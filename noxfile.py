@@ -84,10 +84,13 @@ def test(session: nox.Session, backend: str) -> None:
 @nox.session
 def test_gpu(session: nox.Session) -> None:
     """The conformance suite and each backend's own tests on CUDA for every backend (a GPU machine; use with
-    --no-venv offline)."""
+    --no-venv offline), the ``alone`` tests after the rest in a pytest of their own. Arguments after -- go
+    to both pytest runs, e.g. -- -n 16 (the second run adds -n 0)."""
     install(session, BACKENDS, "test")
-    session.run("pytest", "shared_tests", *(f"packages/fa2-{b}/tests" for b in BACKENDS), "--device=cuda",
-                *session.posargs)
+    paths = ["shared_tests", *(f"packages/fa2-{b}/tests" for b in BACKENDS)]
+    session.run("pytest", *paths, "--device=cuda", "-m", "not alone", *session.posargs)
+    # The tests that measure the whole GPU or the host's time, with no other worker beside them.
+    session.run("pytest", *paths, "--device=cuda", "-m", "alone", *session.posargs, "-n", "0")
 
 
 @nox.session

@@ -438,6 +438,7 @@ def _skip_if_pytorch_would_not_fit(backend, q):
 
 
 @pytest.mark.gpu
+@pytest.mark.alone
 def test_offsets_past_2_31_elements(backend, status, device):
     """B·H·N·D = 1·16800·1000·128 = 2.15e9 elements, bf16, causal: k's and v's last heads and O's lie past
     element 2^31, and q is a (B, N, H, D) tensor seen as (B, H, N, D), whose row stride H·D puts its last
@@ -493,6 +494,7 @@ def test_two_streams_match_serial_calls(backend, status, device):
 
 
 @pytest.mark.gpu
+@pytest.mark.alone
 def test_no_host_sync(backend, status, device):
     """A call returns while the GPU is still busy with earlier work: behind a ~0.5 s torch.cuda._sleep on
     the stream, a warm fa2.attention call takes the host well under that (a host sync would wait it out)."""
@@ -544,6 +546,7 @@ def _host_rss() -> int:
 
 
 @pytest.mark.gpu
+@pytest.mark.alone
 def test_10000_calls_no_growth_no_recompile(backend, status, device):
     """10,000 calls on tiny problems of one shape class (causal, fp16, D = 64, odd seqlens under 64, cycled):
     after a warm-up on one of them, no compiled kernel is added, torch's allocated GPU memory is unchanged,

@@ -319,6 +319,7 @@ def test_fast_launch_equals_numbas_bit_for_bit(device, monkeypatch, dtype, case)
 
 
 @pytest.mark.gpu
+@pytest.mark.alone
 @pytest.mark.parametrize("page", [None, 256], ids=["contiguous", "paged256"])
 def test_host_time_per_call(device, monkeypatch, page):
     """kvcache_forward of one token, batch 1, 32/8 heads, 4k keys, D 128, bf16: host time per call (200 calls
