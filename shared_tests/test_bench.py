@@ -384,7 +384,8 @@ def test_packed_reference_is_each_sequences_own():
     q, k, v = (torch.randn(sum(lengths), heads, 16) for _ in range(3))
     cu = cu_seqlens(lengths, torch.device("cpu"))
     assert cu.dtype == torch.int32 and cu.tolist() == [0, 5, 6, 36, 48]
-    view = lambda t: t.transpose(0, 1).unsqueeze(0)
+    def view(t):
+        return t.transpose(0, 1).unsqueeze(0)
     sample = check.reference_sample(view(q), view(k), view(v), True, lengths=lengths)
     assert set(cu[:-1].tolist()) | set((cu[1:] - 1).tolist()) <= set(sample.rows.tolist())
     O, L = reference.varlen_attention(q, k, v, cu, cu, True)

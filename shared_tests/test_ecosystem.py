@@ -327,7 +327,8 @@ def test_minilm_matches_eager(backend, status, device, dtype, padded, minilm, mi
         for enc, ref in batches:
             real = enc["attention_mask"].bool()
             for name in errs:
-                out = _require_op(backend, lambda: models[name](**enc).last_hidden_state)
+                # _require_op calls the lambda at once, in this iteration
+                out = _require_op(backend, lambda: models[name](**enc).last_hidden_state)  # noqa: B023
                 assert torch.isfinite(out).all(), f"{name}: non-finite hidden states"
                 errs[name] = max(errs[name], (out.double() - ref).abs()[real].max().item())
     layers = models["fa2"].config.num_hidden_layers
@@ -457,7 +458,8 @@ def test_tiny_decoder_matches_eager(backend, status, device, dtype, model_type, 
         calls = _record_fa2_calls(monkeypatch, fa2_transformers)
         errs = {}
         for name, model in models.items():
-            out = _require_op(backend, lambda: model(input_ids).last_hidden_state)
+            # _require_op calls the lambda at once, in this iteration
+            out = _require_op(backend, lambda: model(input_ids).last_hidden_state)  # noqa: B023
             assert torch.isfinite(out).all(), f"{name}: non-finite hidden states"
             errs[name] = (out.double() - ref).abs().max().item()
     assert calls == TINY_CALLS[model_type]
@@ -479,7 +481,8 @@ def test_decoder_generates_with_kv_cache(backend, status, device, model_type, fa
     out = {}
     for impl in ("fa2", "eager"):
         model = _tiny_decoder(model_type, impl, device, lm_head=True)
-        out[impl] = _require_op(backend, lambda: model.generate(
+        # _require_op calls the lambda at once, in this iteration
+        out[impl] = _require_op(backend, lambda: model.generate(  # noqa: B023
             input_ids, max_new_tokens=4, do_sample=False, output_logits=True, return_dict_in_generate=True))
     assert torch.equal(out["fa2"].sequences, out["eager"].sequences)
     for step, (a, b) in enumerate(zip(out["fa2"].logits, out["eager"].logits)):
@@ -829,8 +832,9 @@ def test_attention_forward_masks(backend, status, device, fa2_transformers):
     keep = torch.ones(2, 7, dtype=torch.bool, device=device)
     keep[1, 5:] = False
     bias = torch.zeros(2, 1, 7, 7, device=device).masked_fill(~keep[:, None, None, :], -math.inf)
-    run = lambda mask: _require_op(backend, lambda: fa2_transformers.attention_forward(
-        layer, q, k, v, mask, backend=backend)[0].cpu())
+    def run(mask):
+        return _require_op(backend, lambda: fa2_transformers.attention_forward(
+            layer, q, k, v, mask, backend=backend)[0].cpu())
     full = _torch_sdpa(q, k, v).transpose(1, 2)
     for everything in (None, torch.ones_like(keep), torch.zeros(2, 1, 7, 7, device=device)):
         assert max_err(run(everything), full) <= FP32_ATOL["O"]

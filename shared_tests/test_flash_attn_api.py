@@ -685,7 +685,8 @@ def test_varlen_inputs_reach_the_backend_as_views(backend, status, device, monke
     _varlen_call("func", case, q, k, v, cu_q, cu_k, backend)
     _varlen_call("kvpacked", case, q, k, v, cu_q, cu_k, backend)  # stacks its own kv like this one
     size = kv.element_size()
-    view = lambda x: x.transpose(0, 1)[None]
+    def view(x):
+        return x.transpose(0, 1)[None]
     common = (tuple(view(q).shape), view(q).stride())
     assert [s[:3] + s[3:5] for s in seen][:1] == [(q.data_ptr(), k.data_ptr(), v.data_ptr(), *common)]
     assert seen[0][5] == view(k).stride() and seen[1][5] == view(kv[:, 0]).stride()
@@ -709,7 +710,9 @@ def test_varlen_block_table_equals_contiguous_keys(backend, status, device, page
     table = torch.randperm(k_pages.shape[0], generator=g)[: 3 * per_seq].reshape(3, per_seq).to(device, torch.int32)
     keys = [k_pages[table[s].long()].flatten(0, 1)[:n] for s, n in enumerate(lens_k)]
     values = [v_pages[table[s].long()].flatten(0, 1)[:n] for s, n in enumerate(lens_k)]
-    cu = lambda lens: torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32, device=device)  # noqa: E731
+    def cu(lens):
+        return torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32, device=device)
+
     q = torch.randn(sum(lens_q), heads, d, generator=g).to(device, dtype).requires_grad_()
     args = (cu(lens_q), cu(lens_k), max(lens_q), max(lens_k))
     out, lse, _ = flash_attn_varlen_func(q, k_pages, v_pages, *args, causal=True, block_table=table,

@@ -170,16 +170,16 @@ def assert_matches_kvcache_reference(O, L, q, k_cache, v_cache, spec):
 
     packed = spec.cu_seqlens_q is not None
     for b, (rows, k_b, v_b, slopes) in enumerate(reference.kvcache_rows(q, k_cache, v_cache, spec)):
-        pick = (lambda x: x[:, :, rows]) if packed else (lambda x: x[rows])
-        q_b, seen = pick(q), ~pick(empty)
+        at = (slice(None), slice(None), rows) if packed else (rows,)  # the sequence's rows of q, O, L
+        q_b, seen = q[at], ~empty[at]
         if not seen.any():
             continue
         features = dict(window=spec.window, softcap=spec.softcap,
                         alibi_slopes=None if slopes is None else slopes[None])
-        tol_O, tol_L = tolerances(q_b, k_b[None], v_b[None], False, spec.scale, ref=(pick(O_ref), pick(L_ref)),
+        tol_O, tol_L = tolerances(q_b, k_b[None], v_b[None], False, spec.scale, ref=(O_ref[at], L_ref[at]),
                                   **features)
-        err_O = max_err(pick(O), pick(O_ref))
-        err_L = max_err(pick(L)[seen], pick(L_ref)[seen])
+        err_O = max_err(O[at], O_ref[at])
+        err_L = max_err(L[at][seen], L_ref[at][seen])
         assert err_O <= tol_O, f"row {b}: max |O - O_ref| = {err_O:.3g} > tolerance {tol_O:.3g} ({q.dtype})"
         assert err_L <= tol_L, f"row {b}: max |L - L_ref| = {err_L:.3g} > tolerance {tol_L:.3g} ({q.dtype})"
 

@@ -4,8 +4,8 @@ A decode step that syncs with the host, or allocates outside torch's caching all
 stream other than torch's current one, cannot be captured; one that reads a value on the host at capture
 time would replay that value forever. So each case captures ``fa2.kvcache_attention`` (rotary, append,
 split-KV, combine) once, on every backend (the issue asks it of fa2-triton's and fa2-numba-cuda's kernels;
-fa2-pytorch's torch ops are held to it as well), then changes every input in place (queries, new keys and values, the cache
-lengths), replays, and compares O, L and the caches bit for bit with an eager call on a copy of the
+fa2-pytorch's torch ops are held to it as well), then changes every input in place (queries, new keys and
+values, the cache lengths), replays, and compares O, L and the caches bit for bit with an eager call on a copy of the
 caches as they were before the replay. GPU only: CPU tensors have no graphs, and the emulators no streams.
 """
 
@@ -29,7 +29,9 @@ CASES = {
 
 def _inputs(case, device, dtype, generator):
     batch, heads, heads_k, seqlen_q, head_dim, capacity, page_size, seqlen_new, rotary = case
-    randn = lambda *shape: torch.randn(*shape, device=device, dtype=dtype, generator=generator)  # noqa: E731
+    def randn(*shape):
+        return torch.randn(*shape, device=device, dtype=dtype, generator=generator)
+
     if page_size is None:
         k_cache = randn(batch, capacity, heads_k, head_dim).transpose(1, 2)
         v_cache = randn(batch, capacity, heads_k, head_dim).transpose(1, 2)
@@ -57,9 +59,11 @@ def _inputs(case, device, dtype, generator):
 def test_replay_equals_eager(backend, case, dtype, device):
     generator = torch.Generator(device=device).manual_seed(0)
     k_cache, v_cache, table, cos, sin, x, room = _inputs(case, device, dtype, generator)
-    call = lambda kc, vc: fa2.kvcache_attention(  # noqa: E731
-        x["q"], kc, vc, x["cache_seqlens"], k=x["k"], v=x["v"], rotary_cos=cos, rotary_sin=sin,
-        rotary_interleaved=True, block_table=table, causal=True, backend=backend)
+    def call(kc, vc):
+        return fa2.kvcache_attention(x["q"], kc, vc, x["cache_seqlens"], k=x["k"], v=x["v"], rotary_cos=cos,
+                                     rotary_sin=sin, rotary_interleaved=True, block_table=table, causal=True,
+                                     backend=backend)
+
     # Compile every kernel outside the capture (on copies, so that the cache under test keeps its values).
     for _ in range(2):
         call(k_cache.clone(), v_cache.clone())

@@ -62,7 +62,8 @@ def _offsets(lens, device):
 
 def _inputs(case, dtype, device, seed):
     g = torch.Generator().manual_seed(seed)
-    make = lambda n, h: torch.randn(n, h, case["d"], generator=g).to(device=device, dtype=dtype)
+    def make(n, h):
+        return torch.randn(n, h, case["d"], generator=g).to(device=device, dtype=dtype)
     total_q, total_k = sum(case["lens_q"]), sum(case["lens_k"])
     q, k, v = make(total_q, case["h"]), make(total_k, case["h_k"]), make(total_k, case["h_k"])
     slopes = None
@@ -103,7 +104,8 @@ def test_each_sequence_matches_its_reference(backend, status, device, dtype, cas
     assert O.shape == q.shape and O.dtype == q.dtype, f"O {tuple(O.shape)} {O.dtype}"
     assert L.shape == (q.shape[1], q.shape[0]) and L.dtype == torch.float32, f"L {tuple(L.shape)} {L.dtype}"
     for rows, keys, own in _sequences(case, options):
-        t = lambda x: x.transpose(0, 1)
+        def t(x):
+            return x.transpose(0, 1)
         assert_matches_reference(t(O[rows]), L[:, rows], t(q[rows]), t(k[keys]), t(v[keys]), case["causal"], **own)
 
 
@@ -213,5 +215,6 @@ def test_offsets_outside_the_tensors_are_clamped_or_refused(backend, status, dev
             fa2.varlen_attention(q, k, v, cu, cu, 12, 12, backend=backend)
         return
     O, L = fa2.varlen_attention(q, k, v, cu, cu, 12, 12, backend=backend)
-    t = lambda x: x.transpose(0, 1)
+    def t(x):
+        return x.transpose(0, 1)
     assert_matches_reference(t(O), L, t(q), t(k), t(v), False)

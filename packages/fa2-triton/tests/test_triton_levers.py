@@ -205,7 +205,8 @@ def _packed(dtype, device, heads, heads_k, head_dim, seed):
     """(q, k, v) as the backends get a packed batch, (1, heads, total, head_dim) views of (total, heads,
     head_dim) tensors, and the offsets."""
     q, k, v = random_qkv((sum(VARLEN_Q), heads, head_dim), (sum(VARLEN_K), heads_k, head_dim), dtype, device, seed)
-    offsets = lambda lens: torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32, device=device)
+    def offsets(lens):
+        return torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32, device=device)
     return *(x.transpose(0, 1).unsqueeze(0) for x in (q, k, v)), offsets(VARLEN_Q), offsets(VARLEN_K)
 
 

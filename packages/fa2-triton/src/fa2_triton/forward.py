@@ -115,7 +115,9 @@ def _launch(q, k, v, O, L, spec: AttentionSpec, tiles: Tiles | None = None):
     if spec.varlen:
         # One key loop over whole tiles, which warp specialisation needs, is not what sequences of any
         # length have.
-        can_specialize = lambda tiles: False  # noqa: E731
+        def can_specialize(tiles):
+            return False
+
         if not seqlen_q:
             return None
     else:

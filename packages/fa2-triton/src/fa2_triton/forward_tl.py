@@ -105,10 +105,10 @@ def _attn_fwd_inner(
 ):
     """The online softmax over key tiles [lo, hi): masked iff IN_BAND. k_src, v_src: 4-D tensor descriptors
     read at key/value head off_hk (USE_TMA), 2-D ones built in the kernel whose rows of this batch and
-    key/value head start at kv_row (DEVICE_DESC), or [BLOCK_N, HEAD_DIM] pointers to the first key tile of that head. Key j is
-    visible to query i iff j < seqlen_k, j >= i + diag_left (WINDOW_LEFT) and j <= i + diag_right
-    (WINDOW_RIGHT). SOFTCAP: tanh of the scores times cap_scale (scale / softcap, for ``_tanh``), qk_scale
-    then softcap · log2(e). ALIBI: alibi (slope · log2(e), over qk_scale with FUSED_EXP2) times
+    key/value head start at kv_row (DEVICE_DESC), or [BLOCK_N, HEAD_DIM] pointers to the first key tile of
+    that head. Key j is visible to query i iff j < seqlen_k, j >= i + diag_left (WINDOW_LEFT) and
+    j <= i + diag_right (WINDOW_RIGHT). SOFTCAP: tanh of the scores times cap_scale (scale / softcap, for
+    ``_tanh``), qk_scale then softcap · log2(e). ALIBI: alibi (slope · log2(e), over qk_scale with FUSED_EXP2) times
     |i + diag - j| comes off the scores."""
     # side-by-side: scores
     for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
