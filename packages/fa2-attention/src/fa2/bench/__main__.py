@@ -4,17 +4,22 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import shlex
 import sys
 from pathlib import Path
 
 import torch
 
-from fa2 import registry
 from fa2.bench import report, sweep
-from fa2.bench.providers import DECODE_DEFAULT_PROVIDERS, DECODE_PROVIDERS, DTYPES, FA2_ENTRIES, PROVIDERS, \
-    VARLEN_PROVIDERS
+from fa2.bench.output import default_name, default_out
+from fa2.bench.providers import (
+    DECODE_DEFAULT_PROVIDERS,
+    DECODE_PROVIDERS,
+    DTYPES,
+    FA2_ENTRIES,
+    PROVIDERS,
+    VARLEN_PROVIDERS,
+)
 
 # Without a GPU the kernels run emulated, as in nox's sessions. Triton and numba read these when imported,
 # and importing fa2 may import Triton, so they must be set before the interpreter starts.
@@ -84,7 +89,8 @@ def _page_sizes(text: str) -> tuple[int, ...]:
 
 def _defaults(table: dict, column: int, lead: str = "default") -> str:
     """A DEFAULTS column as help text: the GPU's and the emulated run's values."""
-    text = lambda values: ",".join(map(str, values))
+    def text(values):
+        return ",".join(map(str, values))
     return f"{lead} on a GPU {text(table[False, False][column])}, emulated {text(table[True, False][column])}"
 
 
@@ -93,13 +99,6 @@ class _Help(argparse.ArgumentDefaultsHelpFormatter):
 
     def _get_help_string(self, action):
         return action.help if action.default in (None, False) else super()._get_help_string(action)
-
-
-def default_out() -> Path:
-    """docs/benchmarks of the checkout fa2 is imported from, wherever the command starts; ./fa2-bench for
-    an installation from wheels."""
-    root = registry.checkout()
-    return root / "docs" / "benchmarks" if root is not None else Path("fa2-bench")
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -257,14 +256,6 @@ def options_suffix(args: argparse.Namespace) -> str:
         part("cap", [f"{c:g}" for c in args.softcap if c]),
         f"-{args.fa2_entry}" if args.fa2_entry != args.default_entry else "",
     ])
-
-
-def default_name(device: torch.device) -> str:
-    """"NVIDIA H200" -> "h200"; "cpu-emulated" without a GPU."""
-    if device.type != "cuda":
-        return "cpu-emulated"
-    gpu = re.sub(r"^nvidia\s+", "", torch.cuda.get_device_name(device).lower())
-    return re.sub(r"[^a-z0-9]+", "-", gpu).strip("-")
 
 
 def progress_bar(total: int):

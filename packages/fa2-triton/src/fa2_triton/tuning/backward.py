@@ -26,7 +26,8 @@ winner (its dq, dk, dv checked first as above), the current table's choice, the 
 ``--budget-s`` bounds compiling and searching (the final table adds ~20 s on the benchmark's 12 shapes):
 once a stage's share is spent, its remaining compiles are left to this process and its remaining timings
 are skipped (and recorded as such); candidates go in list order, each on every shape before the next.
-Writes every measurement to a CSV (default ``docs/benchmarks/<gpu>-tune-bwd.csv``) and prints, compactly,
+Writes every measurement to ``<gpu>-tune-bwd.csv`` in ``--out`` (default: the checkout's docs/benchmarks, as
+``python -m fa2.bench``), or to ``--csv``, and prints, compactly,
 the failures by reason, the per-shape table and the ``BWD_TILES`` entries to paste into tiles.py.
 Without a GPU it runs in Triton's interpreter (``TRITON_INTERPRET=1``) on tiny shapes, fp16, timed with
 ``time.perf_counter``: a check of this tool, not a measurement.
@@ -40,24 +41,37 @@ import math
 import re
 import sys
 import time
-from pathlib import Path
 from typing import NamedTuple
 
 import torch
 import triton
 
 from fa2.bench import check, timing
-from fa2.bench.__main__ import default_name
+from fa2.bench.output import default_name
 from fa2.bench.providers import PROVIDERS, Shape
 from fa2.spec import AttentionSpec
-
 from fa2_triton import backward, forward
 from fa2_triton.tiles import BwdTiles, KernelTiles, bwd_tiles_for
 from fa2_triton.tuning import forward as tune_forward
 from fa2_triton.tuning.forward import (
-    CSV_COLUMNS, DTYPES, MAX_REASONS, SMEM_PER_SM, SMEM_RESERVED, WARM_SEQLEN, Result, Run, _context_lost,
-    _gpu_name, _reason, add_shape_arguments, median_ms, parse_with_run_arguments, precompile, shape_spec,
-    table_entries, tuning_device,
+    CSV_COLUMNS,
+    DTYPES,
+    MAX_REASONS,
+    SMEM_PER_SM,
+    SMEM_RESERVED,
+    WARM_SEQLEN,
+    Result,
+    Run,
+    _context_lost,
+    _gpu_name,
+    _reason,
+    add_shape_arguments,
+    median_ms,
+    parse_with_run_arguments,
+    precompile,
+    shape_spec,
+    table_entries,
+    tuning_device,
 )
 
 KINDS = ("dkdv", "dq")
@@ -310,7 +324,8 @@ class Bench:
         inputs = tuple(x.detach().requires_grad_() for x in (prob.q, prob.k, prob.v))
         with torch.enable_grad():
             O = Attention.apply(*inputs)
-        call = lambda: torch.autograd.grad(O, inputs, prob.dO, retain_graph=True)
+        def call():
+            return torch.autograd.grad(O, inputs, prob.dO, retain_graph=True)
         return self.grad_problem(call()), call
 
     def sdpa_grad(self, provider: str):
@@ -426,8 +441,10 @@ def proposal(pts: list[Point], benches: dict, table: list[dict]) -> dict:
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    ints = lambda text: tuple(int(x) for x in text.split(",") if x)
-    pairs = lambda text: tuple(tuple(int(y) for y in x.split("x")) for x in text.split(",") if x)
+    def ints(text):
+        return tuple(int(x) for x in text.split(",") if x)
+    def pairs(text):
+        return tuple(tuple(int(y) for y in x.split("x")) for x in text.split(",") if x)
     parser = argparse.ArgumentParser(prog="python -m fa2_triton.tuning.backward", description=__doc__.split("\n\n")[0])
     add_shape_arguments(parser, ints)
     parser.add_argument("--dkdv-tiles", type=pairs, default=((32, 64), (32, 128), (64, 64), (64, 128)),
@@ -479,7 +496,7 @@ def main(argv: list[str]) -> int:
 
     table = [final(run, benches[p]) for p in pts]
 
-    path = args.csv or Path("docs/benchmarks") / f"{default_name(device)}-tune-bwd.csv"
+    path = args.csv or args.out / f"{default_name(device)}-tune-bwd.csv"
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("w", newline="") as f:
         w = csv.DictWriter(f, CSV_COLUMNS)
@@ -507,7 +524,8 @@ def print_summary(run: Run, table: list[dict], prop: dict) -> None:
     # "x atom": the winner's time over the atomic-dQ path's (> 1: atomics would be faster).
     print(f"{'shape':15} {'dtype':5} {'dK/dV':12} {'dQ':12} {'TF/s':>5} {'table':>5} {'atom':>5} {'flash':>5} "
           f"{'cudnn':>5} {'x tbl':>5} {'x fa2':>5} {'x cdn':>5} {'x atom':>6}")
-    tf = lambda p, ms: p.flops / (ms * 1e-3) / 1e12
+    def tf(p, ms):
+        return p.flops / (ms * 1e-3) / 1e12
     for row in table:
         p, ms = row["p"], row["ms"]
         cells = [tf(p, ms[x]) for x in ("winner", "current", "atomic-dq", "sdpa-flash", "sdpa-cudnn")]

@@ -24,7 +24,8 @@ spent, its remaining compiles are left to this process and its remaining timings
 recorded as such); candidates go in the order of the list above, each on every shape before the next.
 Candidates whose tiles need more shared memory than an SM has are recorded as such, not compiled.
 
-Writes every measurement to a CSV (default ``docs/benchmarks/<gpu>-tune.csv``) and prints, compactly:
+Writes every measurement to ``<gpu>-tune.csv`` in ``--out`` (default: the checkout's docs/benchmarks, as
+``python -m fa2.bench``), or to ``--csv``, and prints, compactly:
 the failures by reason, each lever's effect, the per-shape table and the ``TILES`` entries to paste into
 tiles.py. Without a GPU it runs in Triton's interpreter (``TRITON_INTERPRET=1``) on tiny shapes, timed
 with ``time.perf_counter``: a check of this tool, not a measurement.
@@ -35,6 +36,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures as cf
 import csv
+import functools
 import math
 import multiprocessing
 import os
@@ -48,11 +50,10 @@ import torch
 import triton
 
 from fa2.bench import check, timing
-from fa2.bench.__main__ import default_name
+from fa2.bench.output import default_name, default_out
 from fa2.bench.providers import PROVIDERS, Shape
 from fa2.bench.report import seqlen_label
 from fa2.spec import UNBOUNDED, AttentionSpec
-
 from fa2_triton import forward
 from fa2_triton.common import INTERPRETED
 from fa2_triton.tiles import Tiles, tiles_for, ws_tiles
@@ -421,10 +422,10 @@ def proposal(pts: list[Point], benches: dict) -> dict:
                 scores.setdefault(t, []).append(ms / fastest)
         full = {t: s for t, s in scores.items() if len(s) == len(ps)}
         if full:
-            score = lambda t: math.prod(full[t])
-            winner = min(full, key=score)
+            score = {t: math.prod(s) for t, s in full.items()}
+            winner = min(full, key=score.get)
             fallbacks = [t for t in full if not t.warp_specialize]
-            chosen = (winner, min(fallbacks, key=score)) if winner.warp_specialize and fallbacks else (winner,)
+            chosen = (winner, min(fallbacks, key=score.get)) if winner.warp_specialize and fallbacks else (winner,)
             out.setdefault((d, causal), []).append((n, *chosen))
     return out
 
@@ -465,14 +466,17 @@ def add_shape_arguments(parser: argparse.ArgumentParser, ints) -> None:
 
 def parse_with_run_arguments(parser: argparse.ArgumentParser, argv: list[str], budget_s: float, final_s: int,
                              csv_suffix: str) -> argparse.Namespace:
-    """Adds the budget, workers, tokens, hidden and csv arguments, parses argv and checks --dtypes."""
+    """Adds the budget, workers, tokens, hidden, out and csv arguments, parses argv and checks --dtypes."""
     parser.add_argument("--budget-s", type=float, default=budget_s,
                         help=f"seconds for compiling and searching; the final table adds ~{final_s} s "
                         f"(default {budget_s:g})")
     parser.add_argument("--workers", type=int, default=min(16, os.cpu_count() or 1), help="compile processes")
     parser.add_argument("--tokens", type=int, default=TOKENS, help=f"B = tokens / N (default {TOKENS})")
     parser.add_argument("--hidden", type=int, default=HIDDEN, help=f"H = hidden / D (default {HIDDEN})")
-    parser.add_argument("--csv", type=Path, help=f"default docs/benchmarks/<gpu>-{csv_suffix}.csv")
+    out = default_out()
+    parser.add_argument("--out", type=Path, default=out,
+                        help=f"folder of the CSV, <gpu>-{csv_suffix}.csv (default {out}, python -m fa2.bench's)")
+    parser.add_argument("--csv", type=Path, help=f"the CSV's path, instead of <out>/<gpu>-{csv_suffix}.csv")
     args = parser.parse_args(argv)
     unknown = [d for d in args.dtypes if d not in DTYPES]
     if unknown:
@@ -491,7 +495,8 @@ def tuning_device() -> torch.device | None:
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    ints = lambda text: tuple(int(x) for x in text.split(",") if x)
+    def ints(text):
+        return tuple(int(x) for x in text.split(",") if x)
     parser = argparse.ArgumentParser(prog="python -m fa2_triton.tuning.forward", description=__doc__.split("\n\n")[0])
     add_shape_arguments(parser, ints)
     parser.add_argument("--block-m", type=ints, default=(128, 64))
@@ -573,7 +578,7 @@ def main(argv: list[str]) -> int:
                               heads=p.heads)
                 fn = PROVIDERS[provider].build(shape, device)
                 try:
-                    ms = median_ms(run.device, lambda: fn(b.q, b.k, b.v), search=False)
+                    ms = median_ms(run.device, functools.partial(fn, b.q, b.k, b.v), search=False)
                 except Exception as e:
                     record(run, p, "final", provider, Result("failed", _reason(e)))
             if not math.isnan(ms):
@@ -581,7 +586,7 @@ def main(argv: list[str]) -> int:
             row["ms"][provider] = ms
         table.append(row)
 
-    path = args.csv or Path("docs/benchmarks") / f"{default_name(device)}-tune.csv"
+    path = args.csv or args.out / f"{default_name(device)}-tune.csv"
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("w", newline="") as f:
         w = csv.DictWriter(f, CSV_COLUMNS)
@@ -632,7 +637,8 @@ def print_summary(run: Run, pts: list[Point], benches: dict, table: list[dict]) 
 
     print(f"{'shape':18} {'dtype':5} {'winner':36} {'TF/s':>5} {'table':>5} {'flash':>5} {'cudnn':>5} "
           f"{'x tbl':>5} {'x fa2':>5} {'x cdn':>5}")
-    tf = lambda p, ms: p.flops / (ms * 1e-3) / 1e12 if ms == ms else math.nan
+    def tf(p, ms):
+        return p.flops / (ms * 1e-3) / 1e12 if ms == ms else math.nan
     for row in table:
         p = row["p"]
         ms = row["ms"]
