@@ -18,9 +18,8 @@ import torch
 from checks import random_qkv
 from fa2 import reference
 from fa2.spec import AttentionSpec
+from fa2_numba_cuda import backward, backward_simt, backward_tc, common, tensor_cores
 from test_gradients import assert_grads_match
-
-from fa2_numba_cuda import backward, backward_simt, backward_tc, common
 
 
 @pytest.fixture(autouse=True)
@@ -36,8 +35,8 @@ def tc_device(device):
     if common.simulated() != (device.type == "cpu"):
         pytest.skip(f"--device {device.type} with NUMBA_ENABLE_CUDASIM={int(common.simulated())}: numba runs "
                     "CPU tensors only in its simulator and CUDA tensors only without it")
-    if device.type == "cuda" and backward_tc.capability(device) < backward_tc.MIN_COMPUTE_CAPABILITY:
-        pytest.skip(f"the tensor-core backward needs compute capability 8.0+, got {backward_tc.capability(device)}")
+    if device.type == "cuda" and tensor_cores.capability(device) < tensor_cores.MIN_COMPUTE_CAPABILITY:
+        pytest.skip(f"the tensor-core backward needs compute capability 8.0+, got {tensor_cores.capability(device)}")
     return device
 
 
@@ -135,7 +134,7 @@ def test_tensor_core_backward_matches_reference(tc_device, calls, dtype, case):
     spec = AttentionSpec(d**-0.5 if scale is None else scale, spec_window, 0.0, None, h // h_k)
     dq, dk, dv = backward.flash_attn_backward(q, k, v, O, L, dO, spec, case["config"])
     assert calls == ["tc"], f"expected the tensor-core backward alone, got {calls}"
-    HEAD_DIM = backward_tc.padded_head_dim(d)
+    HEAD_DIM = tensor_cores.padded_head_dim(d)
     built = {key[:2] for key in backward_tc._KERNELS}
     assert {("dkdv", HEAD_DIM), ("dq", HEAD_DIM)} <= built, f"tensor-core kernels built: {sorted(built)}"
     assert_grads_match(dq, dk, dv, q, k, v, dO, causal, window=window, **({} if scale is None else {"scale": scale}))
@@ -212,7 +211,7 @@ def test_prepared_launch_equals_numbas_bit_for_bit(device, monkeypatch, dtype, d
     assert_grads_match(*got, q, k, v, dO, causal)
     if config is not None:
         assert max(sizes) > 48 * 1024, f"the large tiles' launches asked for {sizes} B of dynamic shared memory"
-    rows = [r for r in backward_tc.kernel_resources() if r["HEAD_DIM"] == backward_tc.padded_head_dim(d)]
+    rows = [r for r in backward_tc.kernel_resources() if r["HEAD_DIM"] == tensor_cores.padded_head_dim(d)]
     assert rows and all(r["local_bytes_per_thread"] <= 64 for r in rows), f"local memory: {rows}"
 
 

@@ -30,8 +30,7 @@ import torch
 import fa2
 from checks import assert_matches_reference, random_qkv
 from fa2.spec import AttentionSpec
-
-from fa2_numba_cuda import common, forward, forward_tc, mma
+from fa2_numba_cuda import common, forward, forward_tc, mma, tensor_cores
 
 SIMULATED = common.simulated()
 
@@ -133,7 +132,10 @@ def test_one_warp_s_and_pv_compose(kind, dtype, HEAD_DIM, BLOCK_N):
     """S = Q Kᵀ and O = P V for one warp's 16 rows, as the kernel's loops build them from the tables."""
     g = torch.Generator().manual_seed(HEAD_DIM)
     q, k, v = (torch.randn(n, HEAD_DIM, generator=g).to(dtype) for n in (16, BLOCK_N, BLOCK_N))
-    bits = lambda t: t.view(torch.int16).numpy().view(np.uint16)
+
+    def bits(t):
+        return t.view(torch.int16).numpy().view(np.uint16)
+
     LD = HEAD_DIM + 8
     q_tile, k_tile, v_tile = _smem(bits(q), LD), _smem(bits(k), LD), _smem(bits(v), LD)
 
@@ -231,7 +233,10 @@ def _layouts(dtype):
     """q as (B, N, H, D) memory (cp.async with strides), k with a head_dim stride of 2 and v starting one
     element into its buffer (both: plain loads)."""
     g = torch.Generator().manual_seed(3)
-    make = lambda *s: torch.randn(*s, generator=g).to(dtype)
+
+    def make(*s):
+        return torch.randn(*s, generator=g).to(dtype)
+
     q = make(1, 20, 2, 32).transpose(1, 2)
     k = make(1, 2, 41, 64)[..., ::2]
     v = make(2 * 41 * 32 + 1)[1:].view(1, 2, 41, 32)
@@ -241,8 +246,8 @@ def _layouts(dtype):
 @needs_simulator
 def test_simulated_kernel_strided_inputs():
     q, k, v = _layouts(torch.float16)
-    assert forward_tc._rows_16b_aligned(q) and not forward_tc._rows_16b_aligned(k)
-    assert not forward_tc._rows_16b_aligned(v)
+    assert common.rows_16b_aligned(q) and not common.rows_16b_aligned(k)
+    assert not common.rows_16b_aligned(v)
     O, L = _run_tc(q, k, v, True, 32**-0.5, SMALL)
     assert_matches_reference(O, L, q, k, v, True)
     O2, L2 = _run_tc(q, k.contiguous(), v.contiguous(), True, 32**-0.5, SMALL)
@@ -473,7 +478,7 @@ def test_kvcache_tensor_core_kernel(device, monkeypatch, dtype, case, scale, cau
 
     if SIMULATED != (device.type == "cpu"):
         pytest.skip(f"the kernel runs on CUDA tensors, or on CPU tensors under numba's simulator; got {device}")
-    if device.type == "cuda" and torch.cuda.get_device_capability() < forward_tc.MIN_COMPUTE_CAPABILITY:
+    if device.type == "cuda" and torch.cuda.get_device_capability() < tensor_cores.MIN_COMPUTE_CAPABILITY:
         pytest.skip(f"compute capability {torch.cuda.get_device_capability()} < 8.0: the SIMT kernel runs")
     q, k_cache, v_cache, spec = _make(case, causal, dtype, device, seed=case["cap"] + case["d"])
     if scale is not None:
@@ -500,7 +505,7 @@ def test_kvcache_tensor_core_kernel_on_the_gpu(page):
     from fa2_numba_cuda import kvcache
     from test_kvcache import _make, assert_matches_kvcache_reference
 
-    if torch.cuda.get_device_capability() < forward_tc.MIN_COMPUTE_CAPABILITY:
+    if torch.cuda.get_device_capability() < tensor_cores.MIN_COMPUTE_CAPABILITY:
         pytest.skip(f"compute capability {torch.cuda.get_device_capability()} < 8.0: the SIMT kernel runs")
     case = dict(q=1, b=2, h=32, hk=8, d=128, cap=4096, seqlens=[4096, 2999], leftpad=None, batch_idx=None,
                 page=page, window=(-1, -1), softcap=0.0, alibi=None, splits=0, varlen=None)
@@ -524,7 +529,7 @@ def test_kvcache_kernel_choice_by_dtype_and_head_dim(device):
     if SIMULATED != (device.type == "cpu"):
         pytest.skip(f"the kernels run on CUDA tensors, or on CPU tensors under numba's simulator; got {device}")
     q = torch.zeros(1, 4, 1, 64, device=device)
-    capable = SIMULATED or torch.cuda.get_device_capability() >= forward_tc.MIN_COMPUTE_CAPABILITY
+    capable = SIMULATED or torch.cuda.get_device_capability() >= tensor_cores.MIN_COMPUTE_CAPABILITY
     assert kvcache.uses_tensor_cores(q.half()) == capable and kvcache.uses_tensor_cores(q.bfloat16()) == capable
     assert not kvcache.uses_tensor_cores(q) and not kvcache.uses_tensor_cores(torch.zeros(1, 4, 1, 160).half())
     spec = AttentionSpec(0.125, cache_seqlens=torch.ones(1, dtype=torch.int32, device=device))
@@ -560,7 +565,7 @@ def test_dispatch_on_the_gpu(dtype, head_dim, causal):
     """fp16/bf16 with head_dim <= 128 on sm80+ take the tensor-core kernel, which matches the reference
     across several blocks and key tiles; its registers stay registers (tc_config: at most 24 B of local
     memory, spilled outside the key loop; fragments left in local arrays would take hundreds)."""
-    if torch.cuda.get_device_capability() < forward_tc.MIN_COMPUTE_CAPABILITY:
+    if torch.cuda.get_device_capability() < tensor_cores.MIN_COMPUTE_CAPABILITY:
         pytest.skip(f"compute capability {torch.cuda.get_device_capability()} < 8.0: the SIMT kernel runs")
     q, k, v = random_qkv((2, 3, 300, head_dim), (2, 3, 333, head_dim), dtype, "cuda", seed=head_dim)
     assert forward_tc.uses_tensor_cores(q)

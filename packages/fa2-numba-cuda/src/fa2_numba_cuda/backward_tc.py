@@ -70,7 +70,6 @@ import torch
 from numba import cuda, float32, int16, int32, uint32, uint64
 
 from fa2.spec import AttentionSpec
-
 from fa2_numba_cuda import backward_simt, launch
 from fa2_numba_cuda.common import (
     LOG2E,
@@ -79,11 +78,11 @@ from fa2_numba_cuda.common import (
     _feature_columns,
     feature_args,
     features,
+    rows_16b_aligned,
     simulated,
     spec_class,
 )
 from fa2_numba_cuda.common import padded_head_dim as simt_padded_head_dim
-from fa2_numba_cuda.forward_tc import MAX_HEAD_DIM, MIN_COMPUTE_CAPABILITY, capability, padded_head_dim
 from fa2_numba_cuda.mma import (
     cp_async_16,
     cp_async_commit,
@@ -101,6 +100,7 @@ from fa2_numba_cuda.mma import (
     pack_f16x2,
     shared_address,
 )
+from fa2_numba_cuda.tensor_cores import MAX_HEAD_DIM, MIN_COMPUTE_CAPABILITY, capability, padded_head_dim
 
 
 class TensorCoreBwdConfig(NamedTuple):
@@ -197,7 +197,7 @@ def max_shared_bytes(device: torch.device) -> int:
     return _optin_shared(device.index if device.index is not None else torch.cuda.current_device())
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _optin_shared(index: int) -> int:
     return getattr(torch.cuda.get_device_properties(index), "shared_memory_per_block_optin", MAX_SHARED_BYTES)
 
@@ -811,12 +811,6 @@ def _kernel(name, HEAD_DIM, config, *flags):
     return kernel
 
 
-def _rows_16b_aligned(t: torch.Tensor) -> bool:
-    """Whether cp.async can copy t's rows in 16 B chunks: contiguous along head_dim, first element and every
-    row, head and batch start 16 B aligned."""
-    return t.stride(3) == 1 and t.data_ptr() % 16 == 0 and all(s % 8 == 0 for s in t.stride()[:3])
-
-
 def _check_config(HEAD_DIM: int, config: TensorCoreBwdConfig) -> None:
     if (config.DKDV_WARPS < 1 or config.DQ_WARPS < 1 or config.DKDV_BLOCK_M < 16 or config.DKDV_BLOCK_M % 16
             or config.DKDV_BLOCK_M > 32 * config.DKDV_WARPS or config.DQ_BLOCK_N < 16 or config.DQ_BLOCK_N % 16):
@@ -896,7 +890,7 @@ def flash_attn_backward(
               else tc_bwd_config(HEAD_DIM, max_shared_bytes(q.device)))
     _check_config(HEAD_DIM, config)
     is_bf16 = q.dtype == torch.bfloat16
-    async_loads = all(_rows_16b_aligned(t) for t in (q, k, v, dO))
+    async_loads = all(rows_16b_aligned(t) for t in (q, k, v, dO))
     out_pairs = head_dim % 2 == 0
     flags = (*features(spec)[:2], is_bf16, head_dim == HEAD_DIM, async_loads, out_pairs)
     out_dtype = torch.int32 if out_pairs else torch.int16

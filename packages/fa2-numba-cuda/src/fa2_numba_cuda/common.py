@@ -1,5 +1,6 @@
-"""What fa2-numba-cuda's kernels share: the SIMT forward's and backward's (``forward_simt``,
-``backward_simt``), the tensor-core forward's (``forward_tc``) and the KV-cache kernels' (``kvcache``).
+"""What fa2-numba-cuda's kernels and their launchers share: the SIMT forward's and backward's (``forward_simt``,
+``backward_simt``), the tensor-core ones' (``forward_tc``, ``backward_tc``) and the KV-cache kernels'
+(``kvcache``).
 
 - the simulator switch (``simulated``) and what differs under it: no libdevice, no aligned shared arrays,
   numpy's float32 and plain ints for numba's slow scalar casts;
@@ -8,7 +9,8 @@
   the grid's extent and the packed batch's offsets (``grid_extent``, ``offset_args``, ``sequence``);
 - the SIMT kernels' block (``BlockConfig``, ``padded_head_dim``, ``_tile_loader``) and pre-scale
   (``score_scale``);
-- the kernels' views of tensors (``_flat``) and the device check (``_check_device``).
+- the kernels' views of tensors (``_flat``), whether cp.async can copy a tensor's rows (``rows_16b_aligned``)
+  and the device check (``_check_device``).
 """
 
 from __future__ import annotations
@@ -19,10 +21,11 @@ from typing import NamedTuple
 import numba
 import numpy as np
 import torch
-from fa2.spec import UNBOUNDED, AttentionSpec
 from numba import cuda, float32, int16, int32, uint64
 
-MAX_HEAD_DIM = 256  # of the SIMT and KV-cache kernels (forward_tc has its own)
+from fa2.spec import UNBOUNDED, AttentionSpec
+
+MAX_HEAD_DIM = 256  # of the SIMT kernels and the KV-cache path (tensor cores: tensor_cores.MAX_HEAD_DIM)
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 
@@ -278,6 +281,14 @@ def _check_device(q: torch.Tensor) -> None:
             f"fa2-numba-cuda runs on CUDA tensors, got {q.device}; to run it on the CPU, in numba's CUDA "
             "simulator, set NUMBA_ENABLE_CUDASIM=1 before numba is imported"
         )
+
+
+def rows_16b_aligned(t: torch.Tensor) -> bool:
+    """Whether cp.async can copy the rows of t (batch, heads, rows, head_dim) in 16 B chunks: contiguous along
+    head_dim, its first element and every row, head and batch start 16 B aligned (each stride a multiple of
+    the 16 B chunk's elements). The tensor-core kernels' q, k, v and dO, the KV-cache kernels' caches."""
+    vec = 16 // t.element_size()
+    return t.stride(3) == 1 and t.data_ptr() % 16 == 0 and all(s % vec == 0 for s in t.stride()[:3])
 
 
 def _flat(t: torch.Tensor):

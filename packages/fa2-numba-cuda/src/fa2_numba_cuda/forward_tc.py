@@ -57,8 +57,8 @@ layout; one launch over (query tile of max_seqlen_q, sequence·head), each block
 offsets, exiting before its first load where its tile starts past the sequence's end (the whole block:
 no barrier or warp-wide instruction is left waiting), and otherwise running on the sequence's rows with its
 own lengths (the window, its skipped tiles, ALiBi's slopes[s, h] and distance, rows that see no key, per
-sequence). cp.async needs the packed rows 16 B aligned, as a dense batch's (``_rows_16b_aligned``): a sequence's
-start only moves the rows, not their alignment.
+sequence). cp.async needs the packed rows 16 B aligned, as a dense batch's (``common.rows_16b_aligned``): a
+sequence's start only moves the rows, not their alignment.
 
 Which kernel runs: ``fa2_numba_cuda.forward.flash_attn_forward`` calls this one for fp16 and bf16 inputs
 with head_dim <= 128 on a CUDA device of compute capability 8.0 or newer (``uses_tensor_cores``), and its
@@ -84,7 +84,6 @@ import torch
 from numba import cuda, float32, int16, int32, uint32, uint64
 
 from fa2.spec import AttentionSpec
-
 from fa2_numba_cuda import launch
 from fa2_numba_cuda.common import (
     LN2,
@@ -96,6 +95,7 @@ from fa2_numba_cuda.common import (
     features,
     grid_extent,
     offset_args,
+    rows_16b_aligned,
     sequence,
     simulated,
     spec_class,
@@ -122,9 +122,7 @@ from fa2_numba_cuda.mma import (
     shfl_xor,
     tanh_approx,
 )
-
-MAX_HEAD_DIM = 128
-MIN_COMPUTE_CAPABILITY = (8, 0)
+from fa2_numba_cuda.tensor_cores import MAX_HEAD_DIM, MIN_COMPUTE_CAPABILITY, capability, padded_head_dim
 
 
 class TensorCoreConfig(NamedTuple):
@@ -137,11 +135,6 @@ class TensorCoreConfig(NamedTuple):
     BLOCK_N: int
     MAX_REGISTERS: int
     S_AHEAD: bool = False
-
-
-def padded_head_dim(head_dim: int) -> int:
-    """The head dim the block computes with: a multiple of 16 (an mma's k), the extra columns zero-filled."""
-    return max(16, -(-head_dim // 16) * 16)
 
 
 def tc_config(HEAD_DIM: int) -> TensorCoreConfig:
@@ -184,18 +177,6 @@ def uses_tensor_cores(q: torch.Tensor) -> bool:
         and q.device.type == "cuda"
         and capability(q.device) >= MIN_COMPUTE_CAPABILITY
     )
-
-
-_CAPABILITIES: dict[torch.device, tuple[int, int]] = {}
-
-
-def capability(device: torch.device) -> tuple[int, int]:
-    """The CUDA device's compute capability, asked once per device (``torch.cuda.get_device_capability``
-    costs microseconds a call)."""
-    found = _CAPABILITIES.get(device)
-    if found is None:
-        found = _CAPABILITIES[device] = torch.cuda.get_device_capability(device)
-    return found
 
 
 @device_function
@@ -791,12 +772,6 @@ def _check_config(HEAD_DIM: int, config: TensorCoreConfig) -> None:
         )
 
 
-def _rows_16b_aligned(t: torch.Tensor) -> bool:
-    """Whether cp.async can copy t's rows in 16 B chunks: contiguous along head_dim, first element and every
-    row, head and batch start 16 B aligned."""
-    return t.stride(3) == 1 and t.data_ptr() % 16 == 0 and all(s % 8 == 0 for s in t.stride()[:3])
-
-
 def _qk_scale(scale: float) -> np.float32:
     """The kernel's qk_scale: |scale| · log2 e (a negative scale flips q's sign in the kernel), at least the
     smallest normal fp32 (1.2e-38) so that it is > 0: for scale = 0, scaled scores are then below 1e-26 in
@@ -874,7 +849,7 @@ def flash_attn_forward(
     HEAD_DIM = padded_head_dim(head_dim)
     config = TensorCoreConfig(*config) if config is not None else tc_config(HEAD_DIM)
     _check_config(HEAD_DIM, config)
-    async_loads = all(_rows_16b_aligned(t) for t in (q, k, v))
+    async_loads = all(rows_16b_aligned(t) for t in (q, k, v))
     o_pairs = head_dim % 2 == 0
     kernel = _kernel(HEAD_DIM, config, *features(spec), q.dtype == torch.bfloat16, head_dim == HEAD_DIM,
                      async_loads, o_pairs)

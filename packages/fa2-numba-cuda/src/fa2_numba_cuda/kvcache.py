@@ -94,9 +94,10 @@ from typing import NamedTuple
 
 import numpy as np
 import torch
-from fa2.spec import AttentionSpec
 from numba import cuda, float32, int32, uint32, uint64
 
+from fa2.spec import AttentionSpec
+from fa2_numba_cuda import launch
 from fa2_numba_cuda.common import (
     LN2,
     LOG2E,
@@ -112,13 +113,11 @@ from fa2_numba_cuda.common import (
     _to_float,
     feature_args,
     features,
+    rows_16b_aligned,
     sequence,
     simulated,
     spec_class,
 )
-from fa2_numba_cuda import launch
-from fa2_numba_cuda.forward_tc import MIN_COMPUTE_CAPABILITY, capability
-from fa2_numba_cuda.forward_tc import MAX_HEAD_DIM as TC_MAX_HEAD_DIM
 from fa2_numba_cuda.mma import (
     cp_async_16,
     cp_async_commit,
@@ -137,6 +136,8 @@ from fa2_numba_cuda.mma import (
     shared_address,
     shfl_xor,
 )
+from fa2_numba_cuda.tensor_cores import MAX_HEAD_DIM as TC_MAX_HEAD_DIM
+from fa2_numba_cuda.tensor_cores import MIN_COMPUTE_CAPABILITY, capability
 
 NUM_THREADS = 128  # 4 warps a block
 NUM_WARPS = NUM_THREADS // 32
@@ -1101,12 +1102,6 @@ def _index(t: torch.Tensor | None, device: torch.device) -> torch.Tensor:
     return t if t.dtype == torch.int32 and t.is_contiguous() else t.to(torch.int32).contiguous()
 
 
-def _async_ok(t: torch.Tensor, vec: int) -> bool:
-    """cp.async can copy t's rows: contiguous along head_dim, every row and 16 B chunk 16 B aligned."""
-    s = t.stride()
-    return s[3] == 1 and t.data_ptr() % 16 == 0 and s[0] % vec == 0 and s[1] % vec == 0 and s[2] % vec == 0
-
-
 def _cache_view(t: torch.Tensor) -> torch.Tensor:
     """The kernel's view of a K or V cache (``launch`` passes it as ``_flat`` of it): fp16 as its int16 bit
     patterns (the plain loads move bits into the 32-bit words of the shared tiles), bf16 too (``_flat``)."""
@@ -1283,8 +1278,7 @@ def kvcache_forward(
     split = num_splits > 1
     rows_total = L.numel()
 
-    vec = 16 // element_size
-    async_loads = _async_ok(k_cache, vec) and _async_ok(v_cache, vec)
+    async_loads = rows_16b_aligned(k_cache) and rows_16b_aligned(v_cache)
     switches = (*features(spec), spec.paged, spec.cache_batch_idx is not None, spec.cache_leftpad is not None, split)
     if tensor_cores:
         kernel = _tc_kernel(HEAD_DIM, config, *switches, kind == "bf16", head_dim == HEAD_DIM, async_loads)
