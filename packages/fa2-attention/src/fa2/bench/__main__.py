@@ -146,13 +146,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         "SDPA's backends have none and are skipped there. Files <name>-cap<C>")
     parser.add_argument("--fa2-entry", choices=FA2_ENTRIES,
                         help="how the fa2 providers are called: attention, fa2.attention (O and L checked, "
-                        "every option); sdpa, fa2.scaled_dot_product_attention(is_causal=, enable_gqa=True) "
-                        "as issue 20 measures GQA (O checked; no window or softcap: those shapes are skipped). "
+                        "every option); sdpa, fa2.scaled_dot_product_attention(is_causal=, enable_gqa=True), "
+                        "the drop-in for F.scaled_dot_product_attention (O checked; no window or softcap: those "
+                        "shapes are skipped). "
                         "Default sdpa with a --group above 1 and no window or softcap, attention otherwise; "
                         "the other one adds -<entry> to the file names")
     parser.add_argument("--varlen", action="store_true",
-                        help="packed batches (issue 21) instead of the dense sweep: per (mode, dtype, D, causal) "
-                        "one batch of sequences one after the other, "
+                        help="packed batches instead of the dense sweep: per (mode, dtype, D, causal) one batch "
+                        "of sequences of different lengths one after the other, "
                         f"{_varlen_help(False)} on a GPU, {_varlen_help(True)} emulated; fa2.varlen_attention "
                         "against SDPA on nested jagged tensors (sdpa-njt) and FlexAttention with a document mask, "
                         "TFLOP/s over the real (query, key) pairs, beside each fa2 backend's dense TFLOP/s at "
@@ -161,8 +162,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         help="the seed of --varlen's lengths (random.Random); files <name>-varlen-seed<S> where "
                         "not 0")
     parser.add_argument("--decode", action="store_true",
-                        help="KV-cache decoding (issue 22) instead of the dense sweep, forward only (--modes is not "
-                        f"read): {_decode_help(False)} on a GPU; {_decode_help(True)} emulated. Each fa2 backend "
+                        help="KV-cache decoding (one or a few new query tokens against the cached keys) instead of "
+                        f"the dense sweep, forward only (--modes is not read): {_decode_help(False)} on a GPU; "
+                        f"{_decode_help(True)} emulated. Each fa2 backend "
                         "through fa2.kvcache_attention on the contiguous and each paged cache, against "
                         "F.scaled_dot_product_attention(enable_gqa=True) (sdpa, and sdpa-flash forced to its flash "
                         "backend) on contiguous copies; µs and K/V bytes read per second, against a device copy. "
@@ -233,7 +235,8 @@ def _decode_defaults(field) -> str:
 
 
 def default_entry(groups, windows, softcaps) -> str:
-    """--fa2-entry's default: sdpa (issue 20's path) for GQA without a window or softcap, else attention."""
+    """--fa2-entry's default: sdpa (fa2.scaled_dot_product_attention) for GQA without a window or softcap, else
+    attention."""
     plain = all(w < 0 for w in windows) and not any(softcaps)
     return "sdpa" if plain and any(g > 1 for g in groups) else "attention"
 
