@@ -78,8 +78,8 @@ once per shape, untimed:
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Callable
 
 import torch
 
@@ -291,7 +291,7 @@ def _fa2(backend: str, entry: str = "attention") -> Callable[[Shape, torch.devic
     return build
 
 
-def fa2_provider(p: "Provider", entry: str) -> "Provider":
+def fa2_provider(p: Provider, entry: str) -> Provider:
     """``p`` (an fa2 backend's provider) called through ``entry`` (FA2_ENTRIES)."""
     if entry == "attention":
         return p
@@ -437,7 +437,7 @@ class _NjtLog:
     HEADS = {"FLASH_ATTENTION": "Flash attention kernel", "EFFICIENT_ATTENTION": "Memory efficient kernel",
              "MATH": "Math attention kernel", "CUDNN_ATTENTION": "cuDNN attention kernel"}
 
-    def __enter__(self) -> "_NjtLog":
+    def __enter__(self) -> _NjtLog:
         import logging
         import warnings
 
