@@ -13,7 +13,10 @@ provider that attends across sequences is wrong), an emulated run's rows, and th
 recorded as skipped with their reasons. And issue 22's --decode mode: the K/V bytes a step reads, the layouts
 of a point grouped (timed together), the paged cache holding the contiguous one's keys through its block
 table, an emulated run (SDPA skipped on paged caches, a provider that ignores the block table wrong), issue
-22's ratios from hand-made rows, the copy ceiling and the command line."""
+22's ratios from hand-made rows, the copy ceiling and the command line. And what a run without a GPU shows a
+newcomer: every table it prints and writes says EMULATED (and its CSV rows), the progress bar names the provider
+it checks or times, the help names what an option does rather than an issue, and each dtype's plot is drawn
+against its own matmul's ceiling."""
 
 from __future__ import annotations
 
@@ -106,6 +109,84 @@ def test_cli_defaults_are_said_and_the_results_land_in_the_checkout(monkeypatch,
     assert "By default both modes" in text and "(default: fwd,bwd)" in text
     assert "default on a GPU 512,1024,2048,4096,8192,16384, emulated 16,32,64,128,256,512,1024" in text
     assert "dtypes on a GPU bf16, emulated fp32" in text
+    assert "issue" not in text.lower()  # the help says what an option does, not where it was asked for
+
+
+def _unlabelled_tables(text: str) -> list[str]:
+    """The header row of each markdown table in ``text`` whose caption or heading (the line before it, blank
+    lines aside) does not say EMULATED."""
+    lines = [line for line in text.splitlines() if line.strip()]
+    return [line for before, line in zip(["", *lines], lines)
+            if line.startswith("|") and not before.startswith("|") and "EMULATED" not in before]
+
+
+@needs_fa2_pytorch
+def test_an_emulated_run_says_so_in_every_table_it_prints_and_writes(monkeypatch, tmp_path, capsys):
+    """python -m fa2.bench without a GPU: the tables printed at the end open with report.EMULATED_NOTE and each
+    one's caption or heading says EMULATED (a ratio such as 0.002x SDPA math must not read as a GPU's), as do
+    the .md's tables and every row of the CSV; a GPU run's tables say nothing of it."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for key, value in cli.EMULATION.items():
+        monkeypatch.setenv(key, value)  # as main sets them before it runs again: no second interpreter here
+    cli.main(["--providers", "fa2-pytorch,sdpa-math", "--seqlens", "16,32", "--head-dims", "16", "--dtypes", "fp32",
+              "--causal", "no", "--out", str(tmp_path)])
+    printed = capsys.readouterr().out
+    tables = printed[printed.index("**EMULATED"):printed.index("\nwrote ")]
+    assert tables.startswith(f"**{report.EMULATED_NOTE}**")
+    assert "| fa2-pytorch | fp32 | 16 | no | H2 |" in tables  # the ratio table itself
+    assert tables.count("\n|---") == 4 and not _unlabelled_tables(tables)  # fwd and bwd: summary, per shape
+    md = (tmp_path / "cpu-emulated.md").read_text()
+    assert md.count("\n|---") == 6 and not _unlabelled_tables(md.split("## Not measured")[0])  # + TFLOP/s
+    assert {r["gpu"] for r in sweep.read_csv(tmp_path / "cpu-emulated.csv")} == {"cpu (emulated, not GPU speed)"}
+
+    run = report.load(tmp_path, "cpu-emulated")
+    on_a_gpu = report.Run(run.results, run.issues, [{**run.info, "emulated": False}])
+    text = "\n".join(report.ratio_tables(on_a_gpu))
+    assert "EMULATED" not in text and "\nRatio of TFLOP/s (above 1: the fa2 backend is faster)" in text
+
+
+class _RecordingBar(cli._PlainProgress):
+    """A progress bar that keeps every postfix it is given."""
+
+    def __init__(self, total: int):
+        super().__init__(total)
+        self.postfixes: list[str] = []
+
+    def set_postfix_str(self, text: str) -> None:
+        self.postfixes.append(text)
+
+
+@needs_fa2_pytorch
+def test_the_progress_bar_names_the_provider_it_checks_and_times(tmp_path):
+    """While a shape's providers are timed the bar shows which one (it showed "timing <shape>", read as a
+    provider named timing)."""
+    cfg = sweep.Config(providers=("fa2-pytorch", "sdpa-math"), seqlens=(16,), head_dims=(16,), causals=(False,),
+                       dtypes=("fp32",), device=torch.device("cpu"), out_dir=tmp_path, name="cpu")
+    bars = []
+    sweep.run(cfg, lambda total: bars.append(_RecordingBar(total)) or bars[-1])
+    [shape] = cfg.shapes()
+    assert bars[0].postfixes == [f"fa2-pytorch {shape}: checking", f"sdpa-math {shape}: checking",
+                                 f"fa2-pytorch {shape}: timing", f"sdpa-math {shape}: timing"]
+
+
+def test_each_dtype_is_drawn_against_its_own_matmul(monkeypatch):
+    """The plots' ceiling line is the panel dtype's matmul; runs recorded before fp16 matmuls were timed draw
+    bf16's on fp16 panels and say so. A run times all three."""
+    from fa2.bench.plot import matmul_ceiling
+
+    ceilings = {"matmul_size": 8192, "bf16_matmul_tflops": 800.0, "fp16_matmul_tflops": 700.0,
+                "fp32_matmul_tflops": 50.0}
+    assert [matmul_ceiling(ceilings, d) for d in ("bf16", "fp16", "fp32")] == [
+        ("bf16 matmul 8192³: 800 TFLOP/s", 800.0), ("fp16 matmul 8192³: 700 TFLOP/s", 700.0),
+        ("fp32 matmul 8192³: 50 TFLOP/s", 50.0)]
+    earlier = {"matmul_size": 8192, "bf16_matmul_tflops": 800.0}
+    assert matmul_ceiling(earlier, "fp16") == ("bf16 matmul 8192³: 800 TFLOP/s (no fp16 matmul timed in this run)",
+                                               800.0)
+    assert matmul_ceiling(earlier, "fp32") is None
+    monkeypatch.setitem(timing.CEILING_SIZE, "cpu", 64)
+    measured = timing.matmul_ceilings(torch.device("cpu"))
+    assert set(measured) == {"matmul_size", "bf16_matmul_tflops", "fp16_matmul_tflops", "fp32_matmul_tflops"}
+    assert all(measured[k] > 0 for k in measured)
 
 
 @pytest.mark.parametrize("append", [False, True], ids=["fresh", "append"])
@@ -466,6 +547,7 @@ def test_an_emulated_varlen_run(tmp_path, monkeypatch):
     run = report.load(tmp_path, "cpu-varlen")
     assert run.varlen
     summary = "\n".join(report.ratio_tables(run))
+    assert summary.startswith(f"**{report.EMULATED_NOTE}**") and not _unlabelled_tables(summary)
     assert "| fa2 backend | mode | / dense 32 (target 0.95) | / sdpa-njt (target 1) | / flex (target 1) |" in summary
     assert "| fa2-pytorch | backward | fp32 | 16 | 2 | yes |" in summary
     text = report.markdown(run, "cpu-varlen", [])
@@ -595,7 +677,12 @@ def test_an_emulated_decode_run(tmp_path, monkeypatch):
     cfg = sweep.Config(providers=("fa2-pytorch", "sdpa", "sdpa-flash", "flex", "sdpa-math", *fakes), seqlens=(40,),
                        head_dims=(16,), causals=(False,), dtypes=("fp32",), device=torch.device("cpu"),
                        out_dir=tmp_path, name="cpu-decode", decode=decode)
-    sweep.run(cfg, lambda total: cli._PlainProgress(total))
+    bars = []
+    sweep.run(cfg, lambda total: bars.append(_RecordingBar(total)) or bars[-1])
+    # The bar names each (provider, layout) as it is timed, the layouts of a point in the same rounds.
+    contiguous, paged = cfg.shapes()[:2]
+    assert {f"fa2-pytorch {contiguous}: timing", f"fa2-pytorch {paged}: timing",
+            f"sdpa {contiguous}: timing"} <= set(bars[0].postfixes)
     rows = sweep.read_csv(tmp_path / "cpu-decode.csv")
     measured = {(r["provider"], r["seqlen_q"], r["page_size"]) for r in rows}
     assert measured == ({(p, q, page) for p in ("fa2-pytorch", "ignores-block-table") for q in ("1", "4")
@@ -624,6 +711,7 @@ def test_an_emulated_decode_run(tmp_path, monkeypatch):
     run = report.load(tmp_path, "cpu-decode")
     assert run.decode and not run.varlen
     summary = "\n".join(report.ratio_tables(run))
+    assert summary.startswith(f"**{report.EMULATED_NOTE}**") and not _unlabelled_tables(summary)
     assert "| fa2 backend | sdpa time / its (target 1) | sdpa-flash time / its (target 1) |" in summary
     assert "| provider | cache | q1 B2 K40 | q4 B2 K40 |" in summary
     text = report.markdown(run, "cpu-decode", [])

@@ -64,7 +64,8 @@ keys (0.85), paged over contiguous (0.95), fa2-numba-cuda's rate over fa2-triton
     python -m fa2.bench --decode --providers flex --append                # FlexAttention beside it
 
 Modules: ``providers`` (what is compared), ``check`` (the correctness check), ``timing`` (clocks, memory,
-matmul ceilings), ``sweep`` (shapes, the loop, the CSV), ``report`` and ``plot`` (the summary).
+matmul ceilings), ``sweep`` (shapes, the loop, the CSV), ``report`` and ``plot`` (the summary), ``output``
+(the default folder and file stem, which fa2-triton's tuners share).
 
 Files, under ``--out`` (default: the checkout's docs/benchmarks), named after the GPU (``h200``) or
 ``cpu-emulated``, then the options (``-quick``, ``-gqa4``, ``-h32``, ``-w4096``, ``-cap50``, several values
@@ -75,7 +76,7 @@ joined by +; ``-attention`` or ``-sdpa`` for a --fa2-entry that is not the defau
     <name>-skipped.csv   every (provider, shape) not measured: skipped, wrong or failed, with the reason
     <name>-run.json      the environment, the command, the wall time and the matmul ceilings
     <name>.md            ratio tables (fa2 against sdpa-flash and sdpa-cudnn), TFLOP/s, memory
-    <name>-<mode>-D<D>.png  TFLOP/s against N, a panel per (dtype, causal), the matmul ceiling as a line
+    <name>-<mode>-D<D>.png  TFLOP/s against N, a panel per (dtype, causal), that dtype's matmul ceiling as a line
 
 and for --varlen (``<name>-varlen``) the same CSVs and JSON (the CSVs' lengths column: the packed batch's
 lengths, empty on the dense reference rows), ``<name>-varlen.md`` (packed against dense, sdpa-njt and

@@ -1,7 +1,7 @@
 """TFLOP/s against N, one figure per mode and head_dim (``<name>-fwd-D64.png``, ``<name>-bwd-D64.png``): a
 panel per (dtype, causal), a line per provider (one per variant, a marker each, where the run has several:
-GQA, window, softcap), the matmul ceiling of that precision, as measured by the run (or the part of an
---append sequence) that measured the panel, as a horizontal line. A --varlen run: one figure per mode
+GQA, window, softcap), the matmul ceiling of the panel's dtype (``matmul_ceiling``), as measured by the run (or
+the part of an --append sequence) that measured the panel, as a horizontal line. A --varlen run: one figure per mode
 (``<name>-fwd.png``), a panel per (dtype, D), bars of TFLOP/s per provider for not causal and causal: the
 packed batch, and hatched each fa2 backend's dense reference shapes; a log scale when emulated. A --decode run:
 ``<name>.png``, a panel per (dtype, D, query tokens), bars of K/V bytes read per second per provider and cache
@@ -14,11 +14,30 @@ from pathlib import Path
 from fa2.bench.providers import DECODE_PROVIDERS, PROVIDERS, VARLEN_PROVIDERS
 from fa2.bench.report import MODE_NAMES, Run, groups, layout_text, seqlen_label, variant, variant_text
 
-# Only bf16 and fp32 matmuls are measured; fp16 panels draw the bf16 ceiling (Hopper's fp16 and bf16
-# tensor-core peaks are equal).
-CEILING_OF = {"bf16": "bf16", "fp16": "bf16", "fp32": "fp32"}
+# An emulated run's figures: under the title, where its times come from and what they do not say.
+EMULATED_SUBTITLE = ("\nCPU: Triton's interpreter, numba's CUDA simulator, tiny shapes; these times say nothing about "
+                     "GPU speed")
 # A run with several variants (GQA, windows, softcaps): one marker per variant, the provider's colour.
 MARKERS = ("o", "s", "^", "D", "v", "x")
+
+
+def _title(run: Run, what: str, then: str = "") -> str:
+    """A figure's title: ``what`` on the run's GPU, or EMULATED on the CPU with EMULATED_SUBTITLE; ``then`` after."""
+    if run.emulated:
+        return f"{what} EMULATED on the CPU{then}{EMULATED_SUBTITLE}"
+    return f"{what} on {run.info.get('gpu', run.results[0]['gpu'])}{then}"
+
+
+def matmul_ceiling(ceilings: dict, dtype: str) -> tuple[str, float] | None:
+    """The matmul ceiling a panel of ``dtype`` is drawn against, as (legend, TFLOP/s): the run's matmul in that
+    dtype. Runs recorded before fp16 matmuls were timed have bf16's alone: their fp16 panels draw it, said so."""
+    timed = "bf16" if dtype == "fp16" and "fp16_matmul_tflops" not in ceilings else dtype
+    tflops = ceilings.get(f"{timed}_matmul_tflops")
+    if tflops is None:
+        return None
+    size = f" {ceilings['matmul_size']}³" if "matmul_size" in ceilings else ""
+    note = "" if timed == dtype else f" (no {dtype} matmul timed in this run)"
+    return f"{timed} matmul{size}: {tflops:.3g} TFLOP/s{note}", tflops
 
 
 def plot(run: Run, out_dir: Path, name: str) -> list[Path]:
@@ -37,10 +56,7 @@ def _plot_varlen(run: Run, mode: str, out_dir: Path, name: str) -> Path:
 
     order = list(dict.fromkeys([*VARLEN_PROVIDERS, *PROVIDERS]))
     colors = dict(zip(order, plt.get_cmap("tab10").colors))
-    gpu = run.info.get("gpu", run.results[0]["gpu"])
-    title = f"fa2 packed batches ({MODE_NAMES[mode]}) on {gpu}: TFLOP/s over the real (query, key) pairs"
-    if run.emulated:
-        title += "\nEMULATED: CPU, Triton interpreter, numba simulator, tiny shapes (not GPU speed)"
+    title = _title(run, f"fa2 packed batches ({MODE_NAMES[mode]})", ": TFLOP/s over the real (query, key) pairs")
     panels = sorted({(r["dtype"], r["head_dim"]) for r in run.results})
     # A bar per (provider, shape kind): the packed batch, then each dense reference N.
     kinds = sorted({(order.index(r["provider"]), r["provider"], r["seqlen"] if not r["lengths"] else 0)
@@ -59,9 +75,9 @@ def _plot_varlen(run: Run, mode: str, out_dir: Path, name: str) -> Path:
                                   hatch="//" if n else None, edgecolor="white" if n else None, label=label)
                     ax.bar_label(bars, [f"{t[0]:.3g}"], fontsize=6)
                     label = None
-        ceiling = run.ceilings_of(rows).get(f"{CEILING_OF[dtype]}_matmul_tflops")
+        ceiling = matmul_ceiling(run.ceilings_of(rows), dtype)
         if ceiling:
-            ax.axhline(ceiling, color="gray", linestyle=":", label=f"{CEILING_OF[dtype]} matmul: {ceiling:.3g} TFLOP/s")
+            ax.axhline(ceiling[1], color="gray", linestyle=":", label=ceiling[0])
         if run.emulated:
             ax.set_yscale("log")  # the interpreter and the simulator are orders of magnitude slower
         ax.set_xticks([0, 1], ["not causal", "causal"])
@@ -84,10 +100,7 @@ def _plot_mode(run: Run, mode: str, out_dir: Path, name: str) -> list[Path]:
     import matplotlib.pyplot as plt
 
     colors = dict(zip(PROVIDERS, plt.get_cmap("tab10").colors))
-    gpu = run.info.get("gpu", run.results[0]["gpu"])
-    title = f"fa2 {MODE_NAMES[mode]} on {gpu}"
-    if run.emulated:
-        title += "\nEMULATED: CPU, Triton interpreter, numba simulator, tiny shapes (not GPU speed)"
+    title = _title(run, f"fa2 {MODE_NAMES[mode]}")
     seqlens = sorted({r["seqlen"] for r in run.results})
     variants = sorted({variant(r) for r in run.results})
     paths = []
@@ -96,7 +109,7 @@ def _plot_mode(run: Run, mode: str, out_dir: Path, name: str) -> list[Path]:
         fig, axes = plt.subplots(len(dtypes), 2, figsize=(12, 3.8 * len(dtypes)), squeeze=False)
         for ax_row, dtype in zip(axes, dtypes):
             ceilings = run.ceilings_of([r for r in run.results if (r["dtype"], r["head_dim"]) == (dtype, head_dim)])
-            ceiling = ceilings.get(f"{CEILING_OF[dtype]}_matmul_tflops")
+            ceiling = matmul_ceiling(ceilings, dtype)
             for ax, causal in zip(ax_row, (False, True)):
                 for p in PROVIDERS:
                     for v in variants:
@@ -108,9 +121,7 @@ def _plot_mode(run: Run, mode: str, out_dir: Path, name: str) -> list[Path]:
                             ax.plot(*zip(*pts), marker=MARKERS[variants.index(v) % len(MARKERS)], color=colors[p],
                                     label=label, linestyle="-" if p.startswith("fa2-") else "--")
                 if ceiling:
-                    n = ceilings["matmul_size"]
-                    ax.axhline(ceiling, color="gray", linestyle=":",
-                               label=f"{CEILING_OF[dtype]} matmul {n}³: {ceiling:.3g} TFLOP/s")
+                    ax.axhline(ceiling[1], color="gray", linestyle=":", label=ceiling[0])
                 ax.set_title(f"{dtype}, D = {head_dim}, {'causal' if causal else 'not causal'}")
                 ax.set_xscale("log", base=2)
                 ax.set_yscale("log")
@@ -137,10 +148,7 @@ def _plot_decode(run: Run, out_dir: Path, name: str) -> Path:
     rows = [r for r in run.results if r["seqlen_q"]]
     order = list(dict.fromkeys([*DECODE_PROVIDERS, *(r["provider"] for r in rows)]))
     colors = dict(zip(order, plt.get_cmap("tab10").colors))
-    gpu = run.info.get("gpu", rows[0]["gpu"])
-    title = f"fa2 KV-cache decoding on {gpu}: K/V bytes read per second"
-    if run.emulated:
-        title += "\nEMULATED: CPU, Triton interpreter, numba simulator, tiny caches (not GPU speed)"
+    title = _title(run, "fa2 KV-cache decoding", ": K/V bytes read per second")
     panels = sorted({(r["dtype"], r["head_dim"], r["seqlen_q"]) for r in rows})
     bars = sorted({(order.index(r["provider"]), r["page_size"], r["provider"]) for r in rows})
     fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels) + 2.5, 4.5), squeeze=False)

@@ -32,6 +32,12 @@ VARLEN_ALTERNATIVES = tuple(p for p in VARLEN_PROVIDERS if p not in FA2_PROVIDER
 DECODE_BASELINES = ("sdpa", "sdpa-flash")
 DECODE_TARGETS = {"sdpa": 1.0, "sdpa-flash": 1.0, "copy": 0.85, "paged": 0.95, "fa2-triton": 0.5}
 DECODE_COPY_FROM = 32768
+# An emulated run's times are the emulators' on the CPU: every table says so (``_caption``, ``_heading``), and the
+# tables printed at the end of a run open with this, so that no ratio of them reads as a GPU's.
+EMULATED_NOTE = ("EMULATED on the CPU: no GPU; fa2-triton ran in Triton's interpreter, fa2-numba-cuda in numba's CUDA "
+                 "simulator, the rest on the CPU, on tiny shapes. These times and ratios show that the harness and the "
+                 "kernels run and agree with the reference; they say nothing about GPU speed.")
+EMULATED_TAG = "EMULATED, not GPU speed"
 
 
 @dataclass
@@ -127,6 +133,16 @@ def _table(header: list[str], rows: list[list[str]]) -> list[str]:
     return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header), *("| " + " | ".join(r) + " |" for r in rows)]
 
 
+def _caption(run: Run, text: str) -> str:
+    """A table's caption, EMULATED_TAG first for an emulated run."""
+    return f"**{EMULATED_TAG}.** {text}" if run.emulated else text
+
+
+def _heading(run: Run, text: str) -> str:
+    """A section's heading, EMULATED_TAG after it for an emulated run."""
+    return f"{text} ({EMULATED_TAG})" if run.emulated else text
+
+
 def groups(results: list[dict]) -> list[tuple[str, int, bool, tuple]]:
     """The (dtype, D, causal, variant) of the rows, in the tables' order."""
     order = {"bf16": 0, "fp16": 1, "fp32": 2}
@@ -147,12 +163,13 @@ def ratios(run: Run, fa2: str, baseline: str) -> dict[tuple, float]:
 def ratio_tables(run: Run) -> list[str]:
     """Per mode: the headline (min and geomean per fa2 backend and baseline), then one table per baseline,
     per shape; then the options against none (``option_tables``), where the run measured both. A --varlen
-    run: ``varlen_tables``."""
+    run: ``varlen_tables``; a --decode run: ``decode_tables``. An emulated run's open with EMULATED_NOTE."""
+    banner = [f"**{EMULATED_NOTE}**", ""] if run.emulated else []
     if run.varlen:
-        return varlen_tables(run)
+        return banner + varlen_tables(run)
     if run.decode:
-        return decode_tables(run)
-    out = []
+        return banner + decode_tables(run)
+    out = banner
     for mode in run.modes():
         out += [f"## {MODE_NAMES[mode]}", ""] if run.modes() != ["fwd"] else []
         out += _ratio_tables(run.of_mode(mode)) + [""]
@@ -165,7 +182,7 @@ def _ratio_tables(run: Run) -> list[str]:
     baselines = BASELINES[run.emulated]
     fa2s = [p for p in FA2_PROVIDERS if any(r["provider"] == p for r in run.results)]
     seqlens = sorted({r["seqlen"] for r in run.results})
-    out = ["Ratio of TFLOP/s (above 1: the fa2 backend is faster), per shape where both ran.", ""]
+    out = [_caption(run, "Ratio of TFLOP/s (above 1: the fa2 backend is faster), per shape where both ran."), ""]
     summary = []
     for fa2 in fa2s:
         cells = [fa2]
@@ -186,7 +203,7 @@ def _ratio_tables(run: Run) -> list[str]:
                     rows.append([fa2, dtype, str(d), "yes" if causal else "no", variant_text(v),
                                  *("—" if c is None else _ratio(c) for c in cells),
                                  _ratio(min(present)), _ratio(_geomean(present))])
-        out += ["", f"### fa2 / {b}", ""]
+        out += ["", "### " + _heading(run, f"fa2 / {b}"), ""]
         out += _table(["fa2 backend", "dtype", "D", "causal", "heads, options", *map(seqlen_label, seqlens), "min",
                        "geomean"], rows) \
             if rows else [f"No shape where an fa2 backend and {b} both ran."]
@@ -207,8 +224,8 @@ def value_tables(run: Run, column: str, fmt) -> list[str]:
                     rows.append([p, str(d), "yes" if causal else "no", variant_text(v),
                                  *("" if c is None else fmt(c) for c in cells)])
         if rows:
-            out += ["", f"### {dtype}", ""] + _table(["provider", "D", "causal", "heads, options",
-                                                      *map(seqlen_label, seqlens)], rows)
+            out += ["", "### " + _heading(run, dtype), ""]
+            out += _table(["provider", "D", "causal", "heads, options", *map(seqlen_label, seqlens)], rows)
     return out
 
 
@@ -240,7 +257,8 @@ def option_tables(run: Run) -> list[str]:
                                  *("—" if not c else _ratio(c) for c in cells)])
     if not rows:
         return []
-    return ["Ratio of TFLOP/s with the option to without it (the same provider and shape; 1: it costs nothing).",
+    return [_caption(run, "Ratio of TFLOP/s with the option to without it (the same provider and shape; 1: it costs "
+                          "nothing)."),
             "", *_table(["option", "provider", "dtype", "D", "causal", "heads, options",
                          *map(seqlen_label, seqlens)], rows)]
 
@@ -272,7 +290,8 @@ def varlen_tables(run: Run) -> list[str]:
     if not ratios_:
         return ["No packed batch measured for an fa2 backend."]
     names = list(ratios_[0]["refs"])
-    target = lambda name: VARLEN_TARGETS["dense" if name.startswith("dense") else name]
+    def target(name):
+        return VARLEN_TARGETS["dense" if name.startswith("dense") else name]
     summary = []
     for fa2 in FA2_PROVIDERS:
         for mode in MODES:
@@ -283,8 +302,8 @@ def varlen_tables(run: Run) -> list[str]:
                     rs = [x["refs"][name][1] for x in mine if x["refs"][name][1]]
                     cells.append(f"{_ratio(min(rs))} ({len(rs)})" if rs else "—")
                 summary.append([fa2, MODE_NAMES[mode], *cells])
-    out = ["Packed TFLOP/s over the real (query, key) pairs, divided by each reference's: the least over the "
-           "shapes (how many), against issue 21's targets.", "",
+    out = [_caption(run, "Packed TFLOP/s over the real (query, key) pairs, divided by each reference's: the least "
+                         "over the shapes (how many), against issue 21's targets."), "",
            *_table(["fa2 backend", "mode", *(f"/ {n} (target {target(n):g})" for n in names)], summary), ""]
     rows = []
     for x in ratios_:
@@ -293,6 +312,7 @@ def varlen_tables(run: Run) -> list[str]:
                                                _ratio(x["refs"][name][1]) if x["refs"][name][1] else "—")]
         rows.append([r["provider"], MODE_NAMES[r["mode"]], r["dtype"], str(r["head_dim"]), str(r["heads"]),
                      "yes" if r["causal"] else "no", _num(r["tflops"]), *cells])
+    out += [_caption(run, "Per packed batch: the fa2 backend's TFLOP/s, each reference's and the ratio."), ""]
     out += _table(["fa2 backend", "mode", "dtype", "D", "H", "causal", "TFLOP/s",
                    *(c for n in names for c in (n, "ratio"))], rows)
     return out
@@ -352,7 +372,7 @@ def _varlen_markdown(run: Run, name: str, plots: list[Path]) -> str:
         + (" The backward's dq is checked on the same rows, dk and dv for NaN and inf." if bwd else ""),
     ]
     lines += ["", "## Packed against dense and the alternatives", "", *varlen_tables(run)]
-    lines += ["", "## Every measurement", "", *_varlen_value_table(run)]
+    lines += ["", "## " + _heading(run, "Every measurement"), "", *_varlen_value_table(run)]
     lines += ["", "## Plots", ""]
     lines += [f"![{p.stem}]({p.name})" for p in plots] or [
         f"None drawn (no matplotlib here): `python -m fa2.bench --report-only --name {name}` draws them."]
@@ -367,13 +387,17 @@ def _environment(run: Run, shapes: list[str], copy: bool = False) -> list[str]:
     ceil = info.get("ceilings", {})
     n = ceil.get("matmul_size", "?")
     if copy:
-        of_run = lambda r: f"copy {_copy_text(r.get('ceilings', {}))}"
+        def of_run(r):
+            return f"copy {_copy_text(r.get('ceilings', {}))}"
         last = [f"- Copy ceiling{' (of the last part)' if len(run.runs) > 1 else ''}: `dst.copy_(src)` of "
                 f"{ceil.get('copy_bytes', 0) / 2**30:.3g} GiB of bf16, {_copy_text(ceil)} read plus written."]
     else:
-        of_run = lambda r: f"bf16 matmul {_num(r.get('ceilings', {}).get('bf16_matmul_tflops', math.nan))} TFLOP/s"
+        def of_run(r):
+            return f"bf16 matmul {_num(r.get('ceilings', {}).get('bf16_matmul_tflops', math.nan))} TFLOP/s"
+        # Runs recorded before fp16 matmuls were timed have bf16's and fp32's alone.
+        fp16 = f"fp16 {_num(ceil['fp16_matmul_tflops'])} TFLOP/s, " if "fp16_matmul_tflops" in ceil else ""
         last = [f"- Matmul ceilings ({n}³{', of the last part' if len(run.runs) > 1 else ''}): "
-                f"bf16 {_num(ceil.get('bf16_matmul_tflops', math.nan))} TFLOP/s, "
+                f"bf16 {_num(ceil.get('bf16_matmul_tflops', math.nan))} TFLOP/s, {fp16}"
                 f"fp32 without TF32 {_num(ceil.get('fp32_matmul_tflops', math.nan))} TFLOP/s."]
     return [
         f"- Environment: commit `{info.get('commit', '?')}`, torch {info.get('torch', '?')}, "
@@ -477,15 +501,19 @@ def decode_ratios(run: Run) -> list[dict]:
     point's layouts read the same bytes."""
     ms = {(r["provider"], _decode_point(r), r["page_size"]): r["ms"] for r in run.results if r["seqlen_q"]}
     out = []
+
+    def over(key: tuple, mine: float) -> float | None:
+        return ms[key] / mine if key in ms else None
+
     for r in _decode_rows(run):
         point, page, mine = _decode_point(r), r["page_size"], r["ms"]
-        over = lambda key: ms[key] / mine if key in ms else None
         copy = run.ceilings_of([r]).get("copy_tbps")
-        ratios = {b: over((b, point, 0)) if not page and r["provider"] != b else None for b in DECODE_BASELINES}
+        ratios = {b: over((b, point, 0), mine) if not page and r["provider"] != b else None
+                  for b in DECODE_BASELINES}
         ratios["copy"] = r["tbps"] / copy if copy and r["tbps"] else None
-        ratios["paged"] = over((r["provider"], point, 0)) if page else None
+        ratios["paged"] = over((r["provider"], point, 0), mine) if page else None
         fa2 = r["provider"] in FA2_PROVIDERS and r["provider"] != "fa2-triton"
-        ratios["fa2-triton"] = over(("fa2-triton", point, page)) if fa2 else None
+        ratios["fa2-triton"] = over(("fa2-triton", point, page), mine) if fa2 else None
         out.append({"row": r, **ratios})
     return out
 
@@ -496,7 +524,8 @@ def decode_tables(run: Run) -> list[str]:
     ratios_ = decode_ratios(run)
     fa2s = [p for p in FA2_PROVIDERS if any(x["row"]["provider"] == p for x in ratios_)]
     pages = sorted({x["row"]["page_size"] for x in ratios_ if x["row"]["page_size"]})
-    least = lambda xs: f"{_ratio(min(xs))} ({len(xs)})" if xs else "—"
+    def least(xs):
+        return f"{_ratio(min(xs))} ({len(xs)})" if xs else "—"
     summary = []
     for fa2 in fa2s:
         mine = [x for x in ratios_ if x["row"]["provider"] == fa2]
@@ -511,8 +540,8 @@ def decode_tables(run: Run) -> list[str]:
               f"of the copy ceiling, from {seqlen_label(DECODE_COPY_FROM)} keys, contiguous (target {t['copy']:g})",
               *(f"paged {p} / contiguous rate (target {t['paged']:g})" for p in pages),
               f"rate / fa2-triton's (target {t['fa2-triton']:g}, fa2-numba-cuda)"]
-    out = ["Issue 22's ratios per fa2 backend: the least over the rows each applies to (how many); SDPA's "
-           "against the contiguous cache, the rates in K/V bytes read per second.", ""]
+    out = [_caption(run, "Issue 22's ratios per fa2 backend: the least over the rows each applies to (how many); "
+                         "SDPA's against the contiguous cache, the rates in K/V bytes read per second."), ""]
     out += _table(header, summary) if summary else ["No decode row measured for an fa2 backend."]
 
     points = list(dict.fromkeys(_decode_point(x["row"]) for x in ratios_))
@@ -520,7 +549,7 @@ def decode_tables(run: Run) -> list[str]:
     lines = list(dict.fromkeys((x["row"]["provider"], x["row"]["page_size"]) for x in ratios_))
     lines.sort(key=lambda pl: (list(DECODE_PROVIDERS).index(pl[0]) if pl[0] in DECODE_PROVIDERS else 99, pl[1]))
     rows = [[p, layout_text(page), *(_us(ms.get((p, page, pt))) for pt in points)] for p, page in lines]
-    out += ["", "Time per call (µs); columns: query tokens, batch, cached keys.", "",
+    out += ["", _caption(run, "Time per call (µs); columns: query tokens, batch, cached keys."), "",
             *_table(["provider", "cache", *map(point_text, points)], rows)]
 
     rows = []
@@ -531,7 +560,8 @@ def decode_tables(run: Run) -> list[str]:
                      _us(r["ms"]), f"{r['tbps']:.3g}" if r["tbps"] else "—",
                      *("—" if x[c] is None else _ratio(x[c])
                        for c in ("copy", *DECODE_BASELINES, "paged", "fa2-triton"))])
-    out += ["", "Every measurement: K/V TB/s = 2·B·H_k·K·D·(bytes per element) / time; the ratios as above.", "",
+    out += ["", _caption(run, "Every measurement: K/V TB/s = 2·B·H_k·K·D·(bytes per element) / time; the ratios as "
+                              "above."), "",
             *_table(["provider", "cache", "dtype", "D", "heads", "q", "B", "K", "µs", "K/V TB/s", "of copy",
                      *(f"{b} / this" for b in DECODE_BASELINES), "rate / contiguous", "rate / fa2-triton"], rows)]
     return out

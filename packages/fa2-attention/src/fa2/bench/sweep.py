@@ -45,12 +45,14 @@ K/V bytes read per second (``Shape.kv_bytes``; the CSV's tbps), against a device
 from __future__ import annotations
 
 import csv
+import functools
 import json
 import os
 import random
 import statistics
 import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 from importlib import metadata
@@ -73,7 +75,8 @@ ISSUE_COLUMNS = (*SHAPE_COLUMNS, "status", "reason", "timestamp")
 KEY = ("provider", "mode", "dtype", "head_dim", "causal", "seqlen", "batch", "heads_k", "window", "softcap", "lengths",
        "seqlen_q", "page_size")
 MODES = ("fwd", "bwd")
-EMULATED_GPU = "cpu (emulated)"
+# The gpu column of an emulated run's rows: every row of its CSV says its time is no GPU's.
+EMULATED_GPU = "cpu (emulated, not GPU speed)"
 
 GPU_TOKENS, GPU_HIDDEN = 16384, 2048
 EMULATED_BATCH, EMULATED_HEADS = 1, 2
@@ -344,7 +347,8 @@ def _commit() -> str:
         return os.environ["FA2_BENCH_COMMIT"]
     here = Path(__file__).parent
     try:
-        git = lambda *a: subprocess.run(["git", *a], cwd=here, capture_output=True, text=True, check=True).stdout
+        def git(*a):
+            return subprocess.run(["git", *a], cwd=here, capture_output=True, text=True, check=True).stdout
         dirty = git("status", "--porcelain", "--untracked-files=no").strip()
         return git("rev-parse", "--short=12", "HEAD").strip() + ("+dirty" if dirty else "")
     except (OSError, subprocess.CalledProcessError):
@@ -450,11 +454,12 @@ def measure(p: Provider, shape: Shape, q, k, v, sample: check.Sample, device: to
     ``call`` runs what is timed, its first run took ``first_s``. Mode "bwd" times the backward alone, given dO.
     A packed shape's q, k, v, dO and what the provider returns are (total, heads, ...) (``heads_first``). The
     provider is called with (q, k, v, *extra), or with what its ``prepare`` makes of them (untimed)."""
-    checked = lambda *xs: [heads_first(shape, x) for x in xs]
+    def checked(*xs):
+        return [heads_first(shape, x) for x in xs]
     try:
         fn = p.build(shape, device)
         args = p.prepare(q, k, v, *extra) if p.prepare else (q, k, v, *extra)
-        call = lambda: fn(*args)
+        call = functools.partial(fn, *args)
         if shape.mode == "bwd":
             inputs = tuple(t.detach().requires_grad_() for t in (q, k, v))
             with torch.enable_grad():
@@ -462,7 +467,7 @@ def measure(p: Provider, shape: Shape, q, k, v, sample: check.Sample, device: to
             problem = check.problem(*checked(O.detach(), L if p.returns_lse else None, q), sample)
             if problem:
                 return "wrong", f"forward: {problem}"
-            call = lambda: torch.autograd.grad(O, inputs, dO, retain_graph=True)
+            call = functools.partial(torch.autograd.grad, O, inputs, dO, retain_graph=True)
             grads, first_s = timing.timed_once(call, device)
             problem = check.grad_problem(checked(*grads), *checked(q, k, v), sample)
             del grads, L
@@ -482,9 +487,11 @@ def measure(p: Provider, shape: Shape, q, k, v, sample: check.Sample, device: to
             torch.cuda.empty_cache()
 
 
-def time_rounds(calls: dict[str, tuple], device: torch.device) -> dict[str, tuple[str, object]]:
+def time_rounds(calls: dict[str, tuple], device: torch.device,
+                started: Callable[[str], None] = lambda name: None) -> dict[str, tuple[str, object]]:
     """name -> ("ok", ms) or ("failed", reason) for ``calls`` (name -> (call, first_s)): each timed in
-    ``timing.rounds(device)`` rounds, every other round in reverse order; ms is the median of its rounds."""
+    ``timing.rounds(device)`` rounds, every other round in reverse order; ms is the median of its rounds.
+    ``started(name)`` before each timing, for the progress bar."""
     times: dict[str, list[float]] = {name: [] for name in calls}
     failed: dict[str, str] = {}
     for r in range(timing.rounds(device)):
@@ -492,6 +499,7 @@ def time_rounds(calls: dict[str, tuple], device: torch.device) -> dict[str, tupl
             if name in failed:
                 continue
             call, first_s = calls[name]
+            started(name)
             try:
                 times[name].append(timing.median_ms(call, device, first_s))
             except Exception as e:
@@ -599,7 +607,7 @@ def _measure_shape(shape: Shape, providers: list[Provider], cfg: Config, env: di
         return
     checked = {}
     for p in providers:
-        bar.set_postfix_str(f"{p.name} {shape}")
+        bar.set_postfix_str(f"{p.name} {shape}: checking")
         status, outcome = measure(p, shape, q, k, v, sample, cfg.device, dO)
         if status == "ok":
             checked[p.name] = outcome
@@ -608,8 +616,8 @@ def _measure_shape(shape: Shape, providers: list[Provider], cfg: Config, env: di
             if status != "skipped":
                 bar.write(f"{p.name} {shape}: {status}: {outcome}")
         bar.update()
-    bar.set_postfix_str(f"timing {shape}")
-    timed = time_rounds({name: (call, first_s) for name, (call, first_s, _) in checked.items()}, cfg.device)
+    timed = time_rounds({name: (call, first_s) for name, (call, first_s, _) in checked.items()}, cfg.device,
+                        lambda name: bar.set_postfix_str(f"{name} {shape}: timing"))
     for name, (status, outcome) in timed.items():
         if status == "ok":
             mem = checked[name][2]
@@ -635,7 +643,8 @@ def decode_inputs(group: list[Shape], device: torch.device):
     The same keys in every layout, so that each layout is checked against the same reference."""
     s = group[0]
     dtype = DTYPES[s.dtype]
-    randn = lambda *shape: torch.randn(*shape, device=device, dtype=dtype)
+    def randn(*shape):
+        return torch.randn(*shape, device=device, dtype=dtype)
     q = randn(s.batch, s.seqlen_q, s.heads, s.head_dim).transpose(1, 2)
     k_flash, v_flash = (randn(s.batch, s.seqlen, s.heads_k, s.head_dim) for _ in range(2))
     cache_seqlens = torch.full((s.batch,), s.seqlen, dtype=torch.int32, device=device)
@@ -676,7 +685,7 @@ def _measure_decode(group: list[Shape], runnable: list[tuple[Provider, Shape]], 
         return
     checked = {}
     for p, shape in runnable:
-        bar.set_postfix_str(f"{p.name} {shape}")
+        bar.set_postfix_str(f"{p.name} {shape}: checking")
         k_cache, v_cache, block_table = layouts[shape.page_size]
         status, outcome = measure(p, shape, q, k_cache, v_cache, sample, cfg.device,
                                   extra=(cache_seqlens, block_table))
@@ -687,8 +696,8 @@ def _measure_decode(group: list[Shape], runnable: list[tuple[Provider, Shape]], 
             if status != "skipped":
                 bar.write(f"{p.name} {shape}: {status}: {outcome}")
         bar.update()
-    bar.set_postfix_str(f"timing {s}")
-    timed = time_rounds({key: (call, first_s) for key, (call, first_s, _) in checked.items()}, cfg.device)
+    timed = time_rounds({key: (call, first_s) for key, (call, first_s, _) in checked.items()}, cfg.device,
+                        lambda key: bar.set_postfix_str(f"{key[0]} {key[1]}: timing"))
     for (name, shape), (status, outcome) in timed.items():
         if status == "ok":
             mem = checked[name, shape][2]

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -79,22 +79,30 @@ def peak_mem_gb(fn: Callable[[], object], device: torch.device) -> float | None:
 
 
 def matmul_ceilings(device: torch.device) -> dict[str, float | int]:
-    """TFLOP/s of one n×n×n matmul in bf16 and in fp32 without TF32, timed as the attention calls are."""
+    """TFLOP/s of one n×n×n matmul in bf16, in fp16 and in fp32 without TF32, timed as the attention calls are:
+    each dtype's plots draw their own (a GPU's fp16 and bf16 peaks need not be equal, nor a CPU's)."""
     n = CEILING_SIZE[device.type]
     out: dict[str, float | int] = {"matmul_size": n}
     precision = torch.get_float32_matmul_precision()
     torch.set_float32_matmul_precision("highest")  # fp32: no TF32
     try:
-        for name, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
-            a = torch.randn(n, n, device=device, dtype=dtype)
-            b = torch.randn(n, n, device=device, dtype=dtype)
-            fn = lambda: a @ b
-            _, first_s = timed_once(fn, device)
-            out[f"{name}_matmul_tflops"] = 2 * n**3 / (median_ms(fn, device, first_s) * 1e-3) / 1e12
-            del a, b
+        for name, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16), ("fp32", torch.float32)):
+            out[f"{name}_matmul_tflops"] = _matmul_tflops(n, dtype, device)
     finally:
         torch.set_float32_matmul_precision(precision)
     return out
+
+
+def _matmul_tflops(n: int, dtype: torch.dtype, device: torch.device) -> float:
+    """One n×n×n matmul's TFLOP/s; its inputs are freed on return, before the next dtype's are made."""
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+
+    def fn():
+        return a @ b
+
+    _, first_s = timed_once(fn, device)
+    return 2 * n**3 / (median_ms(fn, device, first_s) * 1e-3) / 1e12
 
 
 def copy_ceiling(device: torch.device) -> dict[str, float | int]:
@@ -104,7 +112,8 @@ def copy_ceiling(device: torch.device) -> dict[str, float | int]:
     n = COPY_BYTES[device.type]
     src = torch.randn(n // 2, device=device, dtype=torch.bfloat16)
     dst = torch.empty_like(src)
-    fn = lambda: dst.copy_(src)
+    def fn():
+        return dst.copy_(src)
     _, first_s = timed_once(fn, device)
     seconds = median_ms(fn, device, first_s) * 1e-3
     return {"copy_bytes": n, "copy_tbps": 2 * n / seconds / 1e12}
