@@ -12,12 +12,13 @@
     O, L = fa2.kvcache_attention(q, k_cache, v_cache, cache_seqlens, k=k_new, v=v_new, causal=True)  # decode
 """
 
-from fa2.api import AttentionOutput, attention, varlen_attention
+from fa2 import flash_attn  # the module of flash-attn 2.8's API: fa2.flash_attn.flash_attn_func, ...
+from fa2.api import attention, varlen_attention
 from fa2.combine import combine
 from fa2.kvcache import kvcache_attention
 from fa2.registry import BackendInfo, BackendNotInstalledError, backends
 from fa2.sdpa import scaled_dot_product_attention
-from fa2 import flash_attn  # the module of flash-attn 2.8's API: fa2.flash_attn.flash_attn_func, ...
+from fa2.spec import AttentionOutput
 
 __all__ = [
     "AttentionOutput", "BackendInfo", "BackendNotInstalledError", "attention", "backends", "combine", "flash_attn",

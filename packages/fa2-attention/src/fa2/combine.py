@@ -18,7 +18,7 @@ import math
 
 import torch
 
-from fa2.api import AttentionOutput
+from fa2.spec import AttentionOutput
 
 
 def combine(O: torch.Tensor, L: torch.Tensor, *, dtype: torch.dtype | None = None) -> AttentionOutput:
@@ -33,8 +33,9 @@ def combine(O: torch.Tensor, L: torch.Tensor, *, dtype: torch.dtype | None = Non
     Returns:
         AttentionOutput(O (..., seqlen_q, head_dim), L (..., seqlen_q)): what attention over all the ranges'
         keys at once gives; rows that see no key in any range: O = 0, L = +inf. Computed, and L returned,
-        in float32 (float64 where O or L is float64). Differentiable in O and L by autograd; note that ``fa2.attention``'s L
-        carries no gradient, so gradients through a combine of its outputs miss the terms through L.
+        in float32 (float64 where O or L is float64). Differentiable in O and L by autograd; note that
+        ``fa2.attention``'s L carries no gradient, so gradients through a combine of its outputs miss the
+        terms through L.
 
     Raises:
         ValueError: O and L of mismatched shapes, S = 0, or tensors on different devices.

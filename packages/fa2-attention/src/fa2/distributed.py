@@ -42,15 +42,18 @@ block, s == r causal, s > r skipped.
 from __future__ import annotations
 
 import struct
-from typing import NamedTuple, Sequence
+from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 
-from fa2 import api, registry
-from fa2.api import AttentionOutput
+from fa2 import registry
+from fa2.api import attention
 from fa2.combine import combine
 from fa2.layout import backward_any_rank
+from fa2.spec import AttentionOutput
+from fa2.validation import check_causal, make_spec, validate
 
 __all__ = ["LAYOUTS", "ring_attention", "shard", "unshard"]
 
@@ -209,8 +212,8 @@ def _forward(q, k, v, plan: _Plan) -> tuple[torch.Tensor, torch.Tensor]:
         rows_keys = _block(plan, src, n)
         if rows_keys is not None:
             rows, keys, causal = rows_keys
-            O_b, L_b = api.attention(q[..., rows, :], kv[0][..., keys, :], kv[1][..., keys, :], causal=causal,
-                                     scale=plan.scale, backend=plan.backend)
+            O_b, L_b = attention(q[..., rows, :], kv[0][..., keys, :], kv[1][..., keys, :], causal=causal,
+                                 scale=plan.scale, backend=plan.backend)
             if O is None:  # the first step is always the whole diagonal block
                 O, L = O_b.float(), L_b
             else:
@@ -259,7 +262,7 @@ def _backward(q, k, v, O, L, dO, plan: _Plan):
             # The block's backward given the FINAL O and L: P = exp(S - L) is then this block's share of the
             # whole row's softmax, and D = rowsum(dO ∘ O) the whole row's, so the block's dq, dk, dv are its
             # terms of the full gradient (FlashAttention-2's backward is a sum over key blocks).
-            spec = api.make_spec(q_b, k_b, causal, plan.scale)
+            spec = make_spec(q_b, k_b, causal, plan.scale)
             dq_b, dk_b, dv_b = backward_any_rank(impl.flash_attn_backward, q_b, k_b, v_b, O[..., rows, :],
                                                  L[..., rows], dO[..., rows, :], spec)
             dq[..., rows, :] += dq_b
@@ -313,18 +316,20 @@ def _check(q, k, v, causal, scale, group, backend, layout) -> _Plan:
         every = [d.cpu() for d in every]
         if error is not None or any(not torch.equal(d[1:], every[0][1:]) or d[0] for d in every):
             raise ValueError(_disagreement(every, error, group, world))
-    ranks = lambda r: dist.get_global_rank(group, r) if group is not None else r
+
+    def ranks(r):
+        return dist.get_global_rank(group, r) if group is not None else r
+
     return _Plan(rank, world, ranks((rank + 1) % world), ranks((rank - 1) % world), group, causal, scale, backend,
                  layout)
 
 
 def _check_local(q, k, v, causal, scale, backend, layout) -> tuple[float, str]:
     """This rank's input as fa2.attention would check it, plus the ring's own conditions; (scale, backend)."""
-    api._validate(q, k, v)
+    validate(q, k, v)
     if q.dim() != 4:
         raise ValueError(f"q, k and v must have shape (batch, heads, seqlen_shard, head_dim), got q {tuple(q.shape)}")
-    if not isinstance(causal, bool):
-        raise TypeError(f"causal must be a bool, got {type(causal).__name__} {causal!r}")
+    check_causal(causal)
     _check_layout(layout)
     if k.shape[-2] != q.shape[-2]:
         raise ValueError(f"q's and k's shards must have the same length, got q {tuple(q.shape)} and k {tuple(k.shape)}")
@@ -333,7 +338,7 @@ def _check_local(q, k, v, causal, scale, backend, layout) -> tuple[float, str]:
     if q.device.type == "cuda" and q.device.index != torch.cuda.current_device():
         raise ValueError(f"q is on {q.device} but the current CUDA device is cuda:{torch.cuda.current_device()} "
                          "(torch.cuda.set_device(local_rank) first: NCCL's P2P ops run on the current device)")
-    spec = api.make_spec(q, k, causal, scale)
+    spec = make_spec(q, k, causal, scale)
     backend = backend if backend is not None else registry.default_backend(q.device)
     registry.load(backend)
     return spec.scale, backend

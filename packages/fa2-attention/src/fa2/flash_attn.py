@@ -68,8 +68,9 @@ import contextlib
 import torch
 import torch.nn.functional as F
 
-from fa2 import api, kvcache
-from fa2.api import MAX_HEAD_DIM, attention, varlen_attention
+from fa2 import kvcache
+from fa2.api import attention, varlen_attention
+from fa2.validation import MAX_HEAD_DIM, check_index, check_softcap, check_window, is_integer
 
 __all__ = [
     "FlashAttnTypeError", "FlashAttnValueError", "flash_attn_func", "flash_attn_kvpacked_func",
@@ -528,7 +529,7 @@ def flash_attn_with_kvcache(
     _check_alibi(alibi_slopes, q, q.shape[0])
     with _flash_attn_errors():
         if block_table is not None:
-            kvcache._check_index("block_table", block_table, (q.shape[0], None), q.device)
+            check_index("block_table", block_table, (q.shape[0], None), q.device)
         capacity = k_cache.shape[1] * (1 if block_table is None else block_table.shape[1])
         window = _window(window_size, capacity, causal)
         scale = q.shape[-1] ** (-0.5) if softmax_scale is None else softmax_scale
@@ -659,7 +660,7 @@ def _max_seqlen(name: str, value) -> int:
             f"{name} must be a Python int, got a tensor (flash-attn takes an int; reading a device tensor "
             f"would synchronise): pass int({name})"
         )
-    if isinstance(value, bool) or not api._is_integer(value):
+    if isinstance(value, bool) or not is_integer(value):
         raise FlashAttnTypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
     value = int(value)
     if value < 0:
@@ -731,7 +732,7 @@ def _check_dropout(dropout_p, softcap: float) -> None:
 
 def _softcap(softcap) -> float:
     with _flash_attn_errors():
-        return api._softcap(softcap)
+        return check_softcap(softcap)
 
 
 def _check_alibi(slopes, q: torch.Tensor, batch: int) -> None:
@@ -757,13 +758,13 @@ def _window(window_size, seqlen_k: int, causal: bool) -> tuple[int, int]:
     -1, then causal sets the right side to 0. Varlen (mha_varlen_fwd) compares against max_seqlen_k, and
     sets the right side to 0 first: the same pair, but where max_seqlen_k = 0 (no key anywhere)."""
     with _flash_attn_errors():
-        left, right = (-1 if side >= seqlen_k else side for side in api._window(window_size, "window_size"))
+        left, right = (-1 if side >= seqlen_k else side for side in check_window(window_size, "window_size"))
     return (left, 0) if causal else (left, right)
 
 
 @contextlib.contextmanager
 def _flash_attn_errors():
-    """fa2.api's checks, their TypeError and ValueError raised as this module's RuntimeError-compatible ones
+    """fa2.validation's checks, their TypeError and ValueError raised as this module's RuntimeError-compatible ones
     (the same message)."""
     try:
         yield

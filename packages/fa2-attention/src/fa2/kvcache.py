@@ -26,9 +26,19 @@ import weakref
 
 import torch
 
-from fa2 import api, registry
-from fa2.api import AttentionOutput
-from fa2.spec import AttentionSpec
+from fa2 import registry
+from fa2.spec import AttentionOutput, AttentionSpec
+from fa2.validation import (
+    FLOAT_DTYPES,
+    MAX_HEAD_DIM,
+    check_causal,
+    check_index,
+    check_max_seqlens,
+    check_offsets,
+    check_varlen_alibi,
+    is_integer,
+    make_spec,
+)
 
 __all__ = ["kvcache_attention"]
 
@@ -115,11 +125,10 @@ def kvcache_attention(
     paged = block_table is not None
     capacity = block_table.shape[1] * k_cache.shape[2] if paged else k_cache.shape[2]
     seqlen_new = _check_new(q, k_cache, k, v)
-    if not isinstance(causal, bool):
-        raise TypeError(f"causal must be a bool, got {type(causal).__name__} {causal!r}")
+    check_causal(causal)
     seqlens = _cache_seqlens(cache_seqlens, batch, capacity, seqlen_new, q.device)
     for name, t, size in (("cache_batch_idx", cache_batch_idx, batch), ("cache_leftpad", cache_leftpad, batch)):
-        _check_index(name, t, (size,), q.device)
+        check_index(name, t, (size,), q.device)
     if paged and cache_batch_idx is not None:
         raise ValueError("cache_batch_idx is for a contiguous cache: a paged cache's rows are its block_table's")
     if cache_batch_idx is None and not paged and k_cache.shape[0] != batch:
@@ -131,7 +140,7 @@ def kvcache_attention(
         _check_ranges(cache_seqlens if isinstance(cache_seqlens, torch.Tensor) else None, seqlens, seqlen_new,
                       capacity, k_cache.shape[0], block_table, cache_batch_idx, cache_leftpad)
     # The keys each row attends to, the new ones included (a tensor op: the append below reads seqlens).
-    spec = api.make_spec(q, k_cache, causal, scale, window, softcap, alibi_slopes,
+    spec = make_spec(q, k_cache, causal, scale, window, softcap, alibi_slopes,
                          cache_seqlens=seqlens + seqlen_new if seqlen_new else seqlens, cache_leftpad=cache_leftpad,
                          cache_batch_idx=cache_batch_idx, block_table=block_table, num_splits=_num_splits(num_splits))
 
@@ -165,20 +174,17 @@ def varlen_paged(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: 
     q4 = q.transpose(0, 1).unsqueeze(0)
     k_pages, v_pages = k_cache.transpose(1, 2), v_cache.transpose(1, 2)
     _check_caches(q4, k_pages, v_pages, None)
-    if not isinstance(causal, bool):
-        raise TypeError(f"causal must be a bool, got {type(causal).__name__} {causal!r}")
+    check_causal(causal)
     # cu_seqlens_k's total is the keys of every sequence, not a size of k: only cu_seqlens_q's is checked.
-    num_seqs = api._check_offsets(q, None, cu_seqlens_q, cu_seqlens_k)
-    for name, m in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
-        if isinstance(m, bool) or not isinstance(m, int) or m < 0:
-            raise TypeError(f"{name} must be a non-negative int, got {type(m).__name__} {m!r}")
-    _check_index("block_table", block_table, (num_seqs, None), q.device)
+    num_seqs = check_offsets(q, None, cu_seqlens_q, cu_seqlens_k)
+    check_max_seqlens(max_seqlen_q, max_seqlen_k)
+    check_index("block_table", block_table, (num_seqs, None), q.device)
     capacity = block_table.shape[1] * k_pages.shape[2]
     seqlens = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).long()
     if not (_capturing(q) or torch.compiler.is_compiling()):
         _check_ranges(cu_seqlens_k, seqlens, 0, capacity, k_pages.shape[0], block_table, None, None)
-    spec = api.make_spec(q4, k_pages, causal, scale, window, softcap)
-    slopes = None if alibi_slopes is None else api._varlen_alibi(alibi_slopes, q, num_seqs)
+    spec = make_spec(q4, k_pages, causal, scale, window, softcap)
+    slopes = None if alibi_slopes is None else check_varlen_alibi(alibi_slopes, q, num_seqs)
     spec = dataclasses.replace(spec, alibi_slopes=slopes, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                                max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
                                cache_seqlens=seqlens.to(torch.int32), block_table=block_table)
@@ -221,27 +227,29 @@ def _check_caches(q, k_cache, v_cache, block_table) -> tuple[int, int, int, int]
                 else "(batch_cache, heads_k, seqlen_cache, head_dim)")
             raise ValueError(f"{name} must have shape {layout}, got {tuple(t.shape)}")
     if k_cache.shape != v_cache.shape:
-        raise ValueError(f"k_cache and v_cache must have one shape, got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+        raise ValueError(
+            f"k_cache and v_cache must have one shape, got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
+        )
     if block_table is not None and (k_cache.shape[0] == 0 or k_cache.shape[2] == 0):
         raise ValueError(f"a paged cache needs at least one page of at least one row, got {tuple(k_cache.shape)}")
     if k_cache.shape[0] == 0:
         raise ValueError(f"a contiguous cache needs at least one row, got k_cache {tuple(k_cache.shape)}")
-    # fa2.attention's checks (api._validate), written out for the cache's shapes.
-    if q.dtype not in api._FLOAT_DTYPES:
+    # fa2.attention's checks (fa2.validation.validate), written out for the cache's shapes.
+    if q.dtype not in FLOAT_DTYPES:
         raise TypeError(f"q must be float32, float16 or bfloat16, got {q.dtype}")
     if not (q.dtype == k_cache.dtype == v_cache.dtype):
         raise TypeError(f"q, k_cache and v_cache must have one dtype, got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
     if not (q.device == k_cache.device == v_cache.device):
         raise ValueError(f"q, k_cache and v_cache must be on one device, got {q.device}, {k_cache.device}, "
                          f"{v_cache.device}")
-    if q.shape[3] != k_cache.shape[3] or not 1 <= q.shape[3] <= api.MAX_HEAD_DIM:
-        raise ValueError(f"q and the caches must have one head_dim, from 1 to {api.MAX_HEAD_DIM}, got q "
+    if q.shape[3] != k_cache.shape[3] or not 1 <= q.shape[3] <= MAX_HEAD_DIM:
+        raise ValueError(f"q and the caches must have one head_dim, from 1 to {MAX_HEAD_DIM}, got q "
                          f"{tuple(q.shape)} and k_cache {tuple(k_cache.shape)}")
     if k_cache.shape[1] == 0 or q.shape[1] % k_cache.shape[1]:
         raise ValueError(f"q's heads must be a multiple of the caches' (grouped-query attention), got q "
                          f"{tuple(q.shape)} and k_cache {tuple(k_cache.shape)}")
     if block_table is not None:
-        _check_index("block_table", block_table, (q.shape[0], None), q.device)
+        check_index("block_table", block_table, (q.shape[0], None), q.device)
     return tuple(q.shape)
 
 
@@ -273,9 +281,9 @@ def _cache_seqlens(cache_seqlens, batch: int, capacity: int, seqlen_new: int, de
             raise ValueError("new k and v need cache_seqlens: where to write them in the cache")
         return torch.full((batch,), capacity, dtype=torch.int32, device=device)
     if isinstance(cache_seqlens, torch.Tensor):
-        _check_index("cache_seqlens", cache_seqlens, (batch,), device)
+        check_index("cache_seqlens", cache_seqlens, (batch,), device)
         return cache_seqlens
-    if isinstance(cache_seqlens, bool) or not api._is_integer(cache_seqlens):
+    if isinstance(cache_seqlens, bool) or not is_integer(cache_seqlens):
         raise TypeError(f"cache_seqlens must be an int or an int32 tensor, got {type(cache_seqlens).__name__}")
     n = int(cache_seqlens)
     if not 0 <= n <= capacity - seqlen_new:
@@ -285,23 +293,8 @@ def _cache_seqlens(cache_seqlens, batch: int, capacity: int, seqlen_new: int, de
     return torch.full((batch,), n, dtype=torch.int32, device=device)
 
 
-def _check_index(name: str, t, shape: tuple, device) -> None:
-    """An int32 index tensor of the given shape (None: any size) on device; None passes."""
-    if t is None:
-        return
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be an int32 torch.Tensor, got {type(t).__name__}")
-    if t.dtype != torch.int32:
-        raise TypeError(f"{name} must be int32, got {t.dtype}")
-    if t.dim() != len(shape) or any(want is not None and got != want for got, want in zip(t.shape, shape)):
-        dims = ", ".join("n" if s is None else str(s) for s in shape)
-        raise ValueError(f"{name} must have shape ({dims}{',' if len(shape) == 1 else ''}), got {tuple(t.shape)}")
-    if t.device != device:
-        raise ValueError(f"{name} must be on q's device {device}, got {t.device}")
-
-
 def _num_splits(num_splits) -> int:
-    if isinstance(num_splits, bool) or not api._is_integer(num_splits) or int(num_splits) < 0:
+    if isinstance(num_splits, bool) or not is_integer(num_splits) or int(num_splits) < 0:
         raise ValueError(f"num_splits must be an int >= 0 (0: the backend picks), got {num_splits!r}")
     return int(num_splits)
 
@@ -400,7 +393,8 @@ def _check_ranges(user_seqlens, seqlens, seqlen_new: int, capacity: int, num_row
     min_len, min_page, min_row, min_pad, min_room, max_total, max_page, max_row = low
     if min_len < 0 or max_total > capacity:
         raise ValueError(
-            f"the key counts (cache_seqlens + seqlen_new {seqlen_new}, or cu_seqlens_k's steps) must be within [0, {capacity}], the cache's capacity "
+            f"the key counts (cache_seqlens + seqlen_new {seqlen_new}, or cu_seqlens_k's steps) must be within "
+            f"[0, {capacity}], the cache's capacity "
             f"(seqlen_cache, or pages_per_seq · page_size), got {min_len} ... {max_total}"
         )
     if block_table is not None and (min_page < 0 or max_page >= num_rows):

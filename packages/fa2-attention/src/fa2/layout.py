@@ -4,7 +4,7 @@ an ``fa2.spec.AttentionSpec`` saying what to compute."""
 from __future__ import annotations
 
 import math
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -29,7 +29,8 @@ def forward_any_rank(
     forward: Forward, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionSpec
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Runs a backend's (B, H, N, D) forward on (..., N, D) inputs; O comes back in q's shape and
-    L: q.shape[:-1], float32. ``spec`` is already in the (B, H, N, D) view's terms (``fa2.api.make_spec``)."""
+    L: q.shape[:-1], float32. ``spec`` is already in the (B, H, N, D) view's terms
+    (``fa2.validation.make_spec``)."""
     O, L = forward(as_bhnd(q), as_bhnd(k), as_bhnd(v), spec)
     if q.dim() == 4:
         # Already in q's shape; two reshapes cost ~6-10 µs of host time a call on the H200's host.

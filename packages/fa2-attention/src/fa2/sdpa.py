@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from fa2.api import _validate, attention
+from fa2.api import attention
+from fa2.validation import validate
 
 
 def scaled_dot_product_attention(
@@ -70,7 +71,7 @@ def scaled_dot_product_attention(
         )
     _check_heads(query, key, value, enable_gqa)
     if is_causal:
-        _validate(query, key, value)
+        validate(query, key, value)
         return _top_left_causal(query, key, value, scale, backend)
     return attention(query, key, value, scale=scale, backend=backend).O
 

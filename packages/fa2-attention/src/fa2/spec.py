@@ -1,17 +1,27 @@
-"""``AttentionSpec``: the one frozen description of what to compute that every backend receives with q, k, v.
+"""``AttentionSpec``: the one frozen description of what to compute that every backend receives with q, k, v;
+``AttentionOutput``: the (O, L) that every entry point returns.
 
-fa2.attention validates the caller's arguments and builds it once; a backend reads its fields and turns them
-into its own switches (Triton constexprs, numba-cuda compile-time flags, PyTorch branches) instead of taking
-a growing list of arguments. Nothing here validates: by the time a spec exists its values are legal.
+fa2.attention validates the caller's arguments and builds the spec once (``fa2.validation.make_spec``); a
+backend reads its fields and turns them into its own switches (Triton constexprs, numba-cuda compile-time
+flags, PyTorch branches) instead of taking a growing list of arguments. Nothing here validates: by the time
+a spec exists its values are legal.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
 UNBOUNDED = -1
+
+
+class AttentionOutput(NamedTuple):
+    """O: q's shape, dtype and device. L: q.shape[:-1], float32, natural-log logsumexp of the scaled scores."""
+
+    O: torch.Tensor
+    L: torch.Tensor
 
 
 @dataclass(frozen=True)
