@@ -21,10 +21,10 @@ import time
 
 import pytest
 import torch
-from checks import run_python
 
-from fa2_numba_cuda import backward_simt, common, forward, forward_simt, forward_tc, kvcache, launch
+from checks import run_python
 from fa2.spec import AttentionSpec
+from fa2_numba_cuda import backward_simt, common, forward, forward_simt, forward_tc, kvcache, launch
 
 # A guard against the ~1.2 ms a call of numba's own launch, not yet issue 23's 100 µs: on the H200 at 87cbb30
 # this call took 114 µs with the fast launch and 1188 µs with numba's.

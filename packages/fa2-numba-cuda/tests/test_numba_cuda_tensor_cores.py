@@ -1,5 +1,5 @@
-"""fa2-numba-cuda's tensor-core kernels (``fa2_numba_cuda.forward_tc`` and the KV-cache split kernel of
-``fa2_numba_cuda.kvcache``, instructions in ``fa2_numba_cuda.mma``).
+"""fa2-numba-cuda's tensor-core kernels (``fa2_numba_cuda.forward_tc`` and the KV-cache split kernel,
+``fa2_numba_cuda.kvcache_tc``; instructions in ``fa2_numba_cuda.mma``).
 
 On the GPU the conformance suite runs it: ``fa2.attention`` on fp16/bf16 CUDA tensors with head_dim <= 128
 dispatches to it (``test_dispatch_on_the_gpu`` checks that, and that no kernel spills). numba's simulator
@@ -434,7 +434,7 @@ def test_simulated_kernel_varlen_window_skips_key_tiles():
                                  0.25, window=(8, 0))
 
 
-# --- the KV-cache split kernel on tensor cores (``kvcache._build_tc_kernel``) ---------------------------
+# --- the KV-cache split kernel on tensor cores (``kvcache_tc``) -----------------------------------------
 # fa2's decode path takes it by default for fp16/bf16 with head_dim <= 128, under the simulator too (decode
 # blocks are small), so test_kvcache's fp16 cases run it there; these add what those D-16 cases leave out:
 # the two-warp block of HEAD_DIM 128, HEAD_DIM 64, a head_dim padded with plain loads, more than 16 query rows
@@ -473,7 +473,7 @@ def test_kvcache_tensor_core_kernel(device, monkeypatch, dtype, case, scale, cau
     built), and it matches ``fa2.reference.kvcache_attention`` with test_kvcache's tolerances."""
     import dataclasses
 
-    from fa2_numba_cuda import kvcache
+    from fa2_numba_cuda import kvcache, kvcache_simt, kvcache_tc
     from test_kvcache import _make, assert_matches_kvcache_reference
 
     if SIMULATED != (device.type == "cpu"):
@@ -485,13 +485,13 @@ def test_kvcache_tensor_core_kernel(device, monkeypatch, dtype, case, scale, cau
         spec = dataclasses.replace(spec, scale=scale)
     assert kvcache.uses_tensor_cores(q)
     built = []
-    real = kvcache._tc_kernel
-    monkeypatch.setattr(kvcache, "_tc_kernel", lambda *key: built.append(key) or real(*key))
-    monkeypatch.setattr(kvcache, "_kernel", lambda *key: pytest.fail(f"the SIMT split kernel ran: {key}"))
+    real = kvcache_tc.kernel
+    monkeypatch.setattr(kvcache_tc, "kernel", lambda *key: built.append(key) or real(*key))
+    monkeypatch.setattr(kvcache_simt, "kernel", lambda *key: pytest.fail(f"the SIMT split kernel ran: {key}"))
     monkeypatch.setattr(kvcache, "_PREPARED", {})  # a prepared class would launch without asking for a kernel
     O, L = kvcache.kvcache_forward(q, k_cache, v_cache, spec)
     head_dim = kvcache.padded_head_dim(case["d"])
-    assert built and built[0][:2] == (head_dim, kvcache.tc_decode_config(head_dim)), built
+    assert built and built[0][:2] == (head_dim, kvcache_tc.tc_decode_config(head_dim)), built
     assert_matches_kvcache_reference(O, L, q, k_cache, v_cache, spec)
 
 

@@ -1,14 +1,15 @@
 """What fa2-numba-cuda's kernels and their launchers share: the SIMT forward's and backward's (``forward_simt``,
 ``backward_simt``), the tensor-core ones' (``forward_tc``, ``backward_tc``) and the KV-cache kernels'
-(``kvcache``).
+(``kvcache_simt``, ``kvcache_tc``, ``kvcache_combine``, launched by ``kvcache``).
 
 - the simulator switch (``simulated``) and what differs under it: no libdevice, no aligned shared arrays,
-  numpy's float32 and plain ints for numba's slow scalar casts;
+  numpy's float32, int32 and uint32 and plain ints for numba's slow scalar casts;
 - bf16 as int16 bit patterns (``_bf16_to_float``, ``_float_to_bf16``) and the fp32 ``_tanh`` of the softcap;
 - ``Features``: an ``AttentionSpec``'s compile-time switches, with their runtime arguments (``feature_args``),
   the grid's extent and the packed batch's offsets (``grid_extent``, ``offset_args``, ``sequence``);
 - the SIMT kernels' block (``BlockConfig``, ``padded_head_dim``, ``_tile_loader``) and pre-scale
-  (``score_scale``);
+  (``score_scale``); the KV-cache split kernels' copy of a stage's K and V tiles from a contiguous or paged
+  cache (``_kv_loader``);
 - the kernels' views of tensors (``_flat``), whether cp.async can copy a tensor's rows (``rows_16b_aligned``)
   and the device check (``_check_device``).
 """
@@ -21,9 +22,10 @@ from typing import NamedTuple
 import numba
 import numpy as np
 import torch
-from numba import cuda, float32, int16, int32, uint64
+from numba import cuda, float32, int16, int32, uint32, uint64
 
 from fa2.spec import UNBOUNDED, AttentionSpec
+from fa2_numba_cuda.mma import cp_async_16, cp_async_commit, device_function, shared_address
 
 MAX_HEAD_DIM = 256  # of the SIMT kernels and the KV-cache path (tensor cores: tensor_cores.MAX_HEAD_DIM)
 LOG2E = 1.4426950408889634
@@ -50,12 +52,13 @@ if simulated():
     # numba's scalar types are slow to call in the simulator, a type-system call each: uint64(i) takes about
     # 4 µs (and indexing with its result 8 µs), float32(x) about 10 µs, most of a simulated kernel's time.
     # The kernels' uint64 index casts (see forward_simt's module docstring) stay Python ints there, as the
-    # indices are never negative; float32 is numpy's, the same rounding (and a dtype for the shared and local
-    # arrays).
+    # indices are never negative; float32, int32 and uint32 are numpy's, which numba's call anyway (the same
+    # rounding and wrapping; and dtypes for the shared and local arrays).
     def uint64(i):
         return i
 
     float32 = np.float32
+    int32, uint32 = np.int32, np.uint32
 
 else:
     SHARED_ALIGN = 16
@@ -263,6 +266,86 @@ def _tile_loader(HEAD_DIM, NUM_WARPS, EVEN_HEAD_DIM, UNIT_STRIDE_D, to_float):
             row_offset += NUM_WARPS * stride_n
 
     return load_tile
+
+
+def _kv_loader(BLOCK_N, ROW_STEP, LDW, KIND, PAGED, EVEN_HEAD_DIM, ASYNC_LOADS):
+    """``load_kv``, the copy of one stage's K and V tiles (BLOCK_N keys each) into a shared array of 32-bit
+    words, LDW a row, for both KV-cache split kernels (``kvcache_simt``, ``kvcache_tc``): a thread copies one
+    16 B chunk of tile rows ld_r, ld_r + ROW_STEP, ... (BLOCK_N / ROW_STEP rows of K and as many of V); KIND
+    "f32", "f16" or "bf16" (16-bit elements two a word, the lower index in the low half: ``ldmatrix``'s
+    layout)."""
+    ES = 4 if KIND == "f32" else 2  # bytes an element
+    VEC = 16 // ES  # elements in a 16 B chunk (4 words)
+    LOADS = BLOCK_N // ROW_STEP
+
+    @device_function
+    def load_row(tile, tile_row, x, x_base, offset, stride_d, chunk, head_dim, visible):
+        """Chunk ``chunk`` of the cache row at element ``offset`` (stride_d apart) into shared row tile_row;
+        zeros where not ``visible`` and past head_dim. cp.async (issued, lands at the wait) or plain loads."""
+        col = chunk * VEC
+        if ASYNC_LOADS:
+            nbytes = 0
+            src = x_base
+            if visible and (EVEN_HEAD_DIM or col < head_dim):
+                nbytes = 16 if EVEN_HEAD_DIM else ES * min(head_dim - col, VEC)
+                src = x_base + uint64(ES * (offset + col))
+            cp_async_16(shared_address(tile) + uint32(4 * (tile_row * LDW + 4 * chunk)), src, int32(nbytes))
+        elif KIND == "f32":
+            for w in range(4):
+                value = float32(0.0)
+                if visible and (EVEN_HEAD_DIM or col + w < head_dim):
+                    value = x[uint64(offset + (col + w) * stride_d)]
+                tile[uint64(tile_row), uint64(4 * chunk + w)] = value
+        else:
+            for w in range(4):
+                lo = int32(0)
+                hi = int32(0)
+                if visible and (EVEN_HEAD_DIM or col + 2 * w < head_dim):
+                    lo = int32(x[uint64(offset + (col + 2 * w) * stride_d)]) & int32(0xFFFF)
+                if visible and (EVEN_HEAD_DIM or col + 2 * w + 1 < head_dim):
+                    hi = int32(x[uint64(offset + (col + 2 * w + 1) * stride_d)]) << int32(16)
+                tile[uint64(tile_row), uint64(4 * chunk + w)] = lo | hi
+
+    @device_function
+    def load_kv(kv_tile, stage_row, start_n, hi, k, v, k_base, v_base, k_head, v_head, block_table, off_b, ld_r,
+                ld_c, stride_kb, stride_kn, stride_kd, stride_vb, stride_vn, stride_vd, stride_tb, stride_tp,
+                capacity, cache_rows, page_size, head_dim):
+        """Keys start_n .. start_n + BLOCK_N of K and V into the stage at shared row stage_row (K, then V
+        BLOCK_N rows on), zeros from key hi on: chunk ld_c of tile rows ld_r, ld_r + ROW_STEP, ... A paged
+        cache's page ids are read from the block table and clamped into the cache (a key past hi reads the
+        table at the last key of the capacity, and nothing of the cache). One division a tile: the thread's
+        next rows step (page, row in page) on by ROW_STEP keys."""
+        if PAGED:
+            page_idx = (start_n + ld_r) // page_size
+            in_page = (start_n + ld_r) - page_idx * page_size
+        for it in range(LOADS):
+            r = ld_r + ROW_STEP * it
+            key = start_n + r
+            visible = key < hi
+            # side-by-side: pages
+            if PAGED:
+                if it > 0:
+                    in_page += ROW_STEP
+                    while in_page >= page_size:
+                        in_page -= page_size
+                        page_idx += 1
+                last = capacity - 1  # keys past the capacity (only invisible ones) read the last page id
+                if key > last:
+                    page_idx, in_page = last // page_size, last % page_size
+                page = int(block_table[uint64(off_b * stride_tb + page_idx * stride_tp)])
+                page = min(max(page, 0), cache_rows - 1)
+                k_off = k_head + page * stride_kb + in_page * stride_kn
+                v_off = v_head + page * stride_vb + in_page * stride_vn
+            else:
+                k_off = k_head + key * stride_kn
+                v_off = v_head + key * stride_vn
+            # side-by-side: end
+            load_row(kv_tile, stage_row + r, k, k_base, k_off, stride_kd, ld_c, head_dim, visible)
+            load_row(kv_tile, stage_row + BLOCK_N + r, v, v_base, v_off, stride_vd, ld_c, head_dim, visible)
+        if ASYNC_LOADS:
+            cp_async_commit()
+
+    return load_kv
 
 
 def _feature_columns(switches) -> dict:

@@ -1,0 +1,68 @@
+"""The LSE combine of fa2-numba-cuda's KV-cache path: after a split kernel (``kvcache_simt``, ``kvcache_tc``)
+wrote each split's partial O (fp32) and base-2 L, one warp a row of O merges the splits by their logsumexp,
+``fa2.combine``'s formula in base 2: L = log2 Σ_s 2^(L_s), O = Σ_s 2^(L_s - L) O_s, a split that saw no key of
+the row (L_s = +inf) weighing nothing; a row no split saw gets O = 0 and L = +inf. ``fa2_numba_cuda.kvcache``
+launches it only where there are splits.
+"""
+
+from __future__ import annotations
+
+import math
+
+from numba import cuda
+
+from fa2_numba_cuda.common import LN2, _float_to_bf16, _identity, float32, uint64
+
+NUM_THREADS = 128  # 4 warps a block
+ROWS = NUM_THREADS // 32  # rows a block merges, one a warp
+
+
+def _build_kernel(IS_BF16):
+    """The LSE combine: one warp a row of O. o_part (num_splits, rows_total, head_dim) fp32 and lse_part
+    (num_splits, rows_total) fp32, base 2 (+inf: the split saw no key of the row, its O row unwritten);
+    writes o (rows_total, head_dim) in q's dtype and lse (rows_total,) natural log."""
+    from_float = _float_to_bf16 if IS_BF16 else _identity
+
+    def _combine(o_part, lse_part, o, lse, num_splits, rows_total, head_dim):
+        row = cuda.blockIdx.x * ROWS + cuda.threadIdx.x // 32
+        lane = cuda.threadIdx.x % 32
+        if row >= rows_total:
+            return
+        # side-by-side: combine
+        # L = log2 Σ_s 2^(L_s), over the splits that saw a key (L_s != +inf), around their max.
+        m = float32(-math.inf)
+        for sp in range(num_splits):
+            ls = lse_part[uint64(sp * rows_total + row)]
+            if ls != math.inf and ls > m:
+                m = ls
+        total = float32(0.0)
+        for sp in range(num_splits):
+            ls = lse_part[uint64(sp * rows_total + row)]
+            if ls != math.inf:
+                total += math.exp2(ls - m)
+        # No key in any split (m = -inf, total = 0): O = 0, L = +inf. A NaN L_s makes total and L NaN.
+        empty = m == -math.inf
+        lse2 = m + math.log2(total) if not empty else float32(0.0)
+        for c in range(lane, head_dim, 32):
+            value = float32(0.0)
+            for sp in range(num_splits):
+                ls = lse_part[uint64(sp * rows_total + row)]
+                if ls != math.inf:
+                    value += math.exp2(ls - lse2) * o_part[uint64((sp * rows_total + row) * head_dim + c)]
+            o[uint64(row * head_dim + c)] = from_float(value)
+        if lane == 0:
+            lse[uint64(row)] = lse2 * float32(LN2) if not empty else float32(math.inf)
+        # side-by-side: end
+
+    return cuda.jit(_combine)
+
+
+_KERNELS: dict[bool, object] = {}  # by IS_BF16
+
+
+def kernel(is_bf16: bool):
+    """The combine writing O in bf16 (``is_bf16``) or in q's own dtype, compiled once."""
+    found = _KERNELS.get(is_bf16)
+    if found is None:
+        found = _KERNELS[is_bf16] = _build_kernel(is_bf16)
+    return found
