@@ -4,8 +4,11 @@
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import os
+import threading
+import time
 
 import pytest
 import torch
@@ -21,6 +24,8 @@ def pytest_addoption(parser):
 
 
 def pytest_configure(config):
+    if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1" and importlib.util.find_spec("numba") is not None:
+        _yield_while_polling_simulated_threads()
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU (--device cuda); skipped, with the reason, on the CPU")
     config.addinivalue_line(
         "markers",
@@ -28,6 +33,20 @@ def pytest_configure(config):
         "other processes on the same GPU and cores disturb; skipped under pytest-xdist with several workers: "
         "run them in a pytest of their own, as nox -s test_gpu does",
     )
+
+
+def _yield_while_polling_simulated_threads():
+    """numba's CUDA simulator runs a block's threads as Python threads, and its main thread waits for them by
+    polling each one's ``is_alive`` in a loop that never blocks (``numba.cuda.simulator.kernel.BlockManager
+    .run``): it keeps the GIL from the threads it waits for. A ``time.sleep(0)`` in each poll hands the GIL
+    over; the kernels run as before, only sooner."""
+    from numba.cuda.simulator.kernel import BlockThread
+
+    def is_alive(thread):
+        time.sleep(0)
+        return threading.Thread.is_alive(thread)
+
+    BlockThread.is_alive = is_alive
 
 
 def pytest_collection_modifyitems(config, items):

