@@ -127,10 +127,12 @@ def flash_attn_suite(session: nox.Session, backend: str) -> None:
 @nox.session
 def bench(session: nox.Session) -> None:
     """The side-by-side benchmark of every backend against SDPA and FlexAttention (python -m fa2.bench).
-    With a GPU: the full sweep into docs/benchmarks/<gpu>.*; without one: emulated, tiny shapes, into
-    docs/benchmarks/cpu-emulated.*. Arguments after -- go to fa2.bench, e.g. -- --quick, or -- --varlen for
-    the packed batches of issue 21 (<name>-varlen.*).
-    -- --decode: issue 22's KV-cache decoding, µs and K/V TB/s against a device copy (<name>-decode.*)."""
+    With a GPU: the full sweep into docs/benchmarks/<gpu>.*; without one: emulated on the CPU (Triton's
+    interpreter, numba's CUDA simulator), tiny shapes, into docs/benchmarks/cpu-emulated.*, whose times check
+    the harness and say nothing about GPU speed. Arguments after -- go to fa2.bench (-- --help lists them),
+    e.g. -- --quick for a few shapes; -- --varlen for packed batches of sequences of different lengths
+    (<name>-varlen.*); -- --decode for KV-cache decoding, one or a few new query tokens against the cached
+    keys, µs and K/V TB/s against a device copy (<name>-decode.*)."""
     install(session, BACKENDS, "bench")
     session.run("python", "-m", "fa2.bench", *session.posargs, env=emulation_env())
 
