@@ -69,6 +69,16 @@ def require_runnable(backend, status, device, dtype, shape):
         )
 
 
+def simulated_subset(backend, status, keep: bool, why: str):
+    """Skips, with the reason, a case that numba-cuda's CUDA simulator leaves to the GPU. The simulator is
+    most of the CPU run's time (a case costs it 10-100x what it costs Triton's interpreter), and it is there
+    for index math: where a test's cases differ only in what happens before the kernels (a packing of the
+    inputs, a flag the kernels do not read) or repeat a kernel path in the other dtype, it runs the cases
+    that ``keep`` names, ``why`` says which; every case runs on the GPU (nox -s test_gpu)."""
+    if backend == "numba-cuda" and status == "emulated" and not keep:
+        pytest.skip(f"numba-cuda's simulator runs {why}; this case runs on the GPU (nox -s test_gpu)")
+
+
 def run(backend, q, k, v, causal=False, scale=None):
     """fa2.attention, with a backend's documented refusal (NotImplementedError) turned into a skip."""
     try:

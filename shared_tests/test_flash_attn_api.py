@@ -34,7 +34,7 @@ from fa2.flash_attn import (
     flash_attn_varlen_qkvpacked_func,
     flash_attn_with_kvcache,
 )
-from test_conformance import DTYPES, require_runnable
+from test_conformance import DTYPES, require_runnable, simulated_subset
 from test_gradients import FP32_GRAD_ATOL, assert_grads_match
 
 # flash-attn 2.8.3's signatures (flash_attn/flash_attn_interface.py), parameter by parameter.
@@ -103,6 +103,8 @@ CASES = [
     _case(1, 2, 1, 13, 29, 40),
 ]
 VARIANTS = ["func", "kvpacked", "qkvpacked"]
+# kvpacked stacks k and v and calls func's kernels on the views: numba's simulator runs it on one GQA case.
+KVPACKED_SIMULATED = "B1-H4-Hk2-19x37-D16-causal"
 
 
 def _bshd(b, h, h_k, n_q, n_k, d, dtype, device, seed):
@@ -134,6 +136,11 @@ def _skip_variant(variant, shape):
         pytest.skip("qkvpacked: one seqlen and one head count for q, k and v")
 
 
+def _simulated_kvpacked(backend, status, variant, shape, causal):
+    keep = variant != "kvpacked" or _case(*shape, causal=causal).id == KVPACKED_SIMULATED
+    simulated_subset(backend, status, keep, f"kvpacked on {KVPACKED_SIMULATED} only")
+
+
 def _bhsd(*xs):
     return tuple(x.transpose(1, 2) for x in xs)
 
@@ -145,6 +152,7 @@ def test_matches_reference(backend, status, device, dtype, shape, causal, varian
     """out (b, s_q, h, d) in q's dtype, softmax_lse (b, h, s_q) float32, None for S_dmask, against the
     reference on the (b, h, s, d) transposes."""
     _skip_variant(variant, shape)
+    _simulated_kvpacked(backend, status, variant, shape, causal)
     b, h, h_k, n_q, n_k, d = shape
     require_runnable(backend, status, device, dtype, (b, h, n_q, n_k, d))
     q, k, v = _bshd(*shape, dtype, device, seed=sum(shape))
@@ -166,6 +174,7 @@ def test_gradients(backend, status, device, dtype, shape, causal, variant):
     """Gradients to q, k, v, or to the packed tensor: one gradient shaped like the packed input, whose
     slices match the reference's dq, dk, dv."""
     _skip_variant(variant, shape)
+    _simulated_kvpacked(backend, status, variant, shape, causal)
     b, h, h_k, n_q, n_k, d = shape
     require_runnable(backend, status, device, dtype, (b, h, n_q, n_k, d))
     q, k, v = (t.requires_grad_() for t in _bshd(*shape, dtype, device, seed=sum(shape) + 1))
@@ -280,6 +289,8 @@ def test_gradients_are_bit_identical_run_after_run(backend, status, device, dtyp
     """flash-attn's test_flash_attn_deterministic: repeated autograd.grad(..., retain_graph=True) give the
     same bits. fa2's backwards are deterministic whatever the flag (no atomics)."""
     require_runnable(backend, status, device, dtype, (1, 4, 29, 37, 16))
+    simulated_subset(backend, status, deterministic, "deterministic=True only (fa2-numba-cuda's backward reads no "
+                     "flag: one code path)")
     q, k, v = (t.requires_grad_() for t in _bshd(1, 4, 2, 29, 37, 16, dtype, device, seed=21))
     try:
         out = flash_attn_func(q, k, v, 0.0, causal=True, deterministic=deterministic, backend=backend)
@@ -557,6 +568,8 @@ def test_varlen_matches_reference(backend, status, device, dtype, case, variant)
     """out (total_q, h, d) in q's dtype, softmax_lse (h, total_q) float32 (flash-attn's unpadded LSE), None
     for S_dmask; each sequence against the reference on its own slices."""
     _skip_varlen_variant(variant, case)
+    simulated_subset(backend, status, variant != "kvpacked" or case["h"] != case["h_k"],
+                     "varlen kvpacked on the GQA and MQA cases only")
     _require_varlen(backend, status, device, dtype, case)
     q, k, v, cu_q, cu_k, _ = _varlen_inputs(case, dtype, device, seed=len(case["lens_q"]) + sum(case["lens_k"]))
     (out, lse, S_dmask), _ = _varlen_call(variant, case, q, k, v, cu_q, cu_k, backend, causal=case["causal"])
@@ -581,6 +594,8 @@ def test_varlen_gradients(backend, status, device, dtype, case, variant):
     """Gradients to q, k, v, or one gradient shaped like the packed input; each sequence's slices against
     the reference's; zero where a sequence has no query or no key."""
     _skip_varlen_variant(variant, case)
+    simulated_subset(backend, status, variant != "kvpacked" or case["h"] != case["h_k"],
+                     "varlen kvpacked on the GQA and MQA cases only")
     _require_varlen(backend, status, device, dtype, case)
     q, k, v, cu_q, cu_k, _ = _varlen_inputs(case, dtype, device, seed=sum(case["lens_q"]) + 1)
     q, k, v = (t.requires_grad_() for t in (q, k, v))
