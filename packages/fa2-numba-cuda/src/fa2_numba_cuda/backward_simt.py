@@ -80,18 +80,19 @@ import torch
 from numba import cuda
 
 from fa2.spec import AttentionSpec
-
 from fa2_numba_cuda import launch
 from fa2_numba_cuda.common import (
     LOG2E,
     MAX_HEAD_DIM,
     SHARED_ALIGN,
     BlockConfig,
+    _alibi,
     _bf16_to_float,
     _check_device,
-    _float_to_bf16,
     _feature_columns,
+    _float_to_bf16,
     _identity,
+    _key_mask,
     _tanh,
     _tile_loader,
     _to_float,
@@ -233,6 +234,7 @@ def _build_dkdv(HEAD_DIM, config, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN, IS_BF16, 
 
     to_float, from_float = _converters(IS_BF16)
     load_tile = _tile_loader(HEAD_DIM, NUM_WARPS, EVEN_HEAD_DIM, UNIT_STRIDE_D, to_float)
+    masked = _key_mask(LEFT, RIGHT)
 
     def _attn_bwd_dkdv(
         q, k, v, do, lse, delta, dk, dv,
@@ -403,7 +405,7 @@ def _build_dkdv(HEAD_DIM, config, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN, IS_BF16, 
                         for j in range(TM):
                             key = start_n + ty + THREADS_N * i
                             row = start_m + tx + THREADS_M * j
-                            sT[i, j] -= slope * float32(abs(row + diag - key))
+                            sT[i, j] = _alibi(sT[i, j], slope, row, key, diag)
                 # Mask only the tiles that cross the end of the keys or a window edge.
                 if (start_n + BLOCK_N > seqlen_k
                         or (RIGHT and start_n + BLOCK_N - 1 > start_m + diag + window_right)
@@ -412,8 +414,7 @@ def _build_dkdv(HEAD_DIM, config, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN, IS_BF16, 
                         for j in range(TM):
                             key = start_n + ty + THREADS_N * i
                             row = start_m + tx + THREADS_M * j
-                            if (key >= seqlen_k or (RIGHT and key > row + diag + window_right)
-                                    or (LEFT and key < row + diag - window_left)):
+                            if masked(row, key, diag, seqlen_k, window_left, window_right):
                                 sT[i, j] = -math.inf
 
                 # Pᵀ = exp2(Sᵀ - L) and dSᵀ = Pᵀ ∘ (dPᵀ - delta) (softcap: times 1 - tanh²), to shared memory
@@ -497,6 +498,7 @@ def _build_dq(HEAD_DIM, config, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN, IS_BF16, EV
 
     to_float, from_float = _converters(IS_BF16)
     load_tile = _tile_loader(HEAD_DIM, NUM_WARPS, EVEN_HEAD_DIM, UNIT_STRIDE_D, to_float)
+    masked = _key_mask(LEFT, RIGHT)
 
     def _attn_bwd_dq(
         q, k, v, do, lse, delta, dq,
@@ -648,7 +650,7 @@ def _build_dq(HEAD_DIM, config, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN, IS_BF16, EV
                     for j in range(TN):
                         row = start_m + ty + THREADS_M * i
                         key = start_n + tx + THREADS_N * j
-                        s[i, j] -= slope * float32(abs(row + diag - key))
+                        s[i, j] = _alibi(s[i, j], slope, row, key, diag)
             # Mask only the tiles that cross the end of the keys or a window edge.
             if (start_n + BLOCK_N > seqlen_k
                     or (RIGHT and start_n + BLOCK_N - 1 > start_m + diag + window_right)
@@ -657,8 +659,7 @@ def _build_dq(HEAD_DIM, config, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN, IS_BF16, EV
                     for j in range(TN):
                         row = start_m + ty + THREADS_M * i
                         key = start_n + tx + THREADS_N * j
-                        if (key >= seqlen_k or (RIGHT and key > row + diag + window_right)
-                                or (LEFT and key < row + diag - window_left)):
+                        if masked(row, key, diag, seqlen_k, window_left, window_right):
                             s[i, j] = -math.inf
 
             # P = exp2(S - L) and dS = P ∘ (dP - delta) (softcap: times 1 - tanh²), to shared memory for dS K.

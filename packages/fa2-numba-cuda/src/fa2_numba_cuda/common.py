@@ -101,6 +101,39 @@ def _tanh(x):
     return t if x >= float32(0.0) else -t
 
 
+# The score step of the kernels whose scores are fp32 with an exact tanh: the SIMT forward and backward, and
+# both KV-cache split kernels (the tensor-core one's scores are fp32 accumulators treated as the SIMT one's).
+# Each step is a function the kernels call in their own loops and passes, inlined (offline, sm_90: the same
+# registers, spills and instruction counts as the code each kernel wrote out). The backward takes tanh itself
+# (it keeps the derivative); the KV-cache kernels keep their own mask, with the row's validity in it.
+# forward_tc and backward_tc have their own forms, shaped for their fragments (tanh.approx, per-lane bounds).
+
+
+@device_function
+def _softcap(s, softcap_log2):
+    """The capped score in base 2 of a score s pre-scaled by scale / c: c · log2 e · tanh(s) (``_tanh``, fp32),
+    softcap_log2 = c · log2 e."""
+    return _tanh(s) * softcap_log2
+
+
+@device_function
+def _alibi(s, slope, row, key, diag):
+    """s with ALiBi's bias for query row ``row`` and key ``key``: minus the slope (in base 2) times the key's
+    distance from the row's diagonal, |row + diag - key|, diag = seqlen_k - seqlen_q."""
+    return s - slope * float32(abs(row + diag - key))
+
+
+def _key_mask(LEFT, RIGHT):
+    """``masked(row, key, diag, end, window_left, window_right)``: whether key ``key`` is hidden from query row
+    ``row``: at or past ``end`` or outside the row's window, bottom-right aligned (diag = seqlen_k - seqlen_q),
+    LEFT and RIGHT saying which sides bound it (compile-time, ``Features``)."""
+
+    @device_function
+    def masked(row, key, diag, end, window_left, window_right):
+        return key >= end or (RIGHT and key > row + diag + window_right) or (LEFT and key < row + diag - window_left)
+
+    return masked
+
 class Features(NamedTuple):
     """The compile-time switches an ``AttentionSpec`` becomes, part of every kernel's key (the forward's,
     the tensor-core forward's and the backward's): LEFT, RIGHT: the window bounds keys on that side (causal:

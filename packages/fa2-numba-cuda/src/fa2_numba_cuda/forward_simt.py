@@ -87,9 +87,9 @@ import math
 
 import numpy as np
 import torch
-from fa2.spec import AttentionSpec
 from numba import cuda
 
+from fa2.spec import AttentionSpec
 from fa2_numba_cuda import launch
 from fa2_numba_cuda.common import (
     LN2,
@@ -97,12 +97,14 @@ from fa2_numba_cuda.common import (
     MAX_HEAD_DIM,
     SHARED_ALIGN,
     BlockConfig,
+    _alibi,
     _bf16_to_float,
     _check_device,
     _feature_columns,
     _float_to_bf16,
     _identity,
-    _tanh,
+    _key_mask,
+    _softcap,
     _tile_loader,
     _to_float,
     feature_args,
@@ -165,6 +167,7 @@ def _build_kernel(HEAD_DIM, config, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN, IS_BF16
         to_float, from_float = _to_float, _identity
 
     load_tile = _tile_loader(HEAD_DIM, NUM_WARPS, EVEN_HEAD_DIM, UNIT_STRIDE_D, to_float)
+    masked = _key_mask(LEFT, RIGHT)
 
     def _attn_fwd(
         q, k, v, o, lse,
@@ -285,7 +288,7 @@ def _build_kernel(HEAD_DIM, config, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN, IS_BF16
             if SOFTCAP:
                 for i in range(TM):
                     for j in range(TN):
-                        s[i, j] = _tanh(s[i, j]) * softcap_log2
+                        s[i, j] = _softcap(s[i, j], softcap_log2)
             # side-by-side: end
 
             # side-by-side: alibi
@@ -295,7 +298,7 @@ def _build_kernel(HEAD_DIM, config, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN, IS_BF16
                     for j in range(TN):
                         row = start_m + ty + THREADS_M * i
                         key = start_n + tx + THREADS_N * j
-                        s[i, j] -= slope * float32(abs(row + diag - key))
+                        s[i, j] = _alibi(s[i, j], slope, row, key, diag)
             # side-by-side: end
 
             # side-by-side: mask
@@ -308,8 +311,7 @@ def _build_kernel(HEAD_DIM, config, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN, IS_BF16
                     for j in range(TN):
                         row = start_m + ty + THREADS_M * i
                         key = start_n + tx + THREADS_N * j
-                        if (key >= seqlen_k or (RIGHT and key > row + diag + window_right)
-                                or (LEFT and key < row + diag - window_left)):
+                        if masked(row, key, diag, seqlen_k, window_left, window_right):
                             s[i, j] = -math.inf
             # side-by-side: end
 

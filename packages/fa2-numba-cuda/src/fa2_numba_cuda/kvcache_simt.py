@@ -43,12 +43,13 @@ from fa2_numba_cuda.common import (
     LN2,
     LOG2E,
     SHARED_ALIGN,
+    _alibi,
     _bf16_to_float,
     _float_to_bf16,
     _identity,
     _int_as_float,
     _kv_loader,
-    _tanh,
+    _softcap,
     _to_float,
     float32,
     int32,
@@ -340,10 +341,13 @@ def _build_kernel(HEAD_DIM, config, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN, PAGED, 
                     score = s[i]
                     # Softcap c: Q was pre-scaled by scale / c, so c · log2 e · tanh(s) is the capped score.
                     if SOFTCAP:
-                        score = _tanh(score) * softcap_log2
+                        score = _softcap(score, softcap_log2)
                     # ALiBi: minus slope · log2 e times the key's distance from the query's diagonal.
                     if ALIBI:
-                        score -= slope_i[i] * float32(abs(tok_i[i] + diag - key))
+                        score = _alibi(score, slope_i[i], tok_i[i], key, diag)
+                    # The mask written out, the row's validity tested second: through common._key_mask, with the
+                    # validity tested before or after it, ptxas gives these kernels other code (offline, sm_90: other
+                    # instruction counts, and at D64 on tensor cores up to 144 B more spills).
                     visible = key < hi and valid_i[i] == 1
                     if RIGHT:
                         visible = visible and key <= tok_i[i] + diag + window_right

@@ -37,12 +37,13 @@ from fa2_numba_cuda.common import (
     LN2,
     LOG2E,
     SHARED_ALIGN,
+    _alibi,
     _float_as_int,
     _float_to_bf16,
     _identity,
     _int_as_float,
     _kv_loader,
-    _tanh,
+    _softcap,
     float32,
     int32,
     sequence,
@@ -286,9 +287,12 @@ def _build_kernel(HEAD_DIM, config, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN, PAGED, 
                         key = key0 + 8 * j + e % 2
                         score = s[j, e] * qk_scale
                         if SOFTCAP:  # qk_scale = scale / c: c · log2 e · tanh(s · scale / c)
-                            score = _tanh(score) * softcap_log2
+                            score = _softcap(score, softcap_log2)
                         if ALIBI:
-                            score -= slope_i[h] * float32(abs(tok_i[h] + diag - key))
+                            score = _alibi(score, slope_i[h], tok_i[h], key, diag)
+                        # The mask written out, the row's validity tested second: through common._key_mask, with the
+                        # validity tested before or after it, ptxas gives these kernels other code (offline, sm_90:
+                        # other instruction counts, and at D64 on tensor cores up to 144 B more spills).
                         visible = key < hi and valid_i[h] == 1
                         if RIGHT:
                             visible = visible and key <= tok_i[h] + diag + window_right
