@@ -13,8 +13,8 @@ error in the chosen kernels is raised, never answered by the other ones.
 from __future__ import annotations
 
 import torch
-from fa2.spec import AttentionSpec
 
+from fa2.spec import AttentionSpec
 from fa2_numba_cuda import backward_simt, backward_tc
 from fa2_numba_cuda.backward_simt import DkDvConfig
 from fa2_numba_cuda.common import BlockConfig

@@ -713,7 +713,7 @@ _PREPARED: dict[tuple, tuple] = {}
 def _kernel(name, *key):
     kernel = _KERNELS.get((name, *key))
     if kernel is None:
-        kernel = _KERNELS[name, *key] = _BUILDERS[name](*key)
+        kernel = _KERNELS[(name, *key)] = _BUILDERS[name](*key)
     return kernel
 
 

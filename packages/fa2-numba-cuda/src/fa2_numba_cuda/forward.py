@@ -12,8 +12,8 @@ the other: an input the chosen kernel cannot take is an error.
 from __future__ import annotations
 
 import torch
-from fa2.spec import AttentionSpec
 
+from fa2.spec import AttentionSpec
 from fa2_numba_cuda import forward_simt, forward_tc
 from fa2_numba_cuda.common import BlockConfig
 
