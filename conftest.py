@@ -17,10 +17,18 @@ import fa2
 
 
 def pytest_addoption(parser):
-    parser.addoption("--backend", action="append", default=None,
-                     help="fa2 backend to test (repeatable); default: every installed backend")
-    parser.addoption("--device", default="cpu", choices=("cpu", "cuda"),
-                     help="device the tensors live on (default cpu; backends that need CUDA run emulated)")
+    parser.addoption(
+        "--backend",
+        action="append",
+        default=None,
+        help="fa2 backend to test (repeatable); default: every installed backend",
+    )
+    parser.addoption(
+        "--device",
+        default="cpu",
+        choices=("cpu", "cuda"),
+        help="device the tensors live on (default cpu; backends that need CUDA run emulated)",
+    )
 
 
 def pytest_configure(config):
@@ -55,8 +63,14 @@ def pytest_collection_modifyitems(config, items):
         skips.append(("gpu", pytest.mark.skip(reason="GPU-only: run with --device cuda on a machine with a CUDA GPU")))
     # Each xdist worker collects with PYTEST_XDIST_WORKER_COUNT set.
     if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
-        skips.append(("alone", pytest.mark.skip(reason="disturbed by the other xdist workers: run with -m alone, "
-                                                       "without -n (nox -s test_gpu does)")))
+        skips.append(
+            (
+                "alone",
+                pytest.mark.skip(
+                    reason="disturbed by the other xdist workers: run with -m alone, without -n (nox -s test_gpu does)"
+                ),
+            )
+        )
     for item in items:
         for marker, skip in skips:
             if marker in item.keywords:

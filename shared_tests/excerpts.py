@@ -41,8 +41,11 @@ _EXCERPT = re.compile(
 
 def _functions(source: str) -> list[tuple[int, int, str]]:
     """(first line, last line, name) of every function in a source file, outermost first."""
-    spans = [(node.lineno, node.end_lineno, node.name) for node in ast.walk(ast.parse(source))
-             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))]
+    spans = [
+        (node.lineno, node.end_lineno, node.name)
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+    ]
     return sorted(spans, key=lambda span: (span[0], -span[1]))
 
 

@@ -78,14 +78,20 @@ def test_ranges_a_row_does_not_see_are_ignored_and_rows_that_see_nothing_stay_em
     assert not torch.isnan(got_O).any() and torch.isfinite(got_L[keep]).all()
 
 
-@pytest.mark.parametrize("O, L, error, match", [
-    pytest.param(torch.zeros(2, 3, 4), torch.zeros(2, 4), ValueError, "splits, ..., seqlen_q, head_dim", id="shapes"),
-    pytest.param(torch.zeros(0, 3, 4), torch.zeros(0, 3), ValueError, "at least one split", id="no-split"),
-    pytest.param(torch.zeros(2, 3, 4, dtype=torch.int32), torch.zeros(2, 3), TypeError, "floating point",
-                 id="int-O"),
-    pytest.param(torch.zeros(2, 3, 4), None, TypeError, "must be tensors", id="no-L"),
-    pytest.param(torch.zeros(2, 3, 4), torch.zeros(2, 3, device="meta"), ValueError, "one device", id="devices"),
-])
+@pytest.mark.parametrize(
+    "O, L, error, match",
+    [
+        pytest.param(
+            torch.zeros(2, 3, 4), torch.zeros(2, 4), ValueError, "splits, ..., seqlen_q, head_dim", id="shapes"
+        ),
+        pytest.param(torch.zeros(0, 3, 4), torch.zeros(0, 3), ValueError, "at least one split", id="no-split"),
+        pytest.param(
+            torch.zeros(2, 3, 4, dtype=torch.int32), torch.zeros(2, 3), TypeError, "floating point", id="int-O"
+        ),
+        pytest.param(torch.zeros(2, 3, 4), None, TypeError, "must be tensors", id="no-L"),
+        pytest.param(torch.zeros(2, 3, 4), torch.zeros(2, 3, device="meta"), ValueError, "one device", id="devices"),
+    ],
+)
 def test_bad_inputs_are_refused(O, L, error, match):
     with pytest.raises(error, match=match):
         fa2.combine(O, L)

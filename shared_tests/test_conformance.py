@@ -148,8 +148,10 @@ def test_grouped_query_heads_strided(backend, status, device, causal):
     """GQA on (batch, seqlen, heads, head_dim) tensors transposed to (batch, heads, seqlen, head_dim)."""
     require_runnable(backend, status, device, torch.float16, (1, 4, 21, 33, 16))
     g = torch.Generator().manual_seed(8)
+
     def make(*s):
         return torch.randn(*s, generator=g).to(device=device, dtype=torch.float16).transpose(1, 2)
+
     q, k, v = make(1, 21, 4, 16), make(1, 33, 2, 16), make(1, 33, 2, 16)
     O, L = run(backend, q, k, v, causal)
     assert_matches_reference(O, L, q, k, v, causal)
@@ -178,8 +180,10 @@ def _strided_views(device, dtype):
     """Non-contiguous q, k, v in three layouts: (B, N, H, D) transposed to (B, H, N, D); a head_dim
     stride of 2 (every other element of a wider tensor); k and v as slices of one packed kv tensor."""
     g = torch.Generator().manual_seed(3)
+
     def make(*s):
         return torch.randn(*s, generator=g).to(device=device, dtype=dtype)
+
     q = make(2, 33, 3, 16).transpose(1, 2)
     k = make(2, 3, 41, 32)[..., ::2]
     kv = make(2, 3, 41, 2, 16)

@@ -68,14 +68,20 @@ SHAPES = [
     _shape(2, 4, 2, 26, 64),
     _shape(2, 1, 1, 18, 256),
 ]
-SIMULATOR_REASON = ("numba's CUDA simulator runs a Python thread per GPU thread (2 s a block's forward and "
-                    "backward): its rings are the first shape, fp32, causal, on 2 ranks (every kind of block: causal, "
-                    "full square, full 2c x c and c x 2c); the rest runs with --device cuda and on the other backends")
-EMULATOR_REASON = ("under an emulator the rings run the first three shapes (head_dim 16 and 32: MHA, GQA, MQA) "
-                   "and no full-attention zig-zag (the same blocks as contiguous, the rows in another order); the "
-                   "rest runs with --device cuda and on fa2-pytorch")
-WORLD1_REASON = ("a group of one runs no ring (fa2.attention on the whole shard, whose own suite covers the shapes): "
-                 "the first two shapes only")
+SIMULATOR_REASON = (
+    "numba's CUDA simulator runs a Python thread per GPU thread (2 s a block's forward and "
+    "backward): its rings are the first shape, fp32, causal, on 2 ranks (every kind of block: causal, "
+    "full square, full 2c x c and c x 2c); the rest runs with --device cuda and on the other backends"
+)
+EMULATOR_REASON = (
+    "under an emulator the rings run the first three shapes (head_dim 16 and 32: MHA, GQA, MQA) "
+    "and no full-attention zig-zag (the same blocks as contiguous, the rows in another order); the "
+    "rest runs with --device cuda and on fa2-pytorch"
+)
+WORLD1_REASON = (
+    "a group of one runs no ring (fa2.attention on the whole shard, whose own suite covers the shapes): "
+    "the first two shapes only"
+)
 
 
 class Case(NamedTuple):
@@ -97,11 +103,15 @@ def _skip_reason(backend, status, device, world, case: Case) -> str | None:
         return EMULATOR_GAPS[backend, case.dtype]
     if world == 1 and case.shape not in [s.values[0] for s in SHAPES[:2]]:
         return WORLD1_REASON
-    if status == "emulated" and backend == "numba-cuda" and not (
-            case.shape == SHAPES[0].values[0] and case.dtype == torch.float32 and case.causal and world == 2):
+    if (
+        status == "emulated"
+        and backend == "numba-cuda"
+        and not (case.shape == SHAPES[0].values[0] and case.dtype == torch.float32 and case.causal and world == 2)
+    ):
         return SIMULATOR_REASON
-    if status == "emulated" and (case.shape not in [s.values[0] for s in SHAPES[:3]]
-                                 or case.layout == "zigzag" and not case.causal):
+    if status == "emulated" and (
+        case.shape not in [s.values[0] for s in SHAPES[:3]] or case.layout == "zigzag" and not case.causal
+    ):
         return EMULATOR_REASON
     b, h, _, n, d = case.shape
     try:
@@ -118,14 +128,21 @@ GLOO_CUDA = os.environ.get("FA2_RING_GLOO_CUDA") == "1"
 
 def _gpu_reason(device, world) -> str | None:
     if device.type == "cuda" and world > torch.cuda.device_count() and not GLOO_CUDA:
-        return (f"a world of {world} needs {world} GPUs (NCCL runs one rank per GPU), {torch.cuda.device_count()} "
-                "here; FA2_RING_GLOO_CUDA=1 runs it on gloo with ranks sharing GPUs")
+        return (
+            f"a world of {world} needs {world} GPUs (NCCL runs one rank per GPU), {torch.cuda.device_count()} "
+            "here; FA2_RING_GLOO_CUDA=1 runs it on gloo with ranks sharing GPUs"
+        )
     return None
 
 
 def _cases(backend, status, device, world) -> list[Case]:
-    every = [Case(s.values[0], dt.values[0], c.values[0], lay.values[0])
-             for s in SHAPES for dt in DTYPES for c in CAUSAL for lay in LAYOUTS]
+    every = [
+        Case(s.values[0], dt.values[0], c.values[0], lay.values[0])
+        for s in SHAPES
+        for dt in DTYPES
+        for c in CAUSAL
+        for lay in LAYOUTS
+    ]
     return [c for c in every if _skip_reason(backend, status, device, world, c) is None]
 
 
@@ -168,8 +185,9 @@ def _bad_input(name: str, rank: int, world: int):
     q, k, v = random_qkv((1, 2, 16, 16), (1, 2, 16, 16), torch.float32, "cpu", seed=rank)
     kwargs = {}
     if name == "lengths-differ":  # a 16 * world + 1 token sequence split as evenly as it goes
-        q, k, v = random_qkv((1, 2, 17 if rank == 0 else 16, 16), (1, 2, 17 if rank == 0 else 16, 16),
-                             torch.float32, "cpu", seed=rank)
+        q, k, v = random_qkv(
+            (1, 2, 17 if rank == 0 else 16, 16), (1, 2, 17 if rank == 0 else 16, 16), torch.float32, "cpu", seed=rank
+        )
     elif name == "heads-differ" and last:
         k, v = k[:, :1], v[:, :1]
     elif name == "dtype-differs" and last:
@@ -216,8 +234,13 @@ def _worker(job_dir: Path, rank: int) -> None:
         device = torch.device("cuda", rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
     _poison_empty()
-    dist.init_process_group(job["dist_backend"], init_method=f"file://{job_dir / 'store'}", rank=rank,
-                            world_size=world, timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+    dist.init_process_group(
+        job["dist_backend"],
+        init_method=f"file://{job_dir / 'store'}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S),
+    )
     out = {}
     if world > 1:
         for bad in BAD:
@@ -231,8 +254,9 @@ def _worker(job_dir: Path, rank: int) -> None:
     for case in job["cases"]:
         out[case.key] = _attempt(_run_case, case, rank, world, device, backend)
     if subgroup is not None and rank in SUBGROUP:
-        out["subgroup"] = _attempt(_run_case, SUBGROUP_CASE, SUBGROUP.index(rank), len(SUBGROUP), device, backend,
-                                   subgroup)
+        out["subgroup"] = _attempt(
+            _run_case, SUBGROUP_CASE, SUBGROUP.index(rank), len(SUBGROUP), device, backend, subgroup
+        )
     torch.save(out, job_dir / f"rank{rank}.pt")
     dist.destroy_process_group()
 
@@ -248,15 +272,31 @@ def _launch(job_dir: Path, backend: str, status: str, device, world: int) -> lis
     job_dir.mkdir(parents=True, exist_ok=True)
     dist_backend = "nccl" if device.type == "cuda" and world <= torch.cuda.device_count() else "gloo"
     subgroup = world == 3 and _skip_reason(backend, status, device, world, SUBGROUP_CASE) is None
-    torch.save({"world": world, "backend": backend, "device": device.type, "dist_backend": dist_backend,
-                "cases": _cases(backend, status, device, world), "subgroup": subgroup}, job_dir / "job.pt")
+    torch.save(
+        {
+            "world": world,
+            "backend": backend,
+            "device": device.type,
+            "dist_backend": dist_backend,
+            "cases": _cases(backend, status, device, world),
+            "subgroup": subgroup,
+        },
+        job_dir / "job.pt",
+    )
     # One thread a process: world processes share the machine's cores. Gloo on loopback.
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     if sys.platform.startswith("linux"):
         env.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    procs = [subprocess.Popen([sys.executable, __file__, str(job_dir), str(rank)], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for rank in range(world)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, __file__, str(job_dir), str(rank)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for rank in range(world)
+    ]
     logs = []
     try:
         for p in procs:
@@ -308,8 +348,10 @@ def _gather(results: list[dict], key: str, layout: str) -> dict[str, torch.Tenso
     for rank, got in enumerate(per_rank):
         if isinstance(got, str):
             pytest.fail(f"rank {rank} raised {got}")
-    return {name: unshard([got[name] for got in per_rank], layout=layout, dim=-1 if name == "L" else -2)
-            for name in per_rank[0]}
+    return {
+        name: unshard([got[name] for got in per_rank], layout=layout, dim=-1 if name == "L" else -2)
+        for name in per_rank[0]
+    }
 
 
 def _assert_matches(got: dict, case: Case, world: int, backend: str, device) -> None:
@@ -339,8 +381,9 @@ def _assert_matches(got: dict, case: Case, world: int, backend: str, device) -> 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("world", WORLDS)
-def test_ring_attention_matches_attention(backend, status, device, world, shape, dtype, causal, layout,
-                                          tmp_path_factory):
+def test_ring_attention_matches_attention(
+    backend, status, device, world, shape, dtype, causal, layout, tmp_path_factory
+):
     case = Case(shape, dtype, causal, layout)
     reason = _skip_reason(backend, status, device, world, case)
     if reason is not None:
@@ -365,8 +408,10 @@ def test_bad_input_raises_on_every_rank(backend, status, device, world, bad, tmp
     if (reason := _gpu_reason(device, world)) is not None:
         pytest.skip(reason)
     if status == "emulated" and backend == "numba-cuda" and world != 2:
-        pytest.skip("the check before the ring is the same on every backend; under numba's simulator the 2-rank "
-                    "launch runs it, and fa2-pytorch's session every world")
+        pytest.skip(
+            "the check before the ring is the same on every backend; under numba's simulator the 2-rank "
+            "launch runs it, and fa2-pytorch's session every world"
+        )
     results = _results(backend, status, device, world, tmp_path_factory)
     for rank, result in enumerate(results):
         kind, message = result[bad.name]
@@ -382,8 +427,9 @@ def test_shard_unshard_round_trip(world, layout):
     assert all(s.shape == (2, 3, 4, 2) for s in shards)
     assert torch.equal(unshard(shards, layout=layout), x)
     L = x[..., 0]
-    assert torch.equal(unshard([shard(L, r, world, layout=layout, dim=-1) for r in range(world)], layout=layout,
-                               dim=-1), L)
+    assert torch.equal(
+        unshard([shard(L, r, world, layout=layout, dim=-1) for r in range(world)], layout=layout, dim=-1), L
+    )
 
 
 def test_zigzag_shards_hold_chunks_r_and_2w_minus_1_minus_r():

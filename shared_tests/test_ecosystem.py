@@ -86,8 +86,12 @@ def test_opcheck_forward(backend, status, device, dtype, causal, shape):
     impl = ops.load(backend)
     q, k, v = random_qkv((b, h, n_q, d), (b, h, n_k, d), dtype, device, seed=n_q)
     needs_grad = impl.backward is not None
-    args = (q.requires_grad_(needs_grad), k.requires_grad_(needs_grad), v.requires_grad_(needs_grad),
-            *_op_options(causal))
+    args = (
+        q.requires_grad_(needs_grad),
+        k.requires_grad_(needs_grad),
+        v.requires_grad_(needs_grad),
+        *_op_options(causal),
+    )
     _require_op(backend, lambda: impl.forward(*args))
     torch.library.opcheck(impl.forward, args)
 
@@ -184,8 +188,9 @@ SDPA_SHAPES = [
 
 def _torch_sdpa(q, k, v, **kwargs):
     """torch's SDPA in float64 on the CPU: the ground truth of SDPA's semantics."""
-    return F.scaled_dot_product_attention(q.detach().double().cpu(), k.detach().double().cpu(),
-                                          v.detach().double().cpu(), **kwargs)
+    return F.scaled_dot_product_attention(
+        q.detach().double().cpu(), k.detach().double().cpu(), v.detach().double().cpu(), **kwargs
+    )
 
 
 @pytest.mark.parametrize("shape", SDPA_SHAPES)
@@ -206,8 +211,10 @@ def test_sdpa_grouped_query_heads(backend, status, device, is_causal):
     """enable_gqa: 6 query heads on 2 key/value heads, outputs and (where there is a backward) gradients."""
     require_runnable(backend, status, device, torch.float32, (1, 6, 13, 19, 16))
     q, k, v = (t.requires_grad_() for t in random_qkv((1, 6, 13, 16), (1, 2, 19, 16), torch.float32, device, seed=7))
-    O = _require_op(backend, lambda: fa2.scaled_dot_product_attention(
-        q, k, v, is_causal=is_causal, enable_gqa=True, backend=backend))
+    O = _require_op(
+        backend,
+        lambda: fa2.scaled_dot_product_attention(q, k, v, is_causal=is_causal, enable_gqa=True, backend=backend),
+    )
     q64, k64, v64 = (t.detach().double().cpu().requires_grad_() for t in (q, k, v))
     ref = F.scaled_dot_product_attention(q64, k64, v64, is_causal=is_causal, enable_gqa=True)
     assert O.shape == q.shape
@@ -220,11 +227,21 @@ def test_sdpa_grouped_query_heads(backend, status, device, is_causal):
 
 
 SDPA_REFUSALS = [
-    pytest.param(dict(attn_mask=torch.ones(8, 8, dtype=torch.bool)), (2, 8), NotImplementedError,
-                 r"does not support attn_mask \(got a torch.bool tensor of shape \(8, 8\)\)", id="attn_mask"),
+    pytest.param(
+        dict(attn_mask=torch.ones(8, 8, dtype=torch.bool)),
+        (2, 8),
+        NotImplementedError,
+        r"does not support attn_mask \(got a torch.bool tensor of shape \(8, 8\)\)",
+        id="attn_mask",
+    ),
     pytest.param(dict(dropout_p=0.1), (2, 2), NotImplementedError, r"does not support dropout_p=0.1", id="dropout"),
-    pytest.param(dict(enable_gqa=True), (3, 2), ValueError, r"enable_gqa needs query heads a multiple of key heads",
-                 id="gqa-heads"),
+    pytest.param(
+        dict(enable_gqa=True),
+        (3, 2),
+        ValueError,
+        r"enable_gqa needs query heads a multiple of key heads",
+        id="gqa-heads",
+    ),
     pytest.param(dict(), (4, 2), ValueError, r"same heads \(dim -3\) unless enable_gqa=True", id="heads-without-gqa"),
 ]
 
@@ -249,7 +266,9 @@ MODEL_FP32_ATOL = 1e-4
 
 @pytest.fixture(scope="module")
 def fa2_transformers():
-    pytest.importorskip("transformers", reason=f"transformers is not installed: {registry.install_command('transformers')}")
+    pytest.importorskip(
+        "transformers", reason=f"transformers is not installed: {registry.install_command('transformers')}"
+    )
     from fa2.integrations import transformers as integration
 
     return integration
@@ -298,8 +317,14 @@ def _record_fa2_calls(monkeypatch, integration):
     real = integration.attention
 
     def recording(*args, **kwargs):
-        calls.append((kwargs.get("causal", False), tuple(kwargs.get("window", (-1, -1))), kwargs.get("softcap", 0.0),
-                      kwargs.get("scale")))
+        calls.append(
+            (
+                kwargs.get("causal", False),
+                tuple(kwargs.get("window", (-1, -1))),
+                kwargs.get("softcap", 0.0),
+                kwargs.get("scale"),
+            )
+        )
         return real(*args, **kwargs)
 
     monkeypatch.setattr(integration, "attention", recording)
@@ -308,8 +333,9 @@ def _record_fa2_calls(monkeypatch, integration):
 
 @pytest.mark.parametrize("padded", [pytest.param(False, id="one-by-one"), pytest.param(True, id="padded-batch")])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_minilm_matches_eager(backend, status, device, dtype, padded, minilm, minilm_reference, fa2_transformers,
-                              monkeypatch, record_property):
+def test_minilm_matches_eager(
+    backend, status, device, dtype, padded, minilm, minilm_reference, fa2_transformers, monkeypatch, record_property
+):
     """last_hidden_state of every real token against the fp32 model with transformers' eager attention:
     fp32 within MODEL_FP32_ATOL; fp16 and bf16 within twice the error of the eager model run in that same
     dtype (FlashAttention-2's rule, applied to the whole model). Padding rows must be finite."""
@@ -374,16 +400,27 @@ def test_minilm_compiles_fullgraph(backend, status, device, minilm, fa2_transfor
 # alternating layers (layer 0 a sliding window, layer 1 full attention), each with logit softcapping and
 # query_pre_attn_scalar's scale (4 ** -0.5, not head_dim ** -0.5). initializer_range 0.1 and a softcap of 2
 # give scores large enough that the softcap changes the output (test_tiny_decoders_exercise_their_features).
-TINY_COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                   num_attention_heads=4, head_dim=16, initializer_range=0.1)
+TINY_COMMON = dict(
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    head_dim=16,
+    initializer_range=0.1,
+)
 TINY_WINDOW = 5
 TINY_SOFTCAP = 2.0
 TINY = {
     "llama": dict(num_key_value_heads=2),
     "mistral": dict(num_key_value_heads=1, sliding_window=TINY_WINDOW),
-    "gemma2": dict(num_key_value_heads=2, sliding_window=TINY_WINDOW,
-                   layer_types=["sliding_attention", "full_attention"], attn_logit_softcapping=TINY_SOFTCAP,
-                   query_pre_attn_scalar=4),
+    "gemma2": dict(
+        num_key_value_heads=2,
+        sliding_window=TINY_WINDOW,
+        layer_types=["sliding_attention", "full_attention"],
+        attn_logit_softcapping=TINY_SOFTCAP,
+        query_pre_attn_scalar=4,
+    ),
 }
 # What fa2.attention must be called with on each layer: (causal, window, softcap, scale).
 TINY_FA2_WINDOW = (TINY_WINDOW - 1, TINY_WINDOW - 1)  # causal makes it (W - 1, 0) inside fa2.attention
@@ -440,8 +477,9 @@ def test_tiny_decoders_exercise_their_features(fa2_transformers):
 
 @pytest.mark.parametrize("model_type", TINY_DECODERS)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_tiny_decoder_matches_eager(backend, status, device, dtype, model_type, fa2_transformers, monkeypatch,
-                                    record_property):
+def test_tiny_decoder_matches_eager(
+    backend, status, device, dtype, model_type, fa2_transformers, monkeypatch, record_property
+):
     """transformers' Llama, Mistral and Gemma 2 modeling code with fa2 as the attention: last_hidden_state
     against the fp32 model with eager attention, fp32 within MODEL_FP32_ATOL, fp16 and bf16 within twice the
     error of the eager model in that dtype (FlashAttention-2's rule on the whole model, as the MiniLM test).
@@ -482,8 +520,12 @@ def test_decoder_generates_with_kv_cache(backend, status, device, model_type, fa
     for impl in ("fa2", "eager"):
         model = _tiny_decoder(model_type, impl, device, lm_head=True)
         # _require_op calls the lambda at once, in this iteration
-        out[impl] = _require_op(backend, lambda: model.generate(  # noqa: B023
-            input_ids, max_new_tokens=4, do_sample=False, output_logits=True, return_dict_in_generate=True))
+        out[impl] = _require_op(
+            backend,
+            lambda: model.generate(  # noqa: B023
+                input_ids, max_new_tokens=4, do_sample=False, output_logits=True, return_dict_in_generate=True
+            ),
+        )
     assert torch.equal(out["fa2"].sequences, out["eager"].sequences)
     for step, (a, b) in enumerate(zip(out["fa2"].logits, out["eager"].logits)):
         err = (a - b).abs().max().item()
@@ -562,8 +604,9 @@ def test_packing_changes_the_tiny_models_output(fa2_transformers):
 @pytest.mark.parametrize("flash_attn_kwargs", PACKED_FORMS)
 @pytest.mark.parametrize("model_type", TINY_DECODERS)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_tiny_decoder_packed_matches_one_by_one(backend, status, device, dtype, model_type, flash_attn_kwargs,
-                                                fa2_transformers, monkeypatch, record_property):
+def test_tiny_decoder_packed_matches_one_by_one(
+    backend, status, device, dtype, model_type, flash_attn_kwargs, fa2_transformers, monkeypatch, record_property
+):
     """Padding-free input: the PACKED_LENGTHS sequences packed into one row by DataCollatorWithFlattening
     (position_ids restarting at 0; with return_flash_attn_kwargs also cu_seq_lens_q/k and max_length_q/k)
     through the fa2 model give, row by row, what the fp32 eager model gives each sequence run alone:
@@ -611,8 +654,9 @@ def test_tiny_llama_packed_gradients_match_one_by_one(backend, status, device, d
     total = sum(PACKED_LENGTHS)
     require_runnable(backend, status, device, dtype, (1, heads, total, total, d))
     seqs, batch = _packed_batch(device, flash_attn_kwargs=False)
-    weight = torch.randn(1, total, TINY_COMMON["hidden_size"], generator=torch.Generator().manual_seed(7),
-                         dtype=torch.float64).to(device)
+    weight = torch.randn(
+        1, total, TINY_COMMON["hidden_size"], generator=torch.Generator().manual_seed(7), dtype=torch.float64
+    ).to(device)
 
     def weight_grads(attn_implementation, dtype, packed):
         model = _tiny_decoder("llama", attn_implementation, device, dtype).train()
@@ -697,11 +741,13 @@ def test_packed_offsets_from_keywords(fa2_transformers):
     cu = torch.tensor([0, 4, 6])
     restarting = torch.tensor([[0, 1, 0, 1, 2, 3]])
     cu_q, cu_k, max_q, max_k = fa2_transformers._packed_offsets(
-        q, q, dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=4, max_length_k=4, position_ids=restarting))
+        q, q, dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=4, max_length_k=4, position_ids=restarting)
+    )
     assert cu_q.dtype == torch.int32 and cu_q.tolist() == [0, 4, 6] and cu_k is cu_q and (max_q, max_k) == (4, 4)
     cu_k = torch.tensor([0, 2, 6], dtype=torch.int32)
     _, _, max_q, max_k = fa2_transformers._packed_offsets(
-        q, q, dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu_k, max_length_q=torch.tensor(4)))
+        q, q, dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu_k, max_length_q=torch.tensor(4))
+    )
     assert (max_q, max_k) == (4, 4) and all(isinstance(m, int) for m in (max_q, max_k))
 
 
@@ -714,15 +760,17 @@ def test_packed_refusals(backend, fa2_transformers):
     keep = torch.ones(1, 6, dtype=torch.bool)
     keep[0, 5] = False
     with pytest.raises(NotImplementedError, match=r"packed sequences \(cu_seq_lens_q/k\) together with a padding"):
-        fa2_transformers.attention_forward(_layer(False), q, k, v, keep, cu_seq_lens_q=cu, cu_seq_lens_k=cu,
-                                           backend=backend)
+        fa2_transformers.attention_forward(
+            _layer(False), q, k, v, keep, cu_seq_lens_q=cu, cu_seq_lens_k=cu, backend=backend
+        )
     with pytest.raises(ValueError, match=r"need both cu_seq_lens_q and cu_seq_lens_k, got no cu_seq_lens_k"):
         fa2_transformers.attention_forward(_layer(True), q, k, v, None, cu_seq_lens_q=cu, backend=backend)
     k9, v9 = (torch.cat([t, t[..., :3, :]], dim=-2) for t in (k, v))
     restart = r"position_ids that restart, \[0, 1, 2, 0, 1, 2\]\.\.\.\) with 9 keys for 6 queries"
     with pytest.raises(NotImplementedError, match=restart):
-        fa2_transformers.attention_forward(_layer(True), q, k9, v9, None, position_ids=torch.tensor([[0, 1, 2] * 2]),
-                                           backend=backend)
+        fa2_transformers.attention_forward(
+            _layer(True), q, k9, v9, None, position_ids=torch.tensor([[0, 1, 2] * 2]), backend=backend
+        )
 
 
 def test_one_sequence_with_position_ids(backend, status, device, fa2_transformers):
@@ -731,8 +779,12 @@ def test_one_sequence_with_position_ids(backend, status, device, fa2_transformer
     require_runnable(backend, status, device, torch.float32, (1, 2, 9, 9, 16))
     q, k, v = random_qkv((1, 2, 9, 16), (1, 2, 9, 16), torch.float32, device, seed=9)
     position_ids = torch.arange(7, 16, device=device)[None]
-    O, _ = _require_op(backend, lambda: fa2_transformers.attention_forward(
-        _layer(True), q, k, v, None, position_ids=position_ids, backend=backend))
+    O, _ = _require_op(
+        backend,
+        lambda: fa2_transformers.attention_forward(
+            _layer(True), q, k, v, None, position_ids=position_ids, backend=backend
+        ),
+    )
     assert max_err(O.cpu(), _torch_sdpa(q, k, v, is_causal=True).transpose(1, 2)) <= FP32_ATOL["O"]
 
 
@@ -756,16 +808,20 @@ ATTENTION_FORWARD_OPTIONS = [
 
 
 @pytest.mark.parametrize("is_causal, n_q, n_k, options", ATTENTION_FORWARD_OPTIONS)
-def test_attention_forward_matches_transformers_eager(backend, status, device, fa2_transformers, is_causal, n_q,
-                                                      n_k, options):
+def test_attention_forward_matches_transformers_eager(
+    backend, status, device, fa2_transformers, is_causal, n_q, n_k, options
+):
     """attention_forward's window, softcap and scaling against transformers' own pieces in float64: Gemma 2's
     eager_attention_forward (scaling, then softcap, then the additive mask), the mask from masking_utils'
     mask functions with the queries at positions n_k - n_q .. n_k - 1 (after a KV cache): a causal layer's
     sliding_window W is sliding_window_causal_mask_function(W) (the W most recent keys, the query's own
     included); a non-causal layer's is the bidirectional overlay of half-width W - 1, as ModernBERT passes it
     (its config's half-width plus one) and transformers' FlashAttention-2 path reads it."""
-    from transformers.masking_utils import (bidirectional_mask_function, causal_mask_function,
-                                            sliding_window_causal_mask_function)
+    from transformers.masking_utils import (
+        bidirectional_mask_function,
+        causal_mask_function,
+        sliding_window_causal_mask_function,
+    )
     from transformers.models.gemma2.modeling_gemma2 import eager_attention_forward
 
     require_runnable(backend, status, device, torch.float32, (2, 4, n_q, n_k, 16))
@@ -780,13 +836,22 @@ def test_attention_forward_matches_transformers_eager(backend, status, device, f
         # H200's) may lack it
         def mask_function(b, h, q_idx, kv_idx):
             return (q_idx - kv_idx).abs() <= window - 1
+
     visible = mask_function(0, 0, torch.arange(n_k - n_q, n_k)[:, None], torch.arange(n_k)[None, :])
     bias = torch.zeros(visible.shape, dtype=torch.float64).masked_fill(~visible, -math.inf)
-    expected, _ = eager_attention_forward(_layer(is_causal, groups=2), q.double().cpu(), k.double().cpu(),
-                                          v.double().cpu(), bias, scaling=options.get("scaling"),
-                                          softcap=options.get("softcap"))
-    O, weights = _require_op(backend, lambda: fa2_transformers.attention_forward(
-        _layer(is_causal), q, k, v, None, backend=backend, **options))
+    expected, _ = eager_attention_forward(
+        _layer(is_causal, groups=2),
+        q.double().cpu(),
+        k.double().cpu(),
+        v.double().cpu(),
+        bias,
+        scaling=options.get("scaling"),
+        softcap=options.get("softcap"),
+    )
+    O, weights = _require_op(
+        backend,
+        lambda: fa2_transformers.attention_forward(_layer(is_causal), q, k, v, None, backend=backend, **options),
+    )
     assert weights is None and O.shape == (2, n_q, 4, 16)
     err = max_err(O.cpu(), expected)
     assert err <= FP32_ATOL["O"], f"max |O - transformers eager| = {err:.3g}"
@@ -794,8 +859,9 @@ def test_attention_forward_matches_transformers_eager(backend, status, device, f
 
 ATTENTION_FORWARD_REFUSALS = [
     pytest.param(dict(sliding_window=0), ValueError, r"sliding_window must be >= 1 .* got 0", id="window0"),
-    pytest.param(dict(sliding_window=2.5), TypeError, r"sliding_window must be an int or None, got float 2.5",
-                 id="window-float"),
+    pytest.param(
+        dict(sliding_window=2.5), TypeError, r"sliding_window must be an int or None, got float 2.5", id="window-float"
+    ),
     pytest.param(dict(softcap=0.0), ValueError, r"softcap must be > 0 or None, got 0.0", id="softcap0"),
     pytest.param(dict(s_aux=torch.zeros(4)), NotImplementedError, r"does not support s_aux", id="sinks"),
     pytest.param(dict(dropout=0.1), NotImplementedError, r"no attention dropout, got dropout=0.1", id="dropout"),
@@ -832,9 +898,12 @@ def test_attention_forward_masks(backend, status, device, fa2_transformers):
     keep = torch.ones(2, 7, dtype=torch.bool, device=device)
     keep[1, 5:] = False
     bias = torch.zeros(2, 1, 7, 7, device=device).masked_fill(~keep[:, None, None, :], -math.inf)
+
     def run(mask):
-        return _require_op(backend, lambda: fa2_transformers.attention_forward(
-            layer, q, k, v, mask, backend=backend)[0].cpu())
+        return _require_op(
+            backend, lambda: fa2_transformers.attention_forward(layer, q, k, v, mask, backend=backend)[0].cpu()
+        )
+
     full = _torch_sdpa(q, k, v).transpose(1, 2)
     for everything in (None, torch.ones_like(keep), torch.zeros(2, 1, 7, 7, device=device)):
         assert max_err(run(everything), full) <= FP32_ATOL["O"]

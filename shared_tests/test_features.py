@@ -28,8 +28,7 @@ def _case(b, h, h_k, n_q, n_k, d, causal=False, window=(-1, -1), softcap=0.0, al
     parts += [f"w{window[0]}.{window[1]}"] if window != (-1, -1) else []
     parts += [f"cap{softcap:g}-x{gain:g}"] if softcap else []
     parts += [f"alibi-{alibi}"] if alibi else []
-    case = dict(shape=(b, h, h_k, n_q, n_k, d), causal=causal, window=window, softcap=softcap, alibi=alibi,
-                gain=gain)
+    case = dict(shape=(b, h, h_k, n_q, n_k, d), causal=causal, window=window, softcap=softcap, alibi=alibi, gain=gain)
     return pytest.param(case, id="-".join(parts))
 
 

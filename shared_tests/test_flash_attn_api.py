@@ -38,8 +38,16 @@ from test_conformance import DTYPES, require_runnable, simulated_subset
 from test_gradients import FP32_GRAD_ATOL, assert_grads_match
 
 # flash-attn 2.8.3's signatures (flash_attn/flash_attn_interface.py), parameter by parameter.
-_OPTIONS = [("dropout_p", 0.0), ("softmax_scale", None), ("causal", False), ("window_size", (-1, -1)),
-            ("softcap", 0.0), ("alibi_slopes", None), ("deterministic", False), ("return_attn_probs", False)]
+_OPTIONS = [
+    ("dropout_p", 0.0),
+    ("softmax_scale", None),
+    ("causal", False),
+    ("window_size", (-1, -1)),
+    ("softcap", 0.0),
+    ("alibi_slopes", None),
+    ("deterministic", False),
+    ("return_attn_probs", False),
+]
 _VARLEN = ["cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k"]
 FLASH_ATTN_SIGNATURES = {
     flash_attn_func: (["q", "k", "v"], []),
@@ -60,7 +68,7 @@ def test_signatures_are_flash_attns(func):
     want = [(name, inspect.Parameter.empty) for name in inputs] + _OPTIONS + extra
     got = [(p.name, p.default) for p in params if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD]
     assert got == want
-    assert [(p.name, p.default, p.kind) for p in params[len(want):]] == [
+    assert [(p.name, p.default, p.kind) for p in params[len(want) :]] == [
         ("backend", None, inspect.Parameter.KEYWORD_ONLY)
     ]
 
@@ -69,13 +77,29 @@ def test_kvcache_signature_is_flash_attns():
     """flash_attn_with_kvcache's parameters in flash-attn 2.8.3's order with its defaults (rotary
     interleaved by default), then the keyword-only backend=None."""
     params = list(inspect.signature(flash_attn_with_kvcache).parameters.values())
-    want = [("q", inspect.Parameter.empty), ("k_cache", inspect.Parameter.empty), ("v_cache", inspect.Parameter.empty),
-            ("k", None), ("v", None), ("rotary_cos", None), ("rotary_sin", None), ("cache_seqlens", None),
-            ("cache_batch_idx", None), ("cache_leftpad", None), ("block_table", None), ("softmax_scale", None),
-            ("causal", False), ("window_size", (-1, -1)), ("softcap", 0.0), ("rotary_interleaved", True),
-            ("alibi_slopes", None), ("num_splits", 0), ("return_softmax_lse", False)]
+    want = [
+        ("q", inspect.Parameter.empty),
+        ("k_cache", inspect.Parameter.empty),
+        ("v_cache", inspect.Parameter.empty),
+        ("k", None),
+        ("v", None),
+        ("rotary_cos", None),
+        ("rotary_sin", None),
+        ("cache_seqlens", None),
+        ("cache_batch_idx", None),
+        ("cache_leftpad", None),
+        ("block_table", None),
+        ("softmax_scale", None),
+        ("causal", False),
+        ("window_size", (-1, -1)),
+        ("softcap", 0.0),
+        ("rotary_interleaved", True),
+        ("alibi_slopes", None),
+        ("num_splits", 0),
+        ("return_softmax_lse", False),
+    ]
     assert [(p.name, p.default) for p in params if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD] == want
-    assert [(p.name, p.default, p.kind) for p in params[len(want):]] == [
+    assert [(p.name, p.default, p.kind) for p in params[len(want) :]] == [
         ("backend", None, inspect.Parameter.KEYWORD_ONLY)
     ]
 
@@ -161,9 +185,11 @@ def test_matches_reference(backend, status, device, dtype, shape, causal, varian
     assert lse.shape == (b, h, n_q) and lse.dtype == torch.float32
     assert S_dmask is None
     assert_matches_reference(*_bhsd(out), lse, *_bhsd(q, k, v), causal)
-    plain = {"func": lambda: flash_attn_func(q, k, v, causal=causal, backend=backend),
-             "kvpacked": lambda: flash_attn_kvpacked_func(q, torch.stack([k, v], 2), causal=causal, backend=backend),
-             "qkvpacked": lambda: flash_attn_qkvpacked_func(torch.stack([q, k, v], 2), causal=causal, backend=backend)}
+    plain = {
+        "func": lambda: flash_attn_func(q, k, v, causal=causal, backend=backend),
+        "kvpacked": lambda: flash_attn_kvpacked_func(q, torch.stack([k, v], 2), causal=causal, backend=backend),
+        "qkvpacked": lambda: flash_attn_qkvpacked_func(torch.stack([q, k, v], 2), causal=causal, backend=backend),
+    }
     assert torch.equal(plain[variant](), out), "return_attn_probs=False must return the same out alone"
 
 
@@ -186,7 +212,9 @@ def test_gradients(backend, status, device, dtype, shape, causal, variant):
         pytest.skip(f"{backend} has no backward: {e}")
     for g, x in zip(grads, leaves):
         assert g.shape == x.shape and g.dtype == x.dtype
-    dq, dk, dv = grads if variant == "func" else (grads[0], *grads[1].unbind(2)) if variant == "kvpacked" else grads[0].unbind(2)
+    dq, dk, dv = (
+        grads if variant == "func" else (grads[0], *grads[1].unbind(2)) if variant == "kvpacked" else grads[0].unbind(2)
+    )
     assert_grads_match(*_bhsd(dq, dk, dv), *_bhsd(q.detach(), k.detach(), v.detach()), *_bhsd(dO), causal)
 
 
@@ -210,8 +238,13 @@ def test_inputs_reach_the_backend_as_views(backend, status, device, monkeypatch)
     size = kv.element_size()
     assert seen == [
         (q.data_ptr(), k.data_ptr(), v.data_ptr(), q.transpose(1, 2).stride(), k.transpose(1, 2).stride()),
-        (q.data_ptr(), kv.data_ptr(), kv.data_ptr() + kv.stride(2) * size, q.transpose(1, 2).stride(),
-         kv[:, :, 0].transpose(1, 2).stride()),
+        (
+            q.data_ptr(),
+            kv.data_ptr(),
+            kv.data_ptr() + kv.stride(2) * size,
+            q.transpose(1, 2).stride(),
+            kv[:, :, 0].transpose(1, 2).stride(),
+        ),
     ]
 
 
@@ -220,8 +253,10 @@ def _feature(name, shape, window=(-1, -1), causal=False, softcap=0.0, alibi=None
     which the reference gets; default: ``window``, with right = 0 if causal."""
     if ref_window is None:
         ref_window = (window[0], 0) if causal else window
-    return pytest.param(dict(shape=shape, window=window, causal=causal, softcap=softcap, alibi=alibi, gain=gain,
-                             ref_window=ref_window), id=name)
+    return pytest.param(
+        dict(shape=shape, window=window, causal=causal, softcap=softcap, alibi=alibi, gain=gain, ref_window=ref_window),
+        id=name,
+    )
 
 
 FEATURES = [
@@ -229,13 +264,22 @@ FEATURES = [
     _feature("causal-window-4.4-is-4.0", (1, 2, 2, 19, 19, 16), window=(4, 4), causal=True, ref_window=(4, 0)),
     # seqlen_q > seqlen_k: a right side >= seqlen_k becomes -1, which shows (rows 0.. see keys again).
     _feature("window-right-past-seqlen_k", (1, 2, 2, 37, 19, 16), window=(2, 25), ref_window=(2, -1)),
-    _feature("window-left-past-seqlen_k-causal", (1, 2, 1, 21, 17, 16), window=(40, 3), causal=True,
-             ref_window=(-1, 0)),
+    _feature(
+        "window-left-past-seqlen_k-causal", (1, 2, 1, 21, 17, 16), window=(40, 3), causal=True, ref_window=(-1, 0)
+    ),
     _feature("softcap-5-x4", (1, 2, 2, 17, 29, 16), softcap=5.0, gain=4.0),
     _feature("alibi-heads", (1, 2, 2, 17, 29, 16), alibi="head"),
     _feature("alibi-batch-heads-causal-gqa", (2, 4, 2, 23, 19, 16), causal=True, alibi="batch"),
-    _feature("all-together", (1, 4, 2, 33, 47, 16), window=(9, 9), causal=True, softcap=8.0, gain=3.0,
-             alibi="batch", ref_window=(9, 0)),
+    _feature(
+        "all-together",
+        (1, 4, 2, 33, 47, 16),
+        window=(9, 9),
+        causal=True,
+        softcap=8.0,
+        gain=3.0,
+        alibi="batch",
+        ref_window=(9, 0),
+    ),
 ]
 
 
@@ -259,10 +303,26 @@ def test_features_pass_through(backend, status, device, dtype, case):
     require_runnable(backend, status, device, dtype, (b, h, n_q, n_k, d))
     q, k, v, slopes = _feature_inputs(case, dtype, device, seed=sum(case["shape"]))
     window = tuple(torch.tensor(w) for w in case["window"])
-    (out, lse, _), _ = _call("func", q, k, v, backend, causal=case["causal"], window_size=window,
-                             softcap=case["softcap"], alibi_slopes=slopes)
-    assert_matches_reference(*_bhsd(out), lse, *_bhsd(q, k, v), False, window=case["ref_window"],
-                             softcap=case["softcap"], alibi_slopes=slopes)
+    (out, lse, _), _ = _call(
+        "func",
+        q,
+        k,
+        v,
+        backend,
+        causal=case["causal"],
+        window_size=window,
+        softcap=case["softcap"],
+        alibi_slopes=slopes,
+    )
+    assert_matches_reference(
+        *_bhsd(out),
+        lse,
+        *_bhsd(q, k, v),
+        False,
+        window=case["ref_window"],
+        softcap=case["softcap"],
+        alibi_slopes=slopes,
+    )
 
 
 @pytest.mark.parametrize("case", [FEATURES[1], FEATURES[7]])
@@ -272,15 +332,31 @@ def test_feature_gradients(backend, status, device, dtype, case):
     require_runnable(backend, status, device, dtype, (b, h, n_q, n_k, d))
     q, k, v, slopes = _feature_inputs(case, dtype, device, seed=sum(case["shape"]) + 2)
     q, k, v = (t.requires_grad_() for t in (q, k, v))
-    (out, _, _), leaves = _call("func", q, k, v, backend, causal=case["causal"], window_size=case["window"],
-                                softcap=case["softcap"], alibi_slopes=slopes)
+    (out, _, _), leaves = _call(
+        "func",
+        q,
+        k,
+        v,
+        backend,
+        causal=case["causal"],
+        window_size=case["window"],
+        softcap=case["softcap"],
+        alibi_slopes=slopes,
+    )
     dO = torch.randn(out.shape, generator=torch.Generator().manual_seed(5)).to(device=device, dtype=dtype)
     try:
         grads = torch.autograd.grad(out, leaves, dO)
     except NotImplementedError as e:
         pytest.skip(f"{backend} refuses: {e}")
-    assert_grads_match(*_bhsd(*grads), *_bhsd(q.detach(), k.detach(), v.detach()), *_bhsd(dO), False,
-                       window=case["ref_window"], softcap=case["softcap"], alibi_slopes=slopes)
+    assert_grads_match(
+        *_bhsd(*grads),
+        *_bhsd(q.detach(), k.detach(), v.detach()),
+        *_bhsd(dO),
+        False,
+        window=case["ref_window"],
+        softcap=case["softcap"],
+        alibi_slopes=slopes,
+    )
 
 
 @pytest.mark.parametrize("deterministic", [True, False], ids=["deterministic", "default"])
@@ -289,8 +365,12 @@ def test_gradients_are_bit_identical_run_after_run(backend, status, device, dtyp
     """flash-attn's test_flash_attn_deterministic: repeated autograd.grad(..., retain_graph=True) give the
     same bits. fa2's backwards are deterministic whatever the flag (no atomics)."""
     require_runnable(backend, status, device, dtype, (1, 4, 29, 37, 16))
-    simulated_subset(backend, status, deterministic, "deterministic=True only (fa2-numba-cuda's backward reads no "
-                     "flag: one code path)")
+    simulated_subset(
+        backend,
+        status,
+        deterministic,
+        "deterministic=True only (fa2-numba-cuda's backward reads no flag: one code path)",
+    )
     q, k, v = (t.requires_grad_() for t in _bshd(1, 4, 2, 29, 37, 16, dtype, device, seed=21))
     try:
         out = flash_attn_func(q, k, v, 0.0, causal=True, deterministic=deterministic, backend=backend)
@@ -314,7 +394,7 @@ def test_head_dim_default_scale_is_unpadded(backend, status, device):
     q, k, v = _bshd(1, 2, 2, 9, 11, 59, torch.float32, device, seed=4)
     (out, lse, _), _ = _call("func", q, k, v, backend)
     assert out.shape == q.shape
-    assert_matches_reference(*_bhsd(out), lse, *_bhsd(q, k, v), False, 59 ** -0.5)
+    assert_matches_reference(*_bhsd(out), lse, *_bhsd(q, k, v), False, 59**-0.5)
 
 
 def test_dropout_is_refused():
@@ -335,42 +415,101 @@ def _q(*s, dtype=torch.float16):
 
 
 BAD_INPUTS = [
-    _bad("heads-not-divisible", lambda: flash_attn_func(_q(1, 5, 6, 16), _q(1, 5, 4, 16), _q(1, 5, 4, 16)),
-         FlashAttnValueError, "heads in key/value must divide"),
+    _bad(
+        "heads-not-divisible",
+        lambda: flash_attn_func(_q(1, 5, 6, 16), _q(1, 5, 4, 16), _q(1, 5, 4, 16)),
+        FlashAttnValueError,
+        "heads in key/value must divide",
+    ),
     _bad("head-dim-over-256", lambda: flash_attn_func(*[_q(1, 3, 1, 264)] * 3), FlashAttnValueError, "headdim"),
     _bad("rank-3", lambda: flash_attn_func(*[_q(5, 2, 16)] * 3), FlashAttnValueError, r"\(batch_size, seqlen"),
     _bad("batch-0", lambda: flash_attn_func(*[_q(0, 5, 2, 16)] * 3), FlashAttnValueError, "batch size"),
-    _bad("k-v-shapes", lambda: flash_attn_func(_q(1, 5, 2, 16), _q(1, 5, 2, 16), _q(1, 6, 2, 16)),
-         FlashAttnValueError, "k and v"),
-    _bad("head-dims-differ", lambda: flash_attn_func(_q(1, 5, 2, 16), _q(1, 5, 2, 32), _q(1, 5, 2, 32)),
-         FlashAttnValueError, "headdim"),
-    _bad("int-dtype", lambda: flash_attn_func(*[torch.ones(1, 5, 2, 16, dtype=torch.int32)] * 3),
-         FlashAttnTypeError, "float16, bfloat16 or float32"),
-    _bad("mixed-dtypes", lambda: flash_attn_func(_q(1, 5, 2, 16), _q(1, 5, 2, 16, dtype=torch.bfloat16),
-                                                 _q(1, 5, 2, 16)), FlashAttnTypeError, "same dtype"),
-    _bad("alibi-fp16", lambda: flash_attn_func(*[_q(1, 5, 2, 16)] * 3, alibi_slopes=torch.ones(2).half()),
-         FlashAttnTypeError, "float32"),
-    _bad("alibi-shape", lambda: flash_attn_func(*[_q(1, 5, 2, 16)] * 3, alibi_slopes=torch.ones(3)),
-         FlashAttnValueError, r"\(2,\)"),
-    _bad("alibi-list", lambda: flash_attn_func(*[_q(1, 5, 2, 16)] * 3, alibi_slopes=[0.1, 0.2]),
-         FlashAttnTypeError, "alibi_slopes"),
-    _bad("dropout-with-softcap", lambda: flash_attn_func(*[_q(1, 5, 2, 16)] * 3, 0.1, softcap=5.0),
-         FlashAttnValueError, "softcap"),
+    _bad(
+        "k-v-shapes",
+        lambda: flash_attn_func(_q(1, 5, 2, 16), _q(1, 5, 2, 16), _q(1, 6, 2, 16)),
+        FlashAttnValueError,
+        "k and v",
+    ),
+    _bad(
+        "head-dims-differ",
+        lambda: flash_attn_func(_q(1, 5, 2, 16), _q(1, 5, 2, 32), _q(1, 5, 2, 32)),
+        FlashAttnValueError,
+        "headdim",
+    ),
+    _bad(
+        "int-dtype",
+        lambda: flash_attn_func(*[torch.ones(1, 5, 2, 16, dtype=torch.int32)] * 3),
+        FlashAttnTypeError,
+        "float16, bfloat16 or float32",
+    ),
+    _bad(
+        "mixed-dtypes",
+        lambda: flash_attn_func(_q(1, 5, 2, 16), _q(1, 5, 2, 16, dtype=torch.bfloat16), _q(1, 5, 2, 16)),
+        FlashAttnTypeError,
+        "same dtype",
+    ),
+    _bad(
+        "alibi-fp16",
+        lambda: flash_attn_func(*[_q(1, 5, 2, 16)] * 3, alibi_slopes=torch.ones(2).half()),
+        FlashAttnTypeError,
+        "float32",
+    ),
+    _bad(
+        "alibi-shape",
+        lambda: flash_attn_func(*[_q(1, 5, 2, 16)] * 3, alibi_slopes=torch.ones(3)),
+        FlashAttnValueError,
+        r"\(2,\)",
+    ),
+    _bad(
+        "alibi-list",
+        lambda: flash_attn_func(*[_q(1, 5, 2, 16)] * 3, alibi_slopes=[0.1, 0.2]),
+        FlashAttnTypeError,
+        "alibi_slopes",
+    ),
+    _bad(
+        "dropout-with-softcap",
+        lambda: flash_attn_func(*[_q(1, 5, 2, 16)] * 3, 0.1, softcap=5.0),
+        FlashAttnValueError,
+        "softcap",
+    ),
     _bad("dropout-1", lambda: flash_attn_func(*[_q(1, 5, 2, 16)] * 3, 1.0), FlashAttnValueError, r"\[0, 1\)"),
-    _bad("window-float", lambda: flash_attn_func(*[_q(1, 5, 2, 16)] * 3, window_size=(1.5, 0)),
-         FlashAttnTypeError, "window_size left"),
-    _bad("window-not-a-pair", lambda: flash_attn_func(*[_q(1, 5, 2, 16)] * 3, window_size=3),
-         FlashAttnTypeError, "window_size"),
-    _bad("window-below-minus-1", lambda: flash_attn_func(*[_q(1, 5, 2, 16)] * 3, window_size=(0, -2)),
-         FlashAttnValueError, "window_size right"),
-    _bad("softcap-negative", lambda: flash_attn_func(*[_q(1, 5, 2, 16)] * 3, softcap=-1.0),
-         FlashAttnValueError, "softcap"),
-    _bad("causal-not-bool", lambda: flash_attn_func(*[_q(1, 5, 2, 16)] * 3, causal=None),
-         FlashAttnTypeError, "causal"),
-    _bad("qkv-not-packed-by-3", lambda: flash_attn_qkvpacked_func(_q(1, 5, 2, 2, 16)), FlashAttnValueError,
-         r"\(batch_size, seqlen, 3"),
-    _bad("kv-rank-4", lambda: flash_attn_kvpacked_func(_q(1, 5, 2, 16), _q(1, 5, 2, 16)), FlashAttnValueError,
-         r"\(batch_size, seqlen_k, 2"),
+    _bad(
+        "window-float",
+        lambda: flash_attn_func(*[_q(1, 5, 2, 16)] * 3, window_size=(1.5, 0)),
+        FlashAttnTypeError,
+        "window_size left",
+    ),
+    _bad(
+        "window-not-a-pair",
+        lambda: flash_attn_func(*[_q(1, 5, 2, 16)] * 3, window_size=3),
+        FlashAttnTypeError,
+        "window_size",
+    ),
+    _bad(
+        "window-below-minus-1",
+        lambda: flash_attn_func(*[_q(1, 5, 2, 16)] * 3, window_size=(0, -2)),
+        FlashAttnValueError,
+        "window_size right",
+    ),
+    _bad(
+        "softcap-negative",
+        lambda: flash_attn_func(*[_q(1, 5, 2, 16)] * 3, softcap=-1.0),
+        FlashAttnValueError,
+        "softcap",
+    ),
+    _bad("causal-not-bool", lambda: flash_attn_func(*[_q(1, 5, 2, 16)] * 3, causal=None), FlashAttnTypeError, "causal"),
+    _bad(
+        "qkv-not-packed-by-3",
+        lambda: flash_attn_qkvpacked_func(_q(1, 5, 2, 2, 16)),
+        FlashAttnValueError,
+        r"\(batch_size, seqlen, 3",
+    ),
+    _bad(
+        "kv-rank-4",
+        lambda: flash_attn_kvpacked_func(_q(1, 5, 2, 16), _q(1, 5, 2, 16)),
+        FlashAttnValueError,
+        r"\(batch_size, seqlen_k, 2",
+    ),
 ]
 
 
@@ -408,17 +547,42 @@ def test_rows_that_see_no_key(backend, status, device):
 # row is the sequence's own). Lengths 0 and 1, seqlen_q != seqlen_k both ways within one batch, lengths
 # either side of 16, 32 and 64 (tile edges), a batch of one.
 
-def _varlen_case(name, lens_q, lens_k=None, h=2, h_k=None, d=16, causal=False, window=(-1, -1), softcap=0.0,
-                 alibi=None, gain=1.0, ref_window=None, max_seqlen=None):
+
+def _varlen_case(
+    name,
+    lens_q,
+    lens_k=None,
+    h=2,
+    h_k=None,
+    d=16,
+    causal=False,
+    window=(-1, -1),
+    softcap=0.0,
+    alibi=None,
+    gain=1.0,
+    ref_window=None,
+    max_seqlen=None,
+):
     """ref_window: the window after flash-attn's varlen normalisation (sides >= max_seqlen_k -> -1, causal
     -> right 0), which the reference gets per sequence; max_seqlen: (max_seqlen_q, max_seqlen_k) if not the
     longest lengths (an upper bound)."""
     lens_k = lens_q if lens_k is None else lens_k
     if ref_window is None:
         ref_window = (window[0], 0) if causal else window
-    case = dict(lens_q=lens_q, lens_k=lens_k, h=h, h_k=h if h_k is None else h_k, d=d, causal=causal,
-                window=window, softcap=softcap, alibi=alibi, gain=gain, ref_window=ref_window,
-                max_seqlen=max_seqlen or (max(lens_q), max(lens_k)))
+    case = dict(
+        lens_q=lens_q,
+        lens_k=lens_k,
+        h=h,
+        h_k=h if h_k is None else h_k,
+        d=d,
+        causal=causal,
+        window=window,
+        softcap=softcap,
+        alibi=alibi,
+        gain=gain,
+        ref_window=ref_window,
+        max_seqlen=max_seqlen or (max(lens_q), max(lens_k)),
+    )
     return pytest.param(case, id=name)
 
 
@@ -438,14 +602,32 @@ VARLEN_FEATURES = [
     # flash_attn_func on the first sequence alone would make it -1 (its rows 0..21 see keys again).
     _varlen_case("window-right-between-seqlen_k-and-max", [37, 3], [5, 19], window=(2, 10)),
     _varlen_case("window-right-past-max_seqlen_k", [37, 3], [5, 19], window=(2, 19), ref_window=(2, -1)),
-    _varlen_case("window-left-past-max_seqlen_k-causal", [21, 4], [17, 6], h=2, h_k=1, window=(40, 3), causal=True,
-                 ref_window=(-1, 0)),
+    _varlen_case(
+        "window-left-past-max_seqlen_k-causal",
+        [21, 4],
+        [17, 6],
+        h=2,
+        h_k=1,
+        window=(40, 3),
+        causal=True,
+        ref_window=(-1, 0),
+    ),
     _varlen_case("softcap-5-x4", [17, 29], [29, 17], softcap=5.0, gain=4.0),
     _varlen_case("alibi-heads", [17, 29], [29, 17], alibi="head"),
-    _varlen_case("alibi-sequences-heads-causal-gqa", [23, 0, 9], [19, 4, 9], h=4, h_k=2, causal=True,
-                 alibi="batch"),
-    _varlen_case("all-together", [33, 1, 20], [47, 5, 20], h=4, h_k=2, window=(9, 9), causal=True, softcap=8.0,
-                 gain=3.0, alibi="batch", ref_window=(9, 0)),
+    _varlen_case("alibi-sequences-heads-causal-gqa", [23, 0, 9], [19, 4, 9], h=4, h_k=2, causal=True, alibi="batch"),
+    _varlen_case(
+        "all-together",
+        [33, 1, 20],
+        [47, 5, 20],
+        h=4,
+        h_k=2,
+        window=(9, 9),
+        causal=True,
+        softcap=8.0,
+        gain=3.0,
+        alibi="batch",
+        ref_window=(9, 0),
+    ),
 ]
 
 
@@ -471,15 +653,18 @@ def _varlen_call(variant, case, q, k, v, cu_q, cu_k, backend, **options):
     max_q, max_k = case["max_seqlen"]
     try:
         if variant == "func":
-            return flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, return_attn_probs=True, backend=backend,
-                                          **options), (q, k, v)
+            return flash_attn_varlen_func(
+                q, k, v, cu_q, cu_k, max_q, max_k, return_attn_probs=True, backend=backend, **options
+            ), (q, k, v)
         if variant == "kvpacked":
             kv = torch.stack([k, v], dim=1).detach().requires_grad_(k.requires_grad)
-            return flash_attn_varlen_kvpacked_func(q, kv, cu_q, cu_k, max_q, max_k, return_attn_probs=True,
-                                                   backend=backend, **options), (q, kv)
+            return flash_attn_varlen_kvpacked_func(
+                q, kv, cu_q, cu_k, max_q, max_k, return_attn_probs=True, backend=backend, **options
+            ), (q, kv)
         qkv = torch.stack([q, k, v], dim=1).detach().requires_grad_(q.requires_grad)
-        return flash_attn_varlen_qkvpacked_func(qkv, cu_q, max_q, return_attn_probs=True, backend=backend,
-                                                **options), (qkv,)
+        return flash_attn_varlen_qkvpacked_func(qkv, cu_q, max_q, return_attn_probs=True, backend=backend, **options), (
+            qkv,
+        )
     except NotImplementedError as e:
         pytest.skip(f"{backend} refuses: {e}")
 
@@ -498,8 +683,9 @@ def _skip_varlen_variant(variant, case):
 
 
 def _require_varlen(backend, status, device, dtype, case):
-    require_runnable(backend, status, device, dtype,
-                     (1, case["h"], sum(case["lens_q"]), max(1, sum(case["lens_k"])), case["d"]))
+    require_runnable(
+        backend, status, device, dtype, (1, case["h"], sum(case["lens_q"]), max(1, sum(case["lens_k"])), case["d"])
+    )
 
 
 def _sequences(case):
@@ -515,7 +701,7 @@ def _seq(x, rows):
 
 
 def _seq_features(case, slopes, s):
-    alibi = None if slopes is None else slopes if slopes.dim() == 1 else slopes[s:s + 1]
+    alibi = None if slopes is None else slopes if slopes.dim() == 1 else slopes[s : s + 1]
     return dict(window=case["ref_window"], softcap=case["softcap"], alibi_slopes=alibi)
 
 
@@ -526,15 +712,25 @@ def _assert_varlen_matches(out, lse, q, k, v, case, slopes):
     for s, rows, keys in _sequences(case):
         if rows.start == rows.stop:
             continue
-        assert_matches_reference(_seq(out, rows), lse[:, rows][None], _seq(q, rows), _seq(k, keys), _seq(v, keys),
-                                 False, **_seq_features(case, slopes, s))
+        assert_matches_reference(
+            _seq(out, rows),
+            lse[:, rows][None],
+            _seq(q, rows),
+            _seq(k, keys),
+            _seq(v, keys),
+            False,
+            **_seq_features(case, slopes, s),
+        )
 
 
 def _reference_varlen(q, k, v, case, slopes, upcast=True):
     """The reference on each sequence's slices, its outputs concatenated: (total_q, h, d), differentiable."""
-    outs = [reference.attention(_seq(q, rows), _seq(k, keys), _seq(v, keys), False, upcast=upcast,
-                                **_seq_features(case, slopes, s))[0][0].transpose(0, 1)
-            for s, rows, keys in _sequences(case)]
+    outs = [
+        reference.attention(
+            _seq(q, rows), _seq(k, keys), _seq(v, keys), False, upcast=upcast, **_seq_features(case, slopes, s)
+        )[0][0].transpose(0, 1)
+        for s, rows, keys in _sequences(case)
+    ]
     return torch.cat(outs)
 
 
@@ -568,8 +764,12 @@ def test_varlen_matches_reference(backend, status, device, dtype, case, variant)
     """out (total_q, h, d) in q's dtype, softmax_lse (h, total_q) float32 (flash-attn's unpadded LSE), None
     for S_dmask; each sequence against the reference on its own slices."""
     _skip_varlen_variant(variant, case)
-    simulated_subset(backend, status, variant != "kvpacked" or case["h"] != case["h_k"],
-                     "varlen kvpacked on the GQA and MQA cases only")
+    simulated_subset(
+        backend,
+        status,
+        variant != "kvpacked" or case["h"] != case["h_k"],
+        "varlen kvpacked on the GQA and MQA cases only",
+    )
     _require_varlen(backend, status, device, dtype, case)
     q, k, v, cu_q, cu_k, _ = _varlen_inputs(case, dtype, device, seed=len(case["lens_q"]) + sum(case["lens_k"]))
     (out, lse, S_dmask), _ = _varlen_call(variant, case, q, k, v, cu_q, cu_k, backend, causal=case["causal"])
@@ -577,12 +777,15 @@ def test_varlen_matches_reference(backend, status, device, dtype, case, variant)
     _assert_varlen_matches(out, lse, q, k, v, case, None)
     max_q, max_k = case["max_seqlen"]
     plain = {
-        "func": lambda: flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, causal=case["causal"],
-                                               backend=backend),
-        "kvpacked": lambda: flash_attn_varlen_kvpacked_func(q, torch.stack([k, v], 1), cu_q, cu_k, max_q, max_k,
-                                                            causal=case["causal"], backend=backend),
-        "qkvpacked": lambda: flash_attn_varlen_qkvpacked_func(torch.stack([q, k, v], 1), cu_q, max_q,
-                                                              causal=case["causal"], backend=backend),
+        "func": lambda: flash_attn_varlen_func(
+            q, k, v, cu_q, cu_k, max_q, max_k, causal=case["causal"], backend=backend
+        ),
+        "kvpacked": lambda: flash_attn_varlen_kvpacked_func(
+            q, torch.stack([k, v], 1), cu_q, cu_k, max_q, max_k, causal=case["causal"], backend=backend
+        ),
+        "qkvpacked": lambda: flash_attn_varlen_qkvpacked_func(
+            torch.stack([q, k, v], 1), cu_q, max_q, causal=case["causal"], backend=backend
+        ),
     }
     assert torch.equal(plain[variant](), out), "return_attn_probs=False must return the same out alone"
 
@@ -594,8 +797,12 @@ def test_varlen_gradients(backend, status, device, dtype, case, variant):
     """Gradients to q, k, v, or one gradient shaped like the packed input; each sequence's slices against
     the reference's; zero where a sequence has no query or no key."""
     _skip_varlen_variant(variant, case)
-    simulated_subset(backend, status, variant != "kvpacked" or case["h"] != case["h_k"],
-                     "varlen kvpacked on the GQA and MQA cases only")
+    simulated_subset(
+        backend,
+        status,
+        variant != "kvpacked" or case["h"] != case["h_k"],
+        "varlen kvpacked on the GQA and MQA cases only",
+    )
     _require_varlen(backend, status, device, dtype, case)
     q, k, v, cu_q, cu_k, _ = _varlen_inputs(case, dtype, device, seed=sum(case["lens_q"]) + 1)
     q, k, v = (t.requires_grad_() for t in (q, k, v))
@@ -618,8 +825,20 @@ def test_varlen_features_pass_through(backend, status, device, dtype, case):
     _require_varlen(backend, status, device, dtype, case)
     q, k, v, cu_q, cu_k, slopes = _varlen_inputs(case, dtype, device, seed=sum(case["lens_q"]))
     window = tuple(torch.tensor(w) for w in case["window"])
-    (out, lse, _), _ = _varlen_call("func", case, q, k, v, cu_q, cu_k, backend, causal=case["causal"],
-                                    window_size=window, softcap=case["softcap"], alibi_slopes=slopes)
+    (out, lse, _), _ = _varlen_call(
+        "func",
+        case,
+        q,
+        k,
+        v,
+        cu_q,
+        cu_k,
+        backend,
+        causal=case["causal"],
+        window_size=window,
+        softcap=case["softcap"],
+        alibi_slopes=slopes,
+    )
     _assert_varlen_matches(out, lse, q, k, v, case, slopes)
 
 
@@ -629,8 +848,20 @@ def test_varlen_feature_gradients(backend, status, device, dtype, case):
     _require_varlen(backend, status, device, dtype, case)
     q, k, v, cu_q, cu_k, slopes = _varlen_inputs(case, dtype, device, seed=sum(case["lens_q"]) + 2)
     q, k, v = (t.requires_grad_() for t in (q, k, v))
-    (out, _, _), leaves = _varlen_call("func", case, q, k, v, cu_q, cu_k, backend, causal=case["causal"],
-                                       window_size=case["window"], softcap=case["softcap"], alibi_slopes=slopes)
+    (out, _, _), leaves = _varlen_call(
+        "func",
+        case,
+        q,
+        k,
+        v,
+        cu_q,
+        cu_k,
+        backend,
+        causal=case["causal"],
+        window_size=case["window"],
+        softcap=case["softcap"],
+        alibi_slopes=slopes,
+    )
     dO = torch.randn(out.shape, generator=torch.Generator().manual_seed(5)).to(device=device, dtype=dtype)
     try:
         grads = torch.autograd.grad(out, leaves, dO)
@@ -667,8 +898,9 @@ def test_varlen_gradients_are_bit_identical_run_after_run(backend, status, devic
     q, k, v, cu_q, cu_k, _ = _varlen_inputs(case, dtype, device, seed=21)
     q, k, v = (t.requires_grad_() for t in (q, k, v))
     try:
-        out = flash_attn_varlen_func(q, k, v, cu_q, cu_k, *case["max_seqlen"], 0.0, causal=True, deterministic=True,
-                                     backend=backend)
+        out = flash_attn_varlen_func(
+            q, k, v, cu_q, cu_k, *case["max_seqlen"], 0.0, causal=True, deterministic=True, backend=backend
+        )
     except NotImplementedError as e:
         pytest.skip(f"{backend} refuses: {e}")
     g = torch.randn(out.shape, generator=torch.Generator().manual_seed(2)).to(device=device, dtype=dtype)
@@ -688,8 +920,20 @@ def test_varlen_inputs_reach_the_backend_as_views(backend, status, device, monke
     seen = []
 
     def spy(q, k, v, spec, *args, **kwargs):
-        seen.append((q.data_ptr(), k.data_ptr(), v.data_ptr(), tuple(q.shape), q.stride(), k.stride(),
-                     spec.cu_seqlens_q, spec.cu_seqlens_k, spec.max_seqlen_q, spec.max_seqlen_k))
+        seen.append(
+            (
+                q.data_ptr(),
+                k.data_ptr(),
+                v.data_ptr(),
+                tuple(q.shape),
+                q.stride(),
+                k.stride(),
+                spec.cu_seqlens_q,
+                spec.cu_seqlens_k,
+                spec.max_seqlen_q,
+                spec.max_seqlen_k,
+            )
+        )
         return real(q, k, v, spec, *args, **kwargs)
 
     real = impl.flash_attn_forward
@@ -700,8 +944,10 @@ def test_varlen_inputs_reach_the_backend_as_views(backend, status, device, monke
     _varlen_call("func", case, q, k, v, cu_q, cu_k, backend)
     _varlen_call("kvpacked", case, q, k, v, cu_q, cu_k, backend)  # stacks its own kv like this one
     size = kv.element_size()
+
     def view(x):
         return x.transpose(0, 1)[None]
+
     common = (tuple(view(q).shape), view(q).stride())
     assert [s[:3] + s[3:5] for s in seen][:1] == [(q.data_ptr(), k.data_ptr(), v.data_ptr(), *common)]
     assert seen[0][5] == view(k).stride() and seen[1][5] == view(kv[:, 0]).stride()
@@ -725,15 +971,18 @@ def test_varlen_block_table_equals_contiguous_keys(backend, status, device, page
     table = torch.randperm(k_pages.shape[0], generator=g)[: 3 * per_seq].reshape(3, per_seq).to(device, torch.int32)
     keys = [k_pages[table[s].long()].flatten(0, 1)[:n] for s, n in enumerate(lens_k)]
     values = [v_pages[table[s].long()].flatten(0, 1)[:n] for s, n in enumerate(lens_k)]
+
     def cu(lens):
         return torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32, device=device)
 
     q = torch.randn(sum(lens_q), heads, d, generator=g).to(device, dtype).requires_grad_()
     args = (cu(lens_q), cu(lens_k), max(lens_q), max(lens_k))
-    out, lse, _ = flash_attn_varlen_func(q, k_pages, v_pages, *args, causal=True, block_table=table,
-                                         return_attn_probs=True, backend=backend)
-    want, want_lse, _ = flash_attn_varlen_func(q.detach(), torch.cat(keys), torch.cat(values), *args, causal=True,
-                                               return_attn_probs=True, backend=backend)
+    out, lse, _ = flash_attn_varlen_func(
+        q, k_pages, v_pages, *args, causal=True, block_table=table, return_attn_probs=True, backend=backend
+    )
+    want, want_lse, _ = flash_attn_varlen_func(
+        q.detach(), torch.cat(keys), torch.cat(values), *args, causal=True, return_attn_probs=True, backend=backend
+    )
     assert max_err(out, want) <= 2e-3 * want.abs().max().item() + 1e-3
     assert torch.equal(torch.isinf(lse), torch.isinf(want_lse))
     finite = torch.isfinite(want_lse)
@@ -763,8 +1012,9 @@ def _varlen(q=None, k=None, v=None, cu_q=None, cu_k=None, max_q=3, max_k=3, **op
     q = _vq() if q is None else q
     k = q if k is None else k
     cu_q = _cu(0, 2, 5) if cu_q is None else cu_q
-    return lambda: flash_attn_varlen_func(q, k, k if v is None else v, cu_q, cu_q if cu_k is None else cu_k,
-                                          max_q, max_k, **options)
+    return lambda: flash_attn_varlen_func(
+        q, k, k if v is None else v, cu_q, cu_q if cu_k is None else cu_k, max_q, max_k, **options
+    )
 
 
 VARLEN_BAD_INPUTS = [
@@ -784,19 +1034,29 @@ VARLEN_BAD_INPUTS = [
     _bad("varlen-max-seqlen-negative", _varlen(max_q=-1), FlashAttnValueError, "max_seqlen_q must be >= 0"),
     _bad("varlen-q-rank-4", _varlen(q=_q(1, 5, 2, 16)), FlashAttnValueError, r"\(total, nheads, headdim\)"),
     _bad("varlen-k-v-shapes", _varlen(v=_vq(6)), FlashAttnValueError, "k and v"),
-    _bad("varlen-heads-not-divisible", _varlen(k=_vq(h=3), q=_vq(h=4)), FlashAttnValueError,
-         "heads in key/value must divide"),
+    _bad(
+        "varlen-heads-not-divisible",
+        _varlen(k=_vq(h=3), q=_vq(h=4)),
+        FlashAttnValueError,
+        "heads in key/value must divide",
+    ),
     _bad("varlen-mixed-dtypes", _varlen(k=_vq().to(torch.bfloat16)), FlashAttnTypeError, "same dtype"),
     _bad("varlen-head-dim-over-256", _varlen(q=_vq(d=264)), FlashAttnValueError, "headdim"),
-    _bad("varlen-alibi-batch-is-sequences", _varlen(alibi_slopes=torch.ones(3, 2)), FlashAttnValueError,
-         r"\(2, 2\)"),
+    _bad("varlen-alibi-batch-is-sequences", _varlen(alibi_slopes=torch.ones(3, 2)), FlashAttnValueError, r"\(2, 2\)"),
     _bad("varlen-window-below-minus-1", _varlen(window_size=(-2, 0)), FlashAttnValueError, "window_size left"),
     _bad("varlen-causal-not-bool", _varlen(causal=1), FlashAttnTypeError, "causal"),
-    _bad("varlen-qkv-rank-5", lambda: flash_attn_varlen_qkvpacked_func(_q(1, 5, 3, 2, 16), _cu(0, 5), 5),
-         FlashAttnValueError, r"\(total, 3, nheads"),
-    _bad("varlen-kv-not-packed-by-2", lambda: flash_attn_varlen_kvpacked_func(_vq(), _q(5, 3, 2, 16), _cu(0, 5),
-                                                                               _cu(0, 5), 5, 5),
-         FlashAttnValueError, r"\(total_k, 2, nheads_k"),
+    _bad(
+        "varlen-qkv-rank-5",
+        lambda: flash_attn_varlen_qkvpacked_func(_q(1, 5, 3, 2, 16), _cu(0, 5), 5),
+        FlashAttnValueError,
+        r"\(total, 3, nheads",
+    ),
+    _bad(
+        "varlen-kv-not-packed-by-2",
+        lambda: flash_attn_varlen_kvpacked_func(_vq(), _q(5, 3, 2, 16), _cu(0, 5), _cu(0, 5), 5, 5),
+        FlashAttnValueError,
+        r"\(total_k, 2, nheads_k",
+    ),
 ]
 
 

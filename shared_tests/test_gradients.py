@@ -72,8 +72,9 @@ def test_gradients_match_reference(backend, status, device, dtype, causal, shape
     assert_grads_match(*grads(O, (q, k, v), dO), q, k, v, dO, causal)
 
 
-@pytest.mark.parametrize("heads, shape", [_gqa(4, 2, 1, 17, 29, 16), _gqa(3, 1, 1, 37, 19, 16),
-                                          _gqa(16, 2, 1, 203, 113, 64)])
+@pytest.mark.parametrize(
+    "heads, shape", [_gqa(4, 2, 1, 17, 29, 16), _gqa(3, 1, 1, 37, 19, 16), _gqa(16, 2, 1, 203, 113, 64)]
+)
 @pytest.mark.parametrize("causal", CAUSAL)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_grouped_query_gradients(backend, status, device, dtype, causal, heads, shape):
@@ -104,8 +105,7 @@ def test_strided_gradients(backend, status, device):
     """Transposed (B, N, H, D) views in, gradients in the same (non-contiguous-view) shapes out."""
     require_runnable(backend, status, device, torch.float32, (2, 3, 33, 41, 16))
     g = torch.Generator().manual_seed(3)
-    q, k, v = (torch.randn(2, n, 3, 16, generator=g).to(device).transpose(1, 2).requires_grad_()
-               for n in (33, 41, 41))
+    q, k, v = (torch.randn(2, n, 3, 16, generator=g).to(device).transpose(1, 2).requires_grad_() for n in (33, 41, 41))
     dO = torch.randn(2, 3, 33, 16, generator=g).to(device)
     O, _ = fa2.attention(q, k, v, causal=True, backend=backend)
     assert_grads_match(*grads(O, (q, k, v), dO), q, k, v, dO, True)

@@ -142,8 +142,14 @@ def test_fuzz_against_reference(backend, status, device):
     # emulator or on a GPU (a compile for each new shape class).
     phases = tuple(Phase) if on == "cpu" and status == "native" else (Phase.explicit, Phase.generate)
 
-    @settings(max_examples=examples, deadline=None, derandomize=True, database=None, phases=phases,
-              suppress_health_check=[HealthCheck.too_slow])
+    @settings(
+        max_examples=examples,
+        deadline=None,
+        derandomize=True,
+        database=None,
+        phases=phases,
+        suppress_health_check=[HealthCheck.too_slow],
+    )
     @given(problems(dtypes, max_work, FUZZ_SEQLEN[on]))
     def check(p: Problem):
         q, k, v = p.inputs(device)
@@ -159,8 +165,9 @@ def test_fuzz_against_reference(backend, status, device):
 
 # numba's simulator spends ~0.7 s a call: there the sweep takes the head dims around its padding (to a
 # multiple of 32) and Triton's (to a power of two), which run every code path the others do.
-HEAD_DIM_EDGES = sorted({1, 2, 8, 15, 16, 17} | {m + e for m in range(32, MAX_HEAD_DIM + 1, 32) for e in (-1, 0, 1)}
-                        - {MAX_HEAD_DIM + 1})
+HEAD_DIM_EDGES = sorted(
+    {1, 2, 8, 15, 16, 17} | {m + e for m in range(32, MAX_HEAD_DIM + 1, 32) for e in (-1, 0, 1)} - {MAX_HEAD_DIM + 1}
+)
 
 
 def test_every_head_dim(backend, status, device):
@@ -418,6 +425,7 @@ def test_tensors_on_a_non_current_device(backend, status, device):
 
 # --- large tensors (GPU) ----------------------------------------------------------------------------
 
+
 # Heads and rows checked against the reference on the large problems: the first, middle and last heads
 # (the last lies past 2^31 elements) and 64 rows including the first and the last.
 def _sample_rows(n: int, device, seed=0) -> torch.Tensor:
@@ -433,8 +441,7 @@ def _skip_if_pytorch_would_not_fit(backend, q):
     need = 8 * 4 * q.numel()
     free, _ = torch.cuda.mem_get_info(q.device)
     if backend == "pytorch" and need > free:
-        pytest.skip(f"fa2-pytorch's fp32 temporaries (~{need / 2**30:.0f} GiB) exceed the free "
-                    f"{free / 2**30:.0f} GiB")
+        pytest.skip(f"fa2-pytorch's fp32 temporaries (~{need / 2**30:.0f} GiB) exceed the free {free / 2**30:.0f} GiB")
 
 
 @pytest.mark.gpu
@@ -552,8 +559,10 @@ def test_10000_calls_no_growth_no_recompile(backend, status, device):
     after a warm-up on one of them, no compiled kernel is added, torch's allocated GPU memory is unchanged,
     the driver's free memory drops by at most 8 MiB and the host's resident memory grows by at most
     8 MiB (under 1 KiB a call)."""
-    inputs = [random_qkv((1, 2, n_q, 64), (1, 2, n_k, 64), torch.float16, device, seed=n_q)
-              for n_q, n_k in ((33, 47), (35, 45), (37, 43))]
+    inputs = [
+        random_qkv((1, 2, n_q, 64), (1, 2, n_k, 64), torch.float16, device, seed=n_q)
+        for n_q, n_k in ((33, 47), (35, 45), (37, 43))
+    ]
     for _ in range(100):
         fa2.attention(*inputs[0], causal=True, backend=backend)
     torch.cuda.synchronize(device)

@@ -17,31 +17,55 @@ def _qkv(q=(2, 3, 8, 16), k=(2, 3, 8, 16), v=None, dtype=torch.float32):
 
 
 BAD_INPUTS = [
-    pytest.param(lambda: _qkv(q=(16,)), ValueError, r"q must have shape \(\.\.\., seqlen, head_dim\), got \(16,\)",
-                 id="rank1"),
+    pytest.param(
+        lambda: _qkv(q=(16,)), ValueError, r"q must have shape \(\.\.\., seqlen, head_dim\), got \(16,\)", id="rank1"
+    ),
     pytest.param(lambda: _qkv(q=(2, 8, 16)), ValueError, r"same rank.*q \(2, 8, 16\)", id="rank-mismatch"),
-    pytest.param(lambda: _qkv(k=(3, 3, 8, 16)), ValueError, r"same leading dims.*k \(3, 3, 8, 16\)",
-                 id="leading-dims"),
-    pytest.param(lambda: _qkv(k=(2, 4, 8, 16)), ValueError,
-                 r"q's heads \(dim -3\) must be a multiple of k's and v's .*q \(2, 3, 8, 16\), k \(2, 4, 8, 16\)",
-                 id="heads-not-a-multiple"),
-    pytest.param(lambda: _qkv(q=(2, 4, 8, 16), k=(2, 0, 8, 16)), ValueError, r"q's heads \(dim -3\) must be",
-                 id="no-kv-heads"),
-    pytest.param(lambda: _qkv(q=(2, 4, 8, 16), k=(2, 2, 8, 16), v=(2, 1, 8, 16)), ValueError,
-                 r"same leading dims.*v \(2, 1, 8, 16\)", id="k-v-heads"),
-    pytest.param(lambda: _qkv(k=(2, 3, 8, 16), v=(2, 3, 9, 16)), ValueError,
-                 r"k and v must have the same sequence length, got k \(2, 3, 8, 16\) and v \(2, 3, 9, 16\)",
-                 id="kv-lengths"),
+    pytest.param(lambda: _qkv(k=(3, 3, 8, 16)), ValueError, r"same leading dims.*k \(3, 3, 8, 16\)", id="leading-dims"),
+    pytest.param(
+        lambda: _qkv(k=(2, 4, 8, 16)),
+        ValueError,
+        r"q's heads \(dim -3\) must be a multiple of k's and v's .*q \(2, 3, 8, 16\), k \(2, 4, 8, 16\)",
+        id="heads-not-a-multiple",
+    ),
+    pytest.param(
+        lambda: _qkv(q=(2, 4, 8, 16), k=(2, 0, 8, 16)), ValueError, r"q's heads \(dim -3\) must be", id="no-kv-heads"
+    ),
+    pytest.param(
+        lambda: _qkv(q=(2, 4, 8, 16), k=(2, 2, 8, 16), v=(2, 1, 8, 16)),
+        ValueError,
+        r"same leading dims.*v \(2, 1, 8, 16\)",
+        id="k-v-heads",
+    ),
+    pytest.param(
+        lambda: _qkv(k=(2, 3, 8, 16), v=(2, 3, 9, 16)),
+        ValueError,
+        r"k and v must have the same sequence length, got k \(2, 3, 8, 16\) and v \(2, 3, 9, 16\)",
+        id="kv-lengths",
+    ),
     pytest.param(lambda: _qkv(k=(2, 3, 8, 32)), ValueError, r"same head_dim.*k \(2, 3, 8, 32\)", id="head-dims"),
-    pytest.param(lambda: _qkv(q=(1, 4, 300), k=(1, 4, 300)), ValueError, r"head_dim must be from 1 to 256, got 300",
-                 id="head-dim-300"),
-    pytest.param(lambda: _qkv(dtype=torch.float64), TypeError, r"float32, float16 or bfloat16, got torch.float64",
-                 id="float64"),
+    pytest.param(
+        lambda: _qkv(q=(1, 4, 300), k=(1, 4, 300)),
+        ValueError,
+        r"head_dim must be from 1 to 256, got 300",
+        id="head-dim-300",
+    ),
+    pytest.param(
+        lambda: _qkv(dtype=torch.float64), TypeError, r"float32, float16 or bfloat16, got torch.float64", id="float64"
+    ),
     pytest.param(lambda: tuple(t.to(torch.int32) for t in _qkv()), TypeError, r"got torch.int32", id="int32"),
-    pytest.param(lambda: (lambda q, k, v: (q, k.half(), v))(*_qkv()), TypeError,
-                 r"same dtype, got q torch.float32, k torch.float16", id="mixed-dtypes"),
-    pytest.param(lambda: (lambda q, k, v: (q, k.to("meta"), v))(*_qkv()), ValueError,
-                 r"one device, got q cpu, k meta, v cpu", id="mixed-devices"),
+    pytest.param(
+        lambda: (lambda q, k, v: (q, k.half(), v))(*_qkv()),
+        TypeError,
+        r"same dtype, got q torch.float32, k torch.float16",
+        id="mixed-dtypes",
+    ),
+    pytest.param(
+        lambda: (lambda q, k, v: (q, k.to("meta"), v))(*_qkv()),
+        ValueError,
+        r"one device, got q cpu, k meta, v cpu",
+        id="mixed-devices",
+    ),
     pytest.param(lambda: ([[0.0]], *_qkv()[1:]), TypeError, r"q must be a torch.Tensor, got list", id="not-a-tensor"),
 ]
 

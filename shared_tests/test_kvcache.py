@@ -30,13 +30,32 @@ from test_conformance import DTYPES, require_runnable, simulated_subset
 CAUSAL = [pytest.param(False, id="full"), pytest.param(True, id="causal")]
 
 
-def _case(q=1, b=2, h=2, hk=2, d=16, cap=40, seqlens=(40, 17), leftpad=None, batch_idx=None, page=None,
-          window=(-1, -1), softcap=0.0, alibi=None, splits=1, varlen=None):
+def _case(
+    q=1,
+    b=2,
+    h=2,
+    hk=2,
+    d=16,
+    cap=40,
+    seqlens=(40, 17),
+    leftpad=None,
+    batch_idx=None,
+    page=None,
+    window=(-1, -1),
+    softcap=0.0,
+    alibi=None,
+    splits=1,
+    varlen=None,
+):
     """One KV-cache problem: q tokens per row (or, packed, the rows' token counts ``varlen``), b rows, h query
     and hk key/value heads, capacity cap (contiguous seqlen_cache, or pages of ``page`` rows), K_b =
     seqlens[b]."""
-    parts = [f"q{'.'.join(map(str, varlen))}" if varlen else f"q{q}", f"B{b}-H{h}.{hk}-D{d}", f"cap{cap}",
-             "K" + ".".join(map(str, seqlens))]
+    parts = [
+        f"q{'.'.join(map(str, varlen))}" if varlen else f"q{q}",
+        f"B{b}-H{h}.{hk}-D{d}",
+        f"cap{cap}",
+        "K" + ".".join(map(str, seqlens)),
+    ]
     parts += [f"pad{'.'.join(map(str, leftpad))}"] if leftpad else []
     parts += [f"idx{'.'.join(map(str, batch_idx))}"] if batch_idx else []
     parts += [f"page{page}"] if page else []
@@ -44,8 +63,23 @@ def _case(q=1, b=2, h=2, hk=2, d=16, cap=40, seqlens=(40, 17), leftpad=None, bat
     parts += [f"softcap{softcap:g}"] if softcap else []
     parts += [f"alibi-{alibi}"] if alibi else []
     parts += [f"split{splits}"]
-    case = dict(q=q, b=b, h=h, hk=hk, d=d, cap=cap, seqlens=list(seqlens), leftpad=leftpad, batch_idx=batch_idx,
-                page=page, window=window, softcap=softcap, alibi=alibi, splits=splits, varlen=varlen)
+    case = dict(
+        q=q,
+        b=b,
+        h=h,
+        hk=hk,
+        d=d,
+        cap=cap,
+        seqlens=list(seqlens),
+        leftpad=leftpad,
+        batch_idx=batch_idx,
+        page=page,
+        window=window,
+        softcap=softcap,
+        alibi=alibi,
+        splits=splits,
+        varlen=varlen,
+    )
     return pytest.param(case, id="-".join(parts))
 
 
@@ -77,8 +111,18 @@ CASES = [
     # more splits than key tiles: 64 splits of a 40-key capacity, most of one key or none
     _case(q=4, b=2, h=4, hk=2, cap=40, seqlens=(40, 3), splits=64),
     # packed queries with a block table (flash-attn's varlen function): 1, 4, 0 and 6 tokens
-    _case(varlen=(1, 4, 0, 6), b=4, h=4, hk=2, cap=48, seqlens=(10, 48, 5, 3), page=16, window=(6, 1),
-          alibi="row", splits=0),
+    _case(
+        varlen=(1, 4, 0, 6),
+        b=4,
+        h=4,
+        hk=2,
+        cap=48,
+        seqlens=(10, 48, 5, 3),
+        page=16,
+        window=(6, 1),
+        alibi="row",
+        splits=0,
+    ),
     _case(varlen=(3, 1), b=2, h=2, hk=2, cap=40, seqlens=(40, 0), splits=3),
     # a capacity of several key tiles in every backend (fa2-triton's are up to 128 keys), three splits of it
     _case(q=2, b=2, h=4, hk=2, cap=260, seqlens=(260, 161), splits=3),
@@ -141,8 +185,9 @@ def _make(case, causal, dtype, device, seed):
         cu_seqlens_q=cu,
         max_seqlen_q=max(case["varlen"]) if case["varlen"] else 0,
         cache_seqlens=torch.tensor(case["seqlens"], dtype=torch.int32, device=device),
-        cache_leftpad=None if case["leftpad"] is None else torch.tensor(case["leftpad"], dtype=torch.int32,
-                                                                          device=device),
+        cache_leftpad=None
+        if case["leftpad"] is None
+        else torch.tensor(case["leftpad"], dtype=torch.int32, device=device),
         cache_batch_idx=batch_idx,
         block_table=block_table,
         num_splits=case["splits"],
@@ -174,10 +219,8 @@ def assert_matches_kvcache_reference(O, L, q, k_cache, v_cache, spec):
         q_b, seen = q[at], ~empty[at]
         if not seen.any():
             continue
-        features = dict(window=spec.window, softcap=spec.softcap,
-                        alibi_slopes=None if slopes is None else slopes[None])
-        tol_O, tol_L = tolerances(q_b, k_b[None], v_b[None], False, spec.scale, ref=(O_ref[at], L_ref[at]),
-                                  **features)
+        features = dict(window=spec.window, softcap=spec.softcap, alibi_slopes=None if slopes is None else slopes[None])
+        tol_O, tol_L = tolerances(q_b, k_b[None], v_b[None], False, spec.scale, ref=(O_ref[at], L_ref[at]), **features)
         err_O = max_err(O[at], O_ref[at])
         err_L = max_err(L[at][seen], L_ref[at][seen])
         assert err_O <= tol_O, f"row {b}: max |O - O_ref| = {err_O:.3g} > tolerance {tol_O:.3g} ({q.dtype})"
@@ -186,8 +229,9 @@ def assert_matches_kvcache_reference(O, L, q, k_cache, v_cache, spec):
 
 def _simulated_masks(backend, status, dtype, causal):
     # fp16 and fp32 run the same SIMT split kernel in numba's simulator (no tensor cores there)
-    simulated_subset(backend, status, causal == (dtype == torch.float16),
-                     "each case twice, fp32 without a mask and fp16 causal")
+    simulated_subset(
+        backend, status, causal == (dtype == torch.float16), "each case twice, fp32 without a mask and fp16 causal"
+    )
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -254,9 +298,13 @@ def test_kvcache_mask_is_aligned_on_each_rows_keys(backend, status, device):
     q = torch.zeros(2, 1, 2, 16, device=device)
     k_cache = torch.zeros(2, 1, 8, 16, device=device)
     v_cache = torch.arange(8, dtype=torch.float32, device=device)[None, None, :, None].expand(2, 1, 8, 16)
-    spec = AttentionSpec(scale=0.25, window=(-1, 0), cache_seqlens=torch.tensor([5, 3], dtype=torch.int32,
-                         device=device), cache_leftpad=torch.tensor([1, 0], dtype=torch.int32, device=device),
-                         num_splits=3)
+    spec = AttentionSpec(
+        scale=0.25,
+        window=(-1, 0),
+        cache_seqlens=torch.tensor([5, 3], dtype=torch.int32, device=device),
+        cache_leftpad=torch.tensor([1, 0], dtype=torch.int32, device=device),
+        num_splits=3,
+    )
     O, L = forward(q, k_cache, v_cache, spec)
     torch.testing.assert_close(O[:, 0, :, 0].cpu(), torch.tensor([[2.0, 2.5], [0.5, 1.0]]))
     torch.testing.assert_close(L[:, 0].cpu(), torch.tensor([[math.log(3), math.log(4)], [math.log(2), math.log(3)]]))
@@ -273,8 +321,16 @@ def test_reference_is_the_masked_softmax_spelled_out():
     seqlens, leftpad, rows = torch.tensor([20, 7, 2]), torch.tensor([3, 0, 2]), torch.tensor([2, 0, 3])
     slopes = torch.rand(b, h, generator=g)
     for window in [(-1, -1), (-1, 0), (4, 1)]:
-        spec = AttentionSpec(scale=0.3, window=window, softcap=2.0, alibi_slopes=slopes, group=h // hk,
-                             cache_seqlens=seqlens.int(), cache_leftpad=leftpad.int(), cache_batch_idx=rows.int())
+        spec = AttentionSpec(
+            scale=0.3,
+            window=window,
+            softcap=2.0,
+            alibi_slopes=slopes,
+            group=h // hk,
+            cache_seqlens=seqlens.int(),
+            cache_leftpad=leftpad.int(),
+            cache_batch_idx=rows.int(),
+        )
         O, L = reference.kvcache_attention(q, k_cache, v_cache, spec)
         i, j = torch.arange(nq)[:, None], torch.arange(cap)[None, :]
         for r in range(b):
@@ -307,8 +363,22 @@ def test_reference_is_the_masked_softmax_spelled_out():
 # fa2.kvcache_attention: the public function, with the append and rotary of the interface.
 
 
-def _api_case(q=1, new=1, b=2, h=4, hk=2, d=16, cap=40, seqlens=(12, 0), leftpad=None, batch_idx=None, page=None,
-              rotary=None, window=(-1, -1), splits=0):
+def _api_case(
+    q=1,
+    new=1,
+    b=2,
+    h=4,
+    hk=2,
+    d=16,
+    cap=40,
+    seqlens=(12, 0),
+    leftpad=None,
+    batch_idx=None,
+    page=None,
+    rotary=None,
+    window=(-1, -1),
+    splits=0,
+):
     """seqlens: each row's keys before the append (an int: the same for all); new: tokens appended; rotary:
     None or (rotary_dim, interleaved)."""
     lens = "all" if seqlens is None else seqlens if isinstance(seqlens, int) else ".".join(map(str, seqlens))
@@ -319,8 +389,22 @@ def _api_case(q=1, new=1, b=2, h=4, hk=2, d=16, cap=40, seqlens=(12, 0), leftpad
     parts += [f"rotary{rotary[0]}-{'interleaved' if rotary[1] else 'halves'}"] if rotary else []
     parts += [f"w{window[0]}.{window[1]}"] if window != (-1, -1) else []
     parts += [f"split{splits}"]
-    case = dict(q=q, new=new, b=b, h=h, hk=hk, d=d, cap=cap, seqlens=seqlens, leftpad=leftpad, batch_idx=batch_idx,
-                page=page, rotary=rotary, window=window, splits=splits)
+    case = dict(
+        q=q,
+        new=new,
+        b=b,
+        h=h,
+        hk=hk,
+        d=d,
+        cap=cap,
+        seqlens=seqlens,
+        leftpad=leftpad,
+        batch_idx=batch_idx,
+        page=page,
+        rotary=rotary,
+        window=window,
+        splits=splits,
+    )
     return pytest.param(case, id="-".join(parts))
 
 
@@ -371,8 +455,9 @@ def test_kvcache_attention_appends_rotates_and_attends(backend, status, device, 
     if case["page"]:
         per_row = cap // case["page"]
         num_pages = b * per_row + 2
-        k_cache, v_cache = (_randn((num_pages, case["page"], hk, d), g, dtype, device).transpose(1, 2)
-                            for _ in range(2))
+        k_cache, v_cache = (
+            _randn((num_pages, case["page"], hk, d), g, dtype, device).transpose(1, 2) for _ in range(2)
+        )
         block_table = torch.randperm(num_pages, generator=g)[: b * per_row].view(b, per_row).to(device, torch.int32)
     else:
         rows = max(case["batch_idx"]) + 1 if case["batch_idx"] else b
@@ -381,8 +466,9 @@ def test_kvcache_attention_appends_rotates_and_attends(backend, status, device, 
             batch_idx = torch.tensor(case["batch_idx"], dtype=torch.int32, device=device)
     lens = case["seqlens"]
     before = [cap] * b if lens is None else [lens] * b if isinstance(lens, int) else list(lens)
-    cache_seqlens = lens if lens is None or isinstance(lens, int) else torch.tensor(lens, dtype=torch.int32,
-                                                                                    device=device)
+    cache_seqlens = (
+        lens if lens is None or isinstance(lens, int) else torch.tensor(lens, dtype=torch.int32, device=device)
+    )
     leftpad = None if case["leftpad"] is None else torch.tensor(case["leftpad"], dtype=torch.int32, device=device)
     window = case["window"]
     options = dict(cos=None, sin=None)
@@ -398,8 +484,9 @@ def test_kvcache_attention_appends_rotates_and_attends(backend, status, device, 
     if case["rotary"]:
         offset = torch.arange(case["q"], device=device) if causal or window != (-1, -1) else 0
         q_expected = _rotate(q, options["cos"], options["sin"], start + offset, interleaved)
-        k_expected = _rotate(k_new, options["cos"], options["sin"], start + torch.arange(new, device=device),
-                             interleaved)
+        k_expected = _rotate(
+            k_new, options["cos"], options["sin"], start + torch.arange(new, device=device), interleaved
+        )
     k_after, v_after = k_cache.clone(), v_cache.clone()
     for r, t in itertools.product(range(b), range(new)):
         j = before[r] + t
@@ -410,19 +497,40 @@ def test_kvcache_attention_appends_rotates_and_attends(backend, status, device, 
         k_after[page, :, slot], v_after[page, :, slot] = k_expected[r, :, t], v_new[r, :, t]
 
     O, L = fa2.kvcache_attention(
-        q, k_cache, v_cache, cache_seqlens, k=k_new if new else None, v=v_new if new else None,
-        rotary_cos=options["cos"], rotary_sin=options["sin"], rotary_interleaved=bool(case["rotary"] and interleaved),
-        block_table=block_table, cache_batch_idx=batch_idx, cache_leftpad=leftpad, causal=causal, window=window,
-        num_splits=case["splits"], backend=backend,
+        q,
+        k_cache,
+        v_cache,
+        cache_seqlens,
+        k=k_new if new else None,
+        v=v_new if new else None,
+        rotary_cos=options["cos"],
+        rotary_sin=options["sin"],
+        rotary_interleaved=bool(case["rotary"] and interleaved),
+        block_table=block_table,
+        cache_batch_idx=batch_idx,
+        cache_leftpad=leftpad,
+        causal=causal,
+        window=window,
+        num_splits=case["splits"],
+        backend=backend,
     )
     assert torch.equal(v_cache, v_after), "v_cache after the call: the new v at cache_seqlens, nothing else changed"
     eps = torch.finfo(dtype).eps
-    torch.testing.assert_close(k_cache, k_after, rtol=eps, atol=0.0,
-                               msg=lambda m: f"k_cache after the call (rotated new k at cache_seqlens): {m}")
+    torch.testing.assert_close(
+        k_cache,
+        k_after,
+        rtol=eps,
+        atol=0.0,
+        msg=lambda m: f"k_cache after the call (rotated new k at cache_seqlens): {m}",
+    )
     spec = AttentionSpec(
-        scale=1.0 / math.sqrt(d), window=(window[0], 0) if causal else window, group=h // hk,
-        cache_seqlens=torch.tensor(before, dtype=torch.int32, device=device) + new, cache_leftpad=leftpad,
-        cache_batch_idx=batch_idx, block_table=block_table,
+        scale=1.0 / math.sqrt(d),
+        window=(window[0], 0) if causal else window,
+        group=h // hk,
+        cache_seqlens=torch.tensor(before, dtype=torch.int32, device=device) + new,
+        cache_leftpad=leftpad,
+        cache_batch_idx=batch_idx,
+        block_table=block_table,
     )
     assert_matches_kvcache_reference(O, L, q_expected, k_cache, v_cache, spec)
 
@@ -430,60 +538,125 @@ def test_kvcache_attention_appends_rotates_and_attends(backend, status, device, 
 def _bad(**changes):
     """Valid arguments of fa2.kvcache_attention (batch 2, heads 2, D 16, a 40-slot contiguous cache), changed."""
     q = torch.randn(2, 2, 1, 16)
-    args = dict(q=q, k_cache=torch.randn(2, 2, 40, 16), v_cache=torch.randn(2, 2, 40, 16),
-                cache_seqlens=torch.tensor([3, 7], dtype=torch.int32), k=torch.randn(2, 2, 1, 16),
-                v=torch.randn(2, 2, 1, 16))
+    args = dict(
+        q=q,
+        k_cache=torch.randn(2, 2, 40, 16),
+        v_cache=torch.randn(2, 2, 40, 16),
+        cache_seqlens=torch.tensor([3, 7], dtype=torch.int32),
+        k=torch.randn(2, 2, 1, 16),
+        v=torch.randn(2, 2, 1, 16),
+    )
     args.update(changes)
     return args
 
 
 def _paged(**changes):
     q = torch.randn(2, 2, 1, 16)
-    args = dict(q=q, k_cache=torch.randn(5, 2, 16, 16), v_cache=torch.randn(5, 2, 16, 16),
-                cache_seqlens=torch.tensor([3, 7], dtype=torch.int32),
-                block_table=torch.tensor([[0, 1], [2, 3]], dtype=torch.int32))
+    args = dict(
+        q=q,
+        k_cache=torch.randn(5, 2, 16, 16),
+        v_cache=torch.randn(5, 2, 16, 16),
+        cache_seqlens=torch.tensor([3, 7], dtype=torch.int32),
+        block_table=torch.tensor([[0, 1], [2, 3]], dtype=torch.int32),
+    )
     args.update(changes)
     return args
 
 
 _cos = torch.ones(40, 4)
 BAD_INPUTS = [
-    pytest.param(_bad(cache_seqlens=torch.tensor([3, 7])), TypeError, "cache_seqlens must be int32", id="seqlens-int64"),
-    pytest.param(_bad(cache_seqlens=torch.tensor([3], dtype=torch.int32)), ValueError,
-                 r"cache_seqlens must have shape \(2,\)", id="seqlens-shape"),
-    pytest.param(_bad(cache_seqlens=torch.tensor([3, 40], dtype=torch.int32)), ValueError,
-                 "must be within", id="seqlens-past-capacity"),
+    pytest.param(
+        _bad(cache_seqlens=torch.tensor([3, 7])), TypeError, "cache_seqlens must be int32", id="seqlens-int64"
+    ),
+    pytest.param(
+        _bad(cache_seqlens=torch.tensor([3], dtype=torch.int32)),
+        ValueError,
+        r"cache_seqlens must have shape \(2,\)",
+        id="seqlens-shape",
+    ),
+    pytest.param(
+        _bad(cache_seqlens=torch.tensor([3, 40], dtype=torch.int32)),
+        ValueError,
+        "must be within",
+        id="seqlens-past-capacity",
+    ),
     pytest.param(_bad(cache_seqlens=40), ValueError, "within the cache's capacity", id="int-seqlens-past-capacity"),
-    pytest.param(_bad(cache_seqlens=torch.tensor([-1, 3], dtype=torch.int32)), ValueError, "must be within",
-                 id="seqlens-negative"),
+    pytest.param(
+        _bad(cache_seqlens=torch.tensor([-1, 3], dtype=torch.int32)),
+        ValueError,
+        "must be within",
+        id="seqlens-negative",
+    ),
     pytest.param(_bad(cache_seqlens=None), ValueError, "new k and v need cache_seqlens", id="append-without-seqlens"),
     pytest.param(_bad(v=None), ValueError, "k and v must be given together", id="k-without-v"),
-    pytest.param(_bad(k=torch.randn(2, 2, 1, 8), v=torch.randn(2, 2, 1, 8)), ValueError,
-                 r"k and v must have shape \(batch, heads_k, seqlen_new, head_dim\)", id="new-k-head-dim"),
+    pytest.param(
+        _bad(k=torch.randn(2, 2, 1, 8), v=torch.randn(2, 2, 1, 8)),
+        ValueError,
+        r"k and v must have shape \(batch, heads_k, seqlen_new, head_dim\)",
+        id="new-k-head-dim",
+    ),
     pytest.param(_bad(k_cache=torch.randn(2, 40, 16)), ValueError, "k_cache must have shape", id="cache-rank-3"),
-    pytest.param(_bad(v_cache=torch.randn(2, 2, 41, 16)), ValueError, "k_cache and v_cache must have one shape",
-                 id="caches-differ"),
-    pytest.param(_bad(k_cache=torch.randn(3, 2, 40, 16), v_cache=torch.randn(3, 2, 40, 16)), ValueError,
-                 "a contiguous cache without cache_batch_idx", id="cache-rows-without-batch-idx"),
-    pytest.param(_bad(cache_batch_idx=torch.tensor([0, 2], dtype=torch.int32)), ValueError,
-                 r"cache_batch_idx must be within \[0, 2\)", id="batch-idx-out-of-range"),
-    pytest.param(_bad(cache_leftpad=torch.tensor([0, 9], dtype=torch.int32)), ValueError, "cache_leftpad must be within",
-                 id="leftpad-past-keys"),
+    pytest.param(
+        _bad(v_cache=torch.randn(2, 2, 41, 16)),
+        ValueError,
+        "k_cache and v_cache must have one shape",
+        id="caches-differ",
+    ),
+    pytest.param(
+        _bad(k_cache=torch.randn(3, 2, 40, 16), v_cache=torch.randn(3, 2, 40, 16)),
+        ValueError,
+        "a contiguous cache without cache_batch_idx",
+        id="cache-rows-without-batch-idx",
+    ),
+    pytest.param(
+        _bad(cache_batch_idx=torch.tensor([0, 2], dtype=torch.int32)),
+        ValueError,
+        r"cache_batch_idx must be within \[0, 2\)",
+        id="batch-idx-out-of-range",
+    ),
+    pytest.param(
+        _bad(cache_leftpad=torch.tensor([0, 9], dtype=torch.int32)),
+        ValueError,
+        "cache_leftpad must be within",
+        id="leftpad-past-keys",
+    ),
     pytest.param(_bad(num_splits=-1), ValueError, "num_splits must be an int >= 0", id="splits-negative"),
-    pytest.param(_bad(rotary_cos=_cos), ValueError, "rotary_cos and rotary_sin must be given together",
-                 id="cos-without-sin"),
-    pytest.param(_bad(k=None, v=None, rotary_cos=_cos, rotary_sin=_cos), ValueError, "need k and v",
-                 id="rotary-without-k"),
-    pytest.param(_bad(rotary_cos=torch.ones(40, 9), rotary_sin=torch.ones(40, 9)), ValueError,
-                 "rotary_dim <= head_dim", id="rotary-dim-past-head-dim"),
-    pytest.param(_paged(block_table=torch.tensor([[0, 1], [2, 5]], dtype=torch.int32)), ValueError,
-                 r"page ids must be within \[0, 5\)", id="page-id-out-of-range"),
-    pytest.param(_paged(cache_seqlens=torch.tensor([3, 33], dtype=torch.int32)), ValueError, "must be within",
-                 id="paged-seqlens-past-capacity"),
-    pytest.param(_paged(cache_batch_idx=torch.tensor([0, 1], dtype=torch.int32)), ValueError,
-                 "cache_batch_idx is for a contiguous cache", id="paged-with-batch-idx"),
-    pytest.param(_paged(block_table=torch.tensor([0, 1], dtype=torch.int32)), ValueError,
-                 r"block_table must have shape \(2, n\)", id="block-table-rank-1"),
+    pytest.param(
+        _bad(rotary_cos=_cos), ValueError, "rotary_cos and rotary_sin must be given together", id="cos-without-sin"
+    ),
+    pytest.param(
+        _bad(k=None, v=None, rotary_cos=_cos, rotary_sin=_cos), ValueError, "need k and v", id="rotary-without-k"
+    ),
+    pytest.param(
+        _bad(rotary_cos=torch.ones(40, 9), rotary_sin=torch.ones(40, 9)),
+        ValueError,
+        "rotary_dim <= head_dim",
+        id="rotary-dim-past-head-dim",
+    ),
+    pytest.param(
+        _paged(block_table=torch.tensor([[0, 1], [2, 5]], dtype=torch.int32)),
+        ValueError,
+        r"page ids must be within \[0, 5\)",
+        id="page-id-out-of-range",
+    ),
+    pytest.param(
+        _paged(cache_seqlens=torch.tensor([3, 33], dtype=torch.int32)),
+        ValueError,
+        "must be within",
+        id="paged-seqlens-past-capacity",
+    ),
+    pytest.param(
+        _paged(cache_batch_idx=torch.tensor([0, 1], dtype=torch.int32)),
+        ValueError,
+        "cache_batch_idx is for a contiguous cache",
+        id="paged-with-batch-idx",
+    ),
+    pytest.param(
+        _paged(block_table=torch.tensor([0, 1], dtype=torch.int32)),
+        ValueError,
+        r"block_table must have shape \(2, n\)",
+        id="block-table-rank-1",
+    ),
 ]
 
 

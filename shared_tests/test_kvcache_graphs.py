@@ -29,6 +29,7 @@ CASES = {
 
 def _inputs(case, device, dtype, generator):
     batch, heads, heads_k, seqlen_q, head_dim, capacity, page_size, seqlen_new, rotary = case
+
     def randn(*shape):
         return torch.randn(*shape, device=device, dtype=dtype, generator=generator)
 
@@ -48,9 +49,12 @@ def _inputs(case, device, dtype, generator):
     if rotary:
         angle = torch.rand(capacity, head_dim // 4, device=device, generator=generator) * 6.28
         cos, sin = angle.cos().to(dtype), angle.sin().to(dtype)
-    statics = dict(q=randn(batch, heads, seqlen_q, head_dim), k=randn(batch, heads_k, seqlen_new, head_dim),
-                   v=randn(batch, heads_k, seqlen_new, head_dim),
-                   cache_seqlens=torch.zeros(batch, device=device, dtype=torch.int32))
+    statics = dict(
+        q=randn(batch, heads, seqlen_q, head_dim),
+        k=randn(batch, heads_k, seqlen_new, head_dim),
+        v=randn(batch, heads_k, seqlen_new, head_dim),
+        cache_seqlens=torch.zeros(batch, device=device, dtype=torch.int32),
+    )
     return k_cache, v_cache, table, cos, sin, statics, capacity - seqlen_new
 
 
@@ -59,10 +63,22 @@ def _inputs(case, device, dtype, generator):
 def test_replay_equals_eager(backend, case, dtype, device):
     generator = torch.Generator(device=device).manual_seed(0)
     k_cache, v_cache, table, cos, sin, x, room = _inputs(case, device, dtype, generator)
+
     def call(kc, vc):
-        return fa2.kvcache_attention(x["q"], kc, vc, x["cache_seqlens"], k=x["k"], v=x["v"], rotary_cos=cos,
-                                     rotary_sin=sin, rotary_interleaved=True, block_table=table, causal=True,
-                                     backend=backend)
+        return fa2.kvcache_attention(
+            x["q"],
+            kc,
+            vc,
+            x["cache_seqlens"],
+            k=x["k"],
+            v=x["v"],
+            rotary_cos=cos,
+            rotary_sin=sin,
+            rotary_interleaved=True,
+            block_table=table,
+            causal=True,
+            backend=backend,
+        )
 
     # Compile every kernel outside the capture (on copies, so that the cache under test keeps its values).
     for _ in range(2):

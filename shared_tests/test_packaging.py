@@ -59,11 +59,17 @@ def wheels(once, tmp_path_factory):
     out, sources = tmp_path_factory.mktemp("wheels"), tmp_path_factory.mktemp("sources")
     for name in DISTRIBUTIONS:
         # From a copy: setuptools writes build/ and egg-info beside the sources it builds.
-        source = shutil.copytree(root / "packages" / name, sources / name,
-                                 ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"))
+        source = shutil.copytree(
+            root / "packages" / name,
+            sources / name,
+            ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"),
+        )
         # No isolation: the session's setuptools builds them, with no download of a build environment.
-        subprocess.run([sys.executable, "-m", "build", "--wheel", "--no-isolation", "--outdir", str(out),
-                        str(source)], check=True, capture_output=True)
+        subprocess.run(
+            [sys.executable, "-m", "build", "--wheel", "--no-isolation", "--outdir", str(out), str(source)],
+            check=True,
+            capture_output=True,
+        )
     return out
 
 
@@ -89,8 +95,7 @@ def test_extra_installs_from_the_wheels_into_a_fresh_venv(wheels, tmp_path):
     clean = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
     subprocess.run([*install, os.environ["FA2_TORCH"]], check=True, env=clean)
     subprocess.run([*install, "--find-links", str(wheels), "fa2-attention[pytorch]"], check=True, env=clean)
-    out = subprocess.run([python, "-c", CALL], check=True, capture_output=True, text=True, env=clean,
-                         cwd=tmp_path)
+    out = subprocess.run([python, "-c", CALL], check=True, capture_output=True, text=True, env=clean, cwd=tmp_path)
     got = json.loads(out.stdout.strip().splitlines()[-1])
     assert got["versions"] == {"fa2-attention": "0.1.0", "fa2-pytorch": "0.1.0"}
     assert got["backends"] == ["pytorch"]

@@ -28,8 +28,9 @@ def _case(lens_q, lens_k, h, h_k, d, causal=False, window=(-1, -1), softcap=0.0,
     parts += [f"w{window[0]}.{window[1]}"] if window != (-1, -1) else []
     parts += [f"cap{softcap:g}"] if softcap else []
     parts += [f"alibi-{alibi}"] if alibi else []
-    case = dict(lens_q=lens_q, lens_k=lens_k, h=h, h_k=h_k, d=d, causal=causal, window=window, softcap=softcap,
-                alibi=alibi)
+    case = dict(
+        lens_q=lens_q, lens_k=lens_k, h=h, h_k=h_k, d=d, causal=causal, window=window, softcap=softcap, alibi=alibi
+    )
     return pytest.param(case, id="-".join(parts))
 
 
@@ -62,8 +63,10 @@ def _offsets(lens, device):
 
 def _inputs(case, dtype, device, seed):
     g = torch.Generator().manual_seed(seed)
+
     def make(n, h):
         return torch.randn(n, h, case["d"], generator=g).to(device=device, dtype=dtype)
+
     total_q, total_k = sum(case["lens_q"]), sum(case["lens_k"])
     q, k, v = make(total_q, case["h"]), make(total_k, case["h_k"]), make(total_k, case["h_k"])
     slopes = None
@@ -76,8 +79,18 @@ def _inputs(case, dtype, device, seed):
 def _run(backend, q, k, v, case, options, device):
     cu_q, cu_k = _offsets(case["lens_q"], device), _offsets(case["lens_k"], device)
     try:
-        return fa2.varlen_attention(q, k, v, cu_q, cu_k, max(case["lens_q"]), max(case["lens_k"]),
-                                    causal=case["causal"], backend=backend, **options)
+        return fa2.varlen_attention(
+            q,
+            k,
+            v,
+            cu_q,
+            cu_k,
+            max(case["lens_q"]),
+            max(case["lens_k"]),
+            causal=case["causal"],
+            backend=backend,
+            **options,
+        )
     except NotImplementedError as e:
         pytest.skip(f"{backend} refuses: {e}")
 
@@ -104,8 +117,10 @@ def test_each_sequence_matches_its_reference(backend, status, device, dtype, cas
     assert O.shape == q.shape and O.dtype == q.dtype, f"O {tuple(O.shape)} {O.dtype}"
     assert L.shape == (q.shape[1], q.shape[0]) and L.dtype == torch.float32, f"L {tuple(L.shape)} {L.dtype}"
     for rows, keys, own in _sequences(case, options):
+
         def t(x):
             return x.transpose(0, 1)
+
         assert_matches_reference(t(O[rows]), L[:, rows], t(q[rows]), t(k[keys]), t(v[keys]), case["causal"], **own)
 
 
@@ -143,26 +158,42 @@ def test_gradients_match_the_reference(backend, status, device, dtype, case):
 
 def _bad(**changes):
     q = torch.randn(12, 2, 16)
-    args = dict(q=q, k=q, v=q, cu_seqlens_q=torch.tensor([0, 5, 12], dtype=torch.int32),
-                cu_seqlens_k=torch.tensor([0, 5, 12], dtype=torch.int32), max_seqlen_q=7, max_seqlen_k=7)
+    args = dict(
+        q=q,
+        k=q,
+        v=q,
+        cu_seqlens_q=torch.tensor([0, 5, 12], dtype=torch.int32),
+        cu_seqlens_k=torch.tensor([0, 5, 12], dtype=torch.int32),
+        max_seqlen_q=7,
+        max_seqlen_k=7,
+    )
     args.update(changes)
     return args
 
 
 BAD_INPUTS = [
     pytest.param(_bad(cu_seqlens_q=torch.tensor([0, 5, 12])), TypeError, "cu_seqlens_q must be int32", id="int64"),
-    pytest.param(_bad(cu_seqlens_k=torch.tensor([[0, 5, 12]], dtype=torch.int32)), ValueError,
-                 r"cu_seqlens_k must have shape \(num_seqs \+ 1,\)", id="rank-2"),
-    pytest.param(_bad(cu_seqlens_k=torch.tensor([0, 12], dtype=torch.int32)), ValueError, "same length",
-                 id="lengths-differ"),
-    pytest.param(_bad(cu_seqlens_q=torch.tensor([0, 5, 11], dtype=torch.int32)), ValueError,
-                 "from 0 to the total length 12", id="total-disagrees"),
-    pytest.param(_bad(cu_seqlens_q=[0, 5, 12]), TypeError, "cu_seqlens_q must be an int32 torch.Tensor",
-                 id="list"),
+    pytest.param(
+        _bad(cu_seqlens_k=torch.tensor([[0, 5, 12]], dtype=torch.int32)),
+        ValueError,
+        r"cu_seqlens_k must have shape \(num_seqs \+ 1,\)",
+        id="rank-2",
+    ),
+    pytest.param(
+        _bad(cu_seqlens_k=torch.tensor([0, 12], dtype=torch.int32)), ValueError, "same length", id="lengths-differ"
+    ),
+    pytest.param(
+        _bad(cu_seqlens_q=torch.tensor([0, 5, 11], dtype=torch.int32)),
+        ValueError,
+        "from 0 to the total length 12",
+        id="total-disagrees",
+    ),
+    pytest.param(_bad(cu_seqlens_q=[0, 5, 12]), TypeError, "cu_seqlens_q must be an int32 torch.Tensor", id="list"),
     pytest.param(_bad(max_seqlen_q=7.0), TypeError, "max_seqlen_q must be a non-negative int", id="max-float"),
     pytest.param(_bad(max_seqlen_k=-1), TypeError, "max_seqlen_k must be a non-negative int", id="max-negative"),
-    pytest.param(_bad(q=torch.randn(1, 12, 2, 16)), ValueError, r"q must have shape \(total, heads, head_dim\)",
-                 id="padded-q"),
+    pytest.param(
+        _bad(q=torch.randn(1, 12, 2, 16)), ValueError, r"q must have shape \(total, heads, head_dim\)", id="padded-q"
+    ),
     pytest.param(_bad(alibi_slopes=torch.ones(3, 2)), ValueError, r"\(2,\) or \(2, 2\)", id="alibi-shape"),
 ]
 
@@ -207,14 +238,15 @@ def test_offsets_outside_the_tensors_are_clamped_or_refused(backend, status, dev
     or written."""
     dtype = torch.float16 if status == "emulated" else torch.bfloat16
     require_runnable(backend, status, device, dtype, (1, 2, 12, 12, 16))
-    q, k, v = (torch.randn(12, 2, 16, generator=torch.Generator().manual_seed(i)).to(device, dtype)
-               for i in range(3))
+    q, k, v = (torch.randn(12, 2, 16, generator=torch.Generator().manual_seed(i)).to(device, dtype) for i in range(3))
     cu = torch.tensor([0, 100, 12], dtype=torch.int32, device=device)
     if backend == "pytorch":
         with pytest.raises(ValueError, match="cu_seqlens_q must be non-decreasing offsets within"):
             fa2.varlen_attention(q, k, v, cu, cu, 12, 12, backend=backend)
         return
     O, L = fa2.varlen_attention(q, k, v, cu, cu, 12, 12, backend=backend)
+
     def t(x):
         return x.transpose(0, 1)
+
     assert_matches_reference(t(O), L, t(q), t(k), t(v), False)

@@ -39,11 +39,19 @@ SUBSET_ENV = "FA2_FLASH_ATTN_SUBSET"
 # seqlen_q != seqlen_k both ways; the one-key and one-query extremes of the race-condition test.
 QUICK = {
     "test_flash_attn_qkvpacked": {"d": {59, 128}, "seqlen": {97, 1025}},
-    "test_flash_attn_output": {"d": {59, 128}, "seqlen_q": {113, 512}, "seqlen_k": {203, 256},
-                               "deterministic": {False}},
+    "test_flash_attn_output": {
+        "d": {59, 128},
+        "seqlen_q": {113, 512},
+        "seqlen_k": {203, 256},
+        "deterministic": {False},
+    },
     "test_flash_attn_causal": {"d": {59, 128}},
-    "test_flash_attn_splitkv": {"d": {64}, "seqlen_q": {3, 64, 128}, "seqlen_k": {1024, 800, 128},
-                                "deterministic": {False}},
+    "test_flash_attn_splitkv": {
+        "d": {64},
+        "seqlen_q": {3, 64, 128},
+        "seqlen_k": {1024, 800, 128},
+        "deterministic": {False},
+    },
     "test_flash_attn_race_condition": {"d": {64}, "seqlen_q": {239, 128, 1024}, "seqlen_k": {1, 128}},
     "test_flash_attn_bwd_overflow": {},
     "test_flash_attn_bwd_transpose": {},
@@ -51,17 +59,31 @@ QUICK = {
     # varlen: random padding masks unpadded into packed sequences of different lengths, GQA, and both
     # orders of seqlen_q / seqlen_k.
     "test_flash_attn_varlen_qkvpacked": {"d": {59, 128}, "seqlen": {97, 1025}, "deterministic": {False}},
-    "test_flash_attn_varlen_output": {"d": {59, 128}, "seqlen_q": {113, 512}, "seqlen_k": {203, 256},
-                                      "mha_type": {"gqa"}, "deterministic": {False}},
+    "test_flash_attn_varlen_output": {
+        "d": {59, 128},
+        "seqlen_q": {113, 512},
+        "seqlen_k": {203, 256},
+        "mha_type": {"gqa"},
+        "deterministic": {False},
+    },
     "test_flash_attn_varlen_causal": {"d": {59, 128}, "seqlen_q": {1, 113}, "seqlen_k": {239, 203}},
     "test_flash_attn_bwd_varlen_overflow": {},
     "test_flash_attn_varlen_deterministic": {"d": {59, 128}, "seqlen_q": {113}, "seqlen_k": {203}},
     # KV cache: one token, a few, and 16 against 20k keys; every mask, rotary, append, paged (256) and
     # leftpad flag, MQA and GQA, the split heuristic.
-    "test_flash_attn_kvcache": {"d": {59, 128}, "seqlen_q": {1, 3, 16}, "seqlen_k": {339, 1024, 20000},
-                                "rotary_fraction": {0.0, 0.5}, "rotary_interleaved": {False},
-                                "seqlen_new_eq_seqlen_q": {False}, "mha_type": {"mqa", "gqa"}, "num_splits": {0}},
+    "test_flash_attn_kvcache": {
+        "d": {59, 128},
+        "seqlen_q": {1, 3, 16},
+        "seqlen_k": {339, 1024, 20000},
+        "rotary_fraction": {0.0, 0.5},
+        "rotary_interleaved": {False},
+        "seqlen_new_eq_seqlen_q": {False},
+        "mha_type": {"mqa", "gqa"},
+        "num_splits": {0},
+    },
 }
+
+
 def _backend() -> str | None:
     name = os.environ.get(ENV) or None
     if name is not None and name not in BACKENDS:
@@ -146,8 +168,9 @@ def pytest_generate_tests(metafunc):
             values = value if len(names) > 1 else (value,)
             return all(v in keep[n] for n, v in zip(names, values) if n in keep)
 
-        own[i] = Mark(mark.name, (argnames, [v for v in argvalues if kept(v)], *mark.args[2:]), mark.kwargs,
-                      _ispytest=True)
+        own[i] = Mark(
+            mark.name, (argnames, [v for v in argvalues if kept(v)], *mark.args[2:]), mark.kwargs, _ispytest=True
+        )
 
 
 def pytest_collection_modifyitems(config, items):

@@ -52,9 +52,11 @@ def main(argv: list[str] | None = None) -> int:
             with urllib.request.urlopen(RAW_URL, timeout=60) as response:
                 text = response.read().decode()
         except OSError as e:
-            print(f"could not fetch {RAW_URL}: {e}\n"
-                  "(flash-attn's sdist on PyPI has no tests/); give a copy with --file PATH --source ...",
-                  file=sys.stderr)
+            print(
+                f"could not fetch {RAW_URL}: {e}\n"
+                "(flash-attn's sdist on PyPI has no tests/); give a copy with --file PATH --source ...",
+                file=sys.stderr,
+            )
             return 1
         source = RAW_URL
     if "def test_flash_attn_output" not in text or "from flash_attn import" not in text:
@@ -69,8 +71,22 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_einops:
         wheels = UPSTREAM / "wheels"
         shutil.rmtree(wheels, ignore_errors=True)
-        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary", ":all:",
-                        "-d", str(wheels), "einops"], check=True)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "-q",
+                "--no-deps",
+                "--only-binary",
+                ":all:",
+                "-d",
+                str(wheels),
+                "einops",
+            ],
+            check=True,
+        )
         print(f"{wheels}: {', '.join(p.name for p in wheels.glob('*.whl'))}")
     return 0
 

@@ -22,8 +22,15 @@ import torch.nn.functional as F
 
 from fa2 import flash_attn as fa2_flash_attn
 
-FUNCTIONS = ("flash_attn_func", "flash_attn_kvpacked_func", "flash_attn_qkvpacked_func", "flash_attn_varlen_func",
-             "flash_attn_varlen_kvpacked_func", "flash_attn_varlen_qkvpacked_func", "flash_attn_with_kvcache")
+FUNCTIONS = (
+    "flash_attn_func",
+    "flash_attn_kvpacked_func",
+    "flash_attn_qkvpacked_func",
+    "flash_attn_varlen_func",
+    "flash_attn_varlen_kvpacked_func",
+    "flash_attn_varlen_qkvpacked_func",
+    "flash_attn_with_kvcache",
+)
 
 
 def install(backend: str) -> None:
@@ -77,8 +84,7 @@ def pad_input(hidden_states, indices, batch, seqlen):
     return out.reshape(batch, seqlen, *hidden_states.shape[1:])
 
 
-def apply_rotary_emb(x, cos, sin, interleaved=False, inplace=False, seqlen_offsets=0, cu_seqlens=None,
-                     max_seqlen=None):
+def apply_rotary_emb(x, cos, sin, interleaved=False, inplace=False, seqlen_offsets=0, cu_seqlens=None, max_seqlen=None):
     """Rotary embedding of the first 2 · cos.shape[-1] channels of x (batch, seqlen, heads, head_dim), the
     rest passed through; cos, sin: (seqlen_ro, rotary_dim / 2); position of token t of batch b:
     t + seqlen_offsets (an int or a (batch,) tensor). interleaved: rotate pairs (0, 1), (2, 3), ... (GPT-J);

@@ -50,9 +50,23 @@ def _kvcache_inputs(case, dtype, tensor_cores, seed):
     from test_kvcache import _make
 
     q, k_cache, v_cache, spec = _make(case, False, dtype, "cpu", seed=seed)
-    given = (q, k_cache, v_cache, *(t for t in (spec.block_table, spec.cache_seqlens, spec.cache_leftpad,
-                                                 spec.cache_batch_idx, spec.cu_seqlens_q, spec.alibi_slopes)
-                                    if t is not None))
+    given = (
+        q,
+        k_cache,
+        v_cache,
+        *(
+            t
+            for t in (
+                spec.block_table,
+                spec.cache_seqlens,
+                spec.cache_leftpad,
+                spec.cache_batch_idx,
+                spec.cu_seqlens_q,
+                spec.alibi_slopes,
+            )
+            if t is not None
+        ),
+    )
     return functools.partial(kvcache.kvcache_forward, tensor_cores=tensor_cores), (q, k_cache, v_cache, spec), given
 
 
@@ -69,12 +83,25 @@ def check_parameters_match_numba() -> int:
     kvcache._check_device = lambda q: None  # CPU tensors, kernels not launched
     kvcache.block_slots = lambda *a: 132 * 4  # an H100's SMs x blocks, without asking a GPU
     kvcache.capability = lambda device: (9, 0)
-    kinds = [(torch.float32, False), (torch.float16, False), (torch.bfloat16, False), (torch.float16, True),
-             (torch.bfloat16, True)]
+    kinds = [
+        (torch.float32, False),
+        (torch.float16, False),
+        (torch.bfloat16, False),
+        (torch.float16, True),
+        (torch.bfloat16, True),
+    ]
     try:
-        return _check_prepared([(f"{case.id}-{dtype}-{'tc' if tc else 'simt'}",
-                                 lambda seed, c=case.values[0], d=dtype, tc=tc: _kvcache_inputs(c, d, tc, seed))
-                                for case in CASES for dtype, tc in kinds], (kvcache,))
+        return _check_prepared(
+            [
+                (
+                    f"{case.id}-{dtype}-{'tc' if tc else 'simt'}",
+                    lambda seed, c=case.values[0], d=dtype, tc=tc: _kvcache_inputs(c, d, tc, seed),
+                )
+                for case in CASES
+                for dtype, tc in kinds
+            ],
+            (kvcache,),
+        )
     finally:
         kvcache._check_device, kvcache.block_slots, kvcache.capability = real
 
@@ -91,11 +118,12 @@ def test_packed_parameters_are_numbas():
     assert int(done.stdout.split()[-1]) >= 16 * 5, done.stdout
 
 
-def _dense_spec(case: str, batch: int, heads: int, seqlen_q: int, seqlen_k: int, head_dim: int,
-                g: torch.Generator, device="cpu") -> AttentionSpec:
+def _dense_spec(
+    case: str, batch: int, heads: int, seqlen_q: int, seqlen_k: int, head_dim: int, g: torch.Generator, device="cpu"
+) -> AttentionSpec:
     """The spec of a dense-kernel case: causal; a window with softcap and ALiBi (slopes a strided view); or
     a packed batch of two sequences with ALiBi (q, k, v then (1, heads, total, head_dim))."""
-    scale = head_dim ** -0.5
+    scale = head_dim**-0.5
     if case == "causal":
         return AttentionSpec(scale, (-1, 0))
     slopes = torch.rand(batch, 2 * heads, generator=g).to(device)[:, ::2]
@@ -103,16 +131,25 @@ def _dense_spec(case: str, batch: int, heads: int, seqlen_q: int, seqlen_k: int,
         return AttentionSpec(scale, (5, 2), softcap=20.0, alibi_slopes=slopes)
     cu_q = torch.tensor([0, seqlen_q // 3, seqlen_q], dtype=torch.int32, device=device)
     cu_k = torch.tensor([0, seqlen_k // 2, seqlen_k], dtype=torch.int32, device=device)
-    return AttentionSpec(scale, (-1, 0), alibi_slopes=torch.rand(2, heads, generator=g).to(device),
-                         cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=seqlen_q - seqlen_q // 3,
-                         max_seqlen_k=seqlen_k - seqlen_k // 2)
+    return AttentionSpec(
+        scale,
+        (-1, 0),
+        alibi_slopes=torch.rand(2, heads, generator=g).to(device),
+        cu_seqlens_q=cu_q,
+        cu_seqlens_k=cu_k,
+        max_seqlen_q=seqlen_q - seqlen_q // 3,
+        max_seqlen_k=seqlen_k - seqlen_k // 2,
+    )
 
 
-DENSE_CASES = [(direction, dtype, case)
-               for direction in ("forward-simt", "forward-tc", "backward")
-               for dtype in ((torch.float16, torch.bfloat16) if direction == "forward-tc"
-                             else (torch.float32, torch.float16, torch.bfloat16))
-               for case in ("causal", "features", "varlen")]
+DENSE_CASES = [
+    (direction, dtype, case)
+    for direction in ("forward-simt", "forward-tc", "backward")
+    for dtype in (
+        (torch.float16, torch.bfloat16) if direction == "forward-tc" else (torch.float32, torch.float16, torch.bfloat16)
+    )
+    for case in ("causal", "features", "varlen")
+]
 
 
 def _dense_inputs(direction, dtype, case, seed, device="cpu", seqlen_q=70, seqlen_k=90, head_dim=48):
@@ -124,8 +161,11 @@ def _dense_inputs(direction, dtype, case, seed, device="cpu", seqlen_q=70, seqle
     q = torch.randn(batch, seqlen_q, 4, head_dim, generator=g).to(device, dtype).transpose(1, 2)
     k, v = (torch.randn(batch, 2, seqlen_k, head_dim, generator=g).to(device, dtype) for _ in range(2))
     spec = _dense_spec(case, batch, 4, seqlen_q, seqlen_k, head_dim, g, device)
-    launchers = {"forward-simt": forward_simt.flash_attn_forward, "forward-tc": forward_tc.flash_attn_forward,
-                 "forward": forward.flash_attn_forward}
+    launchers = {
+        "forward-simt": forward_simt.flash_attn_forward,
+        "forward-tc": forward_tc.flash_attn_forward,
+        "forward": forward.flash_attn_forward,
+    }
     if direction in launchers:
         return launchers[direction], (q, k, v, spec)
     O = torch.randn(q.shape, generator=g).to(device, dtype)
@@ -149,11 +189,14 @@ def check_dense_parameters_match_numba() -> int:
         def inputs(seed):
             launcher, args = _dense_inputs(direction, dtype, case, seed=seed)
             return launcher, args, (*args[:-1], *common.spec_tensors(args[-1]))
+
         return inputs
 
     try:
-        return _check_prepared([(f"{direction}-{dtype}-{case}", make(direction, dtype, case))
-                                for direction, dtype, case in DENSE_CASES], modules)
+        return _check_prepared(
+            [(f"{direction}-{dtype}-{case}", make(direction, dtype, case)) for direction, dtype, case in DENSE_CASES],
+            modules,
+        )
     finally:
         checks, forward_tc.capability = real
         for m, check in zip(modules, checks):
@@ -199,7 +242,8 @@ def _check_prepared(cases, modules) -> int:
             launcher(*inputs)  # the same call's full path: the arguments numba would launch
             assert len(prepared) == len(first), name
             for (kernel, grid, block, args, varying), tensors, (kernel2, grid2, block2, args2, _) in zip(
-                    first, fast, prepared):
+                first, fast, prepared
+            ):
                 assert (kernel, grid, block) == (kernel2, grid2, block2), name
                 compared += _compare_prepared(args, varying, tensors, args2, given)
             del prepared[:], fast[:]
@@ -248,7 +292,7 @@ def _compare_prepared(args, varying, tensors, args2, given) -> int:
         launch.assert_same_parameters(bytes(packed), expected)  # the first call's q: not the second's
     for slot, t in zip(slots, tensors):
         pointer = t.data_ptr().to_bytes(8, "little")
-        packed[8 * slot: 8 * slot + 8] = pointer
+        packed[8 * slot : 8 * slot + 8] = pointer
         expected[slot] = pointer  # an output's: the prepared path's own allocation
     launch.assert_same_parameters(bytes(packed), expected)
     return 1
@@ -267,8 +311,7 @@ def test_dense_prepared_parameters_are_numbas():
 # --- on the GPU -----------------------------------------------------------------------------------------
 
 
-def _decode(device, dtype, batch=1, heads=32, heads_k=8, keys=4096, head_dim=128, page=None, splits=0,
-            seed=0):
+def _decode(device, dtype, batch=1, heads=32, heads_k=8, keys=4096, head_dim=128, page=None, splits=0, seed=0):
     """(q, k_cache, v_cache, spec) of one decode step, caches as transposed views of flash-attn's layout;
     rows hold keys//2 .. keys keys."""
     g = torch.Generator().manual_seed(seed)
@@ -276,15 +319,20 @@ def _decode(device, dtype, batch=1, heads=32, heads_k=8, keys=4096, head_dim=128
     if page:
         pages = batch * keys // page
         shape = (pages + 3, page, heads_k, head_dim)
-        table = (torch.randperm(pages + 3, generator=g)[:pages].view(batch, keys // page)
-                 .to(device, torch.int32))
+        table = torch.randperm(pages + 3, generator=g)[:pages].view(batch, keys // page).to(device, torch.int32)
     else:
         shape, table = (batch, keys, heads_k, head_dim), None
     k_cache = torch.randn(shape, generator=g).to(device, dtype).transpose(1, 2)
     v_cache = torch.randn(shape, generator=g).to(device, dtype).transpose(1, 2)
     seqlens = torch.randint(keys // 2, keys + 1, (batch,), generator=g).to(device, torch.int32)
-    spec = AttentionSpec(scale=head_dim ** -0.5, window=(-1, 0), group=heads // heads_k, cache_seqlens=seqlens,
-                         block_table=table, num_splits=splits)
+    spec = AttentionSpec(
+        scale=head_dim**-0.5,
+        window=(-1, 0),
+        group=heads // heads_k,
+        cache_seqlens=seqlens,
+        block_table=table,
+        num_splits=splits,
+    )
     return q, k_cache, v_cache, spec
 
 
@@ -344,8 +392,10 @@ def test_host_time_per_call(device, monkeypatch, page):
     finally:
         launch.FAST = True
     fast_us = per_call()
-    print(f"\nkvcache_forward host time per call ({'paged 256' if page else 'contiguous'}): fast launch "
-          f"{fast_us:.1f} µs, numba's launch {numba_us:.1f} µs")
+    print(
+        f"\nkvcache_forward host time per call ({'paged 256' if page else 'contiguous'}): fast launch "
+        f"{fast_us:.1f} µs, numba's launch {numba_us:.1f} µs"
+    )
     assert fast_us < HOST_US_LIMIT, f"{fast_us:.1f} µs of host time a call (numba's own launch: {numba_us:.1f})"
 
 
@@ -367,8 +417,9 @@ def test_dense_fast_launch_equals_numbas_bit_for_bit(device, monkeypatch, direct
     """The dense forward (tensor cores through the dispatch, SIMT) and backward: a class's second call takes
     the prepared launch (``launch.prepare`` not called again) and its outputs equal numba's own launch's
     bit for bit (the kernels are deterministic: no atomics)."""
-    launcher, inputs = _dense_inputs(direction, dtype, case, seed=0, device=device, seqlen_q=300, seqlen_k=333,
-                                     head_dim=head_dim)
+    launcher, inputs = _dense_inputs(
+        direction, dtype, case, seed=0, device=device, seqlen_q=300, seqlen_k=333, head_dim=head_dim
+    )
     monkeypatch.setattr(launch, "FAST", False)
     expected = launcher(*inputs)
     monkeypatch.setattr(launch, "FAST", True)

@@ -33,8 +33,10 @@ def _numba_cuda_selected(request):
 def tc_device(device):
     """Where the tensor-core backward runs: the simulator on the CPU, or a GPU of compute capability 8.0+."""
     if common.simulated() != (device.type == "cpu"):
-        pytest.skip(f"--device {device.type} with NUMBA_ENABLE_CUDASIM={int(common.simulated())}: numba runs "
-                    "CPU tensors only in its simulator and CUDA tensors only without it")
+        pytest.skip(
+            f"--device {device.type} with NUMBA_ENABLE_CUDASIM={int(common.simulated())}: numba runs "
+            "CPU tensors only in its simulator and CUDA tensors only without it"
+        )
     if device.type == "cuda" and tensor_cores.capability(device) < tensor_cores.MIN_COMPUTE_CAPABILITY:
         pytest.skip(f"the tensor-core backward needs compute capability 8.0+, got {tensor_cores.capability(device)}")
     return device
@@ -67,14 +69,24 @@ LARGE_TILES = ("large-tiles", backward_tc.TensorCoreBwdConfig(8, 64, 4, 64, 0, T
 
 def _case(dtype, b, h, h_k, n_q, n_k, d, causal, window=(-1, -1), scale=None, layout="contiguous", tiles=None):
     kind = "bf16" if dtype == torch.bfloat16 else "fp16"
-    parts = [kind, f"B{b}-H{h}" + (f"-Hk{h_k}" if h_k != h else ""), f"{n_q}x{n_k}-D{d}",
-             "causal" if causal else "full"]
+    parts = [
+        kind,
+        f"B{b}-H{h}" + (f"-Hk{h_k}" if h_k != h else ""),
+        f"{n_q}x{n_k}-D{d}",
+        "causal" if causal else "full",
+    ]
     parts += [f"w{window[0]}.{window[1]}"] if window != (-1, -1) else []
     parts += [f"scale{scale}"] if scale is not None else []
     parts += [layout] if layout != "contiguous" else []
     parts += [tiles[0]] if tiles is not None else []
-    case = dict(shape=(b, h, h_k, n_q, n_k, d), causal=causal, window=window, scale=scale, layout=layout,
-                config=tiles[1] if tiles is not None else None)
+    case = dict(
+        shape=(b, h, h_k, n_q, n_k, d),
+        causal=causal,
+        window=window,
+        scale=scale,
+        layout=layout,
+        config=tiles[1] if tiles is not None else None,
+    )
     return pytest.param(dtype, case, id="-".join(parts))
 
 
@@ -156,8 +168,17 @@ def test_dispatch_by_input_and_spec(tc_device, dtype, d, features, expected):
     q = torch.zeros(1, 2, 4, d, dtype=dtype, device=tc_device)
     slopes = torch.ones(1, 2, device=tc_device) if features.get("alibi") else None
     offsets = torch.tensor([0, 4], dtype=torch.int32, device=tc_device) if features.get("varlen") else None
-    spec = AttentionSpec(0.5, (-1, 0), features.get("softcap", 0.0), slopes, 1, offsets, offsets,
-                         4 if offsets is not None else 0, 4 if offsets is not None else 0)
+    spec = AttentionSpec(
+        0.5,
+        (-1, 0),
+        features.get("softcap", 0.0),
+        slopes,
+        1,
+        offsets,
+        offsets,
+        4 if offsets is not None else 0,
+        4 if offsets is not None else 0,
+    )
     assert backward_tc.uses_tensor_cores(q, spec) == (expected == "tc")
 
 
@@ -174,11 +195,14 @@ def test_simt_features_run_simt_kernels(tc_device, calls):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype, d, causal, layout, config", [
-    pytest.param(torch.bfloat16, 128, True, "contiguous", None, id="bf16-D128-causal-cp.async"),
-    pytest.param(torch.bfloat16, 128, False, "contiguous", LARGE_TILES[1], id="bf16-D128-full-large-tiles"),
-    pytest.param(torch.float16, 40, False, "strided", None, id="fp16-D40-full-plain-loads"),
-])
+@pytest.mark.parametrize(
+    "dtype, d, causal, layout, config",
+    [
+        pytest.param(torch.bfloat16, 128, True, "contiguous", None, id="bf16-D128-causal-cp.async"),
+        pytest.param(torch.bfloat16, 128, False, "contiguous", LARGE_TILES[1], id="bf16-D128-full-large-tiles"),
+        pytest.param(torch.float16, 40, False, "strided", None, id="fp16-D40-full-plain-loads"),
+    ],
+)
 def test_prepared_launch_equals_numbas_bit_for_bit(device, monkeypatch, dtype, d, causal, layout, config):
     """On the GPU: a class's second call takes the prepared launches (``launch.prepare`` not called again)
     and gives the gradients of numba's own launches bit for bit (no atomics: deterministic), tiles over

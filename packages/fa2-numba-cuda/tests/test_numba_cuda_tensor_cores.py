@@ -178,8 +178,9 @@ def test_one_warp_s_and_pv_compose(kind, dtype, HEAD_DIM, BLOCK_N):
 # --- the kernel under numba's simulator ---------------------------------------------------------------
 
 needs_simulator = pytest.mark.skipif(
-    not SIMULATED, reason="runs the kernel on mma.py's emulated instructions: needs NUMBA_ENABLE_CUDASIM=1 "
-    "(on a GPU, the conformance suite runs the kernel itself)"
+    not SIMULATED,
+    reason="runs the kernel on mma.py's emulated instructions: needs NUMBA_ENABLE_CUDASIM=1 "
+    "(on a GPU, the conformance suite runs the kernel itself)",
 )
 
 
@@ -193,8 +194,9 @@ def _case(dtype, b, h, n_q, n_k, d, causal, config, scale=None):
     kind, mask = "bf16" if dtype == torch.bfloat16 else "fp16", "causal" if causal else "full"
     warps, block_n, _, ahead = config
     name = f"{kind}-B{b}-H{h}-{n_q}x{n_k}-D{d}-{mask}-{warps}w{block_n}" + ("-ahead" if ahead else "")
-    return pytest.param(dtype, (b, h, n_q, n_k, d), causal, config, scale,
-                        id=name + (f"-scale{scale}" if scale is not None else ""))
+    return pytest.param(
+        dtype, (b, h, n_q, n_k, d), causal, config, scale, id=name + (f"-scale{scale}" if scale is not None else "")
+    )
 
 
 SMALL, SMALL_AHEAD, ONE_WARP = (2, 16, 0, False), (2, 16, 0, True), (1, 16, 0, False)
@@ -263,8 +265,9 @@ def test_simulated_kernel_huge_scores():
     assert_matches_reference(O, L, q, k, v, False)
 
 
-def _feature_case(dtype, b, h, h_k, n_q, n_k, d, config, causal=False, window=(-1, -1), softcap=0.0,
-                  alibi=None, gain=1.0, scale=None):
+def _feature_case(
+    dtype, b, h, h_k, n_q, n_k, d, config, causal=False, window=(-1, -1), softcap=0.0, alibi=None, gain=1.0, scale=None
+):
     """alibi: None, "head" (one slope per head, expanded over batch with stride 0) or "batch"."""
     kind = "bf16" if dtype == torch.bfloat16 else "fp16"
     warps, block_n, _, ahead = config
@@ -275,8 +278,16 @@ def _feature_case(dtype, b, h, h_k, n_q, n_k, d, config, causal=False, window=(-
     parts += [f"alibi-{alibi}"] if alibi else []
     parts += [f"scale{scale}"] if scale is not None else []
     parts += [f"{warps}w{block_n}" + ("-ahead" if ahead else "")]
-    case = dict(shape=(b, h, h_k, n_q, n_k, d), config=config, causal=causal, window=window, softcap=softcap,
-                alibi=alibi, gain=gain, scale=scale)
+    case = dict(
+        shape=(b, h, h_k, n_q, n_k, d),
+        config=config,
+        causal=causal,
+        window=window,
+        softcap=softcap,
+        alibi=alibi,
+        gain=gain,
+        scale=scale,
+    )
     return pytest.param(dtype, case, id="-".join(parts))
 
 
@@ -296,15 +307,29 @@ FEATURE_SIM_CASES = [
     _feature_case(torch.float16, 1, 1, 1, 64, 80, 16, (4, 16, 0, True), causal=True, window=(10, 0)),
     # the GPU's D128 block shape with both window edges and a softcap: row_max's per-element mask (a left bound
     # at D128), the end of the keys inside the last tile
-    _feature_case(torch.bfloat16, 1, 1, 1, 70, 90, 128, forward_tc.tc_config(128), window=(20, 3), softcap=5.0,
-                  gain=2.0),
+    _feature_case(
+        torch.bfloat16, 1, 1, 1, 70, 90, 128, forward_tc.tc_config(128), window=(20, 3), softcap=5.0, gain=2.0
+    ),
     # softcap on large scores, with and without S_AHEAD; a negative scale (q's sign flipped)
     _feature_case(torch.float16, 1, 1, 1, 20, 48, 16, SMALL_AHEAD, softcap=5.0, gain=4.0),
     _feature_case(torch.bfloat16, 1, 1, 1, 29, 17, 32, SMALL, causal=True, softcap=2.0, gain=3.0, scale=-0.4),
     # ALiBi per head (batch stride 0) and per (batch, head), alone and with everything else
     _feature_case(torch.float16, 2, 2, 2, 17, 29, 16, ONE_WARP, alibi="head"),
-    _feature_case(torch.bfloat16, 2, 2, 1, 33, 47, 16, SMALL_AHEAD, causal=True, window=(9, 0), softcap=8.0,
-                  gain=3.0, alibi="batch"),
+    _feature_case(
+        torch.bfloat16,
+        2,
+        2,
+        1,
+        33,
+        47,
+        16,
+        SMALL_AHEAD,
+        causal=True,
+        window=(9, 0),
+        softcap=8.0,
+        gain=3.0,
+        alibi="batch",
+    ),
 ]
 
 
@@ -323,8 +348,9 @@ def test_simulated_kernel_features(dtype, case):
     scale = d**-0.5 if case["scale"] is None else case["scale"]
     window = (case["window"][0], 0) if case["causal"] else case["window"]
     O, L = _run_tc(q, k, v, case["causal"], scale, case["config"], window, case["softcap"], slopes)
-    assert_matches_reference(O, L, q, k, v, case["causal"], scale, window=window, softcap=case["softcap"],
-                             alibi_slopes=slopes)
+    assert_matches_reference(
+        O, L, q, k, v, case["causal"], scale, window=window, softcap=case["softcap"], alibi_slopes=slopes
+    )
 
 
 @needs_simulator
@@ -362,13 +388,23 @@ def _offsets(lens):
 
 
 def _run_tc_varlen(q, k, v, lens_q, lens_k, scale, config, window=(-1, -1), softcap=0.0, alibi_slopes=None):
-    spec = AttentionSpec(scale, window, softcap, alibi_slopes, q.shape[1] // k.shape[1], _offsets(lens_q),
-                         _offsets(lens_k), max(lens_q), max(lens_k))
+    spec = AttentionSpec(
+        scale,
+        window,
+        softcap,
+        alibi_slopes,
+        q.shape[1] // k.shape[1],
+        _offsets(lens_q),
+        _offsets(lens_k),
+        max(lens_q),
+        max(lens_k),
+    )
     return forward.flash_attn_forward(q, k, v, spec, config, tensor_cores=True)
 
 
-def _varlen_case(dtype, lens_q, lens_k, h, h_k, d, config, causal=False, window=(-1, -1), softcap=0.0,
-                 alibi=False, gain=1.0):
+def _varlen_case(
+    dtype, lens_q, lens_k, h, h_k, d, config, causal=False, window=(-1, -1), softcap=0.0, alibi=False, gain=1.0
+):
     kind = "bf16" if dtype == torch.bfloat16 else "fp16"
     warps, block_n, _, ahead = config
     parts = [kind, f"q{'.'.join(map(str, lens_q))}-k{'.'.join(map(str, lens_k))}", f"H{h}-Hk{h_k}-D{d}"]
@@ -377,8 +413,19 @@ def _varlen_case(dtype, lens_q, lens_k, h, h_k, d, config, causal=False, window=
     parts += [f"cap{softcap:g}-x{gain:g}"] if softcap else []
     parts += ["alibi"] if alibi else []
     parts += [f"{warps}w{block_n}" + ("-ahead" if ahead else "")]
-    case = dict(lens_q=lens_q, lens_k=lens_k, h=h, h_k=h_k, d=d, config=config, causal=causal, window=window,
-                softcap=softcap, alibi=alibi, gain=gain)
+    case = dict(
+        lens_q=lens_q,
+        lens_k=lens_k,
+        h=h,
+        h_k=h_k,
+        d=d,
+        config=config,
+        causal=causal,
+        window=window,
+        softcap=softcap,
+        alibi=alibi,
+        gain=gain,
+    )
     return pytest.param(dtype, case, id="-".join(parts))
 
 
@@ -389,8 +436,9 @@ VARLEN_SIM_CASES = [
     _varlen_case(torch.float16, [37, 0, 1, 20, 16], [53, 4, 0, 9, 33], 2, 1, 24, SMALL_AHEAD, causal=True),
     # a window inside each sequence's keys, softcap on large scores, ALiBi per (sequence, head); odd head_dim:
     # plain loads, O element by element
-    _varlen_case(torch.bfloat16, [17, 33, 2], [29, 19, 2], 2, 2, 13, ONE_WARP, window=(5, 3), softcap=5.0,
-                 alibi=True, gain=3.0),
+    _varlen_case(
+        torch.bfloat16, [17, 33, 2], [29, 19, 2], 2, 2, 13, ONE_WARP, window=(5, 3), softcap=5.0, alibi=True, gain=3.0
+    ),
     # a batch of one; four warps whose windows start one key tile apart (each skips some of the block's tiles)
     _varlen_case(torch.float16, [64], [80], 1, 1, 16, (4, 16, 0, True), causal=True, window=(10, 0)),
 ]
@@ -412,8 +460,18 @@ def test_simulated_kernel_varlen(dtype, case):
     for s in range(len(lens_q)):
         rows, keys = slice(starts_q[s], starts_q[s + 1]), slice(starts_k[s], starts_k[s + 1])
         own = None if slopes is None else slopes[s : s + 1]
-        assert_matches_reference(O[:, :, rows], L[:, :, rows], q[:, :, rows], k[:, :, keys], v[:, :, keys],
-                                 case["causal"], d**-0.5, window=window, softcap=case["softcap"], alibi_slopes=own)
+        assert_matches_reference(
+            O[:, :, rows],
+            L[:, :, rows],
+            q[:, :, rows],
+            k[:, :, keys],
+            v[:, :, keys],
+            case["causal"],
+            d**-0.5,
+            window=window,
+            softcap=case["softcap"],
+            alibi_slopes=own,
+        )
 
 
 @needs_simulator
@@ -430,8 +488,9 @@ def test_simulated_kernel_varlen_window_skips_key_tiles():
     assert not torch.isnan(O).any() and not torch.isnan(L).any(), "a key tile outside the window was read"
     for s, start in enumerate((0, 96)):
         rows, keys = slice(16 * s, 16 * s + 16), slice(start + 64, start + 96)
-        assert_matches_reference(O[:, :, rows], L[:, :, rows], q[:, :, rows], k[:, :, keys], v[:, :, keys], False,
-                                 0.25, window=(8, 0))
+        assert_matches_reference(
+            O[:, :, rows], L[:, :, rows], q[:, :, rows], k[:, :, keys], v[:, :, keys], False, 0.25, window=(8, 0)
+        )
 
 
 # --- the KV-cache split kernel on tensor cores (``kvcache_tc``) -----------------------------------------
@@ -456,8 +515,22 @@ KV_TC_CASES = [
     _kv(torch.bfloat16, q=4, b=1, h=8, hk=2, d=128, cap=80, seqlens=(70,), page=16, splits=2),
     # HEAD_DIM 64 (four warps, 64-key tiles), one token of GQA 4: leftpad, a left window, softcap, ALiBi per
     # row; no split (O in fp16, natural L); a negative scale
-    _kv(torch.float16, -0.2, q=1, b=2, h=4, hk=1, d=64, cap=100, seqlens=(100, 41), leftpad=(3, 0),
-        window=(20, -1), softcap=4.0, alibi="row", splits=1),
+    _kv(
+        torch.float16,
+        -0.2,
+        q=1,
+        b=2,
+        h=4,
+        hk=1,
+        d=64,
+        cap=100,
+        seqlens=(100, 41),
+        leftpad=(3, 0),
+        window=(20, -1),
+        softcap=4.0,
+        alibi="row",
+        splits=1,
+    ),
     # head_dim 36 padded to 64 (rows 72 B apart: plain loads); 5 tokens x group 4 = 20 rows, two row tiles;
     # cache_batch_idx, a row with no key; the backend picks the splits
     _kv(torch.float16, q=5, b=2, h=4, hk=1, d=36, cap=50, seqlens=(50, 0), batch_idx=(1, 0), splits=0),
@@ -495,8 +568,10 @@ def test_kvcache_tensor_core_kernel(device, monkeypatch, dtype, case, scale, cau
     assert_matches_kvcache_reference(O, L, q, k_cache, v_cache, spec)
 
 
-@pytest.mark.skipif(SIMULATED or not torch.cuda.is_available(), reason=(
-    "registers and local memory of the compiled kernel: a CUDA GPU of compute capability 8.0+ only"))
+@pytest.mark.skipif(
+    SIMULATED or not torch.cuda.is_available(),
+    reason=("registers and local memory of the compiled kernel: a CUDA GPU of compute capability 8.0+ only"),
+)
 @pytest.mark.parametrize("page", [None, 256], ids=["contiguous", "paged256"])
 def test_kvcache_tensor_core_kernel_on_the_gpu(page):
     """The decode benchmark's class (bf16, 32 query / 8 key-value heads, D 128, one token, split): the
@@ -507,14 +582,35 @@ def test_kvcache_tensor_core_kernel_on_the_gpu(page):
 
     if torch.cuda.get_device_capability() < tensor_cores.MIN_COMPUTE_CAPABILITY:
         pytest.skip(f"compute capability {torch.cuda.get_device_capability()} < 8.0: the SIMT kernel runs")
-    case = dict(q=1, b=2, h=32, hk=8, d=128, cap=4096, seqlens=[4096, 2999], leftpad=None, batch_idx=None,
-                page=page, window=(-1, -1), softcap=0.0, alibi=None, splits=0, varlen=None)
+    case = dict(
+        q=1,
+        b=2,
+        h=32,
+        hk=8,
+        d=128,
+        cap=4096,
+        seqlens=[4096, 2999],
+        leftpad=None,
+        batch_idx=None,
+        page=page,
+        window=(-1, -1),
+        softcap=0.0,
+        alibi=None,
+        splits=0,
+        varlen=None,
+    )
     q, k_cache, v_cache, spec = _make(case, False, torch.bfloat16, "cuda", seed=5)
     O, L = kvcache.kvcache_forward(q, k_cache, v_cache, spec)
     assert_matches_kvcache_reference(O, L, q, k_cache, v_cache, spec)
     # (HEAD_DIM, config, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN, PAGED, BATCH_IDX, LEFTPAD, SPLIT, IS_BF16, ...)
-    rows = [r for r in kvcache.kernel_resources() if r["kernel"] == "kvcache-tensor-core" and r["HEAD_DIM"] == 128
-            and r["switches"][:6] == [False] * 5 + [page is not None] and r["switches"][9]]
+    rows = [
+        r
+        for r in kvcache.kernel_resources()
+        if r["kernel"] == "kvcache-tensor-core"
+        and r["HEAD_DIM"] == 128
+        and r["switches"][:6] == [False] * 5 + [page is not None]
+        and r["switches"][9]
+    ]
     print(f"\nkvcache tensor-core kernel ({'paged 256' if page else 'contiguous'}): {rows}")
     assert rows, "the tensor-core split kernel of this class did not run"
     assert all(r["local_bytes_per_thread"] <= 64 for r in rows), f"local memory: {rows}"
@@ -548,16 +644,19 @@ def test_refusals_name_the_limit():
     with pytest.raises(NotImplementedError, match="head_dim up to 128, got 160"):
         forward_tc.flash_attn_forward(q, q, q, AttentionSpec(1.0))
     with pytest.raises(NotImplementedError, match="fp16 or bf16, got torch.float32"):
-        forward_tc.flash_attn_forward(q[..., :64].float(), q[..., :64].float(), q[..., :64].float(),
-                                      AttentionSpec(1.0))
+        forward_tc.flash_attn_forward(q[..., :64].float(), q[..., :64].float(), q[..., :64].float(), AttentionSpec(1.0))
 
 
 # --- on the GPU -----------------------------------------------------------------------------------------
 
 
-@pytest.mark.skipif(SIMULATED or not torch.cuda.is_available(), reason=(
-    "numba's simulator cannot run inline PTX (mma.sync, ldmatrix, cp.async): the tensor-core kernel runs on "
-    "a CUDA GPU of compute capability 8.0+ only"))
+@pytest.mark.skipif(
+    SIMULATED or not torch.cuda.is_available(),
+    reason=(
+        "numba's simulator cannot run inline PTX (mma.sync, ldmatrix, cp.async): the tensor-core kernel runs on "
+        "a CUDA GPU of compute capability 8.0+ only"
+    ),
+)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("head_dim", [64, 128], ids=lambda d: f"D{d}")
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
@@ -577,7 +676,10 @@ def test_dispatch_on_the_gpu(dtype, head_dim, causal):
     # Features (LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN): causal is a right bound.
     key = (head_dim, forward_tc.tc_config(head_dim), False, causal, False, False, False, is_bf16, True, True, True)
     assert key in forward_tc._KERNELS, f"the tensor-core kernel {key} did not run"
-    rows = [r for r in forward_tc.kernel_resources()
-            if (r["HEAD_DIM"], r["left"], r["right"], r["softcap"], r["alibi"], r["bf16"], r["async_loads"])
-            == (head_dim, False, causal, False, False, is_bf16, True)]
+    rows = [
+        r
+        for r in forward_tc.kernel_resources()
+        if (r["HEAD_DIM"], r["left"], r["right"], r["softcap"], r["alibi"], r["bf16"], r["async_loads"])
+        == (head_dim, False, causal, False, False, is_bf16, True)
+    ]
     assert rows and all(r["local_bytes_per_thread"] <= 64 for r in rows), f"local memory: {rows}"

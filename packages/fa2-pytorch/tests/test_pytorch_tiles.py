@@ -10,9 +10,9 @@ import math
 
 import pytest
 import torch
-from fa2.spec import AttentionSpec
 
 from checks import assert_matches_reference, random_qkv
+from fa2.spec import AttentionSpec
 from fa2_pytorch.backward import flash_attn_backward
 from fa2_pytorch.forward import flash_attn_forward
 from test_gradients import assert_grads_match

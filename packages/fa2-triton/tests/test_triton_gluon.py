@@ -13,27 +13,25 @@ import tempfile
 
 import pytest
 import torch
+import triton
 
 import fa2
-from fa2.spec import AttentionSpec
-
-import triton
 from checks import assert_matches_reference, random_qkv, run_python
+from fa2.spec import AttentionSpec
 from fa2_triton import forward_gluon
 from fa2_triton.forward import flash_attn_forward
 
-needs_gluon = pytest.mark.skipif(not forward_gluon.GLUON,
-                                 reason=f"Triton {triton.__version__} has no Gluon Hopper API")
-SCALE = 128 ** -0.5
+needs_gluon = pytest.mark.skipif(not forward_gluon.GLUON, reason=f"Triton {triton.__version__} has no Gluon Hopper API")
+SCALE = 128**-0.5
 
 
-def _qkv(batch, heads, heads_k, seqlen_q, seqlen_k, dtype=torch.bfloat16, device="cpu", interleaved=False,
-         head_dim=128):
+def _qkv(
+    batch, heads, heads_k, seqlen_q, seqlen_k, dtype=torch.bfloat16, device="cpu", interleaved=False, head_dim=128
+):
     """q (batch, heads, seqlen_q, head_dim), k, v (batch, heads_k, seqlen_k, head_dim); interleaved: views
     of (batch, seqlen, heads, head_dim) tensors, flash-attn's layout."""
     if interleaved:
-        q, k, v = random_qkv((batch, seqlen_q, heads, head_dim), (batch, seqlen_k, heads_k, head_dim), dtype,
-                             device)
+        q, k, v = random_qkv((batch, seqlen_q, heads, head_dim), (batch, seqlen_k, heads_k, head_dim), dtype, device)
         return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     return random_qkv((batch, heads, seqlen_q, head_dim), (batch, heads_k, seqlen_k, head_dim), dtype, device)
 
@@ -44,8 +42,11 @@ def _spec(group=1, window=(-1, -1), softcap=0.0, alibi=None, **packed):
 
 TAKES = {
     "bf16-256x384": (dict(), dict(), True),
-    "fp16-gqa4-384x640": (dict(heads=8, heads_k=2, seqlen_q=384, seqlen_k=640, dtype=torch.float16),
-                          dict(group=4), True),
+    "fp16-gqa4-384x640": (
+        dict(heads=8, heads_k=2, seqlen_q=384, seqlen_k=640, dtype=torch.float16),
+        dict(group=4),
+        True,
+    ),
     "flash-attn-layout": (dict(interleaved=True), dict(), True),
     "causal": (dict(), dict(window=(-1, 0)), False),
     "window": (dict(), dict(window=(64, 64)), False),
@@ -56,9 +57,16 @@ TAKES = {
     "seqlen_k-200": (dict(seqlen_k=200), dict(), False),
     "fp32": (dict(dtype=torch.float32), dict(), False),
     "batch-0": (dict(batch=0), dict(), False),
-    "packed": (dict(batch=1), dict(cu_seqlens_q=torch.tensor([0, 256], dtype=torch.int32),
-                                   cu_seqlens_k=torch.tensor([0, 384], dtype=torch.int32),
-                                   max_seqlen_q=256, max_seqlen_k=384), False),
+    "packed": (
+        dict(batch=1),
+        dict(
+            cu_seqlens_q=torch.tensor([0, 256], dtype=torch.int32),
+            cu_seqlens_k=torch.tensor([0, 384], dtype=torch.int32),
+            max_seqlen_q=256,
+            max_seqlen_k=384,
+        ),
+        False,
+    ),
 }
 
 
@@ -100,37 +108,49 @@ def _sm90a_build(dtype_name: str, q_cols: bool, kv_cols: bool) -> dict:
     functions), so the test calls this in a subprocess without TRITON_INTERPRET."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
+
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype_name]
     q_layout, kv_layout = forward_gluon._smem_layouts(dtype)
     rows, block_n, d = forward_gluon.BLOCK_M // 2, forward_gluon.BLOCK_N, forward_gluon.HEAD_DIM
     fn = forward_gluon._attn_fwd_gluon
     constexprs = dict(Q_COLS=q_cols, KV_COLS=kv_cols, HEAD_DIM=d)
-    signature = {"q_desc": f"tensordesc<{dtype_name}[{rows}, {d}],{q_layout!r}>",
-                 "k_desc": f"tensordesc<{dtype_name}[{block_n}, {d}],{kv_layout!r}>",
-                 "v_desc": f"tensordesc<{dtype_name}[{block_n}, {d}],{kv_layout!r}>",
-                 "o_desc": f"tensordesc<{dtype_name}[{rows}, {d}],{q_layout!r}>", "L": "*fp32", "qk_scale": "fp32"}
+    signature = {
+        "q_desc": f"tensordesc<{dtype_name}[{rows}, {d}],{q_layout!r}>",
+        "k_desc": f"tensordesc<{dtype_name}[{block_n}, {d}],{kv_layout!r}>",
+        "v_desc": f"tensordesc<{dtype_name}[{block_n}, {d}],{kv_layout!r}>",
+        "o_desc": f"tensordesc<{dtype_name}[{rows}, {d}],{q_layout!r}>",
+        "L": "*fp32",
+        "qk_scale": "fp32",
+    }
     for arg in fn.arg_names:
         signature.setdefault(arg, "constexpr" if arg in constexprs else "i32")
-    src = GluonASTSource(fn=fn, signature=signature,
-                         constexprs={(fn.arg_names.index(n), ): v for n, v in constexprs.items()})
-    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                            options=dict(num_warps=4, maxnreg=forward_gluon.MAXNREG))
+    src = GluonASTSource(
+        fn=fn, signature=signature, constexprs={(fn.arg_names.index(n),): v for n, v in constexprs.items()}
+    )
+    kernel = triton.compile(
+        src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, maxnreg=forward_gluon.MAXNREG)
+    )
     cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     with tempfile.NamedTemporaryFile("wb", suffix=".cubin", delete=False) as f:
         f.write(kernel.asm["cubin"])
     try:
-        usage = subprocess.run([cuobjdump, "--dump-resource-usage", f.name], capture_output=True, text=True,
-                               check=True).stdout
+        usage = subprocess.run(
+            [cuobjdump, "--dump-resource-usage", f.name], capture_output=True, text=True, check=True
+        ).stdout
         sass = subprocess.run([cuobjdump, "-sass", f.name], capture_output=True, text=True, check=True).stdout
     finally:
         os.unlink(f.name)
-    return dict(hgmma=sass.count("HGMMA"), stack=int(re.search(r"STACK:(\d+)", usage).group(1)),
-                shared=kernel.metadata.shared)
+    return dict(
+        hgmma=sass.count("HGMMA"), stack=int(re.search(r"STACK:(\d+)", usage).group(1)), shared=kernel.metadata.shared
+    )
 
 
 @needs_gluon
-@pytest.mark.parametrize("dtype, q_cols, kv_cols", [("bf16", False, False), ("fp16", True, True)],
-                         ids=["bf16-heads-contiguous", "fp16-flash-attn-layout"])
+@pytest.mark.parametrize(
+    "dtype, q_cols, kv_cols",
+    [("bf16", False, False), ("fp16", True, True)],
+    ids=["bf16-heads-contiguous", "fp16-flash-attn-layout"],
+)
 def test_the_gluon_kernel_compiles_for_sm90a(dtype, q_cols, kv_cols):
     """ptxas's sm_90a build: warpgroup MMAs in the SASS, no local memory, the shared memory within a CTA's
     227 KB."""
@@ -147,15 +167,16 @@ def _hopper(device):
     if device.type != "cuda":
         pytest.skip("needs a Hopper GPU (--device cuda)")
     if not forward_gluon._on_hopper(device):
-        pytest.skip(f"the Gluon kernel runs on compute capability 9.0 with Gluon's Hopper API "
-                    f"(this GPU: {torch.cuda.get_device_capability(device)}, Gluon: {forward_gluon.GLUON})")
+        pytest.skip(
+            f"the Gluon kernel runs on compute capability 9.0 with Gluon's Hopper API "
+            f"(this GPU: {torch.cuda.get_device_capability(device)}, Gluon: {forward_gluon.GLUON})"
+        )
 
 
 CASES = {
     "B2-H4-256x256": dict(batch=2, heads=4, heads_k=4, seqlen_q=256, seqlen_k=256),
     "gqa4-384x640": dict(batch=1, heads=8, heads_k=2, seqlen_q=384, seqlen_k=640),
-    "mqa-flash-attn-layout-512x256": dict(batch=2, heads=4, heads_k=1, seqlen_q=512, seqlen_k=256,
-                                          interleaved=True),
+    "mqa-flash-attn-layout-512x256": dict(batch=2, heads=4, heads_k=1, seqlen_q=512, seqlen_k=256, interleaved=True),
     "B3-H2-128x1024": dict(batch=3, heads=2, heads_k=2, seqlen_q=128, seqlen_k=1024),
 }
 
@@ -212,10 +233,16 @@ def test_gluon_calls_share_a_compiled_kernel_only_within_a_class(device):
         return sum(1 for key in launch._COMPILED if key[0] is forward_gluon._attn_fwd_gluon)
 
     launch._COMPILED.clear()
-    for n, (dtype, interleaved, seed) in enumerate([(torch.bfloat16, False, 1), (torch.bfloat16, False, 2),
-                                                    (torch.float16, False, 3), (torch.bfloat16, True, 4)]):
-        q, k, v = random_qkv((2, 256, 4, 128) if interleaved else (2, 4, 256, 128),
-                             (2, 256, 4, 128) if interleaved else (2, 4, 256, 128), dtype, device, seed=seed)
+    for n, (dtype, interleaved, seed) in enumerate(
+        [(torch.bfloat16, False, 1), (torch.bfloat16, False, 2), (torch.float16, False, 3), (torch.bfloat16, True, 4)]
+    ):
+        q, k, v = random_qkv(
+            (2, 256, 4, 128) if interleaved else (2, 4, 256, 128),
+            (2, 256, 4, 128) if interleaved else (2, 4, 256, 128),
+            dtype,
+            device,
+            seed=seed,
+        )
         if interleaved:
             q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         assert forward_gluon.uses_gluon(q, k, v, _spec())

@@ -10,18 +10,40 @@ import itertools
 
 import pytest
 import torch
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 import fa2
 import fa2_triton
-from fa2.spec import AttentionSpec
-
 from checks import assert_matches_reference, random_qkv
+from fa2.spec import AttentionSpec
 from fa2_triton import launch
 from fa2_triton.common import INTERPRETED
-from triton.tools.tensor_descriptor import TensorDescriptor
 
-INTS = [0, 1, 2, 8, 15, 16, 17, 32, 48, 200, 208, 2**31 - 16, 2**31 - 1, 2**31, 2**31 + 16, 2**32,
-        2**63 - 16, 2**63, 2**63 + 16, -1, -16, -(2**31), -(2**31) - 16]
+INTS = [
+    0,
+    1,
+    2,
+    8,
+    15,
+    16,
+    17,
+    32,
+    48,
+    200,
+    208,
+    2**31 - 16,
+    2**31 - 1,
+    2**31,
+    2**31 + 16,
+    2**32,
+    2**63 - 16,
+    2**63,
+    2**63 + 16,
+    -1,
+    -16,
+    -(2**31),
+    -(2**31) - 16,
+]
 FLOATS = [0.0, 0.5, -1.25]
 
 
@@ -42,6 +64,7 @@ def _descriptors():
                 out.append(TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, rows, 64]))
     if launch.GluonTensorDescriptor is not None:  # the Gluon kernel's 2-D descriptors, with their layouts
         from triton.experimental.gluon import language as gl
+
         for dtype, gl_dtype in ((torch.float16, gl.float16), (torch.bfloat16, gl.bfloat16)):
             for shape in ((512, 128), (384, 128), (512, 512)):
                 t = torch.zeros(shape, dtype=dtype)

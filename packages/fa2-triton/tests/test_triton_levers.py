@@ -15,12 +15,11 @@ import pytest
 import torch
 
 import fa2_triton
-
 from checks import assert_matches_reference, max_err, random_qkv
 from fa2 import reference
+from fa2.spec import AttentionSpec
 from fa2_triton import backward, forward
 from fa2_triton.common import INTERPRETED
-from fa2.spec import AttentionSpec
 from fa2_triton.tiles import TILES, Tiles, tiles_for, ws_layout
 
 BASE = Tiles(128, 64, 4, 2, tma=True)
@@ -134,7 +133,7 @@ def test_tile_table_entries_are_ordered_with_fallbacks():
         bounds = [b for b, _ in entries]
         assert bounds[-1] is None, key
         finite = [b for b in bounds if b is not None]
-        assert finite == sorted(finite) and bounds[:len(finite)] == finite, key
+        assert finite == sorted(finite) and bounds[: len(finite)] == finite, key
         for (bound, tiles), following in zip(entries, [*entries[1:], None]):
             if tiles.warp_specialize:
                 assert following is not None and following[0] == bound and not following[1].warp_specialize, key
@@ -176,8 +175,10 @@ def test_tuner_writes_a_fallback_after_a_warp_specialised_entry():
     tune = pytest.importorskip("fa2_triton.tuning.forward")
     small, ws = Tiles(128, 64, 4, 2, tma=True), Tiles(128, 128, 4, 2, tma=True, warp_specialize=True)
     [line] = tune.table_entries({(128, False): [(1024, small), (2048, ws, small), (4096, ws, small)]})
-    assert line == (f'    (128, "16-bit", False): ((1448, {tune.describe(small)}), (None, {tune.describe(ws)}), '
-                    f'(None, {tune.describe(small)}),),')
+    assert line == (
+        f'    (128, "16-bit", False): ((1448, {tune.describe(small)}), (None, {tune.describe(ws)}), '
+        f"(None, {tune.describe(small)}),),"
+    )
 
 
 def test_tuner_searches_both_loads_and_each_warp_specialised_tiling_once():
@@ -189,8 +190,9 @@ def test_tuner_searches_both_loads_and_each_warp_specialised_tiling_once():
     # The specialised loop builds its own descriptors: one variant per tiling, whichever loads it came from.
     assert [(t.block_n, t.tma) for t in full if t.warp_specialize] == [(64, True), (128, True)]
     assert not any(t.warp_specialize for t in tune.base_candidates(args, causal=True))
-    ptr_only = tune.parse_args(["--block-m", "128", "--block-n", "64", "--warps", "4", "--stages", "2",
-                                "--loads", "ptr"])
+    ptr_only = tune.parse_args(
+        ["--block-m", "128", "--block-n", "64", "--warps", "4", "--stages", "2", "--loads", "ptr"]
+    )
     assert [t.tma for t in tune.base_candidates(ptr_only, causal=True)] == [False]
     with pytest.raises(SystemExit):
         tune.parse_args(["--loads", "tma,cp.async"])
@@ -205,8 +207,10 @@ def _packed(dtype, device, heads, heads_k, head_dim, seed):
     """(q, k, v) as the backends get a packed batch, (1, heads, total, head_dim) views of (total, heads,
     head_dim) tensors, and the offsets."""
     q, k, v = random_qkv((sum(VARLEN_Q), heads, head_dim), (sum(VARLEN_K), heads_k, head_dim), dtype, device, seed)
+
     def offsets(lens):
         return torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32, device=device)
+
     return *(x.transpose(0, 1).unsqueeze(0) for x in (q, k, v)), offsets(VARLEN_Q), offsets(VARLEN_K)
 
 
@@ -216,8 +220,14 @@ def _varlen_spec(causal, head_dim, cu_q, cu_k, heads, heads_k, features, device)
         g = torch.Generator().manual_seed(1)
         f["alibi_slopes"] = (torch.rand(len(VARLEN_Q), heads, generator=g) * 0.2).to(device)
     spec = _spec(causal, head_dim**-0.5, **f)
-    return dataclasses.replace(spec, group=heads // heads_k, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
-                               max_seqlen_q=max(VARLEN_Q), max_seqlen_k=max(VARLEN_K)), f
+    return dataclasses.replace(
+        spec,
+        group=heads // heads_k,
+        cu_seqlens_q=cu_q,
+        cu_seqlens_k=cu_k,
+        max_seqlen_q=max(VARLEN_Q),
+        max_seqlen_k=max(VARLEN_K),
+    ), f
 
 
 def _per_sequence(cu_q, cu_k, f):
@@ -225,8 +235,11 @@ def _per_sequence(cu_q, cu_k, f):
     starts_q, starts_k = cu_q.tolist(), cu_k.tolist()
     for s in range(len(starts_q) - 1):
         slopes = f.get("alibi_slopes")
-        yield (slice(starts_q[s], starts_q[s + 1]), slice(starts_k[s], starts_k[s + 1]),
-               dict(f, alibi_slopes=None if slopes is None else slopes[s]))
+        yield (
+            slice(starts_q[s], starts_q[s + 1]),
+            slice(starts_k[s], starts_k[s + 1]),
+            dict(f, alibi_slopes=None if slopes is None else slopes[s]),
+        )
 
 
 @pytest.mark.parametrize("feature", ["none", *FEATURES], ids=str)
@@ -246,10 +259,14 @@ def test_varlen_lever_matches_reference(native_or_interpreted, device, monkeypat
     forward._launch(q, k, v, O, L, spec, LEVERS[lever])
     [constexprs] = taken
     assert (constexprs["DEVICE_DESC"], constexprs["USE_TMA"], constexprs["WARP_SPECIALIZE"]) == (
-        LEVERS[lever].tma, False, False)
+        LEVERS[lever].tma,
+        False,
+        False,
+    )
     for rows, keys, own in _per_sequence(cu_q, cu_k, f):
-        assert_matches_reference(O[:, :, rows], L[:, :, rows], q[:, :, rows], k[:, :, keys], v[:, :, keys],
-                                 causal, **own)
+        assert_matches_reference(
+            O[:, :, rows], L[:, :, rows], q[:, :, rows], k[:, :, keys], v[:, :, keys], causal, **own
+        )
 
 
 @pytest.mark.parametrize("feature", ["none", *FEATURES], ids=str)
@@ -264,8 +281,11 @@ def test_varlen_backward_matches_reference(native_or_interpreted, device, determ
     O, L = forward.flash_attn_forward(q, k, v, spec)
     dO = torch.randn(q.shape, generator=torch.Generator().manual_seed(2)).to(device=device, dtype=q.dtype)
     dq, dk, dv = backward.flash_attn_backward(q, k, v, O, L, dO, spec, deterministic=deterministic)
-    got = [torch.zeros_like(dq, dtype=torch.float64), torch.zeros_like(dk, dtype=torch.float64),
-           torch.zeros_like(dv, dtype=torch.float64)]
+    got = [
+        torch.zeros_like(dq, dtype=torch.float64),
+        torch.zeros_like(dk, dtype=torch.float64),
+        torch.zeros_like(dv, dtype=torch.float64),
+    ]
     naive = [torch.zeros_like(g) for g in got]
     for rows, keys, own in _per_sequence(cu_q, cu_k, f):
         for out, upcast in ((got, True), (naive, False)):

@@ -9,9 +9,9 @@ import csv
 import pytest
 import torch
 
-from fa2_triton.tuning import backward as tune_backward
 from fa2_triton.common import INTERPRETED
 from fa2_triton.tiles import BWD_TILES, BWD_TILES_16BIT_PADDED, BwdTiles, KernelTiles, bwd_tiles_for
+from fa2_triton.tuning import backward as tune_backward
 
 
 def test_every_bwd_tiles_entry_ends_with_an_unbounded_one():
@@ -33,8 +33,9 @@ def test_bwd_tiles_for_picks_by_seqlen_and_padding(monkeypatch):
     assert bwd_tiles_for(64, torch.float32, True, 1024) == BWD_TILES[64, "fp32", True][0][1]
 
 
-@pytest.mark.skipif(not INTERPRETED, reason="the interpreted self-check (TRITON_INTERPRET=1); on a GPU the tuner "
-                    "is run by hand")
+@pytest.mark.skipif(
+    not INTERPRETED, reason="the interpreted self-check (TRITON_INTERPRET=1); on a GPU the tuner is run by hand"
+)
 def test_tuner_records_wrong_and_failed_candidates(tmp_path, monkeypatch, capsys):
     real_launch = tune_backward._launch
 
@@ -48,9 +49,30 @@ def test_tuner_records_wrong_and_failed_candidates(tmp_path, monkeypatch, capsys
 
     monkeypatch.setattr(tune_backward, "_launch", launch)
     path = tmp_path / "tune-bwd.csv"
-    argv = ["--dtypes", "fp16", "--head-dims", "16", "--seqlens", "48", "--causal", "yes", "--tokens", "48",
-            "--hidden", "32", "--dkdv-tiles", "16x32,32x32", "--dq-tiles", "32x16,16x16", "--warps", "4",
-            "--stages", "2", "--csv", str(path)]
+    argv = [
+        "--dtypes",
+        "fp16",
+        "--head-dims",
+        "16",
+        "--seqlens",
+        "48",
+        "--causal",
+        "yes",
+        "--tokens",
+        "48",
+        "--hidden",
+        "32",
+        "--dkdv-tiles",
+        "16x32,32x32",
+        "--dq-tiles",
+        "32x16,16x16",
+        "--warps",
+        "4",
+        "--stages",
+        "2",
+        "--csv",
+        str(path),
+    ]
     assert tune_backward.main(argv) == 0
     rows = list(csv.DictReader(path.open()))
     status = {(r["stage"], r["config"]): r["status"] for r in rows}
@@ -72,6 +94,7 @@ def test_bwd_tiles_for_packed_batches():
     causal: up to 2048 keys, then the dense bucket); the dQ kernel keeps the dense bucket's, and other head
     dims and dense batches are unchanged."""
     from fa2_triton.tiles import BWD_DKDV_VARLEN
+
     for causal, seqlen in [(False, 1024), (False, 3902), (True, 2048)]:
         tiles = bwd_tiles_for(64, torch.bfloat16, causal, seqlen, varlen=True)
         dense = bwd_tiles_for(64, torch.bfloat16, causal, seqlen)

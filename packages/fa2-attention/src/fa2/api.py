@@ -187,8 +187,22 @@ def varlen_attention(
             or totals, and max_seqlen that is not a non-negative int.
     """
     if block_table is not None:
-        return kvcache.varlen_paged(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
-                                    scale, window, softcap, alibi_slopes, block_table, backend)
+        return kvcache.varlen_paged(
+            q,
+            k,
+            v,
+            cu_seqlens_q,
+            cu_seqlens_k,
+            max_seqlen_q,
+            max_seqlen_k,
+            causal,
+            scale,
+            window,
+            softcap,
+            alibi_slopes,
+            block_table,
+            backend,
+        )
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or t.dim() != 3:
             shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
@@ -200,8 +214,14 @@ def varlen_attention(
     check_max_seqlens(max_seqlen_q, max_seqlen_k)
     spec = make_spec(q4, k4, causal, scale, window, softcap)
     slopes = None if alibi_slopes is None else check_varlen_alibi(alibi_slopes, q, num_seqs)
-    spec = dataclasses.replace(spec, alibi_slopes=slopes, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-                               max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
+    spec = dataclasses.replace(
+        spec,
+        alibi_slopes=slopes,
+        cu_seqlens_q=cu_seqlens_q,
+        cu_seqlens_k=cu_seqlens_k,
+        max_seqlen_q=max_seqlen_q,
+        max_seqlen_k=max_seqlen_k,
+    )
     O, L = _dispatch(q4, k4, v4, spec, backend)
     return AttentionOutput(O[0].transpose(0, 1), L[0])
 

@@ -212,8 +212,14 @@ def _forward(q, k, v, plan: _Plan) -> tuple[torch.Tensor, torch.Tensor]:
         rows_keys = _block(plan, src, n)
         if rows_keys is not None:
             rows, keys, causal = rows_keys
-            O_b, L_b = attention(q[..., rows, :], kv[0][..., keys, :], kv[1][..., keys, :], causal=causal,
-                                 scale=plan.scale, backend=plan.backend)
+            O_b, L_b = attention(
+                q[..., rows, :],
+                kv[0][..., keys, :],
+                kv[1][..., keys, :],
+                causal=causal,
+                scale=plan.scale,
+                backend=plan.backend,
+            )
             if O is None:  # the first step is always the whole diagonal block
                 O, L = O_b.float(), L_b
             else:
@@ -263,12 +269,16 @@ def _backward(q, k, v, O, L, dO, plan: _Plan):
             # whole row's softmax, and D = rowsum(dO ∘ O) the whole row's, so the block's dq, dk, dv are its
             # terms of the full gradient (FlashAttention-2's backward is a sum over key blocks).
             spec = make_spec(q_b, k_b, causal, plan.scale)
-            dq_b, dk_b, dv_b = backward_any_rank(impl.flash_attn_backward, q_b, k_b, v_b, O[..., rows, :],
-                                                 L[..., rows], dO[..., rows, :], spec)
+            dq_b, dk_b, dv_b = backward_any_rank(
+                impl.flash_attn_backward, q_b, k_b, v_b, O[..., rows, :], L[..., rows], dO[..., rows, :], spec
+            )
             dq[..., rows, :] += dq_b
         # The partials of this shard, from the ranks before this one (none at the first step: this rank owns it).
-        dkv = _finish(*dkv_pending) if dkv_pending is not None else torch.zeros(kv.shape, dtype=torch.float32,
-                                                                                device=kv.device)
+        dkv = (
+            _finish(*dkv_pending)
+            if dkv_pending is not None
+            else torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
+        )
         if rows_keys is not None:
             dkv[0][..., keys, :] += dk_b
             dkv[1][..., keys, :] += dv_b
@@ -283,8 +293,10 @@ def _backward(q, k, v, O, L, dO, plan: _Plan):
 def _exchange(x: torch.Tensor, plan: _Plan, tag: int):
     """Starts sending ``x`` to the next rank and receiving its like from the previous one: (works, buffer)."""
     recv = torch.empty_like(x)
-    ops = [dist.P2POp(dist.isend, x, plan.next_rank, plan.group, tag),
-           dist.P2POp(dist.irecv, recv, plan.prev_rank, plan.group, tag)]
+    ops = [
+        dist.P2POp(dist.isend, x, plan.next_rank, plan.group, tag),
+        dist.P2POp(dist.irecv, recv, plan.prev_rank, plan.group, tag),
+    ]
     return dist.batch_isend_irecv(ops), recv
 
 
@@ -320,8 +332,9 @@ def _check(q, k, v, causal, scale, group, backend, layout) -> _Plan:
     def ranks(r):
         return dist.get_global_rank(group, r) if group is not None else r
 
-    return _Plan(rank, world, ranks((rank + 1) % world), ranks((rank - 1) % world), group, causal, scale, backend,
-                 layout)
+    return _Plan(
+        rank, world, ranks((rank + 1) % world), ranks((rank - 1) % world), group, causal, scale, backend, layout
+    )
 
 
 def _check_local(q, k, v, causal, scale, backend, layout) -> tuple[float, str]:
@@ -336,8 +349,10 @@ def _check_local(q, k, v, causal, scale, backend, layout) -> tuple[float, str]:
     if layout == "zigzag" and q.shape[-2] % 2:
         raise ValueError(f"a zigzag shard holds two equal chunks: its length must be even, got q {tuple(q.shape)}")
     if q.device.type == "cuda" and q.device.index != torch.cuda.current_device():
-        raise ValueError(f"q is on {q.device} but the current CUDA device is cuda:{torch.cuda.current_device()} "
-                         "(torch.cuda.set_device(local_rank) first: NCCL's P2P ops run on the current device)")
+        raise ValueError(
+            f"q is on {q.device} but the current CUDA device is cuda:{torch.cuda.current_device()} "
+            "(torch.cuda.set_device(local_rank) first: NCCL's P2P ops run on the current device)"
+        )
     spec = make_spec(q, k, causal, scale)
     backend = backend if backend is not None else registry.default_backend(q.device)
     registry.load(backend)
@@ -353,8 +368,10 @@ def _chunks(x: torch.Tensor, world_size: int, layout: str, dim: int) -> tuple[to
     parts = world_size if layout == "contiguous" else 2 * world_size
     n = x.shape[dim]
     if n % parts:
-        raise ValueError(f"a sequence of {n} (dim {dim} of {tuple(x.shape)}) does not split into {parts} equal "
-                         f"chunks ({layout} layout over {world_size} ranks)")
+        raise ValueError(
+            f"a sequence of {n} (dim {dim} of {tuple(x.shape)}) does not split into {parts} equal "
+            f"chunks ({layout} layout over {world_size} ranks)"
+        )
     return x.split(n // parts, dim=dim)
 
 
@@ -362,8 +379,11 @@ def _comm_device(q, group) -> torch.device:
     """Where the descriptor goes: q's device, or with no usable q, the current CUDA device for NCCL."""
     if isinstance(q, torch.Tensor):
         return q.device
-    return torch.device("cuda", torch.cuda.current_device()) if "nccl" in str(dist.get_backend(group)) else \
-        torch.device("cpu")
+    return (
+        torch.device("cuda", torch.cuda.current_device())
+        if "nccl" in str(dist.get_backend(group))
+        else torch.device("cpu")
+    )
 
 
 def _describe(q, k, v, causal, scale, layout, error) -> torch.Tensor:
@@ -377,8 +397,11 @@ def _describe(q, k, v, causal, scale, layout, error) -> torch.Tensor:
         dtype = t.dtype if isinstance(t, torch.Tensor) else None
         desc.append(_DTYPES.index(dtype) if dtype in _DTYPES else -1)
     scale_bits = struct.unpack("<q", struct.pack("<d", scale))[0] if isinstance(scale, float) else 0
-    desc += [int(causal) if isinstance(causal, bool) else -1, LAYOUTS.index(layout) if layout in LAYOUTS else -1,
-             scale_bits]
+    desc += [
+        int(causal) if isinstance(causal, bool) else -1,
+        LAYOUTS.index(layout) if layout in LAYOUTS else -1,
+        scale_bits,
+    ]
     return torch.tensor(desc, dtype=torch.int64)
 
 
@@ -389,13 +412,17 @@ def _disagreement(every: list[torch.Tensor], error, group, world: int) -> str:
     dist.all_gather_object(messages, None if error is None else f"{type(error).__name__}: {error}", group=group)
     lines = []
     for r, (d, msg) in enumerate(zip(every, messages)):
-        shapes = [tuple(d[1 + 4 * i: 5 + 4 * i].tolist()) for i in range(3)]
+        shapes = [tuple(d[1 + 4 * i : 5 + 4 * i].tolist()) for i in range(3)]
         dtypes = [str(_DTYPES[c]).removeprefix("torch.") if c >= 0 else "?" for c in d[13:16].tolist()]
         # A rank that refused its input never resolved its scale.
         scale = "?" if d[0] else f"{struct.unpack('<d', struct.pack('<q', int(d[18])))[0]:.6g}"
         layout = LAYOUTS[d[17]] if d[17] >= 0 else "?"
-        line = (f"rank {r}: q {shapes[0]} {dtypes[0]}, k {shapes[1]} {dtypes[1]}, v {shapes[2]} {dtypes[2]}, "
-                f"causal {bool(d[16]) if d[16] >= 0 else '?'}, scale {scale}, layout {layout}")
+        line = (
+            f"rank {r}: q {shapes[0]} {dtypes[0]}, k {shapes[1]} {dtypes[1]}, v {shapes[2]} {dtypes[2]}, "
+            f"causal {bool(d[16]) if d[16] >= 0 else '?'}, scale {scale}, layout {layout}"
+        )
         lines.append(line + (f" -- refused: {msg}" if msg else ""))
-    return ("ring_attention: the ranks' inputs do not fit one sharded sequence (every rank needs q, k, v of the "
-            "same shapes and dtype, and the same causal, scale and layout):\n  " + "\n  ".join(lines))
+    return (
+        "ring_attention: the ranks' inputs do not fit one sharded sequence (every rank needs q, k, v of the "
+        "same shapes and dtype, and the same causal, scale and layout):\n  " + "\n  ".join(lines)
+    )

@@ -73,9 +73,15 @@ from fa2.api import attention, varlen_attention
 from fa2.validation import MAX_HEAD_DIM, check_index, check_softcap, check_window, is_integer
 
 __all__ = [
-    "FlashAttnTypeError", "FlashAttnValueError", "flash_attn_func", "flash_attn_kvpacked_func",
-    "flash_attn_qkvpacked_func", "flash_attn_varlen_func", "flash_attn_varlen_kvpacked_func",
-    "flash_attn_varlen_qkvpacked_func", "flash_attn_with_kvcache",
+    "FlashAttnTypeError",
+    "FlashAttnValueError",
+    "flash_attn_func",
+    "flash_attn_kvpacked_func",
+    "flash_attn_qkvpacked_func",
+    "flash_attn_varlen_func",
+    "flash_attn_varlen_kvpacked_func",
+    "flash_attn_varlen_qkvpacked_func",
+    "flash_attn_with_kvcache",
 ]
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -174,8 +180,9 @@ def flash_attn_func(
         FlashAttnTypeError (RuntimeError, TypeError): non-tensors, a dtype other than fp16/bf16/fp32,
             mismatched dtypes, alibi_slopes that are not float32, window entries that are not integers.
     """
-    return _flash_attn(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                       return_attn_probs, backend)
+    return _flash_attn(
+        q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, return_attn_probs, backend
+    )
 
 
 def flash_attn_qkvpacked_func(
@@ -213,8 +220,9 @@ def flash_attn_qkvpacked_func(
     """
     _check_packed("qkv", qkv, 3, "(batch_size, seqlen, 3, nheads, headdim)")
     q, k, v = qkv.unbind(2)
-    return _flash_attn(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                       return_attn_probs, backend)
+    return _flash_attn(
+        q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, return_attn_probs, backend
+    )
 
 
 def flash_attn_kvpacked_func(
@@ -252,8 +260,9 @@ def flash_attn_kvpacked_func(
     """
     _check_packed("kv", kv, 2, "(batch_size, seqlen_k, 2, nheads_k, headdim)")
     k, v = kv.unbind(2)
-    return _flash_attn(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                       return_attn_probs, backend)
+    return _flash_attn(
+        q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, return_attn_probs, backend
+    )
 
 
 def flash_attn_varlen_func(
@@ -344,12 +353,41 @@ def flash_attn_varlen_func(
             ints; and as ``flash_attn_func``.
     """
     if block_table is not None:
-        return _flash_attn_varlen_paged(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                        dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                                        return_attn_probs, block_table, backend)
-    return _flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
-                              softmax_scale, causal, window_size, softcap, alibi_slopes, return_attn_probs,
-                              backend)
+        return _flash_attn_varlen_paged(
+            q,
+            k,
+            v,
+            cu_seqlens_q,
+            cu_seqlens_k,
+            max_seqlen_q,
+            max_seqlen_k,
+            dropout_p,
+            softmax_scale,
+            causal,
+            window_size,
+            softcap,
+            alibi_slopes,
+            return_attn_probs,
+            block_table,
+            backend,
+        )
+    return _flash_attn_varlen(
+        q,
+        k,
+        v,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        dropout_p,
+        softmax_scale,
+        causal,
+        window_size,
+        softcap,
+        alibi_slopes,
+        return_attn_probs,
+        backend,
+    )
 
 
 def flash_attn_varlen_qkvpacked_func(
@@ -389,8 +427,23 @@ def flash_attn_varlen_qkvpacked_func(
     """
     _check_packed("qkv", qkv, 3, "(total, 3, nheads, headdim)", dim=1)
     q, k, v = qkv.unbind(1)
-    return _flash_attn_varlen(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p, softmax_scale,
-                              causal, window_size, softcap, alibi_slopes, return_attn_probs, backend)
+    return _flash_attn_varlen(
+        q,
+        k,
+        v,
+        cu_seqlens,
+        cu_seqlens,
+        max_seqlen,
+        max_seqlen,
+        dropout_p,
+        softmax_scale,
+        causal,
+        window_size,
+        softcap,
+        alibi_slopes,
+        return_attn_probs,
+        backend,
+    )
 
 
 def flash_attn_varlen_kvpacked_func(
@@ -433,9 +486,23 @@ def flash_attn_varlen_kvpacked_func(
     """
     _check_packed("kv", kv, 2, "(total_k, 2, nheads_k, headdim)", dim=1)
     k, v = kv.unbind(1)
-    return _flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
-                              softmax_scale, causal, window_size, softcap, alibi_slopes, return_attn_probs,
-                              backend)
+    return _flash_attn_varlen(
+        q,
+        k,
+        v,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        dropout_p,
+        softmax_scale,
+        causal,
+        window_size,
+        softcap,
+        alibi_slopes,
+        return_attn_probs,
+        backend,
+    )
 
 
 def flash_attn_with_kvcache(
@@ -534,20 +601,47 @@ def flash_attn_with_kvcache(
         window = _window(window_size, capacity, causal)
         scale = q.shape[-1] ** (-0.5) if softmax_scale is None else softmax_scale
         O, L = kvcache.kvcache_attention(
-            q.transpose(1, 2), k_cache.transpose(1, 2), v_cache.transpose(1, 2), cache_seqlens,
-            k=None if k is None else k.transpose(1, 2), v=None if v is None else v.transpose(1, 2),
-            rotary_cos=rotary_cos, rotary_sin=rotary_sin, rotary_interleaved=rotary_interleaved,
-            block_table=block_table, cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad,
-            scale=scale, window=window, softcap=softcap, alibi_slopes=alibi_slopes, num_splits=num_splits,
+            q.transpose(1, 2),
+            k_cache.transpose(1, 2),
+            v_cache.transpose(1, 2),
+            cache_seqlens,
+            k=None if k is None else k.transpose(1, 2),
+            v=None if v is None else v.transpose(1, 2),
+            rotary_cos=rotary_cos,
+            rotary_sin=rotary_sin,
+            rotary_interleaved=rotary_interleaved,
+            block_table=block_table,
+            cache_batch_idx=cache_batch_idx,
+            cache_leftpad=cache_leftpad,
+            scale=scale,
+            window=window,
+            softcap=softcap,
+            alibi_slopes=alibi_slopes,
+            num_splits=num_splits,
             backend=backend,
         )
     out = O.transpose(1, 2)
     return (out, L) if return_softmax_lse else out
 
 
-def _flash_attn_varlen_paged(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                             dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                             return_attn_probs, block_table, backend):
+def _flash_attn_varlen_paged(
+    q,
+    k_cache,
+    v_cache,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    dropout_p,
+    softmax_scale,
+    causal,
+    window_size,
+    softcap,
+    alibi_slopes,
+    return_attn_probs,
+    block_table,
+    backend,
+):
     """flash_attn_varlen_func with a block table: the packed queries against each sequence's pages, by the
     backend's KV-cache kernels; sequence s has cu_seqlens_k[s + 1] - cu_seqlens_k[s] keys."""
     _check_tensors(q, q, q, varlen=True)
@@ -570,37 +664,86 @@ def _flash_attn_varlen_paged(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, ma
     window = _window(window_size, max_seqlen_k, causal)
     scale = q.shape[-1] ** (-0.5) if softmax_scale is None else softmax_scale
     with _flash_attn_errors():
-        O, L = varlen_attention(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                scale=scale, window=window, softcap=softcap, alibi_slopes=alibi_slopes,
-                                block_table=block_table, backend=backend)
+        O, L = varlen_attention(
+            q,
+            k_cache,
+            v_cache,
+            cu_seqlens_q,
+            cu_seqlens_k,
+            max_seqlen_q,
+            max_seqlen_k,
+            scale=scale,
+            window=window,
+            softcap=softcap,
+            alibi_slopes=alibi_slopes,
+            block_table=block_table,
+            backend=backend,
+        )
     return (O, L, None) if return_attn_probs else O
 
 
-def _flash_attn(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                return_attn_probs, backend):
+def _flash_attn(
+    q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, return_attn_probs, backend
+):
     _check_tensors(q, k, v)
     head_dim = q.shape[-1]
-    q, k, v, scale, window, softcap = _options(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
-                                               alibi_slopes, q.shape[0], k.shape[1])
-    O, L = attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale=scale, window=window,
-                     softcap=softcap, alibi_slopes=alibi_slopes, backend=backend)
+    q, k, v, scale, window, softcap = _options(
+        q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, q.shape[0], k.shape[1]
+    )
+    O, L = attention(
+        q.transpose(1, 2),
+        k.transpose(1, 2),
+        v.transpose(1, 2),
+        scale=scale,
+        window=window,
+        softcap=softcap,
+        alibi_slopes=alibi_slopes,
+        backend=backend,
+    )
     out = O.transpose(1, 2)[..., :head_dim]
     return (out, L, None) if return_attn_probs else out
 
 
-def _flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
-                       softmax_scale, causal, window_size, softcap, alibi_slopes, return_attn_probs, backend):
+def _flash_attn_varlen(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    dropout_p,
+    softmax_scale,
+    causal,
+    window_size,
+    softcap,
+    alibi_slopes,
+    return_attn_probs,
+    backend,
+):
     _check_tensors(q, k, v, varlen=True)
     batch = _check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, q)
     max_seqlen_q = _max_seqlen("max_seqlen_q", max_seqlen_q)
     max_seqlen_k = _max_seqlen("max_seqlen_k", max_seqlen_k)
     head_dim = q.shape[-1]
-    q, k, v, scale, window, softcap = _options(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
-                                               alibi_slopes, batch, max_seqlen_k)
+    q, k, v, scale, window, softcap = _options(
+        q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, batch, max_seqlen_k
+    )
     try:
-        out, lse = varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                    scale=scale, window=window, softcap=softcap, alibi_slopes=alibi_slopes,
-                                    backend=backend)
+        out, lse = varlen_attention(
+            q,
+            k,
+            v,
+            cu_seqlens_q,
+            cu_seqlens_k,
+            max_seqlen_q,
+            max_seqlen_k,
+            scale=scale,
+            window=window,
+            softcap=softcap,
+            alibi_slopes=alibi_slopes,
+            backend=backend,
+        )
     except ValueError as e:
         # Past the checks above, fa2.varlen_attention's own (the offsets' totals) and a backend's (fa2-pytorch:
         # decreasing offsets), which flash-attn does not make.
@@ -611,8 +754,7 @@ def _flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_se
     return (out, lse, None) if return_attn_probs else out
 
 
-def _options(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, batch: int,
-             seqlen_k: int):
+def _options(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, batch: int, seqlen_k: int):
     """The checks and normalisations the dense and varlen functions share, in flash-attn's order: (q, k, v
     padded along headdim to a multiple of 8 (the kernels' unit; the output is cut back), scale, window,
     softcap). batch: the batch size (varlen: the number of sequences), for the ALiBi slopes' shape;
@@ -722,8 +864,9 @@ def _check_dropout(dropout_p, softcap: float) -> None:
     if not 0.0 <= p < 1.0:
         raise FlashAttnValueError(f"dropout_p must be in [0, 1), got {p}")
     if p > 0.0 and softcap > 0.0:
-        raise FlashAttnValueError(f"softcapping does not support dropout (as flash-attn), got dropout_p={p} "
-                                  f"and softcap={softcap}")
+        raise FlashAttnValueError(
+            f"softcapping does not support dropout (as flash-attn), got dropout_p={p} and softcap={softcap}"
+        )
     if p > 0.0:
         raise NotImplementedError(
             f"fa2.flash_attn does not support dropout_p={p}: fa2 has no attention dropout; pass dropout_p=0.0"

@@ -137,19 +137,41 @@ def kvcache_attention(
         )
     rotary = _check_rotary(rotary_cos, rotary_sin, q, k, head_dim)
     if not (_capturing(q) or torch.compiler.is_compiling()):
-        _check_ranges(cache_seqlens if isinstance(cache_seqlens, torch.Tensor) else None, seqlens, seqlen_new,
-                      capacity, k_cache.shape[0], block_table, cache_batch_idx, cache_leftpad)
+        _check_ranges(
+            cache_seqlens if isinstance(cache_seqlens, torch.Tensor) else None,
+            seqlens,
+            seqlen_new,
+            capacity,
+            k_cache.shape[0],
+            block_table,
+            cache_batch_idx,
+            cache_leftpad,
+        )
     # The keys each row attends to, the new ones included (a tensor op: the append below reads seqlens).
-    spec = make_spec(q, k_cache, causal, scale, window, softcap, alibi_slopes,
-                         cache_seqlens=seqlens + seqlen_new if seqlen_new else seqlens, cache_leftpad=cache_leftpad,
-                         cache_batch_idx=cache_batch_idx, block_table=block_table, num_splits=_num_splits(num_splits))
+    spec = make_spec(
+        q,
+        k_cache,
+        causal,
+        scale,
+        window,
+        softcap,
+        alibi_slopes,
+        cache_seqlens=seqlens + seqlen_new if seqlen_new else seqlens,
+        cache_leftpad=cache_leftpad,
+        cache_batch_idx=cache_batch_idx,
+        block_table=block_table,
+        num_splits=_num_splits(num_splits),
+    )
 
     if rotary is not None:
         cos, sin = rotary
         # flash-attn's rule: with a mask, query t sits at cache_seqlens + t; without one, every query at
         # cache_seqlens.
-        offset = torch.arange(seqlen_q, device=q.device) if spec.masked else torch.zeros(seqlen_q, device=q.device,
-                                                                                          dtype=torch.int64)
+        offset = (
+            torch.arange(seqlen_q, device=q.device)
+            if spec.masked
+            else torch.zeros(seqlen_q, device=q.device, dtype=torch.int64)
+        )
         q = _rotate(q, cos, sin, seqlens[:, None] + offset, rotary_interleaved)
         k = _rotate(k, cos, sin, seqlens[:, None] + torch.arange(seqlen_new, device=q.device), rotary_interleaved)
     if k is not None:
@@ -158,8 +180,22 @@ def kvcache_attention(
     return AttentionOutput(O, L)
 
 
-def varlen_paged(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int,
-                 causal: bool, scale, window, softcap, alibi_slopes, block_table, backend) -> AttentionOutput:
+def varlen_paged(
+    q,
+    k_cache,
+    v_cache,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    causal: bool,
+    scale,
+    window,
+    softcap,
+    alibi_slopes,
+    block_table,
+    backend,
+) -> AttentionOutput:
     """``fa2.varlen_attention`` with a block table: packed queries q (total_q, heads, head_dim) against
     each sequence's pages of k_cache, v_cache (num_pages, page_size, heads_k, head_dim), by the backend's
     kvcache_forward with spec.cu_seqlens_q; sequence s has cu_seqlens_k[s + 1] - cu_seqlens_k[s] keys."""
@@ -169,8 +205,9 @@ def varlen_paged(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: 
     for name, t in (("k", k_cache), ("v", v_cache)):
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
             shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
-            raise ValueError(f"with block_table, {name} must have shape (num_pages, page_size, heads_k, head_dim), "
-                             f"got {shape}")
+            raise ValueError(
+                f"with block_table, {name} must have shape (num_pages, page_size, heads_k, head_dim), got {shape}"
+            )
     q4 = q.transpose(0, 1).unsqueeze(0)
     k_pages, v_pages = k_cache.transpose(1, 2), v_cache.transpose(1, 2)
     _check_caches(q4, k_pages, v_pages, None)
@@ -185,9 +222,16 @@ def varlen_paged(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: 
         _check_ranges(cu_seqlens_k, seqlens, 0, capacity, k_pages.shape[0], block_table, None, None)
     spec = make_spec(q4, k_pages, causal, scale, window, softcap)
     slopes = None if alibi_slopes is None else check_varlen_alibi(alibi_slopes, q, num_seqs)
-    spec = dataclasses.replace(spec, alibi_slopes=slopes, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-                               max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
-                               cache_seqlens=seqlens.to(torch.int32), block_table=block_table)
+    spec = dataclasses.replace(
+        spec,
+        alibi_slopes=slopes,
+        cu_seqlens_q=cu_seqlens_q,
+        cu_seqlens_k=cu_seqlens_k,
+        max_seqlen_q=max_seqlen_q,
+        max_seqlen_k=max_seqlen_k,
+        cache_seqlens=seqlens.to(torch.int32),
+        block_table=block_table,
+    )
     O, L = run(q4, k_pages, v_pages, spec, backend)
     return AttentionOutput(O[0].transpose(0, 1), L[0])
 
@@ -222,9 +266,15 @@ def _check_caches(q, k_cache, v_cache, block_table) -> tuple[int, int, int, int]
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
         if t.dim() != 4:
-            layout = "(batch, heads, seqlen_q, head_dim)" if name == "q" else (
-                "(num_pages, heads_k, page_size, head_dim)" if block_table is not None
-                else "(batch_cache, heads_k, seqlen_cache, head_dim)")
+            layout = (
+                "(batch, heads, seqlen_q, head_dim)"
+                if name == "q"
+                else (
+                    "(num_pages, heads_k, page_size, head_dim)"
+                    if block_table is not None
+                    else "(batch_cache, heads_k, seqlen_cache, head_dim)"
+                )
+            )
             raise ValueError(f"{name} must have shape {layout}, got {tuple(t.shape)}")
     if k_cache.shape != v_cache.shape:
         raise ValueError(
@@ -240,14 +290,19 @@ def _check_caches(q, k_cache, v_cache, block_table) -> tuple[int, int, int, int]
     if not (q.dtype == k_cache.dtype == v_cache.dtype):
         raise TypeError(f"q, k_cache and v_cache must have one dtype, got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
     if not (q.device == k_cache.device == v_cache.device):
-        raise ValueError(f"q, k_cache and v_cache must be on one device, got {q.device}, {k_cache.device}, "
-                         f"{v_cache.device}")
+        raise ValueError(
+            f"q, k_cache and v_cache must be on one device, got {q.device}, {k_cache.device}, {v_cache.device}"
+        )
     if q.shape[3] != k_cache.shape[3] or not 1 <= q.shape[3] <= MAX_HEAD_DIM:
-        raise ValueError(f"q and the caches must have one head_dim, from 1 to {MAX_HEAD_DIM}, got q "
-                         f"{tuple(q.shape)} and k_cache {tuple(k_cache.shape)}")
+        raise ValueError(
+            f"q and the caches must have one head_dim, from 1 to {MAX_HEAD_DIM}, got q "
+            f"{tuple(q.shape)} and k_cache {tuple(k_cache.shape)}"
+        )
     if k_cache.shape[1] == 0 or q.shape[1] % k_cache.shape[1]:
-        raise ValueError(f"q's heads must be a multiple of the caches' (grouped-query attention), got q "
-                         f"{tuple(q.shape)} and k_cache {tuple(k_cache.shape)}")
+        raise ValueError(
+            f"q's heads must be a multiple of the caches' (grouped-query attention), got q "
+            f"{tuple(q.shape)} and k_cache {tuple(k_cache.shape)}"
+        )
     if block_table is not None:
         check_index("block_table", block_table, (q.shape[0], None), q.device)
     return tuple(q.shape)
@@ -319,8 +374,9 @@ def _check_rotary(cos, sin, q, k, head_dim: int):
     return cos, sin
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
-            interleaved: bool) -> torch.Tensor:
+def _rotate(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, interleaved: bool
+) -> torch.Tensor:
     """x (batch, heads, n, head_dim) with its first rotary_dim channels rotated by the angles of
     ``positions`` (batch, n), in float32, returned in x's dtype (a new tensor)."""
     half = cos.shape[1]
@@ -334,15 +390,18 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: to
     else:
         x1, x2 = rot[..., :half], rot[..., half:]
         rotated = torch.cat([x1 * c - x2 * s, x1 * s + x2 * c], dim=-1)
-    return torch.cat([rotated.to(x.dtype), x[..., 2 * half:]], dim=-1)
+    return torch.cat([rotated.to(x.dtype), x[..., 2 * half :]], dim=-1)
 
 
 def _append(k_cache, v_cache, k, v, seqlens: torch.Tensor, block_table, cache_batch_idx) -> None:
     """Writes k, v (batch, heads_k, seqlen_new, head_dim) at positions seqlens[b] + t of each row's cache."""
     positions = seqlens.long()[:, None] + torch.arange(k.shape[2], device=k.device)  # (batch, seqlen_new)
     if block_table is None:
-        rows = (torch.arange(k.shape[0], device=k.device) if cache_batch_idx is None
-                else cache_batch_idx.long().clamp(0, k_cache.shape[0] - 1))[:, None].expand_as(positions)
+        rows = (
+            torch.arange(k.shape[0], device=k.device)
+            if cache_batch_idx is None
+            else cache_batch_idx.long().clamp(0, k_cache.shape[0] - 1)
+        )[:, None].expand_as(positions)
         slots = positions.clamp(0, k_cache.shape[2] - 1)
     else:
         page_size = k_cache.shape[2]
@@ -363,33 +422,43 @@ def _capturing(q: torch.Tensor) -> bool:
 _CHECKED: dict[tuple, tuple] = {}
 
 
-def _check_ranges(user_seqlens, seqlens, seqlen_new: int, capacity: int, num_rows: int, block_table,
-                  cache_batch_idx, cache_leftpad) -> None:
+def _check_ranges(
+    user_seqlens, seqlens, seqlen_new: int, capacity: int, num_rows: int, block_table, cache_batch_idx, cache_leftpad
+) -> None:
     """The range checks that read the index tensors' values: one sync, skipped when the same tensors,
     unmodified, passed them before (a decode loop's block table; a benchmark's cache_seqlens)."""
     tensors = [t for t in (user_seqlens, block_table, cache_batch_idx, cache_leftpad) if t is not None]
     if not tensors:
         return
     key = tuple(id(t) for t in (user_seqlens, block_table, cache_batch_idx, cache_leftpad)) + (
-        seqlen_new, capacity, num_rows)
+        seqlen_new,
+        capacity,
+        num_rows,
+    )
     versions = tuple(t._version for t in tensors) if not any(t.is_inference() for t in tensors) else None
     hit = _CHECKED.get(key)
-    if versions is not None and hit is not None and hit[1] == versions and all(
-            r() is t for r, t in zip(hit[0], tensors)):
+    if (
+        versions is not None
+        and hit is not None
+        and hit[1] == versions
+        and all(r() is t for r, t in zip(hit[0], tensors))
+    ):
         return
     seqlens = seqlens.long()
     zero = seqlens.new_zeros(())
     total = seqlens + seqlen_new
-    low = torch.stack([
-        seqlens.min() if seqlens.numel() else zero,
-        block_table.min().long() if block_table is not None and block_table.numel() else zero,
-        cache_batch_idx.min().long() if cache_batch_idx is not None and cache_batch_idx.numel() else zero,
-        cache_leftpad.min().long() if cache_leftpad is not None and cache_leftpad.numel() else zero,
-        (total - cache_leftpad.long()).min() if cache_leftpad is not None and cache_leftpad.numel() else zero,
-        total.max() if total.numel() else zero,
-        block_table.max().long() if block_table is not None and block_table.numel() else zero,
-        cache_batch_idx.max().long() if cache_batch_idx is not None and cache_batch_idx.numel() else zero,
-    ]).tolist()
+    low = torch.stack(
+        [
+            seqlens.min() if seqlens.numel() else zero,
+            block_table.min().long() if block_table is not None and block_table.numel() else zero,
+            cache_batch_idx.min().long() if cache_batch_idx is not None and cache_batch_idx.numel() else zero,
+            cache_leftpad.min().long() if cache_leftpad is not None and cache_leftpad.numel() else zero,
+            (total - cache_leftpad.long()).min() if cache_leftpad is not None and cache_leftpad.numel() else zero,
+            total.max() if total.numel() else zero,
+            block_table.max().long() if block_table is not None and block_table.numel() else zero,
+            cache_batch_idx.max().long() if cache_batch_idx is not None and cache_batch_idx.numel() else zero,
+        ]
+    ).tolist()
     min_len, min_page, min_row, min_pad, min_room, max_total, max_page, max_row = low
     if min_len < 0 or max_total > capacity:
         raise ValueError(
@@ -398,8 +467,9 @@ def _check_ranges(user_seqlens, seqlens, seqlen_new: int, capacity: int, num_row
             f"(seqlen_cache, or pages_per_seq · page_size), got {min_len} ... {max_total}"
         )
     if block_table is not None and (min_page < 0 or max_page >= num_rows):
-        raise ValueError(f"block_table's page ids must be within [0, {num_rows}) (num_pages), got {min_page} ... "
-                         f"{max_page}")
+        raise ValueError(
+            f"block_table's page ids must be within [0, {num_rows}) (num_pages), got {min_page} ... {max_page}"
+        )
     if cache_batch_idx is not None and (min_row < 0 or max_row >= num_rows):
         raise ValueError(f"cache_batch_idx must be within [0, {num_rows}) (batch_cache), got {min_row} ... {max_row}")
     if cache_leftpad is not None and (min_pad < 0 or min_room < 0):

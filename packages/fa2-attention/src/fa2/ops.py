@@ -73,15 +73,44 @@ def call_forward(op: torch._ops.OpOverload, q, k, v, spec: AttentionSpec):
 
 
 def _options(spec: AttentionSpec) -> tuple:
-    return (spec.alibi_slopes, spec.scale, spec.window[0], spec.window[1], spec.softcap, spec.cu_seqlens_q,
-            spec.cu_seqlens_k, spec.max_seqlen_q, spec.max_seqlen_k)
+    return (
+        spec.alibi_slopes,
+        spec.scale,
+        spec.window[0],
+        spec.window[1],
+        spec.softcap,
+        spec.cu_seqlens_q,
+        spec.cu_seqlens_k,
+        spec.max_seqlen_q,
+        spec.max_seqlen_k,
+    )
 
 
-def _spec(q, k, alibi_slopes, scale, window_left, window_right, softcap, cu_seqlens_q, cu_seqlens_k,
-          max_seqlen_q, max_seqlen_k) -> AttentionSpec:
+def _spec(
+    q,
+    k,
+    alibi_slopes,
+    scale,
+    window_left,
+    window_right,
+    softcap,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+) -> AttentionSpec:
     group = q.shape[1] // k.shape[1] if k.shape[1] else 1
-    return AttentionSpec(scale, (window_left, window_right), softcap, alibi_slopes, group, cu_seqlens_q,
-                         cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    return AttentionSpec(
+        scale,
+        (window_left, window_right),
+        softcap,
+        alibi_slopes,
+        group,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+    )
 
 
 def _overload(op_name: str) -> torch._ops.OpOverload:
@@ -108,8 +137,24 @@ def _register(name: str, impl) -> BackendOps:
         max_seqlen_q: int,
         max_seqlen_k: int,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        O, L = forward(q, k, v, _spec(q, k, alibi_slopes, scale, window_left, window_right, softcap, cu_seqlens_q,
-                                      cu_seqlens_k, max_seqlen_q, max_seqlen_k))
+        O, L = forward(
+            q,
+            k,
+            v,
+            _spec(
+                q,
+                k,
+                alibi_slopes,
+                scale,
+                window_left,
+                window_right,
+                softcap,
+                cu_seqlens_q,
+                cu_seqlens_k,
+                max_seqlen_q,
+                max_seqlen_k,
+            ),
+        )
         return O.contiguous(), L.contiguous()
 
     @fwd.register_fake
@@ -149,8 +194,19 @@ def _register(name: str, impl) -> BackendOps:
         max_seqlen_q: int,
         max_seqlen_k: int,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        spec = _spec(q, k, alibi_slopes, scale, window_left, window_right, softcap, cu_seqlens_q, cu_seqlens_k,
-                     max_seqlen_q, max_seqlen_k)
+        spec = _spec(
+            q,
+            k,
+            alibi_slopes,
+            scale,
+            window_left,
+            window_right,
+            softcap,
+            cu_seqlens_q,
+            cu_seqlens_k,
+            max_seqlen_q,
+            max_seqlen_k,
+        )
         dq, dk, dv = backward(q, k, v, O, L, dO, spec)
         return dq.contiguous(), dk.contiguous(), dv.contiguous()
 

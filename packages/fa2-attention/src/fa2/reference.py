@@ -42,9 +42,7 @@ def window_mask(
     return visible
 
 
-def alibi_bias(
-    slopes: torch.Tensor, seqlen_q: int, seqlen_k: int, rows: torch.Tensor | None = None
-) -> torch.Tensor:
+def alibi_bias(slopes: torch.Tensor, seqlen_q: int, seqlen_k: int, rows: torch.Tensor | None = None) -> torch.Tensor:
     """-slope · |i + seqlen_k - seqlen_q - j|: slopes (..., heads) -> (..., heads, seqlen_q, seqlen_k) in
     slopes' dtype (or len(rows) query rows)."""
     i = (torch.arange(seqlen_q, device=slopes.device) if rows is None else rows.to(slopes.device))[:, None]
@@ -149,8 +147,17 @@ def varlen_attention(
     for s in range(len(bounds_q) - 1):
         rows, keys = slice(bounds_q[s], bounds_q[s + 1]), slice(bounds_k[s], bounds_k[s + 1])
         slopes = alibi_slopes if alibi_slopes is None or alibi_slopes.dim() == 1 else alibi_slopes[s]
-        O_s, L_s = attention(q[rows].transpose(0, 1), k[keys].transpose(0, 1), v[keys].transpose(0, 1), causal,
-                             scale, window=window, softcap=softcap, alibi_slopes=slopes, upcast=upcast)
+        O_s, L_s = attention(
+            q[rows].transpose(0, 1),
+            k[keys].transpose(0, 1),
+            v[keys].transpose(0, 1),
+            causal,
+            scale,
+            window=window,
+            softcap=softcap,
+            alibi_slopes=slopes,
+            upcast=upcast,
+        )
         O[rows] = O_s.transpose(0, 1)
         L[:, rows] = L_s
     return O, L
@@ -229,9 +236,17 @@ def kvcache_attention(
     L = torch.full(q.shape[:-1], math.inf, dtype=torch.float64 if upcast else torch.float32, device=q.device)
     for rows, k_b, v_b, slopes in kvcache_rows(q, k_cache, v_cache, spec):
         q_b = q[rows] if spec.cu_seqlens_q is None else q[:, :, rows]
-        O_b, L_b = attention(q_b, k_b[None], v_b[None], False, spec.scale, window=spec.window,
-                             softcap=spec.softcap, alibi_slopes=None if slopes is None else slopes[None],
-                             upcast=upcast)
+        O_b, L_b = attention(
+            q_b,
+            k_b[None],
+            v_b[None],
+            False,
+            spec.scale,
+            window=spec.window,
+            softcap=spec.softcap,
+            alibi_slopes=None if slopes is None else slopes[None],
+            upcast=upcast,
+        )
         if spec.cu_seqlens_q is None:
             O[rows], L[rows] = O_b, L_b
         else:

@@ -42,9 +42,7 @@ def validate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
                 f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
             )
     if k.shape[-2] != v.shape[-2]:
-        raise ValueError(
-            f"k and v must have the same sequence length, got k {tuple(k.shape)} and v {tuple(v.shape)}"
-        )
+        raise ValueError(f"k and v must have the same sequence length, got k {tuple(k.shape)} and v {tuple(v.shape)}")
     if not (q.shape[-1] == k.shape[-1] == v.shape[-1]):
         raise ValueError(
             f"q, k and v must have the same head_dim, got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
@@ -168,8 +166,13 @@ def make_spec(
 
 def check_window(window, arg: str = "window") -> tuple[int, int]:
     """(left, right) as ints; ``arg``: the argument's name in the messages (fa2.flash_attn's window_size)."""
-    if type(window) is tuple and len(window) == 2 and type(window[0]) is int and type(window[1]) is int and (
-            window[0] >= -1 and window[1] >= -1):
+    if (
+        type(window) is tuple
+        and len(window) == 2
+        and type(window[0]) is int
+        and type(window[1]) is int
+        and (window[0] >= -1 and window[1] >= -1)
+    ):
         return window  # the common case, on every call: already a pair of valid ints
     try:
         left, right = window

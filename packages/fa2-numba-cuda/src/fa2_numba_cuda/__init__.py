@@ -31,5 +31,12 @@ def _version() -> str:
     return version("numba-cuda")
 
 
-__all__ = ["NAME", "FlashAttention2", "availability", "flash_attn_backward", "flash_attn_forward", "kernel_resources",
-           "kvcache_forward"]
+__all__ = [
+    "NAME",
+    "FlashAttention2",
+    "availability",
+    "flash_attn_backward",
+    "flash_attn_forward",
+    "kernel_resources",
+    "kvcache_forward",
+]

@@ -170,10 +170,21 @@ def _build_preprocess(HEAD_DIM, IS_BF16, EVEN_HEAD_DIM):
     to_float, _ = _converters(IS_BF16)
 
     def _attn_bwd_preprocess(
-        o, do, delta,
-        stride_ob, stride_oh, stride_om, stride_od,
-        stride_dob, stride_doh, stride_dom, stride_dod,
-        heads, seqlen_q, head_dim, num_m_tiles,
+        o,
+        do,
+        delta,
+        stride_ob,
+        stride_oh,
+        stride_om,
+        stride_od,
+        stride_dob,
+        stride_doh,
+        stride_dom,
+        stride_dod,
+        heads,
+        seqlen_q,
+        head_dim,
+        num_m_tiles,
     ):
         """One block: PRE_BLOCK_M query rows of one (batch, head); delta: (B·H, seqlen_q), flat. Warp w
         takes rows w, w + PRE_WARPS, ...; lane l the columns l, l + 32, ...; the 32 partial sums of a row
@@ -237,14 +248,48 @@ def _build_dkdv(HEAD_DIM, config, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN, IS_BF16, 
     masked = _key_mask(LEFT, RIGHT)
 
     def _attn_bwd_dkdv(
-        q, k, v, do, lse, delta, dk, dv,
-        stride_qb, stride_qh, stride_qm, stride_qd,
-        stride_kb, stride_kh, stride_kn, stride_kd,
-        stride_vb, stride_vh, stride_vn, stride_vd,
-        stride_dob, stride_doh, stride_dom, stride_dod,
-        stride_lb, stride_lh, stride_lm,
-        heads, group, seqlen_q, seqlen_k, head_dim, scale, qk_scale,
-        window_left, window_right, softcap_log2, slopes, stride_ab, stride_ah, num_n_tiles, cu_seqlens_q,
+        q,
+        k,
+        v,
+        do,
+        lse,
+        delta,
+        dk,
+        dv,
+        stride_qb,
+        stride_qh,
+        stride_qm,
+        stride_qd,
+        stride_kb,
+        stride_kh,
+        stride_kn,
+        stride_kd,
+        stride_vb,
+        stride_vh,
+        stride_vn,
+        stride_vd,
+        stride_dob,
+        stride_doh,
+        stride_dom,
+        stride_dod,
+        stride_lb,
+        stride_lh,
+        stride_lm,
+        heads,
+        group,
+        seqlen_q,
+        seqlen_k,
+        head_dim,
+        scale,
+        qk_scale,
+        window_left,
+        window_right,
+        softcap_log2,
+        slopes,
+        stride_ab,
+        stride_ah,
+        num_n_tiles,
+        cu_seqlens_q,
         cu_seqlens_k,
     ):
         """One block: BLOCK_N keys of one (batch, key/value head), for the group's query heads. q, do: flat
@@ -343,8 +388,7 @@ def _build_dkdv(HEAD_DIM, config, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN, IS_BF16, 
                 cuda.syncthreads()  # the previous step's q_tile, do_tile, pT_tile and dsT_tile have been read
                 load_tile(q_tile, q, q_offset, stride_qm, stride_qd, start_m, seqlen_q, head_dim, float32(1.0))
                 if not SHARE_QDO:
-                    load_tile(do_tile, do, do_offset, stride_dom, stride_dod, start_m, seqlen_q, head_dim,
-                              float32(1.0))
+                    load_tile(do_tile, do, do_offset, stride_dom, stride_dod, start_m, seqlen_q, head_dim, float32(1.0))
                 for j in range(TM):
                     row = start_m + tx + THREADS_M * j
                     # Rows past seqlen_q: L = +inf makes their P zero.
@@ -373,8 +417,7 @@ def _build_dkdv(HEAD_DIM, config, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN, IS_BF16, 
 
                 if SHARE_QDO:
                     cuda.syncthreads()  # q_tile has been read
-                    load_tile(do_tile, do, do_offset, stride_dom, stride_dod, start_m, seqlen_q, head_dim,
-                              float32(1.0))
+                    load_tile(do_tile, do, do_offset, stride_dom, stride_dod, start_m, seqlen_q, head_dim, float32(1.0))
                     cuda.syncthreads()
 
                 # dPᵀ = V dOᵀ, as Sᵀ.
@@ -407,9 +450,11 @@ def _build_dkdv(HEAD_DIM, config, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN, IS_BF16, 
                             row = start_m + tx + THREADS_M * j
                             sT[i, j] = _alibi(sT[i, j], slope, row, key, diag)
                 # Mask only the tiles that cross the end of the keys or a window edge.
-                if (start_n + BLOCK_N > seqlen_k
-                        or (RIGHT and start_n + BLOCK_N - 1 > start_m + diag + window_right)
-                        or (LEFT and start_n < start_m + BLOCK_M - 1 + diag - window_left)):
+                if (
+                    start_n + BLOCK_N > seqlen_k
+                    or (RIGHT and start_n + BLOCK_N - 1 > start_m + diag + window_right)
+                    or (LEFT and start_n < start_m + BLOCK_M - 1 + diag - window_left)
+                ):
                     for i in range(TN):
                         for j in range(TM):
                             key = start_n + ty + THREADS_N * i
@@ -501,14 +546,47 @@ def _build_dq(HEAD_DIM, config, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN, IS_BF16, EV
     masked = _key_mask(LEFT, RIGHT)
 
     def _attn_bwd_dq(
-        q, k, v, do, lse, delta, dq,
-        stride_qb, stride_qh, stride_qm, stride_qd,
-        stride_kb, stride_kh, stride_kn, stride_kd,
-        stride_vb, stride_vh, stride_vn, stride_vd,
-        stride_dob, stride_doh, stride_dom, stride_dod,
-        stride_lb, stride_lh, stride_lm,
-        heads, group, seqlen_q, seqlen_k, head_dim, scale, qk_scale,
-        window_left, window_right, softcap_log2, slopes, stride_ab, stride_ah, num_m_tiles, cu_seqlens_q,
+        q,
+        k,
+        v,
+        do,
+        lse,
+        delta,
+        dq,
+        stride_qb,
+        stride_qh,
+        stride_qm,
+        stride_qd,
+        stride_kb,
+        stride_kh,
+        stride_kn,
+        stride_kd,
+        stride_vb,
+        stride_vh,
+        stride_vn,
+        stride_vd,
+        stride_dob,
+        stride_doh,
+        stride_dom,
+        stride_dod,
+        stride_lb,
+        stride_lh,
+        stride_lm,
+        heads,
+        group,
+        seqlen_q,
+        seqlen_k,
+        head_dim,
+        scale,
+        qk_scale,
+        window_left,
+        window_right,
+        softcap_log2,
+        slopes,
+        stride_ab,
+        stride_ah,
+        num_m_tiles,
+        cu_seqlens_q,
         cu_seqlens_k,
     ):
         """One block: BLOCK_M query rows of one (batch, head). Arguments as ``_attn_bwd_dkdv``'s (qk_scale
@@ -652,9 +730,11 @@ def _build_dq(HEAD_DIM, config, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN, IS_BF16, EV
                         key = start_n + tx + THREADS_N * j
                         s[i, j] = _alibi(s[i, j], slope, row, key, diag)
             # Mask only the tiles that cross the end of the keys or a window edge.
-            if (start_n + BLOCK_N > seqlen_k
-                    or (RIGHT and start_n + BLOCK_N - 1 > start_m + diag + window_right)
-                    or (LEFT and start_n < start_m + BLOCK_M - 1 + diag - window_left)):
+            if (
+                start_n + BLOCK_N > seqlen_k
+                or (RIGHT and start_n + BLOCK_N - 1 > start_m + diag + window_right)
+                or (LEFT and start_n < start_m + BLOCK_M - 1 + diag - window_left)
+            ):
                 for i in range(TM):
                     for j in range(TN):
                         row = start_m + ty + THREADS_M * i
@@ -732,9 +812,29 @@ def flash_attn_backward(
     kernels' blocks, for tuning; default ``bwd_block_config(padded_head_dim(head_dim))``."""
     key = None
     if launch.FAST:  # a call of a class met before: the kernels' parameters are packed, only pointers change
-        key = (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), O.shape, O.stride(), L.shape,
-               L.stride(), dO.shape, dO.stride(), q.dtype, k.dtype, v.dtype, O.dtype, L.dtype, dO.dtype, q.device,
-               spec_class(spec), None if config is None else tuple(map(tuple, config)))
+        key = (
+            q.shape,
+            q.stride(),
+            k.shape,
+            k.stride(),
+            v.shape,
+            v.stride(),
+            O.shape,
+            O.stride(),
+            L.shape,
+            L.stride(),
+            dO.shape,
+            dO.stride(),
+            q.dtype,
+            k.dtype,
+            v.dtype,
+            O.dtype,
+            L.dtype,
+            dO.dtype,
+            q.device,
+            spec_class(spec),
+            None if config is None else tuple(map(tuple, config)),
+        )
         plan = _PREPARED.get(key)
         if plan is not None:
             preprocess, dkdv, dq_kernel = plan
@@ -792,22 +892,40 @@ def flash_attn_backward(
     prepared = True
     if seqlen_q:
         args = (O, dO, delta, *O.stride(), *dO.stride(), heads, seqlen_q, head_dim, pre_m_tiles)
-        plan[0] = launch.prepare(_kernel("preprocess", HEAD_DIM, is_bf16, even_head_dim),
-                                 pre_m_tiles * batch * heads, 32 * PRE_WARPS, q.device, args, (0, 1, 2))
+        plan[0] = launch.prepare(
+            _kernel("preprocess", HEAD_DIM, is_bf16, even_head_dim),
+            pre_m_tiles * batch * heads,
+            32 * PRE_WARPS,
+            q.device,
+            args,
+            (0, 1, 2),
+        )
         prepared = prepared and plan[0] is not None
     if seqlen_k and num_n_tiles * grid_batch:
         head = (*inputs, dk, dv, *strides, *sizes)
         args = (*head, *feats, num_n_tiles, *offsets)
         varying = (*range(8), *spec_positions(spec, len(head), len(args) - 2))
-        plan[1] = launch.prepare(_kernel("dkdv", HEAD_DIM, dkdv_config, *flags), num_n_tiles * grid_batch * heads_k,
-                                 dkdv_config.THREADS_N * dkdv_config.THREADS_M, q.device, args, varying)
+        plan[1] = launch.prepare(
+            _kernel("dkdv", HEAD_DIM, dkdv_config, *flags),
+            num_n_tiles * grid_batch * heads_k,
+            dkdv_config.THREADS_N * dkdv_config.THREADS_M,
+            q.device,
+            args,
+            varying,
+        )
         prepared = prepared and plan[1] is not None
     if seqlen_q and num_m_tiles * grid_batch:
         head = (*inputs, dq, *strides, *sizes)
         args = (*head, *feats, num_m_tiles, *offsets)
         varying = (*range(7), *spec_positions(spec, len(head), len(args) - 2))
-        plan[2] = launch.prepare(_kernel("dq", HEAD_DIM, dq_config, *flags), num_m_tiles * grid_batch * heads,
-                                 dq_config.THREADS_M * dq_config.THREADS_N, q.device, args, varying)
+        plan[2] = launch.prepare(
+            _kernel("dq", HEAD_DIM, dq_config, *flags),
+            num_m_tiles * grid_batch * heads,
+            dq_config.THREADS_M * dq_config.THREADS_N,
+            q.device,
+            args,
+            varying,
+        )
         prepared = prepared and plan[2] is not None
     if prepared and key is not None:
         _PREPARED[key] = tuple(plan)
@@ -827,16 +945,25 @@ def kernel_resources() -> list[dict]:
         else:
             HEAD_DIM, config, *switches, IS_BF16, EVEN_HEAD_DIM, UNIT_STRIDE_D = key
             spec = {
-                "HEAD_DIM": HEAD_DIM, **config._asdict(), **_feature_columns(switches), "bf16": IS_BF16,
-                "even_head_dim": EVEN_HEAD_DIM, "unit_stride_d": UNIT_STRIDE_D,
+                "HEAD_DIM": HEAD_DIM,
+                **config._asdict(),
+                **_feature_columns(switches),
+                "bf16": IS_BF16,
+                "even_head_dim": EVEN_HEAD_DIM,
+                "unit_stride_d": UNIT_STRIDE_D,
             }
         regs = kernel.get_regs_per_thread()
         shared = kernel.get_shared_mem_per_block()
         local = kernel.get_local_mem_per_thread()
         for signature in regs:
-            rows.append({
-                "kernel": name, **spec, "signature": ", ".join(str(t) for t in signature),
-                "registers_per_thread": regs[signature], "shared_bytes_per_block": shared[signature],
-                "local_bytes_per_thread": local[signature],
-            })
+            rows.append(
+                {
+                    "kernel": name,
+                    **spec,
+                    "signature": ", ".join(str(t) for t in signature),
+                    "registers_per_thread": regs[signature],
+                    "shared_bytes_per_block": shared[signature],
+                    "local_bytes_per_thread": local[signature],
+                }
+            )
     return rows

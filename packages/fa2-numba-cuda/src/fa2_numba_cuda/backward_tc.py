@@ -357,14 +357,34 @@ def _helpers(HEAD_DIM, IS_BF16, ASYNC_LOADS, OUT_PAIRS, EVEN_HEAD_DIM):
             for jj in range(N_TILES // 2):
                 for kk in range(D_STEPS):
                     b0, b1, b2, b3 = ldmatrix_x4(b_lane + uint32(2 * (16 * jj * LD + 16 * kk)))
-                    d0, d1, d2, d3 = mma(frag[kk, 0], frag[kk, 1], frag[kk, 2], frag[kk, 3], b0, b1,
-                                         s[2 * jj, 0], s[2 * jj, 1], s[2 * jj, 2], s[2 * jj, 3])
+                    d0, d1, d2, d3 = mma(
+                        frag[kk, 0],
+                        frag[kk, 1],
+                        frag[kk, 2],
+                        frag[kk, 3],
+                        b0,
+                        b1,
+                        s[2 * jj, 0],
+                        s[2 * jj, 1],
+                        s[2 * jj, 2],
+                        s[2 * jj, 3],
+                    )
                     s[2 * jj, 0] = d0
                     s[2 * jj, 1] = d1
                     s[2 * jj, 2] = d2
                     s[2 * jj, 3] = d3
-                    d0, d1, d2, d3 = mma(frag[kk, 0], frag[kk, 1], frag[kk, 2], frag[kk, 3], b2, b3,
-                                         s[2 * jj + 1, 0], s[2 * jj + 1, 1], s[2 * jj + 1, 2], s[2 * jj + 1, 3])
+                    d0, d1, d2, d3 = mma(
+                        frag[kk, 0],
+                        frag[kk, 1],
+                        frag[kk, 2],
+                        frag[kk, 3],
+                        b2,
+                        b3,
+                        s[2 * jj + 1, 0],
+                        s[2 * jj + 1, 1],
+                        s[2 * jj + 1, 2],
+                        s[2 * jj + 1, 3],
+                    )
                     s[2 * jj + 1, 0] = d0
                     s[2 * jj + 1, 1] = d1
                     s[2 * jj + 1, 2] = d2
@@ -382,14 +402,25 @@ def _helpers(HEAD_DIM, IS_BF16, ASYNC_LOADS, OUT_PAIRS, EVEN_HEAD_DIM):
                 a3 = pack(p[2 * kk + 1, 2], p[2 * kk + 1, 3])
                 for dd in range(D_STEPS):
                     b0, b1, b2, b3 = ldmatrix_x4_trans(x_lane + uint32(2 * (16 * kk * LD + 16 * dd)))
-                    d0, d1, d2, d3 = mma(a0, a1, a2, a3, b0, b1,
-                                         acc[2 * dd, 0], acc[2 * dd, 1], acc[2 * dd, 2], acc[2 * dd, 3])
+                    d0, d1, d2, d3 = mma(
+                        a0, a1, a2, a3, b0, b1, acc[2 * dd, 0], acc[2 * dd, 1], acc[2 * dd, 2], acc[2 * dd, 3]
+                    )
                     acc[2 * dd, 0] = d0
                     acc[2 * dd, 1] = d1
                     acc[2 * dd, 2] = d2
                     acc[2 * dd, 3] = d3
-                    d0, d1, d2, d3 = mma(a0, a1, a2, a3, b2, b3, acc[2 * dd + 1, 0], acc[2 * dd + 1, 1],
-                                         acc[2 * dd + 1, 2], acc[2 * dd + 1, 3])
+                    d0, d1, d2, d3 = mma(
+                        a0,
+                        a1,
+                        a2,
+                        a3,
+                        b2,
+                        b3,
+                        acc[2 * dd + 1, 0],
+                        acc[2 * dd + 1, 1],
+                        acc[2 * dd + 1, 2],
+                        acc[2 * dd + 1, 3],
+                    )
                     acc[2 * dd + 1, 0] = d0
                     acc[2 * dd + 1, 1] = d1
                     acc[2 * dd + 1, 2] = d2
@@ -406,14 +437,14 @@ def _helpers(HEAD_DIM, IS_BF16, ASYNC_LOADS, OUT_PAIRS, EVEN_HEAD_DIM):
                 a0, a1, a2, a3 = ldmatrix_x4(a_lane + uint32(32 * kk))
                 for jj in range(N_TILES // 2):
                     b0, b1, b2, b3 = ldmatrix_x4(b_lane + uint32(2 * (16 * jj * LD + 16 * kk)))
-                    d0, d1, d2, d3 = mma(a0, a1, a2, a3, b0, b1, s[2 * jj, 0], s[2 * jj, 1], s[2 * jj, 2],
-                                         s[2 * jj, 3])
+                    d0, d1, d2, d3 = mma(a0, a1, a2, a3, b0, b1, s[2 * jj, 0], s[2 * jj, 1], s[2 * jj, 2], s[2 * jj, 3])
                     s[2 * jj, 0] = d0
                     s[2 * jj, 1] = d1
                     s[2 * jj, 2] = d2
                     s[2 * jj, 3] = d3
-                    d0, d1, d2, d3 = mma(a0, a1, a2, a3, b2, b3, s[2 * jj + 1, 0], s[2 * jj + 1, 1],
-                                         s[2 * jj + 1, 2], s[2 * jj + 1, 3])
+                    d0, d1, d2, d3 = mma(
+                        a0, a1, a2, a3, b2, b3, s[2 * jj + 1, 0], s[2 * jj + 1, 1], s[2 * jj + 1, 2], s[2 * jj + 1, 3]
+                    )
                     s[2 * jj + 1, 0] = d0
                     s[2 * jj + 1, 1] = d1
                     s[2 * jj + 1, 2] = d2
@@ -459,22 +490,65 @@ def _build_dkdv(HEAD_DIM, config, LEFT, RIGHT, IS_BF16, EVEN_HEAD_DIM, ASYNC_LOA
     QDO_ROW, V_ROW, _ = _dkdv_rows(config)
     ROW_STATS = 2 * BLOCK_M  # L · log2 e and delta of both buffers' queries
     assert BLOCK_M % 16 == 0 and HEAD_DIM % 16 == 0 and BLOCK_M <= NUM_THREADS
-    wait_tiles, load_frag, products, store_rows = _helpers(HEAD_DIM, IS_BF16, ASYNC_LOADS, OUT_PAIRS,
-                                                           EVEN_HEAD_DIM)
+    wait_tiles, load_frag, products, store_rows = _helpers(HEAD_DIM, IS_BF16, ASYNC_LOADS, OUT_PAIRS, EVEN_HEAD_DIM)
     rows_dot, rows_dot_shared, acc_plus = products(M_TILES)
     load_kv = _tile_loader(BLOCK_N, NUM_THREADS, HEAD_DIM, EVEN_HEAD_DIM, ASYNC_LOADS)
     load_qdo = _tile_loader(BLOCK_M, NUM_THREADS, HEAD_DIM, EVEN_HEAD_DIM, ASYNC_LOADS)
 
     @device_function
-    def load_step(smem, smem_base, lse_tile, delta_tile, buf, start_m, q, q_base, q_offset, stride_qm, stride_qd,
-                  do, do_base, do_offset, stride_dom, stride_dod, lse, l_offset, stride_lm, delta, delta_offset,
-                  seqlen_q, head_dim):
+    def load_step(
+        smem,
+        smem_base,
+        lse_tile,
+        delta_tile,
+        buf,
+        start_m,
+        q,
+        q_base,
+        q_offset,
+        stride_qm,
+        stride_qd,
+        do,
+        do_base,
+        do_offset,
+        stride_dom,
+        stride_dod,
+        lse,
+        l_offset,
+        stride_lm,
+        delta,
+        delta_offset,
+        seqlen_q,
+        head_dim,
+    ):
         """Buffer buf := the query tile at start_m of one head: its Q and dO rows (cp.async: landed after
         wait_tiles), L · log2 e and delta (+inf and 0 past seqlen_q: their P is zero)."""
-        load_qdo(smem, smem_base, QDO_ROW + 2 * BLOCK_M * buf, q, q_base, q_offset, stride_qm, stride_qd, start_m,
-                 seqlen_q, head_dim)
-        load_qdo(smem, smem_base, QDO_ROW + 2 * BLOCK_M * buf + BLOCK_M, do, do_base, do_offset, stride_dom,
-                 stride_dod, start_m, seqlen_q, head_dim)
+        load_qdo(
+            smem,
+            smem_base,
+            QDO_ROW + 2 * BLOCK_M * buf,
+            q,
+            q_base,
+            q_offset,
+            stride_qm,
+            stride_qd,
+            start_m,
+            seqlen_q,
+            head_dim,
+        )
+        load_qdo(
+            smem,
+            smem_base,
+            QDO_ROW + 2 * BLOCK_M * buf + BLOCK_M,
+            do,
+            do_base,
+            do_offset,
+            stride_dom,
+            stride_dod,
+            start_m,
+            seqlen_q,
+            head_dim,
+        )
         if cuda.threadIdx.x < BLOCK_M:
             r = cuda.threadIdx.x
             row = start_m + r
@@ -485,13 +559,43 @@ def _build_dkdv(HEAD_DIM, config, LEFT, RIGHT, IS_BF16, EVEN_HEAD_DIM, ASYNC_LOA
                 delta_tile[BLOCK_M * buf + r] = delta[uint64(delta_offset + row)]
 
     def _attn_bwd_dkdv_tc(
-        q, k, v, do, lse, delta, dk, dv,
-        stride_qb, stride_qh, stride_qm, stride_qd,
-        stride_kb, stride_kh, stride_kn, stride_kd,
-        stride_vb, stride_vh, stride_vn, stride_vd,
-        stride_dob, stride_doh, stride_dom, stride_dod,
-        stride_lb, stride_lh, stride_lm,
-        heads, group, seqlen_q, seqlen_k, head_dim, scale, qk_scale, window_left, window_right, num_n_tiles,
+        q,
+        k,
+        v,
+        do,
+        lse,
+        delta,
+        dk,
+        dv,
+        stride_qb,
+        stride_qh,
+        stride_qm,
+        stride_qd,
+        stride_kb,
+        stride_kh,
+        stride_kn,
+        stride_kd,
+        stride_vb,
+        stride_vh,
+        stride_vn,
+        stride_vd,
+        stride_dob,
+        stride_doh,
+        stride_dom,
+        stride_dod,
+        stride_lb,
+        stride_lh,
+        stride_lm,
+        heads,
+        group,
+        seqlen_q,
+        seqlen_k,
+        head_dim,
+        scale,
+        qk_scale,
+        window_left,
+        window_right,
+        num_n_tiles,
     ):
         """One block: BLOCK_N keys of one (batch, key/value head), for the group's query heads. q, k, v, do:
         flat int16 views (fp16 or bf16 bit patterns) of (B, H, N, D) tensors, k and v with H // group heads,
@@ -566,11 +670,31 @@ def _build_dkdv(HEAD_DIM, config, LEFT, RIGHT, IS_BF16, EVEN_HEAD_DIM, ASYNC_LOA
         steps = group * m_steps
         head0 = off_hk * group
         if steps > 0:
-            load_step(smem, smem_base, lse_tile, delta_tile, 0, begin_m, q, q_base,
-                      off_b * stride_qb + head0 * stride_qh, stride_qm, stride_qd, do, do_base,
-                      off_b * stride_dob + head0 * stride_doh, stride_dom, stride_dod, lse,
-                      off_b * stride_lb + head0 * stride_lh, stride_lm, delta, (off_b * heads + head0) * seqlen_q,
-                      seqlen_q, head_dim)
+            load_step(
+                smem,
+                smem_base,
+                lse_tile,
+                delta_tile,
+                0,
+                begin_m,
+                q,
+                q_base,
+                off_b * stride_qb + head0 * stride_qh,
+                stride_qm,
+                stride_qd,
+                do,
+                do_base,
+                off_b * stride_dob + head0 * stride_doh,
+                stride_dom,
+                stride_dod,
+                lse,
+                off_b * stride_lb + head0 * stride_lh,
+                stride_lm,
+                delta,
+                (off_b * heads + head0) * seqlen_q,
+                seqlen_q,
+                head_dim,
+            )
         start_m = begin_m
         next_h = head0
         for it in range(steps):
@@ -582,11 +706,31 @@ def _build_dkdv(HEAD_DIM, config, LEFT, RIGHT, IS_BF16, EVEN_HEAD_DIM, ASYNC_LOA
                 next_m = begin_m
                 next_h += 1
             if it + 1 < steps:
-                load_step(smem, smem_base, lse_tile, delta_tile, 1 - buf, next_m, q, q_base,
-                          off_b * stride_qb + next_h * stride_qh, stride_qm, stride_qd, do, do_base,
-                          off_b * stride_dob + next_h * stride_doh, stride_dom, stride_dod, lse,
-                          off_b * stride_lb + next_h * stride_lh, stride_lm, delta,
-                          (off_b * heads + next_h) * seqlen_q, seqlen_q, head_dim)
+                load_step(
+                    smem,
+                    smem_base,
+                    lse_tile,
+                    delta_tile,
+                    1 - buf,
+                    next_m,
+                    q,
+                    q_base,
+                    off_b * stride_qb + next_h * stride_qh,
+                    stride_qm,
+                    stride_qd,
+                    do,
+                    do_base,
+                    off_b * stride_dob + next_h * stride_doh,
+                    stride_dom,
+                    stride_dod,
+                    lse,
+                    off_b * stride_lb + next_h * stride_lh,
+                    stride_lm,
+                    delta,
+                    (off_b * heads + next_h) * seqlen_q,
+                    seqlen_q,
+                    head_dim,
+                )
             buf_bytes = uint32(2 * 2 * BLOCK_M * LD * buf)
             lse_row = BLOCK_M * buf
             if K_IN_SHARED:
@@ -599,8 +743,9 @@ def _build_dkdv(HEAD_DIM, config, LEFT, RIGHT, IS_BF16, EVEN_HEAD_DIM, ASYNC_LOA
                 rows_dot(dp, v_frag, do_b_lane + buf_bytes)
             # Only tiles that cross a window edge are masked: the causal diagonal (key > query + diag +
             # right) or a left edge.
-            crosses = ((RIGHT and start_n + BLOCK_N - 1 > start_m + diag + window_right)
-                       or (LEFT and start_n < start_m + BLOCK_M - 1 + diag - window_left))
+            crosses = (RIGHT and start_n + BLOCK_N - 1 > start_m + diag + window_right) or (
+                LEFT and start_n < start_m + BLOCK_M - 1 + diag - window_left
+            )
             # Element (j, e) is key key0 + 8 (e // 2) against query start_m + 2 t + 8 j + e % 2: masked iff
             # rel - window_right > 8 j + e % 2 - 8 (e // 2) (right) or rel + window_left < the same (left),
             # rel = key0 - start_m - 2 t - diag. So a compare with a constant each, from two values a step.
@@ -624,8 +769,7 @@ def _build_dkdv(HEAD_DIM, config, LEFT, RIGHT, IS_BF16, EVEN_HEAD_DIM, ASYNC_LOA
         # Epilogue: dk = scale · dK, dv = dV, each element once (keys that no row sees: zeros).
         dkv_start = off_bhk * seqlen_k
         store_rows(dk, dk_acc, scale, dkv_start + start_n + 16 * warp, dkv_start + seqlen_k, head_dim, g, t)
-        store_rows(dv, dv_acc, float32(1.0), dkv_start + start_n + 16 * warp, dkv_start + seqlen_k, head_dim, g,
-                   t)
+        store_rows(dv, dv_acc, float32(1.0), dkv_start + start_n + 16 * warp, dkv_start + seqlen_k, head_dim, g, t)
 
     return _jit(_attn_bwd_dkdv_tc, config.MAX_REGISTERS)
 
@@ -644,20 +788,48 @@ def _build_dq(HEAD_DIM, config, LEFT, RIGHT, IS_BF16, EVEN_HEAD_DIM, ASYNC_LOADS
     # rows KV_ROW + 2 BLOCK_N b .., V BLOCK_N rows on), in dynamic shared memory (``tile_bytes``).
     KV_ROW = _dq_rows(config)[0]
     assert BLOCK_N % 16 == 0 and HEAD_DIM % 16 == 0
-    wait_tiles, load_frag, products, store_rows = _helpers(HEAD_DIM, IS_BF16, ASYNC_LOADS, OUT_PAIRS,
-                                                           EVEN_HEAD_DIM)
+    wait_tiles, load_frag, products, store_rows = _helpers(HEAD_DIM, IS_BF16, ASYNC_LOADS, OUT_PAIRS, EVEN_HEAD_DIM)
     rows_dot, rows_dot_shared, acc_plus = products(N_TILES)
     load_qdo = _tile_loader(BLOCK_M, NUM_THREADS, HEAD_DIM, EVEN_HEAD_DIM, ASYNC_LOADS)
     load_kv = _tile_loader(BLOCK_N, NUM_THREADS, HEAD_DIM, EVEN_HEAD_DIM, ASYNC_LOADS)
 
     def _attn_bwd_dq_tc(
-        q, k, v, do, lse, delta, dq,
-        stride_qb, stride_qh, stride_qm, stride_qd,
-        stride_kb, stride_kh, stride_kn, stride_kd,
-        stride_vb, stride_vh, stride_vn, stride_vd,
-        stride_dob, stride_doh, stride_dom, stride_dod,
-        stride_lb, stride_lh, stride_lm,
-        heads, group, seqlen_q, seqlen_k, head_dim, scale, qk_scale, window_left, window_right, num_m_tiles,
+        q,
+        k,
+        v,
+        do,
+        lse,
+        delta,
+        dq,
+        stride_qb,
+        stride_qh,
+        stride_qm,
+        stride_qd,
+        stride_kb,
+        stride_kh,
+        stride_kn,
+        stride_kd,
+        stride_vb,
+        stride_vh,
+        stride_vn,
+        stride_vd,
+        stride_dob,
+        stride_doh,
+        stride_dom,
+        stride_dod,
+        stride_lb,
+        stride_lh,
+        stride_lm,
+        heads,
+        group,
+        seqlen_q,
+        seqlen_k,
+        head_dim,
+        scale,
+        qk_scale,
+        window_left,
+        window_right,
+        num_m_tiles,
     ):
         """One block: BLOCK_M query rows of one (batch, head); arguments as ``_attn_bwd_dkdv_tc``'s, dq: (B, H,
         seqlen_q, head_dim), flat, contiguous, int32 pairs (OUT_PAIRS) or int16."""
@@ -688,8 +860,7 @@ def _build_dq(HEAD_DIM, config, LEFT, RIGHT, IS_BF16, EVEN_HEAD_DIM, ASYNC_LOADS
         q_offset = off_b * stride_qb + off_h * stride_qh
         do_offset = off_b * stride_dob + off_h * stride_doh
         load_qdo(smem, smem_base, 0, q, q_base, q_offset, stride_qm, stride_qd, start_m, seqlen_q, head_dim)
-        load_qdo(smem, smem_base, BLOCK_M, do, do_base, do_offset, stride_dom, stride_dod, start_m, seqlen_q,
-                 head_dim)
+        load_qdo(smem, smem_base, BLOCK_M, do, do_base, do_offset, stride_dom, stride_dod, start_m, seqlen_q, head_dim)
         wait_tiles()
         cuda.syncthreads()
         q_frag = cuda.local.array((D_STEPS, 4), int32)
@@ -728,18 +899,51 @@ def _build_dq(HEAD_DIM, config, LEFT, RIGHT, IS_BF16, EVEN_HEAD_DIM, ASYNC_LOADS
             cuda.syncthreads()  # every warp has its fragments: Q's and dO's rows (the first buffer's) are free
         if steps > 0:
             load_kv(smem, smem_base, KV_ROW, k, k_base, k_offset, stride_kn, stride_kd, begin_n, seqlen_k, head_dim)
-            load_kv(smem, smem_base, KV_ROW + BLOCK_N, v, v_base, v_offset, stride_vn, stride_vd, begin_n, seqlen_k,
-                    head_dim)
+            load_kv(
+                smem,
+                smem_base,
+                KV_ROW + BLOCK_N,
+                v,
+                v_base,
+                v_offset,
+                stride_vn,
+                stride_vd,
+                begin_n,
+                seqlen_k,
+                head_dim,
+            )
         for it in range(steps):
             buf = it % 2
             start_n = begin_n + it * BLOCK_N
             wait_tiles()
             cuda.syncthreads()  # step it's tiles have landed; every warp is done with the other buffer
             if it + 1 < steps:
-                load_kv(smem, smem_base, KV_ROW + 2 * BLOCK_N * (1 - buf), k, k_base, k_offset, stride_kn,
-                        stride_kd, start_n + BLOCK_N, seqlen_k, head_dim)
-                load_kv(smem, smem_base, KV_ROW + 2 * BLOCK_N * (1 - buf) + BLOCK_N, v, v_base, v_offset,
-                        stride_vn, stride_vd, start_n + BLOCK_N, seqlen_k, head_dim)
+                load_kv(
+                    smem,
+                    smem_base,
+                    KV_ROW + 2 * BLOCK_N * (1 - buf),
+                    k,
+                    k_base,
+                    k_offset,
+                    stride_kn,
+                    stride_kd,
+                    start_n + BLOCK_N,
+                    seqlen_k,
+                    head_dim,
+                )
+                load_kv(
+                    smem,
+                    smem_base,
+                    KV_ROW + 2 * BLOCK_N * (1 - buf) + BLOCK_N,
+                    v,
+                    v_base,
+                    v_offset,
+                    stride_vn,
+                    stride_vd,
+                    start_n + BLOCK_N,
+                    seqlen_k,
+                    head_dim,
+                )
             buf_bytes = uint32(2 * 2 * BLOCK_N * LD * buf)
 
             if QDO_IN_SHARED:
@@ -749,9 +953,11 @@ def _build_dq(HEAD_DIM, config, LEFT, RIGHT, IS_BF16, EVEN_HEAD_DIM, ASYNC_LOADS
                 rows_dot(s, q_frag, k_b_lane + buf_bytes)
                 rows_dot(dp, do_frag, v_b_lane + buf_bytes)
             # Masked: the tiles that cross the end of the keys or a window edge of the block's rows.
-            crosses = (start_n + BLOCK_N > seqlen_k
-                       or (RIGHT and start_n + BLOCK_N - 1 > start_m + diag + window_right)
-                       or (LEFT and start_n < start_m + BLOCK_M - 1 + diag - window_left))
+            crosses = (
+                start_n + BLOCK_N > seqlen_k
+                or (RIGHT and start_n + BLOCK_N - 1 > start_m + diag + window_right)
+                or (LEFT and start_n < start_m + BLOCK_M - 1 + diag - window_left)
+            )
             # Element (j, e) is key start_n + 2 t + 8 j + e % 2 against row row0 + 8 (e // 2): masked iff 8 j + e %
             # 2 >= key_end, or offset = 8 j + e % 2 - 8 (e // 2) > rel_right (right), or < rel_left (left), with
             # rel = row0 + diag - start_n - 2 t. So a compare with a constant each, from three values a step.
@@ -765,16 +971,16 @@ def _build_dq(HEAD_DIM, config, LEFT, RIGHT, IS_BF16, EVEN_HEAD_DIM, ASYNC_LOADS
                     p = exp2_approx(s[j, e] * qk_scale - lse_r[h])
                     if crosses:
                         offset = 8 * j + e % 2 - 8 * h
-                        if (8 * j + e % 2 >= key_end or (RIGHT and offset > rel_right)
-                                or (LEFT and offset < rel_left)):
+                        if 8 * j + e % 2 >= key_end or (RIGHT and offset > rel_right) or (LEFT and offset < rel_left):
                             p = float32(0.0)
                     s[j, e] = p
                     dp[j, e] = p * (dp[j, e] - delta_r[h])
             acc_plus(acc, dp, k_t_lane + buf_bytes)  # dQ += dS K
 
         # Epilogue: dq = scale · dQ, each element once (rows that see no key: zeros).
-        store_rows(dq, acc, scale, off_bh * seqlen_q + start_m + 16 * warp, off_bh * seqlen_q + seqlen_q,
-                   head_dim, g, t)
+        store_rows(
+            dq, acc, scale, off_bh * seqlen_q + start_m + 16 * warp, off_bh * seqlen_q + seqlen_q, head_dim, g, t
+        )
 
     return _jit(_attn_bwd_dq_tc, config.MAX_REGISTERS)
 
@@ -791,13 +997,17 @@ def _jit(kernel, MAX_REGISTERS):
 # configurations that differ in the other kernel's tiles share it.
 _KERNELS: dict[tuple, object] = {}
 _BUILDERS = {"dkdv": _build_dkdv, "dq": _build_dq}
-_FIELDS = {"dkdv": ("DKDV_WARPS", "DKDV_BLOCK_M", "MAX_REGISTERS", "V_IN_SHARED", "K_IN_SHARED"),
-           "dq": ("DQ_WARPS", "DQ_BLOCK_N", "MAX_REGISTERS", "QDO_IN_SHARED")}
+_FIELDS = {
+    "dkdv": ("DKDV_WARPS", "DKDV_BLOCK_M", "MAX_REGISTERS", "V_IN_SHARED", "K_IN_SHARED"),
+    "dq": ("DQ_WARPS", "DQ_BLOCK_N", "MAX_REGISTERS", "QDO_IN_SHARED"),
+}
 
 
 def _own_fields(name: str, config: TensorCoreBwdConfig) -> TensorCoreBwdConfig:
     """config with the fields kernel ``name`` does not read set to None."""
     return config._replace(**{f: None for f in config._fields if f not in _FIELDS[name]})
+
+
 # Prepared launches (preprocess, dK/dV, dQ; ``launch.prepare``) by class of call, keyed as backward_simt's
 # plus whether the tensors' data is 16 B aligned (cp.async).
 _PREPARED: dict[tuple, tuple] = {}
@@ -812,10 +1022,19 @@ def _kernel(name, HEAD_DIM, config, *flags):
 
 
 def _check_config(HEAD_DIM: int, config: TensorCoreBwdConfig) -> None:
-    if (config.DKDV_WARPS < 1 or config.DQ_WARPS < 1 or config.DKDV_BLOCK_M < 16 or config.DKDV_BLOCK_M % 16
-            or config.DKDV_BLOCK_M > 32 * config.DKDV_WARPS or config.DQ_BLOCK_N < 16 or config.DQ_BLOCK_N % 16):
-        raise ValueError(f"TensorCoreBwdConfig needs warps >= 1, tiles multiples of 16 and DKDV_BLOCK_M <= 32 · "
-                         f"DKDV_WARPS, got {config}")
+    if (
+        config.DKDV_WARPS < 1
+        or config.DQ_WARPS < 1
+        or config.DKDV_BLOCK_M < 16
+        or config.DKDV_BLOCK_M % 16
+        or config.DKDV_BLOCK_M > 32 * config.DKDV_WARPS
+        or config.DQ_BLOCK_N < 16
+        or config.DQ_BLOCK_N % 16
+    ):
+        raise ValueError(
+            f"TensorCoreBwdConfig needs warps >= 1, tiles multiples of 16 and DKDV_BLOCK_M <= 32 · "
+            f"DKDV_WARPS, got {config}"
+        )
     for name in ("dkdv", "dq"):
         if shared_bytes(name, HEAD_DIM, config) > MAX_SHARED_BYTES:
             raise ValueError(
@@ -841,9 +1060,30 @@ def flash_attn_backward(
     key = None
     if launch.FAST:  # a call of a class met before: the kernels' parameters are packed, only pointers change
         aligned = (q.data_ptr() | k.data_ptr() | v.data_ptr() | dO.data_ptr()) % 16 == 0
-        key = (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), O.shape, O.stride(), L.shape,
-               L.stride(), dO.shape, dO.stride(), q.dtype, k.dtype, v.dtype, O.dtype, L.dtype, dO.dtype, q.device,
-               aligned, spec_class(spec), None if config is None else tuple(config))
+        key = (
+            q.shape,
+            q.stride(),
+            k.shape,
+            k.stride(),
+            v.shape,
+            v.stride(),
+            O.shape,
+            O.stride(),
+            L.shape,
+            L.stride(),
+            dO.shape,
+            dO.stride(),
+            q.dtype,
+            k.dtype,
+            v.dtype,
+            O.dtype,
+            L.dtype,
+            dO.dtype,
+            q.device,
+            aligned,
+            spec_class(spec),
+            None if config is None else tuple(config),
+        )
         plan = _PREPARED.get(key)
         if plan is not None:
             preprocess, dkdv, dq_kernel = plan
@@ -886,8 +1126,7 @@ def flash_attn_backward(
     delta = torch.empty(batch * heads * seqlen_q, dtype=torch.float32, device=q.device)
 
     HEAD_DIM = padded_head_dim(head_dim)
-    config = (TensorCoreBwdConfig(*config) if config is not None
-              else tc_bwd_config(HEAD_DIM, max_shared_bytes(q.device)))
+    config = TensorCoreBwdConfig(*config) if config is not None else tc_bwd_config(HEAD_DIM, max_shared_bytes(q.device))
     _check_config(HEAD_DIM, config)
     is_bf16 = q.dtype == torch.bfloat16
     async_loads = all(rows_16b_aligned(t) for t in (q, k, v, dO))
@@ -898,8 +1137,22 @@ def flash_attn_backward(
     window_left, window_right = feature_args(spec, seqlen_q, seqlen_k, q.device)[:2]
     qk_scale = np.float32(spec.scale * LOG2E)
     inputs = (*(t.view(torch.int16) for t in (q, k, v, dO)), L, delta)
-    tail = (*q.stride(), *k.stride(), *v.stride(), *dO.stride(), *L.stride(), heads, group, seqlen_q, seqlen_k,
-            head_dim, np.float32(spec.scale), qk_scale, window_left, window_right)
+    tail = (
+        *q.stride(),
+        *k.stride(),
+        *v.stride(),
+        *dO.stride(),
+        *L.stride(),
+        heads,
+        group,
+        seqlen_q,
+        seqlen_k,
+        head_dim,
+        np.float32(spec.scale),
+        qk_scale,
+        window_left,
+        window_right,
+    )
     num_n_tiles = -(-seqlen_k // (16 * config.DKDV_WARPS))
     num_m_tiles = -(-seqlen_q // (16 * config.DQ_WARPS))
 
@@ -908,23 +1161,37 @@ def flash_attn_backward(
     if seqlen_q:
         # delta = rowsum(dO ∘ O): the SIMT preprocess (fp32 sums, its own head-dim padding).
         pre_m_tiles = -(-seqlen_q // backward_simt.PRE_BLOCK_M)
-        pre = backward_simt._kernel("preprocess", simt_padded_head_dim(head_dim), is_bf16,
-                                    head_dim == simt_padded_head_dim(head_dim))
+        pre = backward_simt._kernel(
+            "preprocess", simt_padded_head_dim(head_dim), is_bf16, head_dim == simt_padded_head_dim(head_dim)
+        )
         args = (O, dO, delta, *O.stride(), *dO.stride(), heads, seqlen_q, head_dim, pre_m_tiles)
-        plan[0] = launch.prepare(pre, pre_m_tiles * batch * heads, 32 * backward_simt.PRE_WARPS, q.device, args,
-                                 (0, 1, 2))
+        plan[0] = launch.prepare(
+            pre, pre_m_tiles * batch * heads, 32 * backward_simt.PRE_WARPS, q.device, args, (0, 1, 2)
+        )
         prepared = prepared and plan[0] is not None
     if seqlen_k:
         args = (*inputs, dk.view(out_dtype), dv.view(out_dtype), *tail, num_n_tiles)
-        plan[1] = launch.prepare(_kernel("dkdv", HEAD_DIM, config, *flags), num_n_tiles * batch * heads_k,
-                                 32 * config.DKDV_WARPS, q.device, args, tuple(range(8)),
-                                 tile_bytes("dkdv", HEAD_DIM, config))
+        plan[1] = launch.prepare(
+            _kernel("dkdv", HEAD_DIM, config, *flags),
+            num_n_tiles * batch * heads_k,
+            32 * config.DKDV_WARPS,
+            q.device,
+            args,
+            tuple(range(8)),
+            tile_bytes("dkdv", HEAD_DIM, config),
+        )
         prepared = prepared and plan[1] is not None
     if seqlen_q:
         args = (*inputs, dq.view(out_dtype), *tail, num_m_tiles)
-        plan[2] = launch.prepare(_kernel("dq", HEAD_DIM, config, *flags), num_m_tiles * batch * heads,
-                                 32 * config.DQ_WARPS, q.device, args, tuple(range(7)),
-                                 tile_bytes("dq", HEAD_DIM, config))
+        plan[2] = launch.prepare(
+            _kernel("dq", HEAD_DIM, config, *flags),
+            num_m_tiles * batch * heads,
+            32 * config.DQ_WARPS,
+            q.device,
+            args,
+            tuple(range(7)),
+            tile_bytes("dq", HEAD_DIM, config),
+        )
         prepared = prepared and plan[2] is not None
     if prepared and key is not None:
         _PREPARED[key] = tuple(plan)
@@ -938,19 +1205,36 @@ def kernel_resources() -> list[dict]:
     if simulated():
         return []
     rows = []
-    for (name, HEAD_DIM, config, LEFT, RIGHT, IS_BF16, EVEN_HEAD_DIM, ASYNC_LOADS, OUT_PAIRS), kernel in (
-            _KERNELS.items()):
+    for (
+        name,
+        HEAD_DIM,
+        config,
+        LEFT,
+        RIGHT,
+        IS_BF16,
+        EVEN_HEAD_DIM,
+        ASYNC_LOADS,
+        OUT_PAIRS,
+    ), kernel in _KERNELS.items():
         regs = kernel.get_regs_per_thread()
         shared = kernel.get_shared_mem_per_block()
         local = kernel.get_local_mem_per_thread()
         for signature in regs:
-            rows.append({
-                "kernel": f"tensor-core {name}", "HEAD_DIM": HEAD_DIM, **config._asdict(),
-                **_feature_columns((LEFT, RIGHT, False, False, False)), "bf16": IS_BF16,
-                "even_head_dim": EVEN_HEAD_DIM, "async_loads": ASYNC_LOADS, "out_pairs": OUT_PAIRS,
-                "signature": ", ".join(str(t) for t in signature), "registers_per_thread": regs[signature],
-                "shared_bytes_per_block": shared[signature],
-                "dynamic_shared_bytes_per_block": tile_bytes(name, HEAD_DIM, config),
-                "local_bytes_per_thread": local[signature],
-            })
+            rows.append(
+                {
+                    "kernel": f"tensor-core {name}",
+                    "HEAD_DIM": HEAD_DIM,
+                    **config._asdict(),
+                    **_feature_columns((LEFT, RIGHT, False, False, False)),
+                    "bf16": IS_BF16,
+                    "even_head_dim": EVEN_HEAD_DIM,
+                    "async_loads": ASYNC_LOADS,
+                    "out_pairs": OUT_PAIRS,
+                    "signature": ", ".join(str(t) for t in signature),
+                    "registers_per_thread": regs[signature],
+                    "shared_bytes_per_block": shared[signature],
+                    "dynamic_shared_bytes_per_block": tile_bytes(name, HEAD_DIM, config),
+                    "local_bytes_per_thread": local[signature],
+                }
+            )
     return rows

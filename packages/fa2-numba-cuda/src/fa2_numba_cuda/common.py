@@ -134,6 +134,7 @@ def _key_mask(LEFT, RIGHT):
 
     return masked
 
+
 class Features(NamedTuple):
     """The compile-time switches an ``AttentionSpec`` becomes, part of every kernel's key (the forward's,
     the tensor-core forward's and the backward's): LEFT, RIGHT: the window bounds keys on that side (causal:
@@ -151,8 +152,7 @@ class Features(NamedTuple):
 
 def features(spec: AttentionSpec) -> Features:
     left, right = spec.window
-    return Features(left != UNBOUNDED, right != UNBOUNDED, spec.softcap > 0, spec.alibi_slopes is not None,
-                    spec.varlen)
+    return Features(left != UNBOUNDED, right != UNBOUNDED, spec.softcap > 0, spec.alibi_slopes is not None, spec.varlen)
 
 
 def feature_args(spec: AttentionSpec, seqlen_q: int, seqlen_k: int, device: torch.device) -> tuple:
@@ -212,11 +212,18 @@ def spec_class(spec: AttentionSpec) -> tuple:
     it unhashable, hence this tuple."""
     slopes = spec.alibi_slopes
     return (
-        spec.scale, spec.window, spec.softcap,
+        spec.scale,
+        spec.window,
+        spec.softcap,
         None if slopes is None else (slopes.shape, slopes.stride(), slopes.dtype),
-        (spec.cu_seqlens_q.numel(), None if spec.cu_seqlens_k is None else spec.cu_seqlens_k.numel(),
-         spec.max_seqlen_q, spec.max_seqlen_k)
-        if spec.varlen else None,
+        (
+            spec.cu_seqlens_q.numel(),
+            None if spec.cu_seqlens_k is None else spec.cu_seqlens_k.numel(),
+            spec.max_seqlen_q,
+            spec.max_seqlen_k,
+        )
+        if spec.varlen
+        else None,
     )
 
 
@@ -272,7 +279,6 @@ def padded_head_dim(head_dim: int) -> int:
     """The head dim the block computes with: a multiple of 32 (4 columns x THREADS_N = 8 thread columns),
     the extra columns zero-filled."""
     return max(32, -(-head_dim // 32) * 32)
-
 
 
 def _tile_loader(HEAD_DIM, NUM_WARPS, EVEN_HEAD_DIM, UNIT_STRIDE_D, to_float):
@@ -340,9 +346,34 @@ def _kv_loader(BLOCK_N, ROW_STEP, LDW, KIND, PAGED, EVEN_HEAD_DIM, ASYNC_LOADS):
                 tile[uint64(tile_row), uint64(4 * chunk + w)] = lo | hi
 
     @device_function
-    def load_kv(kv_tile, stage_row, start_n, hi, k, v, k_base, v_base, k_head, v_head, block_table, off_b, ld_r,
-                ld_c, stride_kb, stride_kn, stride_kd, stride_vb, stride_vn, stride_vd, stride_tb, stride_tp,
-                capacity, cache_rows, page_size, head_dim):
+    def load_kv(
+        kv_tile,
+        stage_row,
+        start_n,
+        hi,
+        k,
+        v,
+        k_base,
+        v_base,
+        k_head,
+        v_head,
+        block_table,
+        off_b,
+        ld_r,
+        ld_c,
+        stride_kb,
+        stride_kn,
+        stride_kd,
+        stride_vb,
+        stride_vn,
+        stride_vd,
+        stride_tb,
+        stride_tp,
+        capacity,
+        cache_rows,
+        page_size,
+        head_dim,
+    ):
         """Keys start_n .. start_n + BLOCK_N of K and V into the stage at shared row stage_row (K, then V
         BLOCK_N rows on), zeros from key hi on: chunk ld_c of tile rows ld_r, ld_r + ROW_STEP, ... A paged
         cache's page ids are read from the block table and clamped into the cache (a key past hi reads the
@@ -420,4 +451,3 @@ def _flat(t: torch.Tensor):
     span = 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
     flat = t.as_strided((span,), (1,))
     return flat.numpy() if simulated() else flat
-

@@ -142,7 +142,6 @@ def block_config(HEAD_DIM: int) -> BlockConfig:
     return BlockConfig(16, 16, 8, 8, True, 168)
 
 
-
 def _build_kernel(HEAD_DIM, config, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN, IS_BF16, EVEN_HEAD_DIM, UNIT_STRIDE_D):
     """The kernel for one padded head dim, block shape, ``Features`` (LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN), input
     kind, whether head_dim is HEAD_DIM (EVEN_HEAD_DIM: no column checks) and whether q, k and v are
@@ -170,12 +169,38 @@ def _build_kernel(HEAD_DIM, config, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN, IS_BF16
     masked = _key_mask(LEFT, RIGHT)
 
     def _attn_fwd(
-        q, k, v, o, lse,
-        stride_qb, stride_qh, stride_qm, stride_qd,
-        stride_kb, stride_kh, stride_kn, stride_kd,
-        stride_vb, stride_vh, stride_vn, stride_vd,
-        heads, group, seqlen_q, seqlen_k, head_dim, qk_scale, num_m_tiles,
-        window_left, window_right, softcap_log2, slopes, stride_ab, stride_ah, cu_seqlens_q, cu_seqlens_k,
+        q,
+        k,
+        v,
+        o,
+        lse,
+        stride_qb,
+        stride_qh,
+        stride_qm,
+        stride_qd,
+        stride_kb,
+        stride_kh,
+        stride_kn,
+        stride_kd,
+        stride_vb,
+        stride_vh,
+        stride_vn,
+        stride_vd,
+        heads,
+        group,
+        seqlen_q,
+        seqlen_k,
+        head_dim,
+        qk_scale,
+        num_m_tiles,
+        window_left,
+        window_right,
+        softcap_log2,
+        slopes,
+        stride_ab,
+        stride_ah,
+        cu_seqlens_q,
+        cu_seqlens_k,
     ):
         """One block: BLOCK_M query rows of one (batch, head). q: a flat view of a (B, H, N, D) tensor, k, v
         of (B, H // group, N, D) tensors, with the given element strides; o: (B, H, seqlen_q, head_dim) and
@@ -263,7 +288,7 @@ def _build_kernel(HEAD_DIM, config, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN, IS_BF16
             if not SHARE_KV:
                 load_tile(v_tile, v, v_offset, stride_vn, stride_vd, start_n, seqlen_k, head_dim, float32(1.0))
             cuda.syncthreads()
-        # side-by-side: end
+            # side-by-side: end
 
             # side-by-side: scores
             # S = Q K^T: the thread's TM x TN micro-tile, S_STEP head-dim columns a step.
@@ -304,9 +329,11 @@ def _build_kernel(HEAD_DIM, config, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN, IS_BF16
             # side-by-side: mask
             # Mask only the tiles that cross the end of the keys or a window edge: the tile's last key past the
             # first row's right edge, or its first key before the last row's left edge.
-            if (start_n + BLOCK_N > seqlen_k
-                    or (RIGHT and start_n + BLOCK_N - 1 > start_m + diag + window_right)
-                    or (LEFT and start_n < start_m + BLOCK_M - 1 + diag - window_left)):
+            if (
+                start_n + BLOCK_N > seqlen_k
+                or (RIGHT and start_n + BLOCK_N - 1 > start_m + diag + window_right)
+                or (LEFT and start_n < start_m + BLOCK_M - 1 + diag - window_left)
+            ):
                 for i in range(TM):
                     for j in range(TN):
                         row = start_m + ty + THREADS_M * i
@@ -419,8 +446,20 @@ def flash_attn_forward(
     ``block_config(padded_head_dim(head_dim))``."""
     key = None
     if launch.FAST:  # a call of a class met before: the kernel's parameters are packed, only pointers change
-        key = (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype, v.dtype,
-               q.device, spec_class(spec), None if config is None else tuple(config))
+        key = (
+            q.shape,
+            q.stride(),
+            k.shape,
+            k.stride(),
+            v.shape,
+            v.stride(),
+            q.dtype,
+            k.dtype,
+            v.dtype,
+            q.device,
+            spec_class(spec),
+            None if config is None else tuple(config),
+        )
         prepared = _PREPARED.get(key)
         if prepared is not None:
             O = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -449,8 +488,21 @@ def flash_attn_forward(
     if grid == 0:
         return O, L
     head = (
-        q, k, v, O, L, *q.stride(), *k.stride(), *v.stride(),
-        heads, group, seqlen_q, k.shape[2], head_dim, np.float32(score_scale(spec)), num_m_tiles,
+        q,
+        k,
+        v,
+        O,
+        L,
+        *q.stride(),
+        *k.stride(),
+        *v.stride(),
+        heads,
+        group,
+        seqlen_q,
+        k.shape[2],
+        head_dim,
+        np.float32(score_scale(spec)),
+        num_m_tiles,
     )
     args = (*head, *feature_args(spec, seqlen_q, k.shape[2], q.device), *offset_args(spec, q.device))
     # What changes within a class: q, k, v, O, L and the spec's tensors.
@@ -472,11 +524,18 @@ def kernel_resources() -> list[dict]:
         shared = kernel.get_shared_mem_per_block()
         local = kernel.get_local_mem_per_thread()
         for signature in regs:
-            rows.append({
-                "HEAD_DIM": HEAD_DIM, **config._asdict(), **_feature_columns(switches), "bf16": IS_BF16,
-                "even_head_dim": EVEN_HEAD_DIM, "unit_stride_d": UNIT_STRIDE_D,
-                "signature": ", ".join(str(t) for t in signature),
-                "registers_per_thread": regs[signature], "shared_bytes_per_block": shared[signature],
-                "local_bytes_per_thread": local[signature],
-            })
+            rows.append(
+                {
+                    "HEAD_DIM": HEAD_DIM,
+                    **config._asdict(),
+                    **_feature_columns(switches),
+                    "bf16": IS_BF16,
+                    "even_head_dim": EVEN_HEAD_DIM,
+                    "unit_stride_d": UNIT_STRIDE_D,
+                    "signature": ", ".join(str(t) for t in signature),
+                    "registers_per_thread": regs[signature],
+                    "shared_bytes_per_block": shared[signature],
+                    "local_bytes_per_thread": local[signature],
+                }
+            )
     return rows

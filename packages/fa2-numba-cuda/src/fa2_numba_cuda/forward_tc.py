@@ -189,8 +189,7 @@ def _softcap_log2(s, qk_scale, softcap_log2):
     return tanh_approx(s * qk_scale) * softcap_log2
 
 
-def _build_kernel(HEAD_DIM, config, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN, IS_BF16, EVEN_HEAD_DIM, ASYNC_LOADS,
-                  O_PAIRS):
+def _build_kernel(HEAD_DIM, config, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN, IS_BF16, EVEN_HEAD_DIM, ASYNC_LOADS, O_PAIRS):
     """The kernel for one padded head dim, block shape, ``Features`` (LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN) and
     input type; EVEN_HEAD_DIM: head_dim is
     HEAD_DIM (no column checks); ASYNC_LOADS: cp.async copies 16 B chunks (q, k, v contiguous along
@@ -305,16 +304,32 @@ def _build_kernel(HEAD_DIM, config, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN, IS_BF16
                 for kk in range(D_STEPS):
                     b0, b1, b2, b3 = ldmatrix_x4(k_lane + uint32(2 * (16 * jj * LD + 16 * kk)))
                     d0, d1, d2, d3 = mma(
-                        q_frag[kk, 0], q_frag[kk, 1], q_frag[kk, 2], q_frag[kk, 3], b0, b1,
-                        s[BUF, 2 * jj, 0], s[BUF, 2 * jj, 1], s[BUF, 2 * jj, 2], s[BUF, 2 * jj, 3],
+                        q_frag[kk, 0],
+                        q_frag[kk, 1],
+                        q_frag[kk, 2],
+                        q_frag[kk, 3],
+                        b0,
+                        b1,
+                        s[BUF, 2 * jj, 0],
+                        s[BUF, 2 * jj, 1],
+                        s[BUF, 2 * jj, 2],
+                        s[BUF, 2 * jj, 3],
                     )
                     s[BUF, 2 * jj, 0] = d0
                     s[BUF, 2 * jj, 1] = d1
                     s[BUF, 2 * jj, 2] = d2
                     s[BUF, 2 * jj, 3] = d3
                     d0, d1, d2, d3 = mma(
-                        q_frag[kk, 0], q_frag[kk, 1], q_frag[kk, 2], q_frag[kk, 3], b2, b3,
-                        s[BUF, 2 * jj + 1, 0], s[BUF, 2 * jj + 1, 1], s[BUF, 2 * jj + 1, 2], s[BUF, 2 * jj + 1, 3],
+                        q_frag[kk, 0],
+                        q_frag[kk, 1],
+                        q_frag[kk, 2],
+                        q_frag[kk, 3],
+                        b2,
+                        b3,
+                        s[BUF, 2 * jj + 1, 0],
+                        s[BUF, 2 * jj + 1, 1],
+                        s[BUF, 2 * jj + 1, 2],
+                        s[BUF, 2 * jj + 1, 3],
                     )
                     s[BUF, 2 * jj + 1, 0] = d0
                     s[BUF, 2 * jj + 1, 1] = d1
@@ -325,8 +340,23 @@ def _build_kernel(HEAD_DIM, config, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN, IS_BF16
 
     def softmax_max(BUF):
         @device_function
-        def row_max(s, m_i, alpha, m_safe, start_n, seqlen_k, warp_diag, lane_diag, t, qk_scale, window_left,
-                    window_right, softcap_log2, slope, exp_scale):
+        def row_max(
+            s,
+            m_i,
+            alpha,
+            m_safe,
+            start_n,
+            seqlen_k,
+            warp_diag,
+            lane_diag,
+            t,
+            qk_scale,
+            window_left,
+            window_right,
+            softcap_log2,
+            slope,
+            exp_scale,
+        ):
             """The first half of the online softmax of s[BUF] (the key tile at start_n), for rows g (h = 0:
             s[BUF, :, 0:2]) and g + 8 (h = 1: s[BUF, :, 2:4]) of the warp's 16: with a softcap or ALiBi the
             final scores in base 2 (with a softcap alone, their tanh: exp_scale = c · log2 e), the mask, the
@@ -437,16 +467,32 @@ def _build_kernel(HEAD_DIM, config, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN, IS_BF16
                 for kk in range(D_STEPS):
                     b0, b1, b2, b3 = ldmatrix_x4(k_lane + uint32(2 * (16 * jj * LD + 16 * kk)))
                     d0, d1, d2, d3 = mma(
-                        q_frag[kk, 0], q_frag[kk, 1], q_frag[kk, 2], q_frag[kk, 3], b0, b1,
-                        s[NXT, 2 * jj, 0], s[NXT, 2 * jj, 1], s[NXT, 2 * jj, 2], s[NXT, 2 * jj, 3],
+                        q_frag[kk, 0],
+                        q_frag[kk, 1],
+                        q_frag[kk, 2],
+                        q_frag[kk, 3],
+                        b0,
+                        b1,
+                        s[NXT, 2 * jj, 0],
+                        s[NXT, 2 * jj, 1],
+                        s[NXT, 2 * jj, 2],
+                        s[NXT, 2 * jj, 3],
                     )
                     s[NXT, 2 * jj, 0] = d0
                     s[NXT, 2 * jj, 1] = d1
                     s[NXT, 2 * jj, 2] = d2
                     s[NXT, 2 * jj, 3] = d3
                     d0, d1, d2, d3 = mma(
-                        q_frag[kk, 0], q_frag[kk, 1], q_frag[kk, 2], q_frag[kk, 3], b2, b3,
-                        s[NXT, 2 * jj + 1, 0], s[NXT, 2 * jj + 1, 1], s[NXT, 2 * jj + 1, 2], s[NXT, 2 * jj + 1, 3],
+                        q_frag[kk, 0],
+                        q_frag[kk, 1],
+                        q_frag[kk, 2],
+                        q_frag[kk, 3],
+                        b2,
+                        b3,
+                        s[NXT, 2 * jj + 1, 0],
+                        s[NXT, 2 * jj + 1, 1],
+                        s[NXT, 2 * jj + 1, 2],
+                        s[NXT, 2 * jj + 1, 3],
                     )
                     s[NXT, 2 * jj + 1, 0] = d0
                     s[NXT, 2 * jj + 1, 1] = d1
@@ -487,8 +533,16 @@ def _build_kernel(HEAD_DIM, config, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN, IS_BF16
                     acc[2 * dd, 2] = d2
                     acc[2 * dd, 3] = d3
                     d0, d1, d2, d3 = mma(
-                        a0, a1, a2, a3, b2, b3,
-                        acc[2 * dd + 1, 0], acc[2 * dd + 1, 1], acc[2 * dd + 1, 2], acc[2 * dd + 1, 3],
+                        a0,
+                        a1,
+                        a2,
+                        a3,
+                        b2,
+                        b3,
+                        acc[2 * dd + 1, 0],
+                        acc[2 * dd + 1, 1],
+                        acc[2 * dd + 1, 2],
+                        acc[2 * dd + 1, 3],
                     )
                     acc[2 * dd + 1, 0] = d0
                     acc[2 * dd + 1, 1] = d1
@@ -515,12 +569,39 @@ def _build_kernel(HEAD_DIM, config, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN, IS_BF16
     pv_0, pv_1 = pv(0), pv(1)
 
     def _attn_fwd_tc(
-        q, k, v, o, lse,
-        stride_qb, stride_qh, stride_qm, stride_qd,
-        stride_kb, stride_kh, stride_kn, stride_kd,
-        stride_vb, stride_vh, stride_vn, stride_vd,
-        heads, group, seqlen_q, seqlen_k, head_dim, qk_scale, negate_q, num_m_tiles,
-        window_left, window_right, softcap_log2, slopes, stride_ab, stride_ah, cu_seqlens_q, cu_seqlens_k,
+        q,
+        k,
+        v,
+        o,
+        lse,
+        stride_qb,
+        stride_qh,
+        stride_qm,
+        stride_qd,
+        stride_kb,
+        stride_kh,
+        stride_kn,
+        stride_kd,
+        stride_vb,
+        stride_vh,
+        stride_vn,
+        stride_vd,
+        heads,
+        group,
+        seqlen_q,
+        seqlen_k,
+        head_dim,
+        qk_scale,
+        negate_q,
+        num_m_tiles,
+        window_left,
+        window_right,
+        softcap_log2,
+        slopes,
+        stride_ab,
+        stride_ah,
+        cu_seqlens_q,
+        cu_seqlens_k,
     ):
         """One block: BLOCK_M query rows of one (batch, head). q, k, v: flat int16 views (fp16 or bf16 bit
         patterns) of (B, H, N, D) tensors, k and v with H // group heads, with the given element strides;
@@ -637,16 +718,28 @@ def _build_kernel(HEAD_DIM, config, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN, IS_BF16
                     qk_0(s, q_frag, k_lane)
                 cuda.syncthreads()  # every warp is done with K's first tile
                 if begin_n + BLOCK_N < end_n:
-                    load_kv(smem, smem_base, 0, k, k_base, k_offset, stride_kn, stride_kd, begin_n + BLOCK_N,
-                            seqlen_k, head_dim)
+                    load_kv(
+                        smem,
+                        smem_base,
+                        0,
+                        k,
+                        k_base,
+                        k_offset,
+                        stride_kn,
+                        stride_kd,
+                        begin_n + BLOCK_N,
+                        seqlen_k,
+                        head_dim,
+                    )
             for start_n in range(begin_n, end_n, 2 * BLOCK_N):
                 for half in range(2):  # the tiles at start_n (S in s[0]) and start_n + BLOCK_N (in s[1])
                     n0 = start_n + half * BLOCK_N
                     if n0 < end_n:
                         wait_tiles()
                         cuda.syncthreads()  # K's next tile has landed; every warp is done with V's tile
-                        load_kv(smem, smem_base, V_ROW, v, v_base, v_offset, stride_vn, stride_vd, n0, seqlen_k,
-                                head_dim)
+                        load_kv(
+                            smem, smem_base, V_ROW, v, v_base, v_offset, stride_vn, stride_vd, n0, seqlen_k, head_dim
+                        )
                         # The warp's S of this tile is in s[half] if it sees the tile; that of the next tile,
                         # in K's buffer now, goes to s[1 - half] if it sees that one.
                         sees = warp_sees(n0, warp_lo, warp_hi)
@@ -654,8 +747,23 @@ def _build_kernel(HEAD_DIM, config, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN, IS_BF16
                         rescale = False
                         if half == 0:
                             if sees:
-                                rescale = max_0(s, m_i, alpha, m_safe, n0, seqlen_k, warp_diag, lane_diag, t,
-                                                qk_scale, window_left, window_right, softcap_log2, slope, exp_scale)
+                                rescale = max_0(
+                                    s,
+                                    m_i,
+                                    alpha,
+                                    m_safe,
+                                    n0,
+                                    seqlen_k,
+                                    warp_diag,
+                                    lane_diag,
+                                    t,
+                                    qk_scale,
+                                    window_left,
+                                    window_right,
+                                    softcap_log2,
+                                    slope,
+                                    exp_scale,
+                                )
                                 if sees_next:
                                     ahead_0(s, q_frag, k_lane, l_i, alpha, m_safe, exp_scale)
                                 else:
@@ -665,8 +773,23 @@ def _build_kernel(HEAD_DIM, config, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN, IS_BF16
                                 qk_1(s, q_frag, k_lane)
                         else:
                             if sees:
-                                rescale = max_1(s, m_i, alpha, m_safe, n0, seqlen_k, warp_diag, lane_diag, t,
-                                                qk_scale, window_left, window_right, softcap_log2, slope, exp_scale)
+                                rescale = max_1(
+                                    s,
+                                    m_i,
+                                    alpha,
+                                    m_safe,
+                                    n0,
+                                    seqlen_k,
+                                    warp_diag,
+                                    lane_diag,
+                                    t,
+                                    qk_scale,
+                                    window_left,
+                                    window_right,
+                                    softcap_log2,
+                                    slope,
+                                    exp_scale,
+                                )
                                 if sees_next:
                                     ahead_1(s, q_frag, k_lane, l_i, alpha, m_safe, exp_scale)
                                 else:
@@ -677,8 +800,19 @@ def _build_kernel(HEAD_DIM, config, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN, IS_BF16
                         wait_tiles()
                         cuda.syncthreads()  # V's tile has landed; every warp is done with K's
                         if n0 + 2 * BLOCK_N < end_n:
-                            load_kv(smem, smem_base, 0, k, k_base, k_offset, stride_kn, stride_kd, n0 + 2 * BLOCK_N,
-                                    seqlen_k, head_dim)
+                            load_kv(
+                                smem,
+                                smem_base,
+                                0,
+                                k,
+                                k_base,
+                                k_offset,
+                                stride_kn,
+                                stride_kd,
+                                n0 + 2 * BLOCK_N,
+                                seqlen_k,
+                                head_dim,
+                            )
                         if sees:
                             if half == 0:
                                 pv_0(s, acc, alpha, rescale, v_lane)
@@ -688,19 +822,44 @@ def _build_kernel(HEAD_DIM, config, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN, IS_BF16
             for start_n in range(begin_n, end_n, BLOCK_N):
                 wait_tiles()
                 cuda.syncthreads()  # K's tile has landed; every warp is done with the previous V tile
-                load_kv(smem, smem_base, V_ROW, v, v_base, v_offset, stride_vn, stride_vd, start_n, seqlen_k,
-                        head_dim)
+                load_kv(smem, smem_base, V_ROW, v, v_base, v_offset, stride_vn, stride_vd, start_n, seqlen_k, head_dim)
                 sees = warp_sees(start_n, warp_lo, warp_hi)
                 if sees:
                     qk_0(s, q_frag, k_lane)
                 wait_tiles()
                 cuda.syncthreads()  # V's tile has landed; every warp is done with K's
                 if start_n + BLOCK_N < end_n:
-                    load_kv(smem, smem_base, 0, k, k_base, k_offset, stride_kn, stride_kd, start_n + BLOCK_N,
-                            seqlen_k, head_dim)
+                    load_kv(
+                        smem,
+                        smem_base,
+                        0,
+                        k,
+                        k_base,
+                        k_offset,
+                        stride_kn,
+                        stride_kd,
+                        start_n + BLOCK_N,
+                        seqlen_k,
+                        head_dim,
+                    )
                 if sees:
-                    rescale = max_0(s, m_i, alpha, m_safe, start_n, seqlen_k, warp_diag, lane_diag, t, qk_scale,
-                                    window_left, window_right, softcap_log2, slope, exp_scale)
+                    rescale = max_0(
+                        s,
+                        m_i,
+                        alpha,
+                        m_safe,
+                        start_n,
+                        seqlen_k,
+                        warp_diag,
+                        lane_diag,
+                        t,
+                        qk_scale,
+                        window_left,
+                        window_right,
+                        softcap_log2,
+                        slope,
+                        exp_scale,
+                    )
                     exp_0_row_g(s, l_i, alpha, m_safe, exp_scale)
                     exp_0_row_g8(s, l_i, alpha, m_safe, exp_scale)
                     pv_0(s, acc, alpha, rescale, v_lane)
@@ -820,8 +979,21 @@ def flash_attn_forward(
     key = None
     if launch.FAST:  # a call of a class met before: the kernel's parameters are packed, only pointers change
         aligned = (q.data_ptr() | k.data_ptr() | v.data_ptr()) % 16 == 0
-        key = (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype, v.dtype,
-               q.device, aligned, spec_class(spec), None if config is None else tuple(config))
+        key = (
+            q.shape,
+            q.stride(),
+            k.shape,
+            k.stride(),
+            v.shape,
+            v.stride(),
+            q.dtype,
+            k.dtype,
+            v.dtype,
+            q.device,
+            aligned,
+            spec_class(spec),
+            None if config is None else tuple(config),
+        )
         prepared = _PREPARED.get(key)
         if prepared is not None:
             O = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -851,8 +1023,9 @@ def flash_attn_forward(
     _check_config(HEAD_DIM, config)
     async_loads = all(rows_16b_aligned(t) for t in (q, k, v))
     o_pairs = head_dim % 2 == 0
-    kernel = _kernel(HEAD_DIM, config, *features(spec), q.dtype == torch.bfloat16, head_dim == HEAD_DIM,
-                     async_loads, o_pairs)
+    kernel = _kernel(
+        HEAD_DIM, config, *features(spec), q.dtype == torch.bfloat16, head_dim == HEAD_DIM, async_loads, o_pairs
+    )
     # Packed: one block per (query tile of the longest sequence, sequence·head); the others' extra tiles exit.
     grid_batch, grid_seqlen_q, _ = grid_extent(spec, q, k)
     num_m_tiles = -(-grid_seqlen_q // (16 * config.NUM_WARPS))
@@ -862,9 +1035,20 @@ def flash_attn_forward(
         return O, L
     o_view = O.view(torch.int32) if o_pairs else O.view(torch.int16)
     head = (
-        *(t.view(torch.int16) for t in (q, k, v)), o_view, L,
-        *q.stride(), *k.stride(), *v.stride(),
-        heads, group, seqlen_q, k.shape[2], head_dim, _score_scale(spec), spec.scale < 0, num_m_tiles,
+        *(t.view(torch.int16) for t in (q, k, v)),
+        o_view,
+        L,
+        *q.stride(),
+        *k.stride(),
+        *v.stride(),
+        heads,
+        group,
+        seqlen_q,
+        k.shape[2],
+        head_dim,
+        _score_scale(spec),
+        spec.scale < 0,
+        num_m_tiles,
     )
     args = (*head, *feature_args(spec, seqlen_q, k.shape[2], q.device), *offset_args(spec, q.device))
     # What changes within a class: q, k, v, O, L and the spec's tensors.
@@ -886,11 +1070,20 @@ def kernel_resources() -> list[dict]:
         shared = kernel.get_shared_mem_per_block()
         local = kernel.get_local_mem_per_thread()
         for signature in regs:
-            rows.append({
-                "kernel": "tensor-core", "HEAD_DIM": HEAD_DIM, **config._asdict(), **_feature_columns(switches),
-                "bf16": IS_BF16, "even_head_dim": EVEN_HEAD_DIM, "async_loads": ASYNC_LOADS,
-                "o_pairs": O_PAIRS, "signature": ", ".join(str(t) for t in signature),
-                "registers_per_thread": regs[signature], "shared_bytes_per_block": shared[signature],
-                "local_bytes_per_thread": local[signature],
-            })
+            rows.append(
+                {
+                    "kernel": "tensor-core",
+                    "HEAD_DIM": HEAD_DIM,
+                    **config._asdict(),
+                    **_feature_columns(switches),
+                    "bf16": IS_BF16,
+                    "even_head_dim": EVEN_HEAD_DIM,
+                    "async_loads": ASYNC_LOADS,
+                    "o_pairs": O_PAIRS,
+                    "signature": ", ".join(str(t) for t in signature),
+                    "registers_per_thread": regs[signature],
+                    "shared_bytes_per_block": shared[signature],
+                    "local_bytes_per_thread": local[signature],
+                }
+            )
     return rows

@@ -132,8 +132,9 @@ def block_slots(device: torch.device, threads: int, max_registers: int, shared: 
             sm_threads = getattr(props, "max_threads_per_multi_processor", 2048)
             registers = getattr(props, "regs_per_multiprocessor", 65536)
             sm_shared = getattr(props, "shared_memory_per_multiprocessor", 100 * 1024)
-            per_sm = min(sm_threads // threads, registers // (threads * max_registers), sm_shared // (shared + 1024),
-                         32)
+            per_sm = min(
+                sm_threads // threads, registers // (threads * max_registers), sm_shared // (shared + 1024), 32
+            )
             slots = props.multi_processor_count * max(per_sm, 1)
         _SLOTS[key] = slots
     return slots
@@ -175,9 +176,13 @@ def _cache_view(t: torch.Tensor) -> torch.Tensor:
 def _index_tensors(spec: AttentionSpec, device: torch.device) -> tuple[torch.Tensor, ...]:
     """The split kernel's index arguments 5 .. 9 (block table, cache_seqlens, cache_leftpad, cache_batch_idx,
     cu_seqlens_q), each as the kernel reads it (int32, contiguous) or ``_no_index`` where absent."""
-    return (spec.block_table if spec.paged else _no_index(device), _index(spec.cache_seqlens, device),
-            _index(spec.cache_leftpad, device), _index(spec.cache_batch_idx, device),
-            _index(spec.cu_seqlens_q, device))
+    return (
+        spec.block_table if spec.paged else _no_index(device),
+        _index(spec.cache_seqlens, device),
+        _index(spec.cache_leftpad, device),
+        _index(spec.cache_batch_idx, device),
+        _index(spec.cu_seqlens_q, device),
+    )
 
 
 def _varying(spec: AttentionSpec, slopes_at: int) -> tuple[int, ...]:
@@ -199,13 +204,25 @@ def _class_key(q, k_cache, v_cache, spec, config) -> tuple:
     """A ``launch.prepare`` class of kvcache_forward calls: everything the kernels, their grids and their
     arguments other than the tensors' memory are functions of (shapes, strides, dtypes, the device, the caches'
     16 B alignment for cp.async, the spec's values and its index tensors' layouts, the config)."""
+
     def layout(t):
         return None if t is None else (t.shape, t.stride(), t.dtype)
 
-    return (layout(q), layout(k_cache), layout(v_cache), q.device, (k_cache.data_ptr() | v_cache.data_ptr()) % 16 == 0,
-            spec_class(spec), spec.num_splits, layout(spec.block_table), layout(spec.cache_seqlens),
-            layout(spec.cache_leftpad), layout(spec.cache_batch_idx), layout(spec.cu_seqlens_q),
-            None if config is None else tuple(config))
+    return (
+        layout(q),
+        layout(k_cache),
+        layout(v_cache),
+        q.device,
+        (k_cache.data_ptr() | v_cache.data_ptr()) % 16 == 0,
+        spec_class(spec),
+        spec.num_splits,
+        layout(spec.block_table),
+        layout(spec.cache_seqlens),
+        layout(spec.cache_leftpad),
+        layout(spec.cache_batch_idx),
+        layout(spec.cu_seqlens_q),
+        None if config is None else tuple(config),
+    )
 
 
 class _Plan(NamedTuple):
@@ -284,8 +301,7 @@ def kvcache_forward(
         raise NotImplementedError(
             f"fa2-numba-cuda's KV-cache path supports head_dim up to {MAX_HEAD_DIM}, got {head_dim}"
         )
-    if not (q.dtype == k_cache.dtype == v_cache.dtype) or q.dtype not in (torch.float32, torch.float16,
-                                                                          torch.bfloat16):
+    if not (q.dtype == k_cache.dtype == v_cache.dtype) or q.dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise ValueError(
             f"q, k_cache and v_cache must share one dtype of float32, float16, bfloat16, got {q.dtype}, "
             f"{k_cache.dtype} and {v_cache.dtype}"
@@ -296,11 +312,15 @@ def kvcache_forward(
         tensor_cores = uses_tensor_cores(q)
     elif tensor_cores:
         if q.dtype not in (torch.float16, torch.bfloat16) or head_dim > TC_MAX_HEAD_DIM:
-            raise NotImplementedError(f"fa2-numba-cuda's tensor-core KV-cache kernel takes fp16 or bf16 with head_dim "
-                                      f"up to {TC_MAX_HEAD_DIM}, got {q.dtype} with head_dim {head_dim}")
+            raise NotImplementedError(
+                f"fa2-numba-cuda's tensor-core KV-cache kernel takes fp16 or bf16 with head_dim "
+                f"up to {TC_MAX_HEAD_DIM}, got {q.dtype} with head_dim {head_dim}"
+            )
         if not simulated() and capability(device) < MIN_COMPUTE_CAPABILITY:
-            raise NotImplementedError(f"fa2-numba-cuda's tensor-core KV-cache kernel needs compute capability 8.0 or "
-                                      f"newer, got {capability(device)} on {device}")
+            raise NotImplementedError(
+                f"fa2-numba-cuda's tensor-core KV-cache kernel needs compute capability 8.0 or "
+                f"newer, got {capability(device)} on {device}"
+            )
     O = torch.empty(q.shape, dtype=q.dtype, device=device)
     L = torch.empty(q.shape[:3], dtype=torch.float32, device=device)
     heads_k = k_cache.shape[1]
@@ -321,13 +341,17 @@ def kvcache_forward(
     HEAD_DIM = padded_head_dim(head_dim)
     rows = group * seqlen_q
     if tensor_cores:
-        config = (kvcache_tc.TensorCoreDecodeConfig(*config) if config is not None
-                  else kvcache_tc.tc_decode_config(HEAD_DIM))
+        config = (
+            kvcache_tc.TensorCoreDecodeConfig(*config) if config is not None else kvcache_tc.tc_decode_config(HEAD_DIM)
+        )
         block_m, block_n, threads = 16, 16 * config.NUM_WARPS, 32 * config.NUM_WARPS
         shared = kvcache_tc.shared_bytes(HEAD_DIM, config)
     else:
-        config = (kvcache_simt.DecodeConfig(*config) if config is not None
-                  else kvcache_simt.decode_config(HEAD_DIM, element_size, rows))
+        config = (
+            kvcache_simt.DecodeConfig(*config)
+            if config is not None
+            else kvcache_simt.decode_config(HEAD_DIM, element_size, rows)
+        )
         block_m, block_n, threads = config.BLOCK_M, config.BLOCK_N, kvcache_simt.NUM_THREADS
         shared = kvcache_simt.shared_bytes(HEAD_DIM, element_size, config)
     num_m_tiles = -(-rows // block_m)
@@ -359,21 +383,44 @@ def kvcache_forward(
         o_out, lse_out = O, L
     table_strides = spec.block_table.stride() if spec.paged else (0, 0)
     head = (
-        _cache_view(q) if tensor_cores else q, _cache_view(k_cache), _cache_view(v_cache), o_out, lse_out,
+        _cache_view(q) if tensor_cores else q,
+        _cache_view(k_cache),
+        _cache_view(v_cache),
+        o_out,
+        lse_out,
         *_index_tensors(spec, device),
-        *q.stride(), *k_cache.stride(), *v_cache.stride(), *table_strides,
-        heads, heads_k, group, seqlen_q, seqlen_rows, capacity, k_cache.shape[0], page_size, head_dim,
-        np.float32(score_scale(spec)), num_m_tiles, num_splits, split_keys, rows_total,
+        *q.stride(),
+        *k_cache.stride(),
+        *v_cache.stride(),
+        *table_strides,
+        heads,
+        heads_k,
+        group,
+        seqlen_q,
+        seqlen_rows,
+        capacity,
+        k_cache.shape[0],
+        page_size,
+        head_dim,
+        np.float32(score_scale(spec)),
+        num_m_tiles,
+        num_splits,
+        split_keys,
+        rows_total,
     )
     args = (*head, *feature_args(spec, seqlen_q, capacity, device))
     # Each launch is numba's the first time a class is met, then prepared (``launch.prepare``).
-    split_launch = launch.prepare(kernel, blocks * num_splits, threads, device, args,
-                                  _varying(spec, len(head) + 3))
+    split_launch = launch.prepare(kernel, blocks * num_splits, threads, device, args, _varying(spec, len(head) + 3))
     combine_launch = None
     if split:
-        combine_launch = launch.prepare(kvcache_combine.kernel(q.dtype == torch.bfloat16),
-                                        -(-rows_total // kvcache_combine.ROWS), kvcache_combine.NUM_THREADS, device,
-                                        (o_out, lse_out, O, L, num_splits, rows_total, head_dim), (0, 1, 2, 3))
+        combine_launch = launch.prepare(
+            kvcache_combine.kernel(q.dtype == torch.bfloat16),
+            -(-rows_total // kvcache_combine.ROWS),
+            kvcache_combine.NUM_THREADS,
+            device,
+            (o_out, lse_out, O, L, num_splits, rows_total, head_dim),
+            (0, 1, 2, 3),
+        )
     if key is not None and split_launch is not None and (combine_launch is not None or not split):
         _PREPARED[key] = _Plan(split_launch, combine_launch, tuple(o_out.shape) if split else None)
     return O, L

@@ -85,8 +85,9 @@ else:
             fnty = ir.FunctionType(ir.LiteralStructType([f32, f32]), [ir.IntType(32)])
             text = "{.reg .b16 lo, hi; mov.b32 {lo, hi}, $2; cvt.f32.f16 $0, lo; cvt.f32.f16 $1, hi;}"
             result = builder.call(ir.InlineAsm(fnty, text, "=f,=f,r"), [word])
-            return context.make_tuple(builder, sig.return_type,
-                                      [builder.extract_value(result, 0), builder.extract_value(result, 1)])
+            return context.make_tuple(
+                builder, sig.return_type, [builder.extract_value(result, 0), builder.extract_value(result, 1)]
+            )
 
         return types.UniTuple(types.float32, 2)(word), codegen
 
@@ -130,8 +131,22 @@ def shared_bytes(HEAD_DIM: int, element_size: int, config: DecodeConfig) -> int:
     return 4 * (4 * BLOCK_N * ldw + BLOCK_M * (HEAD_DIM + 4) + BLOCK_M * BLOCK_N + 3 * BLOCK_M + red)
 
 
-def _build_kernel(HEAD_DIM, config, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN, PAGED, BATCH_IDX, LEFTPAD, SPLIT, KIND,
-                  EVEN_HEAD_DIM, ASYNC_LOADS):
+def _build_kernel(
+    HEAD_DIM,
+    config,
+    LEFT,
+    RIGHT,
+    SOFTCAP,
+    ALIBI,
+    VARLEN,
+    PAGED,
+    BATCH_IDX,
+    LEFTPAD,
+    SPLIT,
+    KIND,
+    EVEN_HEAD_DIM,
+    ASYNC_LOADS,
+):
     """The split-KV kernel for one padded head dim, ``DecodeConfig``, ``Features`` (LEFT, RIGHT, SOFTCAP,
     ALIBI, VARLEN: cu_seqlens_q), cache kind (PAGED, BATCH_IDX, LEFTPAD), SPLIT (partial fp32 O and base-2 L
     per split, for ``kvcache_combine``; else O in q's dtype and natural L), input kind KIND ("f32", "f16", "bf16"),
@@ -180,14 +195,50 @@ def _build_kernel(HEAD_DIM, config, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN, PAGED, 
     load_kv = _kv_loader(BLOCK_N, ROW_STEP, LDW, KIND, PAGED, EVEN_HEAD_DIM, ASYNC_LOADS)
 
     def _kvcache_fwd(
-        q, k, v, o, lse, block_table, cache_seqlens, cache_leftpad, cache_batch_idx, cu_seqlens_q,
-        stride_qb, stride_qh, stride_qm, stride_qd,
-        stride_kb, stride_kh, stride_kn, stride_kd,
-        stride_vb, stride_vh, stride_vn, stride_vd,
-        stride_tb, stride_tp,
-        heads, heads_k, group, seqlen_q, total_q, capacity, cache_rows, page_size, head_dim, qk_scale,
-        num_m_tiles, num_splits, split_keys, rows_total,
-        window_left, window_right, softcap_log2, slopes, stride_ab, stride_ah,
+        q,
+        k,
+        v,
+        o,
+        lse,
+        block_table,
+        cache_seqlens,
+        cache_leftpad,
+        cache_batch_idx,
+        cu_seqlens_q,
+        stride_qb,
+        stride_qh,
+        stride_qm,
+        stride_qd,
+        stride_kb,
+        stride_kh,
+        stride_kn,
+        stride_kd,
+        stride_vb,
+        stride_vh,
+        stride_vn,
+        stride_vd,
+        stride_tb,
+        stride_tp,
+        heads,
+        heads_k,
+        group,
+        seqlen_q,
+        total_q,
+        capacity,
+        cache_rows,
+        page_size,
+        head_dim,
+        qk_scale,
+        num_m_tiles,
+        num_splits,
+        split_keys,
+        rows_total,
+        window_left,
+        window_right,
+        softcap_log2,
+        slopes,
+        stride_ab,
+        stride_ah,
     ):
         """One block: BLOCK_M of the group · seqlen_q query rows of one (split, batch, key/value head). q: a
         flat view of (batch, heads, seqlen_q, head_dim) (VARLEN: (1, heads, total_q, head_dim)), k and v of
@@ -308,9 +359,34 @@ def _build_kernel(HEAD_DIM, config, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN, PAGED, 
         # side-by-side: loop
         # Two stages: tile t + 1's copies are issued once tile t has landed, and fly during its compute.
         if n_tiles > 0:
-            load_kv(kv_tile, 0, lo, hi, k, v, k_base, v_base, k_head, v_head, block_table, off_b, ld_r, ld_c,
-                    stride_kb, stride_kn, stride_kd, stride_vb, stride_vn, stride_vd, stride_tb, stride_tp,
-                    capacity, cache_rows, page_size, head_dim)
+            load_kv(
+                kv_tile,
+                0,
+                lo,
+                hi,
+                k,
+                v,
+                k_base,
+                v_base,
+                k_head,
+                v_head,
+                block_table,
+                off_b,
+                ld_r,
+                ld_c,
+                stride_kb,
+                stride_kn,
+                stride_kd,
+                stride_vb,
+                stride_vn,
+                stride_vd,
+                stride_tb,
+                stride_tp,
+                capacity,
+                cache_rows,
+                page_size,
+                head_dim,
+            )
         for t in range(n_tiles):
             if ASYNC_LOADS:
                 cp_async_wait_all()  # this thread's copies of tile t; the barrier makes every thread's visible
@@ -319,10 +395,35 @@ def _build_kernel(HEAD_DIM, config, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN, PAGED, 
             k_row = (t % 2) * 2 * BLOCK_N
             v_row = k_row + BLOCK_N
             if t + 1 < n_tiles:
-                load_kv(kv_tile, ((t + 1) % 2) * 2 * BLOCK_N, start_n + BLOCK_N, hi, k, v, k_base, v_base, k_head,
-                        v_head, block_table, off_b, ld_r, ld_c, stride_kb, stride_kn, stride_kd, stride_vb,
-                        stride_vn, stride_vd, stride_tb, stride_tp, capacity, cache_rows, page_size, head_dim)
-        # side-by-side: end
+                load_kv(
+                    kv_tile,
+                    ((t + 1) % 2) * 2 * BLOCK_N,
+                    start_n + BLOCK_N,
+                    hi,
+                    k,
+                    v,
+                    k_base,
+                    v_base,
+                    k_head,
+                    v_head,
+                    block_table,
+                    off_b,
+                    ld_r,
+                    ld_c,
+                    stride_kb,
+                    stride_kn,
+                    stride_kd,
+                    stride_vb,
+                    stride_vn,
+                    stride_vd,
+                    stride_tb,
+                    stride_tp,
+                    capacity,
+                    cache_rows,
+                    page_size,
+                    head_dim,
+                )
+            # side-by-side: end
 
             # side-by-side: scores
             if s_warp:
@@ -465,10 +566,15 @@ def kernel_resources() -> list[dict]:
     for (HEAD_DIM, config, *switches), compiled in _KERNELS.items():
         regs = compiled.get_regs_per_thread()
         for signature in regs:
-            rows.append({
-                "kernel": "kvcache", "HEAD_DIM": HEAD_DIM, **config._asdict(), "switches": switches,
-                "registers_per_thread": regs[signature],
-                "shared_bytes_per_block": compiled.get_shared_mem_per_block()[signature],
-                "local_bytes_per_thread": compiled.get_local_mem_per_thread()[signature],
-            })
+            rows.append(
+                {
+                    "kernel": "kvcache",
+                    "HEAD_DIM": HEAD_DIM,
+                    **config._asdict(),
+                    "switches": switches,
+                    "registers_per_thread": regs[signature],
+                    "shared_bytes_per_block": compiled.get_shared_mem_per_block()[signature],
+                    "local_bytes_per_thread": compiled.get_local_mem_per_thread()[signature],
+                }
+            )
     return rows

@@ -98,8 +98,22 @@ def shared_bytes(HEAD_DIM: int, config: TensorCoreDecodeConfig) -> int:
     return 4 * (4 * 16 * config.NUM_WARPS * (HEAD_DIM // 2 + 4) + 2 * 16 * config.NUM_WARPS)
 
 
-def _build_kernel(HEAD_DIM, config, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN, PAGED, BATCH_IDX, LEFTPAD, SPLIT, IS_BF16,
-                  EVEN_HEAD_DIM, ASYNC_LOADS):
+def _build_kernel(
+    HEAD_DIM,
+    config,
+    LEFT,
+    RIGHT,
+    SOFTCAP,
+    ALIBI,
+    VARLEN,
+    PAGED,
+    BATCH_IDX,
+    LEFTPAD,
+    SPLIT,
+    IS_BF16,
+    EVEN_HEAD_DIM,
+    ASYNC_LOADS,
+):
     """The split-KV kernel on tensor cores, for fp16 / bf16 and a padded head dim of 32, 64 or 128, with the
     switches of ``kvcache_simt._build_kernel`` and its arguments (q as 16-bit patterns); ``TensorCoreDecodeConfig``."""
     NUM_WARPS, MAX_REGISTERS = config
@@ -123,14 +137,50 @@ def _build_kernel(HEAD_DIM, config, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN, PAGED, 
     load_kv = _kv_loader(BLOCK_N, ROW_STEP, LDW, kind, PAGED, EVEN_HEAD_DIM, ASYNC_LOADS)
 
     def _kvcache_fwd_tc(
-        q, k, v, o, lse, block_table, cache_seqlens, cache_leftpad, cache_batch_idx, cu_seqlens_q,
-        stride_qb, stride_qh, stride_qm, stride_qd,
-        stride_kb, stride_kh, stride_kn, stride_kd,
-        stride_vb, stride_vh, stride_vn, stride_vd,
-        stride_tb, stride_tp,
-        heads, heads_k, group, seqlen_q, total_q, capacity, cache_rows, page_size, head_dim, qk_scale,
-        num_m_tiles, num_splits, split_keys, rows_total,
-        window_left, window_right, softcap_log2, slopes, stride_ab, stride_ah,
+        q,
+        k,
+        v,
+        o,
+        lse,
+        block_table,
+        cache_seqlens,
+        cache_leftpad,
+        cache_batch_idx,
+        cu_seqlens_q,
+        stride_qb,
+        stride_qh,
+        stride_qm,
+        stride_qd,
+        stride_kb,
+        stride_kh,
+        stride_kn,
+        stride_kd,
+        stride_vb,
+        stride_vh,
+        stride_vn,
+        stride_vd,
+        stride_tb,
+        stride_tp,
+        heads,
+        heads_k,
+        group,
+        seqlen_q,
+        total_q,
+        capacity,
+        cache_rows,
+        page_size,
+        head_dim,
+        qk_scale,
+        num_m_tiles,
+        num_splits,
+        split_keys,
+        rows_total,
+        window_left,
+        window_right,
+        softcap_log2,
+        slopes,
+        stride_ab,
+        stride_ah,
     ):
         """One block: 16 of the group · seqlen_q query rows of one (split, batch, key/value head), as
         ``_kvcache_fwd`` of ``kvcache_simt`` (the same arguments, q, k and v as 16-bit patterns)."""
@@ -185,8 +235,9 @@ def _build_kernel(HEAD_DIM, config, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN, PAGED, 
             valid_i[h] = 1 if row < rows and row % seqlen_q < seqlen_q_b else 0
             slope_i[h] = float32(0.0)
             if ALIBI and valid_i[h] == 1:
-                slope_i[h] = slopes[uint64(off_b * stride_ab + (off_hk * group + row // seqlen_q) * stride_ah)] * \
-                    float32(LOG2E)
+                slope_i[h] = slopes[
+                    uint64(off_b * stride_ab + (off_hk * group + row // seqlen_q) * stride_ah)
+                ] * float32(LOG2E)
 
         # Q: 16 rows of 16-bit pairs into stage 1's K rows (zeros past the rows and head_dim), then every warp's
         # A fragments (the same 16 rows for each warp), one per 16 head dims.
@@ -243,9 +294,34 @@ def _build_kernel(HEAD_DIM, config, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN, PAGED, 
 
         # Two stages, as the SIMT kernel: tile t + 1's copies fly during tile t's compute.
         if n_tiles > 0:
-            load_kv(kv_tile, 0, lo, hi, k, v, k_base, v_base, k_head, v_head, block_table, off_b, ld_r, ld_c,
-                    stride_kb, stride_kn, stride_kd, stride_vb, stride_vn, stride_vd, stride_tb, stride_tp,
-                    capacity, cache_rows, page_size, head_dim)
+            load_kv(
+                kv_tile,
+                0,
+                lo,
+                hi,
+                k,
+                v,
+                k_base,
+                v_base,
+                k_head,
+                v_head,
+                block_table,
+                off_b,
+                ld_r,
+                ld_c,
+                stride_kb,
+                stride_kn,
+                stride_kd,
+                stride_vb,
+                stride_vn,
+                stride_vd,
+                stride_tb,
+                stride_tp,
+                capacity,
+                cache_rows,
+                page_size,
+                head_dim,
+            )
         for tile in range(n_tiles):
             if ASYNC_LOADS:
                 cp_async_wait_all()
@@ -253,9 +329,34 @@ def _build_kernel(HEAD_DIM, config, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN, PAGED, 
             start_n = lo + tile * BLOCK_N
             k_row = (tile % 2) * 2 * BLOCK_N
             if tile + 1 < n_tiles:
-                load_kv(kv_tile, ((tile + 1) % 2) * 2 * BLOCK_N, start_n + BLOCK_N, hi, k, v, k_base, v_base, k_head,
-                        v_head, block_table, off_b, ld_r, ld_c, stride_kb, stride_kn, stride_kd, stride_vb,
-                        stride_vn, stride_vd, stride_tb, stride_tp, capacity, cache_rows, page_size, head_dim)
+                load_kv(
+                    kv_tile,
+                    ((tile + 1) % 2) * 2 * BLOCK_N,
+                    start_n + BLOCK_N,
+                    hi,
+                    k,
+                    v,
+                    k_base,
+                    v_base,
+                    k_head,
+                    v_head,
+                    block_table,
+                    off_b,
+                    ld_r,
+                    ld_c,
+                    stride_kb,
+                    stride_kn,
+                    stride_kd,
+                    stride_vb,
+                    stride_vn,
+                    stride_vd,
+                    stride_tb,
+                    stride_tp,
+                    capacity,
+                    cache_rows,
+                    page_size,
+                    head_dim,
+                )
 
             # S = Q Kᵀ on the warp's 16 keys: per 16 head dims one ldmatrix (two 8-key B fragments), two mma.
             for j in range(2):
@@ -264,14 +365,34 @@ def _build_kernel(HEAD_DIM, config, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN, PAGED, 
             k_lane = tile_base + uint32(4 * (k_row + 16 * warp + b_row) * LDW + 2 * b_col)
             for kk in range(D_STEPS):
                 b0, b1, b2, b3 = ldmatrix_x4(k_lane + uint32(32 * kk))
-                d0, d1, d2, d3 = mma(q_frag[kk, 0], q_frag[kk, 1], q_frag[kk, 2], q_frag[kk, 3], b0, b1,
-                                     s[0, 0], s[0, 1], s[0, 2], s[0, 3])
+                d0, d1, d2, d3 = mma(
+                    q_frag[kk, 0],
+                    q_frag[kk, 1],
+                    q_frag[kk, 2],
+                    q_frag[kk, 3],
+                    b0,
+                    b1,
+                    s[0, 0],
+                    s[0, 1],
+                    s[0, 2],
+                    s[0, 3],
+                )
                 s[0, 0] = d0
                 s[0, 1] = d1
                 s[0, 2] = d2
                 s[0, 3] = d3
-                d0, d1, d2, d3 = mma(q_frag[kk, 0], q_frag[kk, 1], q_frag[kk, 2], q_frag[kk, 3], b2, b3,
-                                     s[1, 0], s[1, 1], s[1, 2], s[1, 3])
+                d0, d1, d2, d3 = mma(
+                    q_frag[kk, 0],
+                    q_frag[kk, 1],
+                    q_frag[kk, 2],
+                    q_frag[kk, 3],
+                    b2,
+                    b3,
+                    s[1, 0],
+                    s[1, 1],
+                    s[1, 2],
+                    s[1, 3],
+                )
                 s[1, 0] = d0
                 s[1, 1] = d1
                 s[1, 2] = d2
@@ -329,14 +450,25 @@ def _build_kernel(HEAD_DIM, config, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN, PAGED, 
             v_lane = tile_base + uint32(4 * (k_row + BLOCK_N + 16 * warp + a_row) * LDW + 2 * a_col)
             for dd in range(D_STEPS):
                 b0, b1, b2, b3 = ldmatrix_x4_trans(v_lane + uint32(32 * dd))
-                d0, d1, d2, d3 = mma(a0, a1, a2, a3, b0, b1,
-                                     acc[2 * dd, 0], acc[2 * dd, 1], acc[2 * dd, 2], acc[2 * dd, 3])
+                d0, d1, d2, d3 = mma(
+                    a0, a1, a2, a3, b0, b1, acc[2 * dd, 0], acc[2 * dd, 1], acc[2 * dd, 2], acc[2 * dd, 3]
+                )
                 acc[2 * dd, 0] = d0
                 acc[2 * dd, 1] = d1
                 acc[2 * dd, 2] = d2
                 acc[2 * dd, 3] = d3
-                d0, d1, d2, d3 = mma(a0, a1, a2, a3, b2, b3,
-                                     acc[2 * dd + 1, 0], acc[2 * dd + 1, 1], acc[2 * dd + 1, 2], acc[2 * dd + 1, 3])
+                d0, d1, d2, d3 = mma(
+                    a0,
+                    a1,
+                    a2,
+                    a3,
+                    b2,
+                    b3,
+                    acc[2 * dd + 1, 0],
+                    acc[2 * dd + 1, 1],
+                    acc[2 * dd + 1, 2],
+                    acc[2 * dd + 1, 3],
+                )
                 acc[2 * dd + 1, 0] = d0
                 acc[2 * dd + 1, 1] = d1
                 acc[2 * dd + 1, 2] = d2
@@ -437,10 +569,15 @@ def kernel_resources() -> list[dict]:
     for (HEAD_DIM, config, *switches), compiled in _KERNELS.items():
         regs = compiled.get_regs_per_thread()
         for signature in regs:
-            rows.append({
-                "kernel": "kvcache-tensor-core", "HEAD_DIM": HEAD_DIM, **config._asdict(), "switches": switches,
-                "registers_per_thread": regs[signature],
-                "shared_bytes_per_block": compiled.get_shared_mem_per_block()[signature],
-                "local_bytes_per_thread": compiled.get_local_mem_per_thread()[signature],
-            })
+            rows.append(
+                {
+                    "kernel": "kvcache-tensor-core",
+                    "HEAD_DIM": HEAD_DIM,
+                    **config._asdict(),
+                    "switches": switches,
+                    "registers_per_thread": regs[signature],
+                    "shared_bytes_per_block": compiled.get_shared_mem_per_block()[signature],
+                    "local_bytes_per_thread": compiled.get_local_mem_per_thread()[signature],
+                }
+            )
     return rows

@@ -128,10 +128,13 @@ def allow_dynamic_shared(kernel, flat, shared: int) -> None:
         errors.append(f"cuFuncSetAttribute {err!r}")
     if err != _SUCCESS:
         _, optin = _driver.cuDeviceGetAttribute(
-            _driver.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN, device)
-        raise RuntimeError(f"fa2_numba_cuda.launch: {shared} B of dynamic shared memory a block refused "
-                           f"({'; '.join(errors)}); this device allows {optin} B a block in all, static shared "
-                           f"memory included")
+            _driver.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN, device
+        )
+        raise RuntimeError(
+            f"fa2_numba_cuda.launch: {shared} B of dynamic shared memory a block refused "
+            f"({'; '.join(errors)}); this device allows {optin} B a block in all, static shared "
+            f"memory included"
+        )
 
 
 def _checked_packing(kernel, device, flat, values):
@@ -140,9 +143,14 @@ def _checked_packing(kernel, device, flat, values):
     ``_prepare_args``; None where numba must launch the class itself."""
     argtypes = tuple(kernel.typeof_pyval(a) for a in flat)
     compiled = kernel.overloads.get(argtypes)
-    if (compiled is None or compiled.debug or compiled.cooperative or compiled.extensions
-            or getattr(compiled, "launch_config_sensitive", False)
-            or getattr(kernel, "_launch_config_sensitive", False)):
+    if (
+        compiled is None
+        or compiled.debug
+        or compiled.cooperative
+        or compiled.extensions
+        or getattr(compiled, "launch_config_sensitive", False)
+        or getattr(kernel, "_launch_config_sensitive", False)
+    ):
         return None  # numba would pick, or launch, the kernel by more than the argument types
     layout = parameter_layout(compiled.argument_types)
     if layout is None:
@@ -164,8 +172,20 @@ class Prepared:
     """The fast launch of one class of calls (``prepare``): the first call's parameters, packed; each call
     writes its tensors' data pointers into their slots (``pointer_slots``) and calls cuLaunchKernel."""
 
-    __slots__ = ("function", "grid", "block", "shared", "device", "buffer", "words", "slots", "pointers",
-                 "params", "context", "lock")
+    __slots__ = (
+        "function",
+        "grid",
+        "block",
+        "shared",
+        "device",
+        "buffer",
+        "words",
+        "slots",
+        "pointers",
+        "params",
+        "context",
+        "lock",
+    )
 
     def __init__(self, function, grid, block, shared, device, buffer, slots, context):
         self.function, self.grid, self.block, self.shared, self.device = function, grid, block, shared, device
@@ -190,18 +210,21 @@ class Prepared:
             for slot, t in zip(self.slots, tensors, strict=True):
                 words[slot] = t.data_ptr()
             if int(_driver.cuCtxGetCurrent()[1]) == self.context:
-                (err,) = _driver.cuLaunchKernel(self.function, self.grid, 1, 1, self.block, 1, 1, self.shared, stream,
-                                                self.params, 0)
+                (err,) = _driver.cuLaunchKernel(
+                    self.function, self.grid, 1, 1, self.block, 1, 1, self.shared, stream, self.params, 0
+                )
             else:  # another context is current: make numba's (the device's primary context) current
                 with cuda.gpus[index]:
-                    (err,) = _driver.cuLaunchKernel(self.function, self.grid, 1, 1, self.block, 1, 1, self.shared,
-                                                    stream, self.params, 0)
+                    (err,) = _driver.cuLaunchKernel(
+                        self.function, self.grid, 1, 1, self.block, 1, 1, self.shared, stream, self.params, 0
+                    )
         if err != _SUCCESS:
             raise RuntimeError(f"fa2_numba_cuda.launch: cuLaunchKernel failed: {err!r}")
 
 
-def prepare(kernel, grid: int, block: int, device: torch.device, args: tuple, varying: tuple[int, ...],
-            shared: int = 0) -> Prepared | None:
+def prepare(
+    kernel, grid: int, block: int, device: torch.device, args: tuple, varying: tuple[int, ...], shared: int = 0
+) -> Prepared | None:
     """Launches ``kernel[grid, block, torch's current stream, shared](*args)`` (tensors as ``common._flat`` of
     them; ``shared``: bytes of dynamic shared memory a block) through numba and returns the ``Prepared``
     launch of the calls that differ from this one only in the memory of the tensors at the positions
@@ -272,10 +295,10 @@ def numba_parameters(compiled, flat_args) -> list[bytes]:
 def assert_same_parameters(packed: bytes, expected: list[bytes]) -> None:
     """``packed`` (8 bytes a parameter) holds exactly numba's parameters ``expected``."""
     if len(packed) != 8 * len(expected):
-        raise AssertionError(f"fa2_numba_cuda.launch: {len(packed) // 8} parameters packed, numba has "
-                             f"{len(expected)}")
+        raise AssertionError(f"fa2_numba_cuda.launch: {len(packed) // 8} parameters packed, numba has {len(expected)}")
     for i, p in enumerate(expected):
-        if len(p) > 8 or packed[8 * i: 8 * i + len(p)] != p:
-            raise AssertionError(f"fa2_numba_cuda.launch: parameter {i} packed as "
-                                 f"{packed[8 * i: 8 * i + 8].hex()}, numba's is {p.hex()}")
-
+        if len(p) > 8 or packed[8 * i : 8 * i + len(p)] != p:
+            raise AssertionError(
+                f"fa2_numba_cuda.launch: parameter {i} packed as "
+                f"{packed[8 * i : 8 * i + 8].hex()}, numba's is {p.hex()}"
+            )

@@ -380,10 +380,7 @@ else:
         return types.uint64(array), codegen
 
     def _ldmatrix_intrinsic(trans):
-        text = (
-            f"ldmatrix.sync.aligned.m8n8.x4{'.trans' if trans else ''}.shared.b16 "
-            "{$0, $1, $2, $3}, [$4];"
-        )
+        text = f"ldmatrix.sync.aligned.m8n8.x4{'.trans' if trans else ''}.shared.b16 {{$0, $1, $2, $3}}, [$4];"
 
         @intrinsic
         def ldmatrix(typingctx, address):
@@ -391,8 +388,14 @@ else:
                 (address,) = _cast(context, builder, sig, args, [types.uint32])
                 # side_effect and the memory clobber: the load depends on shared memory LLVM cannot see
                 # being written (cp.async, other threads), so it must neither move across barriers nor merge.
-                result = _asm(builder, ir.LiteralStructType([_i32] * 4), [address], text,
-                              "=r,=r,=r,=r,r,~{memory}", side_effect=True)
+                result = _asm(
+                    builder,
+                    ir.LiteralStructType([_i32] * 4),
+                    [address],
+                    text,
+                    "=r,=r,=r,=r,r,~{memory}",
+                    side_effect=True,
+                )
                 return context.make_tuple(
                     builder, sig.return_type, [builder.extract_value(result, i) for i in range(4)]
                 )
@@ -414,8 +417,9 @@ else:
         def mma(typingctx, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
             def codegen(context, builder, sig, args):
                 operands = _cast(context, builder, sig, args, [types.int32] * 6 + [types.float32] * 4)
-                result = _asm(builder, ir.LiteralStructType([_f32] * 4), operands, text,
-                              "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f")
+                result = _asm(
+                    builder, ir.LiteralStructType([_f32] * 4), operands, text, "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f"
+                )
                 return context.make_tuple(
                     builder, sig.return_type, [builder.extract_value(result, i) for i in range(4)]
                 )
@@ -448,8 +452,14 @@ else:
     def cp_async_16(typingctx, dst, src, src_bytes):
         def codegen(context, builder, sig, args):
             operands = _cast(context, builder, sig, args, [types.uint32, types.uint64, types.int32])
-            _asm(builder, ir.VoidType(), operands, "cp.async.cg.shared.global [$0], [$1], 16, $2;",
-                 "r,l,r,~{memory}", side_effect=True)
+            _asm(
+                builder,
+                ir.VoidType(),
+                operands,
+                "cp.async.cg.shared.global [$0], [$1], 16, $2;",
+                "r,l,r,~{memory}",
+                side_effect=True,
+            )
 
         return types.void(dst, src, src_bytes), codegen
 

@@ -36,8 +36,8 @@ from __future__ import annotations
 import math
 
 import torch
-from fa2.spec import UNBOUNDED, AttentionSpec
 
+from fa2.spec import UNBOUNDED, AttentionSpec
 from fa2_pytorch.forward import BLOCK_M, BLOCK_N, _sequence_spec, _sequences, _tf32_matmul
 
 
@@ -177,8 +177,15 @@ def _varlen_backward(
             continue
         rows, keys = slice(q_start, q_end), slice(k_start, k_end)
         dq_s, dk_s, dv_s = flash_attn_backward(
-            q[:, :, rows], k[:, :, keys], v[:, :, keys], O[:, :, rows], L[:, :, rows], dO[:, :, rows],
-            _sequence_spec(spec, s), block_m, block_n,
+            q[:, :, rows],
+            k[:, :, keys],
+            v[:, :, keys],
+            O[:, :, rows],
+            L[:, :, rows],
+            dO[:, :, rows],
+            _sequence_spec(spec, s),
+            block_m,
+            block_n,
         )
         dq[:, :, rows], dk[:, :, keys], dv[:, :, keys] = dq_s, dk_s, dv_s
     return dq, dk, dv

@@ -63,6 +63,7 @@ import dataclasses
 import math
 
 import torch
+
 from fa2.spec import UNBOUNDED, AttentionSpec
 
 # Measured on the H200 (bf16, 16k tokens, N = 1k and 4k; docs/notes/pytorch-forward.md): against SDPA
@@ -155,7 +156,7 @@ def flash_attn_forward(
             q_i = q32[:, row_m : row_m + rows_m]
             k_j = k[:, :, start_n:end_n].float().reshape(bh_k, end_n - start_n, head_dim)
             v_j = v[:, :, start_n:end_n].float().reshape(bh_k, end_n - start_n, head_dim)
-        # side-by-side: end
+            # side-by-side: end
 
             # side-by-side: scores
             # The scale (over softcap when capping) rides in the matmul's epilogue (beta = 0: S's initial
@@ -256,8 +257,12 @@ def _varlen_forward(
         if q_start == q_end:
             continue
         O_s, L_s = flash_attn_forward(
-            q[:, :, q_start:q_end], k[:, :, k_start:k_end], v[:, :, k_start:k_end], _sequence_spec(spec, s),
-            block_m, block_n,
+            q[:, :, q_start:q_end],
+            k[:, :, k_start:k_end],
+            v[:, :, k_start:k_end],
+            _sequence_spec(spec, s),
+            block_m,
+            block_n,
         )
         O[:, :, q_start:q_end] = O_s
         L[:, :, q_start:q_end] = L_s
@@ -280,8 +285,10 @@ def _sequences(spec: AttentionSpec, total_q: int, total_k: int) -> list[tuple[in
         bad = [i for i, (a, b) in enumerate(zip([0, *cu], [*cu, total])) if a > b]
         if bad:
             i = bad[0]
-            got = f"{name}[0] = {cu[0]}" if i == 0 else f"{name}[{i - 1}] = {cu[i - 1]}" + (
-                f", {name}[{i}] = {cu[i]}" if i < len(cu) else ""
+            got = (
+                f"{name}[0] = {cu[0]}"
+                if i == 0
+                else f"{name}[{i - 1}] = {cu[i - 1]}" + (f", {name}[{i}] = {cu[i]}" if i < len(cu) else "")
             )
             raise ValueError(f"{name} must be non-decreasing offsets within [0, {total}], got {got}")
     return list(zip(offsets_q, offsets_q[1:], offsets_k, offsets_k[1:]))

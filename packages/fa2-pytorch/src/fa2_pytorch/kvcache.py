@@ -49,9 +49,9 @@ from __future__ import annotations
 import math
 
 import torch
+
 from fa2.combine import combine
 from fa2.spec import UNBOUNDED, AttentionSpec
-
 from fa2_pytorch.forward import _tf32_matmul
 
 BLOCK_N = 256
@@ -170,7 +170,7 @@ def kvcache_forward(
                 index = (cache_row, slice(None), j_safe)
             # The keys row b holds, [leftpad_b, K_b) within the split and the cache: [B, SPLITS, BLOCK_N]. The
             # values of the others are zeroed (a weight of 0 times a NaN left in an unused slot is NaN).
-            stored = (in_range & (j >= leftpad[:, None, None]) & (j < seqlens[:, None, None]))
+            stored = in_range & (j >= leftpad[:, None, None]) & (j < seqlens[:, None, None])
             # Advanced indices around a slice put their dims first: [B, SPLITS, BLOCK_N, H_K, HEAD_DIM].
             k_j = k_cache[index].float().permute(0, 3, 1, 2, 4).reshape(bhs, n, head_dim)
             v_j = v_cache[index].float().masked_fill_(~stored[..., None, None], 0.0)

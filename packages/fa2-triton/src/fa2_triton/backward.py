@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import torch
 import triton
-from fa2.spec import AttentionSpec
 
+from fa2.spec import AttentionSpec
 from fa2_triton.backward_tl import _attn_bwd_dkdv, _attn_bwd_dq, _attn_bwd_preprocess
 from fa2_triton.common import MAX_HEAD_DIM, _check_device, group_size, packed, score_args
 from fa2_triton.launch import launch, on_device
@@ -68,8 +68,9 @@ def flash_attn_backward(
 
     dk = torch.empty(k.shape, device=k.device, dtype=k.dtype)
     dv = torch.empty(v.shape, device=v.device, dtype=v.dtype)
-    tiles = tiles or bwd_tiles_for(head_dim, q.dtype, spec.masked, spec.max_seqlen_k if spec.varlen else seqlen_k,
-                                   spec.varlen)
+    tiles = tiles or bwd_tiles_for(
+        head_dim, q.dtype, spec.masked, spec.max_seqlen_k if spec.varlen else seqlen_k, spec.varlen
+    )
     with on_device(q.device):
         delta = launch_preprocess(O, dO)
         if deterministic:
@@ -104,9 +105,11 @@ def launch_preprocess(O: torch.Tensor, dO: torch.Tensor) -> torch.Tensor:
     pre_block_m = PREPROCESS_ELEMENTS // HEAD_DIM
     if batch * heads and seqlen_q:
         launch(
-            _attn_bwd_preprocess, triton.cdiv(seqlen_q, pre_block_m) * batch * heads,
+            _attn_bwd_preprocess,
+            triton.cdiv(seqlen_q, pre_block_m) * batch * heads,
             (O, dO, delta, *O.stride(), *dO.stride(), heads, seqlen_q, head_dim),
-            dict(BLOCK_M=pre_block_m, HEAD_DIM=HEAD_DIM, EVEN_D=HEAD_DIM == head_dim), dict(num_warps=8),
+            dict(BLOCK_M=pre_block_m, HEAD_DIM=HEAD_DIM, EVEN_D=HEAD_DIM == head_dim),
+            dict(num_warps=8),
         )
     return delta
 
@@ -120,14 +123,51 @@ def launch_dq(q, k, v, dO, L, delta, dq, spec: AttentionSpec, t: KernelTiles):
         return None
     a = score_args(spec, q.dtype)
     return launch(
-        _attn_bwd_dq, triton.cdiv(seqlen_q, t.block_m) * batch * heads,
-        (q, k, v, dO, L, delta, dq, L if a.slopes is None else a.slopes, cu_q, cu_k,
-         spec.scale, a.qk_scale, a.cap_scale, a.window_left, a.window_right,
-         *q.stride(), *k.stride(), *v.stride(), *dO.stride(), *L.stride(), *dq.stride(), *a.slope_strides,
-         delta.stride(1), heads, group_size(q, k), seqlen_q, seqlen_k, q.shape[2], k.shape[2], head_dim),
-        dict(WINDOW_LEFT=a.WINDOW_LEFT, WINDOW_RIGHT=a.WINDOW_RIGHT, SOFTCAP=a.SOFTCAP, ALIBI=a.ALIBI,
-             BLOCK_M=t.block_m, BLOCK_N=t.block_n, HEAD_DIM=HEAD_DIM, EVEN_D=HEAD_DIM == head_dim,
-             VARLEN=spec.varlen),
+        _attn_bwd_dq,
+        triton.cdiv(seqlen_q, t.block_m) * batch * heads,
+        (
+            q,
+            k,
+            v,
+            dO,
+            L,
+            delta,
+            dq,
+            L if a.slopes is None else a.slopes,
+            cu_q,
+            cu_k,
+            spec.scale,
+            a.qk_scale,
+            a.cap_scale,
+            a.window_left,
+            a.window_right,
+            *q.stride(),
+            *k.stride(),
+            *v.stride(),
+            *dO.stride(),
+            *L.stride(),
+            *dq.stride(),
+            *a.slope_strides,
+            delta.stride(1),
+            heads,
+            group_size(q, k),
+            seqlen_q,
+            seqlen_k,
+            q.shape[2],
+            k.shape[2],
+            head_dim,
+        ),
+        dict(
+            WINDOW_LEFT=a.WINDOW_LEFT,
+            WINDOW_RIGHT=a.WINDOW_RIGHT,
+            SOFTCAP=a.SOFTCAP,
+            ALIBI=a.ALIBI,
+            BLOCK_M=t.block_m,
+            BLOCK_N=t.block_n,
+            HEAD_DIM=HEAD_DIM,
+            EVEN_D=HEAD_DIM == head_dim,
+            VARLEN=spec.varlen,
+        ),
         dict(num_warps=t.num_warps, num_stages=t.num_stages, maxnreg=t.maxnreg),
     )
 
@@ -151,14 +191,56 @@ def launch_dkdv(q, k, v, dO, L, delta, dk, dv, dq_acc, spec: AttentionSpec, t: K
         return None
     a = score_args(spec, q.dtype)
     return launch(
-        _attn_bwd_dkdv, triton.cdiv(seqlen_k, t.block_n) * batch * heads_k,
-        (q, k, v, dO, L, delta, dk, dv, delta if dq_acc is None else dq_acc, L if a.slopes is None else a.slopes,
-         cu_q, cu_k, spec.scale, a.qk_scale, a.cap_scale, a.window_left, a.window_right,
-         *q.stride(), *k.stride(), *v.stride(), *dO.stride(), *L.stride(), *dk.stride(), *dv.stride(),
-         *a.slope_strides, delta.stride(1), dq_acc_stride, heads, group, seqlen_q, seqlen_k, q.shape[2],
-         k.shape[2], head_dim),
-        dict(WINDOW_LEFT=a.WINDOW_LEFT, WINDOW_RIGHT=a.WINDOW_RIGHT, SOFTCAP=a.SOFTCAP, ALIBI=a.ALIBI,
-             BLOCK_M=t.block_m, BLOCK_N=t.block_n, HEAD_DIM=HEAD_DIM,
-             EVEN_D=HEAD_DIM == head_dim, ATOMIC_DQ=dq_acc is not None, VARLEN=spec.varlen, GQA=group > 1),
+        _attn_bwd_dkdv,
+        triton.cdiv(seqlen_k, t.block_n) * batch * heads_k,
+        (
+            q,
+            k,
+            v,
+            dO,
+            L,
+            delta,
+            dk,
+            dv,
+            delta if dq_acc is None else dq_acc,
+            L if a.slopes is None else a.slopes,
+            cu_q,
+            cu_k,
+            spec.scale,
+            a.qk_scale,
+            a.cap_scale,
+            a.window_left,
+            a.window_right,
+            *q.stride(),
+            *k.stride(),
+            *v.stride(),
+            *dO.stride(),
+            *L.stride(),
+            *dk.stride(),
+            *dv.stride(),
+            *a.slope_strides,
+            delta.stride(1),
+            dq_acc_stride,
+            heads,
+            group,
+            seqlen_q,
+            seqlen_k,
+            q.shape[2],
+            k.shape[2],
+            head_dim,
+        ),
+        dict(
+            WINDOW_LEFT=a.WINDOW_LEFT,
+            WINDOW_RIGHT=a.WINDOW_RIGHT,
+            SOFTCAP=a.SOFTCAP,
+            ALIBI=a.ALIBI,
+            BLOCK_M=t.block_m,
+            BLOCK_N=t.block_n,
+            HEAD_DIM=HEAD_DIM,
+            EVEN_D=HEAD_DIM == head_dim,
+            ATOMIC_DQ=dq_acc is not None,
+            VARLEN=spec.varlen,
+            GQA=group > 1,
+        ),
         dict(num_warps=t.num_warps, num_stages=t.num_stages, maxnreg=t.maxnreg),
     )

@@ -57,11 +57,23 @@ from fa2_triton.common import _load_tile, _sequence, _tanh, _tiles_in_window
 
 @triton.jit
 def _attn_bwd_preprocess(
-    O, dO, Delta,
-    stride_ob, stride_oh, stride_om, stride_od,
-    stride_dob, stride_doh, stride_dom, stride_dod,
-    H, N_Q, head_dim,
-    BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, EVEN_D: tl.constexpr,
+    O,
+    dO,
+    Delta,
+    stride_ob,
+    stride_oh,
+    stride_om,
+    stride_od,
+    stride_dob,
+    stride_doh,
+    stride_dom,
+    stride_dod,
+    H,
+    N_Q,
+    head_dim,
+    BLOCK_M: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    EVEN_D: tl.constexpr,
 ):
     # delta = rowsum(dO ∘ O) in fp32, one program per (query tile, batch·head); Delta is (B·H, N_Q).
     pid = tl.program_id(0)
@@ -75,10 +87,10 @@ def _attn_bwd_preprocess(
     offs_d = tl.arange(0, HEAD_DIM)
     offs_m64 = offs_m.to(tl.int64)
     offs_d64 = offs_d.to(tl.int64)
-    o_ptrs = (O + off_b * stride_ob + off_h * stride_oh
-              + offs_m64[:, None] * stride_om + offs_d64[None, :] * stride_od)
-    do_ptrs = (dO + off_b * stride_dob + off_h * stride_doh
-               + offs_m64[:, None] * stride_dom + offs_d64[None, :] * stride_dod)
+    o_ptrs = O + off_b * stride_ob + off_h * stride_oh + offs_m64[:, None] * stride_om + offs_d64[None, :] * stride_od
+    do_ptrs = (
+        dO + off_b * stride_dob + off_h * stride_doh + offs_m64[:, None] * stride_dom + offs_d64[None, :] * stride_dod
+    )
     o = _load_tile(o_ptrs, offs_m, N_Q, offs_d, head_dim, True, EVEN_D)  # [BLOCK_M, HEAD_DIM]
     do = _load_tile(do_ptrs, offs_m, N_Q, offs_d, head_dim, True, EVEN_D)  # [BLOCK_M, HEAD_DIM]
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
@@ -87,12 +99,45 @@ def _attn_bwd_preprocess(
 
 @triton.jit
 def _attn_bwd_dkdv_tile(
-    dk, dv, k, v, start_m, g64,
-    q_ptrs, do_ptrs, l_ptrs, delta_ptrs, dq_acc_ptrs, slope_ptr, stride_qm, stride_dom, stride_lm,
-    stride_qh, stride_doh, stride_lh, stride_delta, stride_dq_acc, stride_sh,
-    offs_m, offs_n, offs_d, head_dim, N_Q, diag, diag_left, diag_right, qk_scale, cap_scale,
-    IN_BAND: tl.constexpr, WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
-    ALIBI: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, EVEN_D: tl.constexpr,
+    dk,
+    dv,
+    k,
+    v,
+    start_m,
+    g64,
+    q_ptrs,
+    do_ptrs,
+    l_ptrs,
+    delta_ptrs,
+    dq_acc_ptrs,
+    slope_ptr,
+    stride_qm,
+    stride_dom,
+    stride_lm,
+    stride_qh,
+    stride_doh,
+    stride_lh,
+    stride_delta,
+    stride_dq_acc,
+    stride_sh,
+    offs_m,
+    offs_n,
+    offs_d,
+    head_dim,
+    N_Q,
+    diag,
+    diag_left,
+    diag_right,
+    qk_scale,
+    cap_scale,
+    IN_BAND: tl.constexpr,
+    WINDOW_LEFT: tl.constexpr,
+    WINDOW_RIGHT: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    ALIBI: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    EVEN_D: tl.constexpr,
     ATOMIC_DQ: tl.constexpr,
 ):
     """One key tile's dK and dV updated with query tile start_m of the group's query head g64 (pointers of
@@ -102,8 +147,9 @@ def _attn_bwd_dkdv_tile(
     adds this tile's dS K into the fp32 dQ accumulator."""
     rows = start_m + offs_m
     start_m64 = tl.cast(start_m, tl.int64)
-    q = _load_tile(q_ptrs + g64 * stride_qh + start_m64 * stride_qm, rows, N_Q, offs_d, head_dim,
-                   IN_BAND, EVEN_D)  # [BLOCK_M, HEAD_DIM]
+    q = _load_tile(
+        q_ptrs + g64 * stride_qh + start_m64 * stride_qm, rows, N_Q, offs_d, head_dim, IN_BAND, EVEN_D
+    )  # [BLOCK_M, HEAD_DIM]
     if IN_BAND:
         # Rows past seqlen_q: L = +inf makes their P zero.
         lse = tl.load(l_ptrs + g64 * stride_lh + start_m64 * stride_lm, mask=rows < N_Q, other=float("inf"))
@@ -126,8 +172,9 @@ def _attn_bwd_dkdv_tile(
         pT = tl.where(offs_n[:, None] <= rows[None, :] + diag_right, pT, 0.0)
     if IN_BAND and WINDOW_LEFT:
         pT = tl.where(offs_n[:, None] >= rows[None, :] + diag_left, pT, 0.0)
-    do = _load_tile(do_ptrs + g64 * stride_doh + start_m64 * stride_dom, rows, N_Q, offs_d, head_dim,
-                    IN_BAND, EVEN_D)  # [BLOCK_M, HEAD_DIM]
+    do = _load_tile(
+        do_ptrs + g64 * stride_doh + start_m64 * stride_dom, rows, N_Q, offs_d, head_dim, IN_BAND, EVEN_D
+    )  # [BLOCK_M, HEAD_DIM]
     dv = tl.dot(pT.to(do.dtype), do, dv, input_precision="ieee")
     if SOFTCAP:
         # d(softcap · tanh(s / softcap)) / ds = 1 - tanh², folded into P once dV has it, so the tanh tile dies
@@ -145,13 +192,48 @@ def _attn_bwd_dkdv_tile(
 
 @triton.jit
 def _attn_bwd_dkdv_inner(
-    dk, dv, k, v,
-    q_ptrs, do_ptrs, l_ptrs, delta_ptrs, dq_acc_ptrs, slope_ptr, stride_qm, stride_dom, stride_lm,
-    stride_qh, stride_doh, stride_lh, stride_delta, stride_dq_acc, stride_sh, GROUP,
-    offs_m, offs_n, offs_d, head_dim, N_Q, diag, diag_left, diag_right, qk_scale, cap_scale, lo, hi,
-    IN_BAND: tl.constexpr, WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
-    ALIBI: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, EVEN_D: tl.constexpr,
-    ATOMIC_DQ: tl.constexpr, GQA: tl.constexpr,
+    dk,
+    dv,
+    k,
+    v,
+    q_ptrs,
+    do_ptrs,
+    l_ptrs,
+    delta_ptrs,
+    dq_acc_ptrs,
+    slope_ptr,
+    stride_qm,
+    stride_dom,
+    stride_lm,
+    stride_qh,
+    stride_doh,
+    stride_lh,
+    stride_delta,
+    stride_dq_acc,
+    stride_sh,
+    GROUP,
+    offs_m,
+    offs_n,
+    offs_d,
+    head_dim,
+    N_Q,
+    diag,
+    diag_left,
+    diag_right,
+    qk_scale,
+    cap_scale,
+    lo,
+    hi,
+    IN_BAND: tl.constexpr,
+    WINDOW_LEFT: tl.constexpr,
+    WINDOW_RIGHT: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    ALIBI: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    EVEN_D: tl.constexpr,
+    ATOMIC_DQ: tl.constexpr,
+    GQA: tl.constexpr,
 ):
     """dK and dV of one key tile over query tiles [lo, hi) of each of the GROUP query heads of its key/value
     head (GQA: GROUP > 1), the heads one after another in a fixed order. With GQA one loop walks (head,
@@ -165,41 +247,163 @@ def _attn_bwd_dkdv_inner(
             g = it // num_tiles
             start_m = tl.multiple_of(lo + (it - g * num_tiles) * BLOCK_M, BLOCK_M)
             dk, dv = _attn_bwd_dkdv_tile(
-                dk, dv, k, v, start_m, tl.cast(g, tl.int64), q_ptrs, do_ptrs, l_ptrs, delta_ptrs, dq_acc_ptrs,
-                slope_ptr, stride_qm, stride_dom, stride_lm, stride_qh, stride_doh, stride_lh, stride_delta,
-                stride_dq_acc, stride_sh, offs_m, offs_n, offs_d, head_dim, N_Q, diag, diag_left, diag_right,
-                qk_scale, cap_scale,
-                IN_BAND, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, ALIBI, BLOCK_M, HEAD_DIM, EVEN_D, ATOMIC_DQ,
+                dk,
+                dv,
+                k,
+                v,
+                start_m,
+                tl.cast(g, tl.int64),
+                q_ptrs,
+                do_ptrs,
+                l_ptrs,
+                delta_ptrs,
+                dq_acc_ptrs,
+                slope_ptr,
+                stride_qm,
+                stride_dom,
+                stride_lm,
+                stride_qh,
+                stride_doh,
+                stride_lh,
+                stride_delta,
+                stride_dq_acc,
+                stride_sh,
+                offs_m,
+                offs_n,
+                offs_d,
+                head_dim,
+                N_Q,
+                diag,
+                diag_left,
+                diag_right,
+                qk_scale,
+                cap_scale,
+                IN_BAND,
+                WINDOW_LEFT,
+                WINDOW_RIGHT,
+                SOFTCAP,
+                ALIBI,
+                BLOCK_M,
+                HEAD_DIM,
+                EVEN_D,
+                ATOMIC_DQ,
             )
     else:
         for start_m in tl.range(lo, hi, BLOCK_M):
             start_m = tl.multiple_of(start_m, BLOCK_M)
             dk, dv = _attn_bwd_dkdv_tile(
-                dk, dv, k, v, start_m, 0, q_ptrs, do_ptrs, l_ptrs, delta_ptrs, dq_acc_ptrs,
-                slope_ptr, stride_qm, stride_dom, stride_lm, stride_qh, stride_doh, stride_lh, stride_delta,
-                stride_dq_acc, stride_sh, offs_m, offs_n, offs_d, head_dim, N_Q, diag, diag_left, diag_right,
-                qk_scale, cap_scale,
-                IN_BAND, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, ALIBI, BLOCK_M, HEAD_DIM, EVEN_D, ATOMIC_DQ,
+                dk,
+                dv,
+                k,
+                v,
+                start_m,
+                0,
+                q_ptrs,
+                do_ptrs,
+                l_ptrs,
+                delta_ptrs,
+                dq_acc_ptrs,
+                slope_ptr,
+                stride_qm,
+                stride_dom,
+                stride_lm,
+                stride_qh,
+                stride_doh,
+                stride_lh,
+                stride_delta,
+                stride_dq_acc,
+                stride_sh,
+                offs_m,
+                offs_n,
+                offs_d,
+                head_dim,
+                N_Q,
+                diag,
+                diag_left,
+                diag_right,
+                qk_scale,
+                cap_scale,
+                IN_BAND,
+                WINDOW_LEFT,
+                WINDOW_RIGHT,
+                SOFTCAP,
+                ALIBI,
+                BLOCK_M,
+                HEAD_DIM,
+                EVEN_D,
+                ATOMIC_DQ,
             )
     return dk, dv
 
 
 @triton.jit
 def _attn_bwd_dkdv(
-    Q, K, V, dO, L, Delta, dK, dV, dQ_acc, Slopes, Cu_q, Cu_k, scale, qk_scale, cap_scale, window_left,
+    Q,
+    K,
+    V,
+    dO,
+    L,
+    Delta,
+    dK,
+    dV,
+    dQ_acc,
+    Slopes,
+    Cu_q,
+    Cu_k,
+    scale,
+    qk_scale,
+    cap_scale,
+    window_left,
     window_right,
-    stride_qb, stride_qh, stride_qm, stride_qd,
-    stride_kb, stride_kh, stride_kn, stride_kd,
-    stride_vb, stride_vh, stride_vn, stride_vd,
-    stride_dob, stride_doh, stride_dom, stride_dod,
-    stride_lb, stride_lh, stride_lm,
-    stride_dkb, stride_dkh, stride_dkn, stride_dkd,
-    stride_dvb, stride_dvh, stride_dvn, stride_dvd,
-    stride_sb, stride_sh, stride_delta, stride_dq_acc,
-    H, GROUP, N_Q, N_K, TOTAL_Q, TOTAL_K, head_dim,
-    WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-    EVEN_D: tl.constexpr, ATOMIC_DQ: tl.constexpr, VARLEN: tl.constexpr, GQA: tl.constexpr,
+    stride_qb,
+    stride_qh,
+    stride_qm,
+    stride_qd,
+    stride_kb,
+    stride_kh,
+    stride_kn,
+    stride_kd,
+    stride_vb,
+    stride_vh,
+    stride_vn,
+    stride_vd,
+    stride_dob,
+    stride_doh,
+    stride_dom,
+    stride_dod,
+    stride_lb,
+    stride_lh,
+    stride_lm,
+    stride_dkb,
+    stride_dkh,
+    stride_dkn,
+    stride_dkd,
+    stride_dvb,
+    stride_dvh,
+    stride_dvn,
+    stride_dvd,
+    stride_sb,
+    stride_sh,
+    stride_delta,
+    stride_dq_acc,
+    H,
+    GROUP,
+    N_Q,
+    N_K,
+    TOTAL_Q,
+    TOTAL_K,
+    head_dim,
+    WINDOW_LEFT: tl.constexpr,
+    WINDOW_RIGHT: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    ALIBI: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    EVEN_D: tl.constexpr,
+    ATOMIC_DQ: tl.constexpr,
+    VARLEN: tl.constexpr,
+    GQA: tl.constexpr,
 ):
     """Q, dO: (B, H, N_Q, D); K, V, dK, dV: (B, H // GROUP, N_K, D); L: (B, H, N_Q); Delta: (B·H, N_Q) at row
     stride stride_delta. dQ_acc: with ATOMIC_DQ, a zeroed fp32 (B·H, cdiv(N_Q, BLOCK_M) · BLOCK_M, HEAD_DIM)
@@ -242,10 +446,8 @@ def _attn_bwd_dkdv(
     offs_m64 = offs_m.to(tl.int64)
     offs_n64 = offs_n.to(tl.int64)
     offs_d64 = offs_d.to(tl.int64)
-    k_ptrs = (K + off_bt * stride_kb + off_hk * stride_kh
-              + offs_n64[:, None] * stride_kn + offs_d64[None, :] * stride_kd)
-    v_ptrs = (V + off_bt * stride_vb + off_hk * stride_vh
-              + offs_n64[:, None] * stride_vn + offs_d64[None, :] * stride_vd)
+    k_ptrs = K + off_bt * stride_kb + off_hk * stride_kh + offs_n64[:, None] * stride_kn + offs_d64[None, :] * stride_kd
+    v_ptrs = V + off_bt * stride_vb + off_hk * stride_vh + offs_n64[:, None] * stride_vn + offs_d64[None, :] * stride_vd
 
     k = _load_tile(k_ptrs, offs_n, N_K, offs_d, head_dim, True, EVEN_D)  # [BLOCK_N, HEAD_DIM]
     v = _load_tile(v_ptrs, offs_n, N_K, offs_d, head_dim, True, EVEN_D)  # [BLOCK_N, HEAD_DIM]
@@ -258,40 +460,160 @@ def _attn_bwd_dkdv(
     # last partial tile, row-masked) are masked; [full_lo, full_hi), every key of the tile seen by every
     # row, unmasked. Keys past seqlen_k count as seen: their gradient rows are never stored.
     lo, full_lo, full_hi, hi = _tiles_in_window(
-        start_n, tl.minimum(start_n + BLOCK_N, N_K), N_Q, -diag, window_right, window_left,
-        BLOCK_M, WINDOW_RIGHT, WINDOW_LEFT,
+        start_n,
+        tl.minimum(start_n + BLOCK_N, N_K),
+        N_Q,
+        -diag,
+        window_right,
+        window_left,
+        BLOCK_M,
+        WINDOW_RIGHT,
+        WINDOW_LEFT,
     )
     # The group's query heads, one after another in a fixed order (deterministic), all accumulating into
     # this key tile's dk and dv in registers: dK and dV of a key/value head are sums over its query heads.
     # Pointers of the group's first query head; each part's loop walks (head, query tile).
     off_h = off_hk * GROUP
     off_bh = off_bt * H + off_h
-    q_ptrs = (Q + off_bt * stride_qb + off_h * stride_qh
-              + offs_m64[:, None] * stride_qm + offs_d64[None, :] * stride_qd)
-    do_ptrs = (dO + off_bt * stride_dob + off_h * stride_doh
-               + offs_m64[:, None] * stride_dom + offs_d64[None, :] * stride_dod)
+    q_ptrs = Q + off_bt * stride_qb + off_h * stride_qh + offs_m64[:, None] * stride_qm + offs_d64[None, :] * stride_qd
+    do_ptrs = (
+        dO + off_bt * stride_dob + off_h * stride_doh + offs_m64[:, None] * stride_dom + offs_d64[None, :] * stride_dod
+    )
     l_ptrs = L + off_bt * stride_lb + off_h * stride_lh + offs_m64 * stride_lm
     delta_ptrs = Delta + off_bh * stride_delta + offs_m
     dq_acc_ptrs = dQ_acc + off_bh * stride_dq_acc + offs_m64[:, None] * HEAD_DIM + offs_d64[None, :]
     slope_ptr = Slopes + off_b * stride_sb + off_h * stride_sh
     dk, dv = _attn_bwd_dkdv_inner(
-        dk, dv, k, v, q_ptrs, do_ptrs, l_ptrs, delta_ptrs, dq_acc_ptrs, slope_ptr, stride_qm, stride_dom,
-        stride_lm, stride_qh, stride_doh, stride_lh, stride_delta, stride_dq_acc, stride_sh, GROUP,
-        offs_m, offs_n, offs_d, head_dim, N_Q, diag, diag_left, diag_right, qk_scale, cap_scale, lo, full_lo,
-        True, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, ALIBI, BLOCK_M, HEAD_DIM, EVEN_D, ATOMIC_DQ, GQA,
+        dk,
+        dv,
+        k,
+        v,
+        q_ptrs,
+        do_ptrs,
+        l_ptrs,
+        delta_ptrs,
+        dq_acc_ptrs,
+        slope_ptr,
+        stride_qm,
+        stride_dom,
+        stride_lm,
+        stride_qh,
+        stride_doh,
+        stride_lh,
+        stride_delta,
+        stride_dq_acc,
+        stride_sh,
+        GROUP,
+        offs_m,
+        offs_n,
+        offs_d,
+        head_dim,
+        N_Q,
+        diag,
+        diag_left,
+        diag_right,
+        qk_scale,
+        cap_scale,
+        lo,
+        full_lo,
+        True,
+        WINDOW_LEFT,
+        WINDOW_RIGHT,
+        SOFTCAP,
+        ALIBI,
+        BLOCK_M,
+        HEAD_DIM,
+        EVEN_D,
+        ATOMIC_DQ,
+        GQA,
     )
     dk, dv = _attn_bwd_dkdv_inner(
-        dk, dv, k, v, q_ptrs, do_ptrs, l_ptrs, delta_ptrs, dq_acc_ptrs, slope_ptr, stride_qm, stride_dom,
-        stride_lm, stride_qh, stride_doh, stride_lh, stride_delta, stride_dq_acc, stride_sh, GROUP,
-        offs_m, offs_n, offs_d, head_dim, N_Q, diag, diag_left, diag_right, qk_scale, cap_scale, full_lo,
+        dk,
+        dv,
+        k,
+        v,
+        q_ptrs,
+        do_ptrs,
+        l_ptrs,
+        delta_ptrs,
+        dq_acc_ptrs,
+        slope_ptr,
+        stride_qm,
+        stride_dom,
+        stride_lm,
+        stride_qh,
+        stride_doh,
+        stride_lh,
+        stride_delta,
+        stride_dq_acc,
+        stride_sh,
+        GROUP,
+        offs_m,
+        offs_n,
+        offs_d,
+        head_dim,
+        N_Q,
+        diag,
+        diag_left,
+        diag_right,
+        qk_scale,
+        cap_scale,
+        full_lo,
         full_hi,
-        False, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, ALIBI, BLOCK_M, HEAD_DIM, EVEN_D, ATOMIC_DQ, GQA,
+        False,
+        WINDOW_LEFT,
+        WINDOW_RIGHT,
+        SOFTCAP,
+        ALIBI,
+        BLOCK_M,
+        HEAD_DIM,
+        EVEN_D,
+        ATOMIC_DQ,
+        GQA,
     )
     dk, dv = _attn_bwd_dkdv_inner(
-        dk, dv, k, v, q_ptrs, do_ptrs, l_ptrs, delta_ptrs, dq_acc_ptrs, slope_ptr, stride_qm, stride_dom,
-        stride_lm, stride_qh, stride_doh, stride_lh, stride_delta, stride_dq_acc, stride_sh, GROUP,
-        offs_m, offs_n, offs_d, head_dim, N_Q, diag, diag_left, diag_right, qk_scale, cap_scale, full_hi, hi,
-        True, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, ALIBI, BLOCK_M, HEAD_DIM, EVEN_D, ATOMIC_DQ, GQA,
+        dk,
+        dv,
+        k,
+        v,
+        q_ptrs,
+        do_ptrs,
+        l_ptrs,
+        delta_ptrs,
+        dq_acc_ptrs,
+        slope_ptr,
+        stride_qm,
+        stride_dom,
+        stride_lm,
+        stride_qh,
+        stride_doh,
+        stride_lh,
+        stride_delta,
+        stride_dq_acc,
+        stride_sh,
+        GROUP,
+        offs_m,
+        offs_n,
+        offs_d,
+        head_dim,
+        N_Q,
+        diag,
+        diag_left,
+        diag_right,
+        qk_scale,
+        cap_scale,
+        full_hi,
+        hi,
+        True,
+        WINDOW_LEFT,
+        WINDOW_RIGHT,
+        SOFTCAP,
+        ALIBI,
+        BLOCK_M,
+        HEAD_DIM,
+        EVEN_D,
+        ATOMIC_DQ,
+        GQA,
     )
     dk = dk * scale
 
@@ -299,29 +621,56 @@ def _attn_bwd_dkdv(
     mask = offs_n[:, None] < N_K
     if not EVEN_D:
         mask = mask & (offs_d[None, :] < head_dim)
-    dk_ptrs = (dK + off_bt * stride_dkb + off_hk * stride_dkh
-               + offs_n64[:, None] * stride_dkn + offs_d64[None, :] * stride_dkd)
-    dv_ptrs = (dV + off_bt * stride_dvb + off_hk * stride_dvh
-               + offs_n64[:, None] * stride_dvn + offs_d64[None, :] * stride_dvd)
+    dk_ptrs = (
+        dK + off_bt * stride_dkb + off_hk * stride_dkh + offs_n64[:, None] * stride_dkn + offs_d64[None, :] * stride_dkd
+    )
+    dv_ptrs = (
+        dV + off_bt * stride_dvb + off_hk * stride_dvh + offs_n64[:, None] * stride_dvn + offs_d64[None, :] * stride_dvd
+    )
     tl.store(dk_ptrs, dk.to(dK.dtype.element_ty), mask=mask)
     tl.store(dv_ptrs, dv.to(dV.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def _attn_bwd_dq_inner(
-    dq, q, do, lse, delta,
-    k_ptrs, v_ptrs, stride_kn, stride_vn,
-    offs_m, offs_n, offs_d, head_dim, N_K, diag, diag_left, diag_right, qk_scale, cap_scale, alibi, lo, hi,
-    IN_BAND: tl.constexpr, WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
-    ALIBI: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr,
+    dq,
+    q,
+    do,
+    lse,
+    delta,
+    k_ptrs,
+    v_ptrs,
+    stride_kn,
+    stride_vn,
+    offs_m,
+    offs_n,
+    offs_d,
+    head_dim,
+    N_K,
+    diag,
+    diag_left,
+    diag_right,
+    qk_scale,
+    cap_scale,
+    alibi,
+    lo,
+    hi,
+    IN_BAND: tl.constexpr,
+    WINDOW_LEFT: tl.constexpr,
+    WINDOW_RIGHT: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    ALIBI: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    EVEN_D: tl.constexpr,
 ):
     """dQ of one query tile over key tiles [lo, hi): masked iff IN_BAND, as in the forward."""
     for start_n in tl.range(lo, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         cols = start_n + offs_n
         start_n64 = tl.cast(start_n, tl.int64)
-        k = _load_tile(k_ptrs + start_n64 * stride_kn, cols, N_K, offs_d, head_dim,
-                       IN_BAND, EVEN_D)  # [BLOCK_N, HEAD_DIM]
+        k = _load_tile(
+            k_ptrs + start_n64 * stride_kn, cols, N_K, offs_d, head_dim, IN_BAND, EVEN_D
+        )  # [BLOCK_N, HEAD_DIM]
         qk = tl.dot(q, tl.trans(k), input_precision="ieee")  # [BLOCK_M, BLOCK_N]
         if SOFTCAP:
             qk = _tanh(qk * cap_scale, SOFTCAP)  # the capped score over softcap, as in the forward
@@ -342,8 +691,9 @@ def _attn_bwd_dq_inner(
             # d(softcap · tanh(s / softcap)) / ds = 1 - tanh², folded into P before dP's product, as in the
             # dK/dV kernel.
             p = p * (1.0 - qk * qk)
-        v = _load_tile(v_ptrs + start_n64 * stride_vn, cols, N_K, offs_d, head_dim,
-                       IN_BAND, EVEN_D)  # [BLOCK_N, HEAD_DIM]
+        v = _load_tile(
+            v_ptrs + start_n64 * stride_vn, cols, N_K, offs_d, head_dim, IN_BAND, EVEN_D
+        )  # [BLOCK_N, HEAD_DIM]
         dp = tl.dot(do, tl.trans(v), input_precision="ieee")  # [BLOCK_M, BLOCK_N]
         ds = p * (dp - delta[:, None])
         dq = tl.dot(ds.to(k.dtype), k, dq, input_precision="ieee")
@@ -352,18 +702,63 @@ def _attn_bwd_dq_inner(
 
 @triton.jit
 def _attn_bwd_dq(
-    Q, K, V, dO, L, Delta, dQ, Slopes, Cu_q, Cu_k, scale, qk_scale, cap_scale, window_left, window_right,
-    stride_qb, stride_qh, stride_qm, stride_qd,
-    stride_kb, stride_kh, stride_kn, stride_kd,
-    stride_vb, stride_vh, stride_vn, stride_vd,
-    stride_dob, stride_doh, stride_dom, stride_dod,
-    stride_lb, stride_lh, stride_lm,
-    stride_dqb, stride_dqh, stride_dqm, stride_dqd,
-    stride_sb, stride_sh, stride_delta,
-    H, GROUP, N_Q, N_K, TOTAL_Q, TOTAL_K, head_dim,
-    WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-    EVEN_D: tl.constexpr, VARLEN: tl.constexpr,
+    Q,
+    K,
+    V,
+    dO,
+    L,
+    Delta,
+    dQ,
+    Slopes,
+    Cu_q,
+    Cu_k,
+    scale,
+    qk_scale,
+    cap_scale,
+    window_left,
+    window_right,
+    stride_qb,
+    stride_qh,
+    stride_qm,
+    stride_qd,
+    stride_kb,
+    stride_kh,
+    stride_kn,
+    stride_kd,
+    stride_vb,
+    stride_vh,
+    stride_vn,
+    stride_vd,
+    stride_dob,
+    stride_doh,
+    stride_dom,
+    stride_dod,
+    stride_lb,
+    stride_lh,
+    stride_lm,
+    stride_dqb,
+    stride_dqh,
+    stride_dqm,
+    stride_dqd,
+    stride_sb,
+    stride_sh,
+    stride_delta,
+    H,
+    GROUP,
+    N_Q,
+    N_K,
+    TOTAL_Q,
+    TOTAL_K,
+    head_dim,
+    WINDOW_LEFT: tl.constexpr,
+    WINDOW_RIGHT: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    ALIBI: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    EVEN_D: tl.constexpr,
+    VARLEN: tl.constexpr,
 ):
     """Q, dO, dQ: (B, H, N_Q, D); K, V: (B, H // GROUP, N_K, D); L: (B, H, N_Q); Delta: (B·H, N_Q) at row
     stride stride_delta. The window, softcap, ALiBi and VARLEN arguments as the forward's (``_attn_fwd``)."""
@@ -402,20 +797,22 @@ def _attn_bwd_dq(
     offs_m64 = offs_m.to(tl.int64)
     offs_n64 = offs_n.to(tl.int64)
     offs_d64 = offs_d.to(tl.int64)
-    q_ptrs = (Q + off_bt * stride_qb + off_h * stride_qh
-              + offs_m64[:, None] * stride_qm + offs_d64[None, :] * stride_qd)
-    do_ptrs = (dO + off_bt * stride_dob + off_h * stride_doh
-               + offs_m64[:, None] * stride_dom + offs_d64[None, :] * stride_dod)
-    k_ptrs = (K + off_bt * stride_kb + off_hk * stride_kh
-              + offs_n64[:, None] * stride_kn + offs_d64[None, :] * stride_kd)
-    v_ptrs = (V + off_bt * stride_vb + off_hk * stride_vh
-              + offs_n64[:, None] * stride_vn + offs_d64[None, :] * stride_vd)
+    q_ptrs = Q + off_bt * stride_qb + off_h * stride_qh + offs_m64[:, None] * stride_qm + offs_d64[None, :] * stride_qd
+    do_ptrs = (
+        dO + off_bt * stride_dob + off_h * stride_doh + offs_m64[:, None] * stride_dom + offs_d64[None, :] * stride_dod
+    )
+    k_ptrs = K + off_bt * stride_kb + off_hk * stride_kh + offs_n64[:, None] * stride_kn + offs_d64[None, :] * stride_kd
+    v_ptrs = V + off_bt * stride_vb + off_hk * stride_vh + offs_n64[:, None] * stride_vn + offs_d64[None, :] * stride_vd
 
     q = _load_tile(q_ptrs, offs_m, N_Q, offs_d, head_dim, True, EVEN_D)  # [BLOCK_M, HEAD_DIM]
     do = _load_tile(do_ptrs, offs_m, N_Q, offs_d, head_dim, True, EVEN_D)  # [BLOCK_M, HEAD_DIM]
     # Rows past seqlen_q: L = +inf makes their P zero. L in log2 units, as the scores.
-    lse = tl.load(L + off_bt * stride_lb + off_h * stride_lh + offs_m64 * stride_lm, mask=offs_m < N_Q,
-                  other=float("inf")) * 1.4426950408889634
+    lse = (
+        tl.load(
+            L + off_bt * stride_lb + off_h * stride_lh + offs_m64 * stride_lm, mask=offs_m < N_Q, other=float("inf")
+        )
+        * 1.4426950408889634
+    )
     delta = tl.load(Delta + off_bh * stride_delta + offs_m, mask=offs_m < N_Q, other=0.0)
     dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
 
@@ -425,26 +822,108 @@ def _attn_bwd_dq(
     # The key tiles [lo, hi) that some row of this tile sees, as in the forward: [full_lo, full_hi)
     # unmasked, the tiles across the window's edges or the end of the keys masked.
     lo, full_lo, full_hi, hi = _tiles_in_window(
-        start_m, tl.minimum(start_m + BLOCK_M, N_Q), N_K, diag, window_left, window_right,
-        BLOCK_N, WINDOW_LEFT, WINDOW_RIGHT,
+        start_m,
+        tl.minimum(start_m + BLOCK_M, N_Q),
+        N_K,
+        diag,
+        window_left,
+        window_right,
+        BLOCK_N,
+        WINDOW_LEFT,
+        WINDOW_RIGHT,
     )
     dq = _attn_bwd_dq_inner(
-        dq, q, do, lse, delta, k_ptrs, v_ptrs, stride_kn, stride_vn,
-        offs_m, offs_n, offs_d, head_dim, N_K, diag, diag_left, diag_right, qk_scale, cap_scale, alibi,
-        lo, full_lo,
-        True, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, ALIBI, BLOCK_N, EVEN_D,
+        dq,
+        q,
+        do,
+        lse,
+        delta,
+        k_ptrs,
+        v_ptrs,
+        stride_kn,
+        stride_vn,
+        offs_m,
+        offs_n,
+        offs_d,
+        head_dim,
+        N_K,
+        diag,
+        diag_left,
+        diag_right,
+        qk_scale,
+        cap_scale,
+        alibi,
+        lo,
+        full_lo,
+        True,
+        WINDOW_LEFT,
+        WINDOW_RIGHT,
+        SOFTCAP,
+        ALIBI,
+        BLOCK_N,
+        EVEN_D,
     )
     dq = _attn_bwd_dq_inner(
-        dq, q, do, lse, delta, k_ptrs, v_ptrs, stride_kn, stride_vn,
-        offs_m, offs_n, offs_d, head_dim, N_K, diag, diag_left, diag_right, qk_scale, cap_scale, alibi,
-        full_lo, full_hi,
-        False, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, ALIBI, BLOCK_N, EVEN_D,
+        dq,
+        q,
+        do,
+        lse,
+        delta,
+        k_ptrs,
+        v_ptrs,
+        stride_kn,
+        stride_vn,
+        offs_m,
+        offs_n,
+        offs_d,
+        head_dim,
+        N_K,
+        diag,
+        diag_left,
+        diag_right,
+        qk_scale,
+        cap_scale,
+        alibi,
+        full_lo,
+        full_hi,
+        False,
+        WINDOW_LEFT,
+        WINDOW_RIGHT,
+        SOFTCAP,
+        ALIBI,
+        BLOCK_N,
+        EVEN_D,
     )
     dq = _attn_bwd_dq_inner(
-        dq, q, do, lse, delta, k_ptrs, v_ptrs, stride_kn, stride_vn,
-        offs_m, offs_n, offs_d, head_dim, N_K, diag, diag_left, diag_right, qk_scale, cap_scale, alibi,
-        full_hi, hi,
-        True, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, ALIBI, BLOCK_N, EVEN_D,
+        dq,
+        q,
+        do,
+        lse,
+        delta,
+        k_ptrs,
+        v_ptrs,
+        stride_kn,
+        stride_vn,
+        offs_m,
+        offs_n,
+        offs_d,
+        head_dim,
+        N_K,
+        diag,
+        diag_left,
+        diag_right,
+        qk_scale,
+        cap_scale,
+        alibi,
+        full_hi,
+        hi,
+        True,
+        WINDOW_LEFT,
+        WINDOW_RIGHT,
+        SOFTCAP,
+        ALIBI,
+        BLOCK_N,
+        EVEN_D,
     )
     dq = dq * scale
 
@@ -452,6 +931,7 @@ def _attn_bwd_dq(
     mask = offs_m[:, None] < N_Q
     if not EVEN_D:
         mask = mask & (offs_d[None, :] < head_dim)
-    dq_ptrs = (dQ + off_bt * stride_dqb + off_h * stride_dqh
-               + offs_m64[:, None] * stride_dqm + offs_d64[None, :] * stride_dqd)
+    dq_ptrs = (
+        dQ + off_bt * stride_dqb + off_h * stride_dqh + offs_m64[:, None] * stride_dqm + offs_d64[None, :] * stride_dqd
+    )
     tl.store(dq_ptrs, dq.to(dQ.dtype.element_ty), mask=mask)

@@ -21,8 +21,8 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
-from fa2.spec import UNBOUNDED, AttentionSpec
 
+from fa2.spec import UNBOUNDED, AttentionSpec
 
 # Whether fa2-triton's kernels were decorated for Triton's CPU interpreter: TRITON_INTERPRET was set when
 # fa2_triton was imported.
@@ -66,15 +66,23 @@ def _tanh(x, SOFTCAP: tl.constexpr):
     about fp16's unit roundoff and 8x below bf16's, so kept for 16-bit inputs, whose scores the naive
     attention of the precision rule rounds that much anyway; fp32 inputs keep the exact formula."""
     if SOFTCAP == 2:  # SOFTCAP_APPROX
-        return tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True,
-                                         pack=1)
+        return tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True, pack=1)
     else:
         return 1.0 - 2.0 / (tl.math.exp2(x) + 1.0)
 
 
 @triton.jit
-def _tiles_in_window(start, end, n_other, diag, window_left, window_right, BLOCK: tl.constexpr,
-                     WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr):
+def _tiles_in_window(
+    start,
+    end,
+    n_other,
+    diag,
+    window_left,
+    window_right,
+    BLOCK: tl.constexpr,
+    WINDOW_LEFT: tl.constexpr,
+    WINDOW_RIGHT: tl.constexpr,
+):
     """The tiles of the other side that rows [start, end) see, as (lo, full_lo, full_hi, hi): row i sees
     column j iff i + diag - window_left <= j <= i + diag + window_right (an unbounded side has no bound).
     [lo, hi) holds every column some row sees (lo a multiple of BLOCK; empty if lo >= hi), [full_lo, full_hi)
@@ -160,9 +168,16 @@ def score_args(spec: AttentionSpec, dtype: torch.dtype) -> ScoreArgs:
         mode, cap_scale = SOFTCAP_EXP2, spec.scale / softcap * 2 * LOG2_E
     slopes = spec.alibi_slopes
     return ScoreArgs(
-        qk_scale, cap_scale, max(left, 0), max(right, 0), slopes,
+        qk_scale,
+        cap_scale,
+        max(left, 0),
+        max(right, 0),
+        slopes,
         (0, 0) if slopes is None else (slopes.stride(0), slopes.stride(1)),
-        left != UNBOUNDED, right != UNBOUNDED, mode, slopes is not None,
+        left != UNBOUNDED,
+        right != UNBOUNDED,
+        mode,
+        slopes is not None,
     )
 
 
@@ -171,8 +186,13 @@ def packed(spec: AttentionSpec, batch: int, seqlen_q: int, seqlen_k: int, stand_
     the sequences, the longest lengths (the grid's extent) and the offsets; otherwise the tensors' own
     sizes and ``stand_in`` for the unused offset pointers."""
     if spec.varlen:
-        return (spec.cu_seqlens_q.numel() - 1, spec.max_seqlen_q, spec.max_seqlen_k, spec.cu_seqlens_q,
-                spec.cu_seqlens_k)
+        return (
+            spec.cu_seqlens_q.numel() - 1,
+            spec.max_seqlen_q,
+            spec.max_seqlen_k,
+            spec.cu_seqlens_q,
+            spec.cu_seqlens_k,
+        )
     return batch, seqlen_q, seqlen_k, stand_in, stand_in
 
 

@@ -21,9 +21,9 @@ import functools
 
 import torch
 import triton
-from fa2.spec import AttentionSpec
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from fa2.spec import AttentionSpec
 from fa2_triton import forward_gluon
 from fa2_triton.common import LOG2_E, MAX_HEAD_DIM, _check_device, group_size, packed, score_args
 from fa2_triton.forward_tl import _attn_fwd
@@ -148,15 +148,52 @@ def _launch(q, k, v, O, L, spec: AttentionSpec, tiles: Tiles | None = None):
     # The kernel's own descriptors live in global memory that Triton asks its allocator for.
     with on_device(q.device), scratch_allocator() if device_desc else contextlib.nullcontext():
         return launch(
-            _attn_fwd, grid,
-            (q_arg, k_arg, v_arg, o_arg, L, L if s.slopes is None else s.slopes, cu_q, cu_k,
-             s.qk_scale, s.cap_scale, alibi_scale, s.window_left, s.window_right,
-             *q.stride(), *k.stride(), *v.stride(), *O.stride(), *L.stride(), *s.slope_strides,
-             heads, group, seqlen_q, seqlen_k, q.shape[2], k.shape[2], head_dim),
-            dict(WINDOW_LEFT=s.WINDOW_LEFT, WINDOW_RIGHT=s.WINDOW_RIGHT, SOFTCAP=s.SOFTCAP, ALIBI=s.ALIBI,
-                 BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, HEAD_DIM=HEAD_DIM,
-                 EVEN_D=HEAD_DIM == head_dim, USE_TMA=use_tma, FUSED_EXP2=fused_exp2,
-                 LAZY_RESCALE=tiles.lazy_rescale, GRID_ORDER=tiles.grid_order, WARP_SPECIALIZE=warp_specialize,
-                 VARLEN=spec.varlen, DEVICE_DESC=device_desc),
+            _attn_fwd,
+            grid,
+            (
+                q_arg,
+                k_arg,
+                v_arg,
+                o_arg,
+                L,
+                L if s.slopes is None else s.slopes,
+                cu_q,
+                cu_k,
+                s.qk_scale,
+                s.cap_scale,
+                alibi_scale,
+                s.window_left,
+                s.window_right,
+                *q.stride(),
+                *k.stride(),
+                *v.stride(),
+                *O.stride(),
+                *L.stride(),
+                *s.slope_strides,
+                heads,
+                group,
+                seqlen_q,
+                seqlen_k,
+                q.shape[2],
+                k.shape[2],
+                head_dim,
+            ),
+            dict(
+                WINDOW_LEFT=s.WINDOW_LEFT,
+                WINDOW_RIGHT=s.WINDOW_RIGHT,
+                SOFTCAP=s.SOFTCAP,
+                ALIBI=s.ALIBI,
+                BLOCK_M=tiles.block_m,
+                BLOCK_N=tiles.block_n,
+                HEAD_DIM=HEAD_DIM,
+                EVEN_D=HEAD_DIM == head_dim,
+                USE_TMA=use_tma,
+                FUSED_EXP2=fused_exp2,
+                LAZY_RESCALE=tiles.lazy_rescale,
+                GRID_ORDER=tiles.grid_order,
+                WARP_SPECIALIZE=warp_specialize,
+                VARLEN=spec.varlen,
+                DEVICE_DESC=device_desc,
+            ),
             dict(num_warps=tiles.num_warps, num_stages=tiles.num_stages, maxnreg=tiles.maxnreg),
         )

@@ -38,16 +38,21 @@ from __future__ import annotations
 import functools
 
 import torch
-from fa2.spec import AttentionSpec
 
+from fa2.spec import AttentionSpec
 from fa2_triton.common import INTERPRETED, LOG2_E, _capability, group_size
 from fa2_triton.launch import launch, on_device
 
 try:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
-                                                                  warpgroup_mma, warpgroup_mma_wait)
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        mbarrier,
+        tma,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTensorDescriptor
 
     GLUON = hasattr(gl, "warp_specialize")
@@ -100,8 +105,9 @@ def _rows_layout(t: torch.Tensor) -> bool | None:
     return None
 
 
-def flash_attn_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                       spec: AttentionSpec) -> tuple[torch.Tensor, torch.Tensor]:
+def flash_attn_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionSpec
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Arguments:
         q: (batch, heads, seqlen_q, 128); k, v: (batch, heads_k, seqlen_k, 128), heads a multiple of
             heads_k; fp16 or bf16 on a Hopper GPU; inputs that ``uses_gluon`` accepts.
@@ -122,9 +128,13 @@ def flash_attn_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     v_desc = GluonTensorDescriptor.from_tensor(_rows_2d(v, kv_cols), [BLOCK_N, head_dim], kv_layout)
     o_desc = GluonTensorDescriptor.from_tensor(O.view(-1, head_dim), [BLOCK_M // 2, head_dim], q_layout)
     with on_device(q.device):
-        launch(_attn_fwd_gluon, (seqlen_q // BLOCK_M, batch * heads),
-               (q_desc, k_desc, v_desc, o_desc, L, spec.scale * LOG2_E, seqlen_q, seqlen_k, heads, group_size(q, k)),
-               dict(Q_COLS=q_cols, KV_COLS=kv_cols, HEAD_DIM=head_dim), dict(num_warps=4, maxnreg=MAXNREG))
+        launch(
+            _attn_fwd_gluon,
+            (seqlen_q // BLOCK_M, batch * heads),
+            (q_desc, k_desc, v_desc, o_desc, L, spec.scale * LOG2_E, seqlen_q, seqlen_k, heads, group_size(q, k)),
+            dict(Q_COLS=q_cols, KV_COLS=kv_cols, HEAD_DIM=head_dim),
+            dict(num_warps=4, maxnreg=MAXNREG),
+        )
     return O, L
 
 
@@ -139,8 +149,10 @@ def _rows_2d(t: torch.Tensor, heads_in_cols: bool) -> torch.Tensor:
 @functools.cache
 def _smem_layouts(dtype: torch.dtype):
     gdtype = gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
-    return (gl.NVMMASharedLayout.get_default_for([BLOCK_M // 2, HEAD_DIM], gdtype),
-            gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], gdtype))
+    return (
+        gl.NVMMASharedLayout.get_default_for([BLOCK_M // 2, HEAD_DIM], gdtype),
+        gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], gdtype),
+    )
 
 
 if GLUON:
@@ -178,9 +190,29 @@ if GLUON:
         return q_row, q_col, kv_row, kv_col, o_row
 
     @gluon.jit
-    def _loader(q_desc, k_desc, v_desc, o_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty,
-                turn, L, qk_scale, N_Q, N_K, H, GROUP, Q_COLS: gl.constexpr, KV_COLS: gl.constexpr,
-                HEAD_DIM: gl.constexpr):
+    def _loader(
+        q_desc,
+        k_desc,
+        v_desc,
+        o_desc,
+        q_smem,
+        k_smem,
+        v_smem,
+        q_ready,
+        k_ready,
+        v_ready,
+        kv_empty,
+        turn,
+        L,
+        qk_scale,
+        N_Q,
+        N_K,
+        H,
+        GROUP,
+        Q_COLS: gl.constexpr,
+        KV_COLS: gl.constexpr,
+        HEAD_DIM: gl.constexpr,
+    ):
         q_row, q_col, kv_row, kv_col, o_row = _coords(N_Q, N_K, H, GROUP, Q_COLS, KV_COLS, HEAD_DIM)
         mbarrier.expect(q_ready, 2 * q_desc.block_type.nbytes)
         _async_load(q_desc, [q_row, q_col], q_ready, q_smem.index(0))
@@ -200,9 +232,26 @@ if GLUON:
         mbarrier.wait(turn.index(WG), (k & 1) ^ (1 - WG))
 
     @gluon.jit
-    def _step(j, q, k_smem, v_smem, k_ready, v_ready, kv_empty, turn, p_prev, acc, m_i, l_i, qk_scale,
-              s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr, WG: gl.constexpr,
-              HAS_PREV: gl.constexpr):
+    def _step(
+        j,
+        q,
+        k_smem,
+        v_smem,
+        k_ready,
+        v_ready,
+        kv_empty,
+        turn,
+        p_prev,
+        acc,
+        m_i,
+        l_i,
+        qk_scale,
+        s_layout: gl.constexpr,
+        o_layout: gl.constexpr,
+        p_layout: gl.constexpr,
+        WG: gl.constexpr,
+        HAS_PREV: gl.constexpr,
+    ):
         """Key tile j: P V of tile j - 1 (HAS_PREV) and S = Q K_j^T issued in this warpgroup's turn, then
         the online softmax of S. Returns P (as the next MMA's register operand), O, m, l."""
         # side-by-side: gluon-step
@@ -214,8 +263,13 @@ if GLUON:
         _turn_wait(turn, j, WG)
         if HAS_PREV:
             acc = warpgroup_mma(p_prev, v_smem.index(sp), acc, is_async=True)
-        S = warpgroup_mma(q, k_smem.index(s).permute((1, 0)), gl.zeros([_ROWS, _BLOCK_N], gl.float32, s_layout),
-                          use_acc=False, is_async=True)
+        S = warpgroup_mma(
+            q,
+            k_smem.index(s).permute((1, 0)),
+            gl.zeros([_ROWS, _BLOCK_N], gl.float32, s_layout),
+            use_acc=False,
+            is_async=True,
+        )
         mbarrier.arrive(turn.index(1 - WG), count=1)
         S, acc = warpgroup_mma_wait(num_outstanding=0, deps=(S, acc))
         if HAS_PREV:
@@ -233,14 +287,37 @@ if GLUON:
         return gl.convert_layout(p.to(q.dtype), p_layout), acc, m_new, l_i
 
     @gluon.jit
-    def _consumer(WG: gl.constexpr, q_desc, k_desc, v_desc, o_desc, q_smem, k_smem, v_smem, q_ready, k_ready,
-                  v_ready, kv_empty, turn, L, qk_scale, N_Q, N_K, H, GROUP, Q_COLS: gl.constexpr,
-                  KV_COLS: gl.constexpr, HEAD_DIM: gl.constexpr):
+    def _consumer(
+        WG: gl.constexpr,
+        q_desc,
+        k_desc,
+        v_desc,
+        o_desc,
+        q_smem,
+        k_smem,
+        v_smem,
+        q_ready,
+        k_ready,
+        v_ready,
+        kv_empty,
+        turn,
+        L,
+        qk_scale,
+        N_Q,
+        N_K,
+        H,
+        GROUP,
+        Q_COLS: gl.constexpr,
+        KV_COLS: gl.constexpr,
+        HEAD_DIM: gl.constexpr,
+    ):
         q_row, q_col, kv_row, kv_col, o_row = _coords(N_Q, N_K, H, GROUP, Q_COLS, KV_COLS, HEAD_DIM)
-        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                           instr_shape=[16, _BLOCK_N, 16])
-        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                           instr_shape=[16, HEAD_DIM, 16])
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, _BLOCK_N, 16]
+        )
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16]
+        )
         p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
         q = q_smem.index(WG)
         mbarrier.wait(q_ready, 0)
@@ -248,18 +325,54 @@ if GLUON:
         l_i = gl.zeros([_ROWS], gl.float32, gl.SliceLayout(1, s_layout))
         acc = gl.zeros([_ROWS, HEAD_DIM], gl.float32, o_layout)
         p = gl.zeros([_ROWS, _BLOCK_N], q_desc.dtype, p_layout)
-        p, acc, m_i, l_i = _step(0, q, k_smem, v_smem, k_ready, v_ready, kv_empty, turn, p, acc, m_i, l_i,
-                                 qk_scale, s_layout, o_layout, p_layout, WG, False)
+        p, acc, m_i, l_i = _step(
+            0,
+            q,
+            k_smem,
+            v_smem,
+            k_ready,
+            v_ready,
+            kv_empty,
+            turn,
+            p,
+            acc,
+            m_i,
+            l_i,
+            qk_scale,
+            s_layout,
+            o_layout,
+            p_layout,
+            WG,
+            False,
+        )
         n = N_K // _BLOCK_N
         for j in range(1, n):
-            p, acc, m_i, l_i = _step(j, q, k_smem, v_smem, k_ready, v_ready, kv_empty, turn, p, acc, m_i, l_i,
-                                     qk_scale, s_layout, o_layout, p_layout, WG, True)
+            p, acc, m_i, l_i = _step(
+                j,
+                q,
+                k_smem,
+                v_smem,
+                k_ready,
+                v_ready,
+                kv_empty,
+                turn,
+                p,
+                acc,
+                m_i,
+                l_i,
+                qk_scale,
+                s_layout,
+                o_layout,
+                p_layout,
+                WG,
+                True,
+            )
         last = (n - 1) % _STAGES
         mbarrier.wait(v_ready.index(last), ((n - 1) // _STAGES) & 1)
         _turn_wait(turn, n, WG)
         acc = warpgroup_mma(p, v_smem.index(last), acc, is_async=True)
         mbarrier.arrive(turn.index(1 - WG), count=1)
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
 
         # A row with no finite score (l = 0) gets O = 0 and L = +inf, the convention of rows that see no key.
         empty = l_i == 0.0
@@ -274,22 +387,119 @@ if GLUON:
         tma.store_wait(0)
 
     @gluon.jit
-    def _consumer0(q_desc, k_desc, v_desc, o_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty,
-                   turn, L, qk_scale, N_Q, N_K, H, GROUP, Q_COLS: gl.constexpr, KV_COLS: gl.constexpr,
-                   HEAD_DIM: gl.constexpr):
-        _consumer(0, q_desc, k_desc, v_desc, o_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty,
-                  turn, L, qk_scale, N_Q, N_K, H, GROUP, Q_COLS, KV_COLS, HEAD_DIM)
+    def _consumer0(
+        q_desc,
+        k_desc,
+        v_desc,
+        o_desc,
+        q_smem,
+        k_smem,
+        v_smem,
+        q_ready,
+        k_ready,
+        v_ready,
+        kv_empty,
+        turn,
+        L,
+        qk_scale,
+        N_Q,
+        N_K,
+        H,
+        GROUP,
+        Q_COLS: gl.constexpr,
+        KV_COLS: gl.constexpr,
+        HEAD_DIM: gl.constexpr,
+    ):
+        _consumer(
+            0,
+            q_desc,
+            k_desc,
+            v_desc,
+            o_desc,
+            q_smem,
+            k_smem,
+            v_smem,
+            q_ready,
+            k_ready,
+            v_ready,
+            kv_empty,
+            turn,
+            L,
+            qk_scale,
+            N_Q,
+            N_K,
+            H,
+            GROUP,
+            Q_COLS,
+            KV_COLS,
+            HEAD_DIM,
+        )
 
     @gluon.jit
-    def _consumer1(q_desc, k_desc, v_desc, o_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty,
-                   turn, L, qk_scale, N_Q, N_K, H, GROUP, Q_COLS: gl.constexpr, KV_COLS: gl.constexpr,
-                   HEAD_DIM: gl.constexpr):
-        _consumer(1, q_desc, k_desc, v_desc, o_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty,
-                  turn, L, qk_scale, N_Q, N_K, H, GROUP, Q_COLS, KV_COLS, HEAD_DIM)
+    def _consumer1(
+        q_desc,
+        k_desc,
+        v_desc,
+        o_desc,
+        q_smem,
+        k_smem,
+        v_smem,
+        q_ready,
+        k_ready,
+        v_ready,
+        kv_empty,
+        turn,
+        L,
+        qk_scale,
+        N_Q,
+        N_K,
+        H,
+        GROUP,
+        Q_COLS: gl.constexpr,
+        KV_COLS: gl.constexpr,
+        HEAD_DIM: gl.constexpr,
+    ):
+        _consumer(
+            1,
+            q_desc,
+            k_desc,
+            v_desc,
+            o_desc,
+            q_smem,
+            k_smem,
+            v_smem,
+            q_ready,
+            k_ready,
+            v_ready,
+            kv_empty,
+            turn,
+            L,
+            qk_scale,
+            N_Q,
+            N_K,
+            H,
+            GROUP,
+            Q_COLS,
+            KV_COLS,
+            HEAD_DIM,
+        )
 
     @gluon.jit
-    def _attn_fwd_gluon(q_desc, k_desc, v_desc, o_desc, L, qk_scale, N_Q, N_K, H, GROUP, Q_COLS: gl.constexpr,
-                        KV_COLS: gl.constexpr, HEAD_DIM: gl.constexpr):
+    def _attn_fwd_gluon(
+        q_desc,
+        k_desc,
+        v_desc,
+        o_desc,
+        L,
+        qk_scale,
+        N_Q,
+        N_K,
+        H,
+        GROUP,
+        Q_COLS: gl.constexpr,
+        KV_COLS: gl.constexpr,
+        HEAD_DIM: gl.constexpr,
+    ):
         dtype: gl.constexpr = q_desc.dtype
         q_smem = gl.allocate_shared_memory(dtype, [2, _ROWS, HEAD_DIM], q_desc.layout)
         k_smem = gl.allocate_shared_memory(dtype, [_STAGES, _BLOCK_N, HEAD_DIM], k_desc.layout)
@@ -309,12 +519,88 @@ if GLUON:
         # The worker partitions take one signature, so every partition gets the whole list; it is spelled
         # out here because a tuple bound to a name first loses its constexprs.
         # side-by-side: gluon-partitions
-        gl.warp_specialize([
-            (_consumer0, (q_desc, k_desc, v_desc, o_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready,
-                          kv_empty, turn, L, qk_scale, N_Q, N_K, H, GROUP, Q_COLS, KV_COLS, HEAD_DIM)),
-            (_consumer1, (q_desc, k_desc, v_desc, o_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready,
-                          kv_empty, turn, L, qk_scale, N_Q, N_K, H, GROUP, Q_COLS, KV_COLS, HEAD_DIM)),
-            (_loader, (q_desc, k_desc, v_desc, o_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready,
-                       kv_empty, turn, L, qk_scale, N_Q, N_K, H, GROUP, Q_COLS, KV_COLS, HEAD_DIM)),
-        ], [4, 1], [_CONSUMER_REGS, _LOADER_REGS])
+        gl.warp_specialize(
+            [
+                (
+                    _consumer0,
+                    (
+                        q_desc,
+                        k_desc,
+                        v_desc,
+                        o_desc,
+                        q_smem,
+                        k_smem,
+                        v_smem,
+                        q_ready,
+                        k_ready,
+                        v_ready,
+                        kv_empty,
+                        turn,
+                        L,
+                        qk_scale,
+                        N_Q,
+                        N_K,
+                        H,
+                        GROUP,
+                        Q_COLS,
+                        KV_COLS,
+                        HEAD_DIM,
+                    ),
+                ),
+                (
+                    _consumer1,
+                    (
+                        q_desc,
+                        k_desc,
+                        v_desc,
+                        o_desc,
+                        q_smem,
+                        k_smem,
+                        v_smem,
+                        q_ready,
+                        k_ready,
+                        v_ready,
+                        kv_empty,
+                        turn,
+                        L,
+                        qk_scale,
+                        N_Q,
+                        N_K,
+                        H,
+                        GROUP,
+                        Q_COLS,
+                        KV_COLS,
+                        HEAD_DIM,
+                    ),
+                ),
+                (
+                    _loader,
+                    (
+                        q_desc,
+                        k_desc,
+                        v_desc,
+                        o_desc,
+                        q_smem,
+                        k_smem,
+                        v_smem,
+                        q_ready,
+                        k_ready,
+                        v_ready,
+                        kv_empty,
+                        turn,
+                        L,
+                        qk_scale,
+                        N_Q,
+                        N_K,
+                        H,
+                        GROUP,
+                        Q_COLS,
+                        KV_COLS,
+                        HEAD_DIM,
+                    ),
+                ),
+            ],
+            [4, 1],
+            [_CONSUMER_REGS, _LOADER_REGS],
+        )
         # side-by-side: end

@@ -88,20 +88,49 @@ import triton.language as tl
 
 from fa2_triton.common import _load_tile, _sequence, _tanh, _tiles_in_window
 
-
 # LAZY_RESCALE keeps a row's max until a tile's is this much larger (log2 units): p <= 2^8 (FA4's choice).
 RESCALE_THRESHOLD = tl.constexpr(8.0)
 
 
 @triton.jit
 def _attn_fwd_inner(
-    acc, l_i, m_i, q,
-    k_src, v_src, stride_kn, stride_vn, off_b, off_hk, kv_row,
-    offs_m, offs_n, offs_d, head_dim, N_K, diag, diag_left, diag_right, qk_scale, cap_scale, alibi, lo, hi,
-    IN_BAND: tl.constexpr, WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
-    ALIBI: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, EVEN_D: tl.constexpr,
-    USE_TMA: tl.constexpr, FUSED_EXP2: tl.constexpr, LAZY_RESCALE: tl.constexpr,
-    WARP_SPECIALIZE: tl.constexpr, DEVICE_DESC: tl.constexpr,
+    acc,
+    l_i,
+    m_i,
+    q,
+    k_src,
+    v_src,
+    stride_kn,
+    stride_vn,
+    off_b,
+    off_hk,
+    kv_row,
+    offs_m,
+    offs_n,
+    offs_d,
+    head_dim,
+    N_K,
+    diag,
+    diag_left,
+    diag_right,
+    qk_scale,
+    cap_scale,
+    alibi,
+    lo,
+    hi,
+    IN_BAND: tl.constexpr,
+    WINDOW_LEFT: tl.constexpr,
+    WINDOW_RIGHT: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    ALIBI: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    EVEN_D: tl.constexpr,
+    USE_TMA: tl.constexpr,
+    FUSED_EXP2: tl.constexpr,
+    LAZY_RESCALE: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr,
+    DEVICE_DESC: tl.constexpr,
 ):
     """The online softmax over key tiles [lo, hi): masked iff IN_BAND. k_src, v_src: 4-D tensor descriptors
     read at key/value head off_hk (USE_TMA), 2-D ones built in the kernel whose rows of this batch and
@@ -120,10 +149,11 @@ def _attn_fwd_inner(
             # Rows past seqlen_k come back as zeros (the descriptor's bounds); the band masks their scores.
             k = k_src.load([off_b, off_hk, start_n, 0]).reshape(BLOCK_N, HEAD_DIM)
         else:
-            k = _load_tile(k_src + tl.cast(start_n, tl.int64) * stride_kn, cols, N_K, offs_d, head_dim,
-                           IN_BAND, EVEN_D)  # [BLOCK_N, HEAD_DIM]
+            k = _load_tile(
+                k_src + tl.cast(start_n, tl.int64) * stride_kn, cols, N_K, offs_d, head_dim, IN_BAND, EVEN_D
+            )  # [BLOCK_N, HEAD_DIM]
         qk = tl.dot(q, tl.trans(k), input_precision="ieee")  # [BLOCK_M, BLOCK_N]
-    # side-by-side: end
+        # side-by-side: end
         # side-by-side: softcap
         if SOFTCAP:
             # softcap · tanh(scale · q·k / softcap) in fp32: tanh here, its factor softcap (times log2(e)) is
@@ -183,8 +213,9 @@ def _attn_fwd_inner(
         elif USE_TMA:
             v = v_src.load([off_b, off_hk, start_n, 0]).reshape(BLOCK_N, HEAD_DIM)
         else:
-            v = _load_tile(v_src + tl.cast(start_n, tl.int64) * stride_vn, cols, N_K, offs_d, head_dim,
-                           IN_BAND, EVEN_D)  # [BLOCK_N, HEAD_DIM]
+            v = _load_tile(
+                v_src + tl.cast(start_n, tl.int64) * stride_vn, cols, N_K, offs_d, head_dim, IN_BAND, EVEN_D
+            )  # [BLOCK_N, HEAD_DIM]
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision="ieee")
         l_i = l_i * alpha + tl.sum(p, 1)
         m_i = m_new
@@ -194,18 +225,62 @@ def _attn_fwd_inner(
 
 @triton.jit
 def _attn_fwd(
-    Q, K, V, O, L, Slopes, Cu_q, Cu_k, qk_scale, cap_scale, alibi_scale, window_left, window_right,
-    stride_qb, stride_qh, stride_qm, stride_qd,
-    stride_kb, stride_kh, stride_kn, stride_kd,
-    stride_vb, stride_vh, stride_vn, stride_vd,
-    stride_ob, stride_oh, stride_om, stride_od,
-    stride_lb, stride_lh, stride_lm,
-    stride_sb, stride_sh,
-    H, GROUP, N_Q, N_K, TOTAL_Q, TOTAL_K, head_dim,
-    WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-    EVEN_D: tl.constexpr, USE_TMA: tl.constexpr, FUSED_EXP2: tl.constexpr, LAZY_RESCALE: tl.constexpr,
-    GRID_ORDER: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, VARLEN: tl.constexpr, DEVICE_DESC: tl.constexpr,
+    Q,
+    K,
+    V,
+    O,
+    L,
+    Slopes,
+    Cu_q,
+    Cu_k,
+    qk_scale,
+    cap_scale,
+    alibi_scale,
+    window_left,
+    window_right,
+    stride_qb,
+    stride_qh,
+    stride_qm,
+    stride_qd,
+    stride_kb,
+    stride_kh,
+    stride_kn,
+    stride_kd,
+    stride_vb,
+    stride_vh,
+    stride_vn,
+    stride_vd,
+    stride_ob,
+    stride_oh,
+    stride_om,
+    stride_od,
+    stride_lb,
+    stride_lh,
+    stride_lm,
+    stride_sb,
+    stride_sh,
+    H,
+    GROUP,
+    N_Q,
+    N_K,
+    TOTAL_Q,
+    TOTAL_K,
+    head_dim,
+    WINDOW_LEFT: tl.constexpr,
+    WINDOW_RIGHT: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    ALIBI: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    EVEN_D: tl.constexpr,
+    USE_TMA: tl.constexpr,
+    FUSED_EXP2: tl.constexpr,
+    LAZY_RESCALE: tl.constexpr,
+    GRID_ORDER: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr,
+    VARLEN: tl.constexpr,
+    DEVICE_DESC: tl.constexpr,
 ):
     """Q, K, V, O: pointers, or with USE_TMA tensor descriptors of blocks [1, 1, BLOCK, HEAD_DIM], Q's and O's
     over (B, H, N_Q, D), K's and V's over (B, H // GROUP, N_K, D) (their strides are then unused).
@@ -280,12 +355,15 @@ def _attn_fwd(
         # A packed batch through descriptors bounded by this sequence's rows of this head: rows past the
         # sequence read as zeros and are not written, so no tile reaches into the next sequence. A
         # sequence without keys gets a one-row bound, never read.
-        q_desc = tl.make_tensor_descriptor(Q + off_h.to(tl.int64) * stride_qh, [N_Q, HEAD_DIM], [stride_qm, 1],
-                                           [BLOCK_M, HEAD_DIM])
-        k_src = tl.make_tensor_descriptor(K + off_hk.to(tl.int64) * stride_kh, [tl.maximum(N_K, 1), HEAD_DIM],
-                                          [stride_kn, 1], [BLOCK_N, HEAD_DIM])
-        v_src = tl.make_tensor_descriptor(V + off_hk.to(tl.int64) * stride_vh, [tl.maximum(N_K, 1), HEAD_DIM],
-                                          [stride_vn, 1], [BLOCK_N, HEAD_DIM])
+        q_desc = tl.make_tensor_descriptor(
+            Q + off_h.to(tl.int64) * stride_qh, [N_Q, HEAD_DIM], [stride_qm, 1], [BLOCK_M, HEAD_DIM]
+        )
+        k_src = tl.make_tensor_descriptor(
+            K + off_hk.to(tl.int64) * stride_kh, [tl.maximum(N_K, 1), HEAD_DIM], [stride_kn, 1], [BLOCK_N, HEAD_DIM]
+        )
+        v_src = tl.make_tensor_descriptor(
+            V + off_hk.to(tl.int64) * stride_vh, [tl.maximum(N_K, 1), HEAD_DIM], [stride_vn, 1], [BLOCK_N, HEAD_DIM]
+        )
         kv_row = 0
         q = q_desc.load([start_m, 0])
     elif USE_TMA:
@@ -300,12 +378,27 @@ def _attn_fwd(
         offs_m64 = offs_m.to(tl.int64)
         offs_n64 = offs_n.to(tl.int64)
         offs_d64 = offs_d.to(tl.int64)
-        q_ptrs = (Q + off_b64 * stride_qb + off_h64 * stride_qh
-                  + offs_m64[:, None] * stride_qm + offs_d64[None, :] * stride_qd)
-        k_src = (K + off_b64 * stride_kb + off_hk64 * stride_kh
-                 + offs_n64[:, None] * stride_kn + offs_d64[None, :] * stride_kd)
-        v_src = (V + off_b64 * stride_vb + off_hk64 * stride_vh
-                 + offs_n64[:, None] * stride_vn + offs_d64[None, :] * stride_vd)
+        q_ptrs = (
+            Q
+            + off_b64 * stride_qb
+            + off_h64 * stride_qh
+            + offs_m64[:, None] * stride_qm
+            + offs_d64[None, :] * stride_qd
+        )
+        k_src = (
+            K
+            + off_b64 * stride_kb
+            + off_hk64 * stride_kh
+            + offs_n64[:, None] * stride_kn
+            + offs_d64[None, :] * stride_kd
+        )
+        v_src = (
+            V
+            + off_b64 * stride_vb
+            + off_hk64 * stride_vh
+            + offs_n64[:, None] * stride_vn
+            + offs_d64[None, :] * stride_vd
+        )
         q = _load_tile(q_ptrs, offs_m, N_Q, offs_d, head_dim, True, EVEN_D)  # [BLOCK_M, HEAD_DIM]
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -324,8 +417,15 @@ def _attn_fwd(
     # [lo, full_lo) and across the right edge or the end of the keys [full_hi, hi) are masked. Causal
     # is the case lo = full_lo = 0 (no left edge) with window_right = 0.
     lo, full_lo, full_hi, hi = _tiles_in_window(
-        start_m, tl.minimum(start_m + BLOCK_M, N_Q), N_K, diag, window_left, window_right,
-        BLOCK_N, WINDOW_LEFT, WINDOW_RIGHT,
+        start_m,
+        tl.minimum(start_m + BLOCK_M, N_Q),
+        N_K,
+        diag,
+        window_left,
+        window_right,
+        BLOCK_N,
+        WINDOW_LEFT,
+        WINDOW_RIGHT,
     )
     diag_left = diag - window_left
     diag_right = diag + window_right
@@ -334,26 +434,122 @@ def _attn_fwd(
     # side-by-side: loop
     if WINDOW_LEFT:  # never warp-specialised (one key loop only)
         acc, l_i, m_i = _attn_fwd_inner(
-            acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_vn, off_b, off_hk, kv_row,
-            offs_m, offs_n, offs_d, head_dim, N_K, diag, diag_left, diag_right, qk_scale, cap_scale, alibi,
-            lo, full_lo,
-            True, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, ALIBI, BLOCK_N, HEAD_DIM, EVEN_D, USE_TMA, FUSED_EXP2,
-            LAZY_RESCALE, False, DEVICE_DESC,
+            acc,
+            l_i,
+            m_i,
+            q,
+            k_src,
+            v_src,
+            stride_kn,
+            stride_vn,
+            off_b,
+            off_hk,
+            kv_row,
+            offs_m,
+            offs_n,
+            offs_d,
+            head_dim,
+            N_K,
+            diag,
+            diag_left,
+            diag_right,
+            qk_scale,
+            cap_scale,
+            alibi,
+            lo,
+            full_lo,
+            True,
+            WINDOW_LEFT,
+            WINDOW_RIGHT,
+            SOFTCAP,
+            ALIBI,
+            BLOCK_N,
+            HEAD_DIM,
+            EVEN_D,
+            USE_TMA,
+            FUSED_EXP2,
+            LAZY_RESCALE,
+            False,
+            DEVICE_DESC,
         )
     acc, l_i, m_i = _attn_fwd_inner(
-        acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_vn, off_b, off_hk, kv_row,
-        offs_m, offs_n, offs_d, head_dim, N_K, diag, diag_left, diag_right, qk_scale, cap_scale, alibi,
-        full_lo, full_hi,
-        False, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, ALIBI, BLOCK_N, HEAD_DIM, EVEN_D, USE_TMA, FUSED_EXP2,
-        LAZY_RESCALE, WARP_SPECIALIZE, DEVICE_DESC,
+        acc,
+        l_i,
+        m_i,
+        q,
+        k_src,
+        v_src,
+        stride_kn,
+        stride_vn,
+        off_b,
+        off_hk,
+        kv_row,
+        offs_m,
+        offs_n,
+        offs_d,
+        head_dim,
+        N_K,
+        diag,
+        diag_left,
+        diag_right,
+        qk_scale,
+        cap_scale,
+        alibi,
+        full_lo,
+        full_hi,
+        False,
+        WINDOW_LEFT,
+        WINDOW_RIGHT,
+        SOFTCAP,
+        ALIBI,
+        BLOCK_N,
+        HEAD_DIM,
+        EVEN_D,
+        USE_TMA,
+        FUSED_EXP2,
+        LAZY_RESCALE,
+        WARP_SPECIALIZE,
+        DEVICE_DESC,
     )
     if not WARP_SPECIALIZE:  # no band then (BLOCK_N divides seqlen_k), and a second loop would not compile
         acc, l_i, m_i = _attn_fwd_inner(
-            acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_vn, off_b, off_hk, kv_row,
-            offs_m, offs_n, offs_d, head_dim, N_K, diag, diag_left, diag_right, qk_scale, cap_scale, alibi,
-            full_hi, hi,
-            True, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, ALIBI, BLOCK_N, HEAD_DIM, EVEN_D, USE_TMA, FUSED_EXP2,
-            LAZY_RESCALE, False, DEVICE_DESC,
+            acc,
+            l_i,
+            m_i,
+            q,
+            k_src,
+            v_src,
+            stride_kn,
+            stride_vn,
+            off_b,
+            off_hk,
+            kv_row,
+            offs_m,
+            offs_n,
+            offs_d,
+            head_dim,
+            N_K,
+            diag,
+            diag_left,
+            diag_right,
+            qk_scale,
+            cap_scale,
+            alibi,
+            full_hi,
+            hi,
+            True,
+            WINDOW_LEFT,
+            WINDOW_RIGHT,
+            SOFTCAP,
+            ALIBI,
+            BLOCK_N,
+            HEAD_DIM,
+            EVEN_D,
+            USE_TMA,
+            FUSED_EXP2,
+            LAZY_RESCALE,
+            False,
+            DEVICE_DESC,
         )
     # side-by-side: end
 
@@ -371,15 +567,21 @@ def _attn_fwd(
         o_desc = tl.make_tensor_descriptor(O, [num_bh * N_Q, HEAD_DIM], [HEAD_DIM, 1], [BLOCK_M, HEAD_DIM])
         o_desc.store([off_bh * N_Q + start_m, 0], acc.to(O.dtype.element_ty))
     elif DEVICE_DESC:
-        o_desc = tl.make_tensor_descriptor(O + off_h.to(tl.int64) * stride_oh, [N_Q, HEAD_DIM], [stride_om, 1],
-                                           [BLOCK_M, HEAD_DIM])
+        o_desc = tl.make_tensor_descriptor(
+            O + off_h.to(tl.int64) * stride_oh, [N_Q, HEAD_DIM], [stride_om, 1], [BLOCK_M, HEAD_DIM]
+        )
         o_desc.store([start_m, 0], acc.to(O.dtype.element_ty))
     elif USE_TMA:
         # Rows past seqlen_q fall outside the descriptor's bounds and are not written.
         O.store([off_b, off_h, start_m, 0], acc.to(O.dtype).reshape(1, 1, BLOCK_M, HEAD_DIM))
     else:
-        o_ptrs = (O + off_b64 * stride_ob + off_h64 * stride_oh
-                  + offs_m64[:, None] * stride_om + offs_d64[None, :] * stride_od)
+        o_ptrs = (
+            O
+            + off_b64 * stride_ob
+            + off_h64 * stride_oh
+            + offs_m64[:, None] * stride_om
+            + offs_d64[None, :] * stride_od
+        )
         o_mask = offs_m[:, None] < N_Q
         if not EVEN_D:
             o_mask = o_mask & (offs_d[None, :] < head_dim)

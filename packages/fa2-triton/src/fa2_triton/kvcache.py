@@ -46,8 +46,8 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
-from fa2.spec import AttentionSpec
 
+from fa2.spec import AttentionSpec
 from fa2_triton.common import INTERPRETED, LOG2_E, MAX_HEAD_DIM, _check_device, _rows, _tanh, score_args
 from fa2_triton.launch import launch, on_device
 from fa2_triton.tiles import Tiles
@@ -55,18 +55,72 @@ from fa2_triton.tiles import Tiles
 
 @triton.jit
 def _kvcache_fwd(
-    Q, K, V, O, L, Work, Counter, Slopes, Seqlens, Leftpad, BatchIdx, BlockTable, Cu_q,
-    qk_scale, cap_scale, alibi_scale, window_left, window_right,
-    stride_qb, stride_qh, stride_qm, stride_qd,
-    stride_kb, stride_kh, stride_kn, stride_kd,
-    stride_vb, stride_vh, stride_vn, stride_vd,
-    stride_ob, stride_oh, stride_om, stride_od, stride_lb, stride_lh, stride_lm,
-    stride_sb, stride_sh, stride_tb, stride_tp,
-    H, GROUP, N_Q, TOTAL_Q, CAPACITY, NUM_ROWS, CHUNK, NUM_SPLITS, ROWS, head_dim,
-    WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
-    LEFTPAD: tl.constexpr, BATCH_IDX: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    VARLEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-    EVEN_D: tl.constexpr, SPLIT: tl.constexpr, FENCE: tl.constexpr,
+    Q,
+    K,
+    V,
+    O,
+    L,
+    Work,
+    Counter,
+    Slopes,
+    Seqlens,
+    Leftpad,
+    BatchIdx,
+    BlockTable,
+    Cu_q,
+    qk_scale,
+    cap_scale,
+    alibi_scale,
+    window_left,
+    window_right,
+    stride_qb,
+    stride_qh,
+    stride_qm,
+    stride_qd,
+    stride_kb,
+    stride_kh,
+    stride_kn,
+    stride_kd,
+    stride_vb,
+    stride_vh,
+    stride_vn,
+    stride_vd,
+    stride_ob,
+    stride_oh,
+    stride_om,
+    stride_od,
+    stride_lb,
+    stride_lh,
+    stride_lm,
+    stride_sb,
+    stride_sh,
+    stride_tb,
+    stride_tp,
+    H,
+    GROUP,
+    N_Q,
+    TOTAL_Q,
+    CAPACITY,
+    NUM_ROWS,
+    CHUNK,
+    NUM_SPLITS,
+    ROWS,
+    head_dim,
+    WINDOW_LEFT: tl.constexpr,
+    WINDOW_RIGHT: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    ALIBI: tl.constexpr,
+    LEFTPAD: tl.constexpr,
+    BATCH_IDX: tl.constexpr,
+    PAGED: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    VARLEN: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    EVEN_D: tl.constexpr,
+    SPLIT: tl.constexpr,
+    FENCE: tl.constexpr,
 ):
     """One program per (split, batch row, key/value head, tile of GROUP · seqlen_q query rows).
 
@@ -130,13 +184,20 @@ def _kvcache_fwd(
     d_ok = offs_d < head_dim
     diag = seqlen_k - n_q
 
-    q_ptrs = (Q + tl.cast(off_bt, tl.int64) * stride_qb + offs_h.to(tl.int64)[:, None] * stride_qh
-              + (q_start + offs_i).to(tl.int64)[:, None] * stride_qm + offs_d.to(tl.int64)[None, :] * stride_qd)
+    q_ptrs = (
+        Q
+        + tl.cast(off_bt, tl.int64) * stride_qb
+        + offs_h.to(tl.int64)[:, None] * stride_qh
+        + (q_start + offs_i).to(tl.int64)[:, None] * stride_qm
+        + offs_d.to(tl.int64)[None, :] * stride_qd
+    )
     q = tl.load(q_ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
     alibi = tl.zeros([BLOCK_M], dtype=tl.float32)
     if ALIBI:
-        alibi = tl.load(Slopes + off_b.to(tl.int64) * stride_sb + offs_h.to(tl.int64) * stride_sh,
-                        mask=row_ok, other=0.0) * alibi_scale
+        alibi = (
+            tl.load(Slopes + off_b.to(tl.int64) * stride_sb + offs_h.to(tl.int64) * stride_sh, mask=row_ok, other=0.0)
+            * alibi_scale
+        )
 
     # side-by-side: range
     # The keys some row of the tile sees, cut to this split's range: whole tiles of the split, skipped
@@ -173,8 +234,9 @@ def _kvcache_fwd(
         elif PAGED:
             # Pages smaller than a tile, or not dividing it: each key row's page from the block table (a
             # vector of one id per page, reshaped to the rows, ran at a third of this speed on the H200).
-            page = tl.load(BlockTable + off_b.to(tl.int64) * stride_tb + (cols // PAGE_SIZE) * stride_tp,
-                           mask=load_ok, other=0)
+            page = tl.load(
+                BlockTable + off_b.to(tl.int64) * stride_tb + (cols // PAGE_SIZE) * stride_tp, mask=load_ok, other=0
+            )
             page = tl.minimum(tl.maximum(page, 0), NUM_ROWS - 1).to(tl.int64)
             k_rows = page * stride_kb + (cols % PAGE_SIZE).to(tl.int64) * stride_kn
             v_rows = page * stride_vb + (cols % PAGE_SIZE).to(tl.int64) * stride_vn
@@ -183,8 +245,11 @@ def _kvcache_fwd(
             v_rows = cache_row * stride_vb + cols.to(tl.int64) * stride_vn
         # side-by-side: end
         kv_mask = load_ok[:, None] & d_ok[None, :]
-        k = tl.load(K + kv_head * stride_kh + k_rows[:, None] + offs_d.to(tl.int64)[None, :] * stride_kd,
-                    mask=kv_mask, other=0.0)
+        k = tl.load(
+            K + kv_head * stride_kh + k_rows[:, None] + offs_d.to(tl.int64)[None, :] * stride_kd,
+            mask=kv_mask,
+            other=0.0,
+        )
         qk = tl.dot(q, tl.trans(k), input_precision="ieee")  # [BLOCK_M, BLOCK_N]
         if SOFTCAP:
             qk = _tanh(qk * cap_scale, SOFTCAP)
@@ -204,8 +269,11 @@ def _kvcache_fwd(
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.math.exp2(qk - m_safe[:, None])
         alpha = tl.math.exp2(m_i - m_safe)
-        v = tl.load(V + kv_head * stride_vh + v_rows[:, None] + offs_d.to(tl.int64)[None, :] * stride_vd,
-                    mask=kv_mask, other=0.0)
+        v = tl.load(
+            V + kv_head * stride_vh + v_rows[:, None] + offs_d.to(tl.int64)[None, :] * stride_vd,
+            mask=kv_mask,
+            other=0.0,
+        )
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision="ieee")
         l_i = l_i * alpha + tl.sum(p, 1)
         m_i = m_new
@@ -218,8 +286,12 @@ def _kvcache_fwd(
     heads64 = offs_h.to(tl.int64)
     d64 = offs_d.to(tl.int64)[None, :]
     l_rows = tl.cast(off_bt, tl.int64) * stride_lb + heads64 * stride_lh + rows64 * stride_lm
-    o_rows = (tl.cast(off_bt, tl.int64) * stride_ob + heads64[:, None] * stride_oh + rows64[:, None] * stride_om
-              + d64 * stride_od)
+    o_rows = (
+        tl.cast(off_bt, tl.int64) * stride_ob
+        + heads64[:, None] * stride_oh
+        + rows64[:, None] * stride_om
+        + d64 * stride_od
+    )
     O_parts = Work + tl.cast(NUM_SPLITS, tl.int64) * ROWS
     if SPLIT:
         # This split's result, at its rows of L's order in Work (fp32): R L_s rows, then R O_s rows.
@@ -250,8 +322,12 @@ def _kvcache_fwd(
             for s in range(0, NUM_SPLITS):
                 l_s = tl.load(Work + s * ROWS + l_rows, mask=row_ok, other=float("inf"), cache_modifier=".cg")
                 w = tl.where(l_s == float("inf"), 0.0, tl.exp(l_s - m_safe))
-                o_s = tl.load(O_parts + (s * ROWS + l_rows)[:, None] * head_dim + d64,
-                              mask=(w > 0.0)[:, None] & d_ok[None, :], other=0.0, cache_modifier=".cg")
+                o_s = tl.load(
+                    O_parts + (s * ROWS + l_rows)[:, None] * head_dim + d64,
+                    mask=(w > 0.0)[:, None] & d_ok[None, :],
+                    other=0.0,
+                    cache_modifier=".cg",
+                )
                 out += w[:, None] * o_s
                 total += w
             none = total == 0.0
@@ -268,12 +344,14 @@ def _kvcache_fwd(
 def _fence(x):
     """A GPU-scope acquire-release fence in every thread (PTX fence.acq_rel.gpu): its stores before it are
     seen before anything after it, the release half of the split count. x only carries the call."""
-    tl.inline_asm_elementwise("fence.acq_rel.gpu;\n mov.b32 $0, $1;", "=r,r", [x.to(tl.int32)], dtype=tl.int32,
-                              is_pure=False, pack=1)
+    tl.inline_asm_elementwise(
+        "fence.acq_rel.gpu;\n mov.b32 $0, $1;", "=r,r", [x.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1
+    )
 
 
-def kvcache_forward(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    spec: AttentionSpec) -> tuple[torch.Tensor, torch.Tensor]:
+def kvcache_forward(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, spec: AttentionSpec
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Arguments:
         q: (batch, heads, seqlen_q, head_dim), any strides; with spec.cu_seqlens_q, (1, heads, total_q,
             head_dim), batch being the sequences.
@@ -293,7 +371,9 @@ def kvcache_forward(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     batch_t, heads, seqlen_t, head_dim = q.shape
     _check_device(q)
     if head_dim > MAX_HEAD_DIM:
-        raise NotImplementedError(f"fa2-triton's KV-cache kernel supports head_dim up to {MAX_HEAD_DIM}, got {head_dim}")
+        raise NotImplementedError(
+            f"fa2-triton's KV-cache kernel supports head_dim up to {MAX_HEAD_DIM}, got {head_dim}"
+        )
     O = torch.empty(q.shape, device=q.device, dtype=q.dtype)
     L = torch.empty(q.shape[:-1], device=q.device, dtype=torch.float32)
     batch = spec.cache_seqlens.numel()
@@ -307,8 +387,17 @@ def kvcache_forward(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     paged = spec.paged
     page_size = k_cache.shape[2] if paged else 1
     capacity = page_size * spec.block_table.shape[1] if paged else k_cache.shape[2]
-    plan = _plan(heads // heads_k, seqlen_q, head_dim, q.dtype, batch * heads_k, capacity, page_size if paged else 0,
-                 spec.num_splits, q.device)
+    plan = _plan(
+        heads // heads_k,
+        seqlen_q,
+        head_dim,
+        q.dtype,
+        batch * heads_k,
+        capacity,
+        page_size if paged else 0,
+        spec.num_splits,
+        q.device,
+    )
     splits = plan.splits
     stand_in = spec.cache_seqlens
     rows = L.numel()
@@ -322,20 +411,57 @@ def kvcache_forward(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     table = spec.block_table if paged else stand_in
     with on_device(q.device):
         launch(
-            _kvcache_fwd, plan.grid,
-            (q, k_cache, v_cache, O, L, work, counter, stand_in if s.slopes is None else s.slopes,
-             spec.cache_seqlens,
-             stand_in if spec.cache_leftpad is None else spec.cache_leftpad,
-             stand_in if spec.cache_batch_idx is None else spec.cache_batch_idx, table,
-             spec.cu_seqlens_q if spec.varlen else stand_in,
-             s.qk_scale, s.cap_scale, LOG2_E, s.window_left, s.window_right,
-             *q.stride(), *k_cache.stride(), *v_cache.stride(), *O.stride(), *L.stride(),
-             *s.slope_strides, *(table.stride() if paged else (0, 0)),
-             heads, heads // heads_k, seqlen_q, seqlen_t, capacity, k_cache.shape[0], plan.chunk, splits, rows,
-             head_dim),
-            dict(WINDOW_LEFT=s.WINDOW_LEFT, WINDOW_RIGHT=s.WINDOW_RIGHT, SOFTCAP=s.SOFTCAP, ALIBI=s.ALIBI,
-                 LEFTPAD=spec.cache_leftpad is not None, BATCH_IDX=spec.cache_batch_idx is not None,
-                 PAGED=paged, PAGE_SIZE=page_size, VARLEN=spec.varlen, **plan.constexprs),
+            _kvcache_fwd,
+            plan.grid,
+            (
+                q,
+                k_cache,
+                v_cache,
+                O,
+                L,
+                work,
+                counter,
+                stand_in if s.slopes is None else s.slopes,
+                spec.cache_seqlens,
+                stand_in if spec.cache_leftpad is None else spec.cache_leftpad,
+                stand_in if spec.cache_batch_idx is None else spec.cache_batch_idx,
+                table,
+                spec.cu_seqlens_q if spec.varlen else stand_in,
+                s.qk_scale,
+                s.cap_scale,
+                LOG2_E,
+                s.window_left,
+                s.window_right,
+                *q.stride(),
+                *k_cache.stride(),
+                *v_cache.stride(),
+                *O.stride(),
+                *L.stride(),
+                *s.slope_strides,
+                *(table.stride() if paged else (0, 0)),
+                heads,
+                heads // heads_k,
+                seqlen_q,
+                seqlen_t,
+                capacity,
+                k_cache.shape[0],
+                plan.chunk,
+                splits,
+                rows,
+                head_dim,
+            ),
+            dict(
+                WINDOW_LEFT=s.WINDOW_LEFT,
+                WINDOW_RIGHT=s.WINDOW_RIGHT,
+                SOFTCAP=s.SOFTCAP,
+                ALIBI=s.ALIBI,
+                LEFTPAD=spec.cache_leftpad is not None,
+                BATCH_IDX=spec.cache_batch_idx is not None,
+                PAGED=paged,
+                PAGE_SIZE=page_size,
+                VARLEN=spec.varlen,
+                **plan.constexprs,
+            ),
             plan.options,
         )
     return O, L
@@ -375,8 +501,17 @@ class Plan(NamedTuple):
 
 
 @functools.lru_cache(maxsize=4096)
-def _plan(group: int, seqlen_q: int, head_dim: int, dtype: torch.dtype, batch_heads_k: int, capacity: int,
-          page_size: int, num_splits_asked: int, device: torch.device) -> Plan:
+def _plan(
+    group: int,
+    seqlen_q: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    batch_heads_k: int,
+    capacity: int,
+    page_size: int,
+    num_splits_asked: int,
+    device: torch.device,
+) -> Plan:
     """The tiles, the split count and the grid, worked out once per class of inputs (page_size 0: a
     contiguous cache): a decode loop asks the same question every step, and the answer cost ~30 µs of
     host time a call on the H200 before it was cached (Triton's cdiv, the split search)."""
@@ -384,14 +519,23 @@ def _plan(group: int, seqlen_q: int, head_dim: int, dtype: torch.dtype, batch_he
     tiles = _tiles(head_dim_padded, dtype, group, seqlen_q, page_size)
     programs = batch_heads_k * -(-group * seqlen_q // tiles.block_m)
     key_tiles = max(1, -(-capacity // tiles.block_n))
-    splits = num_splits_asked or num_splits(programs, key_tiles,
-                                            slots(tiles, head_dim_padded, dtype.itemsize, page_size > 0, device))
+    splits = num_splits_asked or num_splits(
+        programs, key_tiles, slots(tiles, head_dim_padded, dtype.itemsize, page_size > 0, device)
+    )
     splits = max(1, min(splits, key_tiles))
     chunk = -(-key_tiles // splits) * tiles.block_n
     return Plan(
-        splits, chunk, splits * programs,
-        dict(BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, HEAD_DIM=head_dim_padded,
-             EVEN_D=head_dim_padded == head_dim, SPLIT=splits > 1, FENCE=not INTERPRETED),
+        splits,
+        chunk,
+        splits * programs,
+        dict(
+            BLOCK_M=tiles.block_m,
+            BLOCK_N=tiles.block_n,
+            HEAD_DIM=head_dim_padded,
+            EVEN_D=head_dim_padded == head_dim,
+            SPLIT=splits > 1,
+            FENCE=not INTERPRETED,
+        ),
         dict(num_warps=tiles.num_warps, num_stages=tiles.num_stages),
     )
 

@@ -75,12 +75,20 @@ def arg_class(arg: Any) -> Any:
         return arg.dtype, arg.data_ptr() % 16 == 0
     if GluonTensorDescriptor is not None and isinstance(arg, GluonTensorDescriptor):
         return (
-            arg.base.dtype, arg.base.data_ptr() % 16 == 0, tuple(arg.block_shape), arg.layout, arg.padding,
-            getattr(arg, "round_f32_to_tf32", False), _int_classes((*arg.shape, *arg.strides)),
+            arg.base.dtype,
+            arg.base.data_ptr() % 16 == 0,
+            tuple(arg.block_shape),
+            arg.layout,
+            arg.padding,
+            getattr(arg, "round_f32_to_tf32", False),
+            _int_classes((*arg.shape, *arg.strides)),
         )
     if isinstance(arg, TensorDescriptor):
         return (
-            arg.base.dtype, arg.base.data_ptr() % 16 == 0, tuple(arg.block_shape), arg.padding,
+            arg.base.dtype,
+            arg.base.data_ptr() % 16 == 0,
+            tuple(arg.block_shape),
+            arg.padding,
             _int_classes((*arg.shape, *arg.strides)),
         )
     if type(arg) is float:
@@ -89,9 +97,7 @@ def arg_class(arg: Any) -> Any:
 
 
 def _int_classes(values) -> tuple[int, ...]:
-    return tuple([
-        (x == 1) | (x % 16 == 0) << 1 | (not -(2**31) <= x < 2**31) << 2 | (x >= 2**63) << 3 for x in values
-    ])
+    return tuple([(x == 1) | (x % 16 == 0) << 1 | (not -(2**31) <= x < 2**31) << 2 | (x >= 2**63) << 3 for x in values])
 
 
 class _IntClasses(dict):
@@ -113,10 +119,16 @@ def _classes(args: tuple) -> tuple:
     """``arg_class`` of every argument, in order: one comprehension, integers and tensors classified inline
     (this runs on every launch; a function call per argument was the largest item of the launch's host
     time)."""
-    return tuple([
-        _INT_CLASSES[a] if type(a) is int else (a.dtype, a.data_ptr() % 16 == 0) if type(a) is torch.Tensor
-        else arg_class(a) for a in args
-    ])
+    return tuple(
+        [
+            _INT_CLASSES[a]
+            if type(a) is int
+            else (a.dtype, a.data_ptr() % 16 == 0)
+            if type(a) is torch.Tensor
+            else arg_class(a)
+            for a in args
+        ]
+    )
 
 
 def launch(kernel, grid: int | tuple[int, ...], args: tuple, constexprs: dict[str, Any], options: dict[str, Any]):
@@ -133,13 +145,18 @@ def launch(kernel, grid: int | tuple[int, ...], args: tuple, constexprs: dict[st
     device = torch.cuda.current_device()
     knobs = triton.knobs
     key = (
-        kernel, device, *constexprs.values(), *options.items(),
-        knobs.runtime.debug, knobs.compilation.instrumentation_mode, _classes(args),
+        kernel,
+        device,
+        *constexprs.values(),
+        *options.items(),
+        knobs.runtime.debug,
+        knobs.compilation.instrumentation_mode,
+        _classes(args),
     )
     compiled = _COMPILED.get(key)
     if compiled is None:
-        if kernel.arg_names[len(args):] != list(constexprs):
-            raise AssertionError(f"{kernel.arg_names[len(args):]} are not the constexprs {list(constexprs)}")
+        if kernel.arg_names[len(args) :] != list(constexprs):
+            raise AssertionError(f"{kernel.arg_names[len(args) :]} are not the constexprs {list(constexprs)}")
         compiled = kernel[grid](*args, **constexprs, **options)
         _COMPILED[key] = compiled
         return compiled
@@ -148,8 +165,13 @@ def launch(kernel, grid: int | tuple[int, ...], args: tuple, constexprs: dict[st
     stream = triton.runtime.driver.active.get_current_stream(device)
     grid = (grid + (1, 1))[:3]
     compiled.run(
-        *grid, stream, compiled.function, compiled.packed_metadata,
+        *grid,
+        stream,
+        compiled.function,
+        compiled.packed_metadata,
         compiled.launch_metadata(grid, stream, *bound),
-        knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook, *bound,
+        knobs.runtime.launch_enter_hook,
+        knobs.runtime.launch_exit_hook,
+        *bound,
     )
     return compiled

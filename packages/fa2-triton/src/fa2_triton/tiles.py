@@ -110,8 +110,9 @@ TILES: dict[tuple[int, str, bool], tuple[tuple[int | None, Tiles], ...]] = {
 }
 
 
-def tiles_for(head_dim_padded: int, dtype: torch.dtype, masked: bool = False, seqlen_k: int | None = None,
-              can_specialize=None) -> Tiles:
+def tiles_for(
+    head_dim_padded: int, dtype: torch.dtype, masked: bool = False, seqlen_k: int | None = None, can_specialize=None
+) -> Tiles:
     """The launch configuration for a padded head_dim, an input dtype, whether a window masks some keys
     (``AttentionSpec.masked``: causal's entries serve every window, whose programs also end at a band) and
     seqlen_k (None: the largest bucket). ``can_specialize(tiles)``: whether the inputs can take the
@@ -119,8 +120,14 @@ def tiles_for(head_dim_padded: int, dtype: torch.dtype, masked: bool = False, se
     cannot is passed over for its fallback. The interpreter gets the same tiles as the GPU (it ignores
     num_warps and num_stages), so CPU tests cover the GPU's tiling."""
     entries = TILES[head_dim_padded, DTYPE_CLASS[dtype], masked]
-    tiles = _bucket(((bound, t) for bound, t in entries
-                     if not (t.warp_specialize and can_specialize is not None and not can_specialize(t))), seqlen_k)
+    tiles = _bucket(
+        (
+            (bound, t)
+            for bound, t in entries
+            if not (t.warp_specialize and can_specialize is not None and not can_specialize(t))
+        ),
+        seqlen_k,
+    )
     if tiles is not None:
         return tiles
     raise AssertionError(f"TILES[{head_dim_padded}, {DTYPE_CLASS[dtype]}, {masked}] lacks its last (None) entry")
@@ -155,12 +162,18 @@ def ws_tiles(tiles: Tiles, masked: bool) -> bool:
     (its branch keeps Triton from specialising the loop) or maxnreg (the groups set their own). Softcap and
     ALiBi take it: they are elementwise work inside the one loop."""
     shape = (tiles.block_m, tiles.num_warps, tiles.num_stages)
-    return (tiles.warp_specialize and not masked and shape == (128, 4, 2) and not tiles.lazy_rescale
-            and tiles.maxnreg is None)
+    return (
+        tiles.warp_specialize
+        and not masked
+        and shape == (128, 4, 2)
+        and not tiles.lazy_rescale
+        and tiles.maxnreg is None
+    )
 
 
-def ws_layout(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, masked: bool, head_dim_padded: int,
-              tiles: Tiles) -> bool:
+def ws_layout(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, masked: bool, head_dim_padded: int, tiles: Tiles
+) -> bool:
     """Whether the warp-specialised loop runs: ``ws_tiles``, a Hopper GPU (sm_90; or the interpreter,
     which runs the loop without specialising it), contiguous q, k, v with head_dim a power of two >= 16
     (descriptors built in the kernel over the (B·H·N, D) rows of q and the (B·H_K·N, D) rows of k and v,
@@ -269,8 +282,9 @@ BWD_TILES_16BIT_PADDED = {
 PREPROCESS_ELEMENTS = 4096
 
 
-def bwd_tiles_for(head_dim: int, dtype: torch.dtype, masked: bool = False, seqlen_k: int | None = None,
-                  varlen: bool = False) -> BwdTiles:
+def bwd_tiles_for(
+    head_dim: int, dtype: torch.dtype, masked: bool = False, seqlen_k: int | None = None, varlen: bool = False
+) -> BwdTiles:
     """The launch configuration for a head_dim (unpadded), an input dtype, whether a window masks some keys
     (``AttentionSpec.masked``: causal's entries serve every window), seqlen_k (None: the largest bucket;
     a packed batch's max_seqlen_k) and whether the batch is packed (``BWD_DKDV_VARLEN``'s dK/dV tiles where

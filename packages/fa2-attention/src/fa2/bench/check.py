@@ -54,8 +54,16 @@ def _max_err(x: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def reference_sample(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, seed: int = 0, dO: torch.Tensor | None = None,
-    *, window: tuple[int, int] = (-1, -1), softcap: float = 0.0, lengths: tuple[int, ...] = (),
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool,
+    seed: int = 0,
+    dO: torch.Tensor | None = None,
+    *,
+    window: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    lengths: tuple[int, ...] = (),
 ) -> Sample:
     """The fp64 reference (and, in fp16/bf16, the naive same-precision one) on the sample of q's rows, with
     the provider's options (``window`` and ``softcap`` as fa2.attention takes them); with ``dO``, also dq
@@ -113,8 +121,9 @@ def _reference(q, k, v, causal, rows, options, upcast=True) -> tuple[torch.Tenso
         inside = rows[(rows >= start) & (rows < start + n)]
         if len(inside):
             seq = slice(start, start + n)
-            O, L = reference.attention(q[..., seq, :], k[..., seq, :], v[..., seq, :], causal, upcast=upcast,
-                                       rows=inside - start, **options)
+            O, L = reference.attention(
+                q[..., seq, :], k[..., seq, :], v[..., seq, :], causal, upcast=upcast, rows=inside - start, **options
+            )
             Os.append(O)
             Ls.append(L)
     return torch.cat(Os, dim=-2), torch.cat(Ls, dim=-1)

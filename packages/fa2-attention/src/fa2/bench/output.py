@@ -19,7 +19,7 @@ def default_out() -> Path:
 
 
 def default_name(device: torch.device) -> str:
-    """"NVIDIA H200" -> "h200"; "cpu-emulated" without a GPU."""
+    """ "NVIDIA H200" -> "h200"; "cpu-emulated" without a GPU."""
     if device.type != "cuda":
         return "cpu-emulated"
     gpu = re.sub(r"^nvidia\s+", "", torch.cuda.get_device_name(device).lower())

@@ -15,8 +15,9 @@ from fa2.bench.providers import DECODE_PROVIDERS, PROVIDERS, VARLEN_PROVIDERS
 from fa2.bench.report import MODE_NAMES, Run, groups, layout_text, seqlen_label, variant, variant_text
 
 # An emulated run's figures: under the title, where its times come from and what they do not say.
-EMULATED_SUBTITLE = ("\nCPU: Triton's interpreter, numba's CUDA simulator, tiny shapes; these times say nothing about "
-                     "GPU speed")
+EMULATED_SUBTITLE = (
+    "\nCPU: Triton's interpreter, numba's CUDA simulator, tiny shapes; these times say nothing about GPU speed"
+)
 # A run with several variants (GQA, windows, softcaps): one marker per variant, the provider's colour.
 MARKERS = ("o", "s", "^", "D", "v", "x")
 
@@ -59,8 +60,9 @@ def _plot_varlen(run: Run, mode: str, out_dir: Path, name: str) -> Path:
     title = _title(run, f"fa2 packed batches ({MODE_NAMES[mode]})", ": TFLOP/s over the real (query, key) pairs")
     panels = sorted({(r["dtype"], r["head_dim"]) for r in run.results})
     # A bar per (provider, shape kind): the packed batch, then each dense reference N.
-    kinds = sorted({(order.index(r["provider"]), r["provider"], r["seqlen"] if not r["lengths"] else 0)
-                    for r in run.results})
+    kinds = sorted(
+        {(order.index(r["provider"]), r["provider"], r["seqlen"] if not r["lengths"] else 0) for r in run.results}
+    )
     fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 4.5), squeeze=False)
     width = 0.8 / len(kinds)
     for ax, (dtype, head_dim) in zip(axes[0], panels):
@@ -68,11 +70,22 @@ def _plot_varlen(run: Run, mode: str, out_dir: Path, name: str) -> Path:
         for i, (_, p, n) in enumerate(kinds):
             label = p if not n else f"{p} dense N={seqlen_label(n)}"
             for x, causal in enumerate((False, True)):
-                t = [r["tflops"] for r in rows if (r["provider"], r["causal"]) == (p, causal)
-                     and (r["seqlen"] == n and not r["lengths"] if n else bool(r["lengths"]))]
+                t = [
+                    r["tflops"]
+                    for r in rows
+                    if (r["provider"], r["causal"]) == (p, causal)
+                    and (r["seqlen"] == n and not r["lengths"] if n else bool(r["lengths"]))
+                ]
                 if t:
-                    bars = ax.bar(x + (i - (len(kinds) - 1) / 2) * width, t[0], width, color=colors[p],
-                                  hatch="//" if n else None, edgecolor="white" if n else None, label=label)
+                    bars = ax.bar(
+                        x + (i - (len(kinds) - 1) / 2) * width,
+                        t[0],
+                        width,
+                        color=colors[p],
+                        hatch="//" if n else None,
+                        edgecolor="white" if n else None,
+                        label=label,
+                    )
                     ax.bar_label(bars, [f"{t[0]:.3g}"], fontsize=6)
                     label = None
         ceiling = matmul_ceiling(run.ceilings_of(rows), dtype)
@@ -113,13 +126,21 @@ def _plot_mode(run: Run, mode: str, out_dir: Path, name: str) -> list[Path]:
             for ax, causal in zip(ax_row, (False, True)):
                 for p in PROVIDERS:
                     for v in variants:
-                        pts = sorted((r["seqlen"], r["tflops"]) for r in run.results
-                                     if (r["provider"], r["dtype"], r["head_dim"], r["causal"], variant(r))
-                                     == (p, dtype, head_dim, causal, v))
+                        pts = sorted(
+                            (r["seqlen"], r["tflops"])
+                            for r in run.results
+                            if (r["provider"], r["dtype"], r["head_dim"], r["causal"], variant(r))
+                            == (p, dtype, head_dim, causal, v)
+                        )
                         if pts:
                             label = p if len(variants) == 1 else f"{p} {variant_text(v)}"
-                            ax.plot(*zip(*pts), marker=MARKERS[variants.index(v) % len(MARKERS)], color=colors[p],
-                                    label=label, linestyle="-" if p.startswith("fa2-") else "--")
+                            ax.plot(
+                                *zip(*pts),
+                                marker=MARKERS[variants.index(v) % len(MARKERS)],
+                                color=colors[p],
+                                label=label,
+                                linestyle="-" if p.startswith("fa2-") else "--",
+                            )
                 if ceiling:
                     ax.axhline(ceiling[1], color="gray", linestyle=":", label=ceiling[0])
                 ax.set_title(f"{dtype}, D = {head_dim}, {'causal' if causal else 'not causal'}")
@@ -159,11 +180,21 @@ def _plot_decode(run: Run, out_dir: Path, name: str) -> Path:
         for i, (_, page, p) in enumerate(bars):
             label = f"{p} {layout_text(page)}" if page else p
             for x, point in enumerate(points):
-                t = [r["tbps"] for r in mine if (r["provider"], r["page_size"], (r["batch"], r["seqlen"]))
-                     == (p, page, point) and r["tbps"]]
+                t = [
+                    r["tbps"]
+                    for r in mine
+                    if (r["provider"], r["page_size"], (r["batch"], r["seqlen"])) == (p, page, point) and r["tbps"]
+                ]
                 if t:
-                    ax.bar(x + (i - (len(bars) - 1) / 2) * width, t[0], width, color=colors[p],
-                           hatch="//" if page else None, edgecolor="white" if page else None, label=label)
+                    ax.bar(
+                        x + (i - (len(bars) - 1) / 2) * width,
+                        t[0],
+                        width,
+                        color=colors[p],
+                        hatch="//" if page else None,
+                        edgecolor="white" if page else None,
+                        label=label,
+                    )
                     label = None
         ceiling = run.ceilings_of(mine).get("copy_tbps")
         if ceiling:
@@ -171,8 +202,10 @@ def _plot_decode(run: Run, out_dir: Path, name: str) -> Path:
         if run.emulated:
             ax.set_yscale("log")  # the interpreter and the simulator are orders of magnitude slower
         ax.set_xticks(range(len(points)), [f"B{b} K{seqlen_label(k)}" for b, k in points])
-        ax.set_title(f"{dtype}, D = {head_dim}, {n_q} query token{'s' if n_q > 1 else ''}, "
-                     f"H = {mine[0]['heads']}/{mine[0]['heads_k']}")
+        ax.set_title(
+            f"{dtype}, D = {head_dim}, {n_q} query token{'s' if n_q > 1 else ''}, "
+            f"H = {mine[0]['heads']}/{mine[0]['heads_k']}"
+        )
         ax.set_ylabel("K/V TB/s")
         ax.grid(True, axis="y", alpha=0.3)
     # One legend for every panel, beside them: the bars reach the copy ceiling's line, a legend inside would hide them.

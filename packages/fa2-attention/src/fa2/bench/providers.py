@@ -122,11 +122,15 @@ class Shape:
 
     def __post_init__(self):
         if self.lengths and (self.batch, self.seqlen) != (len(self.lengths), sum(self.lengths)):
-            raise ValueError(f"a packed shape has batch = the number of sequences and seqlen = their total, got "
-                             f"batch {self.batch}, seqlen {self.seqlen} for lengths {self.lengths}")
+            raise ValueError(
+                f"a packed shape has batch = the number of sequences and seqlen = their total, got "
+                f"batch {self.batch}, seqlen {self.seqlen} for lengths {self.lengths}"
+            )
         if self.seqlen_q and (self.causal or self.window >= 0 or self.softcap or self.lengths or self.mode != "fwd"):
-            raise ValueError("a decode shape is the forward of plain attention over the whole cache: no causal, "
-                             "window, softcap, packing or backward")
+            raise ValueError(
+                "a decode shape is the forward of plain attention over the whole cache: no causal, "
+                "window, softcap, packing or backward"
+            )
         if self.page_size and not self.seqlen_q:
             raise ValueError(f"page_size {self.page_size}: only a decode shape (seqlen_q > 0) has a paged cache")
 
@@ -191,12 +195,14 @@ class Shape:
         heads = f"H{self.heads}" + (f"/{self.heads_k}" if self.group > 1 else "")
         if self.seqlen_q:
             layout = f"paged{self.page_size}" if self.page_size else "contiguous"
-            return (f"decode {self.dtype} B{self.batch} {heads} q{self.seqlen_q} K{self.seqlen} D{self.head_dim} "
-                    f"{layout}")
+            return (
+                f"decode {self.dtype} B{self.batch} {heads} q{self.seqlen_q} K{self.seqlen} D{self.head_dim} {layout}"
+            )
         options = variant_label(self.group, self.window, self.softcap)
-        return (f"{self.mode} {self.dtype} {'packed ' if self.lengths else ''}B{self.batch} {heads} N{self.seqlen} "
-                f"D{self.head_dim} {causal}"
-                + (f" {options}" if options else ""))
+        return (
+            f"{self.mode} {self.dtype} {'packed ' if self.lengths else ''}B{self.batch} {heads} N{self.seqlen} "
+            f"D{self.head_dim} {causal}" + (f" {options}" if options else "")
+        )
 
 
 @functools.cache
@@ -216,8 +222,11 @@ def visible_pairs(seqlen_q: int, seqlen_k: int, window: tuple[int, int]) -> int:
 
 def variant_label(group: int, window: int, softcap: float) -> str:
     """The options beyond dtype, D, causal and N, as a short label ("gqa4 w4096 cap50"); "" without any."""
-    parts = [f"gqa{group}" if group > 1 else "", f"w{window}" if window >= 0 else "",
-             f"cap{softcap:g}" if softcap else ""]
+    parts = [
+        f"gqa{group}" if group > 1 else "",
+        f"w{window}" if window >= 0 else "",
+        f"cap{softcap:g}" if softcap else "",
+    ]
     return " ".join(p for p in parts if p)
 
 
@@ -283,10 +292,13 @@ def _fa2(backend: str, entry: str = "attention") -> Callable[[Shape, torch.devic
                 # sweep.skip_reason skips these shapes first; this guards a direct call.
                 raise NotImplementedError("fa2.scaled_dot_product_attention has no window or softcap")
             # enable_gqa=True for every group, 1 included: dense and grouped rows run the same Python path.
-            return lambda q, k, v: (fa2.scaled_dot_product_attention(
-                q, k, v, is_causal=shape.causal, enable_gqa=True, backend=backend), None)
-        return lambda q, k, v: fa2.attention(q, k, v, causal=shape.causal, window=shape.window_pair,
-                                             softcap=shape.softcap, backend=backend)
+            return lambda q, k, v: (
+                fa2.scaled_dot_product_attention(q, k, v, is_causal=shape.causal, enable_gqa=True, backend=backend),
+                None,
+            )
+        return lambda q, k, v: fa2.attention(
+            q, k, v, causal=shape.causal, window=shape.window_pair, softcap=shape.softcap, backend=backend
+        )
 
     return build
 
@@ -325,7 +337,8 @@ def _sdpa_efficient(shape: Shape, device: torch.device) -> Attention:
 def _sdpa_math(shape: Shape, device: torch.device) -> Attention:
     def call(q, k, v):
         O, _attn_weights = torch.ops.aten._scaled_dot_product_attention_math(
-            q, k, v, None, 0.0, shape.causal, enable_gqa=shape.group > 1)
+            q, k, v, None, 0.0, shape.causal, enable_gqa=shape.group > 1
+        )
         return O, None
 
     return call
@@ -363,6 +376,7 @@ def flex_mods(shape: Shape):
 
         def score_mod(score, b, h, q_idx, kv_idx):
             return cap * torch.tanh(score / cap)
+
     return mask_mod, score_mod
 
 
@@ -373,8 +387,9 @@ def _flex(shape: Shape, device: torch.device) -> Attention:
     n = shape.seqlen
     mask_mod, score_mod = flex_mods(shape)
     block_mask = create_block_mask(mask_mod, None, None, n, n, device=device) if mask_mod else None
-    return lambda q, k, v: flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask, return_lse=True,
-                                          enable_gqa=shape.group > 1)
+    return lambda q, k, v: flex_attention(
+        q, k, v, score_mod=score_mod, block_mask=block_mask, return_lse=True, enable_gqa=shape.group > 1
+    )
 
 
 def cu_seqlens(lengths: tuple[int, ...], device: torch.device) -> torch.Tensor:
@@ -388,8 +403,9 @@ def cu_seqlens(lengths: tuple[int, ...], device: torch.device) -> torch.Tensor:
 def _fa2_varlen(backend: str) -> Callable[[Shape, torch.device], Attention]:
     def build(shape: Shape, device: torch.device) -> Attention:
         cu, longest = cu_seqlens(shape.lengths, device), max(shape.lengths)
-        return lambda q, k, v: tuple(fa2.varlen_attention(q, k, v, cu, cu, longest, longest, causal=shape.causal,
-                                                          backend=backend))
+        return lambda q, k, v: tuple(
+            fa2.varlen_attention(q, k, v, cu, cu, longest, longest, causal=shape.causal, backend=backend)
+        )
 
     return build
 
@@ -422,7 +438,8 @@ def _sdpa_njt(shape: Shape, device: torch.device) -> Attention:
                     raise
                 raise NotImplementedError(
                     f"SDPA on nested jagged tensors (torch {torch.__version__}) has no {backend.name} kernel for "
-                    f"is_causal={shape.causal} here: {log.reason(backend)}") from None
+                    f"is_causal={shape.causal} here: {log.reason(backend)}"
+                ) from None
         checked.append(True)
         return out
 
@@ -434,8 +451,12 @@ class _NjtLog:
     heading "<backend> kernel not used because:" per backend, its reasons below), and the warnings of the
     C++ checks, instead of printing them."""
 
-    HEADS = {"FLASH_ATTENTION": "Flash attention kernel", "EFFICIENT_ATTENTION": "Memory efficient kernel",
-             "MATH": "Math attention kernel", "CUDNN_ATTENTION": "cuDNN attention kernel"}
+    HEADS = {
+        "FLASH_ATTENTION": "Flash attention kernel",
+        "EFFICIENT_ATTENTION": "Memory efficient kernel",
+        "MATH": "Math attention kernel",
+        "CUDNN_ATTENTION": "cuDNN attention kernel",
+    }
 
     def __enter__(self) -> _NjtLog:
         import logging
@@ -475,19 +496,23 @@ class _NjtLog:
 
 def document_ids(lengths: tuple[int, ...], device: torch.device) -> torch.Tensor:
     """(total,) int32: the sequence each token of a packed batch belongs to."""
-    return torch.repeat_interleave(torch.arange(len(lengths), dtype=torch.int32, device=device),
-                                   torch.tensor(lengths, device=device))
+    return torch.repeat_interleave(
+        torch.arange(len(lengths), dtype=torch.int32, device=device), torch.tensor(lengths, device=device)
+    )
 
 
 def document_mask_mod(doc: torch.Tensor, causal: bool):
     """FlexAttention's mask of a packed batch: query i sees key j of its own sequence (``doc``: document_ids),
     and with ``causal`` only j <= i (every sequence has as many queries as keys)."""
     if causal:
+
         def mask_mod(b, h, q_idx, kv_idx):
             return (doc[q_idx] == doc[kv_idx]) & (q_idx >= kv_idx)
     else:
+
         def mask_mod(b, h, q_idx, kv_idx):
             return doc[q_idx] == doc[kv_idx]
+
     return mask_mod
 
 
@@ -512,20 +537,23 @@ _FWD_BWD = ("fwd", "bwd")
 # The fp32 comparison: the CUDA-core numba kernel and the PyTorch backend, against SDPA's fp32 paths.
 _NOT_IN_FP32 = "the fp32 comparison is fa2-pytorch, fa2-numba-cuda, sdpa-math and sdpa-efficient only"
 _EVERY_OPTION = {"windows": True, "softcaps": True}
-_FLEX_ON_CPU = ("compiled FlexAttention (torch.compile into Triton kernels): not run without a GPU; its eager path "
-                "on the CPU is not what a user times")
+_FLEX_ON_CPU = (
+    "compiled FlexAttention (torch.compile into Triton kernels): not run without a GPU; its eager path "
+    "on the CPU is not what a user times"
+)
 
 PROVIDERS = {
     p.name: p
     for p in [
         Provider("fa2-pytorch", _fa2("pytorch"), backend="pytorch", modes=_FWD_BWD, **_EVERY_OPTION),
-        Provider("fa2-triton", _fa2("triton"), _FP16_BF16, _NOT_IN_FP32, backend="triton", modes=_FWD_BWD,
-                 **_EVERY_OPTION),
+        Provider(
+            "fa2-triton", _fa2("triton"), _FP16_BF16, _NOT_IN_FP32, backend="triton", modes=_FWD_BWD, **_EVERY_OPTION
+        ),
         Provider("fa2-numba-cuda", _fa2("numba-cuda"), backend="numba-cuda", modes=_FWD_BWD, **_EVERY_OPTION),
-        Provider("sdpa-flash", _sdpa_flash, _FP16_BF16, "SDPA's FlashAttention-2 kernel takes fp16/bf16 only",
-                 modes=_FWD_BWD),
-        Provider("sdpa-cudnn", _sdpa_cudnn, _FP16_BF16, "SDPA's cuDNN kernel takes fp16/bf16 only",
-                 modes=_FWD_BWD),
+        Provider(
+            "sdpa-flash", _sdpa_flash, _FP16_BF16, "SDPA's FlashAttention-2 kernel takes fp16/bf16 only", modes=_FWD_BWD
+        ),
+        Provider("sdpa-cudnn", _sdpa_cudnn, _FP16_BF16, "SDPA's cuDNN kernel takes fp16/bf16 only", modes=_FWD_BWD),
         Provider("sdpa-efficient", _sdpa_efficient),
         Provider("sdpa-math", _sdpa_math, cuda_only=False, returns_lse=False, modes=_FWD_BWD),
         Provider("flex", _flex, _FP16_BF16, _NOT_IN_FP32, cuda_reason=_FLEX_ON_CPU, **_EVERY_OPTION),
@@ -547,8 +575,9 @@ VARLEN_PROVIDERS = {
 
 def _fa2_decode(backend: str) -> Callable[[Shape, torch.device], Callable]:
     def build(shape: Shape, device: torch.device):
-        return lambda q, k, v, cache_seqlens, block_table: tuple(fa2.kvcache_attention(
-            q, k, v, cache_seqlens, block_table=block_table, num_splits=0, backend=backend))
+        return lambda q, k, v, cache_seqlens, block_table: tuple(
+            fa2.kvcache_attention(q, k, v, cache_seqlens, block_table=block_table, num_splits=0, backend=backend)
+        )
 
     return build
 
@@ -590,10 +619,23 @@ DECODE_PROVIDERS = {
         Provider("fa2-triton", _fa2_decode("triton"), backend="triton", paged=True),
         Provider("fa2-numba-cuda", _fa2_decode("numba-cuda"), backend="numba-cuda", paged=True),
         Provider("sdpa", _sdpa_decode(False), cuda_only=False, returns_lse=False, prepare=contiguous_cache),
-        Provider("sdpa-flash", _sdpa_decode(True), _FP16_BF16, "SDPA's FlashAttention-2 kernel takes fp16/bf16 only",
-                 cuda_only=False, returns_lse=False, prepare=contiguous_cache),
-        Provider("flex", _flex_decode, _FP16_BF16, "FlexAttention is timed in fp16/bf16 here", cuda_reason=_FLEX_ON_CPU,
-                 prepare=contiguous_cache),
+        Provider(
+            "sdpa-flash",
+            _sdpa_decode(True),
+            _FP16_BF16,
+            "SDPA's FlashAttention-2 kernel takes fp16/bf16 only",
+            cuda_only=False,
+            returns_lse=False,
+            prepare=contiguous_cache,
+        ),
+        Provider(
+            "flex",
+            _flex_decode,
+            _FP16_BF16,
+            "FlexAttention is timed in fp16/bf16 here",
+            cuda_reason=_FLEX_ON_CPU,
+            prepare=contiguous_cache,
+        ),
     ]
 }
 # What --decode times without --providers: flex compiles once per shape (tens of seconds each on the H200).

@@ -34,9 +34,11 @@ DECODE_TARGETS = {"sdpa": 1.0, "sdpa-flash": 1.0, "copy": 0.85, "paged": 0.95, "
 DECODE_COPY_FROM = 32768
 # An emulated run's times are the emulators' on the CPU: every table says so (``_caption``, ``_heading``), and the
 # tables printed at the end of a run open with this, so that no ratio of them reads as a GPU's.
-EMULATED_NOTE = ("EMULATED on the CPU: no GPU; fa2-triton ran in Triton's interpreter, fa2-numba-cuda in numba's CUDA "
-                 "simulator, the rest on the CPU, on tiny shapes. These times and ratios show that the harness and the "
-                 "kernels run and agree with the reference; they say nothing about GPU speed.")
+EMULATED_NOTE = (
+    "EMULATED on the CPU: no GPU; fa2-triton ran in Triton's interpreter, fa2-numba-cuda in numba's CUDA "
+    "simulator, the rest on the CPU, on tiny shapes. These times and ratios show that the harness and the "
+    "kernels run and agree with the reference; they say nothing about GPU speed."
+)
 EMULATED_TAG = "EMULATED, not GPU speed"
 
 
@@ -112,8 +114,11 @@ def variant(r: dict) -> tuple[int, int, int, float]:
 def variant_text(v: tuple[int, int, int, float]) -> str:
     """ "H32/8 w4096 cap50" (query/key-value heads, window, softcap), "H16" without options."""
     heads, heads_k, window, softcap = v
-    parts = [f"H{heads}" + (f"/{heads_k}" if heads_k != heads else ""), f"w{window}" if window >= 0 else "",
-             f"cap{softcap:g}" if softcap else ""]
+    parts = [
+        f"H{heads}" + (f"/{heads_k}" if heads_k != heads else ""),
+        f"w{window}" if window >= 0 else "",
+        f"cap{softcap:g}" if softcap else "",
+    ]
     return " ".join(p for p in parts if p)
 
 
@@ -146,8 +151,9 @@ def _heading(run: Run, text: str) -> str:
 def groups(results: list[dict]) -> list[tuple[str, int, bool, tuple]]:
     """The (dtype, D, causal, variant) of the rows, in the tables' order."""
     order = {"bf16": 0, "fp16": 1, "fp32": 2}
-    return sorted({(r["dtype"], r["head_dim"], r["causal"], variant(r)) for r in results},
-                  key=lambda g: (order[g[0]], g[1:]))
+    return sorted(
+        {(r["dtype"], r["head_dim"], r["causal"], variant(r)) for r in results}, key=lambda g: (order[g[0]], g[1:])
+    )
 
 
 def _geomean(xs: list[float]) -> float:
@@ -200,13 +206,36 @@ def _ratio_tables(run: Run) -> list[str]:
                 cells = [rs.get((dtype, d, causal, v, n)) for n in seqlens]
                 present = [c for c in cells if c is not None]
                 if present:
-                    rows.append([fa2, dtype, str(d), "yes" if causal else "no", variant_text(v),
-                                 *("—" if c is None else _ratio(c) for c in cells),
-                                 _ratio(min(present)), _ratio(_geomean(present))])
+                    rows.append(
+                        [
+                            fa2,
+                            dtype,
+                            str(d),
+                            "yes" if causal else "no",
+                            variant_text(v),
+                            *("—" if c is None else _ratio(c) for c in cells),
+                            _ratio(min(present)),
+                            _ratio(_geomean(present)),
+                        ]
+                    )
         out += ["", "### " + _heading(run, f"fa2 / {b}"), ""]
-        out += _table(["fa2 backend", "dtype", "D", "causal", "heads, options", *map(seqlen_label, seqlens), "min",
-                       "geomean"], rows) \
-            if rows else [f"No shape where an fa2 backend and {b} both ran."]
+        out += (
+            _table(
+                [
+                    "fa2 backend",
+                    "dtype",
+                    "D",
+                    "causal",
+                    "heads, options",
+                    *map(seqlen_label, seqlens),
+                    "min",
+                    "geomean",
+                ],
+                rows,
+            )
+            if rows
+            else [f"No shape where an fa2 backend and {b} both ran."]
+        )
     return out
 
 
@@ -221,8 +250,15 @@ def value_tables(run: Run, column: str, fmt) -> list[str]:
             for g_dtype, d, causal, v in groups(run.results):
                 cells = [values.get((p, dtype, d, causal, v, n)) for n in seqlens]
                 if g_dtype == dtype and any(c is not None for c in cells):
-                    rows.append([p, str(d), "yes" if causal else "no", variant_text(v),
-                                 *("" if c is None else fmt(c) for c in cells)])
+                    rows.append(
+                        [
+                            p,
+                            str(d),
+                            "yes" if causal else "no",
+                            variant_text(v),
+                            *("" if c is None else fmt(c) for c in cells),
+                        ]
+                    )
         if rows:
             out += ["", "### " + _heading(run, dtype), ""]
             out += _table(["provider", "D", "causal", "heads, options", *map(seqlen_label, seqlens)], rows)
@@ -249,18 +285,33 @@ def option_tables(run: Run) -> list[str]:
             for dtype, d, causal, v in groups(run.results):
                 if not has(v):
                     continue
-                cells = [t.get((p, dtype, d, causal, v, n)) and t.get((p, dtype, d, causal, without(v), n))
-                         and t[p, dtype, d, causal, v, n] / t[p, dtype, d, causal, without(v), n] for n in seqlens]
+                cells = [
+                    t.get((p, dtype, d, causal, v, n))
+                    and t.get((p, dtype, d, causal, without(v), n))
+                    and t[p, dtype, d, causal, v, n] / t[p, dtype, d, causal, without(v), n]
+                    for n in seqlens
+                ]
                 if any(cells):
-                    rows.append([name, p, dtype, str(d), "yes" if causal else "no",
-                                 f"{variant_text(v)} / {variant_text(without(v))}",
-                                 *("—" if not c else _ratio(c) for c in cells)])
+                    rows.append(
+                        [
+                            name,
+                            p,
+                            dtype,
+                            str(d),
+                            "yes" if causal else "no",
+                            f"{variant_text(v)} / {variant_text(without(v))}",
+                            *("—" if not c else _ratio(c) for c in cells),
+                        ]
+                    )
     if not rows:
         return []
-    return [_caption(run, "Ratio of TFLOP/s with the option to without it (the same provider and shape; 1: it costs "
-                          "nothing)."),
-            "", *_table(["option", "provider", "dtype", "D", "causal", "heads, options",
-                         *map(seqlen_label, seqlens)], rows)]
+    return [
+        _caption(
+            run, "Ratio of TFLOP/s with the option to without it (the same provider and shape; 1: it costs nothing)."
+        ),
+        "",
+        *_table(["option", "provider", "dtype", "D", "causal", "heads, options", *map(seqlen_label, seqlens)], rows),
+    ]
 
 
 def _packed_key(r: dict) -> tuple:
@@ -275,8 +326,10 @@ def varlen_ratios(run: Run) -> list[dict]:
     dense_ns = sorted({r["seqlen"] for r in run.results if not r["lengths"]})
     out = []
     for fa2 in FA2_PROVIDERS:
-        for r in sorted((r for r in run.results if r["provider"] == fa2 and r["lengths"]),
-                        key=lambda r: (MODES.index(r["mode"]), *_packed_key(r)[1:], r["lengths"])):
+        for r in sorted(
+            (r for r in run.results if r["provider"] == fa2 and r["lengths"]),
+            key=lambda r: (MODES.index(r["mode"]), *_packed_key(r)[1:], r["lengths"]),
+        ):
             refs = {f"dense {seqlen_label(n)}": dense.get((fa2, *_packed_key(r), n)) for n in dense_ns}
             refs.update({b: packed.get((b, *_packed_key(r), r["lengths"])) for b in VARLEN_ALTERNATIVES})
             out.append({"row": r, "refs": {name: (t, t and r["tflops"] / t) for name, t in refs.items()}})
@@ -290,8 +343,10 @@ def varlen_tables(run: Run) -> list[str]:
     if not ratios_:
         return ["No packed batch measured for an fa2 backend."]
     names = list(ratios_[0]["refs"])
+
     def target(name):
         return VARLEN_TARGETS["dense" if name.startswith("dense") else name]
+
     summary = []
     for fa2 in FA2_PROVIDERS:
         for mode in MODES:
@@ -302,19 +357,43 @@ def varlen_tables(run: Run) -> list[str]:
                     rs = [x["refs"][name][1] for x in mine if x["refs"][name][1]]
                     cells.append(f"{_ratio(min(rs))} ({len(rs)})" if rs else "—")
                 summary.append([fa2, MODE_NAMES[mode], *cells])
-    out = [_caption(run, "Packed TFLOP/s over the real (query, key) pairs, divided by each reference's: the least "
-                         "over the shapes (how many), against issue 21's targets."), "",
-           *_table(["fa2 backend", "mode", *(f"/ {n} (target {target(n):g})" for n in names)], summary), ""]
+    out = [
+        _caption(
+            run,
+            "Packed TFLOP/s over the real (query, key) pairs, divided by each reference's: the least "
+            "over the shapes (how many), against issue 21's targets.",
+        ),
+        "",
+        *_table(["fa2 backend", "mode", *(f"/ {n} (target {target(n):g})" for n in names)], summary),
+        "",
+    ]
     rows = []
     for x in ratios_:
         r = x["row"]
-        cells = [c for name in names for c in (_num(x["refs"][name][0]) if x["refs"][name][0] else "—",
-                                               _ratio(x["refs"][name][1]) if x["refs"][name][1] else "—")]
-        rows.append([r["provider"], MODE_NAMES[r["mode"]], r["dtype"], str(r["head_dim"]), str(r["heads"]),
-                     "yes" if r["causal"] else "no", _num(r["tflops"]), *cells])
+        cells = [
+            c
+            for name in names
+            for c in (
+                _num(x["refs"][name][0]) if x["refs"][name][0] else "—",
+                _ratio(x["refs"][name][1]) if x["refs"][name][1] else "—",
+            )
+        ]
+        rows.append(
+            [
+                r["provider"],
+                MODE_NAMES[r["mode"]],
+                r["dtype"],
+                str(r["head_dim"]),
+                str(r["heads"]),
+                "yes" if r["causal"] else "no",
+                _num(r["tflops"]),
+                *cells,
+            ]
+        )
     out += [_caption(run, "Per packed batch: the fa2 backend's TFLOP/s, each reference's and the ratio."), ""]
-    out += _table(["fa2 backend", "mode", "dtype", "D", "H", "causal", "TFLOP/s",
-                   *(c for n in names for c in (n, "ratio"))], rows)
+    out += _table(
+        ["fa2 backend", "mode", "dtype", "D", "H", "causal", "TFLOP/s", *(c for n in names for c in (n, "ratio"))], rows
+    )
     return out
 
 
@@ -322,13 +401,35 @@ def _varlen_value_table(run: Run) -> list[str]:
     """Every measured row: provider, shape, ms, TFLOP/s, peak memory."""
     order = list(dict.fromkeys([*VARLEN_PROVIDERS, *PROVIDERS]))
     rows = []
-    for r in sorted(run.results, key=lambda r: (MODES.index(r["mode"]), *_packed_key(r)[1:], not r["lengths"],
-                                                r["seqlen"], order.index(r["provider"]))):
-        shape = f"packed {len(r['lengths'])} seqs, {r['seqlen']} tokens" if r["lengths"] else \
-            f"dense B{r['batch']} N{r['seqlen']}"
-        rows.append([r["provider"], MODE_NAMES[r["mode"]], r["dtype"], str(r["head_dim"]), str(r["heads"]),
-                     "yes" if r["causal"] else "no", shape, f"{r['ms']:.4g}", _num(r["tflops"]),
-                     "" if r["peak_mem_gb"] is None else f"{r['peak_mem_gb']:.3g}"])
+    for r in sorted(
+        run.results,
+        key=lambda r: (
+            MODES.index(r["mode"]),
+            *_packed_key(r)[1:],
+            not r["lengths"],
+            r["seqlen"],
+            order.index(r["provider"]),
+        ),
+    ):
+        shape = (
+            f"packed {len(r['lengths'])} seqs, {r['seqlen']} tokens"
+            if r["lengths"]
+            else f"dense B{r['batch']} N{r['seqlen']}"
+        )
+        rows.append(
+            [
+                r["provider"],
+                MODE_NAMES[r["mode"]],
+                r["dtype"],
+                str(r["head_dim"]),
+                str(r["heads"]),
+                "yes" if r["causal"] else "no",
+                shape,
+                f"{r['ms']:.4g}",
+                _num(r["tflops"]),
+                "" if r["peak_mem_gb"] is None else f"{r['peak_mem_gb']:.3g}",
+            ]
+        )
     return _table(["provider", "mode", "dtype", "D", "H", "causal", "shape", "ms", "TFLOP/s", "peak GB"], rows)
 
 
@@ -339,15 +440,19 @@ def _varlen_markdown(run: Run, name: str, plots: list[Path]) -> str:
     title = " and ".join(MODE_NAMES[m] for m in modes)
     lines = [f"# fa2 packed-batch (varlen) {title} benchmark: {'EMULATED on the CPU' if emulated else gpu}", ""]
     if emulated:
-        lines += ["> **EMULATED.** No GPU: fa2-pytorch and SDPA on nested jagged tensors (math) on the CPU, "
-                  "fa2-triton in", "> Triton's interpreter and fa2-numba-cuda in numba's CUDA simulator, on a tiny "
-                  "batch. These times show", "> that the harness and the kernels run and agree with the reference; "
-                  "they say nothing about GPU speed.", ""]
+        lines += [
+            "> **EMULATED.** No GPU: fa2-pytorch and SDPA on nested jagged tensors (math) on the CPU, fa2-triton in",
+            "> Triton's interpreter and fa2-numba-cuda in numba's CUDA simulator, on a tiny batch. These times show",
+            "> that the harness and the kernels run and agree with the reference; they say nothing about GPU speed.",
+            "",
+        ]
     packings = {json.dumps(r["varlen"], sort_keys=True): r["varlen"] for r in run.runs if r.get("varlen")}
-    batches = [f"{p['tokens']} tokens in {len(p['lengths'])} sequences of lengths "
-               f"{', '.join(map(str, p['lengths']))} (drawn uniformly from {p['low']} to {p['high']} by "
-               f"random.Random({p['seed']}), the last what is left)" for p in packings.values()] or \
-        sorted({f"lengths {', '.join(map(str, r['lengths']))}" for r in run.results if r["lengths"]})
+    batches = [
+        f"{p['tokens']} tokens in {len(p['lengths'])} sequences of lengths "
+        f"{', '.join(map(str, p['lengths']))} (drawn uniformly from {p['low']} to {p['high']} by "
+        f"random.Random({p['seed']}), the last what is left)"
+        for p in packings.values()
+    ] or sorted({f"lengths {', '.join(map(str, r['lengths']))}" for r in run.results if r["lengths"]})
     bwd = "bwd" in modes
     shapes = [
         f"- Packed batch: {'; '.join(batches)}. q, k, v (total, H, D), standard normal; H = 2048 / D (hidden 2048; "
@@ -375,7 +480,8 @@ def _varlen_markdown(run: Run, name: str, plots: list[Path]) -> str:
     lines += ["", "## " + _heading(run, "Every measurement"), "", *_varlen_value_table(run)]
     lines += ["", "## Plots", ""]
     lines += [f"![{p.stem}]({p.name})" for p in plots] or [
-        f"None drawn (no matplotlib here): `python -m fa2.bench --report-only --name {name}` draws them."]
+        f"None drawn (no matplotlib here): `python -m fa2.bench --report-only --name {name}` draws them."
+    ]
     lines += ["", "## Not measured", "", f"From `{name}-skipped.csv`, grouped by reason.", "", *not_measured(run)]
     return "\n".join(lines) + "\n"
 
@@ -387,24 +493,34 @@ def _environment(run: Run, shapes: list[str], copy: bool = False) -> list[str]:
     ceil = info.get("ceilings", {})
     n = ceil.get("matmul_size", "?")
     if copy:
+
         def of_run(r):
             return f"copy {_copy_text(r.get('ceilings', {}))}"
-        last = [f"- Copy ceiling{' (of the last part)' if len(run.runs) > 1 else ''}: `dst.copy_(src)` of "
-                f"{ceil.get('copy_bytes', 0) / 2**30:.3g} GiB of bf16, {_copy_text(ceil)} read plus written."]
+
+        last = [
+            f"- Copy ceiling{' (of the last part)' if len(run.runs) > 1 else ''}: `dst.copy_(src)` of "
+            f"{ceil.get('copy_bytes', 0) / 2**30:.3g} GiB of bf16, {_copy_text(ceil)} read plus written."
+        ]
     else:
+
         def of_run(r):
             return f"bf16 matmul {_num(r.get('ceilings', {}).get('bf16_matmul_tflops', math.nan))} TFLOP/s"
+
         # Runs recorded before fp16 matmuls were timed have bf16's and fp32's alone.
         fp16 = f"fp16 {_num(ceil['fp16_matmul_tflops'])} TFLOP/s, " if "fp16_matmul_tflops" in ceil else ""
-        last = [f"- Matmul ceilings ({n}³{', of the last part' if len(run.runs) > 1 else ''}): "
-                f"bf16 {_num(ceil.get('bf16_matmul_tflops', math.nan))} TFLOP/s, {fp16}"
-                f"fp32 without TF32 {_num(ceil.get('fp32_matmul_tflops', math.nan))} TFLOP/s."]
+        last = [
+            f"- Matmul ceilings ({n}³{', of the last part' if len(run.runs) > 1 else ''}): "
+            f"bf16 {_num(ceil.get('bf16_matmul_tflops', math.nan))} TFLOP/s, {fp16}"
+            f"fp32 without TF32 {_num(ceil.get('fp32_matmul_tflops', math.nan))} TFLOP/s."
+        ]
     return [
         f"- Environment: commit `{info.get('commit', '?')}`, torch {info.get('torch', '?')}, "
         f"triton {info.get('triton') or '—'}, numba-cuda {info.get('numba_cuda') or '—'}.",
         f"- Wall time {sum(r.get('wall_s', 0) for r in run.runs):.0f} s, from:",
-        *(f"  - `{r.get('command', '?')}`, started {r.get('started', '?')}, {r.get('wall_s', '?')} s, {of_run(r)}"
-          for r in run.runs),
+        *(
+            f"  - `{r.get('command', '?')}`, started {r.get('started', '?')}, {r.get('wall_s', '?')} s, {of_run(r)}"
+            for r in run.runs
+        ),
         *shapes,
         f"- Timing: {info.get('timing', '?')}. Peak memory: the most one call allocates beyond what was live "
         "before it (its outputs included); not measured on the CPU.",
@@ -434,26 +550,38 @@ def markdown(run: Run, name: str, plots: list[Path]) -> str:
     title = " and ".join(MODE_NAMES[m] for m in modes)
     lines = [f"# fa2 {title} benchmark: {'EMULATED on the CPU' if emulated else gpu}", ""]
     if emulated:
-        lines += ["> **EMULATED.** No GPU: fa2-pytorch and SDPA math on the CPU, fa2-triton in Triton's interpreter",
-                  "> and fa2-numba-cuda in numba's CUDA simulator, on tiny shapes. These times show that the",
-                  "> harness and the kernels run and agree with the reference; they say nothing about GPU speed.", ""]
-    shapes = ("B = 1, H = 2 unless --heads (emulated)" if emulated else
-              "16k tokens (B = 16384 / N), hidden 2048 (H = 2048 / D) unless --heads, as in the FlashAttention-2 "
-              "paper")
+        lines += [
+            "> **EMULATED.** No GPU: fa2-pytorch and SDPA math on the CPU, fa2-triton in Triton's interpreter",
+            "> and fa2-numba-cuda in numba's CUDA simulator, on tiny shapes. These times show that the",
+            "> harness and the kernels run and agree with the reference; they say nothing about GPU speed.",
+            "",
+        ]
+    shapes = (
+        "B = 1, H = 2 unless --heads (emulated)"
+        if emulated
+        else "16k tokens (B = 16384 / N), hidden 2048 (H = 2048 / D) unless --heads, as in the FlashAttention-2 paper"
+    )
     lines += [
-        *_environment(run, [
-            f"- Shapes: {shapes}; inputs (B, H, N, D) contiguous, standard normal. "
-            "FLOPs = 4·B·H·D·pairs: N² full, N²/2 causal, with a sliding window exactly the visible (query, key) "
-            "pairs"
-            + ("; the backward (timed alone, after one forward) 2.5 times that." if "bwd" in modes else "."),
-        ]),
+        *_environment(
+            run,
+            [
+                f"- Shapes: {shapes}; inputs (B, H, N, D) contiguous, standard normal. "
+                "FLOPs = 4·B·H·D·pairs: N² full, N²/2 causal, with a sliding window exactly the visible (query, key) "
+                "pairs"
+                + ("; the backward (timed alone, after one forward) 2.5 times that." if "bwd" in modes else "."),
+            ],
+        ),
         "- Correctness: before timing, each provider's O and L on each shape are checked against "
         f"`fa2.reference` with the same mask, window and softcap, on {SAMPLE_ROWS} sampled query rows of the first "
         "and last batch entries and heads (the rule of `shared_tests/checks.py`); a provider that fails is not "
         "timed. sdpa-math's op returns the attention weights, not L, and fa2.scaled_dot_product_attention "
         "(`--fa2-entry sdpa`) O alone: their check covers O only."
-        + (" The backward's dq is checked on the same rows (the rule of `shared_tests/test_gradients.py`), "
-           "dk and dv for NaN and inf." if "bwd" in modes else ""),
+        + (
+            " The backward's dq is checked on the same rows (the rule of `shared_tests/test_gradients.py`), "
+            "dk and dv for NaN and inf."
+            if "bwd" in modes
+            else ""
+        ),
     ]
     for mode in modes:
         sub, which = run.of_mode(mode), "" if mode == "fwd" else f" ({MODE_NAMES[mode]})"
@@ -462,11 +590,15 @@ def markdown(run: Run, name: str, plots: list[Path]) -> str:
         lines += ["", f"## Options against none{which}", "", *options] if options else []
         lines += ["", f"## TFLOP/s{which}", *value_tables(sub, "tflops", _num)]
         if not emulated:
-            lines += ["", f"## Peak memory per call (GB){which}",
-                      *value_tables(sub, "peak_mem_gb", lambda x: f"{x:.3g}")]
+            lines += [
+                "",
+                f"## Peak memory per call (GB){which}",
+                *value_tables(sub, "peak_mem_gb", lambda x: f"{x:.3g}"),
+            ]
     lines += ["", "## Plots", ""]
     lines += [f"![{p.stem}]({p.name})" for p in plots] or [
-        f"None drawn (no matplotlib here): `python -m fa2.bench --report-only --name {name}` draws them."]
+        f"None drawn (no matplotlib here): `python -m fa2.bench --report-only --name {name}` draws them."
+    ]
     lines += ["", "## Not measured", "", f"From `{name}-skipped.csv`, grouped by reason.", "", *not_measured(run)]
     return "\n".join(lines) + "\n"
 
@@ -481,7 +613,7 @@ def layout_text(page_size: int) -> str:
 
 
 def point_text(point: tuple) -> str:
-    """"q1 B8 K32k": query tokens, batch, cached keys."""
+    """ "q1 B8 K32k": query tokens, batch, cached keys."""
     return f"q{point[4]} B{point[5]} K{seqlen_label(point[6])}"
 
 
@@ -489,8 +621,10 @@ def _decode_rows(run: Run) -> list[dict]:
     """The decode rows in the sweep's order of points, then provider, then layout."""
     points = list(dict.fromkeys(_decode_point(r) for r in run.results if r["seqlen_q"]))
     order = list(dict.fromkeys([*DECODE_PROVIDERS, *(r["provider"] for r in run.results)]))
-    return sorted((r for r in run.results if r["seqlen_q"]),
-                  key=lambda r: (points.index(_decode_point(r)), order.index(r["provider"]), r["page_size"]))
+    return sorted(
+        (r for r in run.results if r["seqlen_q"]),
+        key=lambda r: (points.index(_decode_point(r)), order.index(r["provider"]), r["page_size"]),
+    )
 
 
 def decode_ratios(run: Run) -> list[dict]:
@@ -508,8 +642,7 @@ def decode_ratios(run: Run) -> list[dict]:
     for r in _decode_rows(run):
         point, page, mine = _decode_point(r), r["page_size"], r["ms"]
         copy = run.ceilings_of([r]).get("copy_tbps")
-        ratios = {b: over((b, point, 0), mine) if not page and r["provider"] != b else None
-                  for b in DECODE_BASELINES}
+        ratios = {b: over((b, point, 0), mine) if not page and r["provider"] != b else None for b in DECODE_BASELINES}
         ratios["copy"] = r["tbps"] / copy if copy and r["tbps"] else None
         ratios["paged"] = over((r["provider"], point, 0), mine) if page else None
         fa2 = r["provider"] in FA2_PROVIDERS and r["provider"] != "fa2-triton"
@@ -524,24 +657,42 @@ def decode_tables(run: Run) -> list[str]:
     ratios_ = decode_ratios(run)
     fa2s = [p for p in FA2_PROVIDERS if any(x["row"]["provider"] == p for x in ratios_)]
     pages = sorted({x["row"]["page_size"] for x in ratios_ if x["row"]["page_size"]})
+
     def least(xs):
         return f"{_ratio(min(xs))} ({len(xs)})" if xs else "—"
+
     summary = []
     for fa2 in fa2s:
         mine = [x for x in ratios_ if x["row"]["provider"] == fa2]
         cells = [least([x[b] for x in mine if x[b]]) for b in DECODE_BASELINES]
-        cells.append(least([x["copy"] for x in mine if x["copy"] and not x["row"]["page_size"]
-                            and x["row"]["seqlen"] >= DECODE_COPY_FROM]))
+        cells.append(
+            least(
+                [
+                    x["copy"]
+                    for x in mine
+                    if x["copy"] and not x["row"]["page_size"] and x["row"]["seqlen"] >= DECODE_COPY_FROM
+                ]
+            )
+        )
         cells += [least([x["paged"] for x in mine if x["paged"] and x["row"]["page_size"] == p]) for p in pages]
         cells.append(least([x["fa2-triton"] for x in mine if x["fa2-triton"]]))
         summary.append([fa2, *cells])
     t = DECODE_TARGETS
-    header = ["fa2 backend", *(f"{b} time / its (target {t[b]:g})" for b in DECODE_BASELINES),
-              f"of the copy ceiling, from {seqlen_label(DECODE_COPY_FROM)} keys, contiguous (target {t['copy']:g})",
-              *(f"paged {p} / contiguous rate (target {t['paged']:g})" for p in pages),
-              f"rate / fa2-triton's (target {t['fa2-triton']:g}, fa2-numba-cuda)"]
-    out = [_caption(run, "Issue 22's ratios per fa2 backend: the least over the rows each applies to (how many); "
-                         "SDPA's against the contiguous cache, the rates in K/V bytes read per second."), ""]
+    header = [
+        "fa2 backend",
+        *(f"{b} time / its (target {t[b]:g})" for b in DECODE_BASELINES),
+        f"of the copy ceiling, from {seqlen_label(DECODE_COPY_FROM)} keys, contiguous (target {t['copy']:g})",
+        *(f"paged {p} / contiguous rate (target {t['paged']:g})" for p in pages),
+        f"rate / fa2-triton's (target {t['fa2-triton']:g}, fa2-numba-cuda)",
+    ]
+    out = [
+        _caption(
+            run,
+            "Issue 22's ratios per fa2 backend: the least over the rows each applies to (how many); "
+            "SDPA's against the contiguous cache, the rates in K/V bytes read per second.",
+        ),
+        "",
+    ]
     out += _table(header, summary) if summary else ["No decode row measured for an fa2 backend."]
 
     points = list(dict.fromkeys(_decode_point(x["row"]) for x in ratios_))
@@ -549,21 +700,55 @@ def decode_tables(run: Run) -> list[str]:
     lines = list(dict.fromkeys((x["row"]["provider"], x["row"]["page_size"]) for x in ratios_))
     lines.sort(key=lambda pl: (list(DECODE_PROVIDERS).index(pl[0]) if pl[0] in DECODE_PROVIDERS else 99, pl[1]))
     rows = [[p, layout_text(page), *(_us(ms.get((p, page, pt))) for pt in points)] for p, page in lines]
-    out += ["", _caption(run, "Time per call (µs); columns: query tokens, batch, cached keys."), "",
-            *_table(["provider", "cache", *map(point_text, points)], rows)]
+    out += [
+        "",
+        _caption(run, "Time per call (µs); columns: query tokens, batch, cached keys."),
+        "",
+        *_table(["provider", "cache", *map(point_text, points)], rows),
+    ]
 
     rows = []
     for x in ratios_:
         r = x["row"]
-        rows.append([r["provider"], layout_text(r["page_size"]), r["dtype"], str(r["head_dim"]),
-                     f"{r['heads']}/{r['heads_k']}", str(r["seqlen_q"]), str(r["batch"]), seqlen_label(r["seqlen"]),
-                     _us(r["ms"]), f"{r['tbps']:.3g}" if r["tbps"] else "—",
-                     *("—" if x[c] is None else _ratio(x[c])
-                       for c in ("copy", *DECODE_BASELINES, "paged", "fa2-triton"))])
-    out += ["", _caption(run, "Every measurement: K/V TB/s = 2·B·H_k·K·D·(bytes per element) / time; the ratios as "
-                              "above."), "",
-            *_table(["provider", "cache", "dtype", "D", "heads", "q", "B", "K", "µs", "K/V TB/s", "of copy",
-                     *(f"{b} / this" for b in DECODE_BASELINES), "rate / contiguous", "rate / fa2-triton"], rows)]
+        rows.append(
+            [
+                r["provider"],
+                layout_text(r["page_size"]),
+                r["dtype"],
+                str(r["head_dim"]),
+                f"{r['heads']}/{r['heads_k']}",
+                str(r["seqlen_q"]),
+                str(r["batch"]),
+                seqlen_label(r["seqlen"]),
+                _us(r["ms"]),
+                f"{r['tbps']:.3g}" if r["tbps"] else "—",
+                *("—" if x[c] is None else _ratio(x[c]) for c in ("copy", *DECODE_BASELINES, "paged", "fa2-triton")),
+            ]
+        )
+    out += [
+        "",
+        _caption(run, "Every measurement: K/V TB/s = 2·B·H_k·K·D·(bytes per element) / time; the ratios as above."),
+        "",
+        *_table(
+            [
+                "provider",
+                "cache",
+                "dtype",
+                "D",
+                "heads",
+                "q",
+                "B",
+                "K",
+                "µs",
+                "K/V TB/s",
+                "of copy",
+                *(f"{b} / this" for b in DECODE_BASELINES),
+                "rate / contiguous",
+                "rate / fa2-triton",
+            ],
+            rows,
+        ),
+    ]
     return out
 
 
@@ -579,13 +764,19 @@ def _decode_markdown(run: Run, name: str, plots: list[Path]) -> str:
     gpu = info.get("gpu", run.results[0]["gpu"])
     lines = [f"# fa2 KV-cache decode benchmark: {'EMULATED on the CPU' if emulated else gpu}", ""]
     if emulated:
-        lines += ["> **EMULATED.** No GPU: fa2-pytorch and SDPA on the CPU, fa2-triton in Triton's interpreter and",
-                  "> fa2-numba-cuda in numba's CUDA simulator, on tiny caches. These times show that the harness and",
-                  "> the kernels run and agree with the reference; they say nothing about GPU speed.", ""]
+        lines += [
+            "> **EMULATED.** No GPU: fa2-pytorch and SDPA on the CPU, fa2-triton in Triton's interpreter and",
+            "> fa2-numba-cuda in numba's CUDA simulator, on tiny caches. These times show that the harness and",
+            "> the kernels run and agree with the reference; they say nothing about GPU speed.",
+            "",
+        ]
     sweeps = {json.dumps(r["decode"], sort_keys=True): r["decode"] for r in run.runs if r.get("decode")}
-    described = [f"{', '.join(map(str, d['queries']))} query tokens at (batch, cached keys) "
-                 f"{', '.join(f'({b}, {seqlen_label(k)})' for b, k in d['points'])}, the cache contiguous and in pages "
-                 f"of {', '.join(map(str, d['page_sizes'])) or 'none'}" for d in sweeps.values()]
+    described = [
+        f"{', '.join(map(str, d['queries']))} query tokens at (batch, cached keys) "
+        f"{', '.join(f'({b}, {seqlen_label(k)})' for b, k in d['points'])}, the cache contiguous and in pages "
+        f"of {', '.join(map(str, d['page_sizes'])) or 'none'}"
+        for d in sweeps.values()
+    ]
     heads = sorted({f"{r['heads']} query heads / {r['heads_k']} key-value heads" for r in run.results})
     shapes = [
         f"- Shapes: {'; '.join(described) or 'see the tables'}; {', '.join(heads)}; every query sees every cached "
@@ -613,6 +804,7 @@ def _decode_markdown(run: Run, name: str, plots: list[Path]) -> str:
     lines += ["", "## Against issue 22's targets", "", *decode_tables(run)]
     lines += ["", "## Plots", ""]
     lines += [f"![{p.stem}]({p.name})" for p in plots] or [
-        f"None drawn (no matplotlib here): `python -m fa2.bench --report-only --name {name}` draws them."]
+        f"None drawn (no matplotlib here): `python -m fa2.bench --report-only --name {name}` draws them."
+    ]
     lines += ["", "## Not measured", "", f"From `{name}-skipped.csv`, grouped by reason.", "", *not_measured(run)]
     return "\n".join(lines) + "\n"

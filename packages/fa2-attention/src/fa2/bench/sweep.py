@@ -67,13 +67,51 @@ from fa2.bench.providers import DECODE_PROVIDERS, DTYPES, PROVIDERS, VARLEN_PROV
 # for a dense shape. seqlen_q: a decode shape's query tokens (seqlen its cached keys), 0 otherwise; page_size:
 # its paged cache's page size, 0 contiguous. tbps: a decode row's K/V bytes read per second, TB/s (empty
 # otherwise).
-SHAPE_COLUMNS = ("provider", "mode", "dtype", "head_dim", "causal", "seqlen", "batch", "heads", "heads_k", "window",
-                 "softcap", "lengths", "seqlen_q", "page_size")
-COLUMNS = (*SHAPE_COLUMNS, "ms", "tflops", "tbps", "peak_mem_gb", "gpu", "torch", "triton", "numba_cuda", "commit",
-           "timestamp")
+SHAPE_COLUMNS = (
+    "provider",
+    "mode",
+    "dtype",
+    "head_dim",
+    "causal",
+    "seqlen",
+    "batch",
+    "heads",
+    "heads_k",
+    "window",
+    "softcap",
+    "lengths",
+    "seqlen_q",
+    "page_size",
+)
+COLUMNS = (
+    *SHAPE_COLUMNS,
+    "ms",
+    "tflops",
+    "tbps",
+    "peak_mem_gb",
+    "gpu",
+    "torch",
+    "triton",
+    "numba_cuda",
+    "commit",
+    "timestamp",
+)
 ISSUE_COLUMNS = (*SHAPE_COLUMNS, "status", "reason", "timestamp")
-KEY = ("provider", "mode", "dtype", "head_dim", "causal", "seqlen", "batch", "heads_k", "window", "softcap", "lengths",
-       "seqlen_q", "page_size")
+KEY = (
+    "provider",
+    "mode",
+    "dtype",
+    "head_dim",
+    "causal",
+    "seqlen",
+    "batch",
+    "heads_k",
+    "window",
+    "softcap",
+    "lengths",
+    "seqlen_q",
+    "page_size",
+)
 MODES = ("fwd", "bwd")
 # The gpu column of an emulated run's rows: every row of its CSV says its time is no GPU's.
 EMULATED_GPU = "cpu (emulated, not GPU speed)"
@@ -130,16 +168,24 @@ class Decode:
 
     def describe(self) -> dict:
         """What run.json records of it."""
-        return {"points": [list(p) for p in self.points], "queries": list(self.queries),
-                "page_sizes": list(self.page_sizes), "heads": self.heads, "group": self.group}
+        return {
+            "points": [list(p) for p in self.points],
+            "queries": list(self.queries),
+            "page_sizes": list(self.page_sizes),
+            "heads": self.heads,
+            "group": self.group,
+        }
 
 
 # --decode, (emulated, quick): the sweep, head_dims, dtypes. GPU: issue 22's shapes (32 query heads / 8 key-value
 # heads, D 128, bf16). Emulated: within numba's simulator's budget (EMULATED_BUDGET; <= 64 keys, D 16), fp16 (the
 # interpreter and the simulator have no bf16); 40 keys are not a whole number of pages of 16 or 32.
 DECODE_DEFAULTS = {
-    (False, False): (Decode(((8, 8192), (8, 32768), (1, 131072), (64, 4096)), (1, 4), (16, 256), 32, 4), (128,),
-                     ("bf16",)),
+    (False, False): (
+        Decode(((8, 8192), (8, 32768), (1, 131072), (64, 4096)), (1, 4), (16, 256), 32, 4),
+        (128,),
+        ("bf16",),
+    ),
     (False, True): (Decode(((8, 32768),), (1, 4), (16, 256), 32, 4), (128,), ("bf16",)),
     (True, False): (Decode(((2, 40), (1, 64)), (1, 4), (16, 32), 4, 2), (16,), ("fp16",)),
     (True, True): (Decode(((2, 40),), (1,), (16,), 4, 2), (16,), ("fp16",)),
@@ -159,10 +205,15 @@ class Packing:
 
     def lengths(self) -> tuple[int, ...]:
         # high >= 2 low - 1: what is left above high can always be split into two lengths of at least low.
-        if not 1 <= self.low <= self.high or self.tokens < self.low or (
-                self.tokens > self.high and self.high < 2 * self.low - 1):
-            raise ValueError(f"a packed batch needs 1 <= low <= high, tokens >= low and, for more than one sequence, "
-                             f"high >= 2 low - 1; got {self.tokens} tokens in lengths {self.low} to {self.high}")
+        if (
+            not 1 <= self.low <= self.high
+            or self.tokens < self.low
+            or (self.tokens > self.high and self.high < 2 * self.low - 1)
+        ):
+            raise ValueError(
+                f"a packed batch needs 1 <= low <= high, tokens >= low and, for more than one sequence, "
+                f"high >= 2 low - 1; got {self.tokens} tokens in lengths {self.low} to {self.high}"
+            )
         rng, out, left = random.Random(self.seed), [], self.tokens
         while left > self.high:
             out.append(rng.randint(self.low, min(self.high, left - self.low)))
@@ -171,8 +222,13 @@ class Packing:
 
     def describe(self) -> dict:
         """What run.json records of it."""
-        return {"tokens": self.tokens, "low": self.low, "high": self.high, "seed": self.seed,
-                "lengths": list(self.lengths())}
+        return {
+            "tokens": self.tokens,
+            "low": self.low,
+            "high": self.high,
+            "seed": self.seed,
+            "lengths": list(self.lengths()),
+        }
 
 
 @dataclass
@@ -219,8 +275,10 @@ class Config:
         if self.decode:
             return self._decode_shapes()
         if any(w >= 0 for w in self.windows) and True not in self.causals:
-            raise ValueError(f"--window {','.join(map(str, self.windows))} is fa2's window (W, 0) with causal=True: "
-                             "give --causal yes")
+            raise ValueError(
+                f"--window {','.join(map(str, self.windows))} is fa2's window (W, 0) with causal=True: "
+                "give --causal yes"
+            )
         out = []
         for mode in self.modes:
             bwd = mode == "bwd"
@@ -237,14 +295,18 @@ class Config:
                             heads = self.heads or heads
                             for group in self.groups:
                                 if group < 1 or heads % group:
-                                    raise ValueError(f"--group {group} does not divide the {heads} query heads "
-                                                     f"of D = {head_dim}")
+                                    raise ValueError(
+                                        f"--group {group} does not divide the {heads} query heads of D = {head_dim}"
+                                    )
                                 # A window belongs to the causal shapes; the others run without one, if asked.
                                 windows = self.windows if causal else [w for w in self.windows if w < 0]
                                 for window in windows:
                                     for softcap in self.softcaps:
-                                        out.append(Shape(dtype, head_dim, causal, n, batch, heads, mode, group,
-                                                         window, softcap))
+                                        out.append(
+                                            Shape(
+                                                dtype, head_dim, causal, n, batch, heads, mode, group, window, softcap
+                                            )
+                                        )
         return out
 
     def _varlen_shapes(self) -> list[Shape]:
@@ -260,10 +322,13 @@ class Config:
                 for head_dim in self.head_dims:
                     heads = self.heads or (EMULATED_HEADS if self.emulated else max(1, GPU_HIDDEN // head_dim))
                     for causal in self.causals:
-                        out.append(Shape(dtype, head_dim, causal, sum(lengths), len(lengths), heads, mode,
-                                         lengths=lengths))
-                        out += [Shape(dtype, head_dim, causal, n, max(1, self.varlen.tokens // n), heads, mode)
-                                for n in seqlens]
+                        out.append(
+                            Shape(dtype, head_dim, causal, sum(lengths), len(lengths), heads, mode, lengths=lengths)
+                        )
+                        out += [
+                            Shape(dtype, head_dim, causal, n, max(1, self.varlen.tokens // n), heads, mode)
+                            for n in seqlens
+                        ]
         return out
 
     def _decode_shapes(self) -> list[Shape]:
@@ -273,9 +338,14 @@ class Config:
         heads = self.heads or d.heads
         if heads % d.group:
             raise ValueError(f"--group {d.group} does not divide the {heads} query heads")
-        return [Shape(dtype, head_dim, False, seqlen, batch, heads, group=d.group, seqlen_q=n_q, page_size=page)
-                for dtype in self.dtypes for head_dim in self.head_dims for n_q in d.queries
-                for batch, seqlen in d.points for page in (0, *d.page_sizes)]
+        return [
+            Shape(dtype, head_dim, False, seqlen, batch, heads, group=d.group, seqlen_q=n_q, page_size=page)
+            for dtype in self.dtypes
+            for head_dim in self.head_dims
+            for n_q in d.queries
+            for batch, seqlen in d.points
+            for page in (0, *d.page_sizes)
+        ]
 
     def path(self, suffix: str) -> Path:
         return self.out_dir / f"{self.name}{suffix}"
@@ -288,8 +358,10 @@ class Config:
 def skip_reason(p: Provider, shape: Shape, cfg: Config) -> str | None:
     """Why ``p`` does not run ``shape`` in this sweep (it can run on this machine at all: checked before)."""
     if cfg.varlen and not shape.varlen and p.backend is None:
-        return ("--varlen: the dense shapes are the fa2 backends' own reference (issue 21: packed at least 0.95x "
-                "the backend's dense TFLOP/s at N = 2k)")
+        return (
+            "--varlen: the dense shapes are the fa2 backends' own reference (issue 21: packed at least 0.95x "
+            "the backend's dense TFLOP/s at N = 2k)"
+        )
     if shape.page_size and not p.paged:
         return f"paged cache: {_NO_PAGES.get(p.name, f'{p.name} reads no block table')}"
     if shape.mode not in p.modes:
@@ -306,19 +378,24 @@ def skip_reason(p: Provider, shape: Shape, cfg: Config) -> str | None:
     if shape.softcap and not p.softcaps:
         return f"softcap {shape.softcap:g}: {_no_option(p, 'softcap')}"
     if p.name == "sdpa-math" and shape.seqlen > cfg.math_max_seqlen:
-        return (f"N > --math-max-seqlen {cfg.math_max_seqlen}: SDPA math materialises B·H·N² scores "
-                "(tens of GB at N = 16k)")
+        return (
+            f"N > --math-max-seqlen {cfg.math_max_seqlen}: SDPA math materialises B·H·N² scores (tens of GB at N = 16k)"
+        )
     return None
 
 
-_NO_PAGES = {name: "SDPA has no paged cache (the paged rows are each fa2 backend's, against its contiguous rows)"
-             for name in ("sdpa", "sdpa-flash")} | {"flex": "fa2.bench gives FlexAttention no paged cache"}
+_NO_PAGES = {
+    name: "SDPA has no paged cache (the paged rows are each fa2 backend's, against its contiguous rows)"
+    for name in ("sdpa", "sdpa-flash")
+} | {"flex": "fa2.bench gives FlexAttention no paged cache"}
 
 
 def _no_option(p: Provider, option: str) -> str:
     if p.backend is not None:
-        return (f"--fa2-entry sdpa: fa2.scaled_dot_product_attention has SDPA's signature, no {option} "
-                "(--fa2-entry attention has)")
+        return (
+            f"--fa2-entry sdpa: fa2.scaled_dot_product_attention has SDPA's signature, no {option} "
+            "(--fa2-entry attention has)"
+        )
     return f"{p.name}: SDPA has no {option} (only an explicit attn_mask, which would not be a {option} kernel)"
 
 
@@ -347,8 +424,10 @@ def _commit() -> str:
         return os.environ["FA2_BENCH_COMMIT"]
     here = Path(__file__).parent
     try:
+
         def git(*a):
             return subprocess.run(["git", *a], cwd=here, capture_output=True, text=True, check=True).stdout
+
         dirty = git("status", "--porcelain", "--untracked-files=no").strip()
         return git("rev-parse", "--short=12", "HEAD").strip() + ("+dirty" if dirty else "")
     except (OSError, subprocess.CalledProcessError):
@@ -401,8 +480,11 @@ class Records:
         self._append(self.results, COLUMNS, row)
 
     def issue(self, p: str, shape: Shape, status: str, reason: str) -> None:
-        self._append(self.issues, ISSUE_COLUMNS, {**_shape_columns(p, shape), "status": status,
-                                                  "reason": reason, "timestamp": _now()})
+        self._append(
+            self.issues,
+            ISSUE_COLUMNS,
+            {**_shape_columns(p, shape), "status": status, "reason": reason, "timestamp": _now()},
+        )
 
     @staticmethod
     def _append(path: Path, columns: tuple[str, ...], row: dict) -> None:
@@ -420,8 +502,14 @@ def read_csv(path: Path) -> list[dict[str, str]]:
         rows = list(csv.DictReader(f))
     for r in rows:
         if "heads" in r:
-            defaults = [("heads_k", r["heads"]), ("window", "-1"), ("softcap", "0"), ("lengths", ""),
-                        ("seqlen_q", "0"), ("page_size", "0")] + [("tbps", "")] * ("ms" in r)
+            defaults = [
+                ("heads_k", r["heads"]),
+                ("window", "-1"),
+                ("softcap", "0"),
+                ("lengths", ""),
+                ("seqlen_q", "0"),
+                ("page_size", "0"),
+            ] + [("tbps", "")] * ("ms" in r)
             for column, default in defaults:
                 if not r.get(column):
                     r[column] = default
@@ -429,10 +517,22 @@ def read_csv(path: Path) -> list[dict[str, str]]:
 
 
 def _shape_columns(provider: str, s: Shape) -> dict:
-    return {"provider": provider, "mode": s.mode, "dtype": s.dtype, "head_dim": s.head_dim, "causal": s.causal,
-            "seqlen": s.seqlen, "batch": s.batch, "heads": s.heads, "heads_k": s.heads_k, "window": s.window,
-            "softcap": f"{s.softcap:g}", "lengths": " ".join(map(str, s.lengths)), "seqlen_q": s.seqlen_q,
-            "page_size": s.page_size}
+    return {
+        "provider": provider,
+        "mode": s.mode,
+        "dtype": s.dtype,
+        "head_dim": s.head_dim,
+        "causal": s.causal,
+        "seqlen": s.seqlen,
+        "batch": s.batch,
+        "heads": s.heads,
+        "heads_k": s.heads_k,
+        "window": s.window,
+        "softcap": f"{s.softcap:g}",
+        "lengths": " ".join(map(str, s.lengths)),
+        "seqlen_q": s.seqlen_q,
+        "page_size": s.page_size,
+    }
 
 
 def _key(provider: str, s: Shape) -> tuple[str, ...]:
@@ -448,14 +548,15 @@ def heads_first(shape: Shape, x: torch.Tensor | None) -> torch.Tensor | None:
     return x.unsqueeze(0) if x.dim() == 2 else x.transpose(0, 1).unsqueeze(0)
 
 
-def measure(p: Provider, shape: Shape, q, k, v, sample: check.Sample, device: torch.device, dO=None,
-            extra: tuple = ()):
+def measure(p: Provider, shape: Shape, q, k, v, sample: check.Sample, device: torch.device, dO=None, extra: tuple = ()):
     """("ok", (call, first_s, peak_mem_gb)) or (status, reason) with status "wrong", "skipped" or "failed":
     ``call`` runs what is timed, its first run took ``first_s``. Mode "bwd" times the backward alone, given dO.
     A packed shape's q, k, v, dO and what the provider returns are (total, heads, ...) (``heads_first``). The
     provider is called with (q, k, v, *extra), or with what its ``prepare`` makes of them (untimed)."""
+
     def checked(*xs):
         return [heads_first(shape, x) for x in xs]
+
     try:
         fn = p.build(shape, device)
         args = p.prepare(q, k, v, *extra) if p.prepare else (q, k, v, *extra)
@@ -487,8 +588,9 @@ def measure(p: Provider, shape: Shape, q, k, v, sample: check.Sample, device: to
             torch.cuda.empty_cache()
 
 
-def time_rounds(calls: dict[str, tuple], device: torch.device,
-                started: Callable[[str], None] = lambda name: None) -> dict[str, tuple[str, object]]:
+def time_rounds(
+    calls: dict[str, tuple], device: torch.device, started: Callable[[str], None] = lambda name: None
+) -> dict[str, tuple[str, object]]:
     """name -> ("ok", ms) or ("failed", reason) for ``calls`` (name -> (call, first_s)): each timed in
     ``timing.rounds(device)`` rounds, every other round in reverse order; ms is the median of its rounds.
     ``started(name)`` before each timing, for the progress bar."""
@@ -504,8 +606,9 @@ def time_rounds(calls: dict[str, tuple], device: torch.device,
                 times[name].append(timing.median_ms(call, device, first_s))
             except Exception as e:
                 failed[name] = _reason(e)
-    return {name: ("failed", failed[name]) if name in failed else ("ok", statistics.median(times[name]))
-            for name in calls}
+    return {
+        name: ("failed", failed[name]) if name in failed else ("ok", statistics.median(times[name])) for name in calls
+    }
 
 
 def run(cfg: Config, progress) -> None:
@@ -521,18 +624,28 @@ def run(cfg: Config, progress) -> None:
     shapes = cfg.shapes()
     records = Records(cfg, shapes)
     # Each provider's dense, packed (--varlen) and decode (--decode) path; a name may have only some of them.
-    dense = {name: fa2_provider(PROVIDERS[name], cfg.fa2_entry) if PROVIDERS[name].backend else PROVIDERS[name]
-             for name in cfg.providers if name in PROVIDERS}
+    dense = {
+        name: fa2_provider(PROVIDERS[name], cfg.fa2_entry) if PROVIDERS[name].backend else PROVIDERS[name]
+        for name in cfg.providers
+        if name in PROVIDERS
+    }
     packed = {name: VARLEN_PROVIDERS[name] for name in cfg.providers if name in VARLEN_PROVIDERS}
     decoding = {name: DECODE_PROVIDERS[name] for name in cfg.providers if name in DECODE_PROVIDERS}
     paths = {"dense": dense, "packed": packed, "decode": decoding}
     # Per path: a name's paths can differ in what they need (sdpa-flash: an aten op, or the dispatcher on the CPU).
-    unavailable = {(path, name): p.unavailable(cfg.device)
-                   for path, table in paths.items() for name, p in table.items()}
+    unavailable = {
+        (path, name): p.unavailable(cfg.device) for path, table in paths.items() for name, p in table.items()
+    }
     earlier = read_runs(cfg.path("-run.json")) if cfg.append else []
-    info = {**env, "device": str(cfg.device), "emulated": cfg.emulated, "command": cfg.command,
-            "started": _now(), "timing": timing.describe(cfg.device),
-            "ceilings": timing.copy_ceiling(cfg.device) if cfg.decode else timing.matmul_ceilings(cfg.device)}
+    info = {
+        **env,
+        "device": str(cfg.device),
+        "emulated": cfg.emulated,
+        "command": cfg.command,
+        "started": _now(),
+        "timing": timing.describe(cfg.device),
+        "ceilings": timing.copy_ceiling(cfg.device) if cfg.decode else timing.matmul_ceilings(cfg.device),
+    }
     if cfg.varlen:
         info["varlen"] = cfg.varlen.describe()
     if cfg.decode:
@@ -547,8 +660,9 @@ def run(cfg: Config, progress) -> None:
                 for name in cfg.providers:
                     path = "decode" if shape.decode else "packed" if shape.varlen else "dense"
                     p = paths[path].get(name)
-                    reason = _no_path(name, shape) if p is None else (unavailable[path, name] or
-                                                                      skip_reason(p, shape, cfg))
+                    reason = (
+                        _no_path(name, shape) if p is None else (unavailable[path, name] or skip_reason(p, shape, cfg))
+                    )
                     if reason:
                         records.issue(name, shape, "skipped", reason)
                         bar.update()
@@ -569,8 +683,12 @@ def timing_groups(shapes: list[Shape]) -> list[list[Shape]]:
     (contiguous and each page size, one after the other in ``Config.shapes``), every other shape alone."""
     groups: list[list[Shape]] = []
     for shape in shapes:
-        if shape.decode and groups and groups[-1][0].decode and \
-                replace(groups[-1][0], page_size=0) == replace(shape, page_size=0):
+        if (
+            shape.decode
+            and groups
+            and groups[-1][0].decode
+            and replace(groups[-1][0], page_size=0) == replace(shape, page_size=0)
+        ):
             groups[-1].append(shape)
         else:
             groups.append([shape])
@@ -591,15 +709,26 @@ def _measure_shape(shape: Shape, providers: list[Provider], cfg: Config, env: di
     seed = shape.seqlen * 7 + shape.head_dim
     torch.manual_seed(seed)
     # Dense: (batch, heads, seqlen, head_dim). Packed: (total, heads, head_dim), the check on views.
-    dims = (lambda heads: (shape.seqlen, heads, shape.head_dim)) if shape.varlen else \
-        (lambda heads: (shape.batch, heads, shape.seqlen, shape.head_dim))
-    q, k, v = (torch.randn(*dims(heads), device=cfg.device, dtype=DTYPES[shape.dtype])
-               for heads in (shape.heads, shape.heads_k, shape.heads_k))
+    dims = (
+        (lambda heads: (shape.seqlen, heads, shape.head_dim))
+        if shape.varlen
+        else (lambda heads: (shape.batch, heads, shape.seqlen, shape.head_dim))
+    )
+    q, k, v = (
+        torch.randn(*dims(heads), device=cfg.device, dtype=DTYPES[shape.dtype])
+        for heads in (shape.heads, shape.heads_k, shape.heads_k)
+    )
     dO = torch.randn_like(q) if shape.mode == "bwd" else None
     try:
-        sample = check.reference_sample(*(heads_first(shape, x) for x in (q, k, v)), shape.causal, seed,
-                                        heads_first(shape, dO), window=shape.window_pair, softcap=shape.softcap,
-                                        lengths=shape.lengths)
+        sample = check.reference_sample(
+            *(heads_first(shape, x) for x in (q, k, v)),
+            shape.causal,
+            seed,
+            heads_first(shape, dO),
+            window=shape.window_pair,
+            softcap=shape.softcap,
+            lengths=shape.lengths,
+        )
     except Exception as e:
         for p in providers:
             records.issue(p.name, shape, "failed", f"the reference check could not run: {_reason(e)}")
@@ -616,14 +745,24 @@ def _measure_shape(shape: Shape, providers: list[Provider], cfg: Config, env: di
             if status != "skipped":
                 bar.write(f"{p.name} {shape}: {status}: {outcome}")
         bar.update()
-    timed = time_rounds({name: (call, first_s) for name, (call, first_s, _) in checked.items()}, cfg.device,
-                        lambda name: bar.set_postfix_str(f"{name} {shape}: timing"))
+    timed = time_rounds(
+        {name: (call, first_s) for name, (call, first_s, _) in checked.items()},
+        cfg.device,
+        lambda name: bar.set_postfix_str(f"{name} {shape}: timing"),
+    )
     for name, (status, outcome) in timed.items():
         if status == "ok":
             mem = checked[name][2]
-            records.result({**_shape_columns(name, shape), "ms": f"{outcome:.6g}",
-                            "tflops": f"{shape.flops / (outcome * 1e-3) / 1e12:.6g}",
-                            "peak_mem_gb": "" if mem is None else f"{mem:.4g}", **env, "timestamp": _now()})
+            records.result(
+                {
+                    **_shape_columns(name, shape),
+                    "ms": f"{outcome:.6g}",
+                    "tflops": f"{shape.flops / (outcome * 1e-3) / 1e12:.6g}",
+                    "peak_mem_gb": "" if mem is None else f"{mem:.4g}",
+                    **env,
+                    "timestamp": _now(),
+                }
+            )
         else:
             records.issue(name, shape, status, outcome)
             bar.write(f"{name} {shape}: {status}: {outcome}")
@@ -643,8 +782,10 @@ def decode_inputs(group: list[Shape], device: torch.device):
     The same keys in every layout, so that each layout is checked against the same reference."""
     s = group[0]
     dtype = DTYPES[s.dtype]
+
     def randn(*shape):
         return torch.randn(*shape, device=device, dtype=dtype)
+
     q = randn(s.batch, s.seqlen_q, s.heads, s.head_dim).transpose(1, 2)
     k_flash, v_flash = (randn(s.batch, s.seqlen, s.heads_k, s.head_dim) for _ in range(2))
     cache_seqlens = torch.full((s.batch,), s.seqlen, dtype=torch.int32, device=device)
@@ -667,8 +808,9 @@ def decode_inputs(group: list[Shape], device: torch.device):
     return (q, k_flash.transpose(1, 2), v_flash.transpose(1, 2)), cache_seqlens, layouts
 
 
-def _measure_decode(group: list[Shape], runnable: list[tuple[Provider, Shape]], cfg: Config, env: dict,
-                    records: Records, bar):
+def _measure_decode(
+    group: list[Shape], runnable: list[tuple[Provider, Shape]], cfg: Config, env: dict, records: Records, bar
+):
     """A decode point: its layouts' inputs (``decode_inputs``), one reference on the sample for all of them,
     each (provider, layout) checked, then all timed in the same rounds."""
     s = group[0]
@@ -687,8 +829,7 @@ def _measure_decode(group: list[Shape], runnable: list[tuple[Provider, Shape]], 
     for p, shape in runnable:
         bar.set_postfix_str(f"{p.name} {shape}: checking")
         k_cache, v_cache, block_table = layouts[shape.page_size]
-        status, outcome = measure(p, shape, q, k_cache, v_cache, sample, cfg.device,
-                                  extra=(cache_seqlens, block_table))
+        status, outcome = measure(p, shape, q, k_cache, v_cache, sample, cfg.device, extra=(cache_seqlens, block_table))
         if status == "ok":
             checked[p.name, shape] = outcome
         else:
@@ -696,16 +837,26 @@ def _measure_decode(group: list[Shape], runnable: list[tuple[Provider, Shape]], 
             if status != "skipped":
                 bar.write(f"{p.name} {shape}: {status}: {outcome}")
         bar.update()
-    timed = time_rounds({key: (call, first_s) for key, (call, first_s, _) in checked.items()}, cfg.device,
-                        lambda key: bar.set_postfix_str(f"{key[0]} {key[1]}: timing"))
+    timed = time_rounds(
+        {key: (call, first_s) for key, (call, first_s, _) in checked.items()},
+        cfg.device,
+        lambda key: bar.set_postfix_str(f"{key[0]} {key[1]}: timing"),
+    )
     for (name, shape), (status, outcome) in timed.items():
         if status == "ok":
             mem = checked[name, shape][2]
             seconds = outcome * 1e-3
-            records.result({**_shape_columns(name, shape), "ms": f"{outcome:.6g}",
-                            "tflops": f"{shape.flops / seconds / 1e12:.6g}",
-                            "tbps": f"{shape.kv_bytes / seconds / 1e12:.6g}",
-                            "peak_mem_gb": "" if mem is None else f"{mem:.4g}", **env, "timestamp": _now()})
+            records.result(
+                {
+                    **_shape_columns(name, shape),
+                    "ms": f"{outcome:.6g}",
+                    "tflops": f"{shape.flops / seconds / 1e12:.6g}",
+                    "tbps": f"{shape.kv_bytes / seconds / 1e12:.6g}",
+                    "peak_mem_gb": "" if mem is None else f"{mem:.4g}",
+                    **env,
+                    "timestamp": _now(),
+                }
+            )
         else:
             records.issue(name, shape, status, outcome)
             bar.write(f"{name} {shape}: {status}: {outcome}")

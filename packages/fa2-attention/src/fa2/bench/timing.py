@@ -29,10 +29,14 @@ COPY_BYTES = {"cuda": 2**30, "cpu": 2**26}
 
 def describe(device: torch.device) -> str:
     if device.type == "cuda":
-        return (f"median of {GPU_ROUNDS} rounds (providers interleaved, every other round reversed) of "
-                f"triton.testing.do_bench median, warmup {WARMUP_MS} ms, rep {REP_MS} ms")
-    return (f"time.perf_counter median of up to {CPU_MAX_REPS} calls within {CPU_BUDGET_S} s after one warm-up "
-            f"call, {torch.get_num_threads()} CPU thread(s)")
+        return (
+            f"median of {GPU_ROUNDS} rounds (providers interleaved, every other round reversed) of "
+            f"triton.testing.do_bench median, warmup {WARMUP_MS} ms, rep {REP_MS} ms"
+        )
+    return (
+        f"time.perf_counter median of up to {CPU_MAX_REPS} calls within {CPU_BUDGET_S} s after one warm-up "
+        f"call, {torch.get_num_threads()} CPU thread(s)"
+    )
 
 
 def rounds(device: torch.device) -> int:
@@ -112,8 +116,10 @@ def copy_ceiling(device: torch.device) -> dict[str, float | int]:
     n = COPY_BYTES[device.type]
     src = torch.randn(n // 2, device=device, dtype=torch.bfloat16)
     dst = torch.empty_like(src)
+
     def fn():
         return dst.copy_(src)
+
     _, first_s = timed_once(fn, device)
     seconds = median_ms(fn, device, first_s) * 1e-3
     return {"copy_bytes": n, "copy_tbps": 2 * n / seconds / 1e12}

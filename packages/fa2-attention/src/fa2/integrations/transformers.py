@@ -84,12 +84,18 @@ try:
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
 except ImportError as e:
-    raise ImportError(f"fa2.integrations.transformers needs transformers: {install_command('transformers')} ({e})") from e
+    raise ImportError(
+        f"fa2.integrations.transformers needs transformers: {install_command('transformers')} ({e})"
+    ) from e
 
 NAME = "fa2"
 # Keywords transformers passes for features fa2 does not have; any of them not None is refused.
-UNSUPPORTED = ("s_aux", "position_bias",  # sinks, T5 biases
-               "block_table", "cache_seqlens")  # paged caches
+UNSUPPORTED = (
+    "s_aux",
+    "position_bias",  # sinks, T5 biases
+    "block_table",
+    "cache_seqlens",
+)  # paged caches
 
 
 def register(backend: str | None = None, name: str = NAME) -> None:
@@ -159,8 +165,7 @@ def attention_forward(
     if keep is None:
         packed = _packed_offsets(query, key, kwargs)
         if packed is not None:
-            return _varlen_forward(query, key, value, packed, causal=bool(is_causal), window=window,
-                                   **options), None
+            return _varlen_forward(query, key, value, packed, causal=bool(is_causal), window=window, **options), None
         O = attention(query, key, value, causal=bool(is_causal), window=window, **options).O
     elif kwargs.get("cu_seq_lens_q") is not None or kwargs.get("cu_seq_lens_k") is not None:
         raise NotImplementedError(
@@ -178,10 +183,12 @@ def attention_forward(
             f"{type(module).__name__}): dropping the padded keys would move the window; run unpadded batches"
         )
     else:
-        O = torch.stack([
-            attention(query[b], key[b][..., keep[b], :], value[b][..., keep[b], :], **options).O
-            for b in range(query.shape[0])
-        ])
+        O = torch.stack(
+            [
+                attention(query[b], key[b][..., keep[b], :], value[b][..., keep[b], :], **options).O
+                for b in range(query.shape[0])
+            ]
+        )
     return O.transpose(1, 2).contiguous(), None
 
 
@@ -204,11 +211,13 @@ def _window(sliding_window) -> tuple[int, int]:
     try:
         size = operator.index(sliding_window)
     except TypeError:
-        raise TypeError(f"sliding_window must be an int or None, got {type(sliding_window).__name__} "
-                        f"{sliding_window!r}") from None
+        raise TypeError(
+            f"sliding_window must be an int or None, got {type(sliding_window).__name__} {sliding_window!r}"
+        ) from None
     if isinstance(sliding_window, bool) or size < 1:
-        raise ValueError(f"sliding_window must be >= 1 (the keys a query sees, itself included) or None, "
-                         f"got {sliding_window!r}")
+        raise ValueError(
+            f"sliding_window must be >= 1 (the keys a query sees, itself included) or None, got {sliding_window!r}"
+        )
     return (size - 1, size - 1)
 
 
@@ -240,8 +249,14 @@ def _packed_offsets(query: torch.Tensor, key: torch.Tensor, kwargs: dict):
         return cu_q, cu_k, max_q, max_k
     position_ids = kwargs.get("position_ids")
     n = query.shape[-2]
-    if (position_ids is None or torch.compiler.is_compiling() or query.shape[0] != 1 or n <= 1
-            or position_ids.dim() != 2 or tuple(position_ids.shape) != (1, n)):
+    if (
+        position_ids is None
+        or torch.compiler.is_compiling()
+        or query.shape[0] != 1
+        or n <= 1
+        or position_ids.dim() != 2
+        or tuple(position_ids.shape) != (1, n)
+    ):
         return None
     cu, max_len = _memo(position_ids, _restarts)
     if cu is None:

@@ -120,8 +120,9 @@ def current_tiles(p: Point) -> BwdTiles:
 
 def candidates(args: argparse.Namespace, p: Point, kind: str) -> list[KernelTiles]:
     """The current table's choice first, then the grid."""
-    grid = [KernelTiles(bm, bn, w, s) for bm, bn in getattr(args, f"{kind}_tiles")
-            for w in args.warps for s in args.stages]
+    grid = [
+        KernelTiles(bm, bn, w, s) for bm, bn in getattr(args, f"{kind}_tiles") for w in args.warps for s in args.stages
+    ]
     current = getattr(current_tiles(p), kind)
     return [current] + [t for t in grid if t != current]
 
@@ -225,8 +226,10 @@ def _jobs(pts: list[Point], per_point: dict) -> list[tuple]:
         for p in pts:
             for kind, cands in per_point[p].items():
                 if i < len(cands):
-                    jobs.setdefault((p.dtype, p.head_dim, p.causal, kind, cands[i]),
-                                    (p.dtype, p.head_dim, p.heads, p.causal, kind, cands[i]))
+                    jobs.setdefault(
+                        (p.dtype, p.head_dim, p.causal, kind, cands[i]),
+                        (p.dtype, p.head_dim, p.heads, p.causal, kind, cands[i]),
+                    )
     return list(jobs.values())
 
 
@@ -309,8 +312,9 @@ class Bench:
         prob = self.prob
 
         def bwd(dO):
-            return backward.flash_attn_backward(prob.q, prob.k, prob.v, prob.O, prob.L, dO, prob.spec, tiles,
-                                                deterministic)
+            return backward.flash_attn_backward(
+                prob.q, prob.k, prob.v, prob.O, prob.L, dO, prob.spec, tiles, deterministic
+            )
 
         class Attention(torch.autograd.Function):
             @staticmethod
@@ -324,8 +328,10 @@ class Bench:
         inputs = tuple(x.detach().requires_grad_() for x in (prob.q, prob.k, prob.v))
         with torch.enable_grad():
             O = Attention.apply(*inputs)
+
         def call():
             return torch.autograd.grad(O, inputs, prob.dO, retain_graph=True)
+
         return self.grad_problem(call()), call
 
     def sdpa_grad(self, provider: str):
@@ -339,12 +345,28 @@ class Bench:
 
 def record(run: Run, p: Point, stage: str, config: str, r: Result, flops: float) -> None:
     tflops = flops / (r.ms * 1e-3) / 1e12 if r.status == "ok" else math.nan
-    run.rows.append({
-        "dtype": p.dtype, "head_dim": p.head_dim, "causal": p.causal, "seqlen": p.seqlen, "batch": p.batch,
-        "heads": p.heads, "stage": stage, "config": config, "status": r.status, "reason": r.reason,
-        "ms": f"{r.ms:.6g}", "tflops": f"{tflops:.1f}", "n_regs": r.n_regs, "n_spills": r.n_spills,
-        "shared": r.shared, "gpu": _gpu_name(run.device), "triton": triton.__version__, "torch": torch.__version__,
-    })
+    run.rows.append(
+        {
+            "dtype": p.dtype,
+            "head_dim": p.head_dim,
+            "causal": p.causal,
+            "seqlen": p.seqlen,
+            "batch": p.batch,
+            "heads": p.heads,
+            "stage": stage,
+            "config": config,
+            "status": r.status,
+            "reason": r.reason,
+            "ms": f"{r.ms:.6g}",
+            "tflops": f"{tflops:.1f}",
+            "n_regs": r.n_regs,
+            "n_spills": r.n_spills,
+            "shared": r.shared,
+            "gpu": _gpu_name(run.device),
+            "triton": triton.__version__,
+            "torch": torch.__version__,
+        }
+    )
 
 
 def search(run: Run, pts: list[Point], benches: dict, per_point: dict) -> None:
@@ -443,14 +465,24 @@ def proposal(pts: list[Point], benches: dict, table: list[dict]) -> dict:
 def parse_args(argv: list[str]) -> argparse.Namespace:
     def ints(text):
         return tuple(int(x) for x in text.split(",") if x)
+
     def pairs(text):
         return tuple(tuple(int(y) for y in x.split("x")) for x in text.split(",") if x)
+
     parser = argparse.ArgumentParser(prog="python -m fa2_triton.tuning.backward", description=__doc__.split("\n\n")[0])
     add_shape_arguments(parser, ints)
-    parser.add_argument("--dkdv-tiles", type=pairs, default=((32, 64), (32, 128), (64, 64), (64, 128)),
-                        help="dK/dV kernel's block_m x block_n (default 32x64,32x128,64x64,64x128)")
-    parser.add_argument("--dq-tiles", type=pairs, default=((64, 32), (64, 64), (128, 32), (128, 64)),
-                        help="dQ kernel's block_m x block_n (default 64x32,64x64,128x32,128x64)")
+    parser.add_argument(
+        "--dkdv-tiles",
+        type=pairs,
+        default=((32, 64), (32, 128), (64, 64), (64, 128)),
+        help="dK/dV kernel's block_m x block_n (default 32x64,32x128,64x64,64x128)",
+    )
+    parser.add_argument(
+        "--dq-tiles",
+        type=pairs,
+        default=((64, 32), (64, 64), (128, 32), (128, 64)),
+        help="dQ kernel's block_m x block_n (default 64x32,64x64,128x32,128x64)",
+    )
     parser.add_argument("--warps", type=ints, default=(8, 4))
     parser.add_argument("--stages", type=ints, default=(3, 2, 4))
     return parse_with_run_arguments(parser, argv, budget_s=100.0, final_s=20, csv_suffix="tune-bwd")
@@ -463,8 +495,11 @@ def main(argv: list[str]) -> int:
         return 2
     run = Run(args, device)
     pts = points(args)
-    print(f"{_gpu_name(device)} | triton {triton.__version__} | torch {torch.__version__} | {len(pts)} shapes | "
-          f"budget {args.budget_s:g} s", flush=True)
+    print(
+        f"{_gpu_name(device)} | triton {triton.__version__} | torch {torch.__version__} | {len(pts)} shapes | "
+        f"budget {args.budget_s:g} s",
+        flush=True,
+    )
 
     per_point = {p: {kind: candidates(args, p, kind) for kind in KINDS} for p in pts}
     limit = SMEM_PER_SM - SMEM_RESERVED
@@ -474,10 +509,13 @@ def main(argv: list[str]) -> int:
                 need = smem_estimate(kind, t, p.head_dim)
                 if need > limit:
                     run.compiled[p.dtype, p.head_dim, p.causal, kind, t] = Result(
-                        "failed", f"needs ~{need // 1024} KiB of shared memory, over {limit // 1024} KiB")
+                        "failed", f"needs ~{need // 1024} KiB of shared memory, over {limit // 1024} KiB"
+                    )
     precompile(run, _jobs(pts, per_point), COMPILE_SHARE * args.budget_s, _compile_job, _ckey)
-    print(f"compiled {sum(r.status == 'ok' for r in run.compiled.values())}/{len(run.compiled)} "
-          f"in {run.elapsed():.0f} s", flush=True)
+    print(
+        f"compiled {sum(r.status == 'ok' for r in run.compiled.values())}/{len(run.compiled)} in {run.elapsed():.0f} s",
+        flush=True,
+    )
 
     benches = {p: Bench(run, p) for p in pts}
     for b in benches.values():
@@ -522,18 +560,27 @@ def print_summary(run: Run, table: list[dict], prop: dict) -> None:
 
     # TFLOP/s of each; x columns: the other's time over the winner's (> 1: the winner is faster), except
     # "x atom": the winner's time over the atomic-dQ path's (> 1: atomics would be faster).
-    print(f"{'shape':15} {'dtype':5} {'dK/dV':12} {'dQ':12} {'TF/s':>5} {'table':>5} {'atom':>5} {'flash':>5} "
-          f"{'cudnn':>5} {'x tbl':>5} {'x fa2':>5} {'x cdn':>5} {'x atom':>6}")
+    print(
+        f"{'shape':15} {'dtype':5} {'dK/dV':12} {'dQ':12} {'TF/s':>5} {'table':>5} {'atom':>5} {'flash':>5} "
+        f"{'cudnn':>5} {'x tbl':>5} {'x fa2':>5} {'x cdn':>5} {'x atom':>6}"
+    )
+
     def tf(p, ms):
         return p.flops / (ms * 1e-3) / 1e12
+
     for row in table:
         p, ms = row["p"], row["ms"]
         cells = [tf(p, ms[x]) for x in ("winner", "current", "atomic-dq", "sdpa-flash", "sdpa-cudnn")]
         ratios = [ms[x] / ms["winner"] for x in ("current", "sdpa-flash", "sdpa-cudnn")]
         t = row["tiles"]
         kernels = [_short(t.dkdv), _short(t.dq)] if t else ["-", "-"]
-        print(f"{p.label:15} {p.dtype:5} {kernels[0]:12} {kernels[1]:12} " + " ".join(f"{c:5.0f}" for c in cells)
-              + " " + " ".join(f"{r:5.2f}" for r in ratios) + f" {ms['winner'] / ms['atomic-dq']:6.2f}")
+        print(
+            f"{p.label:15} {p.dtype:5} {kernels[0]:12} {kernels[1]:12} "
+            + " ".join(f"{c:5.0f}" for c in cells)
+            + " "
+            + " ".join(f"{r:5.2f}" for r in ratios)
+            + f" {ms['winner'] / ms['atomic-dq']:6.2f}"
+        )
     print("BWD_TILES entries for tiles.py (16-bit; replace the ones with the same keys):")
     for line in table_entries(prop, describe):
         print(line)

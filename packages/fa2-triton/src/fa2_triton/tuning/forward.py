@@ -71,14 +71,34 @@ REGS_PER_SM, SMEM_PER_SM, SMEM_RESERVED = 65536, 233472, 1024
 # specialises on divisibility by 16) and N a multiple of 16, so the compiled kernel is the one timed.
 WARM_SEQLEN = 256
 MAX_REASONS = 8  # failure reasons printed; the CSV has them all
+
+
 def shape_spec(causal: bool, scale: float) -> AttentionSpec:
     """The AttentionSpec of a benchmark shape: causal or full attention, no softcap or ALiBi (the tile
     tables are keyed by masked or not, and causal's entries serve every window)."""
     return AttentionSpec(scale, (UNBOUNDED, 0) if causal else (UNBOUNDED, UNBOUNDED))
 
 
-CSV_COLUMNS = ("dtype", "head_dim", "causal", "seqlen", "batch", "heads", "stage", "config", "status", "reason",
-               "ms", "tflops", "n_regs", "n_spills", "shared", "gpu", "triton", "torch")
+CSV_COLUMNS = (
+    "dtype",
+    "head_dim",
+    "causal",
+    "seqlen",
+    "batch",
+    "heads",
+    "stage",
+    "config",
+    "status",
+    "reason",
+    "ms",
+    "tflops",
+    "n_regs",
+    "n_spills",
+    "shared",
+    "gpu",
+    "triton",
+    "torch",
+)
 
 
 @dataclass(frozen=True)
@@ -131,8 +151,9 @@ class Run:
 
 def describe(t: Tiles) -> str:
     """Tiles as Python: the four tile numbers positional, the levers that differ from the defaults by name."""
-    levers = [f"{name}={getattr(t, name)!r}" for name in Tiles._fields[4:]
-              if getattr(t, name) != Tiles._field_defaults[name]]
+    levers = [
+        f"{name}={getattr(t, name)!r}" for name in Tiles._fields[4:] if getattr(t, name) != Tiles._field_defaults[name]
+    ]
     return f"Tiles({', '.join([str(x) for x in t[:4]] + levers)})"
 
 
@@ -170,11 +191,14 @@ def points(args: argparse.Namespace, point: type[Point] = Point) -> list[Point]:
 def base_candidates(args: argparse.Namespace, causal: bool) -> list[Tiles]:
     tiles = [
         Tiles(bm, bn, w, s, tma=loads == "tma", grid_order=1 if causal else 0)
-        for bm in args.block_m for bn in args.block_n for w in args.warps for s in args.stages for loads in args.loads
+        for bm in args.block_m
+        for bn in args.block_n
+        for w in args.warps
+        for s in args.stages
+        for loads in args.loads
     ]
     # The warp-specialised loop builds its own descriptors whatever ``tma`` says: one such variant per tiling.
-    out = [v for t in tiles for v in (t, t._replace(tma=True, warp_specialize=True))
-           if v is t or ws_tiles(v, causal)]
+    out = [v for t in tiles for v in (t, t._replace(tma=True, warp_specialize=True)) if v is t or ws_tiles(v, causal)]
     return list(dict.fromkeys(out))
 
 
@@ -189,8 +213,11 @@ def lever_variants(t: Tiles, causal: bool) -> list[Tiles]:
         # rescale (tiles.ws_tiles): of those levers only turning it off gives another kernel.
         out = [t._replace(warp_specialize=False), t._replace(fused_exp2=not t.fused_exp2)]
     else:
-        out = [t._replace(tma=not t.tma), t._replace(fused_exp2=not t.fused_exp2),
-               t._replace(lazy_rescale=not t.lazy_rescale)]
+        out = [
+            t._replace(tma=not t.tma),
+            t._replace(fused_exp2=not t.fused_exp2),
+            t._replace(lazy_rescale=not t.lazy_rescale),
+        ]
     if causal:
         out += [t._replace(grid_order=g) for g in (0, 1, 2) if g != t.grid_order]
     if t.maxnreg is not None:
@@ -364,12 +391,28 @@ def median_ms(device: torch.device, fn, search: bool) -> float:
 
 def record(run: Run, p: Point, stage: str, config: str, r: Result) -> None:
     tflops = p.flops / (r.ms * 1e-3) / 1e12 if r.status == "ok" else math.nan
-    run.rows.append({
-        "dtype": p.dtype, "head_dim": p.head_dim, "causal": p.causal, "seqlen": p.seqlen, "batch": p.batch,
-        "heads": p.heads, "stage": stage, "config": config, "status": r.status, "reason": r.reason,
-        "ms": f"{r.ms:.6g}", "tflops": f"{tflops:.1f}", "n_regs": r.n_regs, "n_spills": r.n_spills,
-        "shared": r.shared, "gpu": _gpu_name(run.device), "triton": triton.__version__, "torch": torch.__version__,
-    })
+    run.rows.append(
+        {
+            "dtype": p.dtype,
+            "head_dim": p.head_dim,
+            "causal": p.causal,
+            "seqlen": p.seqlen,
+            "batch": p.batch,
+            "heads": p.heads,
+            "stage": stage,
+            "config": config,
+            "status": r.status,
+            "reason": r.reason,
+            "ms": f"{r.ms:.6g}",
+            "tflops": f"{tflops:.1f}",
+            "n_regs": r.n_regs,
+            "n_spills": r.n_spills,
+            "shared": r.shared,
+            "gpu": _gpu_name(run.device),
+            "triton": triton.__version__,
+            "torch": torch.__version__,
+        }
+    )
 
 
 def _gpu_name(device: torch.device) -> str:
@@ -458,24 +501,37 @@ def table_entries(prop: dict, show=None) -> list[str]:
 def add_shape_arguments(parser: argparse.ArgumentParser, ints) -> None:
     parser.add_argument("--seqlens", type=ints, default=(1024, 4096, 16384), help="default 1024,4096,16384")
     parser.add_argument("--head-dims", type=ints, default=(64, 128), help="default 64,128")
-    parser.add_argument("--causal", type=lambda s: tuple(x == "yes" for x in s.split(",")), default=(False, True),
-                        help="no,yes (default both)")
-    parser.add_argument("--dtypes", type=lambda s: tuple(s.split(",")), default=("bf16",),
-                        help="bf16,fp16 (default bf16)")
+    parser.add_argument(
+        "--causal",
+        type=lambda s: tuple(x == "yes" for x in s.split(",")),
+        default=(False, True),
+        help="no,yes (default both)",
+    )
+    parser.add_argument(
+        "--dtypes", type=lambda s: tuple(s.split(",")), default=("bf16",), help="bf16,fp16 (default bf16)"
+    )
 
 
-def parse_with_run_arguments(parser: argparse.ArgumentParser, argv: list[str], budget_s: float, final_s: int,
-                             csv_suffix: str) -> argparse.Namespace:
+def parse_with_run_arguments(
+    parser: argparse.ArgumentParser, argv: list[str], budget_s: float, final_s: int, csv_suffix: str
+) -> argparse.Namespace:
     """Adds the budget, workers, tokens, hidden, out and csv arguments, parses argv and checks --dtypes."""
-    parser.add_argument("--budget-s", type=float, default=budget_s,
-                        help=f"seconds for compiling and searching; the final table adds ~{final_s} s "
-                        f"(default {budget_s:g})")
+    parser.add_argument(
+        "--budget-s",
+        type=float,
+        default=budget_s,
+        help=f"seconds for compiling and searching; the final table adds ~{final_s} s (default {budget_s:g})",
+    )
     parser.add_argument("--workers", type=int, default=min(16, os.cpu_count() or 1), help="compile processes")
     parser.add_argument("--tokens", type=int, default=TOKENS, help=f"B = tokens / N (default {TOKENS})")
     parser.add_argument("--hidden", type=int, default=HIDDEN, help=f"H = hidden / D (default {HIDDEN})")
     out = default_out()
-    parser.add_argument("--out", type=Path, default=out,
-                        help=f"folder of the CSV, <gpu>-{csv_suffix}.csv (default {out}, python -m fa2.bench's)")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=out,
+        help=f"folder of the CSV, <gpu>-{csv_suffix}.csv (default {out}, python -m fa2.bench's)",
+    )
     parser.add_argument("--csv", type=Path, help=f"the CSV's path, instead of <out>/<gpu>-{csv_suffix}.csv")
     args = parser.parse_args(argv)
     unknown = [d for d in args.dtypes if d not in DTYPES]
@@ -497,14 +553,19 @@ def tuning_device() -> torch.device | None:
 def parse_args(argv: list[str]) -> argparse.Namespace:
     def ints(text):
         return tuple(int(x) for x in text.split(",") if x)
+
     parser = argparse.ArgumentParser(prog="python -m fa2_triton.tuning.forward", description=__doc__.split("\n\n")[0])
     add_shape_arguments(parser, ints)
     parser.add_argument("--block-m", type=ints, default=(128, 64))
     parser.add_argument("--block-n", type=ints, default=(64, 128, 32))
     parser.add_argument("--warps", type=ints, default=(8, 4))
     parser.add_argument("--stages", type=ints, default=(2, 3, 4))
-    parser.add_argument("--loads", type=lambda s: tuple(s.split(",")), default=("tma", "ptr"),
-                        help="tma,ptr (default both): tensor descriptors, pointer loads")
+    parser.add_argument(
+        "--loads",
+        type=lambda s: tuple(s.split(",")),
+        default=("tma", "ptr"),
+        help="tma,ptr (default both): tensor descriptors, pointer loads",
+    )
     parser.add_argument("--no-maxnreg", action="store_true", help="skip the maxnreg (one more program per SM) variants")
     parser.add_argument("--top", type=int, default=2, help="how many of the fastest per shape get the lever variants")
     args = parse_with_run_arguments(parser, argv, budget_s=270.0, final_s=15, csv_suffix="tune")
@@ -521,8 +582,11 @@ def main(argv: list[str]) -> int:
     run = Run(args, device)
     pts = points(args)
     gpu = _gpu_name(device)
-    print(f"{gpu} | triton {triton.__version__} | torch {torch.__version__} | {len(pts)} shapes | "
-          f"budget {args.budget_s:g} s", flush=True)
+    print(
+        f"{gpu} | triton {triton.__version__} | torch {torch.__version__} | {len(pts)} shapes | "
+        f"budget {args.budget_s:g} s",
+        flush=True,
+    )
 
     # Stage 1: the tiles, with and without maxnreg lowered to fit one more program.
     base = {p: base_candidates(args, p.causal) for p in pts}
@@ -530,8 +594,10 @@ def main(argv: list[str]) -> int:
         for t in base[p]:
             if smem_estimate(t, p.head_dim) > SMEM_PER_SM - SMEM_RESERVED:
                 run.compiled[p.dtype, p.head_dim, p.causal, t] = Result(
-                    "failed", f"needs ~{smem_estimate(t, p.head_dim) // 1024} KiB of shared memory, over "
-                    f"{(SMEM_PER_SM - SMEM_RESERVED) // 1024} KiB")
+                    "failed",
+                    f"needs ~{smem_estimate(t, p.head_dim) // 1024} KiB of shared memory, over "
+                    f"{(SMEM_PER_SM - SMEM_RESERVED) // 1024} KiB",
+                )
     precompile(run, _jobs(pts, base), COMPILE_SHARE * args.budget_s)
     per_point = {}
     for p in pts:
@@ -544,10 +610,15 @@ def main(argv: list[str]) -> int:
                 if maxnreg is not None:
                     cands.append(t._replace(maxnreg=maxnreg))
         per_point[p] = cands
-    precompile(run, _jobs(pts, {p: [t for t in per_point[p] if t.maxnreg is not None] for p in pts}),
-               MAXNREG_SHARE * args.budget_s)
-    print(f"compiled {sum(r.status == 'ok' for r in run.compiled.values())}/{len(run.compiled)} "
-          f"in {run.elapsed():.0f} s", flush=True)
+    precompile(
+        run,
+        _jobs(pts, {p: [t for t in per_point[p] if t.maxnreg is not None] for p in pts}),
+        MAXNREG_SHARE * args.budget_s,
+    )
+    print(
+        f"compiled {sum(r.status == 'ok' for r in run.compiled.values())}/{len(run.compiled)} in {run.elapsed():.0f} s",
+        flush=True,
+    )
 
     benches = {p: Bench(run, p) for p in pts}
     search(run, pts, benches, per_point, "tiles", SEARCH_SHARE)
@@ -574,8 +645,9 @@ def main(argv: list[str]) -> int:
         for provider in ("sdpa-flash", "sdpa-cudnn"):
             ms = math.nan
             if device.type == "cuda":
-                shape = Shape(dtype=p.dtype, head_dim=p.head_dim, causal=p.causal, seqlen=p.seqlen, batch=p.batch,
-                              heads=p.heads)
+                shape = Shape(
+                    dtype=p.dtype, head_dim=p.head_dim, causal=p.causal, seqlen=p.seqlen, batch=p.batch, heads=p.heads
+                )
                 fn = PROVIDERS[provider].build(shape, device)
                 try:
                     ms = median_ms(run.device, functools.partial(fn, b.q, b.k, b.v), search=False)
@@ -635,18 +707,26 @@ def print_summary(run: Run, pts: list[Point], benches: dict, table: list[dict]) 
             cells.append(f"{pairs[0][1]:.2f}" if pairs else "-")
         print(f"  {name:13} " + " ".join(f"{c:>7}" for c in cells))
 
-    print(f"{'shape':18} {'dtype':5} {'winner':36} {'TF/s':>5} {'table':>5} {'flash':>5} {'cudnn':>5} "
-          f"{'x tbl':>5} {'x fa2':>5} {'x cdn':>5}")
+    print(
+        f"{'shape':18} {'dtype':5} {'winner':36} {'TF/s':>5} {'table':>5} {'flash':>5} {'cudnn':>5} "
+        f"{'x tbl':>5} {'x fa2':>5} {'x cdn':>5}"
+    )
+
     def tf(p, ms):
         return p.flops / (ms * 1e-3) / 1e12 if ms == ms else math.nan
+
     for row in table:
         p = row["p"]
         ms = row["ms"]
         cells = [tf(p, ms[x]) for x in ("winner", "current", "sdpa-flash", "sdpa-cudnn")]
         ratios = [ms[x] / ms["winner"] for x in ("current", "sdpa-flash", "sdpa-cudnn")]
         winner = _short(row["tiles"]) if row["tiles"] else "-"
-        print(f"{p.label:18} {p.dtype:5} {winner:36} " + " ".join(f"{c:5.0f}" for c in cells) + " "
-              + " ".join(f"{r:5.2f}" for r in ratios))
+        print(
+            f"{p.label:18} {p.dtype:5} {winner:36} "
+            + " ".join(f"{c:5.0f}" for c in cells)
+            + " "
+            + " ".join(f"{r:5.2f}" for r in ratios)
+        )
     print("TILES entries for tiles.py (16-bit; replace the ones with the same keys):")
     for line in table_entries(proposal(pts, benches)):
         print(line)
