@@ -68,12 +68,12 @@ import torch
 from fa2.spec import AttentionSpec
 from fa2_numba_cuda import kvcache_combine, kvcache_simt, kvcache_tc, launch
 from fa2_numba_cuda.common import (
-    LOG2E,
     MAX_HEAD_DIM,
     _check_device,
     feature_args,
     features,
     rows_16b_aligned,
+    score_scale,
     simulated,
     spec_class,
 )
@@ -424,11 +424,6 @@ def kvcache_forward(
     if key is not None and split_launch is not None and (combine_launch is not None or not split):
         _PREPARED[key] = _Plan(split_launch, combine_launch, tuple(o_out.shape) if split else None)
     return O, L
-
-
-def score_scale(spec: AttentionSpec) -> float:
-    """What Q is pre-scaled by (``common.score_scale``): scale · log2 e, or with a softcap c, scale / c."""
-    return spec.scale / spec.softcap if spec.softcap > 0 else spec.scale * LOG2E
 
 
 def kernel_resources() -> list[dict]:
