@@ -70,6 +70,7 @@ def attention(
     window: tuple[int, int] = (-1, -1),
     softcap: float = 0.0,
     alibi_slopes: torch.Tensor | None = None,
+    sink: torch.Tensor | None = None,
     upcast: bool = True,
     rows: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -83,6 +84,9 @@ def attention(
         causal, window: the mask, as fa2.attention: causal makes the window's right side 0.
         softcap: > 0: scores s -> softcap · tanh(s / softcap), before the bias and the mask.
         alibi_slopes: None, or (heads,) or q.shape[:-2]: adds -slope · |i + seqlen_k - seqlen_q - j|.
+        sink: None, or (heads,): a logit per head appended to every row's scores as one more column that
+            no value follows (attention sinks): it joins L and the softmax's denominator only. Gradients
+            flow to it through autograd when it requires them.
         upcast: True computes in float64 and returns float64 O and L (the ground truth). False computes
             every step in the inputs' own dtype, as a naive low-precision attention would: its error is
             the yardstick of FlashAttention-2's accuracy rule.
@@ -92,7 +96,8 @@ def attention(
 
     Returns:
         O: (..., seqlen_q, head_dim), float64 or q's dtype. L: (..., seqlen_q), float64 or float32.
-        With ``rows``, seqlen_q is len(rows). Rows that see no key: O = 0, L = +inf.
+        With ``rows``, seqlen_q is len(rows). Rows that see no key: O = 0, L = +inf (L = sink[h] with a
+        sink).
     """
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
@@ -115,6 +120,12 @@ def attention(
         empty = ~visible.any(dim=-1)
     else:
         empty = torch.full((q.shape[-2],), seqlen_k == 0, dtype=torch.bool, device=q.device)
+    if sink is not None:
+        column = sink.to(dtype)[:, None, None].expand(*S.shape[:-1], 1)
+        S = torch.cat([S, column], dim=-1)
+        L = torch.logsumexp(S, dim=-1)
+        O = torch.softmax(S, dim=-1)[..., :-1] @ v
+        return O, L if upcast else L.float()
     L = torch.logsumexp(S, dim=-1).masked_fill(empty, math.inf)
     P = torch.softmax(S, dim=-1).masked_fill(empty[:, None], 0.0)
     O = P @ v
@@ -133,12 +144,14 @@ def varlen_attention(
     window: tuple[int, int] = (-1, -1),
     softcap: float = 0.0,
     alibi_slopes: torch.Tensor | None = None,
+    sink: torch.Tensor | None = None,
     upcast: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``attention`` on each sequence of a packed batch, the contract of ``fa2.varlen_attention``.
 
     q: (total_q, heads, head_dim); k, v: (total_k, heads_k, head_dim); cu_seqlens_q, cu_seqlens_k:
-    (num_seqs + 1,) offsets; alibi_slopes: None, (heads,) or (num_seqs, heads). Returns O (total_q, heads,
+    (num_seqs + 1,) offsets; alibi_slopes: None, (heads,) or (num_seqs, heads); sink: None or (heads,), every
+    sequence's rows (rows outside every sequence: O = 0, L = +inf). Returns O (total_q, heads,
     head_dim) and L (heads, total_q), float64 (or q's dtype and float32 without upcast)."""
     dtype = torch.float64 if upcast else q.dtype
     O = q.new_zeros(q.shape, dtype=dtype)
@@ -156,6 +169,7 @@ def varlen_attention(
             window=window,
             softcap=softcap,
             alibi_slopes=slopes,
+            sink=sink,
             upcast=upcast,
         )
         O[rows] = O_s.transpose(0, 1)
@@ -221,8 +235,8 @@ def kvcache_attention(
             spec.cache_batch_idx[b] (or b); or, with spec.block_table, (num_pages, heads_k, page_size,
             head_dim), key j of row b at row j % page_size of page block_table[b, j // page_size].
         spec: an AttentionSpec with cache_seqlens (batch,) (K_b), and cache_leftpad, cache_batch_idx,
-            block_table as they apply; scale, window, softcap, alibi_slopes ((batch, heads), any strides) as
-            for attention. num_splits changes nothing here.
+            block_table as they apply; scale, window, softcap, alibi_slopes ((batch, heads), any strides), sink
+            as for attention. num_splits changes nothing here.
         upcast: as ``attention``: True for float64 ground truth, False for the naive same-precision yardstick.
 
     Returns:
@@ -245,6 +259,7 @@ def kvcache_attention(
             window=spec.window,
             softcap=spec.softcap,
             alibi_slopes=None if slopes is None else slopes[None],
+            sink=spec.sink,
             upcast=upcast,
         )
         if spec.cu_seqlens_q is None:

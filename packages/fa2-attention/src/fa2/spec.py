@@ -50,6 +50,11 @@ class AttentionSpec:
             each sequence's own (its Nq, Nk). alibi_slopes is then (num_seqs, heads).
         max_seqlen_q, max_seqlen_k: the longest sequence's lengths (at least; 0 without cu_seqlens), for
             sizing a grid without reading the offsets.
+        sink: None, or (heads,) float32, contiguous, on q's device: attention sinks (gpt-oss), a logit per
+            head that joins every row's softmax denominator and no numerator: O_i = Σ_j exp(s_ij - L_i) v_j
+            with L_i = log(exp(sink[h]) + Σ_j exp(s_ij)), the L returned. A row that sees no key gets O = 0
+            and L = sink[h]. Its gradient, dsink[h] = -Σ_i exp(sink[h] - L_i) · rowsum(dO_i ∘ O_i) over every
+            batch row and query of head h, leaves dq, dk and dv as they are without it (P = exp(s - L)).
 
     KV-cache attention (``fa2.kvcache_attention``, a backend's ``kvcache_forward``) adds:
         cache_seqlens: None, or (batch,) int32 on q's device: K_b, the keys row b of q attends to, keys
@@ -81,6 +86,7 @@ class AttentionSpec:
     cu_seqlens_k: torch.Tensor | None = None
     max_seqlen_q: int = 0
     max_seqlen_k: int = 0
+    sink: torch.Tensor | None = None
     cache_seqlens: torch.Tensor | None = None
     cache_leftpad: torch.Tensor | None = None
     cache_batch_idx: torch.Tensor | None = None
