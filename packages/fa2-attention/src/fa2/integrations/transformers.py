@@ -31,13 +31,21 @@ What ``attention_forward`` does with the mask it is given:
   ``module.is_causal``), aligned bottom-right, which also places new queries after a KV cache correctly
   (with a sliding window too: the window ends at each query's own position). Packed sequences instead go to
   one fa2.varlen_attention call (below).
-- A 2-D padding mask for a non-causal layer without a sliding window (encoders such as BERT): each batch
-  row attends to its own visible keys, one fa2.attention call per row (data-dependent shapes: eager mode
-  only, not torch.compile(fullgraph=True)). Every query row gets what transformers' eager attention gives
-  it, padding rows included (they attend to the visible keys); a row with no visible key at all gets zeros.
-- Anything else (padding with a causal layer or with a sliding window, a 4-D mask that hides a key,
-  packed sequences together with a padding mask, attention dropout, attention sinks, position biases,
-  paged caches, attention weights): NotImplementedError naming it.
+- A 2-D (batch, seqlen_k) padding mask (batched ``generate`` with left padding, fine-tuning that pads,
+  padded encoders): as transformers' FlashAttention-2 path (``modeling_flash_attention_utils._upad_input``),
+  the batch is unpadded into one fa2.varlen_attention call, each row a sequence of its real tokens, and the
+  output padded back; padded query rows get zeros. Fewer queries than keys (a decode step against a KV
+  cache) with every row's padding on its left and no gradient wanted: one fa2.kvcache_attention call on
+  the keys in place, each row's padding its ``cache_leftpad``, nothing copied. A mask shorter than the keys
+  (a static cache, whose slots past the tokens so far are unwritten) covers the keys it has, and the rest
+  are dropped. Reading the mask costs two device syncs, made once per mask tensor (every layer of a forward
+  gets the same one): data-dependent, so eager mode only, not torch.compile(fullgraph=True). Causal and
+  window alignment are each row's own, on its real tokens; padding between a row's real tokens is refused
+  with a causal layer, a window or a KV cache (NotImplementedError), and taken by an encoder's layer.
+- A 4-D mask that hides nothing: as None.
+- Anything else (a 4-D mask that hides a key, packed sequences together with a padding mask, attention
+  dropout, attention sinks, position biases, paged caches, attention weights): NotImplementedError naming
+  it.
 
 Packed sequences (padding-free training: transformers' ``DataCollatorWithFlattening`` concatenates the
 examples into one batch row) run as one fa2.varlen_attention call over the flattened tokens, each sequence
@@ -74,10 +82,12 @@ from __future__ import annotations
 import functools
 import operator
 import weakref
+from typing import NamedTuple
 
 import torch
 
 from fa2.api import attention, varlen_attention
+from fa2.kvcache import kvcache_attention
 from fa2.registry import install_command
 
 try:
@@ -161,35 +171,19 @@ def attention_forward(
     window = _window(sliding_window)
     options = dict(scale=scaling, softcap=_softcap(softcap), backend=backend)
 
-    keep = _visible_keys(attention_mask, key)
-    if keep is None:
+    if attention_mask is None or attention_mask.dim() == 4:
+        _check_4d_mask(attention_mask)
         packed = _packed_offsets(query, key, kwargs)
         if packed is not None:
             return _varlen_forward(query, key, value, packed, causal=bool(is_causal), window=window, **options), None
         O = attention(query, key, value, causal=bool(is_causal), window=window, **options).O
-    elif kwargs.get("cu_seq_lens_q") is not None or kwargs.get("cu_seq_lens_k") is not None:
+        return O.transpose(1, 2).contiguous(), None
+    if kwargs.get("cu_seq_lens_q") is not None or kwargs.get("cu_seq_lens_k") is not None:
         raise NotImplementedError(
             f"fa2 does not support packed sequences (cu_seq_lens_q/k) together with a padding mask "
             f"({type(module).__name__}): drop the padding, the offsets already delimit the sequences"
         )
-    elif is_causal:
-        raise NotImplementedError(
-            f"fa2 does not support a padding mask with a causal layer ({type(module).__name__}): "
-            "run unpadded batches (one sequence, or sequences of one length)"
-        )
-    elif sliding_window is not None:
-        raise NotImplementedError(
-            f"fa2 does not support a padding mask with a sliding window (sliding_window={sliding_window}, "
-            f"{type(module).__name__}): dropping the padded keys would move the window; run unpadded batches"
-        )
-    else:
-        O = torch.stack(
-            [
-                attention(query[b], key[b][..., keep[b], :], value[b][..., keep[b], :], **options).O
-                for b in range(query.shape[0])
-            ]
-        )
-    return O.transpose(1, 2).contiguous(), None
+    return _padded_forward(query, key, value, attention_mask, causal=bool(is_causal), window=window, **options), None
 
 
 def _varlen_forward(query, key, value, packed, **options) -> torch.Tensor:
@@ -324,28 +318,112 @@ def _memo(t: torch.Tensor, fn):
     if hit is not None and hit[0]() is t and hit[1] == t._version:
         return hit[2]
     value = fn(t)
-    _MEMO[key] = (weakref.ref(t, lambda _, key=key: _MEMO.pop(key, None)), t._version, value)
+    _MEMO[key] = (weakref.ref(t, lambda _, key=key, memo=_MEMO: memo.pop(key, None)), t._version, value)
     return value
 
 
-def _visible_keys(attention_mask: torch.Tensor | None, key: torch.Tensor) -> torch.Tensor | None:
-    """None when every key is visible to every query, else the (batch, seqlen_k) bool padding mask."""
+def _check_4d_mask(attention_mask: torch.Tensor | None) -> None:
+    """A 4-D mask (what a model built without ``register``'s mask function passes) is taken only when it
+    hides nothing: fa2 has no arbitrary masks."""
     if attention_mask is None:
-        return None
-    batch, seqlen_k = key.shape[0], key.shape[-2]
-    if attention_mask.dim() == 2:
-        if tuple(attention_mask.shape) != (batch, seqlen_k):
-            raise NotImplementedError(
-                f"fa2 needs a (batch, seqlen_k) = {(batch, seqlen_k)} padding mask, got "
-                f"{tuple(attention_mask.shape)} (a static cache longer than the keys is not supported)"
-            )
-        keep = attention_mask.bool()
-        return None if keep.all() else keep
-    if attention_mask.dim() == 4:
-        hides_nothing = attention_mask.all() if attention_mask.dtype == torch.bool else (attention_mask == 0).all()
-        if hides_nothing:
-            return None
-    raise NotImplementedError(
-        f"fa2 supports no attention mask but a (batch, seqlen_k) padding mask, got a {attention_mask.dtype} "
-        f"mask of shape {tuple(attention_mask.shape)} that hides keys"
-    )
+        return
+    hides_nothing = attention_mask.all() if attention_mask.dtype == torch.bool else (attention_mask == 0).all()
+    if not hides_nothing:
+        raise NotImplementedError(
+            f"fa2 supports no attention mask but a (batch, seqlen_k) padding mask, got a {attention_mask.dtype} "
+            f"mask of shape {tuple(attention_mask.shape)} that hides keys"
+        )
+
+
+class _Padding(NamedTuple):
+    """What a (batch, seqlen) padding mask says, read from the device once per mask tensor (``_memo``).
+
+    keep: the bool mask. all_visible: no padding at all. indices: the flat positions (b * seqlen + t) of
+    the visible tokens, in order; cu_seqlens: (batch + 1,) int32 offsets of each row's visible tokens;
+    longest: the most visible tokens in a row. leftpad: (batch,) int32, the padding tokens before each
+    row's first visible one, or None unless every row's padding is on its left (then a KV cache's rows
+    are attended to in place). contiguous: every row's visible tokens are one run (padding on the left,
+    the right or both ends)."""
+
+    keep: torch.Tensor
+    all_visible: bool
+    indices: torch.Tensor
+    cu_seqlens: torch.Tensor
+    longest: int
+    leftpad: torch.Tensor | None
+    contiguous: bool
+
+
+def _padding(mask: torch.Tensor) -> _Padding:
+    """The facts of a (batch, seqlen) padding mask: two device syncs (one read of four numbers, then the
+    count of visible tokens)."""
+    keep = mask.bool()
+    batch, n = keep.shape
+    counts = keep.sum(1, dtype=torch.int32)
+    positions = torch.arange(n, device=keep.device)
+    first = torch.where(keep, positions, n).amin(1) if n else counts
+    last = torch.where(keep, positions, -1).amax(1) if n else counts - 1
+    leftpad = (n - counts).to(torch.int32)
+    facts = torch.stack(
+        [
+            (counts == n).all().long(),
+            (keep == (positions >= leftpad[:, None])).all().long(),
+            ((counts == 0) | (last - first + 1 == counts)).all().long(),
+            counts.max().long() if batch else counts.new_zeros((), dtype=torch.long),
+        ]
+    ).tolist()  # device sync
+    all_visible, left_padded, contiguous = (bool(f) for f in facts[:3])
+    longest = facts[3]
+    indices = keep.flatten().nonzero().view(-1)  # device sync: how many
+    cu_seqlens = torch.nn.functional.pad(counts.cumsum(0, dtype=torch.int32), (1, 0))
+    return _Padding(keep, all_visible, indices, cu_seqlens, longest, leftpad if left_padded else None, contiguous)
+
+
+def _padded_forward(query, key, value, attention_mask, *, causal: bool, window, **options) -> torch.Tensor:
+    """Attention of a padded batch, as transformers' FlashAttention-2 path computes it: (batch, seqlen_q,
+    heads_q, head_dim), zeros on padded query rows.
+
+    - Query rows as many as keys (prefill, training, encoders): the visible tokens are packed (unpadded)
+      into one fa2.varlen_attention call, each row a sequence, and its output scattered back.
+    - Fewer queries than keys (decode steps, a chunk after a KV cache), every row's padding on its left
+      (batched ``generate``) and no gradient wanted: one fa2.kvcache_attention call on the keys in place,
+      each row's first visible key its ``cache_leftpad``; nothing is copied.
+    - Otherwise fewer queries than keys: the keys are unpacked as above and the queries are the last
+      seqlen_q positions of the mask (as that path assumes: padding on the left).
+    A mask shorter than the keys (a static cache, whose slots past the tokens so far are unwritten) covers
+    the keys it has; the rest are dropped. Causal and window alignment per row is on the row's visible
+    tokens, which is its own positions when the padding is at the ends of the row; a mask with padding
+    between visible tokens is taken only by a non-causal layer without a window (an encoder), where
+    positions do not matter."""
+    batch, heads, seqlen_q, head_dim = query.shape
+    if attention_mask.dim() != 2 or attention_mask.shape[0] != batch or attention_mask.shape[1] > key.shape[-2]:
+        raise ValueError(
+            f"attention_mask must be a (batch, seqlen_k) padding mask, batch {batch} and seqlen_k at most the "
+            f"keys' {key.shape[-2]}, got shape {tuple(attention_mask.shape)}"
+        )
+    if attention_mask.dtype != torch.bool and (attention_mask.is_floating_point() or attention_mask.is_complex()):
+        raise TypeError(f"attention_mask must be bool or integer (1: visible, 0: padding), got {attention_mask.dtype}")
+    seqlen_k = attention_mask.shape[1]
+    key, value = key[..., :seqlen_k, :], value[..., :seqlen_k, :]
+    pad = _memo(attention_mask, _padding)
+    if pad.all_visible:
+        O = attention(query, key, value, causal=causal, window=window, **options).O
+        return O.transpose(1, 2).contiguous()
+    if not pad.contiguous and (causal or window != (-1, -1) or seqlen_q != seqlen_k):
+        raise NotImplementedError(
+            "fa2 supports padding at the ends of each row (left or right) with a causal layer, a sliding window "
+            "or a KV cache, got a mask with padding between visible tokens"
+        )
+    wants_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
+    if seqlen_q < seqlen_k and pad.leftpad is not None and not wants_grad:
+        O = kvcache_attention(query, key, value, cache_leftpad=pad.leftpad, causal=causal, window=window, **options).O
+        return O.transpose(1, 2).contiguous()
+    heads_k = key.shape[1]
+    k, v = (t.transpose(1, 2).reshape(batch * seqlen_k, heads_k, head_dim)[pad.indices] for t in (key, value))
+    q_pad = pad if seqlen_q == seqlen_k else _padding(pad.keep[:, -seqlen_q:])
+    q = query.transpose(1, 2).reshape(batch * seqlen_q, heads, head_dim)[q_pad.indices]
+    O = varlen_attention(
+        q, k, v, q_pad.cu_seqlens, pad.cu_seqlens, q_pad.longest, pad.longest, causal=causal, window=window, **options
+    ).O
+    out = O.new_zeros(batch * seqlen_q, heads, head_dim).index_copy(0, q_pad.indices, O)
+    return out.view(batch, seqlen_q, heads, head_dim)
