@@ -640,12 +640,31 @@ def test_padded_generate_matches_eager(backend, status, device, model_type, fa2_
     varlen call a layer, each decode step as one fa2.kvcache_attention call a layer on the cache in place
     (each row's padding its cache_leftpad; plain fa2.attention where a sliding-window cache's keys hold no
     padding any more); the tokens and every step's logits as eager attention's."""
+    calls = _record_padded_calls(monkeypatch, fa2_transformers)
+    _generate_matches_eager(backend, status, device, model_type, fa2_transformers, _padding_mask(device, "left"))
+    # A sliding-window cache keeps only the last keys: once those hold no padding, a step is plain attention.
+    assert calls[:2] == ["varlen_attention"] * 2 and len(calls) == 2 + 2 * 3
+    assert "varlen_attention" not in calls[2:], calls
+    if model_type != "mistral":  # Mistral's window (every layer's) is shorter than the padding
+        assert "kvcache_attention" in calls, calls
+
+
+@pytest.mark.parametrize("padded", [pytest.param(False, id="unpadded"), pytest.param(True, id="left-padded")])
+@pytest.mark.parametrize("model_type", [TINY_PADDED[0], TINY_PADDED[2]])
+def test_static_cache_generate_matches_eager(backend, status, device, model_type, padded, fa2_transformers):
+    """``cache_implementation="static"``: the cache's slots outrun the tokens written so far, which
+    ``register``'s mask function (``padding_mask``) hides, with or without padding; the tokens and logits
+    as eager attention's."""
+    mask = _padding_mask(device, "left") if padded else None
+    _generate_matches_eager(backend, status, device, model_type, fa2_transformers, mask, cache_implementation="static")
+
+
+def _generate_matches_eager(backend, status, device, model_type, fa2_transformers, mask, **generate_options):
     fa2_transformers.register(backend=backend)
     require_runnable(backend, status, device, torch.float32, (3, 4, 17, 17, 16))
-    input_ids = _tiny_input_ids(device, batch=3, seqlen=TINY_PADDED_SEQLEN)
-    mask = _padding_mask(device, "left")
+    pad_token_id = TINY_COMMON["vocab_size"] - 1  # never in the prompts: generate would read it as padding
+    input_ids = _tiny_input_ids(device, batch=3, seqlen=TINY_PADDED_SEQLEN) % pad_token_id
     out = {}
-    calls = _record_padded_calls(monkeypatch, fa2_transformers)
     for impl in ("fa2", "eager"):
         model = _tiny_decoder(model_type, impl, device, lm_head=True)
         # _require_op calls the lambda at once, in this iteration
@@ -658,14 +677,10 @@ def test_padded_generate_matches_eager(backend, status, device, model_type, fa2_
                 do_sample=False,
                 output_logits=True,
                 return_dict_in_generate=True,
-                pad_token_id=0,
+                pad_token_id=pad_token_id,
+                **generate_options,
             ),
         )
-    # A sliding-window cache keeps only the last keys: once those hold no padding, a step is plain attention.
-    assert calls[:2] == ["varlen_attention"] * 2 and len(calls) == 2 + 2 * 3
-    assert "varlen_attention" not in calls[2:], calls
-    if model_type != "mistral":  # Mistral's window (every layer's) is shorter than the padding
-        assert "kvcache_attention" in calls, calls
     assert torch.equal(out["fa2"].sequences, out["eager"].sequences)
     for step, (a, b) in enumerate(zip(out["fa2"].logits, out["eager"].logits)):
         err = (a - b).abs().max().item()

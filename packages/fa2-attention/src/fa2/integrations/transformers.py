@@ -8,9 +8,11 @@ transformers is an optional dependency: ``pip install "fa2-attention[transformer
 
 ``register`` adds one name to two of transformers' global registries:
 - ``AttentionInterface``: ``attention_forward``, which every attention layer of a model then calls.
-- ``AttentionMaskInterface``: transformers' own FlashAttention-2 mask function, which hands the layers None
-  when every key is visible and the 2-D (batch, seqlen_k) padding mask otherwise. Without a mask function
-  transformers gives a custom attention no mask at all, and padding tokens would be attended silently.
+- ``AttentionMaskInterface``: ``padding_mask``, transformers' own FlashAttention-2 mask function, which hands
+  the layers None when every key is visible and the 2-D (batch, seqlen_k) padding mask otherwise, plus the
+  mask of a static cache's written slots (``cache_implementation="static"``) where that function gives
+  None. Without a mask function transformers gives a custom attention no mask at all, and padding tokens
+  would be attended silently.
 
 The keywords a layer passes become fa2.attention's arguments, computed in its kernels:
 - key and value with fewer heads than the query (grouped-query and multi-query attention: Llama, Mistral,
@@ -112,7 +114,21 @@ def register(backend: str | None = None, name: str = NAME) -> None:
     """Makes ``attn_implementation=name`` run fa2 with ``backend`` (None: as fa2.attention picks) in every
     transformers model that supports the attention interface. Calling it again re-points ``name``."""
     AttentionInterface.register(name, functools.partial(attention_forward, backend=backend))
-    AttentionMaskInterface.register(name, flash_attention_mask)
+    AttentionMaskInterface.register(name, padding_mask)
+
+
+def padding_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offset: int = 0, **kwargs):
+    """transformers' FlashAttention-2 mask function (None when every key is visible, else the (batch,
+    seqlen_k) padding mask), and for a static cache without padding, whose kv_length slots outrun the
+    q_offset + q_length tokens written so far, the (batch_size, kv_length) mask of the written ones (that
+    function returns None there, and the unwritten slots would be attended to)."""
+    mask = flash_attention_mask(batch_size, q_length, kv_length, q_offset, kv_offset, **kwargs)
+    if mask is not None or kwargs.get("attention_mask") is not None:
+        return mask
+    written = q_offset + q_length - kv_offset  # a tensor while decoding (cache_position)
+    if not isinstance(written, torch.Tensor) and written >= kv_length:
+        return None
+    return (torch.arange(kv_length, device=kwargs.get("device")) < written).expand(batch_size, kv_length)
 
 
 def attention_forward(
@@ -340,43 +356,39 @@ class _Padding(NamedTuple):
 
     keep: the bool mask. all_visible: no padding at all. indices: the flat positions (b * seqlen + t) of
     the visible tokens, in order; cu_seqlens: (batch + 1,) int32 offsets of each row's visible tokens;
-    longest: the most visible tokens in a row. leftpad: (batch,) int32, the padding tokens before each
-    row's first visible one, or None unless every row's padding is on its left (then a KV cache's rows
-    are attended to in place). contiguous: every row's visible tokens are one run (padding on the left,
-    the right or both ends)."""
+    longest: the most visible tokens in a row. contiguous: every row's visible tokens are one run (padding
+    at either end or both), [start, end) (batch,) int32 (0, 0 for a row with none)."""
 
     keep: torch.Tensor
     all_visible: bool
     indices: torch.Tensor
     cu_seqlens: torch.Tensor
     longest: int
-    leftpad: torch.Tensor | None
     contiguous: bool
+    start: torch.Tensor
+    end: torch.Tensor
 
 
 def _padding(mask: torch.Tensor) -> _Padding:
-    """The facts of a (batch, seqlen) padding mask: two device syncs (one read of four numbers, then the
+    """The facts of a (batch, seqlen) padding mask: two device syncs (one read of three numbers, then the
     count of visible tokens)."""
     keep = mask.bool()
     batch, n = keep.shape
     counts = keep.sum(1, dtype=torch.int32)
-    positions = torch.arange(n, device=keep.device)
-    first = torch.where(keep, positions, n).amin(1) if n else counts
-    last = torch.where(keep, positions, -1).amax(1) if n else counts - 1
-    leftpad = (n - counts).to(torch.int32)
+    positions = torch.arange(n, device=keep.device, dtype=torch.int32)
+    some = counts > 0
+    start = torch.where(keep, positions, n).amin(1).where(some, 0) if n else counts
+    end = (torch.where(keep, positions, -1).amax(1) + 1).where(some, 0) if n else counts
     facts = torch.stack(
         [
             (counts == n).all().long(),
-            (keep == (positions >= leftpad[:, None])).all().long(),
-            ((counts == 0) | (last - first + 1 == counts)).all().long(),
+            (end - start == counts).all().long(),
             counts.max().long() if batch else counts.new_zeros((), dtype=torch.long),
         ]
     ).tolist()  # device sync
-    all_visible, left_padded, contiguous = (bool(f) for f in facts[:3])
-    longest = facts[3]
     indices = keep.flatten().nonzero().view(-1)  # device sync: how many
     cu_seqlens = torch.nn.functional.pad(counts.cumsum(0, dtype=torch.int32), (1, 0))
-    return _Padding(keep, all_visible, indices, cu_seqlens, longest, leftpad if left_padded else None, contiguous)
+    return _Padding(keep, bool(facts[0]), indices, cu_seqlens, facts[2], bool(facts[1]), start, end)
 
 
 def _padded_forward(query, key, value, attention_mask, *, causal: bool, window, **options) -> torch.Tensor:
@@ -385,9 +397,10 @@ def _padded_forward(query, key, value, attention_mask, *, causal: bool, window, 
 
     - Query rows as many as keys (prefill, training, encoders): the visible tokens are packed (unpadded)
       into one fa2.varlen_attention call, each row a sequence, and its output scattered back.
-    - Fewer queries than keys (decode steps, a chunk after a KV cache), every row's padding on its left
-      (batched ``generate``) and no gradient wanted: one fa2.kvcache_attention call on the keys in place,
-      each row's first visible key its ``cache_leftpad``; nothing is copied.
+    - Fewer queries than keys (decode steps, a chunk after a KV cache), each row's visible keys one run
+      (left padding from batched ``generate``; a static cache's unwritten slots after them) and no
+      gradient wanted: one fa2.kvcache_attention call on the keys in place, each row's run
+      [cache_leftpad, cache_seqlens), its queries the run's last ones; nothing is copied.
     - Otherwise fewer queries than keys: the keys are unpacked as above and the queries are the last
       seqlen_q positions of the mask (as that path assumes: padding on the left).
     A mask shorter than the keys (a static cache, whose slots past the tokens so far are unwritten) covers
@@ -415,8 +428,10 @@ def _padded_forward(query, key, value, attention_mask, *, causal: bool, window, 
             "or a KV cache, got a mask with padding between visible tokens"
         )
     wants_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
-    if seqlen_q < seqlen_k and pad.leftpad is not None and not wants_grad:
-        O = kvcache_attention(query, key, value, cache_leftpad=pad.leftpad, causal=causal, window=window, **options).O
+    if seqlen_q < seqlen_k and pad.contiguous and not wants_grad:
+        O = kvcache_attention(
+            query, key, value, pad.end, cache_leftpad=pad.start, causal=causal, window=window, **options
+        ).O
         return O.transpose(1, 2).contiguous()
     heads_k = key.shape[1]
     k, v = (t.transpose(1, 2).reshape(batch * seqlen_k, heads_k, head_dim)[pad.indices] for t in (key, value))
