@@ -212,6 +212,20 @@ def sink_arg(spec: AttentionSpec, device: torch.device):
     return flat
 
 
+def sink_gradient(spec: AttentionSpec, L: torch.Tensor, delta: torch.Tensor | None) -> tuple:
+    """The backward's gradient of the attention sink: () without one; else (dsink,), (heads,) fp32, dsink[h] =
+    -Σ_{b, i} exp(sink[h] - L[b, h, i]) · delta[b, h, i] over the batch (every sequence of a packed one) and the
+    rows, from the forward's L (which includes the sink) and the preprocess's delta = rowsum(dO ∘ O), flat in
+    L's (batch, heads, seqlen_q) order (None: no row to sum, dsink = 0). The dK/dV and dQ kernels are those
+    without a sink (P = exp(S - L)). A fixed-order torch reduction: deterministic, no atomics."""
+    if spec.sink is None:
+        return ()
+    if delta is None or delta.numel() == 0:
+        return (torch.zeros_like(spec.sink),)
+    weight = torch.exp(spec.sink[:, None] - L)  # (batch, heads, seqlen_q): the sink's probability in each row
+    return (-(weight * delta.view(L.shape)).sum(dim=(0, 2)),)
+
+
 def sink_tensors(spec: AttentionSpec) -> tuple:
     """spec.sink where a kernel takes it (``sink_arg``), for a ``launch.prepare`` class's calls: (sink,) or ()."""
     return () if spec.sink is None else (spec.sink,)
