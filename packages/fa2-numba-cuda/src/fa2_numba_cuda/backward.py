@@ -30,7 +30,7 @@ def flash_attn_backward(
     spec: AttentionSpec,
     config: tuple[DkDvConfig, BlockConfig] | backward_tc.TensorCoreBwdConfig | None = None,
     tensor_cores: bool | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, ...]:
     """Arguments:
         q: (batch, heads, seqlen_q, head_dim); k, v: (batch, heads_k, seqlen_k, head_dim), heads a multiple
             of heads_k (grouped-query attention; heads_k = 1 is multi-query): query head h attends to key/value
@@ -56,7 +56,10 @@ def flash_attn_backward(
         key/value head's gradient summed over its group's query heads), contiguous; rows that see no key
         get dq = 0, keys that no row sees dk = dv = 0. Packed: (1, heads, total_q, head_dim) and (1, heads_k,
         total_k, head_dim); three kernel launches (preprocess, dK/dV, dQ) whatever the number of sequences,
-        no host sync.
+        no host sync. With spec.sink (attention sinks, (heads,) fp32): (dq, dk, dv, dsink), dsink (heads,)
+        fp32 = -Σ_{b, i} exp(sink[h] - L[b, h, i]) · rowsum(dO ∘ O)[b, h, i] over the batch (every sequence of a
+        packed one) and the rows, reduced from the preprocess's delta (``common.sink_gradient``); dq, dk, dv
+        come from the kernels without a sink, L (which includes it) carrying it into P = exp(S - L).
     """
     if tensor_cores is None:
         tensor_cores = backward_tc.uses_tensor_cores(q, spec)

@@ -4,6 +4,9 @@ The FA2 paper's Algorithm 2 in FA2's two-kernel split, as ``fa2_triton.backward_
 probabilities are recomputed instead of stored, P = exp(S - L), and
 
     delta  = rowsum(dO ∘ O)              _attn_bwd_preprocess: once, fp32
+    dsink  = -Σ exp(sink - L) ∘ delta    with an attention sink: a torch reduction of delta over the
+                                         batch and rows (``common.sink_gradient``); L includes the sink,
+                                         so the kernels below are those without one
     dV_j  += Pᵀ dO_i                     dP = dO_i V_jᵀ
     dS     = P ∘ (dP - delta_i)
     dK_j  += scale · dSᵀ Q_i             _attn_bwd_dkdv: one block per (key tile, batch·key/value head),
@@ -105,6 +108,7 @@ from fa2_numba_cuda.common import (
     score_scale,
     sequence,
     simulated,
+    sink_gradient,
     spec_class,
     spec_positions,
     spec_tensors,
@@ -806,7 +810,7 @@ def flash_attn_backward(
     dO: torch.Tensor,
     spec: AttentionSpec,
     config: tuple[DkDvConfig, BlockConfig] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, ...]:
     """The SIMT kernels' launches (preprocess, dK/dV, dQ): arguments and returns as
     ``fa2_numba_cuda.backward.flash_attn_backward`` (fp32, fp16 or bf16, head_dim up to 256); config: the two
     kernels' blocks, for tuning; default ``bwd_block_config(padded_head_dim(head_dim))``."""
@@ -850,7 +854,7 @@ def flash_attn_backward(
                 dkdv(q, k, v, dO, L, delta, dk, dv, *extra)
             if dq_kernel is not None:
                 dq_kernel(q, k, v, dO, L, delta, dq, *extra)
-            return dq, dk, dv
+            return dq, dk, dv, *sink_gradient(spec, L, delta)
     batch, heads, seqlen_q, head_dim = q.shape
     heads_k, seqlen_k = k.shape[1], k.shape[2]
     if head_dim > MAX_HEAD_DIM:
@@ -860,7 +864,7 @@ def flash_attn_backward(
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     if head_dim == 0 or batch * heads == 0:
-        return dq, dk, dv
+        return dq, dk, dv, *sink_gradient(spec, L, None)
     dO = dO.to(q.dtype)
     delta = torch.empty(batch * heads * seqlen_q, dtype=torch.float32, device=q.device)
 
@@ -929,7 +933,7 @@ def flash_attn_backward(
         prepared = prepared and plan[2] is not None
     if prepared and key is not None:
         _PREPARED[key] = tuple(plan)
-    return dq, dk, dv
+    return dq, dk, dv, *sink_gradient(spec, L, delta)
 
 
 def kernel_resources() -> list[dict]:

@@ -80,6 +80,7 @@ from fa2_numba_cuda.common import (
     features,
     rows_16b_aligned,
     simulated,
+    sink_gradient,
     spec_class,
 )
 from fa2_numba_cuda.common import padded_head_dim as simt_padded_head_dim
@@ -1052,7 +1053,7 @@ def flash_attn_backward(
     dO: torch.Tensor,
     spec: AttentionSpec,
     config: TensorCoreBwdConfig | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, ...]:
     """The tensor-core launches (the SIMT preprocess, dK/dV, dQ): arguments and returns as
     ``fa2_numba_cuda.backward.flash_attn_backward``, for fp16 and bf16 with head_dim <= 128 and a spec that
     ``supports`` takes (dense, any window); CUDA tensors on compute capability 8.0+, or CPU tensors under
@@ -1098,7 +1099,7 @@ def flash_attn_backward(
                 dkdv(q, k, v, dO, L, delta, dk, dv)
             if dq_kernel is not None:
                 dq_kernel(q, k, v, dO, L, delta, dq)
-            return dq, dk, dv
+            return dq, dk, dv, *sink_gradient(spec, L, delta)
     batch, heads, seqlen_q, head_dim = q.shape
     heads_k, seqlen_k = k.shape[1], k.shape[2]
     if q.dtype not in (torch.float16, torch.bfloat16):
@@ -1121,7 +1122,7 @@ def flash_attn_backward(
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     if head_dim == 0 or batch * heads == 0:
-        return dq, dk, dv
+        return dq, dk, dv, *sink_gradient(spec, L, None)
     dO = dO.to(q.dtype)
     delta = torch.empty(batch * heads * seqlen_q, dtype=torch.float32, device=q.device)
 
@@ -1195,7 +1196,7 @@ def flash_attn_backward(
         prepared = prepared and plan[2] is not None
     if prepared and key is not None:
         _PREPARED[key] = tuple(plan)
-    return dq, dk, dv
+    return dq, dk, dv, *sink_gradient(spec, L, delta)
 
 
 def kernel_resources() -> list[dict]:

@@ -6,7 +6,8 @@
   numpy's float32, int32 and uint32 and plain ints for numba's slow scalar casts;
 - bf16 as int16 bit patterns (``_bf16_to_float``, ``_float_to_bf16``) and the fp32 ``_tanh`` of the softcap;
 - ``Features``: an ``AttentionSpec``'s compile-time switches, with their runtime arguments (``feature_args``),
-  the grid's extent and the packed batch's offsets (``grid_extent``, ``offset_args``, ``sequence``);
+  the grid's extent and the packed batch's offsets (``grid_extent``, ``offset_args``, ``sequence``); the
+  attention sink of the kernels that normalise (``_with_sink``, ``sink_arg``);
 - the SIMT kernels' block (``BlockConfig``, ``padded_head_dim``, ``_tile_loader``) and pre-scale
   (``score_scale``); the KV-cache split kernels' copy of a stage's K and V tiles from a contiguous or paged
   cache (``_kv_loader``);
@@ -123,6 +124,18 @@ def _alibi(s, slope, row, key, diag):
     return s - slope * float32(abs(row + diag - key))
 
 
+@device_function
+def _with_sink(m_i, l_i, sink):
+    """A row's softmax statistics with the attention sink joined, all in base 2: the sink (sink[h] · log2 e)
+    is one more logit in the denominator and none in the numerator. Returns (m, l, alpha): m = max(m_i, sink),
+    l = l_i · alpha + exp2(sink - m) and alpha = exp2(m_i - m), by which the row's acc is rescaled; then O =
+    acc · alpha / l and L = m + log2 l. A row that saw no key (m_i = -inf, l_i = 0, acc = 0) gets O = 0 and L =
+    sink; l >= 1 always, so the no-key marker l = 0 never arises."""
+    m = max(m_i, sink)
+    alpha = math.exp2(m_i - m)
+    return m, l_i * alpha + math.exp2(sink - m), alpha
+
+
 def _key_mask(LEFT, RIGHT):
     """``masked(row, key, diag, end, window_left, window_right)``: whether key ``key`` is hidden from query row
     ``row``: at or past ``end`` or outside the row's window, bottom-right aligned (diag = seqlen_k - seqlen_q),
@@ -182,6 +195,47 @@ def _no_slopes(device: torch.device):
     return flat
 
 
+_NO_SINK: dict[torch.device, object] = {}
+
+
+def sink_arg(spec: AttentionSpec, device: torch.device):
+    """The sink argument of the kernels that normalise (the forwards, the KV-cache split kernels and combine,
+    the backward's preprocess), always their last: spec.sink ((heads,) fp32, natural log) as a flat array, or
+    without a sink one fp32 zero on ``device``, made once, unread (its own array, not the slopes' placeholder:
+    the simulator copies each array argument back after the launch). Kernels compiled without SINK read
+    nothing more than before: the argument comes last, so the others keep their parameter offsets."""
+    if spec.sink is not None:
+        return _flat(spec.sink)
+    flat = _NO_SINK.get(device)
+    if flat is None:
+        flat = _NO_SINK[device] = _flat(torch.zeros(1, dtype=torch.float32, device=device))
+    return flat
+
+
+def sink_gradient(spec: AttentionSpec, L: torch.Tensor, delta: torch.Tensor | None) -> tuple:
+    """The backward's gradient of the attention sink: () without one; else (dsink,), (heads,) fp32, dsink[h] =
+    -Σ_{b, i} exp(sink[h] - L[b, h, i]) · delta[b, h, i] over the batch (every sequence of a packed one) and the
+    rows, from the forward's L (which includes the sink) and the preprocess's delta = rowsum(dO ∘ O), flat in
+    L's (batch, heads, seqlen_q) order (None: no row to sum, dsink = 0). The dK/dV and dQ kernels are those
+    without a sink (P = exp(S - L)). A fixed-order torch reduction: deterministic, no atomics."""
+    if spec.sink is None:
+        return ()
+    if delta is None or delta.numel() == 0:
+        return (torch.zeros_like(spec.sink),)
+    weight = torch.exp(spec.sink[:, None] - L)  # (batch, heads, seqlen_q): the sink's probability in each row
+    return (-(weight * delta.view(L.shape)).sum(dim=(0, 2)),)
+
+
+def sink_tensors(spec: AttentionSpec) -> tuple:
+    """spec.sink where a kernel takes it (``sink_arg``), for a ``launch.prepare`` class's calls: (sink,) or ()."""
+    return () if spec.sink is None else (spec.sink,)
+
+
+def sink_positions(spec: AttentionSpec, at: int) -> tuple[int, ...]:
+    """``sink_tensors``' position among a kernel's arguments, ``sink_arg`` at ``at``: (at,) or ()."""
+    return () if spec.sink is None else (at,)
+
+
 def grid_extent(spec: AttentionSpec, q: torch.Tensor, k: torch.Tensor) -> tuple[int, int, int]:
     """(batch, seqlen_q, seqlen_k) that a kernel's grid spans: q's batch and lengths; for a packed batch
     (spec.varlen), the number of sequences and max_seqlen_q, max_seqlen_k, the longest sequence's (tiles of a
@@ -208,8 +262,8 @@ _NO_OFFSETS: dict[torch.device, object] = {}
 def spec_class(spec: AttentionSpec) -> tuple:
     """What the dense kernels' launches read of ``spec`` other than its tensors' memory, for a class key
     (``launch.prepare``): scale, window, softcap, the slopes' shape, strides and dtype, a packed batch's
-    number of offsets and max lengths (a KV cache's packed queries have no cu_seqlens_k). A spec's tensors make
-    it unhashable, hence this tuple."""
+    number of offsets and max lengths (a KV cache's packed queries have no cu_seqlens_k), whether it has a sink.
+    A spec's tensors make it unhashable, hence this tuple."""
     slopes = spec.alibi_slopes
     return (
         spec.scale,
@@ -224,6 +278,7 @@ def spec_class(spec: AttentionSpec) -> tuple:
         )
         if spec.varlen
         else None,
+        spec.sink is not None,
     )
 
 

@@ -51,6 +51,13 @@ diag = seqlen_k - seqlen_q, in this order:
 
 A row that sees no key gets O = 0 and L = +inf.
 
+Attention sinks (``spec.sink``, gpt-oss): a logit sink[h] per query head joins every row's softmax denominator
+and no numerator, O_i = Σ_j exp(s_ij - L_i) v_j with L_i = log(exp(sink[h]) + Σ_j exp(s_ij)). It changes
+nothing in the loop: the epilogue joins it to the row's m_i and l_i (``common._with_sink``, in base 2), so that
+a row that sees no key gets O = 0 and L = sink[h]. SINK is a compile-time switch of its own (the score step's
+``Features`` are unchanged by it) and the sink the kernel's last argument, read once per row: without SINK
+the kernel is the one it was, its other parameters at their offsets.
+
 Packed (variable-length) batches (``spec.varlen``, from ``fa2.varlen_attention``): q is (1, heads, total_q,
 head_dim) and k, v (1, heads_k, total_k, head_dim), any strides (views of flash-attn's (total, heads,
 head_dim) tensors); sequence s has the queries [cu_seqlens_q[s], cu_seqlens_q[s + 1]) and the keys
@@ -107,6 +114,7 @@ from fa2_numba_cuda.common import (
     _softcap,
     _tile_loader,
     _to_float,
+    _with_sink,
     feature_args,
     features,
     float32,
@@ -116,6 +124,9 @@ from fa2_numba_cuda.common import (
     score_scale,
     sequence,
     simulated,
+    sink_arg,
+    sink_positions,
+    sink_tensors,
     spec_class,
     spec_positions,
     spec_tensors,
@@ -142,11 +153,11 @@ def block_config(HEAD_DIM: int) -> BlockConfig:
     return BlockConfig(16, 16, 8, 8, True, 168)
 
 
-def _build_kernel(HEAD_DIM, config, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN, IS_BF16, EVEN_HEAD_DIM, UNIT_STRIDE_D):
-    """The kernel for one padded head dim, block shape, ``Features`` (LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN), input
-    kind, whether head_dim is HEAD_DIM (EVEN_HEAD_DIM: no column checks) and whether q, k and v are
-    contiguous along head_dim (UNIT_STRIDE_D: column addresses are constant offsets), all compile-time
-    constants."""
+def _build_kernel(HEAD_DIM, config, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN, SINK, IS_BF16, EVEN_HEAD_DIM, UNIT_STRIDE_D):
+    """The kernel for one padded head dim, block shape, ``Features`` (LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN), SINK
+    (the epilogue adds the attention sink), input kind, whether head_dim is HEAD_DIM (EVEN_HEAD_DIM: no column
+    checks) and whether q, k and v are contiguous along head_dim (UNIT_STRIDE_D: column addresses are constant
+    offsets), all compile-time constants."""
     BLOCK_M, BLOCK_N, THREADS_M, THREADS_N, SHARE_KV, MAX_REGISTERS = config
     NUM_WARPS = THREADS_M * THREADS_N // 32
     TM = BLOCK_M // THREADS_M  # rows of S, P and O per thread
@@ -201,6 +212,7 @@ def _build_kernel(HEAD_DIM, config, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN, IS_BF16
         stride_ah,
         cu_seqlens_q,
         cu_seqlens_k,
+        sink,
     ):
         """One block: BLOCK_M query rows of one (batch, head). q: a flat view of a (B, H, N, D) tensor, k, v
         of (B, H // group, N, D) tensors, with the given element strides; o: (B, H, seqlen_q, head_dim) and
@@ -208,7 +220,8 @@ def _build_kernel(HEAD_DIM, config, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN, IS_BF16
         (``score_scale``); window_left, window_right, softcap_log2, slopes and their strides: as
         ``feature_args`` gives them, read only where the kernel's Features say so. VARLEN: B = 1, N the
         packed totals, and the block's (tile, sequence·head) reads its sequence's rows from cu_seqlens_q
-        and cu_seqlens_k (``offset_args``); num_m_tiles covers max_seqlen_q."""
+        and cu_seqlens_k (``offset_args``); num_m_tiles covers max_seqlen_q. sink: (heads,) fp32, natural log,
+        read with SINK only (``sink_arg``)."""
         # Key j is visible to query i iff i + diag - window_left <= j <= i + diag + window_right.
         diag = seqlen_k - seqlen_q
         start_m = (cuda.blockIdx.x % num_m_tiles) * BLOCK_M
@@ -388,6 +401,8 @@ def _build_kernel(HEAD_DIM, config, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN, IS_BF16
 
         # side-by-side: epilogue
         # Epilogue: the row sum of the THREADS_N partials, then O = acc / l and L = m + log(l), each once.
+        if SINK:  # the head's sink, in base 2 as m_i
+            sink_log2 = sink[off_h] * float32(LOG2E)
         if not VARLEN:
             o_start = off_bh * seqlen_q  # O's and L's row of query 0 of this (batch, head)
         cuda.syncthreads()
@@ -400,9 +415,15 @@ def _build_kernel(HEAD_DIM, config, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN, IS_BF16
             for t in range(THREADS_N):
                 l_sum += row_part[uint64(ty + THREADS_M * i), uint64(t)]
             if row < seqlen_q:
-                # Rows that saw no key have l = 0: O = 0 and L = +inf (see fa2.attention). A NaN score
-                # makes l NaN, and O and L must then be NaN, not the no-key marker: != 0, not > 0.
-                inv_l = float32(1.0) / l_sum if l_sum != 0.0 else float32(0.0)
+                if SINK:
+                    # The sink joins the denominator: O = acc · alpha / l, L = m + log2 l (l >= 1).
+                    m_row, l_sum, alpha = _with_sink(m_i[i], l_sum, sink_log2)
+                    inv_l = alpha / l_sum
+                else:
+                    # Rows that saw no key have l = 0: O = 0 and L = +inf (see fa2.attention). A NaN score
+                    # makes l NaN, and O and L must then be NaN, not the no-key marker: != 0, not > 0.
+                    m_row = m_i[i]
+                    inv_l = float32(1.0) / l_sum if l_sum != 0.0 else float32(0.0)
                 o_row = (o_start + row) * head_dim
                 for jj in range(TD // 4):
                     for f in range(4):
@@ -410,7 +431,7 @@ def _build_kernel(HEAD_DIM, config, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN, IS_BF16
                         if EVEN_HEAD_DIM or col < head_dim:
                             o[uint64(o_row + col)] = from_float(acc[i, 4 * jj + f] * inv_l)
                 if tx == 0:
-                    L = (m_i[i] + math.log2(l_sum)) * LN2 if l_sum != 0.0 else math.inf
+                    L = (m_row + math.log2(l_sum)) * LN2 if l_sum != 0.0 else math.inf
                     lse[uint64(o_start + row)] = L
         # side-by-side: end
 
@@ -418,7 +439,7 @@ def _build_kernel(HEAD_DIM, config, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN, IS_BF16
     return cuda.jit(_attn_fwd) if simulated() else cuda.jit(max_registers=MAX_REGISTERS)(_attn_fwd)
 
 
-# Compiled kernels by (HEAD_DIM, BlockConfig, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN, IS_BF16, EVEN_HEAD_DIM,
+# Compiled kernels by (HEAD_DIM, BlockConfig, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN, SINK, IS_BF16, EVEN_HEAD_DIM,
 # UNIT_STRIDE_D).
 _KERNELS: dict[tuple, object] = {}
 # Prepared launches (``launch.prepare``) by class of call: q's, k's and v's shapes, strides and dtypes, the
@@ -464,7 +485,7 @@ def flash_attn_forward(
         if prepared is not None:
             O = torch.empty(q.shape, dtype=q.dtype, device=q.device)
             L = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
-            prepared(q, k, v, O, L, *spec_tensors(spec))
+            prepared(q, k, v, O, L, *spec_tensors(spec), *sink_tensors(spec))
             return O, L
     batch, heads, seqlen_q, head_dim = q.shape
     if head_dim > MAX_HEAD_DIM:
@@ -479,7 +500,7 @@ def flash_attn_forward(
     config = BlockConfig(*config) if config is not None else block_config(HEAD_DIM)
     unit_stride_d = q.stride(3) == k.stride(3) == v.stride(3) == 1
     is_bf16, even_head_dim = q.dtype == torch.bfloat16, head_dim == HEAD_DIM
-    kernel = _kernel(HEAD_DIM, config, *features(spec), is_bf16, even_head_dim, unit_stride_d)
+    kernel = _kernel(HEAD_DIM, config, *features(spec), spec.sink is not None, is_bf16, even_head_dim, unit_stride_d)
     # Packed: one block per (query tile of the longest sequence, sequence·head); the others' extra tiles exit.
     grid_batch, grid_seqlen_q, _ = grid_extent(spec, q, k)
     num_m_tiles = -(-grid_seqlen_q // config.BLOCK_M)
@@ -504,9 +525,10 @@ def flash_attn_forward(
         np.float32(score_scale(spec)),
         num_m_tiles,
     )
-    args = (*head, *feature_args(spec, seqlen_q, k.shape[2], q.device), *offset_args(spec, q.device))
+    feats = feature_args(spec, seqlen_q, k.shape[2], q.device)
+    args = (*head, *feats, *offset_args(spec, q.device), sink_arg(spec, q.device))
     # What changes within a class: q, k, v, O, L and the spec's tensors.
-    varying = (0, 1, 2, 3, 4, *spec_positions(spec, len(head), len(args) - 2))
+    varying = (0, 1, 2, 3, 4, *spec_positions(spec, len(head), len(args) - 3), *sink_positions(spec, len(args) - 1))
     prepared = launch.prepare(kernel, grid, block, q.device, args, varying)
     if prepared is not None and key is not None:
         _PREPARED[key] = prepared
@@ -519,7 +541,7 @@ def kernel_resources() -> list[dict]:
     if simulated():
         return []
     rows = []
-    for (HEAD_DIM, config, *switches, IS_BF16, EVEN_HEAD_DIM, UNIT_STRIDE_D), kernel in _KERNELS.items():
+    for (HEAD_DIM, config, *switches, SINK, IS_BF16, EVEN_HEAD_DIM, UNIT_STRIDE_D), kernel in _KERNELS.items():
         regs = kernel.get_regs_per_thread()
         shared = kernel.get_shared_mem_per_block()
         local = kernel.get_local_mem_per_thread()
@@ -529,6 +551,7 @@ def kernel_resources() -> list[dict]:
                     "HEAD_DIM": HEAD_DIM,
                     **config._asdict(),
                     **_feature_columns(switches),
+                    "sink": SINK,
                     "bf16": IS_BF16,
                     "even_head_dim": EVEN_HEAD_DIM,
                     "unit_stride_d": UNIT_STRIDE_D,

@@ -47,7 +47,9 @@ softcap c, x = c · log2 e · tanh(s · qk_scale), qk_scale = |scale| / c (``_so
 relative error at most 2^-10.99, about fp16's unit roundoff: this kernel takes only 16-bit inputs); then x -=
 slope · log2 e · |i + diag - j|, and the exponentials take x with a scale of 1. With a softcap alone it leaves
 tanh(s · qk_scale), and the exponentials' FFMA scales by c · log2 e. Rows that see no key get O = 0 and L =
-+inf.
++inf. Attention sinks (``spec.sink``) as ``fa2_numba_cuda.forward_simt``: SINK, a switch of its own, adds
+sink[h] · log2 e to each row's m_i and l_i in the epilogue (``common._with_sink``; m_i is in the base-2 units of
+the final scores whatever exp_scale is), nothing in the loop (a row that sees no key: O = 0, L = sink[h]).
 seqlen_q and seqlen_k need not be multiples of anything (tiles are zero-padded, padded keys masked), head_dim
 is padded to a multiple of 16 with zeros.
 
@@ -91,6 +93,7 @@ from fa2_numba_cuda.common import (
     SHARED_ALIGN,
     _check_device,
     _feature_columns,
+    _with_sink,
     feature_args,
     features,
     grid_extent,
@@ -98,6 +101,9 @@ from fa2_numba_cuda.common import (
     rows_16b_aligned,
     sequence,
     simulated,
+    sink_arg,
+    sink_positions,
+    sink_tensors,
     spec_class,
     spec_positions,
     spec_tensors,
@@ -189,9 +195,11 @@ def _softcap_log2(s, qk_scale, softcap_log2):
     return tanh_approx(s * qk_scale) * softcap_log2
 
 
-def _build_kernel(HEAD_DIM, config, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN, IS_BF16, EVEN_HEAD_DIM, ASYNC_LOADS, O_PAIRS):
-    """The kernel for one padded head dim, block shape, ``Features`` (LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN) and
-    input type; EVEN_HEAD_DIM: head_dim is
+def _build_kernel(
+    HEAD_DIM, config, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN, SINK, IS_BF16, EVEN_HEAD_DIM, ASYNC_LOADS, O_PAIRS
+):
+    """The kernel for one padded head dim, block shape, ``Features`` (LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN), SINK
+    (the epilogue adds the attention sink) and input type; EVEN_HEAD_DIM: head_dim is
     HEAD_DIM (no column checks); ASYNC_LOADS: cp.async copies 16 B chunks (q, k, v contiguous along
     head_dim, rows 16 B aligned); O_PAIRS: head_dim is even and o is an int32 view (two elements a store)."""
     NUM_WARPS, BLOCK_N, _, S_AHEAD = config
@@ -602,6 +610,7 @@ def _build_kernel(HEAD_DIM, config, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN, IS_BF16
         stride_ah,
         cu_seqlens_q,
         cu_seqlens_k,
+        sink,
     ):
         """One block: BLOCK_M query rows of one (batch, head). q, k, v: flat int16 views (fp16 or bf16 bit
         patterns) of (B, H, N, D) tensors, k and v with H // group heads, with the given element strides;
@@ -609,7 +618,8 @@ def _build_kernel(HEAD_DIM, config, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN, IS_BF16
         seqlen_q) fp32, flat. The window, softcap and slopes arguments as ``common.feature_args`` gives
         them, read only where the kernel's Features say so. VARLEN: B = 1, N the packed totals, and the
         block's (tile, sequence·head) reads its sequence's rows from cu_seqlens_q and cu_seqlens_k
-        (``common.offset_args``); num_m_tiles covers max_seqlen_q."""
+        (``common.offset_args``); num_m_tiles covers max_seqlen_q. sink: (heads,) fp32, natural log, read with
+        SINK only (``common.sink_arg``)."""
         # Key j is visible to query i iff i + diag - window_left <= j <= i + diag + window_right.
         diag = seqlen_k - seqlen_q
         m_block = cuda.blockIdx.x % num_m_tiles
@@ -865,6 +875,8 @@ def _build_kernel(HEAD_DIM, config, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN, IS_BF16
                     pv_0(s, acc, alpha, rescale, v_lane)
 
         # Epilogue: the row sums over each quad, then O = acc / l and L = m + log(l), each once.
+        if SINK:  # the head's sink, in base 2 as m_i
+            sink_log2 = sink[off_h] * float32(LOG2E)
         if not VARLEN:
             o_start = off_bh * seqlen_q  # O's and L's row of query 0 of this (batch, head)
         for h in range(2):
@@ -872,9 +884,15 @@ def _build_kernel(HEAD_DIM, config, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN, IS_BF16
             l_sum += shfl_xor(l_sum, 2)
             row = row0 + 8 * h
             if row < seqlen_q:
-                # Rows that saw no key have l = 0: O = 0 and L = +inf (see fa2.attention). A NaN score
-                # makes l NaN, and O and L must then be NaN, not the no-key marker: != 0, not > 0.
-                inv_l = float32(1.0) / l_sum if l_sum != 0.0 else float32(0.0)
+                if SINK:
+                    # The sink joins the denominator: O = acc · alpha / l, L = m + log2 l (l >= 1).
+                    m_row, l_sum, alpha_row = _with_sink(m_i[h], l_sum, sink_log2)
+                    inv_l = alpha_row / l_sum
+                else:
+                    # Rows that saw no key have l = 0: O = 0 and L = +inf (see fa2.attention). A NaN score
+                    # makes l NaN, and O and L must then be NaN, not the no-key marker: != 0, not > 0.
+                    m_row = m_i[h]
+                    inv_l = float32(1.0) / l_sum if l_sum != 0.0 else float32(0.0)
                 o_row = (o_start + row) * head_dim
                 for c in range(O_TILES):
                     col = 8 * c + 2 * t
@@ -888,7 +906,7 @@ def _build_kernel(HEAD_DIM, config, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN, IS_BF16
                         if col + 1 < head_dim:
                             o[uint64(o_row + col + 1)] = int16(pair >> 16)
                 if t == 0:
-                    L = (m_i[h] + math.log2(l_sum)) * LN2 if l_sum != 0.0 else math.inf
+                    L = (m_row + math.log2(l_sum)) * LN2 if l_sum != 0.0 else math.inf
                     lse[uint64(o_start + row)] = L
 
     if simulated():
@@ -900,8 +918,8 @@ def _build_kernel(HEAD_DIM, config, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN, IS_BF16
     return cuda.jit(_attn_fwd_tc)
 
 
-# Compiled kernels by (HEAD_DIM, TensorCoreConfig, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN, IS_BF16, EVEN_HEAD_DIM,
-# ASYNC_LOADS, O_PAIRS).
+# Compiled kernels by (HEAD_DIM, TensorCoreConfig, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN, SINK, IS_BF16,
+# EVEN_HEAD_DIM, ASYNC_LOADS, O_PAIRS).
 _KERNELS: dict[tuple, object] = {}
 # Prepared launches (``launch.prepare``) by class of call: q's, k's and v's shapes, strides and dtypes, the
 # device, whether their data is 16 B aligned (cp.async), the spec's values (``spec_class``), the config:
@@ -998,7 +1016,7 @@ def flash_attn_forward(
         if prepared is not None:
             O = torch.empty(q.shape, dtype=q.dtype, device=q.device)
             L = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
-            prepared(q, k, v, O, L, *spec_tensors(spec))
+            prepared(q, k, v, O, L, *spec_tensors(spec), *sink_tensors(spec))
             return O, L
     batch, heads, seqlen_q, head_dim = q.shape
     if q.dtype not in (torch.float16, torch.bfloat16):
@@ -1024,7 +1042,14 @@ def flash_attn_forward(
     async_loads = all(rows_16b_aligned(t) for t in (q, k, v))
     o_pairs = head_dim % 2 == 0
     kernel = _kernel(
-        HEAD_DIM, config, *features(spec), q.dtype == torch.bfloat16, head_dim == HEAD_DIM, async_loads, o_pairs
+        HEAD_DIM,
+        config,
+        *features(spec),
+        spec.sink is not None,
+        q.dtype == torch.bfloat16,
+        head_dim == HEAD_DIM,
+        async_loads,
+        o_pairs,
     )
     # Packed: one block per (query tile of the longest sequence, sequence·head); the others' extra tiles exit.
     grid_batch, grid_seqlen_q, _ = grid_extent(spec, q, k)
@@ -1050,9 +1075,10 @@ def flash_attn_forward(
         spec.scale < 0,
         num_m_tiles,
     )
-    args = (*head, *feature_args(spec, seqlen_q, k.shape[2], q.device), *offset_args(spec, q.device))
+    feats = feature_args(spec, seqlen_q, k.shape[2], q.device)
+    args = (*head, *feats, *offset_args(spec, q.device), sink_arg(spec, q.device))
     # What changes within a class: q, k, v, O, L and the spec's tensors.
-    varying = (0, 1, 2, 3, 4, *spec_positions(spec, len(head), len(args) - 2))
+    varying = (0, 1, 2, 3, 4, *spec_positions(spec, len(head), len(args) - 3), *sink_positions(spec, len(args) - 1))
     prepared = launch.prepare(kernel, grid, block, q.device, args, varying)
     if prepared is not None and key is not None:
         _PREPARED[key] = prepared
@@ -1065,7 +1091,7 @@ def kernel_resources() -> list[dict]:
     if simulated():
         return []
     rows = []
-    for (HEAD_DIM, config, *switches, IS_BF16, EVEN_HEAD_DIM, ASYNC_LOADS, O_PAIRS), kernel in _KERNELS.items():
+    for (HEAD_DIM, config, *switches, SINK, IS_BF16, EVEN_HEAD_DIM, ASYNC_LOADS, O_PAIRS), kernel in _KERNELS.items():
         regs = kernel.get_regs_per_thread()
         shared = kernel.get_shared_mem_per_block()
         local = kernel.get_local_mem_per_thread()
@@ -1076,6 +1102,7 @@ def kernel_resources() -> list[dict]:
                     "HEAD_DIM": HEAD_DIM,
                     **config._asdict(),
                     **_feature_columns(switches),
+                    "sink": SINK,
                     "bf16": IS_BF16,
                     "even_head_dim": EVEN_HEAD_DIM,
                     "async_loads": ASYNC_LOADS,

@@ -30,7 +30,10 @@ diag - j|); the mask: key j is visible iff leftpad_b <= j < K_b and i + diag - l
     0 1 1 1 0
     0 1 1 1 1
 
-A row that sees no key gets O = 0 and L = +inf. A block visits only the tiles of its split's range that
+A row that sees no key gets O = 0 and L = +inf. With an attention sink (``spec.sink``, (heads,) fp32, SINK) a
+row's L and denominator get sink[h] once: in the split kernel's epilogue without splits, in the combine with
+them (the split kernels' partials leave it out); a row that sees no key then gets O = 0 and L = sink[h]. A
+block visits only the tiles of its split's range that
 hold a key some row sees: [max(leftpad_b, split start, diag - left), min(K_b, split end, Nq_b + diag +
 right)).
 
@@ -75,6 +78,7 @@ from fa2_numba_cuda.common import (
     rows_16b_aligned,
     score_scale,
     simulated,
+    sink_arg,
     spec_class,
 )
 from fa2_numba_cuda.tensor_cores import MAX_HEAD_DIM as TC_MAX_HEAD_DIM
@@ -185,19 +189,22 @@ def _index_tensors(spec: AttentionSpec, device: torch.device) -> tuple[torch.Ten
     )
 
 
-def _varying(spec: AttentionSpec, slopes_at: int) -> tuple[int, ...]:
+def _varying(spec: AttentionSpec, slopes_at: int, sink_at: int) -> tuple[int, ...]:
     """The split kernel's arguments that change within a ``launch.prepare`` class: q, k, v, the outputs, the
-    index tensors the spec has (``_index_tensors``' positions 5 .. 9) and the slopes (at ``slopes_at``)."""
+    index tensors the spec has (``_index_tensors``' positions 5 .. 9), the slopes (at ``slopes_at``) and the
+    sink (at ``sink_at``, the last)."""
     present = (spec.paged, True, spec.cache_leftpad is not None, spec.cache_batch_idx is not None, spec.varlen)
     indices = tuple(5 + i for i, there in enumerate(present) if there)
-    return (0, 1, 2, 3, 4, *indices, *((slopes_at,) if spec.alibi_slopes is not None else ()))
+    slopes = (slopes_at,) if spec.alibi_slopes is not None else ()
+    return (0, 1, 2, 3, 4, *indices, *slopes, *((sink_at,) if spec.sink is not None else ()))
 
 
 def _varying_tensors(spec: AttentionSpec, index_tensors: tuple) -> tuple[torch.Tensor, ...]:
     """The tensors of a call at ``_varying``'s positions after the five of q, k, v and the outputs."""
     present = (spec.paged, True, spec.cache_leftpad is not None, spec.cache_batch_idx is not None, spec.varlen)
     slopes = (spec.alibi_slopes,) if spec.alibi_slopes is not None else ()
-    return (*(t for t, there in zip(index_tensors, present) if there), *slopes)
+    sink = (spec.sink,) if spec.sink is not None else ()
+    return (*(t for t, there in zip(index_tensors, present) if there), *slopes, *sink)
 
 
 def _class_key(q, k_cache, v_cache, spec, config) -> tuple:
@@ -257,8 +264,9 @@ def kvcache_forward(
         spec: ``fa2.spec.AttentionSpec`` with cache_seqlens ((batch,) int32, K_b: row b attends to keys
             [cache_leftpad[b] or 0, K_b) of its cache); scale, window (aligned on K_b: query i of Nq_b sees
             key j iff i + K_b - Nq_b - left <= j <= i + K_b - Nq_b + right, -1 unbounded), softcap,
-            alibi_slopes ((batch, heads) fp32, -slope · |i + K_b - Nq_b - j|), group, num_splits (0: picked
-            by ``num_splits_heuristic``; 1: one pass, no combine). Causal, Nq_b = 2, K_b = 5, leftpad 1::
+            alibi_slopes ((batch, heads) fp32, -slope · |i + K_b - Nq_b - j|), group, sink ((heads,) fp32:
+            attention sinks, one more logit in every row's denominator), num_splits (0: picked by
+            ``num_splits_heuristic``; 1: one pass, no combine). Causal, Nq_b = 2, K_b = 5, leftpad 1::
 
                 0 1 1 1 0
                 0 1 1 1 1
@@ -272,7 +280,8 @@ def kvcache_forward(
 
     Returns:
         O: q's shape and dtype. L: (batch, heads, seqlen_q) (packed: (1, heads, total_q)), float32, natural
-        log of the sum of exp of the final (capped, biased) scores; rows that see no key: O = 0, L = +inf.
+        log of the sum of exp of the final (capped, biased) scores (and of the sink); rows that see no key: O = 0,
+        L = +inf (L = sink[h] with a sink).
         One launch of the split-KV kernel, one of the combine when there are splits; no host sync.
 
     Raises:
@@ -294,7 +303,7 @@ def kvcache_forward(
                 o_out = torch.empty(plan.parts, dtype=torch.float32, device=q.device)
                 lse_out = torch.empty(plan.parts[:2], dtype=torch.float32, device=q.device)
                 plan.split(q, k_cache, v_cache, o_out, lse_out, *varying)
-                plan.combine(o_out, lse_out, O, L)
+                plan.combine(o_out, lse_out, O, L, *((spec.sink,) if spec.sink is not None else ()))
             return O, L
     batch_q, heads, seqlen_rows, head_dim = q.shape
     if head_dim > MAX_HEAD_DIM:
@@ -371,7 +380,16 @@ def kvcache_forward(
     rows_total = L.numel()
 
     async_loads = rows_16b_aligned(k_cache) and rows_16b_aligned(v_cache)
-    switches = (*features(spec), spec.paged, spec.cache_batch_idx is not None, spec.cache_leftpad is not None, split)
+    # The sink joins each row once: in the split kernel without splits, else in the combine.
+    sink = spec.sink is not None
+    switches = (
+        *features(spec),
+        spec.paged,
+        spec.cache_batch_idx is not None,
+        spec.cache_leftpad is not None,
+        split,
+        sink and not split,
+    )
     if tensor_cores:
         kernel = kvcache_tc.kernel(HEAD_DIM, config, *switches, kind == "bf16", head_dim == HEAD_DIM, async_loads)
     else:
@@ -408,18 +426,20 @@ def kvcache_forward(
         split_keys,
         rows_total,
     )
-    args = (*head, *feature_args(spec, seqlen_q, capacity, device))
+    sink_flat = sink_arg(spec, device)
+    args = (*head, *feature_args(spec, seqlen_q, capacity, device), sink_flat)
     # Each launch is numba's the first time a class is met, then prepared (``launch.prepare``).
-    split_launch = launch.prepare(kernel, blocks * num_splits, threads, device, args, _varying(spec, len(head) + 3))
+    varying = _varying(spec, len(head) + 3, len(args) - 1)
+    split_launch = launch.prepare(kernel, blocks * num_splits, threads, device, args, varying)
     combine_launch = None
     if split:
         combine_launch = launch.prepare(
-            kvcache_combine.kernel(q.dtype == torch.bfloat16),
+            kvcache_combine.kernel(q.dtype == torch.bfloat16, sink),
             -(-rows_total // kvcache_combine.ROWS),
             kvcache_combine.NUM_THREADS,
             device,
-            (o_out, lse_out, O, L, num_splits, rows_total, head_dim),
-            (0, 1, 2, 3),
+            (o_out, lse_out, O, L, num_splits, rows_total, head_dim, sink_flat, heads, seqlen_rows),
+            (0, 1, 2, 3, *((7,) if sink else ())),
         )
     if key is not None and split_launch is not None and (combine_launch is not None or not split):
         _PREPARED[key] = _Plan(split_launch, combine_launch, tuple(o_out.shape) if split else None)

@@ -2,7 +2,9 @@
 wrote each split's partial O (fp32) and base-2 L, one warp a row of O merges the splits by their logsumexp,
 ``fa2.combine``'s formula in base 2: L = log2 Σ_s 2^(L_s), O = Σ_s 2^(L_s - L) O_s, a split that saw no key of
 the row (L_s = +inf) weighing nothing; a row no split saw gets O = 0 and L = +inf. ``fa2_numba_cuda.kvcache``
-launches it only where there are splits.
+launches it only where there are splits. With an attention sink (SINK) the sink is one more split of L_s =
+sink[h] · log2 e and O_s = 0, counted once, here (the split kernels leave it out): a row no split saw then gets
+O = 0 and L = sink[h].
 """
 
 from __future__ import annotations
@@ -11,26 +13,32 @@ import math
 
 from numba import cuda
 
-from fa2_numba_cuda.common import LN2, _float_to_bf16, _identity, float32, uint64
+from fa2_numba_cuda.common import LN2, LOG2E, _float_to_bf16, _identity, float32, uint64
 
 NUM_THREADS = 128  # 4 warps a block
 ROWS = NUM_THREADS // 32  # rows a block merges, one a warp
 
 
-def _build_kernel(IS_BF16):
+def _build_kernel(IS_BF16, SINK):
     """The LSE combine: one warp a row of O. o_part (num_splits, rows_total, head_dim) fp32 and lse_part
     (num_splits, rows_total) fp32, base 2 (+inf: the split saw no key of the row, its O row unwritten);
-    writes o (rows_total, head_dim) in q's dtype and lse (rows_total,) natural log."""
+    writes o (rows_total, head_dim) in q's dtype and lse (rows_total,) natural log. SINK: sink (heads,) fp32,
+    natural log, joins each row's sum, the row's head (row // seqlen_rows) % heads, rows_total being (batch,
+    heads, seqlen_rows) flat; without SINK the last three arguments are unread."""
     from_float = _float_to_bf16 if IS_BF16 else _identity
 
-    def _combine(o_part, lse_part, o, lse, num_splits, rows_total, head_dim):
+    def _combine(o_part, lse_part, o, lse, num_splits, rows_total, head_dim, sink, heads, seqlen_rows):
         row = cuda.blockIdx.x * ROWS + cuda.threadIdx.x // 32
         lane = cuda.threadIdx.x % 32
         if row >= rows_total:
             return
         # side-by-side: combine
-        # L = log2 Σ_s 2^(L_s), over the splits that saw a key (L_s != +inf), around their max.
+        # L = log2 Σ_s 2^(L_s), over the splits that saw a key (L_s != +inf), around their max; the sink is
+        # one more term, of no O.
         m = float32(-math.inf)
+        if SINK:
+            sink_log2 = sink[(row // seqlen_rows) % heads] * float32(LOG2E)
+            m = sink_log2
         for sp in range(num_splits):
             ls = lse_part[uint64(sp * rows_total + row)]
             if ls != math.inf and ls > m:
@@ -40,6 +48,8 @@ def _build_kernel(IS_BF16):
             ls = lse_part[uint64(sp * rows_total + row)]
             if ls != math.inf:
                 total += math.exp2(ls - m)
+        if SINK:
+            total += math.exp2(sink_log2 - m)
         # No key in any split (m = -inf, total = 0): O = 0, L = +inf. A NaN L_s makes total and L NaN.
         empty = m == -math.inf
         lse2 = m + math.log2(total) if not empty else float32(0.0)
@@ -57,12 +67,13 @@ def _build_kernel(IS_BF16):
     return cuda.jit(_combine)
 
 
-_KERNELS: dict[bool, object] = {}  # by IS_BF16
+_KERNELS: dict[tuple[bool, bool], object] = {}  # by (IS_BF16, SINK)
 
 
-def kernel(is_bf16: bool):
-    """The combine writing O in bf16 (``is_bf16``) or in q's own dtype, compiled once."""
-    found = _KERNELS.get(is_bf16)
+def kernel(is_bf16: bool, sink: bool):
+    """The combine writing O in bf16 (``is_bf16``) or in q's own dtype, adding the sink (``sink``) or not,
+    compiled once."""
+    found = _KERNELS.get((is_bf16, sink))
     if found is None:
-        found = _KERNELS[is_bf16] = _build_kernel(is_bf16)
+        found = _KERNELS[is_bf16, sink] = _build_kernel(is_bf16, sink)
     return found

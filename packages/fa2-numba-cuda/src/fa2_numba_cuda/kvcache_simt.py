@@ -51,6 +51,7 @@ from fa2_numba_cuda.common import (
     _kv_loader,
     _softcap,
     _to_float,
+    _with_sink,
     float32,
     int32,
     sequence,
@@ -143,13 +144,15 @@ def _build_kernel(
     BATCH_IDX,
     LEFTPAD,
     SPLIT,
+    SINK,
     KIND,
     EVEN_HEAD_DIM,
     ASYNC_LOADS,
 ):
     """The split-KV kernel for one padded head dim, ``DecodeConfig``, ``Features`` (LEFT, RIGHT, SOFTCAP,
     ALIBI, VARLEN: cu_seqlens_q), cache kind (PAGED, BATCH_IDX, LEFTPAD), SPLIT (partial fp32 O and base-2 L
-    per split, for ``kvcache_combine``; else O in q's dtype and natural L), input kind KIND ("f32", "f16", "bf16"),
+    per split, for ``kvcache_combine``; else O in q's dtype and natural L), SINK (the epilogue adds the
+    attention sink: only without SPLIT, the combine adding it once otherwise), input kind KIND ("f32", "f16", "bf16"),
     head_dim == HEAD_DIM and cp.async loads (ASYNC_LOADS), all compile-time constants."""
     BLOCK_M, BLOCK_N, MAX_REGISTERS = config
     ES = 4 if KIND == "f32" else 2  # bytes an element
@@ -239,13 +242,15 @@ def _build_kernel(
         slopes,
         stride_ab,
         stride_ah,
+        sink,
     ):
         """One block: BLOCK_M of the group · seqlen_q query rows of one (split, batch, key/value head). q: a
         flat view of (batch, heads, seqlen_q, head_dim) (VARLEN: (1, heads, total_q, head_dim)), k and v of
         the cache ((batch_cache or num_pages, heads_k, seqlen_cache or page_size, head_dim)), with their
         element strides; o, lse: O and L flat and contiguous (SPLIT: (num_splits, rows_total, head_dim) fp32
         and (num_splits, rows_total) fp32 base 2). capacity: the keys a row's cache holds; cache_rows: its
-        first dimension (clamps cache_batch_idx and page ids)."""
+        first dimension (clamps cache_batch_idx and page ids). sink: (heads,) fp32, natural log, read with SINK
+        only (``common.sink_arg``)."""
         tid = cuda.threadIdx.x
         warp = tid // 32
         lane = tid % 32
@@ -519,8 +524,14 @@ def _build_kernel(
                     else:
                         o_row = (off_b * heads + off_h) * seqlen_q + tok
                     l_sum = l_tile[r]
-                    # A NaN score makes l NaN, and O and L must then be NaN, not the no-key marker: != 0.
-                    inv_l = float32(1.0) / l_sum if l_sum != 0.0 else float32(0.0)
+                    m_row = m_tile[r]
+                    if SINK:
+                        # The sink joins the denominator: O = acc · alpha / l, L = m + log2 l (l >= 1).
+                        m_row, l_sum, alpha = _with_sink(m_row, l_sum, sink[off_h] * float32(LOG2E))
+                        inv_l = alpha / l_sum
+                    else:
+                        # A NaN score makes l NaN, and O and L must then be NaN, not the no-key marker: != 0.
+                        inv_l = float32(1.0) / l_sum if l_sum != 0.0 else float32(0.0)
                     if SPLIT:
                         o_row += split * rows_total
                         if l_sum != 0.0:
@@ -536,7 +547,7 @@ def _build_kernel(
                             if EVEN_HEAD_DIM or col < head_dim:
                                 o[uint64(o_row * head_dim + col)] = from_float(acc[i, e] * inv_l)
                         if dc == 0:
-                            L = (m_tile[r] + math.log2(l_sum)) * float32(LN2) if l_sum != 0.0 else float32(math.inf)
+                            L = (m_row + math.log2(l_sum)) * float32(LN2) if l_sum != 0.0 else float32(math.inf)
                             lse[uint64(o_row)] = L
         # side-by-side: end
 
@@ -545,7 +556,7 @@ def _build_kernel(
 
 
 # Compiled kernels by (HEAD_DIM, DecodeConfig, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN, PAGED, BATCH_IDX, LEFTPAD,
-# SPLIT, KIND, EVEN_HEAD_DIM, ASYNC_LOADS).
+# SPLIT, SINK, KIND, EVEN_HEAD_DIM, ASYNC_LOADS).
 _KERNELS: dict[tuple, object] = {}
 
 

@@ -44,6 +44,7 @@ from fa2_numba_cuda.common import (
     _int_as_float,
     _kv_loader,
     _softcap,
+    _with_sink,
     float32,
     int32,
     sequence,
@@ -110,6 +111,7 @@ def _build_kernel(
     BATCH_IDX,
     LEFTPAD,
     SPLIT,
+    SINK,
     IS_BF16,
     EVEN_HEAD_DIM,
     ASYNC_LOADS,
@@ -181,6 +183,7 @@ def _build_kernel(
         slopes,
         stride_ab,
         stride_ah,
+        sink,
     ):
         """One block: 16 of the group · seqlen_q query rows of one (split, batch, key/value head), as
         ``_kvcache_fwd`` of ``kvcache_simt`` (the same arguments, q, k and v as 16-bit patterns)."""
@@ -522,8 +525,15 @@ def _build_kernel(
                     else:
                         o_row = (off_b * heads + off_h) * seqlen_q + tok
                     l_sum = l_i[h]
-                    # A NaN score makes l NaN, and O and L must then be NaN, not the no-key marker: != 0.
-                    inv_l = float32(1.0) / l_sum if l_sum != 0.0 else float32(0.0)
+                    m_row = m_safe[h]
+                    if SINK:
+                        # The sink joins the denominator: O = acc · alpha / l, L = m + log2 l (l >= 1). A row
+                        # that saw no key has m_safe = 0, l = 0 and acc = 0: O = 0, L = sink.
+                        m_row, l_sum, alpha_row = _with_sink(m_row, l_sum, sink[off_h] * float32(LOG2E))
+                        inv_l = alpha_row / l_sum
+                    else:
+                        # A NaN score makes l NaN, and O and L must then be NaN, not the no-key marker: != 0.
+                        inv_l = float32(1.0) / l_sum if l_sum != 0.0 else float32(0.0)
                     if SPLIT:
                         o_row += split * rows_total
                     for c in range(O_TILES):
@@ -539,7 +549,7 @@ def _build_kernel(
                         if SPLIT:
                             lse[uint64(o_row)] = m_safe[h] + math.log2(l_sum) if l_sum != 0.0 else float32(math.inf)
                         else:
-                            L = (m_safe[h] + math.log2(l_sum)) * float32(LN2) if l_sum != 0.0 else float32(math.inf)
+                            L = (m_row + math.log2(l_sum)) * float32(LN2) if l_sum != 0.0 else float32(math.inf)
                             lse[uint64(o_row)] = L
 
     if simulated():
@@ -548,7 +558,7 @@ def _build_kernel(
 
 
 # Compiled kernels by (HEAD_DIM, TensorCoreDecodeConfig, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN, PAGED, BATCH_IDX,
-# LEFTPAD, SPLIT, IS_BF16, EVEN_HEAD_DIM, ASYNC_LOADS).
+# LEFTPAD, SPLIT, SINK, IS_BF16, EVEN_HEAD_DIM, ASYNC_LOADS).
 _KERNELS: dict[tuple, object] = {}
 
 

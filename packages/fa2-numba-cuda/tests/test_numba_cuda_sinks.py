@@ -1,0 +1,210 @@
+"""fa2-numba-cuda's attention sinks (issue 40, ``AttentionSpec.sink``) in its kernels, called directly: the SIMT
+and tensor-core forwards (dense and packed), the backward with dsink, the KV-cache split kernels with and
+without splits (the combine adding the sink), against ``fa2.reference`` in fp64 (the gradients, the sink's
+included, from autograd of it). Under numba's simulator the tensor-core kernels run on ``mma.py``'s emulated
+instructions: tiny shapes (D 16, at most 40 keys); with --device cuda the same cases run on the GPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from checks import assert_matches_reference, max_err, random_qkv
+from fa2 import reference
+from fa2.spec import AttentionSpec
+from fa2_numba_cuda import backward, common, forward, kvcache, kvcache_tc
+from test_gradients import FP32_GRAD_ATOL, assert_grads_match
+
+
+@pytest.fixture(autouse=True)
+def _numba_cuda_selected(request):
+    selected = request.config.getoption("--backend")
+    if selected and "numba-cuda" not in selected:
+        pytest.skip(f"numba-cuda's own tests; --backend {selected}")
+
+
+@pytest.fixture
+def kernel_device(device):
+    if common.simulated() != (device.type == "cpu"):
+        pytest.skip(
+            f"--device {device.type} with NUMBA_ENABLE_CUDASIM={int(common.simulated())}: numba runs "
+            "CPU tensors only in its simulator and CUDA tensors only without it"
+        )
+    return device
+
+
+def _sink(heads, device, seed=7):
+    """Sinks around the scores' size, one large (a head that mostly attends to nothing)."""
+    g = torch.Generator().manual_seed(seed)
+    sink = torch.randn(heads, generator=g)
+    sink[-1] = 4.0
+    return sink.to(device)
+
+
+# (kernel, dtype): the SIMT kernels compute in fp32, the tensor-core ones take fp16.
+KERNELS = [
+    pytest.param(False, torch.float32, id="simt-fp32"),
+    pytest.param(True, torch.float16, id="tc-fp16"),
+]
+
+
+@pytest.mark.parametrize("tensor_cores, dtype", KERNELS)
+@pytest.mark.parametrize(
+    "shape, window, extra",
+    [
+        # GQA 4:2, seqlen_q > seqlen_k causal: the first rows see no key (O = 0, L = sink)
+        pytest.param((1, 4, 2, 29, 17), (-1, 0), {}, id="H4-Hk2-29x17-causal"),
+        # a window inside the keys, with a softcap and ALiBi before the sink joins
+        pytest.param((2, 2, 2, 13, 31), (5, 3), {"softcap": 3.0, "alibi": True}, id="B2-13x31-w5.3-softcap-alibi"),
+    ],
+)
+def test_forward_matches_reference(kernel_device, tensor_cores, dtype, shape, window, extra):
+    b, h, h_k, n_q, n_k = shape
+    q, k, v = random_qkv((b, h, n_q, 16), (b, h_k, n_k, 16), dtype, kernel_device, seed=n_q)
+    sink = _sink(h, kernel_device)
+    slopes = torch.rand(b, h, generator=torch.Generator().manual_seed(1)).to(kernel_device) if extra else None
+    softcap = extra.get("softcap", 0.0)
+    spec = AttentionSpec(0.25, window, softcap, slopes, h // h_k, sink=sink)
+    O, L = forward.flash_attn_forward(q, k, v, spec, tensor_cores=tensor_cores)
+    features = dict(window=window, softcap=softcap, alibi_slopes=slopes, sink=sink)
+    assert_matches_reference(O, L, q, k, v, False, 0.25, **features)
+    _, L_ref = reference.attention(q, k, v, False, 0.25, **features)
+    empty = L_ref == sink[:, None].double()
+    if window == (-1, 0):
+        assert empty.any(), "the case must have rows that see no key"
+    assert (O[empty] == 0).all(), "rows that see no key: O = 0"
+
+
+@pytest.mark.parametrize("tensor_cores, dtype", KERNELS)
+def test_varlen_forward_matches_reference(kernel_device, tensor_cores, dtype):
+    """Each sequence's rows get the sink of their head; causal with a sequence whose first rows see no key."""
+    lens_q, lens_k = [9, 14], [5, 20]
+    cu_q = torch.tensor([0, 9, 23], dtype=torch.int32, device=kernel_device)
+    cu_k = torch.tensor([0, 5, 25], dtype=torch.int32, device=kernel_device)
+    q, k, v = random_qkv((1, 2, sum(lens_q), 16), (1, 1, sum(lens_k), 16), dtype, kernel_device, seed=3)
+    sink = _sink(2, kernel_device)
+    spec = AttentionSpec(
+        0.25, (-1, 0), group=2, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=14, max_seqlen_k=20, sink=sink
+    )
+    O, L = forward.flash_attn_forward(q, k, v, spec, tensor_cores=tensor_cores)
+    tq, tk = (t[0].transpose(0, 1) for t in (q, k))  # (total, heads, d)
+    tv = v[0].transpose(0, 1)
+    O_ref, L_ref = reference.varlen_attention(tq, tk, tv, cu_q, cu_k, True, 0.25, sink=sink)
+    tol = 2e-5 if dtype == torch.float32 else 2e-3
+    assert max_err(O[0].transpose(0, 1), O_ref) <= tol
+    assert max_err(L[0], L_ref) <= 2e-5
+
+
+def _backward_case(dtype, device, shape):
+    b, h, h_k, n_q, n_k = shape
+    q, k, v = random_qkv((b, h, n_q, 16), (b, h_k, n_k, 16), dtype, device, seed=n_q + n_k)
+    dO = torch.randn(q.shape, generator=torch.Generator().manual_seed(5)).to(device=device, dtype=dtype)
+    return q, k, v, dO, _sink(h, device)
+
+
+def _reference_grads(q, k, v, dO, sink, **features):
+    """fp64 autograd of the reference: (dq, dk, dv, dsink)."""
+    q64, k64, v64, s64 = (t.detach().double().requires_grad_() for t in (q, k, v, sink))
+    O64 = reference.attention(q64, k64, v64, sink=s64, **features)[0]
+    return torch.autograd.grad(O64, (q64, k64, v64, s64), dO.double())
+
+
+def _dsink_tolerance(q, k, v, dO, sink, ref, **features):
+    """fp32: FP32_GRAD_ATOL times the rows a head sums over; fp16: three times a naive fp16 attention's error
+    plus twice rounding the reference to fp16 (test_gradients' rule)."""
+    if q.dtype == torch.float32:
+        return FP32_GRAD_ATOL * q.shape[0] * q.shape[2]
+    ql, kl, vl, sl = (t.detach().requires_grad_() for t in (q, k, v, sink))
+    O_naive = reference.attention(ql, kl, vl, sink=sl, upcast=False, **features)[0]
+    (naive,) = torch.autograd.grad(O_naive, (sl,), dO)
+    return 3 * max_err(naive, ref) + 2 * max_err(ref.half(), ref)
+
+
+@pytest.mark.parametrize("tensor_cores, dtype", KERNELS)
+def test_backward_matches_reference(kernel_device, tensor_cores, dtype):
+    """dq, dk, dv from the kernels without a sink (L carries it), dsink from delta; GQA, causal with rows that
+    see no key."""
+    q, k, v, dO, sink = _backward_case(dtype, kernel_device, (2, 2, 1, 21, 15))
+    features = dict(causal=True, scale=0.25)
+    O64, L64 = reference.attention(q.double(), k.double(), v.double(), sink=sink, **features)
+    spec = AttentionSpec(0.25, (-1, 0), group=2, sink=sink)
+    grads = backward.flash_attn_backward(q, k, v, O64.to(dtype), L64.float(), dO, spec, tensor_cores=tensor_cores)
+    assert len(grads) == 4, "with a sink the backward returns (dq, dk, dv, dsink)"
+    dq, dk, dv, dsink = grads
+    assert_grads_match(dq, dk, dv, q, k, v, dO, True, scale=0.25, sink=sink)
+    ref = _reference_grads(q, k, v, dO, sink, **features)[3]
+    assert dsink.shape == sink.shape and dsink.dtype == torch.float32
+    tol = _dsink_tolerance(q, k, v, dO, sink, ref, **features)
+    assert max_err(dsink, ref) <= tol, f"max |dsink - ref| = {max_err(dsink, ref):.3g} > {tol:.3g}"
+    # Without a sink the same call returns three gradients, as before.
+    plain = dataclasses.replace(spec, sink=None)
+    without = backward.flash_attn_backward(q, k, v, O64.to(dtype), L64.float(), dO, plain, tensor_cores=tensor_cores)
+    assert len(without) == 3
+
+
+def test_varlen_backward_sums_dsink_over_sequences(kernel_device):
+    """A packed batch (the SIMT kernels): dsink sums every sequence's rows of each head."""
+    cu = torch.tensor([0, 7, 19], dtype=torch.int32, device=kernel_device)
+    q, k, v = random_qkv((1, 2, 19, 16), (1, 2, 19, 16), torch.float32, kernel_device, seed=11)
+    dO = torch.randn(q.shape, generator=torch.Generator().manual_seed(6)).to(kernel_device)
+    sink = _sink(2, kernel_device)
+    spec = AttentionSpec(0.25, (-1, 0), cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=12, max_seqlen_k=12, sink=sink)
+    tq, tk, tv, tdO = (t[0].transpose(0, 1).detach().double().requires_grad_() for t in (q, k, v, dO))
+    s64 = sink.double().requires_grad_()
+    O_ref, L_ref = reference.varlen_attention(tq, tk, tv, cu, cu, True, 0.25, sink=s64)
+    ref = torch.autograd.grad(O_ref, (tq, tk, tv, s64), tdO.detach())
+    O = O_ref.detach().float().transpose(0, 1)[None]
+    dq, dk, dv, dsink = backward.flash_attn_backward(q, k, v, O, L_ref.detach().float()[None], dO, spec)
+    for name, g, r in zip(("dq", "dk", "dv"), (dq, dk, dv), ref[:3]):
+        assert max_err(g[0].transpose(0, 1), r) <= FP32_GRAD_ATOL, name
+    assert max_err(dsink, ref[3]) <= FP32_GRAD_ATOL * 19
+
+
+KV_KERNELS = [
+    pytest.param(False, torch.float32, False, id="simt-fp32-contiguous"),
+    pytest.param(True, torch.float16, True, id="tc-fp16-paged"),
+]
+
+
+@pytest.mark.parametrize("splits", [1, 3], ids=["unsplit", "split3"])
+@pytest.mark.parametrize("tensor_cores, dtype, paged", KV_KERNELS)
+def test_kvcache_forward_matches_reference(kernel_device, tensor_cores, dtype, paged, splits):
+    """The split kernel adds the sink without splits, the combine with them; a row with an empty cache (O = 0,
+    L = sink) and causal rows that see no key (K_b < seqlen_q)."""
+    g = torch.Generator().manual_seed(splits)
+    b, h, h_k, n_q, cap, page = 3, 4, 2, 3, 40, 8
+    q = torch.randn(b, h, n_q, 16, generator=g).to(kernel_device, dtype)
+    if paged:
+        pages = b * cap // page
+        k_cache, v_cache = (torch.randn(pages, h_k, page, 16, generator=g).to(kernel_device, dtype) for _ in "kv")
+        block_table = torch.randperm(pages, generator=g).view(b, cap // page).to(kernel_device, torch.int32)
+    else:
+        k_cache, v_cache = (torch.randn(b, h_k, cap, 16, generator=g).to(kernel_device, dtype) for _ in "kv")
+        block_table = None
+    spec = AttentionSpec(
+        0.25,
+        (-1, 0),
+        group=h // h_k,
+        sink=_sink(h, kernel_device),
+        cache_seqlens=torch.tensor([37, 0, 2], dtype=torch.int32, device=kernel_device),
+        block_table=block_table,
+        num_splits=splits,
+    )
+    # One-warp tensor-core blocks: 16-key tiles, so that the 40 slots make three splits (two 32-key SIMT tiles).
+    config = kvcache_tc.TensorCoreDecodeConfig(1, 128) if tensor_cores else None
+    O, L = kvcache.kvcache_forward(q, k_cache, v_cache, spec, config, tensor_cores=tensor_cores)
+    O_ref, L_ref = reference.kvcache_attention(q, k_cache, v_cache, spec)
+    assert not torch.isnan(O).any() and not torch.isnan(L).any()
+    sink_rows = L_ref == spec.sink[:, None].double()
+    assert sink_rows[1].all() and sink_rows[2, :, 0].all(), "rows that see no key: L = sink"
+    assert (O[1] == 0).all() and (O[2, :, 0] == 0).all(), "rows that see no key: O = 0"
+    if dtype == torch.float32:
+        tol_O = 5e-5
+    else:
+        O_naive, _ = reference.kvcache_attention(q, k_cache, v_cache, spec, upcast=False)
+        tol_O = 2 * max_err(O_naive, O_ref) + 2 * max_err(O_ref.to(dtype), O_ref) + 1e-3
+    assert max_err(O, O_ref) <= tol_O
+    assert max_err(L, L_ref) <= 5e-5
