@@ -530,7 +530,8 @@ if GLUON:
         KV_COLS: gl.constexpr,
         HEAD_DIM: gl.constexpr,
     ):
-        """The kernel without a sink."""
+        """The kernel without a sink. Two entry points over one body (``_attn_fwd``, HAS_SINK a constexpr) so
+        that this one keeps its arguments: no pointer it never reads, the same build as before sinks."""
         _attn_fwd(q_desc, k_desc, v_desc, o_desc, L, L, qk_scale, N_Q, N_K, H, GROUP, Q_COLS, KV_COLS, HEAD_DIM, False)
 
     @gluon.jit
