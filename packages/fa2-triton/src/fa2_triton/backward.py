@@ -31,16 +31,17 @@ def flash_attn_backward(
     spec: AttentionSpec,
     tiles: BwdTiles | None = None,
     deterministic: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, ...]:
     """Arguments:
         q: (batch, heads, seqlen_q, head_dim); k, v: (batch, heads_k, seqlen_k, head_dim), heads a multiple
             of heads_k (grouped-query attention; heads_k = 1 is multi-query): query head h attends to
             key/value head h // (heads // heads_k). Any strides.
         O, dO: (batch, heads, seqlen_q, head_dim); L: (batch, heads, seqlen_q), float32, natural log,
             from the forward (+inf on rows that see no key).
-        spec: what the forward computed (``fa2.spec.AttentionSpec``: scale, window, softcap, ALiBi), as in
-            ``flash_attn_forward``. The softcap's gradient multiplies dS by 1 - tanh² of the scaled score over
-            softcap; ALiBi adds nothing to it, and the slopes get no gradient.
+        spec: what the forward computed (``fa2.spec.AttentionSpec``: scale, window, softcap, ALiBi, sink), as
+            in ``flash_attn_forward``. The softcap's gradient multiplies dS by 1 - tanh² of the scaled score
+            over softcap; ALiBi adds nothing to it, and the slopes get no gradient. A sink changes nothing in
+            dq, dk, dv (P = exp(S - L) with the L that includes it) and gets its own gradient.
         tiles: each kernel's tiles (powers of two >= 16), num_warps, num_stages, maxnreg; default
             ``bwd_tiles_for``.
         deterministic: True (the default) computes dq in its own kernel, every element written once, so
@@ -52,7 +53,9 @@ def flash_attn_backward(
         dq, dk, dv in the shapes and dtypes of q, k, v (dk, dv: (batch, heads_k, seqlen_k, head_dim), each
         key/value head's the sum over the query heads of its group), contiguous; rows that see no key get
         dq = 0, keys that no row sees dk = dv = 0. Query tiles that see no key of a key tile, and key tiles
-        that a query tile's window misses, are skipped, not loaded.
+        that a query tile's window misses, are skipped, not loaded. With spec.sink, a fourth: dsink =
+        -Σ_{batch, rows i} exp(sink[h] - L_i) · rowsum(dO_i ∘ O_i), (heads,) float32, from the preprocess
+        beside delta (a packed batch: every sequence's rows).
 
     Raises:
         NotImplementedError: head_dim not a multiple of 8 from 8 to 256; bfloat16 under the interpreter.
@@ -72,7 +75,7 @@ def flash_attn_backward(
         head_dim, q.dtype, spec.masked, spec.max_seqlen_k if spec.varlen else seqlen_k, spec.varlen
     )
     with on_device(q.device):
-        delta = launch_preprocess(O, dO)
+        delta, dsink = launch_preprocess(O, dO, L, spec.sink)
         if deterministic:
             dq = torch.empty(q.shape, device=q.device, dtype=q.dtype)
             launch_dq(q, k, v, dO, L, delta, dq, spec, tiles.dq)
@@ -88,6 +91,8 @@ def flash_attn_backward(
             dq_acc = torch.zeros(batch, heads, padded_q, HEAD_DIM, device=q.device, dtype=torch.float32)
             launch_dkdv(q, k, v, dO, L, delta, dk, dv, dq_acc, spec, tiles.dkdv)
             dq = (dq_acc[:, :, :seqlen_q, :head_dim] * spec.scale).to(q.dtype)
+    if dsink is not None:
+        return dq, dk, dv, dsink
     return dq, dk, dv
 
 
@@ -97,21 +102,41 @@ def flash_attn_backward(
 # (CUDA caps the other two at 65535).
 
 
-def launch_preprocess(O: torch.Tensor, dO: torch.Tensor) -> torch.Tensor:
-    """delta = rowsum(dO ∘ O): (batch, heads, seqlen_q), float32."""
+def launch_preprocess(
+    O: torch.Tensor, dO: torch.Tensor, L: torch.Tensor | None = None, sink: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(delta, dsink): delta = rowsum(dO ∘ O), (batch, heads, seqlen_q), float32; with sink ((heads,)
+    float32) and L (the forward's, (batch, heads, seqlen_q)), dsink = -Σ_{b, i} exp(sink[h] - L[b, h, i]) ·
+    delta[b, h, i], (heads,) float32, else None. The kernel writes one partial sum per program; a torch sum
+    over each head's adds them in a fixed order, so dsink is deterministic."""
     batch, heads, seqlen_q, head_dim = O.shape
     delta = torch.empty(batch, heads, seqlen_q, device=O.device, dtype=torch.float32)
     HEAD_DIM = max(16, triton.next_power_of_2(head_dim))
     pre_block_m = PREPROCESS_ELEMENTS // HEAD_DIM
+    tiles = triton.cdiv(seqlen_q, pre_block_m)
+    parts = None if sink is None else torch.empty(heads, batch * tiles, device=O.device, dtype=torch.float32)
     if batch * heads and seqlen_q:
         launch(
             _attn_bwd_preprocess,
-            triton.cdiv(seqlen_q, pre_block_m) * batch * heads,
-            (O, dO, delta, *O.stride(), *dO.stride(), heads, seqlen_q, head_dim),
-            dict(BLOCK_M=pre_block_m, HEAD_DIM=HEAD_DIM, EVEN_D=HEAD_DIM == head_dim),
+            tiles * batch * heads,
+            (
+                O,
+                dO,
+                delta,
+                delta if L is None else L,
+                delta if sink is None else sink,
+                delta if parts is None else parts,
+                *O.stride(),
+                *dO.stride(),
+                *(delta if L is None else L).stride(),
+                heads,
+                seqlen_q,
+                head_dim,
+            ),
+            dict(HAS_SINK=sink is not None, BLOCK_M=pre_block_m, HEAD_DIM=HEAD_DIM, EVEN_D=HEAD_DIM == head_dim),
             dict(num_warps=8),
         )
-    return delta
+    return delta, None if parts is None else parts.sum(dim=1)
 
 
 def launch_dq(q, k, v, dO, L, delta, dq, spec: AttentionSpec, t: KernelTiles):

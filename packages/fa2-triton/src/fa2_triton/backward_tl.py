@@ -60,6 +60,9 @@ def _attn_bwd_preprocess(
     O,
     dO,
     Delta,
+    L,
+    Sink,
+    DSink,
     stride_ob,
     stride_oh,
     stride_om,
@@ -68,20 +71,27 @@ def _attn_bwd_preprocess(
     stride_doh,
     stride_dom,
     stride_dod,
+    stride_lb,
+    stride_lh,
+    stride_lm,
     H,
     N_Q,
     head_dim,
+    HAS_SINK: tl.constexpr,
     BLOCK_M: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     EVEN_D: tl.constexpr,
 ):
     # delta = rowsum(dO ∘ O) in fp32, one program per (query tile, batch·head); Delta is (B·H, N_Q).
+    # HAS_SINK: also this tile's share of dsink[h], -Σ_i exp(sink[h] - L_i) · delta_i, into DSink (H, B ·
+    # tiles) at [h, b · tiles + tile], for a fixed-order sum over each head's row afterwards.
     pid = tl.program_id(0)
     num_m_tiles = tl.cdiv(N_Q, BLOCK_M)
     off_bh = (pid // num_m_tiles).to(tl.int64)
     off_b = off_bh // H
     off_h = off_bh % H
-    start_m = (pid % num_m_tiles) * BLOCK_M
+    tile_m = pid % num_m_tiles
+    start_m = tile_m * BLOCK_M
 
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -95,6 +105,15 @@ def _attn_bwd_preprocess(
     do = _load_tile(do_ptrs, offs_m, N_Q, offs_d, head_dim, True, EVEN_D)  # [BLOCK_M, HEAD_DIM]
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
     tl.store(Delta + off_bh * N_Q + offs_m, delta, mask=offs_m < N_Q)
+    # side-by-side: dsink
+    if HAS_SINK:
+        # exp(sink[h] - L_i) is the weight the sink took in row i; rows past N_Q (delta 0, L +inf) add 0.
+        lse = tl.load(
+            L + off_b * stride_lb + off_h * stride_lh + offs_m64 * stride_lm, mask=offs_m < N_Q, other=float("inf")
+        )
+        p_sink = tl.math.exp(tl.load(Sink + off_h) - lse)
+        tl.store(DSink + off_h * (tl.num_programs(0) // H) + off_b * num_m_tiles + tile_m, -tl.sum(p_sink * delta, 0))
+    # side-by-side: end
 
 
 @triton.jit

@@ -62,8 +62,9 @@ def flash_attn_forward(
 
             the softcap (scores become softcap · tanh(scores / softcap), in fp32), ALiBi slopes ((batch,
             heads) float32 on q's device, any strides: -slope · |i + seqlen_k - seqlen_q - j| is added to
-            the capped scores). Each becomes a compile-time switch of the kernel; the window's sizes and
-            the softcap stay runtime values, so windows of any size share a compilation. A packed batch
+            the capped scores), the sink ((heads,) float32 on q's device: sink[h] joins every row's softmax
+            denominator and L, no numerator). Each becomes a compile-time switch of the kernel; the window's
+            sizes and the softcap stay runtime values, so windows of any size share a compilation. A packed batch
             (spec.cu_seqlens_q, cu_seqlens_k: (num_seqs + 1,) int32 offsets on q's device, max_seqlen_q,
             max_seqlen_k): q (1, heads, total_q, head_dim), k, v (1, heads_k, total_k, head_dim), sequence s
             the rows [cu_seqlens[s], cu_seqlens[s + 1]), every mask and bias aligned per sequence, slopes
@@ -79,7 +80,8 @@ def flash_attn_forward(
 
     Returns:
         O: (batch, heads, seqlen_q, head_dim), q's dtype, contiguous. L: (batch, heads, seqlen_q), float32,
-        natural log of the final scores' sum; rows that see no key get O = 0 and L = +inf. A packed batch:
+        natural log of the final scores' sum (and exp(sink[h])); rows that see no key get O = 0 and L = +inf
+        (L = sink[h] with a sink). A packed batch:
         (1, heads, total_q, head_dim) and (1, heads, total_q).
 
     Raises:
@@ -157,6 +159,7 @@ def _launch(q, k, v, O, L, spec: AttentionSpec, tiles: Tiles | None = None):
                 o_arg,
                 L,
                 L if s.slopes is None else s.slopes,
+                L if spec.sink is None else spec.sink,
                 cu_q,
                 cu_k,
                 s.qk_scale,
@@ -183,6 +186,7 @@ def _launch(q, k, v, O, L, spec: AttentionSpec, tiles: Tiles | None = None):
                 WINDOW_RIGHT=s.WINDOW_RIGHT,
                 SOFTCAP=s.SOFTCAP,
                 ALIBI=s.ALIBI,
+                HAS_SINK=spec.sink is not None,
                 BLOCK_M=tiles.block_m,
                 BLOCK_N=tiles.block_n,
                 HEAD_DIM=HEAD_DIM,

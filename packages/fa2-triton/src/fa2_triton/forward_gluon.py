@@ -18,7 +18,8 @@ consumer's Q buffer and stored by TMA, and L = m + log(l) in natural log. It is 
 
 Which inputs take it (``uses_gluon``), as measured on the H200 (docs/notes/gluon-forward.md): a Hopper GPU
 (compute capability 9.0) with Gluon's Hopper API importable, not the interpreter; fp16 or bf16;
-head_dim 128; no mask (no causal, no window), no softcap, no ALiBi, no packed batch, no KV cache;
+head_dim 128; no mask (no causal, no window), no softcap, no ALiBi, no packed batch, no KV cache (a sink
+is fine: ``_attn_fwd_gluon_sink``, the same body with HAS_SINK, adds it in the consumers' epilogue);
 seqlen_q and seqlen_k multiples of 128 (the copies are 2-D, over all heads' rows: a tile past a head's end
 would read, or write, the next head's rows); each of q, k, v with its heads' rows contiguous,
 (batch, heads, seqlen, head_dim), or interleaved, (batch, seqlen, heads, head_dim) as flash-attn's layout,
@@ -111,11 +112,11 @@ def flash_attn_forward(
     """Arguments:
         q: (batch, heads, seqlen_q, 128); k, v: (batch, heads_k, seqlen_k, 128), heads a multiple of
             heads_k; fp16 or bf16 on a Hopper GPU; inputs that ``uses_gluon`` accepts.
-        spec: the scale (no mask, softcap, bias or packing: ``uses_gluon``).
+        spec: the scale and the sink (no mask, softcap, bias or packing: ``uses_gluon``).
 
     Returns:
         O: (batch, heads, seqlen_q, 128), q's dtype, contiguous. L: (batch, heads, seqlen_q), float32,
-        natural log of the scores' sum.
+        natural log of the scores' sum (and exp(sink[h]) with a sink).
     """
     batch, heads, seqlen_q, head_dim = q.shape
     seqlen_k = k.shape[2]
@@ -128,10 +129,15 @@ def flash_attn_forward(
     v_desc = GluonTensorDescriptor.from_tensor(_rows_2d(v, kv_cols), [BLOCK_N, head_dim], kv_layout)
     o_desc = GluonTensorDescriptor.from_tensor(O.view(-1, head_dim), [BLOCK_M // 2, head_dim], q_layout)
     with on_device(q.device):
+        sizes = (spec.scale * LOG2_E, seqlen_q, seqlen_k, heads, group_size(q, k))
+        if spec.sink is None:
+            kernel, args = _attn_fwd_gluon, (q_desc, k_desc, v_desc, o_desc, L, *sizes)
+        else:
+            kernel, args = _attn_fwd_gluon_sink, (q_desc, k_desc, v_desc, o_desc, L, spec.sink, *sizes)
         launch(
-            _attn_fwd_gluon,
+            kernel,
             (seqlen_q // BLOCK_M, batch * heads),
-            (q_desc, k_desc, v_desc, o_desc, L, spec.scale * LOG2_E, seqlen_q, seqlen_k, heads, group_size(q, k)),
+            args,
             dict(Q_COLS=q_cols, KV_COLS=kv_cols, HEAD_DIM=head_dim),
             dict(num_warps=4, maxnreg=MAXNREG),
         )
@@ -204,6 +210,7 @@ if GLUON:
         kv_empty,
         turn,
         L,
+        Sink,
         qk_scale,
         N_Q,
         N_K,
@@ -212,6 +219,7 @@ if GLUON:
         Q_COLS: gl.constexpr,
         KV_COLS: gl.constexpr,
         HEAD_DIM: gl.constexpr,
+        HAS_SINK: gl.constexpr,
     ):
         q_row, q_col, kv_row, kv_col, o_row = _coords(N_Q, N_K, H, GROUP, Q_COLS, KV_COLS, HEAD_DIM)
         mbarrier.expect(q_ready, 2 * q_desc.block_type.nbytes)
@@ -302,6 +310,7 @@ if GLUON:
         kv_empty,
         turn,
         L,
+        Sink,
         qk_scale,
         N_Q,
         N_K,
@@ -310,6 +319,7 @@ if GLUON:
         Q_COLS: gl.constexpr,
         KV_COLS: gl.constexpr,
         HEAD_DIM: gl.constexpr,
+        HAS_SINK: gl.constexpr,
     ):
         q_row, q_col, kv_row, kv_col, o_row = _coords(N_Q, N_K, H, GROUP, Q_COLS, KV_COLS, HEAD_DIM)
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(
@@ -374,6 +384,18 @@ if GLUON:
         mbarrier.arrive(turn.index(1 - WG), count=1)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
 
+        # side-by-side: gluon-sink
+        if HAS_SINK:
+            # The sink joins the row's sum as one more score (log2 units) with no value: one more online
+            # softmax step, a single column. l > 0 after it: a row with no finite score gets O = 0, L = sink.
+            sink = gl.load(Sink + gl.program_id(1) % H) * 1.4426950408889634
+            m_new = gl.maximum(m_i, sink)
+            alpha = gl.exp2(m_i - m_new)
+            acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+            l_i = l_i * alpha + gl.exp2(sink - m_new)
+            m_i = m_new
+        # side-by-side: end
+
         # A row with no finite score (l = 0) gets O = 0 and L = +inf, the convention of rows that see no key.
         empty = l_i == 0.0
         l_o = gl.convert_layout(gl.where(empty, 1.0, l_i), gl.SliceLayout(1, o_layout))
@@ -401,6 +423,7 @@ if GLUON:
         kv_empty,
         turn,
         L,
+        Sink,
         qk_scale,
         N_Q,
         N_K,
@@ -409,6 +432,7 @@ if GLUON:
         Q_COLS: gl.constexpr,
         KV_COLS: gl.constexpr,
         HEAD_DIM: gl.constexpr,
+        HAS_SINK: gl.constexpr,
     ):
         _consumer(
             0,
@@ -425,6 +449,7 @@ if GLUON:
             kv_empty,
             turn,
             L,
+            Sink,
             qk_scale,
             N_Q,
             N_K,
@@ -433,6 +458,7 @@ if GLUON:
             Q_COLS,
             KV_COLS,
             HEAD_DIM,
+            HAS_SINK,
         )
 
     @gluon.jit
@@ -450,6 +476,7 @@ if GLUON:
         kv_empty,
         turn,
         L,
+        Sink,
         qk_scale,
         N_Q,
         N_K,
@@ -458,6 +485,7 @@ if GLUON:
         Q_COLS: gl.constexpr,
         KV_COLS: gl.constexpr,
         HEAD_DIM: gl.constexpr,
+        HAS_SINK: gl.constexpr,
     ):
         _consumer(
             1,
@@ -474,6 +502,7 @@ if GLUON:
             kv_empty,
             turn,
             L,
+            Sink,
             qk_scale,
             N_Q,
             N_K,
@@ -482,6 +511,7 @@ if GLUON:
             Q_COLS,
             KV_COLS,
             HEAD_DIM,
+            HAS_SINK,
         )
 
     @gluon.jit
@@ -499,6 +529,50 @@ if GLUON:
         Q_COLS: gl.constexpr,
         KV_COLS: gl.constexpr,
         HEAD_DIM: gl.constexpr,
+    ):
+        """The kernel without a sink. Two entry points over one body (``_attn_fwd``, HAS_SINK a constexpr) so
+        that this one keeps its arguments: no pointer it never reads, the same build as before sinks."""
+        _attn_fwd(q_desc, k_desc, v_desc, o_desc, L, L, qk_scale, N_Q, N_K, H, GROUP, Q_COLS, KV_COLS, HEAD_DIM, False)
+
+    @gluon.jit
+    def _attn_fwd_gluon_sink(
+        q_desc,
+        k_desc,
+        v_desc,
+        o_desc,
+        L,
+        Sink,
+        qk_scale,
+        N_Q,
+        N_K,
+        H,
+        GROUP,
+        Q_COLS: gl.constexpr,
+        KV_COLS: gl.constexpr,
+        HEAD_DIM: gl.constexpr,
+    ):
+        """The kernel with attention sinks: Sink (H,) float32."""
+        _attn_fwd(
+            q_desc, k_desc, v_desc, o_desc, L, Sink, qk_scale, N_Q, N_K, H, GROUP, Q_COLS, KV_COLS, HEAD_DIM, True
+        )
+
+    @gluon.jit
+    def _attn_fwd(
+        q_desc,
+        k_desc,
+        v_desc,
+        o_desc,
+        L,
+        Sink,
+        qk_scale,
+        N_Q,
+        N_K,
+        H,
+        GROUP,
+        Q_COLS: gl.constexpr,
+        KV_COLS: gl.constexpr,
+        HEAD_DIM: gl.constexpr,
+        HAS_SINK: gl.constexpr,
     ):
         dtype: gl.constexpr = q_desc.dtype
         q_smem = gl.allocate_shared_memory(dtype, [2, _ROWS, HEAD_DIM], q_desc.layout)
@@ -537,6 +611,7 @@ if GLUON:
                         kv_empty,
                         turn,
                         L,
+                        Sink,
                         qk_scale,
                         N_Q,
                         N_K,
@@ -545,6 +620,7 @@ if GLUON:
                         Q_COLS,
                         KV_COLS,
                         HEAD_DIM,
+                        HAS_SINK,
                     ),
                 ),
                 (
@@ -563,6 +639,7 @@ if GLUON:
                         kv_empty,
                         turn,
                         L,
+                        Sink,
                         qk_scale,
                         N_Q,
                         N_K,
@@ -571,6 +648,7 @@ if GLUON:
                         Q_COLS,
                         KV_COLS,
                         HEAD_DIM,
+                        HAS_SINK,
                     ),
                 ),
                 (
@@ -589,6 +667,7 @@ if GLUON:
                         kv_empty,
                         turn,
                         L,
+                        Sink,
                         qk_scale,
                         N_Q,
                         N_K,
@@ -597,6 +676,7 @@ if GLUON:
                         Q_COLS,
                         KV_COLS,
                         HEAD_DIM,
+                        HAS_SINK,
                     ),
                 ),
             ],

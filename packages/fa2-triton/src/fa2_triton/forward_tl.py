@@ -18,7 +18,9 @@ and the subtraction of the max meet in one FMA, ``exp2(fma(qk, qk_scale, -m))``.
 What to compute arrives as one ``fa2.spec.AttentionSpec`` and becomes compile-time switches: WINDOW_LEFT and
 WINDOW_RIGHT (whether the window bounds that side; the sizes are runtime ints, so windows of every size
 share a compilation; causal is WINDOW_RIGHT with right = 0), SOFTCAP (the softcap a runtime float) and
-ALIBI (a (batch, heads) slope tensor of any strides, one slope loaded per program). Query i sees key j iff
+ALIBI (a (batch, heads) slope tensor of any strides, one slope loaded per program) and HAS_SINK (attention
+sinks: a (heads,) float32 logit per head, loaded once per program, that joins every row's sum in the
+epilogue as one more score with no value, so L includes it). Query i sees key j iff
 i + diag - left <= j <= i + diag + right, diag = seqlen_k - seqlen_q (bottom-right aligned, as
 FlashAttention-2). With seqlen_q = 4, seqlen_k = 6 and window (1, 0)::
 
@@ -33,7 +35,7 @@ in three parts: the tiles across the window's left edge (only with WINDOW_LEFT),
 that every query row of the tile sees, loaded and used without masks; the tiles across the right edge
 (under causal, the diagonal band) or past seqlen_k, masked. A row that sees no key keeps m_i = -inf; the
 softmax subtracts 0 for it instead of m_i, so p and alpha stay 0 (not NaN) and the epilogue writes O = 0,
-L = +inf.
+L = +inf (with a sink: O = 0, L = sink[h]).
 
 The softcap is applied to the natural-scale score s = scale · q·k in fp32, softcap · tanh(s / softcap)
 (``_tanh``: from exp2 for fp32 inputs and in the interpreter, the GPU's tanh.approx for 16-bit ones), then
@@ -231,6 +233,7 @@ def _attn_fwd(
     O,
     L,
     Slopes,
+    Sink,
     Cu_q,
     Cu_k,
     qk_scale,
@@ -270,6 +273,7 @@ def _attn_fwd(
     WINDOW_RIGHT: tl.constexpr,
     SOFTCAP: tl.constexpr,
     ALIBI: tl.constexpr,
+    HAS_SINK: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -295,7 +299,8 @@ def _attn_fwd(
     FUSED_EXP2). VARLEN (pointer loads only): a packed batch, Q, O (1, H, total_q, D), K, V (1, H // GROUP,
     total_k, D), L (1, H, total_q), sequence b's rows [Cu_q[b], Cu_q[b + 1]) and [Cu_k[b], Cu_k[b + 1]),
     int32 offsets; N_Q and N_K are then the longest sequence's lengths, the batch the sequences, Slopes
-    (num_seqs, H); programs whose query tile starts past their sequence's end return at once. DEVICE_DESC:
+    (num_seqs, H); programs whose query tile starts past their sequence's end return at once. HAS_SINK: Sink
+    (H,) float32, sink[h] added to each row's sum of exp(scores) before the division and L. DEVICE_DESC:
     q, k, v and O read and written through 2-D descriptors built here (with WARP_SPECIALIZE, or for a
     packed batch: over one sequence's rows of one head, unit stride along D, the other strides multiples
     of 16 bytes)."""
@@ -551,6 +556,19 @@ def _attn_fwd(
             False,
             DEVICE_DESC,
         )
+    # side-by-side: end
+
+    # side-by-side: sink
+    if HAS_SINK:
+        # The sink joins the row's sum as one more score, sink[h] · log2(e) in log2 units, that no value
+        # follows: one more step of the online softmax, with a single column and nothing added to acc.
+        # l_i > 0 after it, so a row that saw no key (m_i = -inf, l_i = 0) gets O = 0 and L = sink[h].
+        sink = tl.load(Sink + off_h) * 1.4426950408889634
+        m_new = tl.maximum(m_i, sink)
+        alpha = tl.math.exp2(m_i - m_new)
+        acc = acc * alpha[:, None]
+        l_i = l_i * alpha + tl.math.exp2(sink - m_new)
+        m_i = m_new
     # side-by-side: end
 
     # side-by-side: epilogue

@@ -14,9 +14,10 @@ mask arithmetic) over the key tiles of its range that some row sees, and writes 
 last program of a (batch row, key/value head, row tile) to finish its split, told by an atomic count, then
 merges the splits' results in the same launch, and zeroes its count again for the next launch:
 L = log Σ_s exp(L_s), O = Σ_s exp(L_s - L) · O_s (``fa2.combine``'s merge), ranges a row sees no key of
-(L_s = +inf) weighing nothing. One launch, not a split kernel and a combine kernel: a Triton launch is the
-largest item of a decode step's host time (an H200 probe at 10d37e2, calls back to back: 54.5 µs for the
-split kernel's launch, 30.8 for the combine's).
+(L_s = +inf) weighing nothing; a sink (HAS_SINK) joins there once, as one more part with L_s = sink[h] and
+O_s = 0 (with one split, in the program's own epilogue, as ``forward_tl``'s). One launch, not a split kernel
+and a combine kernel: a Triton launch is the largest item of a decode step's host time (an H200 probe at
+10d37e2, calls back to back: 54.5 µs for the split kernel's launch, 30.8 for the combine's).
 
 Row b of q attends to keys [0, K_b) of its cache, K_b = cache_seqlens[b], and query i sees key j iff
 leftpad_b <= j < K_b and i + K_b - Nq - left <= j <= i + K_b - Nq + right (the bounded sides only). With
@@ -63,6 +64,7 @@ def _kvcache_fwd(
     Work,
     Counter,
     Slopes,
+    Sink,
     Seqlens,
     Leftpad,
     BatchIdx,
@@ -110,6 +112,7 @@ def _kvcache_fwd(
     WINDOW_RIGHT: tl.constexpr,
     SOFTCAP: tl.constexpr,
     ALIBI: tl.constexpr,
+    HAS_SINK: tl.constexpr,
     LEFTPAD: tl.constexpr,
     BATCH_IDX: tl.constexpr,
     PAGED: tl.constexpr,
@@ -135,8 +138,8 @@ def _kvcache_fwd(
     on its int32 Counter entry (zero before the launch), merges them all into O and L and sets its Counter
     entry back to zero, so that the next launch can use the same counters. Otherwise each program writes O
     and L itself. FENCE (on a GPU): each thread fences its partial stores before the count.
-    The score arguments as ``_attn_fwd``'s (FUSED_EXP2 always off here: the scale is applied before the
-    max)."""
+    The score arguments and HAS_SINK (Sink (H,) float32) as ``_attn_fwd``'s (FUSED_EXP2 always off here:
+    the scale is applied before the max); with SPLIT the sink joins in the merge only."""
     pid = tl.program_id(0)
     split = pid % NUM_SPLITS
     rest = pid // NUM_SPLITS
@@ -278,6 +281,17 @@ def _kvcache_fwd(
         l_i = l_i * alpha + tl.sum(p, 1)
         m_i = m_new
 
+    # side-by-side: kv-sink
+    if HAS_SINK and not SPLIT:
+        # The sink, one more score per row (its query head's, log2 units) with no value, as in
+        # forward_tl._attn_fwd. Splits leave it to the merge, which counts it once.
+        sink = tl.load(Sink + offs_h, mask=row_ok, other=0.0) * 1.4426950408889634
+        m_new = tl.maximum(m_i, sink)
+        alpha = tl.math.exp2(m_i - m_new)
+        acc = acc * alpha[:, None]
+        l_i = l_i * alpha + tl.math.exp2(sink - m_new)
+        m_i = m_new
+    # side-by-side: end
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)
     acc = acc / l_safe[:, None]
@@ -316,6 +330,10 @@ def _kvcache_fwd(
             for s in range(0, NUM_SPLITS):
                 l_s = tl.load(Work + s * ROWS + l_rows, mask=row_ok, other=float("inf"), cache_modifier=".cg")
                 m = tl.maximum(m, tl.where(l_s == float("inf"), float("-inf"), l_s))
+            if HAS_SINK:
+                # The sink joins once, here, as one more part with L_s = sink[h] and O_s = 0.
+                sink = tl.load(Sink + offs_h, mask=row_ok, other=0.0)
+                m = tl.maximum(m, sink)
             m_safe = tl.where(m == float("-inf"), 0.0, m)
             total = tl.zeros([BLOCK_M], dtype=tl.float32)
             out = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
@@ -330,6 +348,8 @@ def _kvcache_fwd(
                 )
                 out += w[:, None] * o_s
                 total += w
+            if HAS_SINK:
+                total += tl.exp(sink - m_safe)
             none = total == 0.0
             out = out / tl.where(none, 1.0, total)[:, None]
             lse = tl.where(none, float("inf"), m_safe + tl.log(tl.where(none, 1.0, total)))
@@ -357,12 +377,13 @@ def kvcache_forward(
             head_dim), batch being the sequences.
         k_cache, v_cache: (batch_cache, heads_k, seqlen_cache, head_dim), or with spec.block_table
             (num_pages, heads_k, page_size, head_dim); any strides; heads a multiple of heads_k.
-        spec: the scale, window, softcap and ALiBi slopes ((batch, heads)) as ``flash_attn_forward``'s, and
+        spec: the scale, window, softcap, ALiBi slopes ((batch, heads)) and sink as ``flash_attn_forward``'s, and
             the cache fields (``fa2.spec.AttentionSpec``): cache_seqlens (batch,) int32 (K_b, always
             given), cache_leftpad, cache_batch_idx, block_table, num_splits (0: ``num_splits``).
 
     Returns:
-        O: q's shape and dtype, contiguous; L: q.shape[:-1], float32. Rows that see no key: O = 0, L = +inf.
+        O: q's shape and dtype, contiguous; L: q.shape[:-1], float32. Rows that see no key: O = 0, L = +inf
+        (L = sink[h] with a sink).
 
     Raises:
         NotImplementedError: head_dim above 256; bfloat16 under the interpreter.
@@ -422,6 +443,7 @@ def kvcache_forward(
                 work,
                 counter,
                 stand_in if s.slopes is None else s.slopes,
+                stand_in if spec.sink is None else spec.sink,
                 spec.cache_seqlens,
                 stand_in if spec.cache_leftpad is None else spec.cache_leftpad,
                 stand_in if spec.cache_batch_idx is None else spec.cache_batch_idx,
@@ -455,6 +477,7 @@ def kvcache_forward(
                 WINDOW_RIGHT=s.WINDOW_RIGHT,
                 SOFTCAP=s.SOFTCAP,
                 ALIBI=s.ALIBI,
+                HAS_SINK=spec.sink is not None,
                 LEFTPAD=spec.cache_leftpad is not None,
                 BATCH_IDX=spec.cache_batch_idx is not None,
                 PAGED=paged,

@@ -184,7 +184,7 @@ def _warm_problem(dtype: torch.dtype, head_dim: int, heads: int, causal: bool, d
     q, k, v, dO, O = (torch.randn(shape, generator=g).to(device=device, dtype=dtype) for _ in range(5))
     scale = head_dim**-0.5
     L = (q.float() @ k.float().transpose(-1, -2) * scale).logsumexp(-1)
-    return Problem(q, k, v, dO, O, L, backward.launch_preprocess(O, dO), shape_spec(causal, scale))
+    return Problem(q, k, v, dO, O, L, backward.launch_preprocess(O, dO)[0], shape_spec(causal, scale))
 
 
 # Set in a worker once a kernel has broken its CUDA context: its later jobs are left to the main process.
@@ -250,7 +250,7 @@ class Bench:
             O, L = PROVIDERS["sdpa-flash"].build(self.shape(), run.device)(q, k, v)
         else:
             O, L = forward.flash_attn_forward(q, k, v, shape_spec(p.causal, scale))
-        self.prob = Problem(q, k, v, dO, O, L, backward.launch_preprocess(O, dO), shape_spec(p.causal, scale))
+        self.prob = Problem(q, k, v, dO, O, L, backward.launch_preprocess(O, dO)[0], shape_spec(p.causal, scale))
         self.sample = check.reference_sample(q, k, v, p.causal, p.seqlen * 7 + p.head_dim, dO)
         self.current = current_tiles(p)
         self.current_grads = backward.flash_attn_backward(q, k, v, O, L, dO, self.prob.spec, self.current)
