@@ -1,0 +1,88 @@
+"""``python -m fa2.bench.generate`` (issue 39's end-to-end transformers benchmark), emulated on the CPU: a tiny
+random Llama with fa2-pytorch and transformers' sdpa writes its CSVs, the run's JSON, the report and the plot,
+every one of them labelled EMULATED; fa2's greedy tokens agree with sdpa's, and the training step's packed
+loss equals its padded one. A provider that runs out of memory is recorded as skipped, with the reason, and the
+run goes on. Skipped, with the reason, where transformers or fa2-pytorch is not installed."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from fa2 import registry
+
+pytest.importorskip("transformers", reason=f"transformers is not installed: {registry.install_command('transformers')}")
+pytestmark = pytest.mark.skipif(
+    "pytorch" not in registry.installed(), reason="fa2-pytorch is not installed here (nox's pytorch session runs it)"
+)
+
+from fa2.bench import generate  # noqa: E402 - needs transformers, checked above
+
+
+def test_an_emulated_generate_run(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    generate.main(["--providers", "fa2-pytorch,sdpa", "--batches", "1,2", "--new-tokens", "8", "--out", str(tmp_path)])
+    name = "cpu-emulated-generate"
+    for suffix in (".csv", "-skipped.csv", "-run.json", ".md", ".png"):
+        assert (tmp_path / f"{name}{suffix}").is_file(), suffix
+    rows = generate.read_csv(tmp_path / f"{name}.csv")
+    measured = {(r["part"], r["provider"], r["layout"], r["batch"]) for r in rows}
+    for provider in ("fa2-pytorch", "sdpa"):
+        for layout in ("unpadded", "left-padded"):
+            assert {("generate", provider, layout, "1"), ("generate", provider, layout, "2")} <= measured
+        assert {("train", provider, "padded", "4"), ("train", provider, "packed", "1")} <= measured
+    assert {r["gpu"] for r in rows} == {"cpu (emulated, not GPU speed)"}
+    assert all(float(r["tokens_per_s"]) > 0 for r in rows if r["part"] == "generate")
+    # fp32 on the CPU: fa2's greedy tokens are sdpa's, checked at batch 1 on the unpadded prompt only.
+    agree = {(r["provider"], r["batch"], r["layout"]): r["agree"] for r in rows if r["agree"]}
+    assert agree == {("fa2-pytorch", "1", "unpadded"): str(generate.CHECK_TOKENS)}
+    losses = {(r["provider"], r["layout"]): float(r["loss"]) for r in rows if r["part"] == "train"}
+    for provider in ("fa2-pytorch", "sdpa"):
+        assert losses[provider, "packed"] == pytest.approx(losses[provider, "padded"], rel=1e-4)
+    run = json.loads((tmp_path / f"{name}-run.json").read_text())["runs"]
+    assert len(run) == 1 and run[0]["emulated"] and run[0]["model"]["num_hidden_layers"] == 2
+    md = (tmp_path / f"{name}.md").read_text()
+    assert md.startswith("# fa2 end to end in transformers: EMULATED on the CPU")
+    tables = md.count("\n|---|")
+    assert tables == 6 and md.count("**EMULATED, not GPU speed.**") == tables  # every table but the last, none
+    assert "Nothing: every point ran." in md
+    assert "wrote " in capsys.readouterr().out
+
+
+def test_out_of_memory_is_skipped_with_the_reason(tmp_path):
+    """A point that runs out of memory is recorded as skipped (any other exception as failed) and None is
+    returned, so that the run goes on."""
+    cfg = generate.Config(
+        providers=("eager",),
+        batches=(1,),
+        prompts=(8,),
+        new_tokens=2,
+        padding=("unpadded",),
+        parts=("generate",),
+        repeats=1,
+        seed=0,
+        defaults=generate.DEFAULTS[True, False],
+        device=torch.device("cpu"),
+        out_dir=tmp_path,
+        name="oom",
+        append=False,
+        command="",
+    )
+    records = generate.Records(cfg, {})
+    key = dict(part="generate", provider="eager", layout="unpadded", batch=32, prompt=8192, new_tokens=2)
+
+    def oom():
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 128.00 GiB\nmore text")
+
+    def broken():
+        raise NotImplementedError("no such path")
+
+    assert generate._attempt(records, key, cfg.device, oom) is None
+    assert generate._attempt(records, {**key, "batch": 8}, cfg.device, broken) is None
+    issues = generate.read_csv(tmp_path / "oom.partial-skipped.csv")
+    assert [(i["batch"], i["status"], i["reason"]) for i in issues] == [
+        ("32", "skipped", "out of memory: OutOfMemoryError: CUDA out of memory. Tried to allocate 128.00 GiB"),
+        ("8", "failed", "NotImplementedError: no such path"),
+    ]
