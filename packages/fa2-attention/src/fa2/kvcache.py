@@ -236,6 +236,24 @@ def varlen_paged(
     return AttentionOutput(O[0].transpose(0, 1), L[0])
 
 
+def dense_forward(forward, q, k, v, spec: AttentionSpec) -> tuple[torch.Tensor, torch.Tensor]:
+    """A dense or packed problem on (B, H, N, D) views (``fa2.attention``'s, ``fa2.varlen_attention``'s) run by
+    a backend's ``kvcache_forward``, as fa2.api routes decode shapes: dense k and v (batch, heads_k, seqlen_k,
+    head_dim) are a contiguous cache full to seqlen_k in every row; packed, (1, heads_k, total_k, head_dim) is
+    one cache row that every sequence reads (a stride-0 view over the sequences, no copy), sequence s's keys
+    [cu_seqlens_k[s], cu_seqlens_k[s + 1]) its cache_leftpad and cache_seqlens. The masks and ALiBi, aligned
+    on each row's K_b, then fall where the dense kernels put them: K_b - Nq_b is the same shift from a
+    sequence's first key. Offsets that decrease give an empty sequence, as in the dense kernels."""
+    if spec.varlen:
+        num_seqs = spec.cu_seqlens_q.numel() - 1
+        k, v = (t.expand(num_seqs, *t.shape[1:]) for t in (k, v))
+        seqlens, leftpad = spec.cu_seqlens_k[1:], spec.cu_seqlens_k[:-1]
+    else:
+        seqlens = torch.full((q.shape[0],), k.shape[2], dtype=torch.int32, device=q.device)
+        leftpad = None
+    return forward(q, k, v, dataclasses.replace(spec, cache_seqlens=seqlens, cache_leftpad=leftpad))
+
+
 def run(q, k_cache, v_cache, spec: AttentionSpec, backend: str | None) -> tuple[torch.Tensor, torch.Tensor]:
     """The backend's kvcache_forward on validated inputs; O without a gradient path (``_NoBackward``)."""
     impl = registry.load(backend if backend is not None else registry.default_backend(q.device))
