@@ -213,6 +213,9 @@ def varlen_attention(
     Raises:
         ValueError / TypeError: as fa2.attention, and for offsets of the wrong dtype, rank, device, length
             or totals, and max_seqlen that is not a non-negative int.
+        fa2.kvcache.CacheRangeError (ValueError and RuntimeError): with block_table, a sequence with more
+            keys (cu_seqlens_k's steps) than block_table addresses (pages_per_seq · page_size); its message
+            names block_table.
     """
     if block_table is not None:
         return kvcache.varlen_paged(
