@@ -37,7 +37,8 @@ __all__ = ["MAX_HEAD_DIM", "AttentionOutput", "attention", "decodes", "make_spec
 # wanted: the dense grid has one program per (query tile, batch, head), batch · heads programs that leave
 # most of a GPU idle and each read their key/value head again, while the split-KV grid splits the keys over
 # the GPU and reads each key/value head once for its whole group. The GPU backends only: fa2-pytorch's
-# KV-cache path is a loop over rows, no faster than its dense one.
+# KV-cache path did not measurably beat its dense one on the CPU (issue 39, at e0ed649 on a shared 2-core
+# machine: faster at some decode shapes, slower at others, 8 × 2k keys 27× slower).
 DECODE_BACKENDS = ("triton", "numba-cuda")
 # The shape rule (``decodes``): seqlen_q <= DECODE_MAX_SEQLEN_Q and seqlen_k >= DECODE_MIN_KEYS_PER_QUERY ·
 # seqlen_q. Issue 39's first guess, to be set from the H200's dense and routed times (python -m
