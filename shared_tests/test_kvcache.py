@@ -22,8 +22,9 @@ import pytest
 import torch
 
 import fa2
-from checks import max_err, tolerances
+from checks import assert_matches_reference, max_err, tolerances
 from fa2 import reference, registry
+from fa2.flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
 from fa2.spec import AttentionSpec
 from test_conformance import DTYPES, require_runnable, simulated_subset
 
@@ -580,7 +581,12 @@ BAD_INPUTS = [
         "must be within",
         id="seqlens-past-capacity",
     ),
-    pytest.param(_bad(cache_seqlens=40), ValueError, "within the cache's capacity", id="int-seqlens-past-capacity"),
+    pytest.param(
+        _bad(cache_seqlens=40),
+        ValueError,
+        r"must be within \[0, 40\], the cache's capacity",
+        id="int-seqlens-past-capacity",
+    ),
     pytest.param(
         _bad(cache_seqlens=torch.tensor([-1, 3], dtype=torch.int32)),
         ValueError,
@@ -675,3 +681,80 @@ def test_no_backward_through_a_kvcache(backend, status, device):
     O, _ = fa2.kvcache_attention(q, **args, backend=backend)
     with pytest.raises(NotImplementedError, match="no backward through a KV cache"):
         O.sum().backward()
+
+
+PAGE = 16
+
+
+def _past_the_block_table(entry, device, new_key):
+    """A call of ``entry`` on a paged cache of 4 pages of PAGE keys, q of one token, whose one row's block
+    table addresses one page: PAGE + 1 cached keys, or PAGE and one new key (``new_key``), one past what it
+    addresses (flash-attn's test_flash_attn_kvcache_paged_block_table_bounds; every page id is valid). An
+    entry ending in "int": cache_seqlens as an int."""
+    g = torch.Generator().manual_seed(3)
+    q, k_new = (torch.randn(1, 1, 1, 16, generator=g).to(device) for _ in range(2))
+    k_pages, v_pages = (torch.randn(4, PAGE, 1, 16, generator=g).to(device) for _ in range(2))  # flash-attn's layout
+    table = torch.zeros(1, 1, dtype=torch.int32, device=device)
+    lens = torch.tensor([PAGE if new_key else PAGE + 1], dtype=torch.int32, device=device)
+    new = dict(k=k_new, v=k_new.clone()) if new_key else {}
+    if entry == "kvcache_attention":
+        new = {name: t.transpose(1, 2) for name, t in new.items()}
+        return lambda backend: fa2.kvcache_attention(
+            q.transpose(1, 2),
+            k_pages.transpose(1, 2),
+            v_pages.transpose(1, 2),
+            lens,
+            block_table=table,
+            **new,
+            backend=backend,
+        )
+    if entry.startswith("flash_attn_with_kvcache"):
+        seqlens = int(lens) if entry.endswith("int") else lens
+        return lambda backend: flash_attn_with_kvcache(
+            q, k_pages, v_pages, cache_seqlens=seqlens, block_table=table, **new, backend=backend
+        )
+    cu_q = torch.tensor([0, 1], dtype=torch.int32, device=device)
+    cu_k = torch.cat([cu_q[:1], lens])
+    if entry == "varlen_attention":
+        return lambda backend: fa2.varlen_attention(
+            q[0], k_pages, v_pages, cu_q, cu_k, 1, PAGE + 1, block_table=table, backend=backend
+        )
+    return lambda backend: flash_attn_varlen_func(
+        q[0], k_pages, v_pages, cu_q, cu_k, 1, PAGE + 1, block_table=table, backend=backend
+    )
+
+
+@pytest.mark.parametrize(
+    "entry, new_key",
+    [
+        pytest.param("kvcache_attention", False, id="kvcache_attention"),
+        pytest.param("kvcache_attention", True, id="kvcache_attention-new-key"),
+        pytest.param("flash_attn_with_kvcache", False, id="flash_attn_with_kvcache"),
+        pytest.param("flash_attn_with_kvcache", True, id="flash_attn_with_kvcache-new-key"),
+        pytest.param("flash_attn_with_kvcache-int", False, id="flash_attn_with_kvcache-int-seqlens"),
+        pytest.param("varlen_attention", False, id="varlen_attention"),
+        pytest.param("flash_attn_varlen_func", False, id="flash_attn_varlen_func"),
+    ],
+)
+def test_keys_past_the_block_table_raise_a_runtime_error_naming_it(backend, device, entry, new_key):
+    """Refused before any kernel runs, on every backend: a RuntimeError (flash-attn's contract) that is also
+    the ValueError of fa2's other range checks, its message naming block_table."""
+    call = _past_the_block_table(entry, device, new_key)
+    with pytest.raises(RuntimeError, match="block_table") as raised:
+        call(backend)
+    assert isinstance(raised.value, ValueError)
+
+
+def test_keys_up_to_what_the_block_table_addresses_are_attended(backend, status, device):
+    """flash-attn's positive control: exactly the PAGE keys the block table addresses run."""
+    require_runnable(backend, status, device, torch.float32, (1, 1, 1, PAGE, 16))
+    g = torch.Generator().manual_seed(4)
+    q = torch.randn(1, 1, 1, 16, generator=g).to(device)
+    k_pages, v_pages = (torch.randn(4, PAGE, 1, 16, generator=g).to(device) for _ in range(2))
+    lens = torch.full((1,), PAGE, dtype=torch.int32, device=device)
+    table = torch.full((1, 1), 2, dtype=torch.int32, device=device)
+    out, lse = flash_attn_with_kvcache(
+        q, k_pages, v_pages, cache_seqlens=lens, block_table=table, return_softmax_lse=True, backend=backend
+    )
+    k, v = (t[2:3].transpose(1, 2) for t in (k_pages, v_pages))
+    assert_matches_reference(out.transpose(1, 2), lse, q.transpose(1, 2), k, v, False)

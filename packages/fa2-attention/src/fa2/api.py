@@ -30,7 +30,21 @@ from fa2.validation import (
 )
 
 # MAX_HEAD_DIM and make_spec live in fa2.validation, AttentionOutput in fa2.spec; fa2.api names them too.
-__all__ = ["MAX_HEAD_DIM", "AttentionOutput", "attention", "make_spec", "varlen_attention"]
+__all__ = ["MAX_HEAD_DIM", "AttentionOutput", "attention", "decodes", "make_spec", "varlen_attention"]
+
+# Decode shapes, few queries against many keys (a generate step; speculative decoding's few draft tokens),
+# run by the backend's split-KV KV-cache kernels (``kvcache_forward``, ``fa2.kvcache``) when no gradient is
+# wanted: the dense grid has one program per (query tile, batch, head), batch · heads programs that leave
+# most of a GPU idle and each read their key/value head again, while the split-KV grid splits the keys over
+# the GPU and reads each key/value head once for its whole group. The GPU backends only: fa2-pytorch's
+# KV-cache path did not measurably beat its dense one on the CPU (issue 39, at e0ed649 on a shared 2-core
+# machine: faster at some decode shapes, slower at others, 8 × 2k keys 27× slower).
+DECODE_BACKENDS = ("triton", "numba-cuda")
+# The shape rule (``decodes``): seqlen_q <= DECODE_MAX_SEQLEN_Q and seqlen_k >= DECODE_MIN_KEYS_PER_QUERY ·
+# seqlen_q. Issue 39's first guess, to be set from the H200's dense and routed times (python -m
+# fa2.bench.routing).
+DECODE_MAX_SEQLEN_Q = 16
+DECODE_MIN_KEYS_PER_QUERY = 8
 
 
 def attention(
@@ -94,6 +108,15 @@ def attention(
             key) gets O = 0 and L = +inf.
             +inf, not the -inf of an empty logsumexp, so that the backward's P = exp(S - L) is exactly 0
             on such rows instead of NaN (FlashAttention-2's convention).
+
+    Decode shapes:
+        1 <= seqlen_q <= DECODE_MAX_SEQLEN_Q (16) and seqlen_k >= DECODE_MIN_KEYS_PER_QUERY (8) · seqlen_q,
+        on a backend of DECODE_BACKENDS (triton, numba-cuda), with no gradient wanted (grad mode off, or no
+        input that requires grad) and outside torch.compile: the backend's split-KV KV-cache kernels run the
+        call (``fa2.kvcache_attention``'s, k and v read in place as a cache full to seqlen_k in every row),
+        every option above included, instead of the dense kernel, whose batch · heads query tiles leave most
+        of a GPU idle there. The same O and L, within the dense kernel's tolerances. Otherwise, and always
+        under torch.compile or when a gradient is wanted, the dense kernel.
 
     Empty inputs:
         seqlen_q = 0, or any leading dim 0: O and L are empty; in the backward dk = dv = 0.
@@ -167,6 +190,12 @@ def varlen_attention(
             sequence; fa2-triton runs the whole batch in one launch of each kernel, the offsets read on the
             device; a backend without a packed path raises NotImplementedError.
 
+    Decode shapes: as fa2.attention's, on max_seqlen_q and max_seqlen_k (1 <= max_seqlen_q <= 16, max_seqlen_k
+    >= 8 · max_seqlen_q, triton or numba-cuda, no gradient wanted, not under torch.compile): the backend's
+    KV-cache kernels run the call, the packed k and v read in place as one cache row that every sequence
+    shares, sequence s's keys [cu_seqlens_k[s], cu_seqlens_k[s + 1]) of it (its cache_leftpad and
+    cache_seqlens).
+
     Returns:
         AttentionOutput(O, L): O (total_q, heads, head_dim), q's dtype (a view of a (heads, total_q,
         head_dim) tensor); L (heads, total_q), float32, flash-attn's varlen logsumexp layout. Rows that see
@@ -185,6 +214,9 @@ def varlen_attention(
     Raises:
         ValueError / TypeError: as fa2.attention, and for offsets of the wrong dtype, rank, device, length
             or totals, and max_seqlen that is not a non-negative int.
+        fa2.kvcache.CacheRangeError (ValueError and RuntimeError): with block_table, a sequence with more
+            keys (cu_seqlens_k's steps) than block_table addresses (pages_per_seq · page_size); its message
+            names block_table.
     """
     if block_table is not None:
         return kvcache.varlen_paged(
@@ -228,9 +260,27 @@ def varlen_attention(
 
 def _dispatch(q, k, v, spec: AttentionSpec, backend: str | None) -> tuple[torch.Tensor, torch.Tensor]:
     if torch.compiler.is_compiling():
+        # Never routed to the KV-cache kernels: kvcache_forward has no custom op, and traced it would
+        # specialise on seqlen_k (its launch plan is cached per capacity), a recompilation per decode step.
         op = ops.forward_op(backend, q.device)
         return forward_any_rank(lambda *a: ops.call_forward(op, *a), q, k, v, spec)
     impl = registry.load(backend if backend is not None else registry.default_backend(q.device))
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         return impl.FlashAttention2.apply(q, k, v, spec.causal, spec.scale, True, spec)
+    if decodes(impl.NAME, q, k, spec):
+        return forward_any_rank(lambda *a: kvcache.dense_forward(impl.kvcache_forward, *a), q, k, v, spec)
     return forward_any_rank(impl.flash_attn_forward, q, k, v, spec)
+
+
+def decodes(backend: str, q: torch.Tensor, k: torch.Tensor, spec: AttentionSpec) -> bool:
+    """Whether fa2.attention / fa2.varlen_attention run this forward by ``backend``'s KV-cache kernels (see
+    DECODE_BACKENDS): a backend of DECODE_BACKENDS, at most DECODE_MAX_SEQLEN_Q queries (packed: max_seqlen_q),
+    at least one, and at least DECODE_MIN_KEYS_PER_QUERY times as many keys (packed: max_seqlen_k). Asked only
+    when no gradient is wanted and outside torch.compile."""
+    seqlen_q, seqlen_k = (spec.max_seqlen_q, spec.max_seqlen_k) if spec.varlen else (q.shape[-2], k.shape[-2])
+    return (
+        backend in DECODE_BACKENDS
+        and 1 <= seqlen_q <= DECODE_MAX_SEQLEN_Q
+        and seqlen_k >= DECODE_MIN_KEYS_PER_QUERY * seqlen_q
+        and spec.sink is None  # the KV-cache kernels have no attention sink
+    )

@@ -40,7 +40,14 @@ from fa2.validation import (
     make_spec,
 )
 
-__all__ = ["kvcache_attention"]
+__all__ = ["CacheRangeError", "kvcache_attention"]
+
+
+class CacheRangeError(ValueError, RuntimeError):
+    """Key counts outside what a KV cache holds: cache_seqlens + seqlen_new (or a packed batch's cu_seqlens_k
+    steps) below 0 or past the capacity, which for a paged cache is what its block_table addresses. A
+    ValueError, as fa2's other range checks; a RuntimeError too, as flash-attn's (its
+    test_flash_attn_kvcache_paged_block_table_bounds expects one whose message names block_table)."""
 
 
 def kvcache_attention(
@@ -119,6 +126,9 @@ def kvcache_attention(
         ValueError / TypeError: as fa2.attention; caches of the wrong rank, shape, dtype or device; index
             tensors of the wrong dtype, shape or device, or out of range (above); k without v or without
             cache_seqlens; rotary without k, or of the wrong shape; block_table with cache_batch_idx.
+        CacheRangeError (ValueError and RuntimeError): cache_seqlens + seqlen_new below 0 or past the
+            capacity; for a paged cache the message names block_table, whose pages_per_seq · page_size keys
+            are all a row can address (flash-attn raises RuntimeError there).
         NotImplementedError: the backend has no KV-cache path, or cannot run this input.
     """
     batch, heads, seqlen_q, head_dim = _check_caches(q, k_cache, v_cache, block_table)
@@ -126,7 +136,7 @@ def kvcache_attention(
     capacity = block_table.shape[1] * k_cache.shape[2] if paged else k_cache.shape[2]
     seqlen_new = _check_new(q, k_cache, k, v)
     check_causal(causal)
-    seqlens = _cache_seqlens(cache_seqlens, batch, capacity, seqlen_new, q.device)
+    seqlens = _cache_seqlens(cache_seqlens, batch, capacity, seqlen_new, q.device, block_table)
     for name, t, size in (("cache_batch_idx", cache_batch_idx, batch), ("cache_leftpad", cache_leftpad, batch)):
         check_index(name, t, (size,), q.device)
     if paged and cache_batch_idx is not None:
@@ -236,6 +246,24 @@ def varlen_paged(
     return AttentionOutput(O[0].transpose(0, 1), L[0])
 
 
+def dense_forward(forward, q, k, v, spec: AttentionSpec) -> tuple[torch.Tensor, torch.Tensor]:
+    """A dense or packed problem on (B, H, N, D) views (``fa2.attention``'s, ``fa2.varlen_attention``'s) run by
+    a backend's ``kvcache_forward``, as fa2.api routes decode shapes: dense k and v (batch, heads_k, seqlen_k,
+    head_dim) are a contiguous cache full to seqlen_k in every row; packed, (1, heads_k, total_k, head_dim) is
+    one cache row that every sequence reads (a stride-0 view over the sequences, no copy), sequence s's keys
+    [cu_seqlens_k[s], cu_seqlens_k[s + 1]) its cache_leftpad and cache_seqlens. The masks and ALiBi, aligned
+    on each row's K_b, then fall where the dense kernels put them: K_b - Nq_b is the same shift from a
+    sequence's first key. Offsets that decrease give an empty sequence, as in the dense kernels."""
+    if spec.varlen:
+        num_seqs = spec.cu_seqlens_q.numel() - 1
+        k, v = (t.expand(num_seqs, *t.shape[1:]) for t in (k, v))
+        seqlens, leftpad = spec.cu_seqlens_k[1:], spec.cu_seqlens_k[:-1]
+    else:
+        seqlens = torch.full((q.shape[0],), k.shape[2], dtype=torch.int32, device=q.device)
+        leftpad = None
+    return forward(q, k, v, dataclasses.replace(spec, cache_seqlens=seqlens, cache_leftpad=leftpad))
+
+
 def run(q, k_cache, v_cache, spec: AttentionSpec, backend: str | None) -> tuple[torch.Tensor, torch.Tensor]:
     """The backend's kvcache_forward on validated inputs; O without a gradient path (``_NoBackward``)."""
     impl = registry.load(backend if backend is not None else registry.default_backend(q.device))
@@ -328,7 +356,7 @@ def _check_new(q, k_cache, k, v) -> int:
     return k.shape[2]
 
 
-def _cache_seqlens(cache_seqlens, batch: int, capacity: int, seqlen_new: int, device) -> torch.Tensor:
+def _cache_seqlens(cache_seqlens, batch: int, capacity: int, seqlen_new: int, device, block_table) -> torch.Tensor:
     """(batch,) int32 on device: the keys in each row's cache before the append (the caller's tensor as it
     is: no conversion kernel in a decode step)."""
     if cache_seqlens is None:
@@ -342,8 +370,8 @@ def _cache_seqlens(cache_seqlens, batch: int, capacity: int, seqlen_new: int, de
         raise TypeError(f"cache_seqlens must be an int or an int32 tensor, got {type(cache_seqlens).__name__}")
     n = int(cache_seqlens)
     if not 0 <= n <= capacity - seqlen_new:
-        raise ValueError(
-            f"cache_seqlens {n} + seqlen_new {seqlen_new} must be within the cache's capacity {capacity} (and >= 0)"
+        raise CacheRangeError(
+            f"cache_seqlens {n} + seqlen_new {seqlen_new} must be within [0, {capacity}], {_capacity(block_table)}"
         )
     return torch.full((batch,), n, dtype=torch.int32, device=device)
 
@@ -413,6 +441,13 @@ def _append(k_cache, v_cache, k, v, seqlens: torch.Tensor, block_table, cache_ba
     v_cache[rows, :, slots] = v.transpose(1, 2)
 
 
+def _capacity(block_table) -> str:
+    """What a cache's capacity is, for CacheRangeError's message."""
+    if block_table is None:
+        return "the cache's capacity (seqlen_cache)"
+    return f"what block_table addresses (its {block_table.shape[1]} pages a row · page_size)"
+
+
 def _capturing(q: torch.Tensor) -> bool:
     return q.is_cuda and torch.cuda.is_current_stream_capturing()
 
@@ -461,10 +496,9 @@ def _check_ranges(
     ).tolist()
     min_len, min_page, min_row, min_pad, min_room, max_total, max_page, max_row = low
     if min_len < 0 or max_total > capacity:
-        raise ValueError(
+        raise CacheRangeError(
             f"the key counts (cache_seqlens + seqlen_new {seqlen_new}, or cu_seqlens_k's steps) must be within "
-            f"[0, {capacity}], the cache's capacity "
-            f"(seqlen_cache, or pages_per_seq · page_size), got {min_len} ... {max_total}"
+            f"[0, {capacity}], {_capacity(block_table)}, got {min_len} ... {max_total}"
         )
     if block_table is not None and (min_page < 0 or max_page >= num_rows):
         raise ValueError(
