@@ -237,22 +237,23 @@ def check_alibi(slopes, q: torch.Tensor) -> torch.Tensor:
     return slopes.expand(q.shape[:-2]).reshape(batch, heads)
 
 
-def check_sink(sink, q: torch.Tensor) -> torch.Tensor:
+def check_sink(sink, q: torch.Tensor, arg: str = "sink") -> torch.Tensor:
     """Attention sinks: a float32 tensor of shape (heads,) (q's dim -3) on q's device, returned contiguous
-    (a copy only where it is not, through which a gradient still flows)."""
+    (a copy only where it is not, through which a gradient still flows). ``arg``: the argument's name in the
+    messages (fa2.flash_attn's learnable_sink)."""
     if not isinstance(sink, torch.Tensor):
-        raise TypeError(f"sink must be a float32 torch.Tensor of shape (heads,), got {type(sink).__name__}")
+        raise TypeError(f"{arg} must be a float32 torch.Tensor of shape (heads,), got {type(sink).__name__}")
     if sink.dtype != torch.float32:
-        raise TypeError(f"sink must be float32 (one logit per head), got {sink.dtype}")
+        raise TypeError(f"{arg} must be float32 (one logit per head), got {sink.dtype}")
     if q.dim() < 3:
-        raise ValueError(f"sink needs q with a heads dim (rank >= 3), got q {tuple(q.shape)}")
+        raise ValueError(f"{arg} needs q with a heads dim (rank >= 3), got q {tuple(q.shape)}")
     if tuple(sink.shape) != (q.shape[-3],):
         raise ValueError(
-            f"sink must have shape (heads,) = ({q.shape[-3]},), one logit per query head, got {tuple(sink.shape)} "
-            f"for q {tuple(q.shape)}"
+            f"{arg} must have shape (heads,) = ({q.shape[-3]},), one logit per query head, got "
+            f"{tuple(sink.shape)} for q {tuple(q.shape)}"
         )
     if sink.device != q.device:
-        raise ValueError(f"sink must be on q's device {q.device}, got {sink.device}")
+        raise ValueError(f"{arg} must be on q's device {q.device}, got {sink.device}")
     return sink.contiguous()
 
 
