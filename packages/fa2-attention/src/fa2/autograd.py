@@ -41,8 +41,9 @@ def make_flash_attention2(
                 spec = dataclasses.replace(spec, sink=sink)
             O, L = forward_any_rank(flash_attn_forward, q, k, v, spec)
             # The sink is saved as a tensor, not inside ctx.spec, so that an in-place change before the backward
-            # (an optimizer step) raises instead of giving a wrong gradient.
-            ctx.save_for_backward(q, k, v, O, L, spec.sink)
+            # (an optimizer step) raises instead of giving a wrong gradient; without one, the saved tensors
+            # are the CS336 contract's (q, k, v, O, L).
+            ctx.save_for_backward(q, k, v, O, L, *(() if spec.sink is None else (spec.sink,)))
             ctx.spec = dataclasses.replace(spec, sink=None)
             if return_lse:
                 ctx.mark_non_differentiable(L)
@@ -51,8 +52,8 @@ def make_flash_attention2(
 
         @staticmethod
         def backward(ctx, dO, *unused):
-            q, k, v, O, L, sink = ctx.saved_tensors
-            spec = ctx.spec if sink is None else dataclasses.replace(ctx.spec, sink=sink)
+            q, k, v, O, L, *sink = ctx.saved_tensors
+            spec = dataclasses.replace(ctx.spec, sink=sink[0]) if sink else ctx.spec
             dq, dk, dv, *dsink = backward_any_rank(flash_attn_backward, q, k, v, O, L, dO, spec)
             dsink = dsink[0] if dsink and ctx.needs_input_grad[7] else None
             return dq, dk, dv, None, None, None, None, dsink
