@@ -12,7 +12,6 @@ fa2-pytorch, torch.compile), stubs record which path ran, without running a kern
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 
 import pytest
@@ -231,12 +230,20 @@ def test_which_path_a_packed_call_takes(backend, lens_q, lens_k, routes, monkeyp
     assert paths.taken == ["kvcache" if routes and backend in api.DECODE_BACKENDS else "dense"]
 
 
-def test_an_attention_sink_keeps_the_dense_path():
-    """The KV-cache kernels have no sink: a spec with one is never routed."""
-    q, k = torch.randn(1, 2, 1, 16), torch.randn(1, 2, 64, 16)
-    spec = api.make_spec(q, k, False, None)
-    assert api.decodes("triton", q, k, spec)
-    assert not api.decodes("triton", q, k, dataclasses.replace(spec, sink=torch.zeros(2)))
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decode_shapes_with_a_sink_match_the_reference(backend, status, device, dtype, monkeypatch):
+    """An attention sink rides along: the KV-cache kernels add it (once, in the merge, when split), GQA 4/2,
+    causal, 2 queries against 37 keys, one row's queries seeing no key past a window (O = 0, L = sink)."""
+    _routed(backend)
+    simulated_subset(backend, status, dtype == torch.float16, "fp16 (the tensor-core KV-cache kernel)")
+    require_runnable(backend, status, device, dtype, (2, 4, 2, 37, 16))
+    g = torch.Generator().manual_seed(37)
+    q, k, v = (torch.randn(2, heads, n, 16, generator=g).to(device, dtype) for heads, n in ((4, 2), (2, 37), (2, 37)))
+    sink = torch.randn(4, generator=g).to(device)
+    spy = _Spy(monkeypatch, backend)
+    O, L = fa2.attention(q, k, v, causal=True, sink=sink, backend=backend)
+    assert spy.calls == 1, f"kvcache_forward ran {spy.calls} times, want once"
+    assert_matches_reference(O, L, q, k, v, True, sink=sink)
 
 
 def test_torch_compile_keeps_the_dense_op(backend, status, device, monkeypatch):

@@ -33,6 +33,7 @@ from checks import assert_matches_reference, max_err, random_qkv, tolerances
 from fa2.distributed import ring_attention, shard, unshard
 from test_conformance import CAUSAL, DTYPES, EMULATOR_GAPS, require_runnable
 from test_gradients import assert_grads_match, grad_tolerances
+from test_sinks import assert_dsink_matches
 
 WORLDS = [pytest.param(1, id="world1"), pytest.param(2, id="world2"), pytest.param(3, id="world3")]
 LAYOUTS = [pytest.param("contiguous", id="contiguous"), pytest.param("zigzag", id="zigzag")]
@@ -160,6 +161,13 @@ def _inputs(case: Case, world: int, device):
 # A ring on a subgroup of the 3-process world: global ranks 1 and 2 (ring ranks 0 and 1), rank 0 outside.
 SUBGROUP = (1, 2)
 SUBGROUP_CASE = Case(Shape(1, 2, 1, 16, 16), torch.float32, True, "zigzag")
+# A ring with attention sinks, on the 2-process world: the blocks attended without the sink, the sink once in
+# the final merge; dsink each rank's rows' share (summed over the ranks here).
+SINK_CASE = Case(Shape(1, 4, 2, 14, 16), torch.float32, True, "zigzag")
+
+
+def _sink(heads: int) -> torch.Tensor:
+    return torch.linspace(-0.5, 2.5, heads)
 
 
 class Bad(NamedTuple):
@@ -177,6 +185,7 @@ BAD = [
     Bad("causal-differs", "causal True"),
     Bad("odd-zigzag-shard", "its length must be even"),
     Bad("refused-on-one-rank", "refused: ValueError: q, k and v must have the same head_dim"),
+    Bad("sink-on-one-rank", "sink yes"),
 ]
 
 
@@ -199,15 +208,24 @@ def _bad_input(name: str, rank: int, world: int):
         kwargs["layout"] = "zigzag"
     elif name == "refused-on-one-rank" and last:
         v = v[..., :8]
+    elif name == "sink-on-one-rank" and last:
+        kwargs["sink"] = torch.zeros(2)
     return q, k, v, kwargs
 
 
-def _run_case(case: Case, rank: int, world: int, device, backend: str, group=None) -> dict[str, torch.Tensor]:
+def _run_case(
+    case: Case, rank: int, world: int, device, backend: str, group=None, sink=False
+) -> dict[str, torch.Tensor]:
     q, k, v, dO = _inputs(case, world, device)
     qs, ks, vs = (shard(t, rank, world, layout=case.layout).requires_grad_() for t in (q, k, v))
-    O, L = ring_attention(qs, ks, vs, causal=case.causal, group=group, backend=backend, layout=case.layout)
-    dq, dk, dv = torch.autograd.grad(O, (qs, ks, vs), shard(dO, rank, world, layout=case.layout))
-    return {name: t.detach().cpu() for name, t in zip(("O", "L", "dq", "dk", "dv"), (O, L, dq, dk, dv))}
+    inputs, names = (qs, ks, vs), ("O", "L", "dq", "dk", "dv")
+    kwargs = dict(causal=case.causal, group=group, backend=backend, layout=case.layout)
+    if sink:
+        kwargs["sink"] = _sink(case.shape.heads).to(device).requires_grad_()
+        inputs, names = (*inputs, kwargs["sink"]), (*names, "dsink")
+    O, L = ring_attention(qs, ks, vs, **kwargs)
+    grads = torch.autograd.grad(O, inputs, shard(dO, rank, world, layout=case.layout))
+    return {name: t.detach().cpu() for name, t in zip(names, (O, L, *grads))}
 
 
 def _poison_empty() -> None:
@@ -257,6 +275,8 @@ def _worker(job_dir: Path, rank: int) -> None:
         out["subgroup"] = _attempt(
             _run_case, SUBGROUP_CASE, SUBGROUP.index(rank), len(SUBGROUP), device, backend, subgroup
         )
+    if job["sink"]:
+        out["sink"] = _attempt(_run_case, SINK_CASE, rank, world, device, backend, None, True)
     torch.save(out, job_dir / f"rank{rank}.pt")
     dist.destroy_process_group()
 
@@ -280,6 +300,7 @@ def _launch(job_dir: Path, backend: str, status: str, device, world: int) -> lis
             "dist_backend": dist_backend,
             "cases": _cases(backend, status, device, world),
             "subgroup": subgroup,
+            "sink": world == 2 and _skip_reason(backend, status, device, world, SINK_CASE) is None,
         },
         job_dir / "job.pt",
     )
@@ -400,6 +421,25 @@ def test_ring_on_a_subgroup(backend, status, device, tmp_path_factory):
     results = _results(backend, status, device, 3, tmp_path_factory)
     got = _gather([results[r] for r in SUBGROUP], "subgroup", SUBGROUP_CASE.layout)
     _assert_matches(got, SUBGROUP_CASE, len(SUBGROUP), backend, device)
+
+
+def test_ring_with_a_sink(backend, status, device, tmp_path_factory):
+    """The sink counted once per row, not once per block: O, L, dq, dk, dv against the reference with the
+    sink, and the ranks' dsink shares summed against its gradient."""
+    reason = _skip_reason(backend, status, device, 2, SINK_CASE)
+    if reason is not None:
+        pytest.skip(reason)
+    results = _results(backend, status, device, 2, tmp_path_factory)
+    for rank, result in enumerate(results):
+        if isinstance(result["sink"], str):
+            pytest.fail(f"rank {rank} raised {result['sink']}")
+    dsink = sum(result["sink"].pop("dsink") for result in results)
+    got = _gather(results, "sink", SINK_CASE.layout)
+    q, k, v, dO = _inputs(SINK_CASE, 2, torch.device("cpu"))
+    sink = _sink(SINK_CASE.shape.heads)
+    assert_matches_reference(got["O"], got["L"], q, k, v, True, sink=sink)
+    assert_grads_match(got["dq"], got["dk"], got["dv"], q, k, v, dO, True, sink=sink)
+    assert_dsink_matches(dsink, q, k, v, dO, True, sink)
 
 
 @pytest.mark.parametrize("bad", [pytest.param(b, id=b.name) for b in BAD])

@@ -61,21 +61,22 @@ FLASH_ATTN_SIGNATURES = {
 
 @pytest.mark.parametrize("func", list(FLASH_ATTN_SIGNATURES), ids=lambda f: f.__name__)
 def test_signatures_are_flash_attns(func):
-    """flash-attn's positional-or-keyword parameters in its order with its defaults, then fa2's
-    keyword-only backend=None."""
+    """flash-attn's positional-or-keyword parameters in its order with its defaults, then flash-attn 4's
+    learnable_sink=None and fa2's backend=None, keyword-only."""
     params = list(inspect.signature(func).parameters.values())
     inputs, extra = FLASH_ATTN_SIGNATURES[func]
     want = [(name, inspect.Parameter.empty) for name in inputs] + _OPTIONS + extra
     got = [(p.name, p.default) for p in params if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD]
     assert got == want
     assert [(p.name, p.default, p.kind) for p in params[len(want) :]] == [
-        ("backend", None, inspect.Parameter.KEYWORD_ONLY)
+        ("learnable_sink", None, inspect.Parameter.KEYWORD_ONLY),
+        ("backend", None, inspect.Parameter.KEYWORD_ONLY),
     ]
 
 
 def test_kvcache_signature_is_flash_attns():
     """flash_attn_with_kvcache's parameters in flash-attn 2.8.3's order with its defaults (rotary
-    interleaved by default), then the keyword-only backend=None."""
+    interleaved by default), then the keyword-only learnable_sink=None and backend=None."""
     params = list(inspect.signature(flash_attn_with_kvcache).parameters.values())
     want = [
         ("q", inspect.Parameter.empty),
@@ -100,7 +101,8 @@ def test_kvcache_signature_is_flash_attns():
     ]
     assert [(p.name, p.default) for p in params if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD] == want
     assert [(p.name, p.default, p.kind) for p in params[len(want) :]] == [
-        ("backend", None, inspect.Parameter.KEYWORD_ONLY)
+        ("learnable_sink", None, inspect.Parameter.KEYWORD_ONLY),
+        ("backend", None, inspect.Parameter.KEYWORD_ONLY),
     ]
 
 

@@ -199,7 +199,8 @@ def _make(case, causal, dtype, device, seed):
 def assert_matches_kvcache_reference(O, L, q, k_cache, v_cache, spec):
     """O: q's shape and dtype, L: q.shape[:-1] float32, against ``fa2.reference.kvcache_attention``: rows that
     see no key exactly O = 0, L = +inf; the others within checks.tolerances of row b's own dense problem (its
-    queries against its keys [leftpad_b, K_b), ``reference.kvcache_rows``)."""
+    queries against its keys [leftpad_b, K_b), ``reference.kvcache_rows``). With ``spec.sink`` every row is
+    the last kind (a row that sees no key has L = sink[h])."""
     assert O.shape == q.shape, f"O shape {tuple(O.shape)} != q shape {tuple(q.shape)}"
     assert O.dtype == q.dtype, f"O dtype {O.dtype} != q dtype {q.dtype}"
     assert O.device == q.device, f"O on {O.device}, q on {q.device}"
@@ -220,7 +221,12 @@ def assert_matches_kvcache_reference(O, L, q, k_cache, v_cache, spec):
         q_b, seen = q[at], ~empty[at]
         if not seen.any():
             continue
-        features = dict(window=spec.window, softcap=spec.softcap, alibi_slopes=None if slopes is None else slopes[None])
+        features = dict(
+            window=spec.window,
+            softcap=spec.softcap,
+            alibi_slopes=None if slopes is None else slopes[None],
+            sink=spec.sink,
+        )
         tol_O, tol_L = tolerances(q_b, k_b[None], v_b[None], False, spec.scale, ref=(O_ref[at], L_ref[at]), **features)
         err_O = max_err(O[at], O_ref[at])
         err_L = max_err(L[at][seen], L_ref[at][seen])

@@ -57,6 +57,7 @@ def attention(
     window: tuple[int, int] = (-1, -1),
     softcap: float = 0.0,
     alibi_slopes: torch.Tensor | None = None,
+    sink: torch.Tensor | None = None,
     backend: str | None = None,
 ) -> AttentionOutput:
     """FlashAttention-2 forward: softmax(mask(bias(cap(q kᵀ · scale)))) v, and its logsumexp.
@@ -96,6 +97,15 @@ def attention(
             (batch, heads)): adds -slope · |i + Nk - Nq - j| to the (capped) scores of each head, as
             flash-attn (which, under causal, adds slope · j instead: the same softmax and O, an L shifted
             per row). No gradient flows to the slopes. Needs q of rank 3 or more (a heads dim).
+        sink: None, or float32 (heads,) on q's device: attention sinks (gpt-oss), a learned logit per query
+            head that joins every row's softmax denominator as one more score with no value behind it:
+
+                O_i = Σ_j exp(s_ij - L_i) v_j,   L_i = log(exp(sink[h]) + Σ_j exp(s_ij))
+
+            (s: the final scores above). A row's weights then sum to less than 1: the head can attend to
+            nothing. The L returned includes the sink, and a row that sees no key gets O = 0 and L = sink[h]
+            (not +inf). Differentiable: dsink[h] = -Σ_i exp(sink[h] - L_i) · rowsum(dO_i ∘ O_i), summed over
+            every leading index and row of head h. Needs q of rank 3 or more (a heads dim).
         backend: "pytorch", "triton", "numba-cuda" or None. None picks, for CUDA tensors, the fastest
             installed backend that runs natively on CUDA (triton, then numba-cuda, then pytorch); for CPU
             tensors, pytorch. An explicit backend is used or fails: fa2 never falls back to another.
@@ -105,7 +115,7 @@ def attention(
         O: (..., seqlen_q, head_dim), q's dtype and device.
         L: (..., seqlen_q), float32, L = m + log(l), the natural-log logsumexp of the scaled scores of each
             query row. A row that sees no key (causal with seqlen_q > seqlen_k, a window that misses every
-            key) gets O = 0 and L = +inf.
+            key) gets O = 0 and L = +inf (L = sink[h] with a sink).
             +inf, not the -inf of an empty logsumexp, so that the backward's P = exp(S - L) is exactly 0
             on such rows instead of NaN (FlashAttention-2's convention).
 
@@ -132,16 +142,16 @@ def attention(
 
     Raises:
         ValueError: wrong rank, mismatched shapes or devices, q's heads not a multiple of k's, bad scale,
-            window entries below -1, a negative or non-finite softcap, alibi_slopes of the wrong shape or
-            device, unknown backend.
+            window entries below -1, a negative or non-finite softcap, alibi_slopes or sink of the wrong shape
+            or device, unknown backend.
         TypeError: non-floating or mismatched dtypes, a causal that is not a bool, window entries that are
-            not integers, alibi_slopes that are not a float32 tensor.
+            not integers, alibi_slopes or sink that are not a float32 tensor.
         fa2.BackendNotInstalledError: a known backend whose package is not installed.
         NotImplementedError: the chosen backend does not support this input (its message names the limit).
     """
     validate(q, k, v)
     check_causal(causal)
-    spec = make_spec(q, k, causal, scale, window, softcap, alibi_slopes)
+    spec = make_spec(q, k, causal, scale, window, softcap, alibi_slopes, sink)
     return AttentionOutput(*_dispatch(q, k, v, spec, backend))
 
 
@@ -159,6 +169,7 @@ def varlen_attention(
     window: tuple[int, int] = (-1, -1),
     softcap: float = 0.0,
     alibi_slopes: torch.Tensor | None = None,
+    sink: torch.Tensor | None = None,
     block_table: torch.Tensor | None = None,
     backend: str | None = None,
 ) -> AttentionOutput:
@@ -181,6 +192,9 @@ def varlen_attention(
                 . . . 1 1
         alibi_slopes: None, or float32 (heads,) or (num_seqs, heads) on q's device; the distance is each
             sequence's own, |i + Nk_s - Nq_s - j|.
+        sink: None, or float32 (heads,) on q's device: attention sinks, as fa2.attention, in every sequence's
+            rows (a row of a sequence with no key: O = 0, L = sink[h]; rows outside every sequence stay
+            O = 0, L = +inf); its gradient sums over every sequence's rows.
         block_table: None, or (num_seqs, pages_per_seq) int32 on q's device: the keys and values are in a
             paged KV cache, k and v (num_pages, page_size, heads_k, head_dim), sequence s's keys
             [0, cu_seqlens_k[s + 1] - cu_seqlens_k[s]) at row j % page_size of page
@@ -199,7 +213,7 @@ def varlen_attention(
     Returns:
         AttentionOutput(O, L): O (total_q, heads, head_dim), q's dtype (a view of a (heads, total_q,
         head_dim) tensor); L (heads, total_q), float32, flash-attn's varlen logsumexp layout. Rows that see
-        no key: O = 0, L = +inf. O is differentiable in q, k and v.
+        no key: O = 0, L = +inf (L = sink[h] with a sink). O is differentiable in q, k, v and the sink.
 
     Checked, at the cost of one device sync (the offsets' first and last entries) the first time an offsets
     tensor is met (again after it is modified in place; every call for inference-mode tensors and under
@@ -232,6 +246,7 @@ def varlen_attention(
             window,
             softcap,
             alibi_slopes,
+            sink,
             block_table,
             backend,
         )
@@ -244,7 +259,7 @@ def varlen_attention(
     check_causal(causal)
     num_seqs = check_offsets(q, k, cu_seqlens_q, cu_seqlens_k)
     check_max_seqlens(max_seqlen_q, max_seqlen_k)
-    spec = make_spec(q4, k4, causal, scale, window, softcap)
+    spec = make_spec(q4, k4, causal, scale, window, softcap, sink=sink)
     slopes = None if alibi_slopes is None else check_varlen_alibi(alibi_slopes, q, num_seqs)
     spec = dataclasses.replace(
         spec,
@@ -265,8 +280,11 @@ def _dispatch(q, k, v, spec: AttentionSpec, backend: str | None) -> tuple[torch.
         op = ops.forward_op(backend, q.device)
         return forward_any_rank(lambda *a: ops.call_forward(op, *a), q, k, v, spec)
     impl = registry.load(backend if backend is not None else registry.default_backend(q.device))
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        return impl.FlashAttention2.apply(q, k, v, spec.causal, spec.scale, True, spec)
+    sink = spec.sink
+    if torch.is_grad_enabled() and (
+        q.requires_grad or k.requires_grad or v.requires_grad or (sink is not None and sink.requires_grad)
+    ):
+        return impl.FlashAttention2.apply(q, k, v, spec.causal, spec.scale, True, spec, sink)
     if decodes(impl.NAME, q, k, spec):
         return forward_any_rank(lambda *a: kvcache.dense_forward(impl.kvcache_forward, *a), q, k, v, spec)
     return forward_any_rank(impl.flash_attn_forward, q, k, v, spec)
@@ -282,5 +300,4 @@ def decodes(backend: str, q: torch.Tensor, k: torch.Tensor, spec: AttentionSpec)
         backend in DECODE_BACKENDS
         and 1 <= seqlen_q <= DECODE_MAX_SEQLEN_Q
         and seqlen_k >= DECODE_MIN_KEYS_PER_QUERY * seqlen_q
-        and spec.sink is None  # the KV-cache kernels have no attention sink
     )

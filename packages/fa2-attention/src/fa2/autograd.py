@@ -6,6 +6,8 @@ each backend's ``autograd.py`` builds its own around its forward and backward,
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from fa2.layout import Backward, Forward, backward_any_rank, forward_any_rank, spec_for
@@ -19,22 +21,30 @@ def make_flash_attention2(
     shows and pickles as ``<module>.FlashAttention2``)."""
 
     class FlashAttention2(torch.autograd.Function):
-        """``FlashAttention2.apply(q, k, v, is_causal=False, scale=None, return_lse=False, spec=None)``.
+        """``FlashAttention2.apply(q, k, v, is_causal=False, scale=None, return_lse=False, spec=None, sink=None)``.
 
         q: (..., seqlen_q, head_dim); k, v: (..., seqlen_k, head_dim), whose heads (dim -3) may be a divisor of
         q's (grouped-query attention; dk and dv then sum over each group). Returns O, or (O, L) with
         ``return_lse``; saves (q, k, v, O, L) for the backward, L: q.shape[:-1], float32. ``spec``: an
         ``fa2.spec.AttentionSpec`` (windows, softcap, ALiBi, packed batches), which then stands for ``is_causal``
         and ``scale``; fa2.attention and fa2.varlen_attention pass one. The ALiBi slopes get no gradient.
+        ``sink``: None, or the attention sinks, (heads,) float32 contiguous on q's device (``AttentionSpec.sink``):
+        an autograd input, which gets its gradient dsink; it stands for ``spec.sink`` (fa2.attention passes
+        that tensor here). A sink given only inside ``spec`` is computed with but gets no gradient.
         """
 
         @staticmethod
-        def forward(ctx, q, k, v, is_causal=False, scale=None, return_lse=False, spec=None):
+        def forward(ctx, q, k, v, is_causal=False, scale=None, return_lse=False, spec=None, sink=None):
             if spec is None:
                 spec = spec_for(q, k, is_causal, scale)
+            if sink is not None:
+                spec = dataclasses.replace(spec, sink=sink)
             O, L = forward_any_rank(flash_attn_forward, q, k, v, spec)
-            ctx.save_for_backward(q, k, v, O, L)
-            ctx.spec = spec
+            # The sink is saved as a tensor, not inside ctx.spec, so that an in-place change before the backward
+            # (an optimizer step) raises instead of giving a wrong gradient; without one, the saved tensors
+            # are the CS336 contract's (q, k, v, O, L).
+            ctx.save_for_backward(q, k, v, O, L, *(() if spec.sink is None else (spec.sink,)))
+            ctx.spec = dataclasses.replace(spec, sink=None)
             if return_lse:
                 ctx.mark_non_differentiable(L)
                 return O, L
@@ -42,9 +52,11 @@ def make_flash_attention2(
 
         @staticmethod
         def backward(ctx, dO, *unused):
-            q, k, v, O, L = ctx.saved_tensors
-            dq, dk, dv = backward_any_rank(flash_attn_backward, q, k, v, O, L, dO, ctx.spec)
-            return dq, dk, dv, None, None, None, None
+            q, k, v, O, L, *sink = ctx.saved_tensors
+            spec = dataclasses.replace(ctx.spec, sink=sink[0]) if sink else ctx.spec
+            dq, dk, dv, *dsink = backward_any_rank(flash_attn_backward, q, k, v, O, L, dO, spec)
+            dsink = dsink[0] if dsink and ctx.needs_input_grad[7] else None
+            return dq, dk, dv, None, None, None, None, dsink
 
     FlashAttention2.__module__ = module
     FlashAttention2.__qualname__ = "FlashAttention2"

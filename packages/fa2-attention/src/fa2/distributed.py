@@ -37,6 +37,11 @@ and the block rank r attends when it holds rank s's K/V (c = the chunk length, s
 
 Every step after the first is thus 2c² score entries on every rank. Contiguous shards: s < r is the whole
 block, s == r causal, s > r skipped.
+
+Attention sinks (``sink=``) belong to the whole row, not to a block: the blocks are attended without it and
+the ring's merged (O, L) takes it once at the end (``fa2.combine``'s ``sink``). The backward's blocks then
+run on the final, sink-including L (their dq, dk, dv are the full gradient's terms as without a sink), and
+the sink's gradient is this rank's rows' share, -Σ exp(sink[h] - L_i) · rowsum(dO_i ∘ O_i).
 """
 
 from __future__ import annotations
@@ -123,6 +128,7 @@ def ring_attention(
     group: dist.ProcessGroup | None = None,
     backend: str | None = None,
     layout: str = "contiguous",
+    sink: torch.Tensor | None = None,
 ) -> AttentionOutput:
     """FlashAttention-2 over a sequence sharded across the ranks of ``group``: this rank's rows of
     ``fa2.attention(q_full, k_full, v_full, causal=causal, scale=scale)``. Called by every rank of the group.
@@ -142,12 +148,16 @@ def ring_attention(
             for q's device).
         layout: "contiguous" (rank r holds chunk r of world_size) or "zigzag" (rank r holds chunks r and
             2·world − 1 − r of 2·world, which balances causal work; seqlen_shard must then be even).
+        sink: None, or float32 (heads,) on q's device: attention sinks, as fa2.attention, the same on every
+            rank (that every rank passes one or none is checked; its values are not). Its gradient is this
+            rank's rows' share: sum it over the group for the whole sequence's, as for any parameter that
+            every rank holds (DDP's all-reduce does).
 
     Returns:
         AttentionOutput(O, L): O (batch, heads, seqlen_shard, head_dim), q's dtype; L (batch, heads,
         seqlen_shard), float32, natural log; this rank's rows in ``layout``'s order (``unshard`` of every
-        rank's puts them back in sequence order). O is differentiable in q, k and v (the backward is a ring
-        too, collective like the forward); L carries no gradient, as fa2.attention's.
+        rank's puts them back in sequence order). O is differentiable in q, k, v and the sink (the backward
+        is a ring too, collective like the forward); L carries no gradient, as fa2.attention's.
 
     Communication per rank and step: one send and one receive of the stacked K/V shard (world − 1 steps of
     the forward), and in the backward also of its float32 dK/dV partials (world steps). Attention and merge
@@ -158,16 +168,17 @@ def ring_attention(
         ValueError: on every rank of the group, when any rank's input is wrong (the message lists what each
             rank had): shapes or dtypes that differ between ranks, q, k, v that fa2.attention would refuse,
             a k/v shard of another length than q's, an odd zigzag shard, a CUDA tensor off the current
-            device, or causal, scale, layout that differ between ranks.
+            device, a bad sink, or causal, scale, layout, a sink or none that differ between ranks.
         fa2.BackendNotInstalledError, NotImplementedError: as fa2.attention, from the block's backend.
     """
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("fa2.distributed.ring_attention needs an initialised torch.distributed process group")
-    plan = _check(q, k, v, causal, scale, group, backend, layout)
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        O, L = _RingAttention.apply(q, k, v, plan)
+    plan, sink = _check(q, k, v, causal, scale, group, backend, layout, sink)
+    grad = q.requires_grad or k.requires_grad or v.requires_grad or (sink is not None and sink.requires_grad)
+    if torch.is_grad_enabled() and grad:
+        O, L = _RingAttention.apply(q, k, v, sink, plan)
     else:
-        O, L = _forward(q, k, v, plan)
+        O, L = _forward(q, k, v, sink, plan)
     return AttentionOutput(O, L)
 
 
@@ -201,7 +212,7 @@ def _block(plan: _Plan, src: int, n: int) -> tuple[slice, slice, bool] | None:
     return slice(half, n), every, False
 
 
-def _forward(q, k, v, plan: _Plan) -> tuple[torch.Tensor, torch.Tensor]:
+def _forward(q, k, v, sink, plan: _Plan) -> tuple[torch.Tensor, torch.Tensor]:
     n = q.shape[-2]
     kv = torch.stack([k, v])  # (2, batch, heads_k, n, head_dim): one message a step instead of two
     O = L = None
@@ -227,6 +238,9 @@ def _forward(q, k, v, plan: _Plan) -> tuple[torch.Tensor, torch.Tensor]:
                 O[..., rows, :], L[..., rows] = merged
         if pending is not None:
             kv = _finish(*pending)
+    if sink is not None:
+        # The sink once, in the whole row's merge: one more partial of mass exp(sink[h]) and no value.
+        return combine(O[None], L[None], sink=sink, dtype=q.dtype)
     return O.to(q.dtype), L
 
 
@@ -234,18 +248,23 @@ class _RingAttention(torch.autograd.Function):
     """The ring forward, saving the final O and L, and the ring backward (module docstring)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, plan):
-        O, L = _forward(q, k, v, plan)
-        ctx.save_for_backward(q, k, v, O, L)
+    def forward(ctx, q, k, v, sink, plan):
+        O, L = _forward(q, k, v, sink, plan)
+        ctx.save_for_backward(q, k, v, O, L, sink)
         ctx.plan = plan
         ctx.mark_non_differentiable(L)
         return O, L
 
     @staticmethod
     def backward(ctx, dO, _dL):
-        q, k, v, O, L = ctx.saved_tensors
+        q, k, v, O, L, sink = ctx.saved_tensors
         dq, dk, dv = _backward(q, k, v, O, L, dO, ctx.plan)
-        return dq, dk, dv, None
+        dsink = None
+        if sink is not None and ctx.needs_input_grad[3]:
+            # This rank's rows' share (the sink's column of dS, summed): the blocks' backward needs none.
+            delta = (dO.float() * O.float()).sum(dim=-1)  # (batch, heads, seqlen_shard)
+            dsink = torch.exp(sink[:, None] - L).mul_(delta).sum(dim=(0, 2)).neg_()
+        return dq, dk, dv, dsink, None
 
 
 def _backward(q, k, v, O, L, dO, plan: _Plan):
@@ -309,12 +328,13 @@ def _finish(works, recv: torch.Tensor) -> torch.Tensor:
 # --- agreeing on the input: every rank raises the same error instead of some hanging in the ring -----------
 
 
-def _check(q, k, v, causal, scale, group, backend, layout) -> _Plan:
+def _check(q, k, v, causal, scale, group, backend, layout, sink) -> tuple[_Plan, torch.Tensor | None]:
+    """The plan every rank agreed on, and this rank's checked (contiguous) sink."""
     world = dist.get_world_size(group)
     rank = dist.get_rank(group)
     error = None
     try:
-        scale, backend = _check_local(q, k, v, causal, scale, backend, layout)
+        scale, backend, sink = _check_local(q, k, v, causal, scale, backend, layout, sink)
     except (TypeError, ValueError, ImportError) as e:
         error = e
     if world == 1:
@@ -322,7 +342,7 @@ def _check(q, k, v, causal, scale, group, backend, layout) -> _Plan:
             raise error
     else:
         device = _comm_device(q, group)
-        mine = _describe(q, k, v, causal, scale, layout, error).to(device)
+        mine = _describe(q, k, v, causal, scale, layout, sink, error).to(device)
         every = [torch.empty_like(mine) for _ in range(world)]
         dist.all_gather(every, mine, group=group)
         every = [d.cpu() for d in every]
@@ -332,13 +352,15 @@ def _check(q, k, v, causal, scale, group, backend, layout) -> _Plan:
     def ranks(r):
         return dist.get_global_rank(group, r) if group is not None else r
 
-    return _Plan(
+    plan = _Plan(
         rank, world, ranks((rank + 1) % world), ranks((rank - 1) % world), group, causal, scale, backend, layout
     )
+    return plan, sink
 
 
-def _check_local(q, k, v, causal, scale, backend, layout) -> tuple[float, str]:
-    """This rank's input as fa2.attention would check it, plus the ring's own conditions; (scale, backend)."""
+def _check_local(q, k, v, causal, scale, backend, layout, sink) -> tuple[float, str, torch.Tensor | None]:
+    """This rank's input as fa2.attention would check it, plus the ring's own conditions; (scale, backend,
+    the sink made contiguous)."""
     validate(q, k, v)
     if q.dim() != 4:
         raise ValueError(f"q, k and v must have shape (batch, heads, seqlen_shard, head_dim), got q {tuple(q.shape)}")
@@ -353,10 +375,10 @@ def _check_local(q, k, v, causal, scale, backend, layout) -> tuple[float, str]:
             f"q is on {q.device} but the current CUDA device is cuda:{torch.cuda.current_device()} "
             "(torch.cuda.set_device(local_rank) first: NCCL's P2P ops run on the current device)"
         )
-    spec = make_spec(q, k, causal, scale)
+    spec = make_spec(q, k, causal, scale, sink=sink)
     backend = backend if backend is not None else registry.default_backend(q.device)
     registry.load(backend)
-    return spec.scale, backend
+    return spec.scale, backend, spec.sink
 
 
 def _check_layout(layout) -> None:
@@ -386,9 +408,10 @@ def _comm_device(q, group) -> torch.device:
     )
 
 
-def _describe(q, k, v, causal, scale, layout, error) -> torch.Tensor:
-    """(19,) int64: what this rank was given, comparable across ranks: an error flag, q, k, v shapes (-1s
-    where not 4-D), their dtypes (an index into _DTYPES, -1 for another), causal, layout, the scale's bits."""
+def _describe(q, k, v, causal, scale, layout, sink, error) -> torch.Tensor:
+    """(20,) int64: what this rank was given, comparable across ranks: an error flag, q, k, v shapes (-1s
+    where not 4-D), their dtypes (an index into _DTYPES, -1 for another), causal, layout, the scale's bits,
+    whether it has a sink."""
     desc = [int(error is not None)]
     for t in (q, k, v):
         shape = list(t.shape) if isinstance(t, torch.Tensor) and t.dim() == 4 else [-1] * 4
@@ -401,6 +424,7 @@ def _describe(q, k, v, causal, scale, layout, error) -> torch.Tensor:
         int(causal) if isinstance(causal, bool) else -1,
         LAYOUTS.index(layout) if layout in LAYOUTS else -1,
         scale_bits,
+        int(sink is not None),
     ]
     return torch.tensor(desc, dtype=torch.int64)
 
@@ -419,10 +443,11 @@ def _disagreement(every: list[torch.Tensor], error, group, world: int) -> str:
         layout = LAYOUTS[d[17]] if d[17] >= 0 else "?"
         line = (
             f"rank {r}: q {shapes[0]} {dtypes[0]}, k {shapes[1]} {dtypes[1]}, v {shapes[2]} {dtypes[2]}, "
-            f"causal {bool(d[16]) if d[16] >= 0 else '?'}, scale {scale}, layout {layout}"
+            f"causal {bool(d[16]) if d[16] >= 0 else '?'}, scale {scale}, layout {layout}, "
+            f"sink {'yes' if d[19] else 'none'}"
         )
         lines.append(line + (f" -- refused: {msg}" if msg else ""))
     return (
         "ring_attention: the ranks' inputs do not fit one sharded sequence (every rank needs q, k, v of the "
-        "same shapes and dtype, and the same causal, scale and layout):\n  " + "\n  ".join(lines)
+        "same shapes and dtype, and the same causal, scale, layout and sink or none):\n  " + "\n  ".join(lines)
     )

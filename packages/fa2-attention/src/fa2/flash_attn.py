@@ -21,6 +21,10 @@ packed ones unbound along dim 1), and softmax_lse is flash-attn's unpadded (nhea
     cu = torch.tensor([0, 5, 12], dtype=torch.int32)                    # two sequences: 5 and 7 tokens
     out = flash_attn_varlen_func(q, k, v, cu, cu, 7, 7, causal=True)    # q, k, v: (12, nheads, headdim)
 
+Every function also takes flash-attn 4's keyword ``learnable_sink`` (attention sinks, gpt-oss: a logit per
+head in every row's softmax denominator, ``fa2.attention``'s ``sink``), on every backend and with its
+gradient; flash-attn 2 has none.
+
 Where this module differs from flash-attn, on purpose:
 
 - ``dropout_p > 0`` raises NotImplementedError (fa2 has no attention dropout; a subclass of RuntimeError,
@@ -70,7 +74,7 @@ import torch.nn.functional as F
 
 from fa2 import kvcache
 from fa2.api import attention, varlen_attention
-from fa2.validation import MAX_HEAD_DIM, check_index, check_softcap, check_window, is_integer
+from fa2.validation import MAX_HEAD_DIM, check_index, check_sink, check_softcap, check_window, is_integer
 
 __all__ = [
     "FlashAttnTypeError",
@@ -108,6 +112,7 @@ def flash_attn_func(
     deterministic=False,
     return_attn_probs=False,
     *,
+    learnable_sink=None,
     backend=None,
 ):
     """softmax(softmax_scale · q kᵀ, capped, biased and masked) v, flash-attn's ``flash_attn_func``.
@@ -163,6 +168,11 @@ def flash_attn_func(
             gradient flows to it.
         deterministic: bool, accepted for flash-attn's sake; fa2's backward is always deterministic.
         return_attn_probs: bool: also return softmax_lse (and None where flash-attn returns S_dmask).
+        learnable_sink: keyword-only, None or (nheads,) float16, bfloat16 or float32 on q's device: flash-attn
+            4's attention sinks, ``fa2.attention``'s ``sink`` (cast to float32, differentiably): a logit per
+            head joins every row's softmax denominator, out_i = Σ_j exp(s_ij - lse_i) v_j with lse_i =
+            log(exp(learnable_sink[h]) + Σ_j exp(s_ij)), the softmax_lse returned; a row that sees no key gets
+            out = 0 and softmax_lse = learnable_sink[h]. Its gradient flows through autograd.
         backend: keyword-only, "pytorch", "triton", "numba-cuda" or None, as ``fa2.attention``.
 
     Returns:
@@ -170,18 +180,30 @@ def flash_attn_func(
             (batch, nheads, seqlen_q, headdim) result: call .contiguous() before .view()).
         With return_attn_probs=True, the tuple (out, softmax_lse, None):
         softmax_lse: (batch_size, nheads, seqlen_q), float32, the natural-log logsumexp of each row of the
-            final scores (+inf on rows that see no key).
+            final scores (+inf on rows that see no key; learnable_sink[h] with a sink).
 
     Raises:
         NotImplementedError: dropout_p > 0; a backend that cannot run this input (its message says why).
         FlashAttnValueError (RuntimeError, ValueError): wrong ranks or shapes, nheads not a multiple of
             nheads_k, headdim > 256, batch_size 0, dropout_p with softcap, window sides below -1, a negative
-            or non-finite softcap, alibi_slopes of the wrong shape or device, tensors on different devices.
+            or non-finite softcap, alibi_slopes or learnable_sink of the wrong shape or device, tensors on
+            different devices.
         FlashAttnTypeError (RuntimeError, TypeError): non-tensors, a dtype other than fp16/bf16/fp32,
             mismatched dtypes, alibi_slopes that are not float32, window entries that are not integers.
     """
     return _flash_attn(
-        q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, return_attn_probs, backend
+        q,
+        k,
+        v,
+        dropout_p,
+        softmax_scale,
+        causal,
+        window_size,
+        softcap,
+        alibi_slopes,
+        learnable_sink,
+        return_attn_probs,
+        backend,
     )
 
 
@@ -196,6 +218,7 @@ def flash_attn_qkvpacked_func(
     deterministic=False,
     return_attn_probs=False,
     *,
+    learnable_sink=None,
     backend=None,
 ):
     """``flash_attn_func`` on q, k, v stacked into one tensor: flash-attn's ``flash_attn_qkvpacked_func``.
@@ -208,7 +231,8 @@ def flash_attn_qkvpacked_func(
     Arguments:
         qkv: (batch_size, seqlen, 3, nheads, headdim).
         dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
-        return_attn_probs, backend: as in ``flash_attn_func``; softmax_scale defaults to 1 / sqrt(headdim).
+        return_attn_probs, learnable_sink, backend: as in ``flash_attn_func``; softmax_scale defaults to
+        1 / sqrt(headdim).
 
     Returns:
         out: (batch_size, seqlen, nheads, headdim); with return_attn_probs=True, (out, softmax_lse, None),
@@ -221,7 +245,18 @@ def flash_attn_qkvpacked_func(
     _check_packed("qkv", qkv, 3, "(batch_size, seqlen, 3, nheads, headdim)")
     q, k, v = qkv.unbind(2)
     return _flash_attn(
-        q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, return_attn_probs, backend
+        q,
+        k,
+        v,
+        dropout_p,
+        softmax_scale,
+        causal,
+        window_size,
+        softcap,
+        alibi_slopes,
+        learnable_sink,
+        return_attn_probs,
+        backend,
     )
 
 
@@ -237,6 +272,7 @@ def flash_attn_kvpacked_func(
     deterministic=False,
     return_attn_probs=False,
     *,
+    learnable_sink=None,
     backend=None,
 ):
     """``flash_attn_func`` with k and v stacked into one tensor: flash-attn's ``flash_attn_kvpacked_func``.
@@ -248,7 +284,7 @@ def flash_attn_kvpacked_func(
         q: (batch_size, seqlen_q, nheads, headdim).
         kv: (batch_size, seqlen_k, 2, nheads_k, headdim).
         dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
-        return_attn_probs, backend: as in ``flash_attn_func``.
+        return_attn_probs, learnable_sink, backend: as in ``flash_attn_func``.
 
     Returns:
         out: (batch_size, seqlen_q, nheads, headdim); with return_attn_probs=True, (out, softmax_lse, None),
@@ -261,7 +297,18 @@ def flash_attn_kvpacked_func(
     _check_packed("kv", kv, 2, "(batch_size, seqlen_k, 2, nheads_k, headdim)")
     k, v = kv.unbind(2)
     return _flash_attn(
-        q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, return_attn_probs, backend
+        q,
+        k,
+        v,
+        dropout_p,
+        softmax_scale,
+        causal,
+        window_size,
+        softcap,
+        alibi_slopes,
+        learnable_sink,
+        return_attn_probs,
+        backend,
     )
 
 
@@ -283,6 +330,7 @@ def flash_attn_varlen_func(
     return_attn_probs=False,
     block_table=None,
     *,
+    learnable_sink=None,
     backend=None,
 ):
     """``flash_attn_func`` on a batch of sequences packed without padding: flash-attn's
@@ -316,8 +364,8 @@ def flash_attn_varlen_func(
         max_seqlen_q: int, the longest query sequence (its length or more).
         max_seqlen_k: int, the longest key sequence (its length or more); the window sides are compared
             against it.
-        dropout_p, softmax_scale, causal, window_size, softcap, deterministic, return_attn_probs, backend:
-            as in ``flash_attn_func``.
+        dropout_p, softmax_scale, causal, window_size, softcap, deterministic, return_attn_probs,
+        learnable_sink, backend: as in ``flash_attn_func`` (a sink in every sequence's rows).
         alibi_slopes: None or float32 (nheads,) or (batch_size, nheads), on q's device.
         block_table: None, or (batch_size, max_num_blocks_per_seq) int32 on q's device: a paged KV cache.
             k and v are then (num_blocks, page_block_size, nheads_k, headdim) pages, any page size, and
@@ -367,6 +415,7 @@ def flash_attn_varlen_func(
             window_size,
             softcap,
             alibi_slopes,
+            learnable_sink,
             return_attn_probs,
             block_table,
             backend,
@@ -385,6 +434,7 @@ def flash_attn_varlen_func(
         window_size,
         softcap,
         alibi_slopes,
+        learnable_sink,
         return_attn_probs,
         backend,
     )
@@ -403,6 +453,7 @@ def flash_attn_varlen_qkvpacked_func(
     deterministic=False,
     return_attn_probs=False,
     *,
+    learnable_sink=None,
     backend=None,
 ):
     """``flash_attn_varlen_func`` on q, k, v stacked into one tensor: flash-attn's
@@ -416,7 +467,7 @@ def flash_attn_varlen_qkvpacked_func(
         cu_seqlens: (batch_size + 1,) int32, the offsets of the sequences in qkv.
         max_seqlen: int, the longest sequence.
         dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
-        return_attn_probs, backend: as in ``flash_attn_varlen_func``.
+        return_attn_probs, learnable_sink, backend: as in ``flash_attn_varlen_func``.
 
     Returns:
         out: (total, nheads, headdim); with return_attn_probs=True, (out, softmax_lse, None),
@@ -441,6 +492,7 @@ def flash_attn_varlen_qkvpacked_func(
         window_size,
         softcap,
         alibi_slopes,
+        learnable_sink,
         return_attn_probs,
         backend,
     )
@@ -462,6 +514,7 @@ def flash_attn_varlen_kvpacked_func(
     deterministic=False,
     return_attn_probs=False,
     *,
+    learnable_sink=None,
     backend=None,
 ):
     """``flash_attn_varlen_func`` with k and v stacked into one tensor: flash-attn's
@@ -473,7 +526,7 @@ def flash_attn_varlen_kvpacked_func(
         q: (total_q, nheads, headdim).
         kv: (total_k, 2, nheads_k, headdim).
         cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
-        window_size, softcap, alibi_slopes, deterministic, return_attn_probs, backend: as in
+        window_size, softcap, alibi_slopes, deterministic, return_attn_probs, learnable_sink, backend: as in
         ``flash_attn_varlen_func``.
 
     Returns:
@@ -500,6 +553,7 @@ def flash_attn_varlen_kvpacked_func(
         window_size,
         softcap,
         alibi_slopes,
+        learnable_sink,
         return_attn_probs,
         backend,
     )
@@ -526,6 +580,7 @@ def flash_attn_with_kvcache(
     num_splits=0,
     return_softmax_lse=False,
     *,
+    learnable_sink=None,
     backend=None,
 ):
     """Attention of q against a KV cache, after writing the new k and v into it: flash-attn's
@@ -560,13 +615,15 @@ def flash_attn_with_kvcache(
             >= the cache's capacity becomes -1).
         num_splits: the key ranges each (batch, key/value head) is split into; 0: fa2 picks; 1: no split.
         return_softmax_lse: also return softmax_lse.
+        learnable_sink: keyword-only, as ``flash_attn_func`` (no gradient here: inference only).
         backend: keyword-only, as ``fa2.attention``; a backend without a KV-cache path raises
             NotImplementedError.
 
     Returns:
         out: (batch_size, seqlen_q, nheads, headdim), q's dtype (a transposed view of fa2's
             (batch, nheads, seqlen_q, headdim) result). With return_softmax_lse=True, (out, softmax_lse),
-            softmax_lse (batch_size, nheads, seqlen_q) float32, +inf on rows that see no key.
+            softmax_lse (batch_size, nheads, seqlen_q) float32, +inf on rows that see no key (learnable_sink[h]
+            with a sink).
 
     What is checked (one device sync, once per combination of index tensors, never inside a CUDA-graph
     capture): cache_seqlens + seqlen_new within the capacity, block_table's ids within num_blocks,
@@ -594,6 +651,7 @@ def flash_attn_with_kvcache(
     if not isinstance(causal, bool):
         raise FlashAttnTypeError(f"causal must be a bool, got {type(causal).__name__} {causal!r}")
     _check_alibi(alibi_slopes, q, q.shape[0])
+    sink = _learnable_sink(learnable_sink, q)
     with _flash_attn_errors():
         if block_table is not None:
             check_index("block_table", block_table, (q.shape[0], None), q.device)
@@ -617,6 +675,7 @@ def flash_attn_with_kvcache(
             window=window,
             softcap=softcap,
             alibi_slopes=alibi_slopes,
+            sink=sink,
             num_splits=num_splits,
             backend=backend,
         )
@@ -638,6 +697,7 @@ def _flash_attn_varlen_paged(
     window_size,
     softcap,
     alibi_slopes,
+    learnable_sink,
     return_attn_probs,
     block_table,
     backend,
@@ -645,6 +705,7 @@ def _flash_attn_varlen_paged(
     """flash_attn_varlen_func with a block table: the packed queries against each sequence's pages, by the
     backend's KV-cache kernels; sequence s has cu_seqlens_k[s + 1] - cu_seqlens_k[s] keys."""
     _check_tensors(q, q, q, varlen=True)
+    sink = _learnable_sink(learnable_sink, q)
     for name, t in (("k", k_cache), ("v", v_cache)):
         if not isinstance(t, torch.Tensor):
             raise FlashAttnTypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -676,6 +737,7 @@ def _flash_attn_varlen_paged(
             window=window,
             softcap=softcap,
             alibi_slopes=alibi_slopes,
+            sink=sink,
             block_table=block_table,
             backend=backend,
         )
@@ -683,9 +745,21 @@ def _flash_attn_varlen_paged(
 
 
 def _flash_attn(
-    q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, return_attn_probs, backend
+    q,
+    k,
+    v,
+    dropout_p,
+    softmax_scale,
+    causal,
+    window_size,
+    softcap,
+    alibi_slopes,
+    learnable_sink,
+    return_attn_probs,
+    backend,
 ):
     _check_tensors(q, k, v)
+    sink = _learnable_sink(learnable_sink, q)
     head_dim = q.shape[-1]
     q, k, v, scale, window, softcap = _options(
         q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, q.shape[0], k.shape[1]
@@ -698,6 +772,7 @@ def _flash_attn(
         window=window,
         softcap=softcap,
         alibi_slopes=alibi_slopes,
+        sink=sink,
         backend=backend,
     )
     out = O.transpose(1, 2)[..., :head_dim]
@@ -718,10 +793,12 @@ def _flash_attn_varlen(
     window_size,
     softcap,
     alibi_slopes,
+    learnable_sink,
     return_attn_probs,
     backend,
 ):
     _check_tensors(q, k, v, varlen=True)
+    sink = _learnable_sink(learnable_sink, q)
     batch = _check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, q)
     max_seqlen_q = _max_seqlen("max_seqlen_q", max_seqlen_q)
     max_seqlen_k = _max_seqlen("max_seqlen_k", max_seqlen_k)
@@ -742,6 +819,7 @@ def _flash_attn_varlen(
             window=window,
             softcap=softcap,
             alibi_slopes=alibi_slopes,
+            sink=sink,
             backend=backend,
         )
     except ValueError as e:
@@ -893,6 +971,20 @@ def _check_alibi(slopes, q: torch.Tensor, batch: int) -> None:
         raise FlashAttnValueError(
             f"alibi_slopes must have shape (nheads,) = ({heads},) or (batch_size, nheads) = ({batch}, {heads}), "
             f"got {tuple(slopes.shape)}"
+        )
+
+
+def _learnable_sink(sink, q: torch.Tensor) -> torch.Tensor | None:
+    """flash-attn 4's learnable_sink, (nheads,) float16, bfloat16 or float32 (flash-attn 4's dtypes), as fa2's
+    float32 sink: a differentiable cast, so that its gradient comes back in its own dtype. q: in flash-attn's
+    layout, its heads at dim -2."""
+    if sink is None:
+        return None
+    if isinstance(sink, torch.Tensor) and sink.dtype not in _DTYPES:
+        raise FlashAttnTypeError(f"learnable_sink must be float16, bfloat16 or float32, got {sink.dtype}")
+    with _flash_attn_errors():
+        return check_sink(
+            sink.float() if isinstance(sink, torch.Tensor) else sink, q.transpose(-3, -2), "learnable_sink"
         )
 
 

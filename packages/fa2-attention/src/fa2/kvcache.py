@@ -69,6 +69,7 @@ def kvcache_attention(
     window: tuple[int, int] = (-1, -1),
     softcap: float = 0.0,
     alibi_slopes: torch.Tensor | None = None,
+    sink: torch.Tensor | None = None,
     num_splits: int = 0,
     backend: str | None = None,
 ) -> AttentionOutput:
@@ -104,6 +105,9 @@ def kvcache_attention(
                 1 1 1 1 1
 
             alibi_slopes: (heads,) or (batch, heads) float32, distance |i + K_b - Nq - j|.
+        sink: None, or float32 (heads,) on q's device: attention sinks, as ``fa2.attention``: sink[h] joins
+            every row's softmax denominator and L, once (not once per split); a row that sees no key gets
+            O = 0, L = sink[h].
         num_splits: each (row, key/value head) is split into this many key ranges of the capacity, attended
             to in parallel and merged by their logsumexp; 0: the backend picks (more splits when batch ·
             heads_k is small against the GPU's SMs); 1: no split.
@@ -111,8 +115,8 @@ def kvcache_attention(
 
     Returns:
         AttentionOutput(O (batch, heads, seqlen_q, head_dim), q's dtype; L (batch, heads, seqlen_q),
-        float32). Rows that see no key: O = 0, L = +inf. No gradient flows through a KV cache: the backward
-        of O raises NotImplementedError.
+        float32). Rows that see no key: O = 0, L = +inf (L = sink[h] with a sink). No gradient flows through a
+        KV cache: the backward of O raises NotImplementedError.
 
     Checked when the call is not being captured in a CUDA graph, at the cost of one device sync, once for
     each combination of the index tensors given (a tensor modified in place counts as new): cache_seqlens
@@ -166,6 +170,7 @@ def kvcache_attention(
         window,
         softcap,
         alibi_slopes,
+        sink,
         cache_seqlens=seqlens + seqlen_new if seqlen_new else seqlens,
         cache_leftpad=cache_leftpad,
         cache_batch_idx=cache_batch_idx,
@@ -203,6 +208,7 @@ def varlen_paged(
     window,
     softcap,
     alibi_slopes,
+    sink,
     block_table,
     backend,
 ) -> AttentionOutput:
@@ -230,7 +236,7 @@ def varlen_paged(
     seqlens = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).long()
     if not (_capturing(q) or torch.compiler.is_compiling()):
         _check_ranges(cu_seqlens_k, seqlens, 0, capacity, k_pages.shape[0], block_table, None, None)
-    spec = make_spec(q4, k_pages, causal, scale, window, softcap)
+    spec = make_spec(q4, k_pages, causal, scale, window, softcap, sink=sink)
     slopes = None if alibi_slopes is None else check_varlen_alibi(alibi_slopes, q, num_seqs)
     spec = dataclasses.replace(
         spec,
@@ -270,16 +276,18 @@ def run(q, k_cache, v_cache, spec: AttentionSpec, backend: str | None) -> tuple[
     forward = getattr(impl, "kvcache_forward", None)
     if forward is None:
         raise NotImplementedError(f"fa2 backend {impl.NAME!r} has no KV-cache path (kvcache_forward)")
-    if torch.is_grad_enabled() and q.requires_grad:
-        return _NoBackward.apply(q, k_cache, v_cache, spec, forward)
+    sink = spec.sink
+    if torch.is_grad_enabled() and (q.requires_grad or (sink is not None and sink.requires_grad)):
+        return _NoBackward.apply(q, k_cache, v_cache, sink, spec, forward)
     return forward(q, k_cache, v_cache, spec)
 
 
 class _NoBackward(torch.autograd.Function):
-    """A KV-cache forward whose output refuses a backward, instead of silently carrying no gradient."""
+    """A KV-cache forward whose output refuses a backward, instead of silently carrying no gradient (to q,
+    or to a learned sink)."""
 
     @staticmethod
-    def forward(ctx, q, k_cache, v_cache, spec, forward):
+    def forward(ctx, q, k_cache, v_cache, sink, spec, forward):
         O, L = forward(q, k_cache, v_cache, spec)
         ctx.mark_non_differentiable(L)
         return O, L

@@ -11,7 +11,8 @@ import torch
 from fa2.spec import AttentionSpec
 
 Forward = Callable[..., "tuple[torch.Tensor, torch.Tensor]"]
-Backward = Callable[..., "tuple[torch.Tensor, torch.Tensor, torch.Tensor]"]
+# (dq, dk, dv), and dsink (heads,) after them when the spec has a sink.
+Backward = Callable[..., "tuple[torch.Tensor, ...]"]
 
 
 def as_bhnd(x: torch.Tensor) -> torch.Tensor:
@@ -47,13 +48,14 @@ def backward_any_rank(
     L: torch.Tensor,
     dO: torch.Tensor,
     spec: AttentionSpec,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, ...]:
     """Runs a backend's (B, H, N, D) backward on (..., N, D) tensors; L: q.shape[:-1]. dq, dk, dv come
-    back in the shapes of q, k, v."""
-    dq, dk, dv = backward(
+    back in the shapes of q, k, v; with ``spec.sink``, dsink (heads,) float32 after them, as the backend
+    returns it (the heads are q's dim -3 in every rank)."""
+    dq, dk, dv, *dsink = backward(
         as_bhnd(q), as_bhnd(k), as_bhnd(v), as_bhnd(O), as_bhnd(L.unsqueeze(-1)).squeeze(-1), as_bhnd(dO), spec
     )
-    return dq.reshape(q.shape), dk.reshape(k.shape), dv.reshape(v.shape)
+    return dq.reshape(q.shape), dk.reshape(k.shape), dv.reshape(v.shape), *dsink
 
 
 def spec_for(q: torch.Tensor, k: torch.Tensor, is_causal: bool, scale: float | None) -> AttentionSpec:

@@ -4,15 +4,17 @@ opaque node per attention call instead of tracing into (or breaking on) a backen
 A backend named ``name`` gets, on its first use (``load(name)``, or fa2.attention through ``forward_op``):
 
     fa2::<name>_fwd(q, k, v, alibi_slopes, scale, window_left, window_right, softcap,
-                    cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> (O, L)
-    fa2::<name>_bwd(q, k, v, O, L, dO, <the same options>) -> (dq, dk, dv), only if it has flash_attn_backward
+                    cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, sink=None) -> (O, L)
+    fa2::<name>_bwd(q, k, v, O, L, dO, <the same options>) -> (dq, dk, dv, dsink), only if it has
+                    flash_attn_backward
 
 (name with "-" as "_", e.g. fa2::numba_cuda_fwd) on (batch, heads, seqlen, head_dim) tensors of any strides:
 an ``fa2.spec.AttentionSpec`` spelled out as the op schema's plain types, and rebuilt inside the op for the
 backend. Fake implementations (O: q's shape and dtype, L: (batch, heads, seqlen_q) float32, dq, dk, dv: the
-shapes and dtype of q, k, v; all contiguous) and autograd through the backward op. A backend without a
-backward still gets autograd, which raises NotImplementedError on the backward pass. L is not
-differentiable, as in the backends' FlashAttention2; neither are the ALiBi slopes.
+shapes and dtype of q, k, v; dsink: the sink's (heads,) float32, or (0,) without a sink, as a schema's
+output cannot be None; all contiguous) and autograd through the backward op, the sink's gradient included.
+A backend without a backward still gets autograd, which raises NotImplementedError on the backward pass. L
+is not differentiable, as in the backends' FlashAttention2; neither are the ALiBi slopes.
 """
 
 from __future__ import annotations
@@ -83,6 +85,7 @@ def _options(spec: AttentionSpec) -> tuple:
         spec.cu_seqlens_k,
         spec.max_seqlen_q,
         spec.max_seqlen_k,
+        spec.sink,
     )
 
 
@@ -98,6 +101,7 @@ def _spec(
     cu_seqlens_k,
     max_seqlen_q,
     max_seqlen_k,
+    sink,
 ) -> AttentionSpec:
     group = q.shape[1] // k.shape[1] if k.shape[1] else 1
     return AttentionSpec(
@@ -110,6 +114,7 @@ def _spec(
         cu_seqlens_k,
         max_seqlen_q,
         max_seqlen_k,
+        sink,
     )
 
 
@@ -136,6 +141,7 @@ def _register(name: str, impl) -> BackendOps:
         cu_seqlens_k: torch.Tensor | None,
         max_seqlen_q: int,
         max_seqlen_k: int,
+        sink: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         O, L = forward(
             q,
@@ -153,6 +159,7 @@ def _register(name: str, impl) -> BackendOps:
                 cu_seqlens_k,
                 max_seqlen_q,
                 max_seqlen_k,
+                sink,
             ),
         )
         return O.contiguous(), L.contiguous()
@@ -162,10 +169,10 @@ def _register(name: str, impl) -> BackendOps:
         return q.new_empty(q.shape), q.new_empty(q.shape[:-1], dtype=torch.float32)
 
     def setup_context(ctx, inputs, output):
-        q, k, v, alibi_slopes, scale, left, right, softcap, cu_q, cu_k, max_q, max_k = inputs
+        q, k, v, alibi_slopes, scale, left, right, softcap, cu_q, cu_k, max_q, max_k, sink = inputs
         O, L = output
         ctx.mark_non_differentiable(L)
-        ctx.save_for_backward(q, k, v, O, L, alibi_slopes, cu_q, cu_k)
+        ctx.save_for_backward(q, k, v, O, L, alibi_slopes, cu_q, cu_k, sink)
         ctx.options = (scale, left, right, softcap, max_q, max_k)
 
     if backward is None:
@@ -193,7 +200,8 @@ def _register(name: str, impl) -> BackendOps:
         cu_seqlens_k: torch.Tensor | None,
         max_seqlen_q: int,
         max_seqlen_k: int,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        sink: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         spec = _spec(
             q,
             k,
@@ -206,19 +214,24 @@ def _register(name: str, impl) -> BackendOps:
             cu_seqlens_k,
             max_seqlen_q,
             max_seqlen_k,
+            sink,
         )
-        dq, dk, dv = backward(q, k, v, O, L, dO, spec)
-        return dq.contiguous(), dk.contiguous(), dv.contiguous()
+        dq, dk, dv, *dsink = backward(q, k, v, O, L, dO, spec)
+        dsink = dsink[0] if sink is not None else q.new_empty((0,), dtype=torch.float32)
+        return dq.contiguous(), dk.contiguous(), dv.contiguous(), dsink.contiguous()
 
     @bwd.register_fake
-    def _(q, k, v, O, L, dO, *options):
-        return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+    def _(q, k, v, O, L, dO, alibi_slopes, scale, left, right, softcap, cu_q, cu_k, max_q, max_k, sink=None):
+        dsink = q.new_empty((0,) if sink is None else sink.shape, dtype=torch.float32)
+        return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dsink
 
     def fwd_backward(ctx, dO, dL):
-        q, k, v, O, L, alibi_slopes, cu_q, cu_k = ctx.saved_tensors
+        q, k, v, O, L, alibi_slopes, cu_q, cu_k, sink = ctx.saved_tensors
         scale, left, right, softcap, max_q, max_k = ctx.options
-        dq, dk, dv = bwd(q, k, v, O, L, dO, alibi_slopes, scale, left, right, softcap, cu_q, cu_k, max_q, max_k)
-        return dq, dk, dv, *([None] * 9)
+        dq, dk, dv, dsink = bwd(
+            q, k, v, O, L, dO, alibi_slopes, scale, left, right, softcap, cu_q, cu_k, max_q, max_k, sink
+        )
+        return dq, dk, dv, *([None] * 9), dsink if sink is not None else None
 
     fwd.register_autograd(fwd_backward, setup_context=setup_context)
     return BackendOps(_overload(fwd_name), _overload(bwd_name))

@@ -144,11 +144,13 @@ def make_spec(
     window=(-1, -1),
     softcap: float = 0.0,
     alibi_slopes: torch.Tensor | None = None,
+    sink: torch.Tensor | None = None,
     **fields,
 ) -> AttentionSpec:
     """The AttentionSpec of validated q and k (``validate``) and the caller's options, checked here; the
-    ALiBi slopes come out as the (batch, heads) of q's (B, H, N, D) view (``fa2.layout.as_bhnd``). ``fields``:
-    AttentionSpec's other fields (a KV cache's, a packed batch's), set as given."""
+    ALiBi slopes come out as the (batch, heads) of q's (B, H, N, D) view (``fa2.layout.as_bhnd``), the sink
+    contiguous (``check_sink``). ``fields``: AttentionSpec's other fields (a KV cache's, a packed batch's), set
+    as given."""
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
     else:
@@ -161,6 +163,8 @@ def make_spec(
     softcap = check_softcap(softcap)
     slopes = None if alibi_slopes is None else check_alibi(alibi_slopes, q)
     group = q.shape[-3] // k.shape[-3] if q.dim() > 2 and k.shape[-3] else 1
+    if sink is not None:
+        fields["sink"] = check_sink(sink, q)
     return AttentionSpec(scale, (left, right), softcap, slopes, group, **fields)
 
 
@@ -231,6 +235,26 @@ def check_alibi(slopes, q: torch.Tensor) -> torch.Tensor:
         )
     batch = math.prod(q.shape[:-3])
     return slopes.expand(q.shape[:-2]).reshape(batch, heads)
+
+
+def check_sink(sink, q: torch.Tensor, arg: str = "sink") -> torch.Tensor:
+    """Attention sinks: a float32 tensor of shape (heads,) (q's dim -3) on q's device, returned contiguous
+    (a copy only where it is not, through which a gradient still flows). ``arg``: the argument's name in the
+    messages (fa2.flash_attn's learnable_sink)."""
+    if not isinstance(sink, torch.Tensor):
+        raise TypeError(f"{arg} must be a float32 torch.Tensor of shape (heads,), got {type(sink).__name__}")
+    if sink.dtype != torch.float32:
+        raise TypeError(f"{arg} must be float32 (one logit per head), got {sink.dtype}")
+    if q.dim() < 3:
+        raise ValueError(f"{arg} needs q with a heads dim (rank >= 3), got q {tuple(q.shape)}")
+    if tuple(sink.shape) != (q.shape[-3],):
+        raise ValueError(
+            f"{arg} must have shape (heads,) = ({q.shape[-3]},), one logit per query head, got "
+            f"{tuple(sink.shape)} for q {tuple(q.shape)}"
+        )
+    if sink.device != q.device:
+        raise ValueError(f"{arg} must be on q's device {q.device}, got {sink.device}")
+    return sink.contiguous()
 
 
 def check_varlen_alibi(slopes, q: torch.Tensor, num_seqs: int) -> torch.Tensor:

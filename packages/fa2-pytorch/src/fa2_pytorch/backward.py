@@ -18,6 +18,14 @@ Windows skip as in the forward: only the key tiles [lo, hi) that some query's wi
 one of its keys. Every row that sees a key tile is in its step, so the tile's dK_j and dV_j are complete
 after it, and only dQ accumulates across the loop. Extra memory is O(seqlen_q · BLOCK_N). Rows that saw no
 key have L = +inf, so P = exp(S - inf) = 0 there and they get zero gradients without a special case.
+
+Attention sinks (``spec.sink``): L includes the sink, so P = exp(S - L) is already each key's share of the
+sink-including softmax and dq, dk, dv are computed as without one. The sink's own gradient is its column of
+dS summed: its probability exp(sink[h] - L_i) times (0 - D_i), as it has no value (dP = 0),
+
+    dsink[h] = -Σ_{b, i} exp(sink[h] - L_bhi) · D_bhi
+
+from D, before the loop; a sum over the batch and rows in a fixed order (deterministic).
 Precision as in the forward: fp32 throughout, TF32 matmuls on CUDA for fp16/bf16 inputs.
 
 Packed (variable-length) batches, ``spec.varlen``: as in the forward, the offsets are read once (one
@@ -51,7 +59,7 @@ def flash_attn_backward(
     spec: AttentionSpec,
     block_m: int = BLOCK_M,
     block_n: int = BLOCK_N,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, ...]:
     """Arguments:
         q: (batch, heads, seqlen_q, head_dim); k, v: (batch, heads_k, seqlen_k, head_dim), heads a multiple
             of heads_k: query head h attends to key/value head h // (heads // heads_k); any strides.
@@ -61,7 +69,8 @@ def flash_attn_backward(
     Returns:
         dq, dk, dv in the shapes and dtypes of q, k, v: dk and dv (batch, heads_k, seqlen_k, head_dim), each
         key/value head's gradient summed over the query heads of its group; zero for keys no query sees
-        and for query rows that see no key. No gradient for the ALiBi slopes.
+        and for query rows that see no key. No gradient for the ALiBi slopes. With ``spec.sink``, a fourth:
+        dsink (heads,) float32, summed over the batch and every row (packed: every sequence's).
 
     Packed batches (``spec.varlen``): q, O, dO: (1, heads, total_q, head_dim), L: (1, heads, total_q),
     k, v: (1, heads_k, total_k, head_dim); each sequence's gradients are its own dense backward's (see
@@ -83,7 +92,12 @@ def flash_attn_backward(
         return x.unflatten(1, (heads_k, group)).transpose(2, 3).flatten(2, 3)
 
     q32, dO32 = q.float(), dO.float()
-    delta = fold((dO32 * O.float()).sum(dim=-1, keepdim=True))  # [B, H_K, N_q·GROUP, 1]
+    delta = (dO32 * O.float()).sum(dim=-1)  # [B, H, N_q]
+    dsink = None
+    if spec.sink is not None:
+        # The sink's column of dS: exp(sink - L) · (0 - D), summed over the batch and the rows.
+        dsink = torch.exp(spec.sink[:, None] - L).mul_(delta).sum(dim=(0, 2)).neg_()
+    delta = fold(delta.unsqueeze(-1))  # [B, H_K, N_q·GROUP, 1]
     dq = torch.zeros_like(q32)
     # dq accumulates in q's own layout through a [B, H_K, N_q, GROUP, HEAD_DIM] view: no unfolding copy.
     dq_g = dq.unflatten(1, (heads_k, group)).transpose(2, 3)
@@ -144,7 +158,8 @@ def flash_attn_backward(
             dq_g[:, :, start_m:end_m] += torch.matmul(ds, k_j).mul_(scale).unflatten(2, (end_m - start_m, group))
             dk[:, :, start_n:end_n] = torch.matmul(ds.transpose(-2, -1), q_i).mul_(scale)
 
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+    dq, dk, dv = dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+    return (dq, dk, dv) if dsink is None else (dq, dk, dv, dsink)
 
 
 def _varlen_backward(
@@ -157,7 +172,7 @@ def _varlen_backward(
     spec: AttentionSpec,
     block_m: int,
     block_n: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, ...]:
     """``flash_attn_backward`` of a packed batch: one dense ``flash_attn_backward`` per sequence.
 
     Arguments:
@@ -167,16 +182,18 @@ def _varlen_backward(
     Returns:
         dq (1, heads, total_q, head_dim), dk, dv (1, heads_k, total_k, head_dim), in q's, k's and v's
         dtypes: each sequence's slices its own gradients; zero for a sequence with Nq_s = 0 or Nk_s = 0 and
-        for rows and keys outside every sequence.
+        for rows and keys outside every sequence. With a sink, dsink (heads,) float32: the sum of the
+        sequences' own, in order (a sequence with no key adds none: its O, and so its D, is 0).
     """
     dq = torch.zeros(q.shape, device=q.device, dtype=q.dtype)
     dk = torch.zeros(k.shape, device=k.device, dtype=k.dtype)
     dv = torch.zeros(v.shape, device=v.device, dtype=v.dtype)
+    dsink = None if spec.sink is None else torch.zeros(q.shape[1], device=q.device, dtype=torch.float32)
     for s, (q_start, q_end, k_start, k_end) in enumerate(_sequences(spec, q.shape[2], k.shape[2])):
         if q_start == q_end or k_start == k_end:
             continue
         rows, keys = slice(q_start, q_end), slice(k_start, k_end)
-        dq_s, dk_s, dv_s = flash_attn_backward(
+        dq_s, dk_s, dv_s, *dsink_s = flash_attn_backward(
             q[:, :, rows],
             k[:, :, keys],
             v[:, :, keys],
@@ -188,4 +205,6 @@ def _varlen_backward(
             block_n,
         )
         dq[:, :, rows], dk[:, :, keys], dv[:, :, keys] = dq_s, dk_s, dv_s
-    return dq, dk, dv
+        if dsink is not None:
+            dsink += dsink_s[0]
+    return (dq, dk, dv) if dsink is None else (dq, dk, dv, dsink)

@@ -40,6 +40,10 @@ m_new)``, ``beta = exp(lse_j - m_new)``, ``l_i = alpha l_i + beta``, ``acc = alp
 The scale rides in the score matmul's epilogue, and the tile is read or written five times in all (the
 softcap adds two passes, ALiBi one, the mask of a tile on a window edge one).
 
+Attention sinks (``spec.sink``, gpt-oss): after the loop, each row's sink[h] enters the running state as one
+more tile of one score with no value (an ``lse_j`` of sink[h] and a ``p V`` of 0), so that l_i and L include
+it and acc is rescaled to the new max; a row that saw no key comes out O = 0, L = sink[h].
+
 Packed (variable-length) batches, ``spec.varlen``: q is (1, heads, total_q, head_dim) and k, v (1, heads_k,
 total_k, head_dim), sequence s the rows [cu_seqlens_q[s], cu_seqlens_q[s + 1]) of q and [cu_seqlens_k[s],
 cu_seqlens_k[s + 1]) of k and v. The simplest correct route: the offsets are read to the host once (one
@@ -218,8 +222,25 @@ def flash_attn_forward(
             m_i[:, row_m : row_m + rows_m] = m_new
             # side-by-side: end
 
+    if spec.sink is not None:
+        # side-by-side: sink
+        # Attention sinks: sink[h] joins each row's denominator as one more score, with no value behind it:
+        # one last online-softmax step, M = max(m_i, sink), l_i = l_i·exp(m_i - M) + exp(sink - M), acc
+        # rescaled alike. Folded row n·group + g is query head h_k·group + g: [1, H_K, N·GROUP, 1].
+        rows = seqlen_q * group
+        sink = spec.sink.view(1, heads_k, 1, group).expand(1, heads_k, seqlen_q, group).reshape(1, heads_k, rows, 1)
+        m_i, l_i = m_i.view(batch, heads_k, rows, 1), l_i.view(batch, heads_k, rows, 1)
+        acc = acc.view(batch, heads_k, rows, head_dim)
+        m_new = torch.maximum(m_i, sink)
+        alpha = torch.exp(m_i - m_new)
+        l_i = l_i.mul_(alpha).add_(torch.exp(sink - m_new))
+        acc = acc.mul_(alpha)
+        m_i = m_new
+        # side-by-side: end
+
     # side-by-side: epilogue
-    # Rows that saw no key have l_i = 0: O = 0 and L = +inf (see fa2.attention).
+    # Rows that saw no key have l_i = 0: O = 0 and L = +inf (see fa2.attention); with a sink l_i >= exp(sink - M)
+    # > 0 and such a row gets O = 0, L = sink.
     empty = l_i == 0
     # Unfold the group from the rows back into the heads, contiguous as always: views when group = 1, one
     # copy each otherwise.

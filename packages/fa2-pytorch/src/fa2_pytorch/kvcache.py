@@ -6,7 +6,8 @@ Each (batch, key/value head) is cut into ``num_splits`` key ranges [s·chunk, (s
 CAPACITY (seqlen_cache, or pages_per_seq · page_size), each range's partial (O, L) is computed on its own,
 and the partials are merged by their logsumexp (``fa2.combine``): L = logsumexp_s L_s, O = Σ_s exp(L_s - L)
 O_s. A range that holds no key a row sees (beyond K_b, before leftpad_b, outside the window) has L_s = +inf
-and weighs nothing.
+and weighs nothing. Attention sinks (``spec.sink``) join that merge once, as one more range of mass
+exp(sink[h]) and no value (``fa2.combine``'s ``sink``), never a split's own L_s.
 
 Here the splits are one more matmul batch dim, not a loop: one step of the loop is one BLOCK_N-key tile of
 EVERY split at once, [B·H_K·SPLITS, M·GROUP, BLOCK_N] scores from one bmm, and the loop runs
@@ -87,7 +88,7 @@ def kvcache_forward(
     Returns:
         O: (batch, heads, seqlen_q, head_dim) (packed: (1, heads, total_q, head_dim)), q's dtype, contiguous.
         L: (batch, heads, seqlen_q) (packed: (1, heads, total_q)), float32, natural log. Rows that see no key:
-        O = 0, L = +inf.
+        O = 0, L = +inf (L = sink[h] with ``spec.sink``: the sink joins every row's denominator).
 
     No device sync and no allocation outside torch: capturable in a CUDA graph. Cost: every key tile of the
     capacity, whatever K_b (see the module docstring).
@@ -117,6 +118,8 @@ def kvcache_forward(
     if batch * heads * seqlen_q == 0 or capacity == 0:
         O = torch.zeros(batch, heads, seqlen_q, head_dim, device=device, dtype=q.dtype)
         L = torch.full((batch, heads, seqlen_q), math.inf, device=device, dtype=torch.float32)
+        if spec.sink is not None:
+            L.copy_(spec.sink[:, None].expand(L.shape))
         return _packed(O, L, spec, q) if spec.varlen else (O, L)
 
     # side-by-side: splits
@@ -217,14 +220,14 @@ def kvcache_forward(
             # side-by-side: end
 
     # side-by-side: combine
-    # Each split's (O_s, L_s) in fp32, a split that saw no key L_s = +inf, merged by logsumexp; then the group
-    # unfolded from the rows back into the heads.
+    # Each split's (O_s, L_s) in fp32, a split that saw no key L_s = +inf, the group unfolded from the rows
+    # back into the heads, [SPLITS, B, H, M, ...]; merged by logsumexp, the sink (if any) counted once there.
     empty = l_i == 0
-    O_s = (acc / l_i.masked_fill(empty, 1.0)).view(batch, heads_k, num_splits, rows, head_dim).movedim(2, 0)
-    L_s = (m_i + torch.log(l_i)).masked_fill(empty, math.inf).view(batch, heads_k, num_splits, rows).movedim(2, 0)
-    O, L = combine(O_s, L_s, dtype=q.dtype)  # [B, H_K, M·GROUP, HEAD_DIM], [B, H_K, M·GROUP]
-    O = O.view(batch, heads_k, seqlen_q, group, head_dim).transpose(2, 3).reshape(batch, heads, seqlen_q, head_dim)
-    L = L.view(batch, heads_k, seqlen_q, group).transpose(2, 3).reshape(batch, heads, seqlen_q)
+    O_s = (acc / l_i.masked_fill(empty, 1.0)).view(batch, heads_k, num_splits, seqlen_q, group, head_dim)
+    O_s = O_s.permute(2, 0, 1, 4, 3, 5).reshape(num_splits, batch, heads, seqlen_q, head_dim)
+    L_s = (m_i + torch.log(l_i)).masked_fill(empty, math.inf).view(batch, heads_k, num_splits, seqlen_q, group)
+    L_s = L_s.permute(2, 0, 1, 4, 3).reshape(num_splits, batch, heads, seqlen_q)
+    O, L = combine(O_s, L_s, sink=spec.sink, dtype=q.dtype)  # [B, H, M, HEAD_DIM], [B, H, M]
     # side-by-side: end
     return _packed(O, L, spec, q) if spec.varlen else (O.contiguous(), L.contiguous())
 
