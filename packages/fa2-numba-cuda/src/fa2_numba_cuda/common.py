@@ -131,9 +131,11 @@ def _with_sink(m_i, l_i, sink):
     l = l_i · alpha + exp2(sink - m) and alpha = exp2(m_i - m), by which the row's acc is rescaled; then O =
     acc · alpha / l and L = m + log2 l. A row that saw no key (m_i = -inf, l_i = 0, acc = 0) gets O = 0 and L =
     sink; l >= 1 always, so the no-key marker l = 0 never arises."""
+    # side-by-side: sink
     m = max(m_i, sink)
     alpha = math.exp2(m_i - m)
     return m, l_i * alpha + math.exp2(sink - m), alpha
+    # side-by-side: end
 
 
 def _key_mask(LEFT, RIGHT):
