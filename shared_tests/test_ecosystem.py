@@ -687,6 +687,91 @@ def _generate_matches_eager(backend, status, device, model_type, fa2_transformer
         assert err <= MODEL_FP32_ATOL, f"step {step}: max |logits - eager| = {err:.3g}"
 
 
+# gpt-oss: attention sinks (s_aux, one logit per query head) on alternating sliding (5) and full layers, GQA
+# 4/2, a mixture of 4 experts; its sinks set far from 0 so that they move the output (GPT_OSS_SINKS).
+TINY_GPT_OSS = dict(
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    num_local_experts=4,
+    num_experts_per_tok=2,
+    sliding_window=TINY_WINDOW,
+    layer_types=["sliding_attention", "full_attention"],
+    initializer_range=0.5,
+)
+GPT_OSS_SINKS = (1.5, -1.0, 0.5, 2.0)
+
+
+def _tiny_gpt_oss(attn_implementation, device, dtype=torch.float32, sinks=GPT_OSS_SINKS):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model("gpt_oss", **TINY_GPT_OSS)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.sinks.copy_(torch.tensor(sinks))
+    return model.to(device, dtype)
+
+
+def test_tiny_gpt_oss_exercises_its_sinks(fa2_transformers):
+    """The tiny gpt-oss is sensitive to its sinks: with eager attention, zeroing them (which still adds
+    exp(0) to every denominator) or removing them moves the logits far beyond test_tiny_gpt_oss_matches_eager's
+    tolerances."""
+    input_ids = _tiny_input_ids("cpu", batch=2, seqlen=TINY_PADDED_SEQLEN)
+    with torch.no_grad():
+        logits = _tiny_gpt_oss("eager", "cpu")(input_ids).logits
+        zero = _tiny_gpt_oss("eager", "cpu", sinks=(0.0,) * 4)(input_ids).logits
+    moved = (logits - zero).abs().max().item()
+    assert moved > 0.05, f"zeroing the sinks moved the logits by only {moved:.3g}"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_tiny_gpt_oss_matches_eager(backend, status, device, dtype, fa2_transformers, record_property):
+    """transformers' gpt-oss code with fa2 (its s_aux as fa2's sink): a training step's loss and the
+    gradients of every parameter (the sinks' included), and a left-padded batch's hidden states of the real
+    tokens (on the varlen kernels), against the fp32 model with eager attention: fp32 within MODEL_FP32_ATOL,
+    fp16 and bf16 within twice the error of the eager model in that dtype."""
+    fa2_transformers.register(backend=backend)
+    require_runnable(backend, status, device, dtype, (3, 4, TINY_PADDED_SEQLEN, TINY_PADDED_SEQLEN, 16))
+    input_ids = _tiny_input_ids(device, batch=3, seqlen=TINY_PADDED_SEQLEN)
+    mask = _padding_mask(device, "left")
+    real = mask.bool()
+
+    def run(impl, dtype):
+        model = _tiny_gpt_oss(impl, device, dtype)
+        loss = _require_op(backend, lambda: model(input_ids, labels=input_ids).loss)
+        loss.backward()
+        grads = {name: p.grad.double() for name, p in model.named_parameters() if p.grad is not None}
+        with torch.no_grad():
+            hidden = model.model(input_ids, attention_mask=mask).last_hidden_state.double()
+        return loss.double(), grads, hidden
+
+    ref = run("eager", torch.float32)
+    runs = {"fa2": run("fa2", dtype)}
+    if dtype != torch.float32:
+        runs["eager"] = run("eager", dtype)
+
+    def errors(result):
+        loss, grads, hidden = result
+        return {
+            "loss": (loss - ref[0]).abs().item(),
+            "sinks": max((grads[n] - g).abs().max().item() for n, g in ref[1].items() if n.endswith("sinks")),
+            "grads": max((grads[n] - g).abs().max().item() for n, g in ref[1].items()),
+            "hidden": (hidden - ref[2]).abs()[real].max().item(),
+        }
+
+    errs = {name: errors(result) for name, result in runs.items()}
+    record_property("gpt_oss_errors", errs["fa2"])
+    for what, err in errs["fa2"].items():
+        tol = MODEL_FP32_ATOL if dtype == torch.float32 else 2 * errs["eager"][what]
+        assert err <= tol, f"gpt-oss {what}: max |fa2 - eager fp32| = {err:.3g} > {tol:.3g} ({dtype})"
+
+
 @pytest.mark.parametrize("model_type", [TINY_PADDED[0], TINY_PADDED[2]])
 def test_padded_training_step_matches_eager(backend, status, device, model_type, fa2_transformers):
     """A training step on a right-padded batch (labels -100 on the padding): fa2's loss and every
@@ -1025,7 +1110,7 @@ ATTENTION_FORWARD_REFUSALS = [
         dict(sliding_window=2.5), TypeError, r"sliding_window must be an int or None, got float 2.5", id="window-float"
     ),
     pytest.param(dict(softcap=0.0), ValueError, r"softcap must be > 0 or None, got 0.0", id="softcap0"),
-    pytest.param(dict(s_aux=torch.zeros(4)), NotImplementedError, r"does not support s_aux", id="sinks"),
+    pytest.param(dict(s_aux=torch.zeros(3)), ValueError, r"sink must have shape \(heads,\) = \(2,\)", id="sinks-shape"),
     pytest.param(dict(dropout=0.1), NotImplementedError, r"no attention dropout, got dropout=0.1", id="dropout"),
 ]
 

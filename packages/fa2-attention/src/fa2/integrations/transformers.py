@@ -27,6 +27,9 @@ The keywords a layer passes become fa2.attention's arguments, computed in its ke
   encoders that pass a window, such as ModernBERT, pass their half-width plus one for it).
 - ``softcap`` (Gemma 2's attn_logit_softcapping) is fa2's ``softcap``: scores become
   softcap · tanh(scores / softcap) before the mask, as in transformers' eager attention.
+- ``s_aux`` (gpt-oss's ``sinks``, one logit per query head) is fa2's ``sink``, cast to float32: it joins
+  every row's softmax denominator, as gpt-oss's eager attention appends it as one more column, and its
+  gradient flows back to the parameter.
 
 What ``attention_forward`` does with the mask it is given:
 - None: one fa2.attention call, causal as the layer says (the ``is_causal`` keyword, else
@@ -46,8 +49,7 @@ What ``attention_forward`` does with the mask it is given:
   with a causal layer, a window or a KV cache (NotImplementedError), and taken by an encoder's layer.
 - A 4-D mask that hides nothing: as None.
 - Anything else (a 4-D mask that hides a key, packed sequences together with a padding mask, attention
-  dropout, attention sinks, position biases, paged caches, attention weights): NotImplementedError naming
-  it.
+  dropout, position biases, paged caches, attention weights): NotImplementedError naming it.
 
 Packed sequences (padding-free training: transformers' ``DataCollatorWithFlattening`` concatenates the
 examples into one batch row) run as one fa2.varlen_attention call over the flattened tokens, each sequence
@@ -103,8 +105,7 @@ except ImportError as e:
 NAME = "fa2"
 # Keywords transformers passes for features fa2 does not have; any of them not None is refused.
 UNSUPPORTED = (
-    "s_aux",
-    "position_bias",  # sinks, T5 biases
+    "position_bias",  # T5 biases
     "block_table",
     "cache_seqlens",
 )  # paged caches
@@ -161,7 +162,8 @@ def attention_forward(
             (window (W - 1, W - 1)). See the module docstring for the transformers source it follows.
         softcap: None, or > 0: scores become softcap · tanh(scores / softcap) before the mask.
         backend: as fa2.attention.
-        kwargs: what else the layer passes; read are ``is_causal``, ``output_attentions``, the refused
+        kwargs: what else the layer passes; read are ``is_causal``, ``output_attentions``, ``s_aux`` (attention
+            sinks), the refused
             UNSUPPORTED, and the packed-sequence keywords ``cu_seq_lens_q``, ``cu_seq_lens_k``,
             ``max_length_q``, ``max_length_k`` and ``position_ids`` (see the module docstring).
 
@@ -186,6 +188,10 @@ def attention_forward(
             raise ValueError(f"{type(module).__name__} has no is_causal attribute and none was passed")
     window = _window(sliding_window)
     options = dict(scale=scaling, softcap=_softcap(softcap), backend=backend)
+    s_aux = kwargs.get("s_aux")
+    if s_aux is not None:
+        # gpt-oss's sinks are a parameter in the model's dtype; fa2 takes float32 (the cast carries dsink back).
+        options["sink"] = s_aux.float() if isinstance(s_aux, torch.Tensor) else s_aux
 
     if attention_mask is None or attention_mask.dim() == 4:
         _check_4d_mask(attention_mask)
@@ -427,7 +433,8 @@ def _padded_forward(query, key, value, attention_mask, *, causal: bool, window, 
             "fa2 supports padding at the ends of each row (left or right) with a causal layer, a sliding window "
             "or a KV cache, got a mask with padding between visible tokens"
         )
-    wants_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
+    sink = options.get("sink")
+    wants_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (query, key, value, sink))
     if seqlen_q < seqlen_k and pad.contiguous and not wants_grad:
         O = kvcache_attention(
             query, key, value, pad.end, cache_leftpad=pad.start, causal=causal, window=window, **options
