@@ -23,6 +23,31 @@ from fa2 import api, registry
 from test_conformance import DTYPES, require_runnable, simulated_subset
 
 MAX_Q, PER_QUERY = api.DECODE_MAX_SEQLEN_Q, api.DECODE_MIN_KEYS_PER_QUERY
+MEASURED_MIN_KEYS = dict(api.DECODE_MIN_KEYS)
+
+
+@pytest.fixture(autouse=True)
+def _no_minimum_keys(monkeypatch):
+    """The route's results do not depend on the shape: the tests take it on shapes small enough for the CPU
+    emulators, below the backends' measured DECODE_MIN_KEYS (test_the_measured_thresholds checks those)."""
+    monkeypatch.setattr(api, "DECODE_MIN_KEYS", {name: 0 for name in MEASURED_MIN_KEYS})
+
+
+@pytest.mark.parametrize(
+    "backend_name, nq, nk, routes",
+    [
+        pytest.param("triton", 1, 256, True, id="triton-1x256"),
+        pytest.param("triton", 16, 255, False, id="triton-16x255"),
+        pytest.param("numba-cuda", 1, 4096, True, id="numba-cuda-1x4096"),
+        pytest.param("numba-cuda", 4, 1024, False, id="numba-cuda-4x1024"),
+    ],
+)
+def test_the_measured_thresholds(monkeypatch, backend_name, nq, nk, routes):
+    """The H200's break-even points (docs/benchmarks/h200-decode-routing.md): fa2-triton's KV-cache kernels
+    from 256 keys, fa2-numba-cuda's from 4096."""
+    monkeypatch.setattr(api, "DECODE_MIN_KEYS", MEASURED_MIN_KEYS)
+    q, k = torch.empty(1, 4, nq, 16), torch.empty(1, 2, nk, 16)
+    assert api.decodes(backend_name, q, k, api.make_spec(q, k, True, None)) == routes
 
 
 def _dense(b, h, hk, nq, nk, d=16, causal=False, window=(-1, -1), softcap=0.0, alibi=None, rank=4):

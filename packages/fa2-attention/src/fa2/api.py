@@ -40,10 +40,13 @@ __all__ = ["MAX_HEAD_DIM", "AttentionOutput", "attention", "decodes", "make_spec
 # KV-cache path did not measurably beat its dense one on the CPU (issue 39, at e0ed649 on a shared 2-core
 # machine: faster at some decode shapes, slower at others, 8 × 2k keys 27× slower).
 DECODE_BACKENDS = ("triton", "numba-cuda")
-# The shape rule (``decodes``): seqlen_q <= DECODE_MAX_SEQLEN_Q and seqlen_k >= DECODE_MIN_KEYS_PER_QUERY ·
-# seqlen_q. Issue 39's first guess, to be set from the H200's dense and routed times (python -m
-# fa2.bench.routing).
+# The shape rule (``decodes``): seqlen_q <= DECODE_MAX_SEQLEN_Q and seqlen_k >= DECODE_MIN_KEYS[backend] and
+# >= DECODE_MIN_KEYS_PER_QUERY · seqlen_q. From the H200 (docs/benchmarks/h200-decode-routing.md: bf16, 32/8
+# heads, D 128, causal, batch 1 and 8, 1 / 4 / 16 queries against 256 to 16k keys): fa2-triton's KV-cache
+# kernels won at every point, 1.04-7.1x (so from 256 keys, the fewest measured); fa2-numba-cuda's lost below
+# 1024 keys (0.20-0.70x) and won at every point from 4096 (1.22-5.0x), 1024 being a loss at batch 1.
 DECODE_MAX_SEQLEN_Q = 16
+DECODE_MIN_KEYS = {"triton": 256, "numba-cuda": 4096}
 DECODE_MIN_KEYS_PER_QUERY = 8
 
 
@@ -120,13 +123,14 @@ def attention(
             on such rows instead of NaN (FlashAttention-2's convention).
 
     Decode shapes:
-        1 <= seqlen_q <= DECODE_MAX_SEQLEN_Q (16) and seqlen_k >= DECODE_MIN_KEYS_PER_QUERY (8) · seqlen_q,
-        on a backend of DECODE_BACKENDS (triton, numba-cuda), with no gradient wanted (grad mode off, or no
-        input that requires grad) and outside torch.compile: the backend's split-KV KV-cache kernels run the
-        call (``fa2.kvcache_attention``'s, k and v read in place as a cache full to seqlen_k in every row),
-        every option above included, instead of the dense kernel, whose batch · heads query tiles leave most
-        of a GPU idle there. The same O and L, within the dense kernel's tolerances. Otherwise, and always
-        under torch.compile or when a gradient is wanted, the dense kernel.
+        1 <= seqlen_q <= DECODE_MAX_SEQLEN_Q (16) and seqlen_k >= DECODE_MIN_KEYS_PER_QUERY (8) · seqlen_q and
+        >= the backend's DECODE_MIN_KEYS (triton 256, numba-cuda 4096: where the H200 measured the KV-cache
+        kernels faster), on a backend of DECODE_BACKENDS (triton, numba-cuda), with no gradient wanted (grad
+        mode off, or no input that requires grad) and outside torch.compile: the backend's split-KV KV-cache
+        kernels run the call (``fa2.kvcache_attention``'s, k and v read in place as a cache full to seqlen_k
+        in every row), every option above included, instead of the dense kernel, whose batch · heads query
+        tiles leave most of a GPU idle there. The same O and L, within the dense kernel's tolerances.
+        Otherwise, and always under torch.compile or when a gradient is wanted, the dense kernel.
 
     Empty inputs:
         seqlen_q = 0, or any leading dim 0: O and L are empty; in the backward dk = dv = 0.
@@ -205,10 +209,10 @@ def varlen_attention(
             device; a backend without a packed path raises NotImplementedError.
 
     Decode shapes: as fa2.attention's, on max_seqlen_q and max_seqlen_k (1 <= max_seqlen_q <= 16, max_seqlen_k
-    >= 8 · max_seqlen_q, triton or numba-cuda, no gradient wanted, not under torch.compile): the backend's
-    KV-cache kernels run the call, the packed k and v read in place as one cache row that every sequence
-    shares, sequence s's keys [cu_seqlens_k[s], cu_seqlens_k[s + 1]) of it (its cache_leftpad and
-    cache_seqlens).
+    >= 8 · max_seqlen_q and >= DECODE_MIN_KEYS (triton 256, numba-cuda 4096), triton or numba-cuda, no
+    gradient wanted, not under torch.compile): the backend's KV-cache kernels run the call, the packed k and v
+    read in place as one cache row that every sequence shares, sequence s's keys [cu_seqlens_k[s],
+    cu_seqlens_k[s + 1]) of it (its cache_leftpad and cache_seqlens).
 
     Returns:
         AttentionOutput(O, L): O (total_q, heads, head_dim), q's dtype (a view of a (heads, total_q,
@@ -293,11 +297,11 @@ def _dispatch(q, k, v, spec: AttentionSpec, backend: str | None) -> tuple[torch.
 def decodes(backend: str, q: torch.Tensor, k: torch.Tensor, spec: AttentionSpec) -> bool:
     """Whether fa2.attention / fa2.varlen_attention run this forward by ``backend``'s KV-cache kernels (see
     DECODE_BACKENDS): a backend of DECODE_BACKENDS, at most DECODE_MAX_SEQLEN_Q queries (packed: max_seqlen_q),
-    at least one, and at least DECODE_MIN_KEYS_PER_QUERY times as many keys (packed: max_seqlen_k). Asked only
-    when no gradient is wanted and outside torch.compile."""
+    at least one, and at least DECODE_MIN_KEYS_PER_QUERY times as many keys (packed: max_seqlen_k), and at
+    least the backend's DECODE_MIN_KEYS. Asked only when no gradient is wanted and outside torch.compile."""
     seqlen_q, seqlen_k = (spec.max_seqlen_q, spec.max_seqlen_k) if spec.varlen else (q.shape[-2], k.shape[-2])
     return (
         backend in DECODE_BACKENDS
         and 1 <= seqlen_q <= DECODE_MAX_SEQLEN_Q
-        and seqlen_k >= DECODE_MIN_KEYS_PER_QUERY * seqlen_q
+        and seqlen_k >= max(DECODE_MIN_KEYS[backend], DECODE_MIN_KEYS_PER_QUERY * seqlen_q)
     )
