@@ -44,7 +44,9 @@ What ``attention_forward`` does with the mask it is given:
   the keys in place, each row's padding its ``cache_leftpad``, nothing copied. A mask shorter than the keys
   (a static cache, whose slots past the tokens so far are unwritten) covers the keys it has, and the rest
   are dropped. Reading the mask costs two device syncs, made once per mask tensor (every layer of a forward
-  gets the same one): data-dependent, so eager mode only, not torch.compile(fullgraph=True). Causal and
+  gets the same one): data-dependent, so eager mode only, but for the decode steps (fewer queries than keys, no
+  gradient wanted), which under torch.compile(fullgraph=True) take each row's visible keys to be one run,
+  found by tensor ops, and call fa2.kvcache_attention on the whole cache (a static cache: one graph). Causal and
   window alignment are each row's own, on its real tokens; padding between a row's real tokens is refused
   with a causal layer, a window or a KV cache (NotImplementedError), and taken by an encoder's layer.
 - A 4-D mask that hides nothing: as None.
