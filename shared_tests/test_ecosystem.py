@@ -22,7 +22,7 @@ import torch.nn.functional as F
 import fa2
 from checks import FP32_ATOL, max_err, random_qkv
 from fa2 import ops, registry
-from test_conformance import CAUSAL, DTYPES, require_runnable
+from test_conformance import CAUSAL, DTYPES, require_runnable, simulated_subset
 from test_gradients import grads
 
 FP32 = pytest.param(torch.float32, id="fp32")
@@ -1244,3 +1244,72 @@ def test_attention_forward_masks(backend, status, device, fa2_transformers):
     assert (out[~keep.cpu()] == 0).all()
     with pytest.raises(NotImplementedError, match=r"mask of shape \(2, 1, 7, 7\) that hides keys"):
         fa2_transformers.attention_forward(layer, q, k, v, bias, backend=backend)
+
+
+def _compile_decode_steps(model, dynamo_backend) -> None:
+    """model.forward under torch.compile(fullgraph=True) for decode steps (one token a row); the prefill eager."""
+    prefill = model.forward
+    decode = torch.compile(prefill, fullgraph=True, backend=dynamo_backend)
+
+    def forward(*args, **kwargs):
+        return (decode if kwargs["input_ids"].shape[1] == 1 else prefill)(*args, **kwargs)
+
+    model.forward = forward
+
+
+@pytest.mark.parametrize("padded", [pytest.param(False, id="unpadded"), pytest.param(True, id="left-padded")])
+def test_static_cache_decode_compiles_fullgraph(backend, status, device, padded, fa2_transformers):
+    """``cache_implementation="static"`` with the decode steps' forward under torch.compile(fullgraph=True)
+    (as transformers compiles it on a GPU; the prefill stays eager, its padded mask is read on the host): eager
+    attention's tokens and logits, and no trace after the second decode step (a left-padded batch's mask
+    grows a token a step, which traces once more with its length dynamic)."""
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    fa2_transformers.register(backend=backend)
+    require_runnable(backend, status, device, torch.float32, (3, 4, 17, 17, 16))
+    simulated_subset(backend, status, padded, "the left-padded batch (its kernel path holds the unpadded one's)")
+    pad_token_id = TINY_COMMON["vocab_size"] - 1
+    input_ids = _tiny_input_ids(device, batch=3, seqlen=TINY_PADDED_SEQLEN) % pad_token_id
+    mask = _padding_mask(device, "left") if padded else None
+    graphs, traced = [], []
+
+    def record(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    class CountTraces(LogitsProcessor):
+        def __call__(self, input_ids, scores):
+            traced.append(len(graphs))
+            return scores
+
+    torch._dynamo.reset()
+    out = {}
+    for impl in ("fa2", "eager"):
+        model = _tiny_decoder("llama", impl, device, lm_head=True)
+        processors = None
+        if impl == "fa2":
+            _compile_decode_steps(model, record)
+            processors = LogitsProcessorList([CountTraces()])
+        out[impl] = _require_op(
+            backend,
+            lambda model=model, processors=processors: model.generate(
+                input_ids,
+                attention_mask=mask,
+                max_new_tokens=5,
+                do_sample=False,
+                output_logits=True,
+                return_dict_in_generate=True,
+                pad_token_id=pad_token_id,
+                cache_implementation="static",
+                disable_compile=True,
+                logits_processor=processors,
+            ),
+        )
+    assert torch.equal(out["fa2"].sequences, out["eager"].sequences)
+    for step, (a, b) in enumerate(zip(out["fa2"].logits, out["eager"].logits)):
+        err = (a - b).abs().max().item()
+        assert err <= MODEL_FP32_ATOL, f"step {step}: max |logits - eager| = {err:.3g}"
+    # traced[t]: graphs after token t; token 0 comes from the eager prefill, token 1 from the first decode step
+    assert traced[0] == 0 and traced[1] == 1 and traced[2:] == [2 if padded else 1] * 3, traced
+    fwd = ops.load_kvcache(backend)
+    assert all(any(n.target is fwd for n in gm.graph.nodes) for gm in graphs)

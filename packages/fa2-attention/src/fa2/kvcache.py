@@ -26,7 +26,7 @@ import weakref
 
 import torch
 
-from fa2 import registry
+from fa2 import ops, registry
 from fa2.spec import AttentionOutput, AttentionSpec
 from fa2.validation import (
     FLOAT_DTYPES,
@@ -150,7 +150,7 @@ def kvcache_attention(
             f"a contiguous cache without cache_batch_idx has q's batch {batch} rows, got k_cache {tuple(k_cache.shape)}"
         )
     rotary = _check_rotary(rotary_cos, rotary_sin, q, k, head_dim)
-    if not (_capturing(q) or torch.compiler.is_compiling()):
+    if not (torch.compiler.is_compiling() or _capturing(q)):
         _check_ranges(
             cache_seqlens if isinstance(cache_seqlens, torch.Tensor) else None,
             seqlens,
@@ -234,7 +234,7 @@ def varlen_paged(
     check_index("block_table", block_table, (num_seqs, None), q.device)
     capacity = block_table.shape[1] * k_pages.shape[2]
     seqlens = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).long()
-    if not (_capturing(q) or torch.compiler.is_compiling()):
+    if not (torch.compiler.is_compiling() or _capturing(q)):
         _check_ranges(cu_seqlens_k, seqlens, 0, capacity, k_pages.shape[0], block_table, None, None)
     spec = make_spec(q4, k_pages, causal, scale, window, softcap, sink=sink)
     slopes = None if alibi_slopes is None else check_varlen_alibi(alibi_slopes, q, num_seqs)
@@ -271,7 +271,10 @@ def dense_forward(forward, q, k, v, spec: AttentionSpec) -> tuple[torch.Tensor, 
 
 
 def run(q, k_cache, v_cache, spec: AttentionSpec, backend: str | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The backend's kvcache_forward on validated inputs; O without a gradient path (``_NoBackward``)."""
+    """The backend's kvcache_forward on validated inputs; O without a gradient path (``_NoBackward``). Under
+    torch.compile, its custom op (``fa2.ops.kvcache_op``): one opaque node, whose backward raises too."""
+    if torch.compiler.is_compiling():
+        return ops.call_kvcache(ops.kvcache_op(backend, q.device), q, k_cache, v_cache, spec)
     impl = registry.load(backend if backend is not None else registry.default_backend(q.device))
     forward = getattr(impl, "kvcache_forward", None)
     if forward is None:

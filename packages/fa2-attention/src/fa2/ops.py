@@ -15,10 +15,23 @@ shapes and dtype of q, k, v; dsink: the sink's (heads,) float32, or (0,) without
 output cannot be None; all contiguous) and autograd through the backward op, the sink's gradient included.
 A backend without a backward still gets autograd, which raises NotImplementedError on the backward pass. L
 is not differentiable, as in the backends' FlashAttention2; neither are the ALiBi slopes.
+
+A backend with a ``kvcache_forward`` also gets, on first use (``load_kvcache(name)``, or fa2.kvcache_attention
+under torch.compile through ``kvcache_op``), a forward-only op:
+
+    fa2::<name>_kvcache_fwd(q, k_cache, v_cache, cache_seqlens, cache_leftpad, cache_batch_idx, block_table,
+                            num_splits, <the same options>) -> (O, L)
+
+the KV-cache fields of the spec as optional tensors and an int, the caches contiguous (batch_cache, heads_k,
+seqlen_cache, head_dim) or paged (num_pages, heads_k, page_size, head_dim), read and never written (the
+append happens before, in fa2.kvcache). Its fake implementation is the forward's; the index tensors' values
+are inputs, not constants, so a compiled decode step is traced once for every cache_seqlens. Its autograd
+raises NotImplementedError on the backward pass, as fa2.kvcache_attention's eager path does.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import NamedTuple
 
 import torch
@@ -37,6 +50,7 @@ class BackendOps(NamedTuple):
 
 
 _LOADED: dict[str, BackendOps] = {}
+_KVCACHE_LOADED: dict[str, torch._ops.OpOverload] = {}
 
 
 def forward_op(backend: str | None, device: torch.device) -> torch._ops.OpOverload:
@@ -52,6 +66,52 @@ def _forward_op_name(backend: str | None, device: torch.device) -> str:
     name = backend if backend is not None else registry.default_backend(device)
     load(name)
     return op_names(name)[0]
+
+
+def kvcache_op(backend: str | None, device: torch.device) -> torch._ops.OpOverload:
+    """fa2::<name>_kvcache_fwd of ``backend``, or of ``fa2.registry.default_backend(device)`` for None; errors as
+    ``load_kvcache``. torch.compile traces through this without a graph break, as through ``forward_op``."""
+    return _overload(_kvcache_op_name(backend, device))
+
+
+@torch.compiler.assume_constant_result
+def _kvcache_op_name(backend: str | None, device: torch.device) -> str:
+    name = backend if backend is not None else registry.default_backend(device)
+    load_kvcache(name)
+    return kvcache_op_name(name)
+
+
+def load_kvcache(name: str) -> torch._ops.OpOverload:
+    """fa2::<name>_kvcache_fwd, registered on first use; errors as ``fa2.registry.load``, and
+    NotImplementedError for a backend without a ``kvcache_forward``."""
+    op = _KVCACHE_LOADED.get(name)
+    if op is None:
+        impl = registry.load(name)
+        forward = getattr(impl, "kvcache_forward", None)
+        if forward is None:
+            raise NotImplementedError(f"fa2 backend {impl.NAME!r} has no KV-cache path (kvcache_forward)")
+        op = _KVCACHE_LOADED[name] = _register_kvcache(name, forward)
+    return op
+
+
+def kvcache_op_name(name: str) -> str:
+    """The KV-cache forward op's name of backend ``name``: "numba-cuda" -> "numba_cuda_kvcache_fwd"."""
+    return f"{name.replace('-', '_')}_kvcache_fwd"
+
+
+def call_kvcache(op: torch._ops.OpOverload, q, k_cache, v_cache, spec: AttentionSpec):
+    """``op`` (a fa2::<name>_kvcache_fwd) on (B, H, N, D) q, the caches and a spec: kvcache_forward's signature."""
+    return op(
+        q,
+        k_cache,
+        v_cache,
+        spec.cache_seqlens,
+        spec.cache_leftpad,
+        spec.cache_batch_idx,
+        spec.block_table,
+        spec.num_splits,
+        *_options(spec),
+    )
 
 
 def load(name: str) -> BackendOps:
@@ -235,3 +295,65 @@ def _register(name: str, impl) -> BackendOps:
 
     fwd.register_autograd(fwd_backward, setup_context=setup_context)
     return BackendOps(_overload(fwd_name), _overload(bwd_name))
+
+
+def _register_kvcache(name: str, forward) -> torch._ops.OpOverload:
+    op_name = kvcache_op_name(name)
+
+    @torch.library.custom_op(f"{NAMESPACE}::{op_name}", mutates_args=())
+    def fwd(
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        cache_seqlens: torch.Tensor,
+        cache_leftpad: torch.Tensor | None,
+        cache_batch_idx: torch.Tensor | None,
+        block_table: torch.Tensor | None,
+        num_splits: int,
+        alibi_slopes: torch.Tensor | None,
+        scale: float,
+        window_left: int,
+        window_right: int,
+        softcap: float,
+        cu_seqlens_q: torch.Tensor | None,
+        cu_seqlens_k: torch.Tensor | None,
+        max_seqlen_q: int,
+        max_seqlen_k: int,
+        sink: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        spec = dataclasses.replace(
+            _spec(
+                q,
+                k_cache,
+                alibi_slopes,
+                scale,
+                window_left,
+                window_right,
+                softcap,
+                cu_seqlens_q,
+                cu_seqlens_k,
+                max_seqlen_q,
+                max_seqlen_k,
+                sink,
+            ),
+            cache_seqlens=cache_seqlens,
+            cache_leftpad=cache_leftpad,
+            cache_batch_idx=cache_batch_idx,
+            block_table=block_table,
+            num_splits=num_splits,
+        )
+        O, L = forward(q, k_cache, v_cache, spec)
+        return O.contiguous(), L.contiguous()
+
+    @fwd.register_fake
+    def _(q, k_cache, v_cache, *fields):
+        return q.new_empty(q.shape), q.new_empty(q.shape[:-1], dtype=torch.float32)
+
+    def setup_context(ctx, inputs, output):
+        ctx.mark_non_differentiable(output[1])
+
+    def fwd_backward(ctx, dO, dL):
+        raise NotImplementedError("fa2 has no backward through a KV cache (inference only, as flash-attn's)")
+
+    fwd.register_autograd(fwd_backward, setup_context=setup_context)
+    return _overload(op_name)

@@ -44,7 +44,9 @@ What ``attention_forward`` does with the mask it is given:
   the keys in place, each row's padding its ``cache_leftpad``, nothing copied. A mask shorter than the keys
   (a static cache, whose slots past the tokens so far are unwritten) covers the keys it has, and the rest
   are dropped. Reading the mask costs two device syncs, made once per mask tensor (every layer of a forward
-  gets the same one): data-dependent, so eager mode only, not torch.compile(fullgraph=True). Causal and
+  gets the same one): data-dependent, so eager mode only, but for the decode steps (fewer queries than keys, no
+  gradient wanted), which under torch.compile(fullgraph=True) take each row's visible keys to be one run,
+  found by tensor ops, and call fa2.kvcache_attention on the whole cache (a static cache: one graph). Causal and
   window alignment are each row's own, on its real tokens; padding between a row's real tokens is refused
   with a causal layer, a window or a KV cache (NotImplementedError), and taken by an encoder's layer.
 - A 4-D mask that hides nothing: as None.
@@ -122,9 +124,15 @@ def padding_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_
     """transformers' FlashAttention-2 mask function (None when every key is visible, else the (batch,
     seqlen_k) padding mask), and for a static cache without padding, whose kv_length slots outrun the
     q_offset + q_length tokens written so far, the (batch_size, kv_length) mask of the written ones (that
-    function returns None there, and the unwritten slots would be attended to)."""
+    function returns None there, and the unwritten slots would be attended to). Under torch.compile a given
+    mask is returned as that function slices it, without its check that every key is visible (data-dependent:
+    a graph break), for ``_padded_forward``'s compiled path."""
+    attention_mask = kwargs.get("attention_mask")
+    if torch.compiler.is_compiling() and attention_mask is not None:
+        # sym_max, not [-kv_length:]: a slice's clamp would guard the mask's growing length against kv_length.
+        return attention_mask[:, torch.sym_max(attention_mask.shape[1] - kv_length, 0) :]
     mask = flash_attention_mask(batch_size, q_length, kv_length, q_offset, kv_offset, **kwargs)
-    if mask is not None or kwargs.get("attention_mask") is not None:
+    if mask is not None or attention_mask is not None:
         return mask
     written = q_offset + q_length - kv_offset  # a tensor while decoding (cache_position)
     if not isinstance(written, torch.Tensor) and written >= kv_length:
@@ -380,11 +388,7 @@ def _padding(mask: torch.Tensor) -> _Padding:
     count of visible tokens)."""
     keep = mask.bool()
     batch, n = keep.shape
-    counts = keep.sum(1, dtype=torch.int32)
-    positions = torch.arange(n, device=keep.device, dtype=torch.int32)
-    some = counts > 0
-    start = torch.where(keep, positions, n).amin(1).where(some, 0) if n else counts
-    end = (torch.where(keep, positions, -1).amax(1) + 1).where(some, 0) if n else counts
+    counts, start, end = _extent(keep)
     facts = torch.stack(
         [
             (counts == n).all().long(),
@@ -395,6 +399,20 @@ def _padding(mask: torch.Tensor) -> _Padding:
     indices = keep.flatten().nonzero().view(-1)  # device sync: how many
     cu_seqlens = torch.nn.functional.pad(counts.cumsum(0, dtype=torch.int32), (1, 0))
     return _Padding(keep, bool(facts[0]), indices, cu_seqlens, facts[2], bool(facts[1]), start, end)
+
+
+def _extent(keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(batch,) int32 each, of a (batch, seqlen) bool mask, by tensor ops only (no device sync): each row's
+    count of visible tokens, and the [start, end) from its first to its last (0, 0 for a row with none)."""
+    n = keep.shape[1]
+    counts = keep.sum(1, dtype=torch.int32)
+    if not n:
+        return counts, counts, counts
+    positions = torch.arange(n, device=keep.device, dtype=torch.int32)
+    some = counts > 0
+    start = torch.where(keep, positions, n).amin(1).where(some, 0)
+    end = (torch.where(keep, positions, -1).amax(1) + 1).where(some, 0)
+    return counts, start, end
 
 
 def _padded_forward(query, key, value, attention_mask, *, causal: bool, window, **options) -> torch.Tensor:
@@ -422,6 +440,15 @@ def _padded_forward(query, key, value, attention_mask, *, causal: bool, window, 
         )
     if attention_mask.dtype != torch.bool and (attention_mask.is_floating_point() or attention_mask.is_complex()):
         raise TypeError(f"attention_mask must be bool or integer (1: visible, 0: padding), got {attention_mask.dtype}")
+    sink = options.get("sink")
+    wants_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (query, key, value, sink))
+    if torch.compiler.is_compiling() and seqlen_q < key.shape[-2] and not wants_grad:
+        # Reading the mask's facts is data-dependent (a graph break): each row's visible keys are taken to be
+        # one run, as left padding and a static cache's unwritten slots leave them, and not checked. The keys
+        # are not cut to the mask's length, which grows by a token a step: the graph keeps the cache's shape.
+        _, start, end = _extent(attention_mask.bool())
+        O = kvcache_attention(query, key, value, end, cache_leftpad=start, causal=causal, window=window, **options).O
+        return O.transpose(1, 2).contiguous()
     seqlen_k = attention_mask.shape[1]
     key, value = key[..., :seqlen_k, :], value[..., :seqlen_k, :]
     pad = _memo(attention_mask, _padding)
@@ -433,8 +460,6 @@ def _padded_forward(query, key, value, attention_mask, *, causal: bool, window, 
             "fa2 supports padding at the ends of each row (left or right) with a causal layer, a sliding window "
             "or a KV cache, got a mask with padding between visible tokens"
         )
-    sink = options.get("sink")
-    wants_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (query, key, value, sink))
     if seqlen_q < seqlen_k and pad.contiguous and not wants_grad:
         O = kvcache_attention(
             query, key, value, pad.end, cache_leftpad=pad.start, causal=causal, window=window, **options
