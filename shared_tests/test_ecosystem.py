@@ -678,8 +678,8 @@ def _generate_matches_eager(backend, status, device, model_type, fa2_transformer
                 output_logits=True,
                 return_dict_in_generate=True,
                 pad_token_id=pad_token_id,
-                # transformers compiles the forward for a static cache on a GPU: fa2's padding path reads
-                # the mask (data-dependent) and is eager-only
+                # transformers compiles a static cache's forward with Inductor on a GPU: these tests hold the
+                # eager path; test_static_cache_decode_compiles_fullgraph holds the compiled decode step
                 disable_compile=True,
                 **generate_options,
             ),
