@@ -562,11 +562,12 @@ def _attn_fwd(
     if HAS_SINK:
         # The sink joins the row's sum as one more score, sink[h] · log2(e) in log2 units, that no value
         # follows: one more step of the online softmax, with a single column and nothing added to acc.
+        # acc stays in the old max's units and alpha joins the epilogue's scale, so acc is read once there
+        # (one pass over the tile fewer than rescaling it here).
         # l_i > 0 after it, so a row that saw no key (m_i = -inf, l_i = 0) gets O = 0 and L = sink[h].
         sink = tl.load(Sink + off_h) * 1.4426950408889634
         m_new = tl.maximum(m_i, sink)
         alpha = tl.math.exp2(m_i - m_new)
-        acc = acc * alpha[:, None]
         l_i = l_i * alpha + tl.math.exp2(sink - m_new)
         m_i = m_new
     # side-by-side: end
@@ -575,7 +576,10 @@ def _attn_fwd(
     # Rows that saw no key have l_i = 0: O = 0 and L = +inf (see fa2.attention).
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)
-    acc = acc / l_safe[:, None]
+    if HAS_SINK:
+        acc = acc * (alpha / l_safe)[:, None]
+    else:
+        acc = acc / l_safe[:, None]
     # m_i + log2(l_i) is the log2-domain logsumexp; times ln(2) it is the natural-log one.
     lse = tl.where(empty, float("inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)
 
