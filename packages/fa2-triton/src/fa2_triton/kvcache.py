@@ -539,8 +539,13 @@ def _plan(
     contiguous cache): a decode loop asks the same question every step, and the answer cost ~30 µs of
     host time a call on the H200 before it was cached (Triton's cdiv, the split search)."""
     head_dim_padded = max(16, triton.next_power_of_2(head_dim))
-    tiles = _tiles(head_dim_padded, dtype, group, seqlen_q, page_size)
+    tiles = _tiles(head_dim_padded, dtype, group, seqlen_q)
     programs = batch_heads_k * -(-group * seqlen_q // tiles.block_m)
+    if 0 < page_size < tiles.block_n and programs >= slots(tiles, head_dim_padded, dtype.itemsize, True, device):
+        # Pages smaller than a tile, and a grid that fills the GPU unsplit: half-size key tiles, so that twice
+        # the programs wait on their page lookups at once (64 x 4k keys, pages of 16, on the H200 at f416d0c:
+        # 258 µs against 278 with 128-key tiles; the contiguous cache 259). Split grids did better with 128.
+        tiles = tiles._replace(block_n=tiles.block_n // 2)
     key_tiles = max(1, -(-capacity // tiles.block_n))
     splits = num_splits_asked or num_splits(
         programs, key_tiles, slots(tiles, head_dim_padded, dtype.itemsize, page_size > 0, device)
@@ -563,18 +568,17 @@ def _plan(
     )
 
 
-def _tiles(head_dim_padded: int, dtype: torch.dtype, group: int, seqlen_q: int, page_size: int = 0) -> Tiles:
+def _tiles(head_dim_padded: int, dtype: torch.dtype, group: int, seqlen_q: int) -> Tiles:
     """The split kernel's launch: BLOCK_M covers the group's query rows (at least tl.dot's 16), BLOCK_N
     makes a key tile of about 32 KB (at most 128 rows): on the H200, 128-key tiles at D = 128 beat 64-key
     ones at every decode shape of issue 22 (.whl probe at feab801: 8 x 32k keys 264 against 306 µs, 64 x 4k
     261 against 294), a fourth stage did not help; 8 warps from D = 256."""
     block_n = max(16, min(128, 32768 // (head_dim_padded * dtype.itemsize)))
     block_m = max(16, min(64 if head_dim_padded <= 128 else 32, triton.next_power_of_2(group * seqlen_q)))
-    # Pages smaller than a tile, one query token: 8 warps for the per-row page lookups (8 x 32k keys, pages
-    # of 16: 278 against 290 µs on the H200, .whl/scripts/kv_tiles.py at 7d48f83). With more tokens 8 warps
-    # run far slower (four tokens: 416 against 293 µs there, 248 against 185 at 1 x 128k).
-    one_token_sub_tile_pages = 0 < page_size < block_n and seqlen_q == 1
-    return Tiles(block_m, block_n, 8 if head_dim_padded >= 256 or one_token_sub_tile_pages else 4, 3)
+    # Pages smaller than a tile take 4 warps too: 8 for one query token, once measured faster (7d48f83),
+    # ran 8 x 32k keys in pages of 16 at 404 µs against 284 with 4 on the H200 at f416d0c (1 x 128k: 243
+    # against 177; .whl probe paged_probe.py).
+    return Tiles(block_m, block_n, 8 if head_dim_padded >= 256 else 4, 3)
 
 
 @functools.lru_cache(maxsize=1024)
