@@ -121,11 +121,14 @@ def test_packed_parameters_are_numbas():
 def _dense_spec(
     case: str, batch: int, heads: int, seqlen_q: int, seqlen_k: int, head_dim: int, g: torch.Generator, device="cpu"
 ) -> AttentionSpec:
-    """The spec of a dense-kernel case: causal; a window with softcap and ALiBi (slopes a strided view); or
-    a packed batch of two sequences with ALiBi (q, k, v then (1, heads, total, head_dim))."""
+    """The spec of a dense-kernel case: causal; causal with an attention sink; a window with softcap and ALiBi
+    (slopes a strided view); or a packed batch of two sequences with ALiBi (q, k, v then (1, heads, total,
+    head_dim))."""
     scale = head_dim**-0.5
     if case == "causal":
         return AttentionSpec(scale, (-1, 0))
+    if case == "sink":
+        return AttentionSpec(scale, (-1, 0), sink=torch.randn(heads, generator=g).to(device))
     slopes = torch.rand(batch, 2 * heads, generator=g).to(device)[:, ::2]
     if case == "features":
         return AttentionSpec(scale, (5, 2), softcap=20.0, alibi_slopes=slopes)
@@ -148,7 +151,7 @@ DENSE_CASES = [
     for dtype in (
         (torch.float16, torch.bfloat16) if direction == "forward-tc" else (torch.float32, torch.float16, torch.bfloat16)
     )
-    for case in ("causal", "features", "varlen")
+    for case in ("causal", "sink", "features", "varlen")
 ]
 
 
@@ -188,7 +191,8 @@ def check_dense_parameters_match_numba() -> int:
     def make(direction, dtype, case):
         def inputs(seed):
             launcher, args = _dense_inputs(direction, dtype, case, seed=seed)
-            return launcher, args, (*args[:-1], *common.spec_tensors(args[-1]))
+            spec = args[-1]
+            return launcher, args, (*args[:-1], *common.spec_tensors(spec), *common.sink_tensors(spec))
 
         return inputs
 
@@ -406,6 +410,7 @@ DENSE_GPU_CASES = [
     pytest.param("forward-simt", torch.float32, "causal", 128, id="forward-simt-fp32-causal-D128"),
     pytest.param("forward-simt", torch.bfloat16, "features", 160, id="forward-simt-bf16-window-softcap-alibi-D160"),
     pytest.param("backward", torch.bfloat16, "causal", 128, id="backward-bf16-causal-D128"),
+    pytest.param("backward", torch.bfloat16, "sink", 64, id="backward-bf16-causal-sink-D64"),
     pytest.param("backward", torch.float32, "features", 64, id="backward-fp32-window-softcap-alibi-D64"),
     pytest.param("backward", torch.float16, "varlen", 48, id="backward-fp16-varlen-alibi-D48"),
 ]
@@ -430,6 +435,7 @@ def test_dense_fast_launch_equals_numbas_bit_for_bit(device, monkeypatch, direct
     got = launcher(*inputs)
     assert not prepares, "the second call of a class must take the prepared launch"
     torch.cuda.synchronize()
-    for name, x, ref in zip(("first", "second", "third"), got, expected):
+    assert len(got) == len(expected)
+    for name, x, ref in zip(("first", "second", "third", "fourth"), got, expected):
         difference = (x.float() - ref.float()).abs().max()
         assert torch.equal(x, ref), f"output {name}: max |fast - numba| = {difference:.3g}"

@@ -15,7 +15,7 @@ import torch
 from checks import assert_matches_reference, max_err, random_qkv
 from fa2 import reference
 from fa2.spec import AttentionSpec
-from fa2_numba_cuda import backward, common, forward, kvcache, kvcache_tc
+from fa2_numba_cuda import backward, backward_simt, common, forward, kvcache, kvcache_tc
 from test_gradients import FP32_GRAD_ATOL, assert_grads_match
 
 
@@ -146,12 +146,13 @@ def test_backward_matches_reference(kernel_device, tensor_cores, dtype):
 
 
 def test_varlen_backward_sums_dsink_over_sequences(kernel_device):
-    """A packed batch (the SIMT kernels): dsink sums every sequence's rows of each head."""
-    cu = torch.tensor([0, 7, 19], dtype=torch.int32, device=kernel_device)
-    q, k, v = random_qkv((1, 2, 19, 16), (1, 2, 19, 16), torch.float32, kernel_device, seed=11)
+    """A packed batch (the SIMT kernels): dsink sums every sequence's rows of each head; the preprocess takes
+    the 34 packed rows as one sequence, two blocks, the second sequence in both."""
+    cu = torch.tensor([0, 7, 34], dtype=torch.int32, device=kernel_device)
+    q, k, v = random_qkv((1, 2, 34, 16), (1, 2, 34, 16), torch.float32, kernel_device, seed=11)
     dO = torch.randn(q.shape, generator=torch.Generator().manual_seed(6)).to(kernel_device)
     sink = _sink(2, kernel_device)
-    spec = AttentionSpec(0.25, (-1, 0), cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=12, max_seqlen_k=12, sink=sink)
+    spec = AttentionSpec(0.25, (-1, 0), cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=27, max_seqlen_k=27, sink=sink)
     tq, tk, tv, tdO = (t[0].transpose(0, 1).detach().double().requires_grad_() for t in (q, k, v, dO))
     s64 = sink.double().requires_grad_()
     O_ref, L_ref = reference.varlen_attention(tq, tk, tv, cu, cu, True, 0.25, sink=s64)
@@ -160,7 +161,31 @@ def test_varlen_backward_sums_dsink_over_sequences(kernel_device):
     dq, dk, dv, dsink = backward.flash_attn_backward(q, k, v, O, L_ref.detach().float()[None], dO, spec)
     for name, g, r in zip(("dq", "dk", "dv"), (dq, dk, dv), ref[:3]):
         assert max_err(g[0].transpose(0, 1), r) <= FP32_GRAD_ATOL, name
-    assert max_err(dsink, ref[3]) <= FP32_GRAD_ATOL * 19
+    assert max_err(dsink, ref[3]) <= FP32_GRAD_ATOL * 34
+
+
+def test_preprocess_writes_each_blocks_share(kernel_device):
+    """The preprocess with SINK alone: 70 rows a (batch, head) are three blocks (32, 32, 6 rows), each block's
+    share -Σ exp(sink[h] - L) · delta at [h, b · 3 + tile]; O, dO and L strided, rows with L = +inf (weight
+    0), head_dim 24 (padded to 32); delta, the shares and dsink against fp64 sums of the same O, dO, L."""
+    b, h, n, d = 2, 3, 70, 24
+    g = torch.Generator().manual_seed(4)
+    O, dO = (torch.randn(b, n, h, d, generator=g).to(kernel_device).transpose(1, 2) for _ in "od")
+    L = (torch.randn(b, n, h, generator=g) + 2).to(kernel_device).transpose(1, 2)
+    L[0, 1, 5] = L[1, 2, 69] = float("inf")
+    spec = AttentionSpec(0.25, (-1, 0), sink=_sink(h, kernel_device))
+    delta = torch.empty(b * h * n, dtype=torch.float32, device=kernel_device)
+    parts = backward_simt.dsink_parts(spec, O)
+    backward_simt.launch_preprocess(O, dO, L, delta, parts, spec)
+    delta_ref = (O.double() * dO.double()).sum(-1)
+    rows_ref = -torch.exp(spec.sink.double()[:, None] - L.double()) * delta_ref  # (b, h, n)
+    shares_ref = torch.nn.functional.pad(rows_ref, (0, 96 - n)).view(b, h, 3, 32).sum(-1)
+    assert max_err(delta.view(b, h, n), delta_ref) <= 1e-5
+    assert parts.shape == (h, b * 3)
+    # fp32 sums, as _dsink_tolerance's: FP32_GRAD_ATOL times the rows summed.
+    assert max_err(parts, shares_ref.permute(1, 0, 2).reshape(h, b * 3)) <= FP32_GRAD_ATOL * 32
+    (dsink,) = backward_simt.sink_gradient(spec, parts)
+    assert max_err(dsink, rows_ref.sum(dim=(0, 2))) <= FP32_GRAD_ATOL * b * n
 
 
 KV_KERNELS = [

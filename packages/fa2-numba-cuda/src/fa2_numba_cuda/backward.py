@@ -58,8 +58,9 @@ def flash_attn_backward(
         total_k, head_dim); three kernel launches (preprocess, dK/dV, dQ) whatever the number of sequences,
         no host sync. With spec.sink (attention sinks, (heads,) fp32): (dq, dk, dv, dsink), dsink (heads,)
         fp32 = -Σ_{b, i} exp(sink[h] - L[b, h, i]) · rowsum(dO ∘ O)[b, h, i] over the batch (every sequence of a
-        packed one) and the rows, reduced from the preprocess's delta (``common.sink_gradient``); dq, dk, dv
-        come from the kernels without a sink, L (which includes it) carrying it into P = exp(S - L).
+        packed one) and the rows, each preprocess block's share summed per head by torch in a fixed order
+        (``backward_simt.sink_gradient``); dq, dk, dv come from the kernels without a sink, L (which includes
+        it) carrying it into P = exp(S - L).
     """
     if tensor_cores is None:
         tensor_cores = backward_tc.uses_tensor_cores(q, spec)

@@ -4,9 +4,10 @@ The FA2 paper's Algorithm 2 in FA2's two-kernel split, as ``fa2_triton.backward_
 probabilities are recomputed instead of stored, P = exp(S - L), and
 
     delta  = rowsum(dO ∘ O)              _attn_bwd_preprocess: once, fp32
-    dsink  = -Σ exp(sink - L) ∘ delta    with an attention sink: a torch reduction of delta over the
-                                         batch and rows (``common.sink_gradient``); L includes the sink,
-                                         so the kernels below are those without one
+    dsink  = -Σ exp(sink - L) ∘ delta    with an attention sink (SINK): each preprocess block's share
+                                         over its rows, then each head's shares summed by torch in a
+                                         fixed order (``sink_gradient``); L includes the sink, so the
+                                         kernels below are those without one
     dV_j  += Pᵀ dO_i                     dP = dO_i V_jᵀ
     dS     = P ∘ (dP - delta_i)
     dK_j  += scale · dSᵀ Q_i             _attn_bwd_dkdv: one block per (key tile, batch·key/value head),
@@ -99,6 +100,7 @@ from fa2_numba_cuda.common import (
     _tanh,
     _tile_loader,
     _to_float,
+    dsink_arg,
     feature_args,
     features,
     float32,
@@ -108,12 +110,13 @@ from fa2_numba_cuda.common import (
     score_scale,
     sequence,
     simulated,
-    sink_gradient,
+    sink_arg,
     spec_class,
     spec_positions,
     spec_tensors,
     uint64,
 )
+from fa2_numba_cuda.mma import shfl_xor
 
 # The preprocess kernel: PRE_BLOCK_M rows a block, one warp per row at a time, lanes along head_dim.
 PRE_BLOCK_M = 32
@@ -169,9 +172,11 @@ def _jit(kernel, MAX_REGISTERS):
     return cuda.jit(kernel) if simulated() else cuda.jit(max_registers=MAX_REGISTERS)(kernel)
 
 
-def _build_preprocess(HEAD_DIM, IS_BF16, EVEN_HEAD_DIM):
-    """delta = rowsum(dO ∘ O), fp32, for one padded head dim and input kind."""
+def _build_preprocess(HEAD_DIM, IS_BF16, EVEN_HEAD_DIM, SINK):
+    """delta = rowsum(dO ∘ O), fp32, for one padded head dim and input kind; SINK: also each block's share of
+    the attention sink's gradient (``launch_preprocess``)."""
     to_float, _ = _converters(IS_BF16)
+    assert PRE_BLOCK_M == 32  # the rows' totals are one warp's lanes (SINK adds them up by shuffles)
 
     def _attn_bwd_preprocess(
         o,
@@ -189,11 +194,21 @@ def _build_preprocess(HEAD_DIM, IS_BF16, EVEN_HEAD_DIM):
         seqlen_q,
         head_dim,
         num_m_tiles,
+        lse,
+        stride_lb,
+        stride_lh,
+        stride_lm,
+        dsink,
+        sink,
     ):
         """One block: PRE_BLOCK_M query rows of one (batch, head); delta: (B·H, seqlen_q), flat. Warp w
         takes rows w, w + PRE_WARPS, ...; lane l the columns l, l + 32, ...; the 32 partial sums of a row
-        are added through shared memory."""
-        start_m = (cuda.blockIdx.x % num_m_tiles) * PRE_BLOCK_M
+        are added through shared memory. SINK: lse (B, H, seqlen_q) fp32, natural log, with its element
+        strides, and sink (H,) fp32 are read, and the block writes -Σ_rows exp(sink[h] - L_row) · delta_row
+        to dsink (H, B · num_m_tiles), flat, at [h, b · num_m_tiles + tile]; without SINK the last six
+        arguments are unread (``launch_preprocess``)."""
+        tile_m = cuda.blockIdx.x % num_m_tiles
+        start_m = tile_m * PRE_BLOCK_M
         off_bh = cuda.blockIdx.x // num_m_tiles
         off_b = off_bh // heads
         off_h = off_bh % heads
@@ -219,11 +234,26 @@ def _build_preprocess(HEAD_DIM, IS_BF16, EVEN_HEAD_DIM):
         cuda.syncthreads()
         if cuda.threadIdx.x < PRE_BLOCK_M:
             r = cuda.threadIdx.x
+            total = float32(0.0)
             if start_m + r < seqlen_q:
-                total = float32(0.0)
                 for t in range(32):
                     total += row_part[r, t]
                 delta[uint64(off_bh * seqlen_q + start_m + r)] = total
+            # side-by-side: dsink
+            if SINK:
+                # exp(sink[h] - L) is the weight the sink took in the row (0 where L = +inf); rows past
+                # seqlen_q add 0.
+                share = float32(0.0)
+                if start_m + r < seqlen_q:
+                    lse_r = lse[uint64(off_b * stride_lb + off_h * stride_lh + (start_m + r) * stride_lm)]
+                    share = math.exp(sink[off_h] - lse_r) * total
+                # The block's rows are warp 0's lanes: shuffles add their shares in a fixed order, and one value
+                # per block goes out, at [h, b · tiles + tile] for a fixed-order sum over each head's row.
+                for b in range(5):
+                    share += shfl_xor(share, 1 << b)
+                if r == 0:
+                    dsink[uint64(off_h * (cuda.gridDim.x // heads) + off_b * num_m_tiles + tile_m)] = -share
+            # side-by-side: end
 
     return _jit(_attn_bwd_preprocess, 128)
 
@@ -784,7 +814,7 @@ def _build_dq(HEAD_DIM, config, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN, IS_BF16, EV
     return _jit(_attn_bwd_dq, MAX_REGISTERS)
 
 
-# Compiled kernels by (name, *the builder's arguments): ("preprocess", HEAD_DIM, IS_BF16, EVEN_HEAD_DIM),
+# Compiled kernels by (name, *the builder's arguments): ("preprocess", HEAD_DIM, IS_BF16, EVEN_HEAD_DIM, SINK),
 # ("dkdv" or "dq", HEAD_DIM, config, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN, IS_BF16, EVEN_HEAD_DIM, UNIT_STRIDE_D).
 _KERNELS: dict[tuple, object] = {}
 _BUILDERS = {"preprocess": _build_preprocess, "dkdv": _build_dkdv, "dq": _build_dq}
@@ -799,6 +829,56 @@ def _kernel(name, *key):
     if kernel is None:
         kernel = _KERNELS[(name, *key)] = _BUILDERS[name](*key)
     return kernel
+
+
+def dsink_parts(spec: AttentionSpec, O: torch.Tensor) -> torch.Tensor | None:
+    """With spec.sink, where the preprocess writes each block's share of dsink: (heads, batch · tiles) fp32,
+    uninitialised (every block writes its own; no column where O has no row); else None."""
+    if spec.sink is None:
+        return None
+    batch, heads, seqlen_q = O.shape[:3]
+    return torch.empty(heads, batch * -(-seqlen_q // PRE_BLOCK_M), dtype=torch.float32, device=O.device)
+
+
+def sink_gradient(spec: AttentionSpec, parts: torch.Tensor | None) -> tuple:
+    """The backward's gradient of the attention sink: () without one; else (dsink,), (heads,) fp32, dsink[h] =
+    -Σ_{b, i} exp(sink[h] - L[b, h, i]) · delta[b, h, i] over the batch (every sequence of a packed one) and the
+    rows: each head's row of the preprocess's shares (``dsink_parts``) summed by torch in a fixed order,
+    deterministic, no atomics; parts None (no row): zeros."""
+    if spec.sink is None:
+        return ()
+    if parts is None:
+        return (torch.zeros_like(spec.sink),)
+    return (parts.sum(dim=1),)
+
+
+def preprocess_tensors(O, dO, L, delta, parts, spec: AttentionSpec) -> tuple:
+    """The tensors of a prepared preprocess call (``launch_preprocess``), in order: O, dO, delta, L, and with a
+    sink parts and spec.sink."""
+    return (O, dO, delta, L) if parts is None else (O, dO, delta, L, parts, spec.sink)
+
+
+def launch_preprocess(O, dO, L, delta, parts, spec: AttentionSpec) -> launch.Prepared | None:
+    """The preprocess (SIMT; the tensor-core backward's too): delta = rowsum(dO ∘ O) into ``delta``, (batch ·
+    heads · seqlen_q,) fp32, and with spec.sink each block's share of dsink into ``parts`` (``dsink_parts``).
+    O, dO: (batch, heads, seqlen_q, head_dim), seqlen_q >= 1, one dtype; L: the forward's (batch, heads,
+    seqlen_q) fp32; any strides. A packed batch is one sequence of total_q rows here: delta is per row, the
+    sink per head. Returns the prepared launch (``launch.prepare``), called with ``preprocess_tensors``, or
+    None where numba launches every call."""
+    batch, heads, seqlen_q, head_dim = O.shape
+    HEAD_DIM = padded_head_dim(head_dim)
+    num_m_tiles = -(-seqlen_q // PRE_BLOCK_M)
+    head = (O, dO, delta, *O.stride(), *dO.stride(), heads, seqlen_q, head_dim, num_m_tiles)
+    args = (*head, L, *L.stride(), dsink_arg(parts, O.device), sink_arg(spec, O.device))
+    varying = (0, 1, 2, len(head)) + (() if parts is None else (len(args) - 2, len(args) - 1))
+    return launch.prepare(
+        _kernel("preprocess", HEAD_DIM, O.dtype == torch.bfloat16, head_dim == HEAD_DIM, parts is not None),
+        num_m_tiles * batch * heads,
+        32 * PRE_WARPS,
+        O.device,
+        args,
+        varying,
+    )
 
 
 def flash_attn_backward(
@@ -847,14 +927,15 @@ def flash_attn_backward(
             dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
             dO = dO.to(q.dtype)
             delta = torch.empty(q.shape[0] * q.shape[1] * q.shape[2], dtype=torch.float32, device=q.device)
+            parts = dsink_parts(spec, O)
             extra = spec_tensors(spec)
             if preprocess is not None:
-                preprocess(O, dO, delta)
+                preprocess(*preprocess_tensors(O, dO, L, delta, parts, spec))
             if dkdv is not None:
                 dkdv(q, k, v, dO, L, delta, dk, dv, *extra)
             if dq_kernel is not None:
                 dq_kernel(q, k, v, dO, L, delta, dq, *extra)
-            return dq, dk, dv, *sink_gradient(spec, L, delta)
+            return dq, dk, dv, *sink_gradient(spec, parts)
     batch, heads, seqlen_q, head_dim = q.shape
     heads_k, seqlen_k = k.shape[1], k.shape[2]
     if head_dim > MAX_HEAD_DIM:
@@ -864,9 +945,10 @@ def flash_attn_backward(
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     if head_dim == 0 or batch * heads == 0:
-        return dq, dk, dv, *sink_gradient(spec, L, None)
+        return dq, dk, dv, *sink_gradient(spec, None)
     dO = dO.to(q.dtype)
     delta = torch.empty(batch * heads * seqlen_q, dtype=torch.float32, device=q.device)
+    parts = dsink_parts(spec, O)
 
     HEAD_DIM = padded_head_dim(head_dim)
     dkdv_config, dq_config = config if config is not None else bwd_block_config(HEAD_DIM)
@@ -885,7 +967,6 @@ def flash_attn_backward(
     # delta is per row: the preprocess runs on a packed batch as on one sequence of total_q rows. The main
     # kernels' grids: per (sequence, head), the tiles of the longest sequence; the others' extra tiles exit.
     grid_batch, grid_seqlen_q, grid_seqlen_k = grid_extent(spec, q, k)
-    pre_m_tiles = -(-seqlen_q // PRE_BLOCK_M)
     num_n_tiles = -(-grid_seqlen_k // dkdv_config.BLOCK_N)
     num_m_tiles = -(-grid_seqlen_q // dq_config.BLOCK_M)
 
@@ -895,15 +976,7 @@ def flash_attn_backward(
     plan = [None, None, None]
     prepared = True
     if seqlen_q:
-        args = (O, dO, delta, *O.stride(), *dO.stride(), heads, seqlen_q, head_dim, pre_m_tiles)
-        plan[0] = launch.prepare(
-            _kernel("preprocess", HEAD_DIM, is_bf16, even_head_dim),
-            pre_m_tiles * batch * heads,
-            32 * PRE_WARPS,
-            q.device,
-            args,
-            (0, 1, 2),
-        )
+        plan[0] = launch_preprocess(O, dO, L, delta, parts, spec)
         prepared = prepared and plan[0] is not None
     if seqlen_k and num_n_tiles * grid_batch:
         head = (*inputs, dk, dv, *strides, *sizes)
@@ -933,7 +1006,7 @@ def flash_attn_backward(
         prepared = prepared and plan[2] is not None
     if prepared and key is not None:
         _PREPARED[key] = tuple(plan)
-    return dq, dk, dv, *sink_gradient(spec, L, delta)
+    return dq, dk, dv, *sink_gradient(spec, parts)
 
 
 def kernel_resources() -> list[dict]:
@@ -944,8 +1017,8 @@ def kernel_resources() -> list[dict]:
     rows = []
     for (name, *key), kernel in _KERNELS.items():
         if name == "preprocess":
-            HEAD_DIM, IS_BF16, EVEN_HEAD_DIM = key
-            spec = {"HEAD_DIM": HEAD_DIM, "bf16": IS_BF16, "even_head_dim": EVEN_HEAD_DIM}
+            HEAD_DIM, IS_BF16, EVEN_HEAD_DIM, SINK = key
+            spec = {"HEAD_DIM": HEAD_DIM, "sink": SINK, "bf16": IS_BF16, "even_head_dim": EVEN_HEAD_DIM}
         else:
             HEAD_DIM, config, *switches, IS_BF16, EVEN_HEAD_DIM, UNIT_STRIDE_D = key
             spec = {

@@ -1,10 +1,10 @@
 """FlashAttention-2 backward on tensor cores: fp16 and bf16, ``mma.sync`` from numba-cuda through inline PTX.
 
 The algorithm of ``fa2_numba_cuda.backward_simt`` (FA2, Algorithm 2, in its two-kernel split: delta =
-rowsum(dO ∘ O) by the SIMT preprocess, then one kernel for dK and dV, one for dQ; every element of dq, dk,
-dv written once, no atomics: deterministic), with every matrix product on tensor cores (``mma.py``'s
-m16n8k16 instructions and layouts; fp32 accumulators; P and dS rounded to the inputs' 16-bit type as
-operands, as FlashAttention-2's own kernel does):
+rowsum(dO ∘ O) by the SIMT preprocess (with an attention sink, dsink's shares too), then one kernel for dK
+and dV, one for dQ; every element of dq, dk, dv written once, no atomics: deterministic), with every matrix
+product on tensor cores (``mma.py``'s m16n8k16 instructions and layouts; fp32 accumulators; P and dS rounded
+to the inputs' 16-bit type as operands, as FlashAttention-2's own kernel does):
 
 - ``_attn_bwd_dkdv_tc``: one block per (key tile of BLOCK_N = 16 · DKDV_WARPS keys, batch·key/value head);
   warp w owns keys 16 w .. 16 w + 15 of the tile and never exchanges data with another warp. Its K and V
@@ -70,7 +70,8 @@ import torch
 from numba import cuda, float32, int16, int32, uint32, uint64
 
 from fa2.spec import AttentionSpec
-from fa2_numba_cuda import backward_simt, launch
+from fa2_numba_cuda import launch
+from fa2_numba_cuda.backward_simt import dsink_parts, launch_preprocess, preprocess_tensors, sink_gradient
 from fa2_numba_cuda.common import (
     LOG2E,
     SHARED_ALIGN,
@@ -80,10 +81,8 @@ from fa2_numba_cuda.common import (
     features,
     rows_16b_aligned,
     simulated,
-    sink_gradient,
     spec_class,
 )
-from fa2_numba_cuda.common import padded_head_dim as simt_padded_head_dim
 from fa2_numba_cuda.mma import (
     cp_async_16,
     cp_async_commit,
@@ -1093,13 +1092,14 @@ def flash_attn_backward(
             dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
             dO = dO.to(q.dtype)
             delta = torch.empty(q.shape[0] * q.shape[1] * q.shape[2], dtype=torch.float32, device=q.device)
+            parts = dsink_parts(spec, O)
             if preprocess is not None:
-                preprocess(O, dO, delta)
+                preprocess(*preprocess_tensors(O, dO, L, delta, parts, spec))
             if dkdv is not None:
                 dkdv(q, k, v, dO, L, delta, dk, dv)
             if dq_kernel is not None:
                 dq_kernel(q, k, v, dO, L, delta, dq)
-            return dq, dk, dv, *sink_gradient(spec, L, delta)
+            return dq, dk, dv, *sink_gradient(spec, parts)
     batch, heads, seqlen_q, head_dim = q.shape
     heads_k, seqlen_k = k.shape[1], k.shape[2]
     if q.dtype not in (torch.float16, torch.bfloat16):
@@ -1122,9 +1122,10 @@ def flash_attn_backward(
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     if head_dim == 0 or batch * heads == 0:
-        return dq, dk, dv, *sink_gradient(spec, L, None)
+        return dq, dk, dv, *sink_gradient(spec, None)
     dO = dO.to(q.dtype)
     delta = torch.empty(batch * heads * seqlen_q, dtype=torch.float32, device=q.device)
+    parts = dsink_parts(spec, O)
 
     HEAD_DIM = padded_head_dim(head_dim)
     config = TensorCoreBwdConfig(*config) if config is not None else tc_bwd_config(HEAD_DIM, max_shared_bytes(q.device))
@@ -1160,15 +1161,8 @@ def flash_attn_backward(
     plan = [None, None, None]
     prepared = True
     if seqlen_q:
-        # delta = rowsum(dO ∘ O): the SIMT preprocess (fp32 sums, its own head-dim padding).
-        pre_m_tiles = -(-seqlen_q // backward_simt.PRE_BLOCK_M)
-        pre = backward_simt._kernel(
-            "preprocess", simt_padded_head_dim(head_dim), is_bf16, head_dim == simt_padded_head_dim(head_dim)
-        )
-        args = (O, dO, delta, *O.stride(), *dO.stride(), heads, seqlen_q, head_dim, pre_m_tiles)
-        plan[0] = launch.prepare(
-            pre, pre_m_tiles * batch * heads, 32 * backward_simt.PRE_WARPS, q.device, args, (0, 1, 2)
-        )
+        # delta = rowsum(dO ∘ O) and the sink's shares: the SIMT preprocess (fp32 sums, its own head-dim padding).
+        plan[0] = launch_preprocess(O, dO, L, delta, parts, spec)
         prepared = prepared and plan[0] is not None
     if seqlen_k:
         args = (*inputs, dk.view(out_dtype), dv.view(out_dtype), *tail, num_n_tiles)
@@ -1196,7 +1190,7 @@ def flash_attn_backward(
         prepared = prepared and plan[2] is not None
     if prepared and key is not None:
         _PREPARED[key] = tuple(plan)
-    return dq, dk, dv, *sink_gradient(spec, L, delta)
+    return dq, dk, dv, *sink_gradient(spec, parts)
 
 
 def kernel_resources() -> list[dict]:

@@ -7,7 +7,8 @@
 - bf16 as int16 bit patterns (``_bf16_to_float``, ``_float_to_bf16``) and the fp32 ``_tanh`` of the softcap;
 - ``Features``: an ``AttentionSpec``'s compile-time switches, with their runtime arguments (``feature_args``),
   the grid's extent and the packed batch's offsets (``grid_extent``, ``offset_args``, ``sequence``); the
-  attention sink of the kernels that normalise (``_with_sink``, ``sink_arg``);
+  attention sink of the kernels that normalise (``_with_sink``, ``sink_arg``), and its gradient's shares from
+  the backward's preprocess (``dsink_arg``);
 - the SIMT kernels' block (``BlockConfig``, ``padded_head_dim``, ``_tile_loader``) and pre-scale
   (``score_scale``); the KV-cache split kernels' copy of a stage's K and V tiles from a contiguous or paged
   cache (``_kv_loader``);
@@ -214,18 +215,19 @@ def sink_arg(spec: AttentionSpec, device: torch.device):
     return flat
 
 
-def sink_gradient(spec: AttentionSpec, L: torch.Tensor, delta: torch.Tensor | None) -> tuple:
-    """The backward's gradient of the attention sink: () without one; else (dsink,), (heads,) fp32, dsink[h] =
-    -Σ_{b, i} exp(sink[h] - L[b, h, i]) · delta[b, h, i] over the batch (every sequence of a packed one) and the
-    rows, from the forward's L (which includes the sink) and the preprocess's delta = rowsum(dO ∘ O), flat in
-    L's (batch, heads, seqlen_q) order (None: no row to sum, dsink = 0). The dK/dV and dQ kernels are those
-    without a sink (P = exp(S - L)). A fixed-order torch reduction: deterministic, no atomics."""
-    if spec.sink is None:
-        return ()
-    if delta is None or delta.numel() == 0:
-        return (torch.zeros_like(spec.sink),)
-    weight = torch.exp(spec.sink[:, None] - L)  # (batch, heads, seqlen_q): the sink's probability in each row
-    return (-(weight * delta.view(L.shape)).sum(dim=(0, 2)),)
+_NO_DSINK: dict[torch.device, object] = {}
+
+
+def dsink_arg(parts: torch.Tensor | None, device: torch.device):
+    """The backward preprocess's argument before its sink (``sink_arg``): ``parts``, where it writes its blocks'
+    shares of the sink's gradient (``backward_simt.dsink_parts``), or without a sink one fp32 zero on
+    ``device``, made once, unread (its own array, as ``sink_arg``'s)."""
+    if parts is not None:
+        return parts
+    flat = _NO_DSINK.get(device)
+    if flat is None:
+        flat = _NO_DSINK[device] = _flat(torch.zeros(1, dtype=torch.float32, device=device))
+    return flat
 
 
 def sink_tensors(spec: AttentionSpec) -> tuple:
