@@ -1198,6 +1198,32 @@ def test_attention_forward_padded_matches_transformers_eager(
     assert (O.cpu()[~real] == 0).all(), "padded query rows must be zero"
 
 
+def test_padding_mask_is_read_once(backend, status, device, fa2_transformers, monkeypatch):
+    """Every layer is handed the same attention_mask: its facts (two device syncs), and with fewer queries
+    than keys and a gradient wanted (unpadded onto the varlen kernels, not the KV-cache ones) those of its
+    last seqlen_q positions, are read at the first layer only; that path gives the KV-cache path's output."""
+    require_runnable(backend, status, device, torch.float32, (3, 4, 3, TINY_PADDED_SEQLEN, 16))
+    simulated_subset(backend, status, False, "none: the mask is read before the kernels, tested on the others")
+    q, k, v = random_qkv((3, 4, 3, 16), (3, 2, TINY_PADDED_SEQLEN, 16), torch.float32, device, seed=3)
+    mask = _padding_mask(device, "left")
+
+    def layer_forward():
+        return _require_op(
+            backend, lambda: fa2_transformers.attention_forward(_layer(True), q, k, v, mask, backend=backend)[0]
+        )
+
+    with torch.no_grad():
+        expected = layer_forward()
+    read = []
+    real = fa2_transformers._padding
+    monkeypatch.setattr(fa2_transformers, "_padding", lambda m: read.append(tuple(m.shape)) or real(m))
+    q.requires_grad_()
+    for layer in range(3):
+        err = max_err(layer_forward(), expected)
+        assert err <= FP32_ATOL["O"], f"layer {layer}: max |O - the KV-cache path's| = {err:.3g}"
+    assert read == [(3, TINY_PADDED_SEQLEN), (3, 3)], read
+
+
 PADDING_MASK_ERRORS = [
     pytest.param(
         torch.ones(2, 8, dtype=torch.bool), ValueError, r"attention_mask must be a \(batch, seqlen_k\)", id="longer"
