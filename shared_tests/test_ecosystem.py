@@ -509,6 +509,36 @@ def test_tiny_decoder_matches_eager(
     )
 
 
+def _generate_matches_eager(backend, device, model_type, input_ids, fa2_prepare=None, max_new_tokens=4, **options):
+    """Greedy generation from input_ids by the tiny ``model_type`` with its language-model head, with fa2 and
+    with eager attention (the same weights): the same tokens, and every step's logits within MODEL_FP32_ATOL.
+    ``fa2_prepare(model)``, where given, readies the fa2 model and returns generate options of its own; options
+    go to both generate calls."""
+    out = {}
+    for impl in ("fa2", "eager"):
+        model = _tiny_decoder(model_type, impl, device, lm_head=True)
+        own = fa2_prepare(model) if impl == "fa2" and fa2_prepare is not None else {}
+        out[impl] = _require_op(
+            backend,
+            lambda model=model, own=own: model.generate(
+                input_ids,
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                output_logits=True,
+                return_dict_in_generate=True,
+                # transformers compiles a static cache's forward with Inductor on a GPU: these tests hold the
+                # eager path; test_static_cache_decode_compiles_fullgraph compiles its decode steps (fa2_prepare)
+                disable_compile=True,
+                **options,
+                **own,
+            ),
+        )
+    assert torch.equal(out["fa2"].sequences, out["eager"].sequences)
+    for step, (a, b) in enumerate(zip(out["fa2"].logits, out["eager"].logits)):
+        err = (a - b).abs().max().item()
+        assert err <= MODEL_FP32_ATOL, f"step {step}: max |logits - eager| = {err:.3g}"
+
+
 @pytest.mark.parametrize("model_type", TINY_DECODERS)
 def test_decoder_generates_with_kv_cache(backend, status, device, model_type, fa2_transformers):
     """Greedy generation, a 13-token prefill (longer than the sliding window) then one token at a time from
@@ -516,21 +546,7 @@ def test_decoder_generates_with_kv_cache(backend, status, device, model_type, fa
     query's window at its own position, so every step's logits match eager attention."""
     fa2_transformers.register(backend=backend)
     require_runnable(backend, status, device, torch.float32, (2, 4, 17, 17, 16))
-    input_ids = _tiny_input_ids(device, seqlen=13)
-    out = {}
-    for impl in ("fa2", "eager"):
-        model = _tiny_decoder(model_type, impl, device, lm_head=True)
-        # _require_op calls the lambda at once, in this iteration
-        out[impl] = _require_op(
-            backend,
-            lambda: model.generate(  # noqa: B023
-                input_ids, max_new_tokens=4, do_sample=False, output_logits=True, return_dict_in_generate=True
-            ),
-        )
-    assert torch.equal(out["fa2"].sequences, out["eager"].sequences)
-    for step, (a, b) in enumerate(zip(out["fa2"].logits, out["eager"].logits)):
-        err = (a - b).abs().max().item()
-        assert err <= MODEL_FP32_ATOL, f"step {step}: max |logits - eager| = {err:.3g}"
+    _generate_matches_eager(backend, device, model_type, _tiny_input_ids(device, seqlen=13))
 
 
 def test_refuses_dropout(backend, fa2_transformers):
@@ -548,6 +564,7 @@ TINY_PADDED_SEQLEN = 11
 TINY["qwen2"] = dict(num_key_value_heads=2, sliding_window=TINY_WINDOW, use_sliding_window=True, max_window_layers=1)
 TINY_PADDED = [*TINY_DECODERS, pytest.param("qwen2", id=f"qwen2-gqa-window{TINY_WINDOW}-layer0")]
 PADDING_SIDES = [pytest.param("left", id="left-padded"), pytest.param("right", id="right-padded")]
+PAD_TOKEN_ID = TINY_COMMON["vocab_size"] - 1  # never in _padded_prompts: generate would read it as padding
 
 
 def _padding_mask(device, side, batch=3, seqlen=TINY_PADDED_SEQLEN, pads=(0, 4, 7)):
@@ -558,6 +575,11 @@ def _padding_mask(device, side, batch=3, seqlen=TINY_PADDED_SEQLEN, pads=(0, 4, 
             mask[b, :n] = 0 if side == "left" else 1
             mask[b, seqlen - n :] = 1 if side == "left" else 0
     return mask.to(device)
+
+
+def _padded_prompts(device):
+    """(3, TINY_PADDED_SEQLEN) token ids for batched generate, none of them PAD_TOKEN_ID."""
+    return _tiny_input_ids(device, batch=3, seqlen=TINY_PADDED_SEQLEN) % PAD_TOKEN_ID
 
 
 def _tiny_encoder(attn_implementation, device, dtype=torch.float32):
@@ -641,7 +663,12 @@ def test_padded_generate_matches_eager(backend, status, device, model_type, fa2_
     (each row's padding its cache_leftpad; plain fa2.attention where a sliding-window cache's keys hold no
     padding any more); the tokens and every step's logits as eager attention's."""
     calls = _record_padded_calls(monkeypatch, fa2_transformers)
-    _generate_matches_eager(backend, status, device, model_type, fa2_transformers, _padding_mask(device, "left"))
+    fa2_transformers.register(backend=backend)
+    require_runnable(backend, status, device, torch.float32, (3, 4, 17, 17, 16))
+    mask = _padding_mask(device, "left")
+    _generate_matches_eager(
+        backend, device, model_type, _padded_prompts(device), attention_mask=mask, pad_token_id=PAD_TOKEN_ID
+    )
     # A sliding-window cache keeps only the last keys: once those hold no padding, a step is plain attention.
     assert calls[:2] == ["varlen_attention"] * 2 and len(calls) == 2 + 2 * 3
     assert "varlen_attention" not in calls[2:], calls
@@ -655,39 +682,18 @@ def test_static_cache_generate_matches_eager(backend, status, device, model_type
     """``cache_implementation="static"``: the cache's slots outrun the tokens written so far, which
     ``register``'s mask function (``padding_mask``) hides, with or without padding; the tokens and logits
     as eager attention's."""
-    mask = _padding_mask(device, "left") if padded else None
-    _generate_matches_eager(backend, status, device, model_type, fa2_transformers, mask, cache_implementation="static")
-
-
-def _generate_matches_eager(backend, status, device, model_type, fa2_transformers, mask, **generate_options):
     fa2_transformers.register(backend=backend)
     require_runnable(backend, status, device, torch.float32, (3, 4, 17, 17, 16))
-    pad_token_id = TINY_COMMON["vocab_size"] - 1  # never in the prompts: generate would read it as padding
-    input_ids = _tiny_input_ids(device, batch=3, seqlen=TINY_PADDED_SEQLEN) % pad_token_id
-    out = {}
-    for impl in ("fa2", "eager"):
-        model = _tiny_decoder(model_type, impl, device, lm_head=True)
-        # _require_op calls the lambda at once, in this iteration
-        out[impl] = _require_op(
-            backend,
-            lambda: model.generate(  # noqa: B023
-                input_ids,
-                attention_mask=mask,
-                max_new_tokens=4,
-                do_sample=False,
-                output_logits=True,
-                return_dict_in_generate=True,
-                pad_token_id=pad_token_id,
-                # transformers compiles a static cache's forward with Inductor on a GPU: these tests hold the
-                # eager path; test_static_cache_decode_compiles_fullgraph holds the compiled decode step
-                disable_compile=True,
-                **generate_options,
-            ),
-        )
-    assert torch.equal(out["fa2"].sequences, out["eager"].sequences)
-    for step, (a, b) in enumerate(zip(out["fa2"].logits, out["eager"].logits)):
-        err = (a - b).abs().max().item()
-        assert err <= MODEL_FP32_ATOL, f"step {step}: max |logits - eager| = {err:.3g}"
+    mask = _padding_mask(device, "left") if padded else None
+    _generate_matches_eager(
+        backend,
+        device,
+        model_type,
+        _padded_prompts(device),
+        attention_mask=mask,
+        pad_token_id=PAD_TOKEN_ID,
+        cache_implementation="static",
+    )
 
 
 # gpt-oss: attention sinks (s_aux, one logit per query head) on alternating sliding (5) and full layers, GQA
@@ -1192,6 +1198,32 @@ def test_attention_forward_padded_matches_transformers_eager(
     assert (O.cpu()[~real] == 0).all(), "padded query rows must be zero"
 
 
+def test_padding_mask_is_read_once(backend, status, device, fa2_transformers, monkeypatch):
+    """Every layer is handed the same attention_mask: its facts (two device syncs), and with fewer queries
+    than keys and a gradient wanted (unpadded onto the varlen kernels, not the KV-cache ones) those of its
+    last seqlen_q positions, are read at the first layer only; that path gives the KV-cache path's output."""
+    require_runnable(backend, status, device, torch.float32, (3, 4, 3, TINY_PADDED_SEQLEN, 16))
+    simulated_subset(backend, status, False, "none: the mask is read before the kernels, tested on the others")
+    q, k, v = random_qkv((3, 4, 3, 16), (3, 2, TINY_PADDED_SEQLEN, 16), torch.float32, device, seed=3)
+    mask = _padding_mask(device, "left")
+
+    def layer_forward():
+        return _require_op(
+            backend, lambda: fa2_transformers.attention_forward(_layer(True), q, k, v, mask, backend=backend)[0]
+        )
+
+    with torch.no_grad():
+        expected = layer_forward()
+    read = []
+    real = fa2_transformers._padding
+    monkeypatch.setattr(fa2_transformers, "_padding", lambda m: read.append(tuple(m.shape)) or real(m))
+    q.requires_grad_()
+    for layer in range(3):
+        err = max_err(layer_forward(), expected)
+        assert err <= FP32_ATOL["O"], f"layer {layer}: max |O - the KV-cache path's| = {err:.3g}"
+    assert read == [(3, TINY_PADDED_SEQLEN), (3, 3)], read
+
+
 PADDING_MASK_ERRORS = [
     pytest.param(
         torch.ones(2, 8, dtype=torch.bool), ValueError, r"attention_mask must be a \(batch, seqlen_k\)", id="longer"
@@ -1268,9 +1300,6 @@ def test_static_cache_decode_compiles_fullgraph(backend, status, device, padded,
     fa2_transformers.register(backend=backend)
     require_runnable(backend, status, device, torch.float32, (3, 4, 17, 17, 16))
     simulated_subset(backend, status, padded, "the left-padded batch (its kernel path holds the unpadded one's)")
-    pad_token_id = TINY_COMMON["vocab_size"] - 1
-    input_ids = _tiny_input_ids(device, batch=3, seqlen=TINY_PADDED_SEQLEN) % pad_token_id
-    mask = _padding_mask(device, "left") if padded else None
     graphs, traced = [], []
 
     def record(gm, example_inputs):
@@ -1282,33 +1311,22 @@ def test_static_cache_decode_compiles_fullgraph(backend, status, device, padded,
             traced.append(len(graphs))
             return scores
 
+    def compile_decode_steps(model):
+        _compile_decode_steps(model, record)
+        return dict(logits_processor=LogitsProcessorList([CountTraces()]))
+
     torch._dynamo.reset()
-    out = {}
-    for impl in ("fa2", "eager"):
-        model = _tiny_decoder("llama", impl, device, lm_head=True)
-        processors = None
-        if impl == "fa2":
-            _compile_decode_steps(model, record)
-            processors = LogitsProcessorList([CountTraces()])
-        out[impl] = _require_op(
-            backend,
-            lambda model=model, processors=processors: model.generate(
-                input_ids,
-                attention_mask=mask,
-                max_new_tokens=5,
-                do_sample=False,
-                output_logits=True,
-                return_dict_in_generate=True,
-                pad_token_id=pad_token_id,
-                cache_implementation="static",
-                disable_compile=True,
-                logits_processor=processors,
-            ),
-        )
-    assert torch.equal(out["fa2"].sequences, out["eager"].sequences)
-    for step, (a, b) in enumerate(zip(out["fa2"].logits, out["eager"].logits)):
-        err = (a - b).abs().max().item()
-        assert err <= MODEL_FP32_ATOL, f"step {step}: max |logits - eager| = {err:.3g}"
+    _generate_matches_eager(
+        backend,
+        device,
+        "llama",
+        _padded_prompts(device),
+        fa2_prepare=compile_decode_steps,
+        max_new_tokens=5,
+        attention_mask=_padding_mask(device, "left") if padded else None,
+        pad_token_id=PAD_TOKEN_ID,
+        cache_implementation="static",
+    )
     # traced[t]: graphs after token t; token 0 comes from the eager prefill, token 1 from the first decode step
     assert traced[0] == 0 and traced[1] == 1 and traced[2:] == [2 if padded else 1] * 3, traced
     fwd = ops.load_kvcache(backend)

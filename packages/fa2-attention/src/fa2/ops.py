@@ -134,6 +134,29 @@ def call_forward(op: torch._ops.OpOverload, q, k, v, spec: AttentionSpec):
     return op(q, k, v, *_options(spec))
 
 
+# What every op (fa2::<name>_fwd, _bwd, _kvcache_fwd) takes after its own tensors: an AttentionSpec spelled out
+# in a schema's plain types, the sink last (it came last) and optional. _options and _spec convert to and from it.
+_OPTIONS = (
+    "Tensor? alibi_slopes",
+    "float scale",
+    "SymInt window_left",
+    "SymInt window_right",
+    "float softcap",
+    "Tensor? cu_seqlens_q",
+    "Tensor? cu_seqlens_k",
+    "SymInt max_seqlen_q",
+    "SymInt max_seqlen_k",
+    "Tensor? sink=None",
+)
+# Which options are tensors: autograd saves those with save_for_backward, and keeps the others on its context.
+_TENSOR_OPTIONS = tuple(option.startswith("Tensor") for option in _OPTIONS)
+
+
+def _schema(tensors: str, returns: str) -> str:
+    """An op's schema: its own arguments (e.g. "Tensor q, Tensor k, Tensor v"), then _OPTIONS, then returns."""
+    return f"({tensors}, {', '.join(_OPTIONS)}) -> {returns}"
+
+
 def _options(spec: AttentionSpec) -> tuple:
     return (
         spec.alibi_slopes,
@@ -161,8 +184,9 @@ def _spec(
     cu_seqlens_k,
     max_seqlen_q,
     max_seqlen_k,
-    sink,
+    sink=None,
 ) -> AttentionSpec:
+    """The AttentionSpec of ``_options``' values for q and k; the dispatcher leaves out a trailing sink=None."""
     group = q.shape[1] // k.shape[1] if k.shape[1] else 1
     return AttentionSpec(
         scale,
@@ -187,41 +211,11 @@ def _register(name: str, impl) -> BackendOps:
     backward = getattr(impl, "flash_attn_backward", None)
     fwd_name, bwd_name = op_names(name)
 
-    @torch.library.custom_op(f"{NAMESPACE}::{fwd_name}", mutates_args=())
-    def fwd(
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        alibi_slopes: torch.Tensor | None,
-        scale: float,
-        window_left: int,
-        window_right: int,
-        softcap: float,
-        cu_seqlens_q: torch.Tensor | None,
-        cu_seqlens_k: torch.Tensor | None,
-        max_seqlen_q: int,
-        max_seqlen_k: int,
-        sink: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        O, L = forward(
-            q,
-            k,
-            v,
-            _spec(
-                q,
-                k,
-                alibi_slopes,
-                scale,
-                window_left,
-                window_right,
-                softcap,
-                cu_seqlens_q,
-                cu_seqlens_k,
-                max_seqlen_q,
-                max_seqlen_k,
-                sink,
-            ),
-        )
+    @torch.library.custom_op(
+        f"{NAMESPACE}::{fwd_name}", mutates_args=(), schema=_schema("Tensor q, Tensor k, Tensor v", "(Tensor, Tensor)")
+    )
+    def fwd(q, k, v, *options):
+        O, L = forward(q, k, v, _spec(q, k, *options))
         return O.contiguous(), L.contiguous()
 
     @fwd.register_fake
@@ -229,11 +223,11 @@ def _register(name: str, impl) -> BackendOps:
         return q.new_empty(q.shape), q.new_empty(q.shape[:-1], dtype=torch.float32)
 
     def setup_context(ctx, inputs, output):
-        q, k, v, alibi_slopes, scale, left, right, softcap, cu_q, cu_k, max_q, max_k, sink = inputs
+        q, k, v, *options = inputs
         O, L = output
         ctx.mark_non_differentiable(L)
-        ctx.save_for_backward(q, k, v, O, L, alibi_slopes, cu_q, cu_k, sink)
-        ctx.options = (scale, left, right, softcap, max_q, max_k)
+        ctx.save_for_backward(q, k, v, O, L, *(o if t else None for o, t in zip(options, _TENSOR_OPTIONS)))
+        ctx.options = [None if t else o for o, t in zip(options, _TENSOR_OPTIONS)]
 
     if backward is None:
 
@@ -243,55 +237,31 @@ def _register(name: str, impl) -> BackendOps:
         fwd.register_autograd(fwd_backward, setup_context=setup_context)
         return BackendOps(_overload(fwd_name), None)
 
-    @torch.library.custom_op(f"{NAMESPACE}::{bwd_name}", mutates_args=())
-    def bwd(
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        O: torch.Tensor,
-        L: torch.Tensor,
-        dO: torch.Tensor,
-        alibi_slopes: torch.Tensor | None,
-        scale: float,
-        window_left: int,
-        window_right: int,
-        softcap: float,
-        cu_seqlens_q: torch.Tensor | None,
-        cu_seqlens_k: torch.Tensor | None,
-        max_seqlen_q: int,
-        max_seqlen_k: int,
-        sink: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        spec = _spec(
-            q,
-            k,
-            alibi_slopes,
-            scale,
-            window_left,
-            window_right,
-            softcap,
-            cu_seqlens_q,
-            cu_seqlens_k,
-            max_seqlen_q,
-            max_seqlen_k,
-            sink,
-        )
+    @torch.library.custom_op(
+        f"{NAMESPACE}::{bwd_name}",
+        mutates_args=(),
+        schema=_schema(
+            "Tensor q, Tensor k, Tensor v, Tensor O, Tensor L, Tensor dO", "(Tensor, Tensor, Tensor, Tensor)"
+        ),
+    )
+    def bwd(q, k, v, O, L, dO, *options):
+        spec = _spec(q, k, *options)
         dq, dk, dv, *dsink = backward(q, k, v, O, L, dO, spec)
-        dsink = dsink[0] if sink is not None else q.new_empty((0,), dtype=torch.float32)
+        dsink = dsink[0] if spec.sink is not None else q.new_empty((0,), dtype=torch.float32)
         return dq.contiguous(), dk.contiguous(), dv.contiguous(), dsink.contiguous()
 
     @bwd.register_fake
-    def _(q, k, v, O, L, dO, alibi_slopes, scale, left, right, softcap, cu_q, cu_k, max_q, max_k, sink=None):
+    def _(q, k, v, O, L, dO, *options):
+        sink = _spec(q, k, *options).sink
         dsink = q.new_empty((0,) if sink is None else sink.shape, dtype=torch.float32)
         return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dsink
 
     def fwd_backward(ctx, dO, dL):
-        q, k, v, O, L, alibi_slopes, cu_q, cu_k, sink = ctx.saved_tensors
-        scale, left, right, softcap, max_q, max_k = ctx.options
-        dq, dk, dv, dsink = bwd(
-            q, k, v, O, L, dO, alibi_slopes, scale, left, right, softcap, cu_q, cu_k, max_q, max_k, sink
-        )
-        return dq, dk, dv, *([None] * 9), dsink if sink is not None else None
+        q, k, v, O, L, *tensors = ctx.saved_tensors
+        options = [saved if t else o for saved, o, t in zip(tensors, ctx.options, _TENSOR_OPTIONS)]
+        dq, dk, dv, dsink = bwd(q, k, v, O, L, dO, *options)
+        # no gradient for an option but the sink, the last
+        return dq, dk, dv, *([None] * (len(options) - 1)), dsink if options[-1] is not None else None
 
     fwd.register_autograd(fwd_backward, setup_context=setup_context)
     return BackendOps(_overload(fwd_name), _overload(bwd_name))
@@ -299,43 +269,15 @@ def _register(name: str, impl) -> BackendOps:
 
 def _register_kvcache(name: str, forward) -> torch._ops.OpOverload:
     op_name = kvcache_op_name(name)
+    tensors = (
+        "Tensor q, Tensor k_cache, Tensor v_cache, "
+        "Tensor cache_seqlens, Tensor? cache_leftpad, Tensor? cache_batch_idx, Tensor? block_table, SymInt num_splits"
+    )
 
-    @torch.library.custom_op(f"{NAMESPACE}::{op_name}", mutates_args=())
-    def fwd(
-        q: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        cache_seqlens: torch.Tensor,
-        cache_leftpad: torch.Tensor | None,
-        cache_batch_idx: torch.Tensor | None,
-        block_table: torch.Tensor | None,
-        num_splits: int,
-        alibi_slopes: torch.Tensor | None,
-        scale: float,
-        window_left: int,
-        window_right: int,
-        softcap: float,
-        cu_seqlens_q: torch.Tensor | None,
-        cu_seqlens_k: torch.Tensor | None,
-        max_seqlen_q: int,
-        max_seqlen_k: int,
-        sink: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    @torch.library.custom_op(f"{NAMESPACE}::{op_name}", mutates_args=(), schema=_schema(tensors, "(Tensor, Tensor)"))
+    def fwd(q, k_cache, v_cache, cache_seqlens, cache_leftpad, cache_batch_idx, block_table, num_splits, *options):
         spec = dataclasses.replace(
-            _spec(
-                q,
-                k_cache,
-                alibi_slopes,
-                scale,
-                window_left,
-                window_right,
-                softcap,
-                cu_seqlens_q,
-                cu_seqlens_k,
-                max_seqlen_q,
-                max_seqlen_k,
-                sink,
-            ),
+            _spec(q, k_cache, *options),
             cache_seqlens=cache_seqlens,
             cache_leftpad=cache_leftpad,
             cache_batch_idx=cache_batch_idx,

@@ -43,9 +43,10 @@ What ``attention_forward`` does with the mask it is given:
   cache) with every row's padding on its left and no gradient wanted: one fa2.kvcache_attention call on
   the keys in place, each row's padding its ``cache_leftpad``, nothing copied. A mask shorter than the keys
   (a static cache, whose slots past the tokens so far are unwritten) covers the keys it has, and the rest
-  are dropped. Reading the mask costs two device syncs, made once per mask tensor (every layer of a forward
-  gets the same one): data-dependent, so eager mode only, but for the decode steps (fewer queries than keys, no
-  gradient wanted), which under torch.compile(fullgraph=True) take each row's visible keys to be one run,
+  are dropped. Reading the mask costs two device syncs (two more for the query rows where they are fewer
+  than the keys and unpadded), made once per mask tensor (every layer of a forward gets the same one):
+  data-dependent, so eager mode only, but for the decode steps (fewer queries than keys, no gradient
+  wanted), which under torch.compile(fullgraph=True) take each row's visible keys to be one run,
   found by tensor ops, and call fa2.kvcache_attention on the whole cache (a static cache: one graph). Causal and
   window alignment are each row's own, on its real tokens; padding between a row's real tokens is refused
   with a causal layer, a window or a KV cache (NotImplementedError), and taken by an encoder's layer.
@@ -331,23 +332,23 @@ def _longest(cu: torch.Tensor) -> int:
     return int(cu.diff().max()) if cu.numel() > 1 else 0
 
 
-# (id(tensor), fn) -> (weak reference to the tensor, its version counter, fn(tensor)); an entry leaves when
-# its tensor is freed.
+# (id(tensor), fn, args) -> (weak reference to the tensor, its version counter, fn(tensor, *args)); an entry
+# leaves when its tensor is freed.
 _MEMO: dict = {}
 
 
-def _memo(t: torch.Tensor, fn):
-    """fn(t), computed once while t lives and is not modified in place (its version counter): a model hands
-    every layer the same position_ids and cu_seq_lens tensors, so only its first layer pays fn's device
-    syncs. Inference-mode tensors have no version counter, and under torch.compile nothing is kept: fn runs
-    every call."""
+def _memo(t: torch.Tensor, fn, *args):
+    """fn(t, *args), computed once while t lives and is not modified in place (its version counter): a model
+    hands every layer the same position_ids, cu_seq_lens and attention_mask tensors, so only its first layer
+    pays fn's device syncs. Inference-mode tensors have no version counter, and under torch.compile nothing
+    is kept: fn runs every call."""
     if torch.compiler.is_compiling() or t.is_inference():
-        return fn(t)
-    key = (id(t), fn)
+        return fn(t, *args)
+    key = (id(t), fn, args)
     hit = _MEMO.get(key)
     if hit is not None and hit[0]() is t and hit[1] == t._version:
         return hit[2]
-    value = fn(t)
+    value = fn(t, *args)
     _MEMO[key] = (weakref.ref(t, lambda _, key=key, memo=_MEMO: memo.pop(key, None)), t._version, value)
     return value
 
@@ -399,6 +400,12 @@ def _padding(mask: torch.Tensor) -> _Padding:
     indices = keep.flatten().nonzero().view(-1)  # device sync: how many
     cu_seqlens = torch.nn.functional.pad(counts.cumsum(0, dtype=torch.int32), (1, 0))
     return _Padding(keep, bool(facts[0]), indices, cu_seqlens, facts[2], bool(facts[1]), start, end)
+
+
+def _last_padding(mask: torch.Tensor, n: int) -> _Padding:
+    """The facts of a (batch, seqlen) padding mask's last n positions: the query rows' where the n queries
+    are the keys' last (after a KV cache)."""
+    return _padding(mask[:, -n:])
 
 
 def _extent(keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -467,7 +474,7 @@ def _padded_forward(query, key, value, attention_mask, *, causal: bool, window, 
         return O.transpose(1, 2).contiguous()
     heads_k = key.shape[1]
     k, v = (t.transpose(1, 2).reshape(batch * seqlen_k, heads_k, head_dim)[pad.indices] for t in (key, value))
-    q_pad = pad if seqlen_q == seqlen_k else _padding(pad.keep[:, -seqlen_q:])
+    q_pad = pad if seqlen_q == seqlen_k else _memo(attention_mask, _last_padding, seqlen_q)
     q = query.transpose(1, 2).reshape(batch * seqlen_q, heads, head_dim)[q_pad.indices]
     O = varlen_attention(
         q, k, v, q_pad.cu_seqlens, pad.cu_seqlens, q_pad.longest, pad.longest, causal=causal, window=window, **options
