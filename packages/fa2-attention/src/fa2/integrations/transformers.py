@@ -131,7 +131,9 @@ def padding_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_
     attention_mask = kwargs.get("attention_mask")
     if torch.compiler.is_compiling() and attention_mask is not None:
         # sym_max, not [-kv_length:]: a slice's clamp would guard the mask's growing length against kv_length.
-        return attention_mask[:, torch.sym_max(attention_mask.shape[1] - kv_length, 0) :]
+        # Plain ints (a static length) take max: torch 2.11's dynamo refuses a sym_max that returns an int.
+        start = attention_mask.shape[1] - kv_length
+        return attention_mask[:, torch.sym_max(start, 0) if isinstance(start, torch.SymInt) else max(start, 0) :]
     mask = flash_attention_mask(batch_size, q_length, kv_length, q_offset, kv_offset, **kwargs)
     if mask is not None or attention_mask is not None:
         return mask
