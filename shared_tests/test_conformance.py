@@ -79,6 +79,14 @@ def simulated_subset(backend, status, keep: bool, why: str):
         pytest.skip(f"numba-cuda's simulator runs {why}; this case runs on the GPU (nox -s test_gpu)")
 
 
+def emulated_subset(backend, status, keep: bool, why: str):
+    """``simulated_subset`` for both emulators, Triton's interpreter too: a case whose code is the shared
+    interface's (fa2-pytorch runs it natively on the CPU) or whose property only a GPU can break, that the
+    emulated backends leave to the GPU; ``why`` says what they run instead."""
+    if backend != "pytorch" and status == "emulated" and not keep:
+        pytest.skip(f"{backend} emulated runs {why}; this case runs on the GPU (nox -s test_gpu)")
+
+
 def run(backend, q, k, v, causal=False, scale=None):
     """fa2.attention, with a backend's documented refusal (NotImplementedError) turned into a skip."""
     try:

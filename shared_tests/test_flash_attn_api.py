@@ -129,8 +129,11 @@ CASES = [
     _case(1, 2, 1, 13, 29, 40),
 ]
 VARIANTS = ["func", "kvpacked", "qkvpacked"]
-# kvpacked stacks k and v and calls func's kernels on the views: numba's simulator runs it on one GQA case.
+# kvpacked and qkvpacked stack their inputs and call func's kernels on the views (strided inputs, which
+# test_gradients.py's test_strided_gradients covers in each kernel path): numba's simulator runs kvpacked on
+# one GQA case and qkvpacked on one multi-head case.
 KVPACKED_SIMULATED = "B1-H4-Hk2-19x37-D16-causal"
+QKVPACKED_SIMULATED = "B2-H3-17x17-D32"
 
 
 def _bshd(b, h, h_k, n_q, n_k, d, dtype, device, seed):
@@ -162,9 +165,12 @@ def _skip_variant(variant, shape):
         pytest.skip("qkvpacked: one seqlen and one head count for q, k and v")
 
 
-def _simulated_kvpacked(backend, status, variant, shape, causal):
-    keep = variant != "kvpacked" or _case(*shape, causal=causal).id == KVPACKED_SIMULATED
-    simulated_subset(backend, status, keep, f"kvpacked on {KVPACKED_SIMULATED} only")
+def _simulated_packed(backend, status, variant, shape, causal):
+    case = _case(*shape, causal=causal).id
+    keep = {"func": True, "kvpacked": case == KVPACKED_SIMULATED, "qkvpacked": case == QKVPACKED_SIMULATED}[variant]
+    simulated_subset(
+        backend, status, keep, f"kvpacked on {KVPACKED_SIMULATED} and qkvpacked on {QKVPACKED_SIMULATED} only"
+    )
 
 
 def _bhsd(*xs):
@@ -178,7 +184,7 @@ def test_matches_reference(backend, status, device, dtype, shape, causal, varian
     """out (b, s_q, h, d) in q's dtype, softmax_lse (b, h, s_q) float32, None for S_dmask, against the
     reference on the (b, h, s, d) transposes."""
     _skip_variant(variant, shape)
-    _simulated_kvpacked(backend, status, variant, shape, causal)
+    _simulated_packed(backend, status, variant, shape, causal)
     b, h, h_k, n_q, n_k, d = shape
     require_runnable(backend, status, device, dtype, (b, h, n_q, n_k, d))
     q, k, v = _bshd(*shape, dtype, device, seed=sum(shape))
@@ -207,7 +213,7 @@ def test_gradients(backend, status, device, dtype, shape, causal, variant):
     """Gradients to q, k, v, or to the packed tensor: one gradient shaped like the packed input, whose
     slices match the reference's dq, dk, dv."""
     _skip_variant(variant, shape)
-    _simulated_kvpacked(backend, status, variant, shape, causal)
+    _simulated_packed(backend, status, variant, shape, causal)
     b, h, h_k, n_q, n_k, d = shape
     require_runnable(backend, status, device, dtype, (b, h, n_q, n_k, d))
     q, k, v = (t.requires_grad_() for t in _bshd(*shape, dtype, device, seed=sum(shape) + 1))
@@ -388,7 +394,8 @@ def test_gradients_are_bit_identical_run_after_run(backend, status, device, dtyp
         first = torch.autograd.grad(out, (q, k, v), g, retain_graph=True)
     except NotImplementedError as e:
         pytest.skip(f"{backend} has no backward: {e}")
-    for _ in range(3):
+    # numba's simulator, one repeat: its kernels' order of arithmetic is the GPU's, which repeats them three times.
+    for _ in range(1 if backend == "numba-cuda" and status == "emulated" else 3):
         again = torch.autograd.grad(out, (q, k, v), g, retain_graph=True)
         for name, a, b in zip(("dq", "dk", "dv"), first, again):
             assert torch.equal(a, b), f"{name} differs between two backward calls"
@@ -577,6 +584,7 @@ def _varlen_case(
     if ref_window is None:
         ref_window = (window[0], 0) if causal else window
     case = dict(
+        name=name,
         lens_q=lens_q,
         lens_k=lens_k,
         h=h,
@@ -593,6 +601,8 @@ def _varlen_case(
     return pytest.param(case, id=name)
 
 
+# numba's simulator runs varlen qkvpacked on this case only (as QKVPACKED_SIMULATED).
+VARLEN_QKVPACKED_SIMULATED = "one-sequence"
 VARLEN_CASES = [
     _varlen_case("one-sequence", [23]),
     _varlen_case("three-H3", [17, 33, 5], h=3),
@@ -689,6 +699,16 @@ def _skip_varlen_variant(variant, case):
         pytest.skip("qkvpacked: one set of offsets and one head count for q, k and v")
 
 
+def _simulated_varlen_packed(backend, status, variant, case):
+    keep = {"func": True, "kvpacked": case["h"] != case["h_k"], "qkvpacked": case["name"] == VARLEN_QKVPACKED_SIMULATED}
+    simulated_subset(
+        backend,
+        status,
+        keep[variant],
+        f"varlen kvpacked on the GQA and MQA cases and varlen qkvpacked on {VARLEN_QKVPACKED_SIMULATED} only",
+    )
+
+
 def _require_varlen(backend, status, device, dtype, case):
     require_runnable(
         backend, status, device, dtype, (1, case["h"], sum(case["lens_q"]), max(1, sum(case["lens_k"])), case["d"])
@@ -771,12 +791,7 @@ def test_varlen_matches_reference(backend, status, device, dtype, case, variant)
     """out (total_q, h, d) in q's dtype, softmax_lse (h, total_q) float32 (flash-attn's unpadded LSE), None
     for S_dmask; each sequence against the reference on its own slices."""
     _skip_varlen_variant(variant, case)
-    simulated_subset(
-        backend,
-        status,
-        variant != "kvpacked" or case["h"] != case["h_k"],
-        "varlen kvpacked on the GQA and MQA cases only",
-    )
+    _simulated_varlen_packed(backend, status, variant, case)
     _require_varlen(backend, status, device, dtype, case)
     q, k, v, cu_q, cu_k, _ = _varlen_inputs(case, dtype, device, seed=len(case["lens_q"]) + sum(case["lens_k"]))
     (out, lse, S_dmask), _ = _varlen_call(variant, case, q, k, v, cu_q, cu_k, backend, causal=case["causal"])
@@ -804,12 +819,7 @@ def test_varlen_gradients(backend, status, device, dtype, case, variant):
     """Gradients to q, k, v, or one gradient shaped like the packed input; each sequence's slices against
     the reference's; zero where a sequence has no query or no key."""
     _skip_varlen_variant(variant, case)
-    simulated_subset(
-        backend,
-        status,
-        variant != "kvpacked" or case["h"] != case["h_k"],
-        "varlen kvpacked on the GQA and MQA cases only",
-    )
+    _simulated_varlen_packed(backend, status, variant, case)
     _require_varlen(backend, status, device, dtype, case)
     q, k, v, cu_q, cu_k, _ = _varlen_inputs(case, dtype, device, seed=sum(case["lens_q"]) + 1)
     q, k, v = (t.requires_grad_() for t in (q, k, v))

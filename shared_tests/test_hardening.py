@@ -44,7 +44,7 @@ MAX_HEAD_DIM = fa2.api.MAX_HEAD_DIM
 # simulator spends ~0.7 s per block and key tile (a Python thread per CUDA thread): a few blocks each.
 FUZZ_WORK = {"cpu": {"pytorch": 2e6, "triton": 2e6, "numba-cuda": 4e4}, "cuda": 3e8}
 FUZZ_SEQLEN = {"cpu": 300, "cuda": 2100}
-FUZZ_EXAMPLES = {"cpu": {"pytorch": 30, "triton": 25, "numba-cuda": 15}, "cuda": 50}
+FUZZ_EXAMPLES = {"cpu": {"pytorch": 30, "triton": 25, "numba-cuda": 8}, "cuda": 50}
 
 # Hypothesis starts from, and shrinks towards, the first entry of each: a plain case, not a degenerate one.
 SEQLENS = (17, 1, 2, 3, 5, 7, 13, 16, 31, 32, 33, 61, 64, 65, 127, 128, 129, 131, 257, 1021, 2048, 0)

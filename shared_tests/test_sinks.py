@@ -23,7 +23,7 @@ from checks import assert_matches_reference, max_err, random_qkv
 from fa2 import reference, registry
 from fa2.flash_attn import FlashAttnTypeError, FlashAttnValueError, flash_attn_func, flash_attn_varlen_func
 from fa2.validation import make_spec
-from test_conformance import DTYPES, require_runnable, simulated_subset
+from test_conformance import DTYPES, emulated_subset, require_runnable, simulated_subset
 from test_gradients import FP32_GRAD_ATOL, assert_grads_match, grads
 from test_kvcache import _case as _kv_case
 from test_kvcache import _kvcache_forward, _make, assert_matches_kvcache_reference
@@ -183,7 +183,7 @@ def test_rows_that_see_no_key_get_the_sink(backend, status, device):
 def test_sink_backward_is_deterministic(backend, status, device):
     """Two backward passes give bit-identical dq, dk, dv and dsink (no atomics in the sink's sum)."""
     require_runnable(backend, status, device, torch.float32, (2, 4, 33, 47, 16))
-    simulated_subset(backend, status, False, "no determinism case (its threads run one after the other)")
+    emulated_subset(backend, status, False, "no determinism case (an emulator's order of work is not a GPU's)")
     q, k, v = (t.requires_grad_() for t in random_qkv((2, 4, 33, 16), (2, 2, 47, 16), torch.float32, device, seed=5))
     sink = make_sink(4, device, seed=5).requires_grad_()
     dO = torch.randn(q.shape, generator=torch.Generator().manual_seed(5)).to(device)
@@ -214,7 +214,7 @@ def test_compiled_sink_gradients_are_eagers(backend, status, device):
     """torch.compile: the sink rides in the backend's custom ops as a tensor input, and its gradient comes
     back through the backward op, bit-identical to eager."""
     require_runnable(backend, status, device, torch.float32, (2, 4, 17, 29, 16))
-    simulated_subset(backend, status, False, SHARED_CODE)
+    emulated_subset(backend, status, False, SHARED_CODE)
     q, k, v = (t.requires_grad_() for t in random_qkv((2, 4, 17, 16), (2, 2, 29, 16), torch.float32, device, seed=6))
     sink = make_sink(4, device, seed=6).requires_grad_()
 

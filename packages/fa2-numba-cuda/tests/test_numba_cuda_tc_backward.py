@@ -136,9 +136,17 @@ def _forward(q, k, v, causal, window, scale):
     return O64.to(q.dtype), L64.float()
 
 
+# bf16 differs from fp16 in its conversions only: the simulator runs bf16 on the cases that name more than
+# dtype, mask and shape (D40's padding, the large tiles, the strided layout), fp16 on all.
+SIMULATED_BF16 = {"B1-H1-45x29-D40"}
+
+
 @pytest.mark.parametrize("dtype, case", CASES)
 def test_tensor_core_backward_matches_reference(tc_device, calls, dtype, case):
     b, h, h_k, n_q, n_k, d = case["shape"]
+    plain = case["config"] is None and case["layout"] == "contiguous"
+    if common.simulated() and dtype == torch.bfloat16 and plain and f"B{b}-H{h}-{n_q}x{n_k}-D{d}" not in SIMULATED_BF16:
+        pytest.skip("the simulator runs this case in fp16 (bf16 on D40, the large tiles and the strided layout)")
     causal, window, scale = case["causal"], case["window"], case["scale"]
     q, k, v, dO = _inputs(dtype, case, tc_device)
     O, L = _forward(q, k, v, causal, window, scale)
