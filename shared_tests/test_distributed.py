@@ -75,9 +75,10 @@ SIMULATOR_REASON = (
     "full square, full 2c x c and c x 2c); the rest runs with --device cuda and on the other backends"
 )
 EMULATOR_REASON = (
-    "under an emulator the rings run the first three shapes (head_dim 16 and 32: MHA, GQA, MQA) "
-    "and no full-attention zig-zag (the same blocks as contiguous, the rows in another order); the "
-    "rest runs with --device cuda and on fa2-pytorch"
+    "under an emulator the rings run the first three shapes (head_dim 16 and 32: MHA, GQA, MQA) on 1 and 2 "
+    "ranks and no full-attention zig-zag (the same blocks as contiguous, the rows in another order): 3 ranks "
+    "send the kernels no block that 2 do, and their first case took 152 s in Triton's interpreter; the rest "
+    "runs with --device cuda and on fa2-pytorch"
 )
 WORLD1_REASON = (
     "a group of one runs no ring (fa2.attention on the whole shard, whose own suite covers the shapes): "
@@ -111,7 +112,7 @@ def _skip_reason(backend, status, device, world, case: Case) -> str | None:
     ):
         return SIMULATOR_REASON
     if status == "emulated" and (
-        case.shape not in [s.values[0] for s in SHAPES[:3]] or case.layout == "zigzag" and not case.causal
+        case.shape not in [s.values[0] for s in SHAPES[:3]] or case.layout == "zigzag" and not case.causal or world > 2
     ):
         return EMULATOR_REASON
     b, h, _, n, d = case.shape
