@@ -3,7 +3,8 @@
 (``kvcache_simt``, ``kvcache_tc``, ``kvcache_combine``, launched by ``kvcache``).
 
 - the simulator switch (``simulated``) and what differs under it: no libdevice, no aligned shared arrays,
-  numpy's float32, int32 and uint32 and plain ints for numba's slow scalar casts;
+  numpy's float32, int32 and uint32 and plain ints for numba's slow scalar casts, and the simulator's
+  ``cuda.shared.array`` made safe for the block's threads (``_shared_array``);
 - bf16 as int16 bit patterns (``_bf16_to_float``, ``_float_to_bf16``) and the fp32 ``_tanh`` of the softcap;
 - ``Features``: an ``AttentionSpec``'s compile-time switches, with their runtime arguments (``feature_args``),
   the grid's extent and the packed batch's offsets (``grid_extent``, ``offset_args``, ``sequence``); the
@@ -19,6 +20,7 @@
 from __future__ import annotations
 
 import math
+import sys
 from typing import NamedTuple
 
 import numba
@@ -61,6 +63,32 @@ if simulated():
 
     float32 = np.float32
     int32, uint32 = np.int32, np.uint32
+
+    # numba-cuda's simulator (0.30.4; unchanged on its main branch in July 2026) keeps one numpy array per
+    # cuda.shared.array line of a launch, in a dict by (file, line), and declares it by a check, then a store.
+    # The block's threads are Python threads: when the GIL passes from a thread between its check and its store
+    # to another that declares the same line, each makes an array, and one thread is left with a "shared" array
+    # of its own (its writes unseen by the block, np.empty's garbage read): now and then in CI, dq off by 0.9 or
+    # a forward's first rows changing between identical calls. Here the store is a dict.setdefault, atomic under
+    # the GIL, so that every thread gets the array stored first; keys and semantics are the simulator's.
+    # The caller is named by its frame, cheaper than traceback.extract_stack, which looks up every frame's line.
+    from numba.cuda.simulator import kernelapi as _kernelapi
+
+    _simulator_shared_array = _kernelapi.FakeCUDAShared.array
+
+    def _shared_array(self, shape, dtype, alignment=None):
+        if shape == 0 or alignment is not None:  # dynamic shared memory (one buffer), or the simulator's refusal
+            return _simulator_shared_array(self, shape, dtype, alignment)
+        caller = sys._getframe(1)
+        key = (caller.f_code.co_filename, caller.f_lineno)
+        array = self._allocations.get(key)
+        if array is None:
+            if isinstance(dtype, _kernelapi.types.Type):
+                dtype = _kernelapi.numpy_support.as_dtype(dtype)
+            array = self._allocations.setdefault(key, np.empty(shape, dtype))
+        return array
+
+    _kernelapi.FakeCUDAShared.array = _shared_array
 
 else:
     SHARED_ALIGN = 16
