@@ -193,11 +193,6 @@ def test_matches_reference(backend, status, device, dtype, shape, causal, varian
     assert lse.shape == (b, h, n_q) and lse.dtype == torch.float32
     assert S_dmask is None
     assert_matches_reference(*_bhsd(out), lse, *_bhsd(q, k, v), causal)
-    if backend == "numba-cuda" and status == "emulated":
-        # Once in three CI runs at c81312a (numba-cuda-fp32-B1-H2-Hk1-13x29-D40-func, after other tests in
-        # the worker) the simulator's second, identical call returned other values on the first rows; not
-        # reproduced alone. Not yet explained: skipped there, run on the GPU.
-        pytest.skip("numba-cuda's simulator: the second identical call is not compared (a flake, not yet explained)")
     plain = {
         "func": lambda: flash_attn_func(q, k, v, causal=causal, backend=backend),
         "kvpacked": lambda: flash_attn_kvpacked_func(q, torch.stack([k, v], 2), causal=causal, backend=backend),
