@@ -216,13 +216,6 @@ def _build_preprocess(HEAD_DIM, IS_BF16, EVEN_HEAD_DIM, SINK):
         lane = cuda.threadIdx.x % 32
         # 33 columns: the thread that adds up a row reads it without bank conflicts.
         row_part = cuda.shared.array((PRE_BLOCK_M, 33), float32)
-        # exp(sink[h] - L) is the weight the sink took in the row (0 where L = +inf; rows past seqlen_q weigh
-        # 0), read by warp 0's lanes, one a row, before the rows' products so that the load overlaps them
-        # (after the barrier its latency would come on top of theirs).
-        weight = float32(0.0)
-        if SINK and cuda.threadIdx.x < PRE_BLOCK_M and start_m + cuda.threadIdx.x < seqlen_q:
-            lse_r = lse[uint64(off_b * stride_lb + off_h * stride_lh + (start_m + cuda.threadIdx.x) * stride_lm)]
-            weight = math.exp(sink[off_h] - lse_r)
 
         o_offset = off_b * stride_ob + off_h * stride_oh
         do_offset = off_b * stride_dob + off_h * stride_doh
@@ -248,7 +241,12 @@ def _build_preprocess(HEAD_DIM, IS_BF16, EVEN_HEAD_DIM, SINK):
                 delta[uint64(off_bh * seqlen_q + start_m + r)] = total
             # side-by-side: dsink
             if SINK:
-                share = weight * total
+                # exp(sink[h] - L) is the weight the sink took in the row (0 where L = +inf); rows past
+                # seqlen_q add 0.
+                share = float32(0.0)
+                if start_m + r < seqlen_q:
+                    lse_r = lse[uint64(off_b * stride_lb + off_h * stride_lh + (start_m + r) * stride_lm)]
+                    share = math.exp(sink[off_h] - lse_r) * total
                 # The block's rows are warp 0's lanes: shuffles add their shares in a fixed order, and one value
                 # per block goes out, at [h, b · tiles + tile] for a fixed-order sum over each head's row.
                 for b in range(5):
