@@ -208,25 +208,24 @@ def feature_args(spec: AttentionSpec, seqlen_q: int, seqlen_k: int, device: torc
     left, right = (min(w, far) if w != UNBOUNDED else 0 for w in spec.window)
     slopes = spec.alibi_slopes
     if slopes is None:
-        slopes_args = (_no_slopes(device), 0, 0)
+        slopes_args = (_placeholder("slopes", device), 0, 0)
     else:
         slopes_args = (_flat(slopes), *slopes.stride())
     return (left, right, np.float32(spec.softcap * LOG2E), *slopes_args)
 
 
-_NO_SLOPES: dict[torch.device, object] = {}
+# (role, device) -> a flat array of one zero: what a kernel gets for a tensor argument it does not read.
+_PLACEHOLDERS: dict[tuple[str, torch.device], object] = {}
 
 
-def _no_slopes(device: torch.device):
-    """The slopes argument of kernels without ALiBi: a flat fp32 array of one zero, one per device, made once
-    (not an alias of another argument: the simulator copies each array argument back after the launch)."""
-    flat = _NO_SLOPES.get(device)
+def _placeholder(role: str, device: torch.device, dtype: torch.dtype = torch.float32):
+    """A flat array of one zero on ``device`` for the unread argument ``role`` ("slopes", "sink", "dsink" in
+    fp32, "offsets" in int32), made once; each role its own array, not an alias of another role's (the
+    simulator copies each array argument back after the launch)."""
+    flat = _PLACEHOLDERS.get((role, device))
     if flat is None:
-        flat = _NO_SLOPES[device] = _flat(torch.zeros(1, dtype=torch.float32, device=device))
+        flat = _PLACEHOLDERS[role, device] = _flat(torch.zeros(1, dtype=dtype, device=device))
     return flat
-
-
-_NO_SINK: dict[torch.device, object] = {}
 
 
 def sink_arg(spec: AttentionSpec, device: torch.device):
@@ -237,13 +236,7 @@ def sink_arg(spec: AttentionSpec, device: torch.device):
     nothing more than before: the argument comes last, so the others keep their parameter offsets."""
     if spec.sink is not None:
         return _flat(spec.sink)
-    flat = _NO_SINK.get(device)
-    if flat is None:
-        flat = _NO_SINK[device] = _flat(torch.zeros(1, dtype=torch.float32, device=device))
-    return flat
-
-
-_NO_DSINK: dict[torch.device, object] = {}
+    return _placeholder("sink", device)
 
 
 def dsink_arg(parts: torch.Tensor | None, device: torch.device):
@@ -252,10 +245,7 @@ def dsink_arg(parts: torch.Tensor | None, device: torch.device):
     ``device``, made once, unread (its own array, as ``sink_arg``'s)."""
     if parts is not None:
         return parts
-    flat = _NO_DSINK.get(device)
-    if flat is None:
-        flat = _NO_DSINK[device] = _flat(torch.zeros(1, dtype=torch.float32, device=device))
-    return flat
+    return _placeholder("dsink", device)
 
 
 def sink_tensors(spec: AttentionSpec) -> tuple:
@@ -282,13 +272,8 @@ def offset_args(spec: AttentionSpec, device: torch.device) -> tuple:
     or without VARLEN one int32 zero on ``device`` twice, unread."""
     if spec.varlen:
         return _flat(spec.cu_seqlens_q.contiguous()), _flat(spec.cu_seqlens_k.contiguous())
-    flat = _NO_OFFSETS.get(device)
-    if flat is None:
-        flat = _NO_OFFSETS[device] = _flat(torch.zeros(1, dtype=torch.int32, device=device))
+    flat = _placeholder("offsets", device, torch.int32)
     return flat, flat
-
-
-_NO_OFFSETS: dict[torch.device, object] = {}
 
 
 def spec_class(spec: AttentionSpec) -> tuple:
