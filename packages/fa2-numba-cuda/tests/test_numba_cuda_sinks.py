@@ -15,7 +15,7 @@ import torch
 from checks import assert_matches_reference, max_err, random_qkv
 from fa2 import reference
 from fa2.spec import AttentionSpec
-from fa2_numba_cuda import backward, backward_simt, common, forward, kvcache, kvcache_tc
+from fa2_numba_cuda import backward, backward_simt, backward_tc, common, forward, kvcache, kvcache_tc
 from test_gradients import FP32_GRAD_ATOL, assert_grads_match
 
 
@@ -185,6 +185,41 @@ def test_preprocess_writes_each_blocks_share(kernel_device):
     # fp32 sums, as _dsink_tolerance's: FP32_GRAD_ATOL times the rows summed.
     assert max_err(parts, shares_ref.permute(1, 0, 2).reshape(h, b * 3)) <= FP32_GRAD_ATOL * 32
     (dsink,) = backward_simt.sink_gradient(spec, parts)
+    assert max_err(dsink, rows_ref.sum(dim=(0, 2))) <= FP32_GRAD_ATOL * b * n
+
+
+def test_tensor_core_dq_kernel_writes_each_warps_share(kernel_device, monkeypatch):
+    """The tensor-core backward: the preprocess runs without the sink's shares, and the dQ kernel's warps write
+    them, one per warp of 16 rows at [h, (b · tiles + tile) · warps + w]: 37 rows in tiles of 32 (two warps),
+    the last tile's second warp past seqlen_q (its share 0); against fp64 sums of the same O, dO and L."""
+    b, h, n, d = 2, 3, 37, 16
+    q, k, v = random_qkv((b, h, n, d), (b, h, n, d), torch.float16, kernel_device, seed=9)
+    dO = torch.randn(q.shape, generator=torch.Generator().manual_seed(3)).to(device=kernel_device, dtype=q.dtype)
+    sink = _sink(h, kernel_device)
+    O64, L64 = reference.attention(q.double(), k.double(), v.double(), sink=sink, scale=0.25)
+    O, L = O64.half(), L64.float()
+    spec = AttentionSpec(0.25, (-1, -1), sink=sink)
+    preprocess_parts, shares = [], []
+    real_preprocess, real_gradient = backward_tc.launch_preprocess, backward_tc.sink_gradient
+    monkeypatch.setattr(
+        backward_tc,
+        "launch_preprocess",
+        lambda O, dO, L, delta, parts, spec: (
+            preprocess_parts.append(parts) or real_preprocess(O, dO, L, delta, parts, spec)
+        ),
+    )
+    monkeypatch.setattr(
+        backward_tc, "sink_gradient", lambda spec, parts: shares.append(parts) or real_gradient(spec, parts)
+    )
+    config = backward_tc.TensorCoreBwdConfig(1, 16, 2, 16, 0)
+    (dsink,) = backward.flash_attn_backward(q, k, v, O, L, dO, spec, config=config, tensor_cores=True)[3:]
+    assert preprocess_parts == [None], "the tensor-core backward's preprocess took the sink's shares"
+    rows_ref = -torch.exp(sink.double()[:, None] - L.double()) * (O.double() * dO.double()).sum(-1)  # (b, h, n)
+    shares_ref = torch.nn.functional.pad(rows_ref, (0, 64 - n)).view(b, h, 4, 16).sum(-1)  # two tiles of two warps
+    (parts,) = shares
+    assert parts.shape == (h, b * 4)
+    assert max_err(parts, shares_ref.permute(1, 0, 2).reshape(h, b * 4)) <= FP32_GRAD_ATOL * 16
+    assert (parts.view(h, b, 4)[:, :, 3] == 0).all(), "a warp past seqlen_q wrote a share"
     assert max_err(dsink, rows_ref.sum(dim=(0, 2))) <= FP32_GRAD_ATOL * b * n
 
 

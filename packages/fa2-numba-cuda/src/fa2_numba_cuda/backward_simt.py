@@ -831,13 +831,14 @@ def _kernel(name, *key):
     return kernel
 
 
-def dsink_parts(spec: AttentionSpec, O: torch.Tensor) -> torch.Tensor | None:
-    """With spec.sink, where the preprocess writes each block's share of dsink: (heads, batch · tiles) fp32,
-    uninitialised (every block writes its own; no column where O has no row); else None."""
+def dsink_parts(spec: AttentionSpec, O: torch.Tensor, rows: int = PRE_BLOCK_M, shares: int = 1) -> torch.Tensor | None:
+    """With spec.sink, where a kernel writes the shares of dsink: (heads, batch · tiles · shares) fp32, tiles of
+    ``rows`` query rows (the preprocess's blocks: one share each; the tensor-core dQ kernel's: one per warp),
+    uninitialised (every share is written; no column where O has no row); else None."""
     if spec.sink is None:
         return None
     batch, heads, seqlen_q = O.shape[:3]
-    return torch.empty(heads, batch * -(-seqlen_q // PRE_BLOCK_M), dtype=torch.float32, device=O.device)
+    return torch.empty(heads, batch * -(-seqlen_q // rows) * shares, dtype=torch.float32, device=O.device)
 
 
 def sink_gradient(spec: AttentionSpec, parts: torch.Tensor | None) -> tuple:

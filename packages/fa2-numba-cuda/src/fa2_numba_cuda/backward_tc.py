@@ -1,10 +1,11 @@
 """FlashAttention-2 backward on tensor cores: fp16 and bf16, ``mma.sync`` from numba-cuda through inline PTX.
 
 The algorithm of ``fa2_numba_cuda.backward_simt`` (FA2, Algorithm 2, in its two-kernel split: delta =
-rowsum(dO ∘ O) by the SIMT preprocess (with an attention sink, dsink's shares too), then one kernel for dK
-and dV, one for dQ; every element of dq, dk, dv written once, no atomics: deterministic), with every matrix
-product on tensor cores (``mma.py``'s m16n8k16 instructions and layouts; fp32 accumulators; P and dS rounded
-to the inputs' 16-bit type as operands, as FlashAttention-2's own kernel does):
+rowsum(dO ∘ O) by the SIMT preprocess, then one kernel for dK and dV, one for dQ (with an attention sink,
+dsink's shares too: each warp's from the L and delta its rows already hold); every element of dq, dk, dv
+written once, no atomics: deterministic), with every matrix product on tensor cores (``mma.py``'s m16n8k16
+instructions and layouts; fp32 accumulators; P and dS rounded to the inputs' 16-bit type as operands, as
+FlashAttention-2's own kernel does):
 
 - ``_attn_bwd_dkdv_tc``: one block per (key tile of BLOCK_N = 16 · DKDV_WARPS keys, batch·key/value head);
   warp w owns keys 16 w .. 16 w + 15 of the tile and never exchanges data with another warp. Its K and V
@@ -26,7 +27,8 @@ to the inputs' 16-bit type as operands, as FlashAttention-2's own kernel does):
   rows 16 w .. 16 w + 15 with their Q and dO fragments in registers, L and delta of its two rows per lane;
   per key tile of DQ_BLOCK_N keys that its rows see (K and V in shared memory): S = Q Kᵀ and dP = dO Vᵀ (B
   fragments as the forward's Kᵀ), P, dS = P ∘ (dP - delta), dQ += dS K (K by ``ldmatrix.trans``, as the
-  forward's V); dq = scale · dQ written once.
+  forward's V); dq = scale · dQ written once. With SINK, before the loop, each warp also writes its rows'
+  share of the sink's gradient, -Σ exp(sink[h] - L) · delta, summed per head afterwards (``sink_gradient``).
 
 Shared memory: rows of HEAD_DIM + 8 16-bit elements (the forward's padding: an ``ldmatrix``'s 8 row
 addresses in distinct banks), loaded with ``cp.async`` (16 B a thread, zero-filled past the rows or
@@ -61,6 +63,7 @@ Under numba's CUDA simulator the instructions are ``mma.py``'s Python emulations
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from typing import NamedTuple
@@ -77,10 +80,12 @@ from fa2_numba_cuda.common import (
     SHARED_ALIGN,
     _check_device,
     _feature_columns,
+    dsink_arg,
     feature_args,
     features,
     rows_16b_aligned,
     simulated,
+    sink_arg,
     spec_class,
 )
 from fa2_numba_cuda.mma import (
@@ -99,6 +104,7 @@ from fa2_numba_cuda.mma import (
     pack_bf16x2,
     pack_f16x2,
     shared_address,
+    shfl_xor,
 )
 from fa2_numba_cuda.tensor_cores import MAX_HEAD_DIM, MIN_COMPUTE_CAPABILITY, capability, padded_head_dim
 
@@ -774,8 +780,9 @@ def _build_dkdv(HEAD_DIM, config, LEFT, RIGHT, IS_BF16, EVEN_HEAD_DIM, ASYNC_LOA
     return _jit(_attn_bwd_dkdv_tc, config.MAX_REGISTERS)
 
 
-def _build_dq(HEAD_DIM, config, LEFT, RIGHT, IS_BF16, EVEN_HEAD_DIM, ASYNC_LOADS, OUT_PAIRS):
-    """The dQ kernel for one padded head dim, block shape, window switches and input kind (compile-time)."""
+def _build_dq(HEAD_DIM, config, LEFT, RIGHT, IS_BF16, EVEN_HEAD_DIM, ASYNC_LOADS, OUT_PAIRS, SINK):
+    """The dQ kernel for one padded head dim, block shape, window switches, input kind and whether it writes
+    the attention sink's gradient shares (SINK), all compile-time."""
     NUM_WARPS, BLOCK_N = config.DQ_WARPS, config.DQ_BLOCK_N
     BLOCK_M = 16 * NUM_WARPS
     NUM_THREADS = 32 * NUM_WARPS
@@ -830,11 +837,16 @@ def _build_dq(HEAD_DIM, config, LEFT, RIGHT, IS_BF16, EVEN_HEAD_DIM, ASYNC_LOADS
         window_left,
         window_right,
         num_m_tiles,
+        dsink,
+        sink,
     ):
         """One block: BLOCK_M query rows of one (batch, head); arguments as ``_attn_bwd_dkdv_tc``'s, dq: (B, H,
-        seqlen_q, head_dim), flat, contiguous, int32 pairs (OUT_PAIRS) or int16."""
+        seqlen_q, head_dim), flat, contiguous, int32 pairs (OUT_PAIRS) or int16. SINK: sink (H,) fp32 is read
+        and warp w writes its rows' share of the sink's gradient to dsink (H, B · num_m_tiles · NUM_WARPS),
+        flat, at [h, (b · num_m_tiles + tile) · NUM_WARPS + w]; without SINK both are unread."""
         diag = seqlen_k - seqlen_q
-        start_m = (cuda.blockIdx.x % num_m_tiles) * BLOCK_M
+        tile_m = cuda.blockIdx.x % num_m_tiles
+        start_m = tile_m * BLOCK_M
         off_bh = cuda.blockIdx.x // num_m_tiles
         off_b = off_bh // heads
         off_h = off_bh % heads
@@ -880,6 +892,22 @@ def _build_dq(HEAD_DIM, config, LEFT, RIGHT, IS_BF16, EVEN_HEAD_DIM, ASYNC_LOADS
             if row < seqlen_q:
                 lse_r[h] = lse[uint64(off_b * stride_lb + off_h * stride_lh + row * stride_lm)] * float32(LOG2E)
                 delta_r[h] = delta[uint64(off_bh * seqlen_q + row)]
+        # side-by-side: dsink-tc
+        if SINK:
+            # The sink's weight in a row is exp(sink[h] - L), in base 2 here (0 past seqlen_q, where L = +inf).
+            # A quad's four lanes hold the same two rows: lane t = 0 adds them, shuffles add the warp's eight
+            # quads in a fixed order, and one value per warp goes out, for a fixed-order sum over each head.
+            share = float32(0.0)
+            if t == 0:
+                sink_2 = sink[off_h] * float32(LOG2E)
+                for h in range(2):
+                    share += exp2_approx(sink_2 - lse_r[h]) * delta_r[h]
+            for b in range(5):
+                share += shfl_xor(share, 1 << b)
+            if lane == 0:
+                at = (off_h * (cuda.gridDim.x // heads) + off_b * num_m_tiles + tile_m) * NUM_WARPS + warp
+                dsink[uint64(at)] = -share
+        # side-by-side: end
 
         acc = cuda.local.array((O_TILES, 4), float32)  # [16 rows, HEAD_DIM] as 8-column C tiles
         s = cuda.local.array((N_TILES, 4), float32)  # S, then P: [16 rows, BLOCK_N]
@@ -993,8 +1021,8 @@ def _jit(kernel, MAX_REGISTERS):
 
 
 # Compiled kernels by (name, *the builder's arguments): ("dkdv" or "dq", HEAD_DIM, config, LEFT, RIGHT, IS_BF16,
-# EVEN_HEAD_DIM, ASYNC_LOADS, OUT_PAIRS), config holding only the fields of that kernel (``_own_fields``):
-# configurations that differ in the other kernel's tiles share it.
+# EVEN_HEAD_DIM, ASYNC_LOADS, OUT_PAIRS), the dQ kernel's with SINK last, config holding only the fields of that
+# kernel (``_own_fields``): configurations that differ in the other kernel's tiles share it.
 _KERNELS: dict[tuple, object] = {}
 _BUILDERS = {"dkdv": _build_dkdv, "dq": _build_dq}
 _FIELDS = {
@@ -1008,8 +1036,9 @@ def _own_fields(name: str, config: TensorCoreBwdConfig) -> TensorCoreBwdConfig:
     return config._replace(**{f: None for f in config._fields if f not in _FIELDS[name]})
 
 
-# Prepared launches (preprocess, dK/dV, dQ; ``launch.prepare``) by class of call, keyed as backward_simt's
-# plus whether the tensors' data is 16 B aligned (cp.async).
+# Prepared launches (preprocess, dK/dV, dQ; ``launch.prepare``) and the dQ kernel's warps (the layout of the
+# sink's shares) by class of call, keyed as backward_simt's plus whether the tensors' data is 16 B aligned
+# (cp.async).
 _PREPARED: dict[tuple, tuple] = {}
 
 
@@ -1019,6 +1048,11 @@ def _kernel(name, HEAD_DIM, config, *flags):
     if kernel is None:
         kernel = _KERNELS[key] = _BUILDERS[name](*key[1:])
     return kernel
+
+
+def _sink_tensors(parts: torch.Tensor | None, spec: AttentionSpec) -> tuple:
+    """The dQ kernel's sink tensors in a prepared call: (parts, spec.sink) with a sink, else ()."""
+    return () if parts is None else (parts, spec.sink)
 
 
 def _check_config(HEAD_DIM: int, config: TensorCoreBwdConfig) -> None:
@@ -1086,19 +1120,20 @@ def flash_attn_backward(
         )
         plan = _PREPARED.get(key)
         if plan is not None:
-            preprocess, dkdv, dq_kernel = plan
+            preprocess, dkdv, dq_kernel, dq_warps = plan
             dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
             dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
             dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
             dO = dO.to(q.dtype)
             delta = torch.empty(q.shape[0] * q.shape[1] * q.shape[2], dtype=torch.float32, device=q.device)
-            parts = dsink_parts(spec, O)
             if preprocess is not None:
-                preprocess(*preprocess_tensors(O, dO, L, delta, parts, spec))
+                preprocess(*preprocess_tensors(O, dO, L, delta, None, spec))
             if dkdv is not None:
                 dkdv(q, k, v, dO, L, delta, dk, dv)
+            # Made after the first launches: the host's time for it passes while the GPU works.
+            parts = dsink_parts(spec, O, 16 * dq_warps, dq_warps)
             if dq_kernel is not None:
-                dq_kernel(q, k, v, dO, L, delta, dq)
+                dq_kernel(q, k, v, dO, L, delta, dq, *_sink_tensors(parts, spec))
             return dq, dk, dv, *sink_gradient(spec, parts)
     batch, heads, seqlen_q, head_dim = q.shape
     heads_k, seqlen_k = k.shape[1], k.shape[2]
@@ -1125,11 +1160,11 @@ def flash_attn_backward(
         return dq, dk, dv, *sink_gradient(spec, None)
     dO = dO.to(q.dtype)
     delta = torch.empty(batch * heads * seqlen_q, dtype=torch.float32, device=q.device)
-    parts = dsink_parts(spec, O)
 
     HEAD_DIM = padded_head_dim(head_dim)
     config = TensorCoreBwdConfig(*config) if config is not None else tc_bwd_config(HEAD_DIM, max_shared_bytes(q.device))
     _check_config(HEAD_DIM, config)
+    parts = dsink_parts(spec, O, 16 * config.DQ_WARPS, config.DQ_WARPS)
     is_bf16 = q.dtype == torch.bfloat16
     async_loads = all(rows_16b_aligned(t) for t in (q, k, v, dO))
     out_pairs = head_dim % 2 == 0
@@ -1161,8 +1196,9 @@ def flash_attn_backward(
     plan = [None, None, None]
     prepared = True
     if seqlen_q:
-        # delta = rowsum(dO ∘ O) and the sink's shares: the SIMT preprocess (fp32 sums, its own head-dim padding).
-        plan[0] = launch_preprocess(O, dO, L, delta, parts, spec)
+        # delta = rowsum(dO ∘ O): the SIMT preprocess (fp32 sums, its own head-dim padding), without the sink's
+        # shares, which the dQ kernel takes.
+        plan[0] = launch_preprocess(O, dO, L, delta, None, dataclasses.replace(spec, sink=None))
         prepared = prepared and plan[0] is not None
     if seqlen_k:
         args = (*inputs, dk.view(out_dtype), dv.view(out_dtype), *tail, num_n_tiles)
@@ -1177,19 +1213,19 @@ def flash_attn_backward(
         )
         prepared = prepared and plan[1] is not None
     if seqlen_q:
-        args = (*inputs, dq.view(out_dtype), *tail, num_m_tiles)
+        args = (*inputs, dq.view(out_dtype), *tail, num_m_tiles, dsink_arg(parts, q.device), sink_arg(spec, q.device))
         plan[2] = launch.prepare(
-            _kernel("dq", HEAD_DIM, config, *flags),
+            _kernel("dq", HEAD_DIM, config, *flags, parts is not None),
             num_m_tiles * batch * heads,
             32 * config.DQ_WARPS,
             q.device,
             args,
-            tuple(range(7)),
+            (*range(7), *(() if parts is None else (len(args) - 2, len(args) - 1))),
             tile_bytes("dq", HEAD_DIM, config),
         )
         prepared = prepared and plan[2] is not None
     if prepared and key is not None:
-        _PREPARED[key] = tuple(plan)
+        _PREPARED[key] = (*plan, config.DQ_WARPS)
     return dq, dk, dv, *sink_gradient(spec, parts)
 
 
@@ -1210,6 +1246,7 @@ def kernel_resources() -> list[dict]:
         EVEN_HEAD_DIM,
         ASYNC_LOADS,
         OUT_PAIRS,
+        *sink,
     ), kernel in _KERNELS.items():
         regs = kernel.get_regs_per_thread()
         shared = kernel.get_shared_mem_per_block()
@@ -1225,6 +1262,7 @@ def kernel_resources() -> list[dict]:
                     "even_head_dim": EVEN_HEAD_DIM,
                     "async_loads": ASYNC_LOADS,
                     "out_pairs": OUT_PAIRS,
+                    "sink": bool(sink and sink[0]),
                     "signature": ", ".join(str(t) for t in signature),
                     "registers_per_thread": regs[signature],
                     "shared_bytes_per_block": shared[signature],
