@@ -27,7 +27,7 @@ FlashAttention-2's own kernel does):
   rows 16 w .. 16 w + 15 with their Q and dO fragments in registers, L and delta of its two rows per lane;
   per key tile of DQ_BLOCK_N keys that its rows see (K and V in shared memory): S = Q Kᵀ and dP = dO Vᵀ (B
   fragments as the forward's Kᵀ), P, dS = P ∘ (dP - delta), dQ += dS K (K by ``ldmatrix.trans``, as the
-  forward's V); dq = scale · dQ written once. With SINK, before the loop, each warp also writes its rows'
+  forward's V); dq = scale · dQ written once. With SINK, after the loop, each warp also writes its rows'
   share of the sink's gradient, -Σ exp(sink[h] - L) · delta, summed per head afterwards (``sink_gradient``).
 
 Shared memory: rows of HEAD_DIM + 8 16-bit elements (the forward's padding: an ``ldmatrix``'s 8 row
@@ -892,22 +892,6 @@ def _build_dq(HEAD_DIM, config, LEFT, RIGHT, IS_BF16, EVEN_HEAD_DIM, ASYNC_LOADS
             if row < seqlen_q:
                 lse_r[h] = lse[uint64(off_b * stride_lb + off_h * stride_lh + row * stride_lm)] * float32(LOG2E)
                 delta_r[h] = delta[uint64(off_bh * seqlen_q + row)]
-        # side-by-side: dsink-tc
-        if SINK:
-            # The sink's weight in a row is exp(sink[h] - L), in base 2 here (0 past seqlen_q, where L = +inf).
-            # A quad's four lanes hold the same two rows: lane t = 0 adds them, shuffles add the warp's eight
-            # quads in a fixed order, and one value per warp goes out, for a fixed-order sum over each head.
-            share = float32(0.0)
-            if t == 0:
-                sink_2 = sink[off_h] * float32(LOG2E)
-                for h in range(2):
-                    share += exp2_approx(sink_2 - lse_r[h]) * delta_r[h]
-            for b in range(5):
-                share += shfl_xor(share, 1 << b)
-            if lane == 0:
-                at = (off_h * (cuda.gridDim.x // heads) + off_b * num_m_tiles + tile_m) * NUM_WARPS + warp
-                dsink[uint64(at)] = -share
-        # side-by-side: end
 
         acc = cuda.local.array((O_TILES, 4), float32)  # [16 rows, HEAD_DIM] as 8-column C tiles
         s = cuda.local.array((N_TILES, 4), float32)  # S, then P: [16 rows, BLOCK_N]
@@ -1009,6 +993,23 @@ def _build_dq(HEAD_DIM, config, LEFT, RIGHT, IS_BF16, EVEN_HEAD_DIM, ASYNC_LOADS
         store_rows(
             dq, acc, scale, off_bh * seqlen_q + start_m + 16 * warp, off_bh * seqlen_q + seqlen_q, head_dim, g, t
         )
+        # side-by-side: dsink-tc
+        if SINK:
+            # The sink's weight in a row is exp(sink[h] - L), here in base 2 (0 past seqlen_q, where L = +inf).
+            # After the loop: before it, this would wait on L's and delta's loads ahead of the first K/V copies.
+            # A quad's four lanes hold the same two rows: lane t = 0 adds them, shuffles add the warp's eight
+            # quads in a fixed order, and one value per warp goes out, for a fixed-order sum over each head.
+            share = float32(0.0)
+            if t == 0:
+                sink_2 = sink[off_h] * float32(LOG2E)
+                for h in range(2):
+                    share += exp2_approx(sink_2 - lse_r[h]) * delta_r[h]
+            for b in range(5):
+                share += shfl_xor(share, 1 << b)
+            if lane == 0:
+                at = (off_h * (cuda.gridDim.x // heads) + off_b * num_m_tiles + tile_m) * NUM_WARPS + warp
+                dsink[uint64(at)] = -share
+        # side-by-side: end
 
     return _jit(_attn_bwd_dq_tc, config.MAX_REGISTERS)
 
