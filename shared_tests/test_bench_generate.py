@@ -53,6 +53,21 @@ def test_an_emulated_generate_run(tmp_path, monkeypatch, capsys):
     assert "wrote " in capsys.readouterr().out
 
 
+def test_sdpa_without_cudnn_is_sdpa_with_cudnn_left_out():
+    """sdpa-no-cudnn sets transformers' sdpa and runs inside an SDPA context without cuDNN's kernel (the
+    flash and math kernels stay on); every other provider is itself, outside any context."""
+    assert generate.attn_implementation("sdpa-no-cudnn") == "sdpa"
+    assert generate.attn_implementation("fa2-triton") == "fa2-triton"
+    assert torch.backends.cuda.cudnn_sdp_enabled()
+    with generate.provider_context("sdpa-no-cudnn"):
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
+        assert torch.backends.cuda.flash_sdp_enabled() and torch.backends.cuda.math_sdp_enabled()
+    assert torch.backends.cuda.cudnn_sdp_enabled()
+    with generate.provider_context("sdpa"):
+        assert torch.backends.cuda.cudnn_sdp_enabled()
+    assert "sdpa-no-cudnn" in generate.default_providers(emulated=False)
+
+
 def test_out_of_memory_is_skipped_with_the_reason(tmp_path):
     """A point that runs out of memory is recorded as skipped (any other exception as failed) and None is
     returned, so that the run goes on."""

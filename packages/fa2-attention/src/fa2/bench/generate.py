@@ -8,7 +8,9 @@ same weights.
 Providers: ``fa2-<backend>`` for each fa2 backend, registered through
 ``fa2.integrations.transformers.register(backend=..., name="fa2-<backend>")`` (default: every installed
 backend that runs natively on the GPU, fa2-pytorch aside), and transformers' ``sdpa``, ``flex_attention``
-and ``eager``.
+and ``eager``; and ``sdpa-no-cudnn``, transformers' sdpa with PyTorch's cuDNN attention left out (on the H200
+SDPA's default picks cuDNN for decode steps, which builds a plan per new key length: sdpa at its best is the
+faster of the two).
 
 1. Greedy ``generate``, ``--new-tokens`` (256) new tokens every run (``min_new_tokens = max_new_tokens``,
    no eos token) at each batch of ``--batches`` (1, 8, 32) from prompts of ``--prompts`` tokens (1k, 8k):
@@ -55,6 +57,7 @@ Files, under ``--out`` (default the checkout's docs/benchmarks), named ``<gpu>-g
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import functools
 import gc
@@ -97,7 +100,12 @@ EMULATED_MODEL = dict(
     vocab_size=256,
 )
 DTYPES = {False: torch.bfloat16, True: torch.float32}  # emulated: fp32, where the CPU is quick and exact enough
-TRANSFORMERS_PROVIDERS = ("sdpa", "flex_attention", "eager")
+# sdpa-no-cudnn: transformers' sdpa with PyTorch's cuDNN attention left out (``sdpa_kernel`` over the flash,
+# efficient and math kernels). On the H200 with torch 2.11 SDPA picks cuDNN for decode steps, and cuDNN builds
+# a plan for each new key length, which each decode step is (docs/notes/kvcache.md): sdpa at its best is the
+# faster of the two.
+TRANSFORMERS_PROVIDERS = ("sdpa", "sdpa-no-cudnn", "flex_attention", "eager")
+NO_CUDNN = "sdpa-no-cudnn"
 # fa2 backends a GPU run takes by default, where installed and native: fa2-pytorch is the readable loop.
 GPU_FA2_BACKENDS = ("triton", "numba-cuda")
 EMULATED_PROVIDERS = ("fa2-pytorch", "sdpa", "eager")
@@ -314,6 +322,20 @@ def unavailable(provider: str, emulated: bool) -> str | None:
     return None
 
 
+def attn_implementation(provider: str) -> str:
+    """The ``attn_implementation`` a provider sets on the model."""
+    return "sdpa" if provider == NO_CUDNN else provider
+
+
+def provider_context(provider: str):
+    """What a provider's measurements run inside: for sdpa-no-cudnn, SDPA's kernels without cuDNN's."""
+    if provider != NO_CUDNN:
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
+
+
 def _now() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="seconds")
 
@@ -486,9 +508,10 @@ def run_generate(cfg: Config, model, providers: list[str], records: Records) -> 
                 prompt=prompt,
                 new_tokens=cfg.new_tokens,
             )
-            model.set_attn_implementation(provider)
+            model.set_attn_implementation(attn_implementation(provider))
             measure = functools.partial(_measure_generate, cfg, model, input_ids, mask)
-            measured = _attempt(records, key, cfg.device, measure)
+            with provider_context(provider):
+                measured = _attempt(records, key, cfg.device, measure)
             if measured is None:
                 continue
             first, prefill_s, seconds, peak = measured
@@ -574,7 +597,7 @@ def run_train(cfg: Config, model, providers: list[str], records: Records) -> Non
     batches = train_batches(cfg, lengths, model.config.vocab_size, model.config.pad_token_id)
     model.train()
     for provider in providers:
-        model.set_attn_implementation(provider)
+        model.set_attn_implementation(attn_implementation(provider))
         for layout, batch in batches.items():
             key = train_key(provider, layout)
             if layout == "packed" and not provider.startswith("fa2-") and not _masks_packed_rows():
@@ -587,7 +610,8 @@ def run_train(cfg: Config, model, providers: list[str], records: Records) -> Non
                 continue
 
             measure = functools.partial(_measure_train, cfg, model, batch)
-            measured = _attempt(records, key, cfg.device, measure)
+            with provider_context(provider):
+                measured = _attempt(records, key, cfg.device, measure)
             model.zero_grad(set_to_none=True)
             if measured is None:
                 continue
@@ -783,26 +807,27 @@ class Report:
                     rows.append([p, *("—" if c is None else _num(c) for c in cells)])
             out += ["", f"## Generate: {title}", "", self.caption(caption), ""]
             out += _table(["provider", *self._point_header()], rows)
-        out += ["", "## Generate: against sdpa", ""]
-        rows = []
-        for p in self.providers:
-            if p == "sdpa":
+        for ref_provider, target in (("sdpa", " (issue 39's target for fa2-triton: >= 1)"), (NO_CUDNN, "")):
+            if ref_provider == NO_CUDNN and ref_provider not in self.providers:
                 continue
-            cells = []
-            for pt in self.points:
-                mine, ref = (
-                    self._generate_value("tokens_per_s", p, pt),
-                    self._generate_value("tokens_per_s", "sdpa", pt),
-                )
-                cells.append(mine / ref if mine and ref else None)
-            present = [c for c in cells if c is not None]
-            if present:
-                rows.append([p, *("—" if c is None else f"{c:.2f}" for c in cells), f"{min(present):.2f}"])
-        out += [
-            self.caption("Tokens per second over sdpa's at the same point (issue 39's target for fa2-triton: >= 1)."),
-            "",
-        ]
-        out += _table(["provider", *self._point_header(), "min"], rows) if rows else ["sdpa was not measured."]
+            out += ["", f"## Generate: against {ref_provider}", ""]
+            rows = []
+            for p in self.providers:
+                if p == ref_provider:
+                    continue
+                cells = []
+                for pt in self.points:
+                    mine, ref = (
+                        self._generate_value("tokens_per_s", p, pt),
+                        self._generate_value("tokens_per_s", ref_provider, pt),
+                    )
+                    cells.append(mine / ref if mine and ref else None)
+                present = [c for c in cells if c is not None]
+                if present:
+                    rows.append([p, *("—" if c is None else f"{c:.2f}" for c in cells), f"{min(present):.2f}"])
+            out += [self.caption(f"Tokens per second over {ref_provider}'s at the same point{target}."), ""]
+            header = ["provider", *self._point_header(), "min"]
+            out += _table(header, rows) if rows else [f"{ref_provider} was not measured."]
         agree = [r for r in self.generate if r["agree"]]
         out += ["", "## Generate: the check against sdpa", ""]
         if agree:
