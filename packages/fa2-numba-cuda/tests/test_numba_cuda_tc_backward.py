@@ -275,25 +275,36 @@ def test_tensor_cores_refuse_packed_batches(tc_device):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(
-    "dtype, d, causal, layout, config",
+    "dtype, d, causal, layout, config, softcap",
     [
-        pytest.param(torch.bfloat16, 128, True, "contiguous", None, id="bf16-D128-causal-cp.async"),
-        pytest.param(torch.bfloat16, 128, False, "contiguous", LARGE_TILES[1], id="bf16-D128-full-large-tiles"),
-        pytest.param(torch.float16, 40, False, "strided", None, id="fp16-D40-full-plain-loads"),
+        pytest.param(torch.bfloat16, 128, True, "contiguous", None, 0.0, id="bf16-D128-causal-cp.async"),
+        pytest.param(torch.bfloat16, 128, False, "contiguous", LARGE_TILES[1], 0.0, id="bf16-D128-full-large-tiles"),
+        pytest.param(torch.float16, 40, False, "strided", None, 0.0, id="fp16-D40-full-plain-loads"),
+        # softcap and ALiBi (asked for): the slopes are a varying tensor of the class, as q, k, v
+        pytest.param(torch.bfloat16, 64, True, "contiguous", None, 5.0, id="bf16-D64-causal-softcap-alibi"),
     ],
 )
-def test_prepared_launch_equals_numbas_bit_for_bit(device, monkeypatch, dtype, d, causal, layout, config):
+def test_prepared_launch_equals_numbas_bit_for_bit(device, monkeypatch, dtype, d, causal, layout, config, softcap):
     """On the GPU: a class's second call takes the prepared launches (``launch.prepare`` not called again)
     and gives the gradients of numba's own launches bit for bit (no atomics: deterministic), tiles over
     48 KB of shared memory included (the prepared launch passes their dynamic size); the kernels keep local
-    memory (spills) at most 64 B a thread."""
+    memory (spills) at most 64 B a thread. With ALiBi the class's first call takes other slopes than the
+    second: the prepared launch must read the second call's."""
     if device.type != "cuda":
         pytest.skip("prepared launches are the GPU's (the simulator launches through numba); --device cuda")
     q, k, v, dO = _inputs(dtype, dict(shape=(2, 4, 2, 300, 333, d), layout=layout), device)
-    O, L = _forward(q, k, v, causal, (-1, -1), None)
-    spec = AttentionSpec(d**-0.5, (-1, 0) if causal else (-1, -1), 0.0, None, 2)
+    window = (-1, 0) if causal else (-1, -1)
+    slopes, first_slopes = (
+        (torch.rand(2, 4, generator=torch.Generator().manual_seed(s)).to(device) for s in (1, 2))
+        if softcap
+        else (None, None)
+    )
+    features = dict(softcap=softcap, alibi_slopes=slopes) if softcap else {}
+    O, L = _forward(q, k, v, causal, (-1, -1), None, **features)
+    spec = AttentionSpec(d**-0.5, window, softcap, slopes, 2)
+    asked = True if softcap else None
     monkeypatch.setattr(backward_tc.launch, "FAST", False)
-    expected = backward.flash_attn_backward(q, k, v, O, L, dO, spec, config)
+    expected = backward.flash_attn_backward(q, k, v, O, L, dO, spec, config, tensor_cores=asked)
     monkeypatch.setattr(backward_tc.launch, "FAST", True)
     real = backward_tc.launch.prepare
     sizes = []  # the dynamic shared memory each prepared launch asks for
@@ -303,15 +314,17 @@ def test_prepared_launch_equals_numbas_bit_for_bit(device, monkeypatch, dtype, d
         return real(*a)
 
     monkeypatch.setattr(backward_tc.launch, "prepare", recording)
-    backward.flash_attn_backward(q, k, v, O, L, dO, spec, config)  # a class's first call: numba's, then prepared
+    # A class's first call: numba's, then prepared.
+    first = spec if slopes is None else AttentionSpec(d**-0.5, window, softcap, first_slopes, 2)
+    backward.flash_attn_backward(q, k, v, O, L, dO, first, config, tensor_cores=asked)
     prepares = []
     monkeypatch.setattr(backward_tc.launch, "prepare", lambda *a: prepares.append(a) or real(*a))
-    got = backward.flash_attn_backward(q, k, v, O, L, dO, spec, config)
+    got = backward.flash_attn_backward(q, k, v, O, L, dO, spec, config, tensor_cores=asked)
     assert not prepares, "the second call of a class must take the prepared launches"
     torch.cuda.synchronize()
     for name, x, ref in zip(("dq", "dk", "dv"), got, expected):
         assert torch.equal(x, ref), f"{name}: max |fast - numba| = {(x.float() - ref.float()).abs().max():.3g}"
-    assert_grads_match(*got, q, k, v, dO, causal)
+    assert_grads_match(*got, q, k, v, dO, causal, **features)
     if config is not None:
         assert max(sizes) > 48 * 1024, f"the large tiles' launches asked for {sizes} B of dynamic shared memory"
     rows = [r for r in backward_tc.kernel_resources() if r["HEAD_DIM"] == tensor_cores.padded_head_dim(d)]
