@@ -123,18 +123,27 @@ def _dsink_tolerance(q, k, v, dO, sink, ref, **features):
     return 3 * max_err(naive, ref) + 2 * max_err(ref.half(), ref)
 
 
-@pytest.mark.parametrize("tensor_cores, dtype", KERNELS)
-def test_backward_matches_reference(kernel_device, tensor_cores, dtype):
+@pytest.mark.parametrize(
+    "tensor_cores, dtype, scores",
+    [
+        *(pytest.param(*p.values, {}, id=p.id) for p in KERNELS),
+        # the tensor-core kernels asked for a softcap and ALiBi (SOFTCAP, ALIBI beside SINK in the dQ kernel)
+        pytest.param(True, torch.float16, {"softcap": 3.0, "alibi": True}, id="tc-fp16-softcap-alibi"),
+    ],
+)
+def test_backward_matches_reference(kernel_device, tensor_cores, dtype, scores):
     """dq, dk, dv from the kernels without a sink (L carries it), dsink from delta; GQA, causal with rows that
     see no key."""
     q, k, v, dO, sink = _backward_case(dtype, kernel_device, (2, 2, 1, 21, 15))
-    features = dict(causal=True, scale=0.25)
+    slopes = torch.rand(2, 2, generator=torch.Generator().manual_seed(1)).to(kernel_device) if scores else None
+    softcap = scores.get("softcap", 0.0)
+    features = dict(causal=True, scale=0.25, softcap=softcap, alibi_slopes=slopes)
     O64, L64 = reference.attention(q.double(), k.double(), v.double(), sink=sink, **features)
-    spec = AttentionSpec(0.25, (-1, 0), group=2, sink=sink)
+    spec = AttentionSpec(0.25, (-1, 0), softcap, slopes, group=2, sink=sink)
     grads = backward.flash_attn_backward(q, k, v, O64.to(dtype), L64.float(), dO, spec, tensor_cores=tensor_cores)
     assert len(grads) == 4, "with a sink the backward returns (dq, dk, dv, dsink)"
     dq, dk, dv, dsink = grads
-    assert_grads_match(dq, dk, dv, q, k, v, dO, True, scale=0.25, sink=sink)
+    assert_grads_match(dq, dk, dv, q, k, v, dO, True, scale=0.25, softcap=softcap, alibi_slopes=slopes, sink=sink)
     ref = _reference_grads(q, k, v, dO, sink, **features)[3]
     assert dsink.shape == sink.shape and dsink.dtype == torch.float32
     tol = _dsink_tolerance(q, k, v, dO, sink, ref, **features)

@@ -3,7 +3,8 @@
 ``fa2_numba_cuda.backward.flash_attn_backward`` runs the tensor-core kernels for fp16 and bf16 with head_dim
 <= 128 on dense batches (any window, causal included), on compute capability 8.0+ or under numba's
 simulator (``mma.py``'s emulated instructions), and the SIMT kernels for everything else, chosen by the
-inputs and the spec alone. Each case here checks that the kernels it expects were the ones called and
+inputs and the spec alone; a softcap or ALiBi runs on the tensor-core kernels only when asked for
+(tensor_cores=True). Each case here checks that the kernels it expects were the ones called and
 built, and the gradients against the fp64 reference with the suite's FlashAttention-2 rule
 (``test_gradients.assert_grads_match``); outputs start as NaN (conftest's ``poison_empty``). O and L come
 from the fp64 reference (O rounded to the dtype), so that only the backward is under test. Tiny shapes:
@@ -67,7 +68,22 @@ SHARED_OPERANDS = ("shared-operands", backward_tc.TensorCoreBwdConfig(4, 16, 4, 
 LARGE_TILES = ("large-tiles", backward_tc.TensorCoreBwdConfig(8, 64, 4, 64, 0, True, True, True))
 
 
-def _case(dtype, b, h, h_k, n_q, n_k, d, causal, window=(-1, -1), scale=None, layout="contiguous", tiles=None):
+def _case(
+    dtype,
+    b,
+    h,
+    h_k,
+    n_q,
+    n_k,
+    d,
+    causal,
+    window=(-1, -1),
+    scale=None,
+    layout="contiguous",
+    tiles=None,
+    softcap=0.0,
+    alibi=False,
+):
     kind = "bf16" if dtype == torch.bfloat16 else "fp16"
     parts = [
         kind,
@@ -77,6 +93,8 @@ def _case(dtype, b, h, h_k, n_q, n_k, d, causal, window=(-1, -1), scale=None, la
     ]
     parts += [f"w{window[0]}.{window[1]}"] if window != (-1, -1) else []
     parts += [f"scale{scale}"] if scale is not None else []
+    parts += [f"softcap{softcap:g}"] if softcap else []
+    parts += ["alibi"] if alibi else []
     parts += [layout] if layout != "contiguous" else []
     parts += [tiles[0]] if tiles is not None else []
     case = dict(
@@ -86,6 +104,8 @@ def _case(dtype, b, h, h_k, n_q, n_k, d, causal, window=(-1, -1), scale=None, la
         scale=scale,
         layout=layout,
         config=tiles[1] if tiles is not None else None,
+        softcap=softcap,
+        alibi=alibi,
     )
     return pytest.param(dtype, case, id="-".join(parts))
 
@@ -119,6 +139,21 @@ CASES = [
     _case(torch.bfloat16, 1, 2, 1, 19, 24, 32, True, layout="strided"),
 ]
 
+# Softcap and ALiBi (asked for: tensor_cores=True), fp16 and bf16. A softcap of 2 saturates the larger scores
+# (1 - tanh² well below 1); the slopes are per (batch, head).
+SCORE_CASES = [
+    case
+    for dtype in (torch.float16, torch.bfloat16)
+    for case in (
+        # GQA over several query tiles a head, causal tiles skipped and masked, in both kernels
+        _case(dtype, 1, 2, 1, 37, 45, 16, True, tiles=SMALL_TILES, softcap=2.0),
+        # two batches' slopes, a window with both edges inside the keys
+        _case(dtype, 2, 2, 1, 21, 30, 16, False, window=(5, 3), tiles=SMALL_TILES, alibi=True),
+        # both, causal with a left edge, the default tiles (64-query dK/dV tiles, 32-key dQ tiles)
+        _case(dtype, 1, 2, 1, 29, 40, 16, True, window=(9, 0), softcap=2.0, alibi=True),
+    )
+]
+
 
 def _inputs(dtype, case, device):
     b, h, h_k, n_q, n_k, d = case["shape"]
@@ -130,9 +165,9 @@ def _inputs(dtype, case, device):
     return q, k, v, dO
 
 
-def _forward(q, k, v, causal, window, scale):
-    """O (in q's dtype) and L (fp32) from the fp64 reference."""
-    O64, L64 = reference.attention(q.double(), k.double(), v.double(), causal, scale, window=window)
+def _forward(q, k, v, causal, window, scale, **features):
+    """O (in q's dtype) and L (fp32) from the fp64 reference; ``features``: softcap, alibi_slopes."""
+    O64, L64 = reference.attention(q.double(), k.double(), v.double(), causal, scale, window=window, **features)
     return O64.to(q.dtype), L64.float()
 
 
@@ -141,23 +176,35 @@ def _forward(q, k, v, causal, window, scale):
 SIMULATED_BF16 = {"B1-H1-45x29-D40"}
 
 
-@pytest.mark.parametrize("dtype, case", CASES)
+@pytest.mark.parametrize("dtype, case", CASES + SCORE_CASES)
 def test_tensor_core_backward_matches_reference(tc_device, calls, dtype, case):
     b, h, h_k, n_q, n_k, d = case["shape"]
+    softcap, alibi = case["softcap"], case["alibi"]
     plain = case["config"] is None and case["layout"] == "contiguous"
-    if common.simulated() and dtype == torch.bfloat16 and plain and f"B{b}-H{h}-{n_q}x{n_k}-D{d}" not in SIMULATED_BF16:
-        pytest.skip("the simulator runs this case in fp16 (bf16 on D40, the large tiles and the strided layout)")
+    if common.simulated() and dtype == torch.bfloat16:
+        if softcap or alibi:
+            pytest.skip("the simulator runs softcap and ALiBi in fp16 (bf16 differs in its conversions only)")
+        if plain and f"B{b}-H{h}-{n_q}x{n_k}-D{d}" not in SIMULATED_BF16:
+            pytest.skip("the simulator runs this case in fp16 (bf16 on D40, the large tiles and the strided layout)")
     causal, window, scale = case["causal"], case["window"], case["scale"]
     q, k, v, dO = _inputs(dtype, case, tc_device)
-    O, L = _forward(q, k, v, causal, window, scale)
+    slopes = torch.rand(b, h, generator=torch.Generator().manual_seed(n_q)).to(tc_device) if alibi else None
+    features = dict(softcap=softcap, alibi_slopes=slopes) if softcap or alibi else {}
+    O, L = _forward(q, k, v, causal, window, scale, **features)
     spec_window = (window[0], 0) if causal else window
-    spec = AttentionSpec(d**-0.5 if scale is None else scale, spec_window, 0.0, None, h // h_k)
-    dq, dk, dv = backward.flash_attn_backward(q, k, v, O, L, dO, spec, case["config"])
+    spec = AttentionSpec(d**-0.5 if scale is None else scale, spec_window, softcap, slopes, h // h_k)
+    # Softcap and ALiBi are the tensor-core kernels' when asked for; the rest is their automatic choice.
+    asked = True if features else None
+    dq, dk, dv = backward.flash_attn_backward(q, k, v, O, L, dO, spec, case["config"], tensor_cores=asked)
     assert calls == ["tc"], f"expected the tensor-core backward alone, got {calls}"
     HEAD_DIM = tensor_cores.padded_head_dim(d)
-    built = {key[:2] for key in backward_tc._KERNELS}
-    assert {("dkdv", HEAD_DIM), ("dq", HEAD_DIM)} <= built, f"tensor-core kernels built: {sorted(built)}"
-    assert_grads_match(dq, dk, dv, q, k, v, dO, causal, window=window, **({} if scale is None else {"scale": scale}))
+    # Keys: (name, HEAD_DIM, config, LEFT, RIGHT, SOFTCAP, ALIBI, ...).
+    built = {(key[0], key[1], key[5], key[6]) for key in backward_tc._KERNELS}
+    expected = {("dkdv", HEAD_DIM, softcap > 0, alibi), ("dq", HEAD_DIM, softcap > 0, alibi)}
+    assert expected <= built, f"tensor-core kernels built: {sorted(built)}"
+    if scale is not None:
+        features["scale"] = scale
+    assert_grads_match(dq, dk, dv, q, k, v, dO, causal, window=window, **features)
 
 
 @pytest.mark.parametrize(
@@ -190,39 +237,74 @@ def test_dispatch_by_input_and_spec(tc_device, dtype, d, features, expected):
     assert backward_tc.uses_tensor_cores(q, spec) == (expected == "tc")
 
 
-def test_simt_features_run_simt_kernels(tc_device, calls):
-    """A softcap sends fp16 to the SIMT backward, which matches the reference there."""
+@pytest.mark.parametrize(
+    "asked, expected",
+    [pytest.param(None, "simt", id="automatic-simt"), pytest.param(True, "tc", id="asked-tensor-cores")],
+)
+def test_softcap_alibi_run_tensor_cores_only_when_asked(tc_device, calls, asked, expected):
+    """Softcap and ALiBi: the automatic choice sends fp16 to the SIMT backward (``backward_tc``'s
+    AUTOMATIC_FEATURES: not yet measured on the tensor cores), tensor_cores=True to the tensor-core kernels
+    (built with SOFTCAP and ALIBI); both match the reference."""
     dtype = torch.float16
     q, k, v = random_qkv((1, 1, 17, 16), (1, 1, 29, 16), dtype, tc_device, seed=5)
     dO = torch.randn(q.shape, generator=torch.Generator().manual_seed(5)).to(device=tc_device, dtype=dtype)
-    O64, L64 = reference.attention(q.double(), k.double(), v.double(), True, softcap=5.0)
-    spec = AttentionSpec(0.25, (-1, 0), 5.0, None, 1)
-    dq, dk, dv = backward.flash_attn_backward(q, k, v, O64.to(dtype), L64.float(), dO, spec)
-    assert calls == ["simt"], f"expected the SIMT backward alone, got {calls}"
-    assert_grads_match(dq, dk, dv, q, k, v, dO, True, softcap=5.0)
+    slopes = torch.full((1, 1), 0.3, device=tc_device)
+    O64, L64 = reference.attention(q.double(), k.double(), v.double(), True, softcap=5.0, alibi_slopes=slopes)
+    spec = AttentionSpec(0.25, (-1, 0), 5.0, slopes, 1)
+    assert not backward_tc.uses_tensor_cores(q, spec) and backward_tc.supports(spec)
+    built = set(backward_tc._KERNELS)
+    dq, dk, dv = backward.flash_attn_backward(q, k, v, O64.to(dtype), L64.float(), dO, spec, tensor_cores=asked)
+    assert calls == [expected], f"expected the {expected} backward alone, got {calls}"
+    if asked:
+        new = {(key[0], key[5], key[6]) for key in set(backward_tc._KERNELS) - built}
+        assert new <= {("dkdv", True, True), ("dq", True, True)}, f"tensor-core kernels built: {sorted(new)}"
+        assert any(key[:1] + key[5:7] == ("dq", True, True) for key in backward_tc._KERNELS)
+    assert_grads_match(dq, dk, dv, q, k, v, dO, True, softcap=5.0, alibi_slopes=slopes)
+
+
+def test_tensor_cores_refuse_packed_batches(tc_device):
+    """A packed batch (cu_seqlens) asked of the tensor-core kernels: NotImplementedError naming the limit,
+    before any launch."""
+    q = torch.zeros(1, 2, 8, 16, dtype=torch.float16, device=tc_device)
+    offsets = torch.tensor([0, 3, 8], dtype=torch.int32, device=tc_device)
+    spec = AttentionSpec(0.25, (-1, 0), 0.0, None, 1, offsets, offsets, 5, 5)
+    assert not backward_tc.supports(spec)
+    with pytest.raises(NotImplementedError, match="packed"):
+        backward.flash_attn_backward(q, q, q, q, q[..., 0].float(), q, spec, tensor_cores=True)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(
-    "dtype, d, causal, layout, config",
+    "dtype, d, causal, layout, config, softcap",
     [
-        pytest.param(torch.bfloat16, 128, True, "contiguous", None, id="bf16-D128-causal-cp.async"),
-        pytest.param(torch.bfloat16, 128, False, "contiguous", LARGE_TILES[1], id="bf16-D128-full-large-tiles"),
-        pytest.param(torch.float16, 40, False, "strided", None, id="fp16-D40-full-plain-loads"),
+        pytest.param(torch.bfloat16, 128, True, "contiguous", None, 0.0, id="bf16-D128-causal-cp.async"),
+        pytest.param(torch.bfloat16, 128, False, "contiguous", LARGE_TILES[1], 0.0, id="bf16-D128-full-large-tiles"),
+        pytest.param(torch.float16, 40, False, "strided", None, 0.0, id="fp16-D40-full-plain-loads"),
+        # softcap and ALiBi (asked for): the slopes are a varying tensor of the class, as q, k, v
+        pytest.param(torch.bfloat16, 64, True, "contiguous", None, 5.0, id="bf16-D64-causal-softcap-alibi"),
     ],
 )
-def test_prepared_launch_equals_numbas_bit_for_bit(device, monkeypatch, dtype, d, causal, layout, config):
+def test_prepared_launch_equals_numbas_bit_for_bit(device, monkeypatch, dtype, d, causal, layout, config, softcap):
     """On the GPU: a class's second call takes the prepared launches (``launch.prepare`` not called again)
     and gives the gradients of numba's own launches bit for bit (no atomics: deterministic), tiles over
     48 KB of shared memory included (the prepared launch passes their dynamic size); the kernels keep local
-    memory (spills) at most 64 B a thread."""
+    memory (spills) at most 64 B a thread. With ALiBi the class's first call takes other slopes than the
+    second: the prepared launch must read the second call's."""
     if device.type != "cuda":
         pytest.skip("prepared launches are the GPU's (the simulator launches through numba); --device cuda")
     q, k, v, dO = _inputs(dtype, dict(shape=(2, 4, 2, 300, 333, d), layout=layout), device)
-    O, L = _forward(q, k, v, causal, (-1, -1), None)
-    spec = AttentionSpec(d**-0.5, (-1, 0) if causal else (-1, -1), 0.0, None, 2)
+    window = (-1, 0) if causal else (-1, -1)
+    slopes, first_slopes = (
+        (torch.rand(2, 4, generator=torch.Generator().manual_seed(s)).to(device) for s in (1, 2))
+        if softcap
+        else (None, None)
+    )
+    features = dict(softcap=softcap, alibi_slopes=slopes) if softcap else {}
+    O, L = _forward(q, k, v, causal, (-1, -1), None, **features)
+    spec = AttentionSpec(d**-0.5, window, softcap, slopes, 2)
+    asked = True if softcap else None
     monkeypatch.setattr(backward_tc.launch, "FAST", False)
-    expected = backward.flash_attn_backward(q, k, v, O, L, dO, spec, config)
+    expected = backward.flash_attn_backward(q, k, v, O, L, dO, spec, config, tensor_cores=asked)
     monkeypatch.setattr(backward_tc.launch, "FAST", True)
     real = backward_tc.launch.prepare
     sizes = []  # the dynamic shared memory each prepared launch asks for
@@ -232,15 +314,17 @@ def test_prepared_launch_equals_numbas_bit_for_bit(device, monkeypatch, dtype, d
         return real(*a)
 
     monkeypatch.setattr(backward_tc.launch, "prepare", recording)
-    backward.flash_attn_backward(q, k, v, O, L, dO, spec, config)  # a class's first call: numba's, then prepared
+    # A class's first call: numba's, then prepared.
+    first = spec if slopes is None else AttentionSpec(d**-0.5, window, softcap, first_slopes, 2)
+    backward.flash_attn_backward(q, k, v, O, L, dO, first, config, tensor_cores=asked)
     prepares = []
     monkeypatch.setattr(backward_tc.launch, "prepare", lambda *a: prepares.append(a) or real(*a))
-    got = backward.flash_attn_backward(q, k, v, O, L, dO, spec, config)
+    got = backward.flash_attn_backward(q, k, v, O, L, dO, spec, config, tensor_cores=asked)
     assert not prepares, "the second call of a class must take the prepared launches"
     torch.cuda.synchronize()
     for name, x, ref in zip(("dq", "dk", "dv"), got, expected):
         assert torch.equal(x, ref), f"{name}: max |fast - numba| = {(x.float() - ref.float()).abs().max():.3g}"
-    assert_grads_match(*got, q, k, v, dO, causal)
+    assert_grads_match(*got, q, k, v, dO, causal, **features)
     if config is not None:
         assert max(sizes) > 48 * 1024, f"the large tiles' launches asked for {sizes} B of dynamic shared memory"
     rows = [r for r in backward_tc.kernel_resources() if r["HEAD_DIM"] == tensor_cores.padded_head_dim(d)]

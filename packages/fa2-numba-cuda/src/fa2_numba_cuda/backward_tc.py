@@ -50,9 +50,17 @@ the dK/dV kernel). Windows (LEFT, RIGHT of ``common.Features``; causal is (-1, 0
 key j visible to query i iff i + diag - left <= j <= i + diag + right, diag = seqlen_k - seqlen_q: masked
 per element where a tile crosses a window edge, and whole tiles skipped as ``backward_simt`` skips them.
 seqlen_q, seqlen_k need not be multiples of anything; head_dim is padded to a multiple of 16 with zeros.
+Softcap and ALiBi (SOFTCAP, ALIBI of ``common.Features``, compile-time; softcap_log2 and the slopes runtime
+arguments after the tile count, unread without them) as ``backward_simt`` computes them, in the base-2 form of
+``forward_tc``: with a softcap c the raw score s gives x = c · log2 e · tanh(s · scale / c) (``tanh_approx``:
+relative error at most 2^-10.99, the forward's) and dS (dSᵀ) is multiplied by 1 - tanh², the cap's
+derivative; ALiBi subtracts slope · log2 e · |i + diag - j| from x (one FMA, the distance from a per-step value
+and a constant per element); then P = exp2(x - L · log2 e), the mask as above. The slopes get no gradient.
 
-Not here (``fa2_numba_cuda.backward.flash_attn_backward`` sends them to ``backward_simt`` by the spec, before
-any launch): softcap, ALiBi, packed (varlen) batches (``supports``); fp32 and head_dim > 128.
+Not here: packed (varlen) batches (``supports``), fp32, head_dim > 128 (``backward_simt`` computes them).
+``fa2_numba_cuda.backward.flash_attn_backward`` picks these kernels by itself for the features in
+``AUTOMATIC_FEATURES`` (windows), and for a softcap or ALiBi only with tensor_cores=True (opt-in until measured
+against ``backward_simt`` on the H200).
 
 Launch: on torch's current CUDA stream, no host synchronisation; one compiled kernel per (kernel, padded
 head dim, TensorCoreBwdConfig, Features, bf16 or fp16, head_dim == padded, cp.async or plain loads, head_dim
@@ -84,9 +92,11 @@ from fa2_numba_cuda.common import (
     feature_args,
     features,
     rows_16b_aligned,
+    score_scale,
     simulated,
     sink_arg,
     spec_class,
+    spec_tensors,
 )
 from fa2_numba_cuda.mma import (
     cp_async_16,
@@ -105,6 +115,7 @@ from fa2_numba_cuda.mma import (
     pack_f16x2,
     shared_address,
     shfl_xor,
+    tanh_approx,
 )
 from fa2_numba_cuda.tensor_cores import MAX_HEAD_DIM, MIN_COMPUTE_CAPABILITY, capability, padded_head_dim
 
@@ -251,21 +262,27 @@ def shared_bytes(name: str, HEAD_DIM: int, config: TensorCoreBwdConfig) -> int:
     return tile_bytes(name, HEAD_DIM, config) + stats
 
 
+# The ``common.Features`` that the automatic choice (``uses_tensor_cores``) sends to these kernels: windows
+# (causal included). The kernels compute softcap and ALiBi too (``supports``), but only when asked for
+# (``tensor_cores=True``) until they are measured against ``backward_simt`` on the H200.
+AUTOMATIC_FEATURES = frozenset({"LEFT", "RIGHT"})
+
+
 def supports(spec: AttentionSpec) -> bool:
-    """Whether these kernels compute ``spec``: dense batches with any scale and window (causal included),
-    no softcap, no ALiBi, no packed batch. ``fa2_numba_cuda.backward`` sends the rest to ``backward_simt``."""
-    feats = features(spec)
-    return not (feats.SOFTCAP or feats.ALIBI or feats.VARLEN)
+    """Whether these kernels compute ``spec``: dense batches with any scale, window (causal included),
+    softcap, ALiBi slopes and attention sink; not packed (varlen) batches."""
+    return not features(spec).VARLEN
 
 
 def uses_tensor_cores(q: torch.Tensor, spec: AttentionSpec) -> bool:
-    """Whether ``fa2_numba_cuda.backward.flash_attn_backward`` runs these kernels: fp16 or bf16, head_dim <=
-    128, a spec they support (``supports``), on a CUDA device of compute capability 8.0 or newer or under
-    numba's simulator (the instructions' emulations)."""
+    """Whether ``fa2_numba_cuda.backward.flash_attn_backward`` runs these kernels unasked: fp16 or bf16,
+    head_dim <= 128, a spec whose features are all in ``AUTOMATIC_FEATURES`` (dense, any window and sink; a
+    softcap or ALiBi goes to ``backward_simt`` unless tensor_cores=True asks for these kernels), on a CUDA
+    device of compute capability 8.0 or newer or under numba's simulator (the instructions' emulations)."""
     return (
         q.dtype in (torch.float16, torch.bfloat16)
         and q.shape[-1] <= MAX_HEAD_DIM
-        and supports(spec)
+        and all(name in AUTOMATIC_FEATURES for name, on in features(spec)._asdict().items() if on)
         and (simulated() or (q.device.type == "cuda" and capability(q.device) >= MIN_COMPUTE_CAPABILITY))
     )
 
@@ -481,8 +498,9 @@ def _helpers(HEAD_DIM, IS_BF16, ASYNC_LOADS, OUT_PAIRS, EVEN_HEAD_DIM):
     return wait_tiles, load_frag, products, store_rows
 
 
-def _build_dkdv(HEAD_DIM, config, LEFT, RIGHT, IS_BF16, EVEN_HEAD_DIM, ASYNC_LOADS, OUT_PAIRS):
-    """The dK/dV kernel for one padded head dim, block shape, window switches and input kind (compile-time)."""
+def _build_dkdv(HEAD_DIM, config, LEFT, RIGHT, SOFTCAP, ALIBI, IS_BF16, EVEN_HEAD_DIM, ASYNC_LOADS, OUT_PAIRS):
+    """The dK/dV kernel for one padded head dim, block shape, ``Features`` of a dense batch (LEFT, RIGHT,
+    SOFTCAP, ALIBI) and input kind (compile-time)."""
     NUM_WARPS, BLOCK_M = config.DKDV_WARPS, config.DKDV_BLOCK_M
     BLOCK_N = 16 * NUM_WARPS
     NUM_THREADS = 32 * NUM_WARPS
@@ -602,12 +620,18 @@ def _build_dkdv(HEAD_DIM, config, LEFT, RIGHT, IS_BF16, EVEN_HEAD_DIM, ASYNC_LOA
         window_left,
         window_right,
         num_n_tiles,
+        softcap_log2,
+        slopes,
+        stride_ab,
+        stride_ah,
     ):
         """One block: BLOCK_N keys of one (batch, key/value head), for the group's query heads. q, k, v, do:
         flat int16 views (fp16 or bf16 bit patterns) of (B, H, N, D) tensors, k and v with H // group heads,
         with the given element strides; lse: (B, H, seqlen_q) fp32; delta: (B·H, seqlen_q) fp32; dk, dv:
         (B, H // group, seqlen_k, head_dim), flat, contiguous, int32 pairs (OUT_PAIRS) or int16. qk_scale =
-        scale · log2 e."""
+        scale · log2 e, with a softcap c scale / c (``common.score_scale``); softcap_log2 = c · log2 e and the
+        slopes (B, H) with their strides as ``common.feature_args`` gives them, read only with SOFTCAP and
+        ALIBI."""
         diag = seqlen_k - seqlen_q
         start_n = (cuda.blockIdx.x % num_n_tiles) * BLOCK_N
         heads_k = heads // group
@@ -705,6 +729,8 @@ def _build_dkdv(HEAD_DIM, config, LEFT, RIGHT, IS_BF16, EVEN_HEAD_DIM, ASYNC_LOA
         next_h = head0
         for it in range(steps):
             buf = it % 2
+            # ALiBi's slope of the step's query head (next_h until the step's successor is found), in base 2.
+            slope = slopes[uint64(off_b * stride_ab + next_h * stride_ah)] * float32(LOG2E) if ALIBI else float32(0.0)
             wait_tiles()
             cuda.syncthreads()  # step it's tiles have landed; every warp is done with the other buffer
             next_m = start_m + BLOCK_M
@@ -758,16 +784,33 @@ def _build_dkdv(HEAD_DIM, config, LEFT, RIGHT, IS_BF16, EVEN_HEAD_DIM, ASYNC_LOA
             rel = key0 - start_m - 2 * t - diag
             rel_right = rel - window_right
             rel_left = rel + window_left
+            # ALiBi's distance |query + diag - key| of element (j, e) is |8 j + e % 2 - 8 (e // 2) - rel|: one
+            # conversion a step, then an add and an FMA a score.
+            distance = float32(-rel) if ALIBI else float32(0.0)
             for j in range(M_TILES):
                 for e in range(4):
                     col = 8 * j + 2 * t + e % 2
-                    p = exp2_approx(s[j, e] * qk_scale - lse_tile[lse_row + col])
+                    if SOFTCAP or ALIBI:
+                        # The forward's scores in base 2 (``forward_tc``'s): softcap c (qk_scale = scale / c),
+                        # keeping tanh's derivative 1 - tanh² for dSᵀ, then ALiBi's bias.
+                        if SOFTCAP:
+                            tanh_s = tanh_approx(s[j, e] * qk_scale)
+                            x = tanh_s * softcap_log2
+                        else:
+                            x = s[j, e] * qk_scale
+                        if ALIBI:
+                            x = cuda.fma(-slope, abs(distance + float32(8 * j + e % 2 - 8 * (e // 2))), x)
+                        p = exp2_approx(x - lse_tile[lse_row + col])
+                    else:
+                        p = exp2_approx(s[j, e] * qk_scale - lse_tile[lse_row + col])
                     if crosses:
                         offset = 8 * j + e % 2 - 8 * (e // 2)
                         if (RIGHT and rel_right > offset) or (LEFT and rel_left < offset):
                             p = float32(0.0)
                     s[j, e] = p
                     dp[j, e] = p * (dp[j, e] - delta_tile[lse_row + col])
+                    if SOFTCAP:
+                        dp[j, e] *= float32(1.0) - tanh_s * tanh_s
             acc_plus(dv_acc, s, do_t_lane + buf_bytes)  # dV += Pᵀ dO
             acc_plus(dk_acc, dp, q_t_lane + buf_bytes)  # dK += dSᵀ Q
             start_m = next_m
@@ -780,9 +823,9 @@ def _build_dkdv(HEAD_DIM, config, LEFT, RIGHT, IS_BF16, EVEN_HEAD_DIM, ASYNC_LOA
     return _jit(_attn_bwd_dkdv_tc, config.MAX_REGISTERS)
 
 
-def _build_dq(HEAD_DIM, config, LEFT, RIGHT, IS_BF16, EVEN_HEAD_DIM, ASYNC_LOADS, OUT_PAIRS, SINK):
-    """The dQ kernel for one padded head dim, block shape, window switches, input kind and whether it writes
-    the attention sink's gradient shares (SINK), all compile-time."""
+def _build_dq(HEAD_DIM, config, LEFT, RIGHT, SOFTCAP, ALIBI, IS_BF16, EVEN_HEAD_DIM, ASYNC_LOADS, OUT_PAIRS, SINK):
+    """The dQ kernel for one padded head dim, block shape, ``Features`` of a dense batch (LEFT, RIGHT, SOFTCAP,
+    ALIBI), input kind and whether it writes the attention sink's gradient shares (SINK), all compile-time."""
     NUM_WARPS, BLOCK_N = config.DQ_WARPS, config.DQ_BLOCK_N
     BLOCK_M = 16 * NUM_WARPS
     NUM_THREADS = 32 * NUM_WARPS
@@ -837,6 +880,10 @@ def _build_dq(HEAD_DIM, config, LEFT, RIGHT, IS_BF16, EVEN_HEAD_DIM, ASYNC_LOADS
         window_left,
         window_right,
         num_m_tiles,
+        softcap_log2,
+        slopes,
+        stride_ab,
+        stride_ah,
         dsink,
         sink,
     ):
@@ -905,6 +952,8 @@ def _build_dq(HEAD_DIM, config, LEFT, RIGHT, IS_BF16, EVEN_HEAD_DIM, ASYNC_LOADS
         # The key tiles the tile's rows see, as the forward's; the others are skipped.
         begin_n = max(start_m + diag - window_left, 0) // BLOCK_N * BLOCK_N if LEFT else 0
         end_n = min(seqlen_k, min(start_m + BLOCK_M, seqlen_q) + diag + window_right) if RIGHT else seqlen_k
+        # ALiBi's slope for this (batch, head), in base 2.
+        slope = slopes[uint64(off_b * stride_ab + off_h * stride_ah)] * float32(LOG2E) if ALIBI else float32(0.0)
         # Step it computes on buffer it % 2 while step it + 1's K and V load into the other.
         steps = (end_n - begin_n + BLOCK_N - 1) // BLOCK_N if end_n > begin_n else 0
         if not QDO_IN_SHARED:
@@ -977,16 +1026,33 @@ def _build_dq(HEAD_DIM, config, LEFT, RIGHT, IS_BF16, EVEN_HEAD_DIM, ASYNC_LOADS
             rel = row0 + diag - start_n - 2 * t
             rel_right = rel + window_right
             rel_left = rel - window_left
+            # ALiBi's distance |row + diag - key| of element (j, e) is |rel - (8 j + e % 2 - 8 (e // 2))|: one
+            # conversion a step, then an add and an FMA a score.
+            distance = float32(rel) if ALIBI else float32(0.0)
             for j in range(N_TILES):
                 for e in range(4):
                     h = e // 2
-                    p = exp2_approx(s[j, e] * qk_scale - lse_r[h])
+                    if SOFTCAP or ALIBI:
+                        # The forward's scores in base 2 (``forward_tc``'s): softcap c (qk_scale = scale / c),
+                        # keeping tanh's derivative 1 - tanh² for dS, then ALiBi's bias.
+                        if SOFTCAP:
+                            tanh_s = tanh_approx(s[j, e] * qk_scale)
+                            x = tanh_s * softcap_log2
+                        else:
+                            x = s[j, e] * qk_scale
+                        if ALIBI:
+                            x = cuda.fma(-slope, abs(distance + float32(8 * h - 8 * j - e % 2)), x)
+                        p = exp2_approx(x - lse_r[h])
+                    else:
+                        p = exp2_approx(s[j, e] * qk_scale - lse_r[h])
                     if crosses:
                         offset = 8 * j + e % 2 - 8 * h
                         if 8 * j + e % 2 >= key_end or (RIGHT and offset > rel_right) or (LEFT and offset < rel_left):
                             p = float32(0.0)
                     s[j, e] = p
                     dp[j, e] = p * (dp[j, e] - delta_r[h])
+                    if SOFTCAP:
+                        dp[j, e] *= float32(1.0) - tanh_s * tanh_s
             acc_plus(acc, dp, k_t_lane + buf_bytes)  # dQ += dS K
 
         # Epilogue: dq = scale · dQ, each element once (rows that see no key: zeros).
@@ -1021,9 +1087,9 @@ def _jit(kernel, MAX_REGISTERS):
     return cuda.jit(max_registers=MAX_REGISTERS)(kernel)
 
 
-# Compiled kernels by (name, *the builder's arguments): ("dkdv" or "dq", HEAD_DIM, config, LEFT, RIGHT, IS_BF16,
-# EVEN_HEAD_DIM, ASYNC_LOADS, OUT_PAIRS), the dQ kernel's with SINK last, config holding only the fields of that
-# kernel (``_own_fields``): configurations that differ in the other kernel's tiles share it.
+# Compiled kernels by (name, *the builder's arguments): ("dkdv" or "dq", HEAD_DIM, config, LEFT, RIGHT, SOFTCAP,
+# ALIBI, IS_BF16, EVEN_HEAD_DIM, ASYNC_LOADS, OUT_PAIRS), the dQ kernel's with SINK last, config holding only the
+# fields of that kernel (``_own_fields``): configurations that differ in the other kernel's tiles share it.
 _KERNELS: dict[tuple, object] = {}
 _BUILDERS = {"dkdv": _build_dkdv, "dq": _build_dq}
 _FIELDS = {
@@ -1049,6 +1115,12 @@ def _kernel(name, HEAD_DIM, config, *flags):
     if kernel is None:
         kernel = _KERNELS[key] = _BUILDERS[name](*key[1:])
     return kernel
+
+
+def _slopes_positions(spec: AttentionSpec, at: int) -> tuple[int, ...]:
+    """Where the kernels take ``common.spec_tensors``' tensors of a dense spec, the slopes at ``at``: (at,) with
+    ALiBi, else ()."""
+    return () if spec.alibi_slopes is None else (at,)
 
 
 def _sink_tensors(parts: torch.Tensor | None, spec: AttentionSpec) -> tuple:
@@ -1090,8 +1162,9 @@ def flash_attn_backward(
 ) -> tuple[torch.Tensor, ...]:
     """The tensor-core launches (the SIMT preprocess, dK/dV, dQ): arguments and returns as
     ``fa2_numba_cuda.backward.flash_attn_backward``, for fp16 and bf16 with head_dim <= 128 and a spec that
-    ``supports`` takes (dense, any window); CUDA tensors on compute capability 8.0+, or CPU tensors under
-    numba's simulator. config: the blocks, for tuning; default ``tc_bwd_config(padded_head_dim(head_dim))``."""
+    ``supports`` takes (dense: any window, softcap, ALiBi, sink); CUDA tensors on compute capability 8.0+, or
+    CPU tensors under numba's simulator. config: the blocks, for tuning; default
+    ``tc_bwd_config(padded_head_dim(head_dim))``."""
     key = None
     if launch.FAST:  # a call of a class met before: the kernels' parameters are packed, only pointers change
         aligned = (q.data_ptr() | k.data_ptr() | v.data_ptr() | dO.data_ptr()) % 16 == 0
@@ -1129,12 +1202,13 @@ def flash_attn_backward(
             delta = torch.empty(q.shape[0] * q.shape[1] * q.shape[2], dtype=torch.float32, device=q.device)
             if preprocess is not None:
                 preprocess(*preprocess_tensors(O, dO, L, delta, None, spec))
+            extra = spec_tensors(spec)
             if dkdv is not None:
-                dkdv(q, k, v, dO, L, delta, dk, dv)
+                dkdv(q, k, v, dO, L, delta, dk, dv, *extra)
             # Made after the first launches: the host's time for it passes while the GPU works.
             parts = dsink_parts(spec, O, 16 * dq_warps, dq_warps)
             if dq_kernel is not None:
-                dq_kernel(q, k, v, dO, L, delta, dq, *_sink_tensors(parts, spec))
+                dq_kernel(q, k, v, dO, L, delta, dq, *extra, *_sink_tensors(parts, spec))
             return dq, dk, dv, *sink_gradient(spec, parts)
     batch, heads, seqlen_q, head_dim = q.shape
     heads_k, seqlen_k = k.shape[1], k.shape[2]
@@ -1146,7 +1220,8 @@ def flash_attn_backward(
         )
     if not supports(spec):
         raise NotImplementedError(
-            f"fa2-numba-cuda's tensor-core backward has no softcap, ALiBi or packed batches, got {features(spec)}"
+            "fa2-numba-cuda's tensor-core backward takes dense batches only, not packed (varlen) ones, got "
+            f"cu_seqlens_q with {spec.cu_seqlens_q.numel() - 1} sequences (the SIMT backward takes them)"
         )
     _check_device(q)
     if not simulated() and capability(q.device) < MIN_COMPUTE_CAPABILITY:
@@ -1169,11 +1244,13 @@ def flash_attn_backward(
     is_bf16 = q.dtype == torch.bfloat16
     async_loads = all(rows_16b_aligned(t) for t in (q, k, v, dO))
     out_pairs = head_dim % 2 == 0
-    flags = (*features(spec)[:2], is_bf16, head_dim == HEAD_DIM, async_loads, out_pairs)
+    flags = (*features(spec)[:4], is_bf16, head_dim == HEAD_DIM, async_loads, out_pairs)
     out_dtype = torch.int32 if out_pairs else torch.int16
     group = heads // heads_k  # query heads per key/value head (the interface checked the division)
-    window_left, window_right = feature_args(spec, seqlen_q, seqlen_k, q.device)[:2]
-    qk_scale = np.float32(spec.scale * LOG2E)
+    # The window's sizes among the other sizes; the softcap and the slopes after the tile count (the kernels
+    # without SOFTCAP and ALIBI read none of them).
+    window_left, window_right, *score_args = feature_args(spec, seqlen_q, seqlen_k, q.device)
+    qk_scale = np.float32(score_scale(spec))
     inputs = (*(t.view(torch.int16) for t in (q, k, v, dO)), L, delta)
     tail = (
         *q.stride(),
@@ -1202,26 +1279,31 @@ def flash_attn_backward(
         plan[0] = launch_preprocess(O, dO, L, delta, None, dataclasses.replace(spec, sink=None))
         prepared = prepared and plan[0] is not None
     if seqlen_k:
-        args = (*inputs, dk.view(out_dtype), dv.view(out_dtype), *tail, num_n_tiles)
+        args = (*inputs, dk.view(out_dtype), dv.view(out_dtype), *tail, num_n_tiles, *score_args)
         plan[1] = launch.prepare(
             _kernel("dkdv", HEAD_DIM, config, *flags),
             num_n_tiles * batch * heads_k,
             32 * config.DKDV_WARPS,
             q.device,
             args,
-            tuple(range(8)),
+            (*range(8), *_slopes_positions(spec, len(args) - 3)),
             tile_bytes("dkdv", HEAD_DIM, config),
         )
         prepared = prepared and plan[1] is not None
     if seqlen_q:
-        args = (*inputs, dq.view(out_dtype), *tail, num_m_tiles, dsink_arg(parts, q.device), sink_arg(spec, q.device))
+        head = (*inputs, dq.view(out_dtype), *tail, num_m_tiles, *score_args)
+        args = (*head, dsink_arg(parts, q.device), sink_arg(spec, q.device))
         plan[2] = launch.prepare(
             _kernel("dq", HEAD_DIM, config, *flags, parts is not None),
             num_m_tiles * batch * heads,
             32 * config.DQ_WARPS,
             q.device,
             args,
-            (*range(7), *(() if parts is None else (len(args) - 2, len(args) - 1))),
+            (
+                *range(7),
+                *_slopes_positions(spec, len(head) - 3),
+                *(() if parts is None else (len(args) - 2, len(args) - 1)),
+            ),
             tile_bytes("dq", HEAD_DIM, config),
         )
         prepared = prepared and plan[2] is not None
@@ -1243,6 +1325,8 @@ def kernel_resources() -> list[dict]:
         config,
         LEFT,
         RIGHT,
+        SOFTCAP,
+        ALIBI,
         IS_BF16,
         EVEN_HEAD_DIM,
         ASYNC_LOADS,
@@ -1258,7 +1342,7 @@ def kernel_resources() -> list[dict]:
                     "kernel": f"tensor-core {name}",
                     "HEAD_DIM": HEAD_DIM,
                     **config._asdict(),
-                    **_feature_columns((LEFT, RIGHT, False, False, False)),
+                    **_feature_columns((LEFT, RIGHT, SOFTCAP, ALIBI, False)),
                     "bf16": IS_BF16,
                     "even_head_dim": EVEN_HEAD_DIM,
                     "async_loads": ASYNC_LOADS,
