@@ -173,6 +173,53 @@ def test_varlen_backward_sums_dsink_over_sequences(kernel_device):
     assert max_err(dsink, ref[3]) <= FP32_GRAD_ATOL * 34
 
 
+def test_tensor_core_varlen_backward_sums_dsink_over_sequences(kernel_device, monkeypatch):
+    """A packed batch on the tensor-core kernels (asked for): the dQ kernel's grid is (query tile of
+    max_seqlen_q, sequence·head), one share a warp; a tile past its sequence's end exits and writes zero shares
+    (the parts start as NaN: an unwritten share would make dsink NaN). 16-row tiles of one warp: sequences of
+    7, 27 and 0 queries make two tiles each, three of the six past their sequence. GQA 2:1, causal, fp16; dq, dk,
+    dv and dsink against autograd of ``reference.varlen_attention``."""
+    lens_q, lens_k = [7, 27, 0], [12, 20, 5]
+    cu_q = torch.tensor([0, 7, 34, 34], dtype=torch.int32, device=kernel_device)
+    cu_k = torch.tensor([0, 12, 32, 37], dtype=torch.int32, device=kernel_device)
+    q, k, v = random_qkv((1, 2, sum(lens_q), 16), (1, 1, sum(lens_k), 16), torch.float16, kernel_device, seed=12)
+    dO = torch.randn(q.shape, generator=torch.Generator().manual_seed(7)).to(device=kernel_device, dtype=q.dtype)
+    sink = _sink(2, kernel_device)
+    spec = AttentionSpec(
+        0.25, (-1, 0), group=2, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=27, max_seqlen_k=20, sink=sink
+    )
+
+    def packed(x):  # the kernels' (1, heads, total, ...) as the reference's (total, heads, ...)
+        return x[0].transpose(0, 1)
+
+    def reference_grads(upcast):
+        x = [t.detach().double() if upcast else t.detach() for t in (packed(q), packed(k), packed(v), sink)]
+        x = [t.requires_grad_() for t in x]
+        O, L = reference.varlen_attention(*x[:3], cu_q, cu_k, True, 0.25, sink=x[3], upcast=upcast)
+        return O.detach(), L.detach(), torch.autograd.grad(O, x, packed(dO).double() if upcast else packed(dO))
+
+    O64, L64, ref = reference_grads(True)
+    shares = []
+    real_gradient = backward_tc.sink_gradient
+    monkeypatch.setattr(
+        backward_tc, "sink_gradient", lambda spec, parts: shares.append(parts) or real_gradient(spec, parts)
+    )
+    config = backward_tc.TensorCoreBwdConfig(1, 16, 1, 16, 0)
+    O, L = O64.half().transpose(0, 1)[None], L64.float()[None]
+    dq, dk, dv, dsink = backward.flash_attn_backward(q, k, v, O, L, dO, spec, config=config, tensor_cores=True)
+    assert any(key[0] == "dq" and key[7] and key[-1] for key in backward_tc._KERNELS), (
+        "no dQ kernel with VARLEN and SINK"
+    )
+    (parts,) = shares
+    assert parts.shape == (2, 3 * 2), "one share per (sequence, tile of max_seqlen_q) and head"
+    assert (parts.view(2, 3, 2)[:, [0, 2, 2], [1, 0, 1]] == 0).all(), "tiles past their sequence: zero shares"
+    naive = reference_grads(False)[2]
+    for name, g, r, n in zip(("dq", "dk", "dv", "dsink"), (packed(dq), packed(dk), packed(dv), dsink), ref, naive):
+        assert not torch.isnan(g).any(), f"NaN in {name}"
+        tol = 3 * max_err(n, r) + 2 * max_err(r.half(), r)
+        assert max_err(g, r) <= tol, f"max |{name} - ref| = {max_err(g, r):.3g} > {tol:.3g}"
+
+
 def test_preprocess_writes_each_blocks_share(kernel_device):
     """The preprocess with SINK alone: 70 rows a (batch, head) are three blocks (32, 32, 6 rows), each block's
     share -Σ exp(sink[h] - L) · delta at [h, b · 3 + tile]; O, dO and L strided, rows with L = +inf (weight

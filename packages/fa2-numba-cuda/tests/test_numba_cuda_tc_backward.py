@@ -3,20 +3,23 @@
 ``fa2_numba_cuda.backward.flash_attn_backward`` runs the tensor-core kernels for fp16 and bf16 with head_dim
 <= 128 on dense batches (any window, causal included), on compute capability 8.0+ or under numba's
 simulator (``mma.py``'s emulated instructions), and the SIMT kernels for everything else, chosen by the
-inputs and the spec alone; a softcap or ALiBi runs on the tensor-core kernels only when asked for
-(tensor_cores=True). Each case here checks that the kernels it expects were the ones called and
-built, and the gradients against the fp64 reference with the suite's FlashAttention-2 rule
-(``test_gradients.assert_grads_match``); outputs start as NaN (conftest's ``poison_empty``). O and L come
-from the fp64 reference (O rounded to the dtype), so that only the backward is under test. Tiny shapes:
-the simulator is slow. With --device cuda the same cases run the real instructions on the GPU.
+inputs and the spec alone; a softcap, ALiBi or a packed (varlen) batch runs on the tensor-core kernels only
+when asked for (tensor_cores=True). Each case here checks that the kernels it expects were the ones called
+and built, and the gradients against the fp64 reference with the suite's FlashAttention-2 rule
+(``test_gradients.assert_grads_match``; packed batches as shared_tests/test_varlen.py applies it, to the
+whole batch); outputs start as NaN (conftest's ``poison_empty``). O and L come from the fp64 reference (O
+rounded to the dtype), so that only the backward is under test. Tiny shapes: the simulator is slow. With
+--device cuda the same cases run the real instructions on the GPU.
 """
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
-from checks import random_qkv
+from checks import max_err, random_qkv
 from fa2 import reference
 from fa2.spec import AttentionSpec
 from fa2_numba_cuda import backward, backward_simt, backward_tc, common, tensor_cores
@@ -262,15 +265,153 @@ def test_softcap_alibi_run_tensor_cores_only_when_asked(tc_device, calls, asked,
     assert_grads_match(dq, dk, dv, q, k, v, dO, True, softcap=5.0, alibi_slopes=slopes)
 
 
-def test_tensor_cores_refuse_packed_batches(tc_device):
-    """A packed batch (cu_seqlens) asked of the tensor-core kernels: NotImplementedError naming the limit,
-    before any launch."""
-    q = torch.zeros(1, 2, 8, 16, dtype=torch.float16, device=tc_device)
-    offsets = torch.tensor([0, 3, 8], dtype=torch.int32, device=tc_device)
-    spec = AttentionSpec(0.25, (-1, 0), 0.0, None, 1, offsets, offsets, 5, 5)
-    assert not backward_tc.supports(spec)
-    with pytest.raises(NotImplementedError, match="packed"):
-        backward.flash_attn_backward(q, q, q, q, q[..., 0].float(), q, spec, tensor_cores=True)
+# One warp a block in both kernels: 16 keys (dK/dV) and 16 query rows (dQ) a tile, so that sequences of 5 to
+# 40 tokens make several tiles, and the shorter sequences' tiles past their end exit.
+ONE_WARP = ("one-warp", backward_tc.TensorCoreBwdConfig(1, 16, 1, 16, 0, True))
+
+
+def _varlen_case(dtype, lens_q, lens_k, h, h_k, causal=False, window=(-1, -1), softcap=0.0, alibi=False, tiles=None):
+    kind = "bf16" if dtype == torch.bfloat16 else "fp16"
+    parts = [kind, f"q{'.'.join(map(str, lens_q))}-k{'.'.join(map(str, lens_k))}", f"H{h}-Hk{h_k}-D16"]
+    parts += ["causal"] if causal else []
+    parts += [f"w{window[0]}.{window[1]}"] if window != (-1, -1) else []
+    parts += [f"softcap{softcap:g}"] if softcap else []
+    parts += ["alibi"] if alibi else []
+    parts += [tiles[0]] if tiles is not None else []
+    case = dict(
+        lens_q=lens_q,
+        lens_k=lens_k,
+        h=h,
+        h_k=h_k,
+        causal=causal,
+        window=window,
+        softcap=softcap,
+        alibi=alibi,
+        config=tiles[1] if tiles is not None else None,
+    )
+    return pytest.param(dtype, case, id="-".join(parts))
+
+
+# Packed batches of three sequences (asked for: tensor_cores=True), GQA 2:1, D16.
+VARLEN_CASES = [
+    case
+    for dtype in (torch.float16, torch.bfloat16)
+    for case in (
+        # causal; a sequence without keys (its rows: zero dq), one shorter than a tile, Nq != Nk both ways; key
+        # and query tiles of the shorter sequences past their end exit
+        _varlen_case(dtype, [5, 23, 12], [9, 0, 30], 2, 1, causal=True, tiles=ONE_WARP),
+        # a window with both edges inside the keys, softcap and ALiBi per (sequence, head); the default tiles
+        # (64-query dK/dV tiles, 32-key dQ tiles): one tile a sequence
+        _varlen_case(dtype, [17, 6, 29], [24, 11, 40], 2, 1, window=(5, 3), softcap=2.0, alibi=True),
+    )
+]
+
+
+def _offsets(lens, device):
+    return torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32, device=device)
+
+
+def _packed(t):
+    """(total, heads, ...) -> the kernels' (1, heads, total, ...)."""
+    return t.transpose(0, 1)[None]
+
+
+def _varlen_grads(q, k, v, dO, cu_q, cu_k, causal, upcast, **options):
+    """Autograd of ``reference.varlen_attention`` on packed (total, heads, head_dim) q, k, v: fp64 with upcast,
+    else in q's dtype (the naive attention of the tolerance rule)."""
+    x = [t.detach().double().requires_grad_() if upcast else t.detach().requires_grad_() for t in (q, k, v)]
+    O, _ = reference.varlen_attention(*x, cu_q, cu_k, causal, upcast=upcast, **options)
+    return torch.autograd.grad(O, x, dO.double() if upcast else dO)
+
+
+def _assert_packed_grads_match(got, q, k, v, dO, cu_q, cu_k, causal, **options):
+    """The kernels' dq, dk, dv ((1, heads, total, head_dim)) of the whole packed batch against the fp64
+    reference's, by test_varlen's rule: three times a same-precision naive attention's error plus twice the
+    reference's rounding to the dtype, over the batch."""
+    ref = _varlen_grads(q, k, v, dO, cu_q, cu_k, causal, True, **options)
+    naive = _varlen_grads(q, k, v, dO, cu_q, cu_k, causal, False, **options)
+    for name, x, r, n in zip(("dq", "dk", "dv"), got, ref, naive):
+        x = x[0].transpose(0, 1)
+        assert not torch.isnan(x).any(), f"NaN in {name}"
+        tol = 3 * max_err(n, r) + 2 * max_err(r.to(q.dtype), r)
+        assert max_err(x, r) <= tol, f"max |{name} - ref| = {max_err(x, r):.3g} > tolerance {tol:.3g} ({q.dtype})"
+
+
+@pytest.mark.parametrize("dtype, case", VARLEN_CASES)
+def test_tensor_core_backward_matches_reference_on_packed_batches(tc_device, calls, dtype, case):
+    """dq, dk, dv of the whole packed batch against the fp64 reference's (``reference.varlen_attention``); a
+    sequence without keys gets dq = 0."""
+    if common.simulated() and dtype == torch.bfloat16:
+        pytest.skip("the simulator runs packed batches in fp16 (bf16 differs in its conversions only)")
+    lens_q, lens_k, h, h_k = case["lens_q"], case["lens_k"], case["h"], case["h_k"]
+    causal, window = case["causal"], case["window"]
+    g = torch.Generator().manual_seed(sum(lens_q))
+    q, k, v, dO = (
+        torch.randn(sum(n), heads, 16, generator=g).to(device=tc_device, dtype=dtype)
+        for n, heads in ((lens_q, h), (lens_k, h_k), (lens_k, h_k), (lens_q, h))
+    )
+    slopes = (torch.rand(len(lens_q), h, generator=g) * 0.3).to(tc_device) if case["alibi"] else None
+    options = dict(window=window, softcap=case["softcap"], alibi_slopes=slopes)
+    cu_q, cu_k = _offsets(lens_q, tc_device), _offsets(lens_k, tc_device)
+    O64, L64 = reference.varlen_attention(q.double(), k.double(), v.double(), cu_q, cu_k, causal, **options)
+    spec = AttentionSpec(
+        16**-0.5,
+        (window[0], 0) if causal else window,
+        case["softcap"],
+        slopes,
+        h // h_k,
+        cu_q,
+        cu_k,
+        max(lens_q),
+        max(lens_k),
+    )
+    got = backward.flash_attn_backward(
+        *(_packed(t) for t in (q, k, v, O64.to(dtype))),
+        L64.float()[None],
+        _packed(dO),
+        spec,
+        case["config"],
+        tensor_cores=True,
+    )
+    assert calls == ["tc"], f"expected the tensor-core backward alone, got {calls}"
+    # Keys: (name, HEAD_DIM, config, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN, ...).
+    built = {(key[0], key[7]) for key in backward_tc._KERNELS}
+    assert {("dkdv", True), ("dq", True)} <= built, f"tensor-core kernels built: {sorted(built)}"
+    _assert_packed_grads_match(got, q, k, v, dO, cu_q, cu_k, causal, **options)
+    if 0 in lens_k:
+        s = lens_k.index(0)
+        assert (got[0][0, :, cu_q[s] : cu_q[s + 1]] == 0).all(), "rows of a sequence without keys: dq = 0"
+
+
+@pytest.mark.parametrize(
+    "asked, expected",
+    [pytest.param(None, "simt", id="automatic-simt"), pytest.param(True, "tc", id="asked-tensor-cores")],
+)
+def test_packed_batches_run_tensor_cores_only_when_asked(tc_device, calls, asked, expected):
+    """A packed batch: the automatic choice sends fp16 to the SIMT backward (``backward_tc``'s
+    AUTOMATIC_FEATURES: not yet measured on the tensor cores), tensor_cores=True to the tensor-core kernels
+    (built with VARLEN); both match the reference."""
+    dtype = torch.float16
+    lens_q, lens_k = [3, 9], [6, 4]
+    cu_q, cu_k = _offsets(lens_q, tc_device), _offsets(lens_k, tc_device)
+    g = torch.Generator().manual_seed(8)
+    q, k, v, dO = (
+        torch.randn(n, 1, 16, generator=g).to(device=tc_device, dtype=dtype)
+        for n in (sum(lens_q), sum(lens_k), sum(lens_k), sum(lens_q))
+    )
+    O64, L64 = reference.varlen_attention(q.double(), k.double(), v.double(), cu_q, cu_k, True)
+    spec = AttentionSpec(0.25, (-1, 0), 0.0, None, 1, cu_q, cu_k, 9, 6)
+    assert not backward_tc.uses_tensor_cores(_packed(q), spec) and backward_tc.supports(spec)
+    built = set(backward_tc._KERNELS)
+    got = backward.flash_attn_backward(
+        *(_packed(t) for t in (q, k, v, O64.to(dtype))), L64.float()[None], _packed(dO), spec, tensor_cores=asked
+    )
+    assert calls == [expected], f"expected the {expected} backward alone, got {calls}"
+    if asked:
+        new = {(key[0], key[7]) for key in set(backward_tc._KERNELS) - built}
+        assert new <= {("dkdv", True), ("dq", True)}, f"tensor-core kernels built: {sorted(new)}"
+        assert any(key[0] == "dq" and key[7] for key in backward_tc._KERNELS)
+    _assert_packed_grads_match(got, q, k, v, dO, cu_q, cu_k, True, scale=0.25)
 
 
 @pytest.mark.gpu
@@ -329,6 +470,45 @@ def test_prepared_launch_equals_numbas_bit_for_bit(device, monkeypatch, dtype, d
         assert max(sizes) > 48 * 1024, f"the large tiles' launches asked for {sizes} B of dynamic shared memory"
     rows = [r for r in backward_tc.kernel_resources() if r["HEAD_DIM"] == tensor_cores.padded_head_dim(d)]
     assert rows and all(r["local_bytes_per_thread"] <= 64 for r in rows), f"local memory: {rows}"
+
+
+@pytest.mark.gpu
+def test_prepared_varlen_launch_equals_numbas_bit_for_bit(device, monkeypatch):
+    """On the GPU, a packed batch with a sink (asked for: tensor_cores=True): a class's second call takes the
+    prepared launches and gives numba's launches' dq, dk, dv and dsink bit for bit. The class's first call
+    takes other offsets (the same count and longest lengths): the prepared launches must read the second
+    call's cu_seqlens_q and cu_seqlens_k, and their sink and slopes."""
+    if device.type != "cuda":
+        pytest.skip("prepared launches are the GPU's (the simulator launches through numba); --device cuda")
+    dtype, d, h, h_k = torch.bfloat16, 64, 4, 2
+    lens, first_lens = [300, 77, 512], [512, 300, 77]
+    cu, first_cu = _offsets(lens, device), _offsets(first_lens, device)
+    g = torch.Generator().manual_seed(3)
+    q, k, v, dO = (
+        torch.randn(sum(lens), heads, d, generator=g).to(device=device, dtype=dtype) for heads in (h, h_k, h_k, h)
+    )
+    slopes = torch.rand(len(lens), h, generator=g).to(device)
+    sink = torch.randn(h, generator=g).to(device)
+    options = dict(window=(-1, -1), softcap=5.0, alibi_slopes=slopes, sink=sink)
+    O64, L64 = reference.varlen_attention(q.double(), k.double(), v.double(), cu, cu, True, **options)
+
+    def spec(offsets, slopes):
+        return AttentionSpec(d**-0.5, (-1, 0), 5.0, slopes, h // h_k, offsets, offsets, 512, 512, sink=sink)
+
+    args = (*(_packed(t) for t in (q, k, v, O64.to(dtype))), L64.float()[None], _packed(dO))
+    monkeypatch.setattr(backward_tc.launch, "FAST", False)
+    expected = backward.flash_attn_backward(*args, spec(cu, slopes), tensor_cores=True)
+    monkeypatch.setattr(backward_tc.launch, "FAST", True)
+    backward.flash_attn_backward(*args, spec(first_cu, torch.rand_like(slopes)), tensor_cores=True)
+    prepares = []
+    real = backward_tc.launch.prepare
+    monkeypatch.setattr(backward_tc.launch, "prepare", lambda *a: prepares.append(a) or real(*a))
+    got = backward.flash_attn_backward(*args, spec(cu, slopes), tensor_cores=True)
+    assert not prepares, "the second call of a class must take the prepared launches"
+    torch.cuda.synchronize()
+    for name, x, ref in zip(("dq", "dk", "dv", "dsink"), got, expected):
+        assert torch.equal(x, ref), f"{name}: max |fast - numba| = {(x.float() - ref.float()).abs().max():.3g}"
+    _assert_packed_grads_match(got[:3], q, k, v, dO, cu, cu, True, **options)
 
 
 def test_d128_tiles_fall_back_where_the_device_allows_less_shared_memory():

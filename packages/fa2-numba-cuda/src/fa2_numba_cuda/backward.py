@@ -2,9 +2,9 @@
 
 - ``backward_tc``: tensor cores (``mma.sync`` through inline PTX), for fp16 and bf16 with head_dim <= 128 and a
   dense batch with any scale and window (causal included), on a CUDA device of compute capability 8.0 or newer
-  or under numba's simulator (``backward_tc.uses_tensor_cores``). It computes a softcap and ALiBi too
-  (``backward_tc.supports``), but runs them only when asked for (tensor_cores=True): opt-in until measured on
-  the H200 (``backward_tc.AUTOMATIC_FEATURES``);
+  or under numba's simulator (``backward_tc.uses_tensor_cores``). It computes a softcap, ALiBi and packed
+  batches too (``backward_tc.supports``), but runs them only when asked for (tensor_cores=True): opt-in until
+  measured on the H200 (``backward_tc.AUTOMATIC_FEATURES``);
 - ``backward_simt``: CUDA cores, fp32 arithmetic, for everything else: fp32, head_dim up to 256, older GPUs,
   packed batches (cu_seqlens), and unasked every spec with a softcap or ALiBi slopes, whatever the dtype.
 
@@ -51,8 +51,8 @@ def flash_attn_backward(
         tensor_cores: which kernels. None: the tensor-core ones (``backward_tc``) for fp16 and bf16 with
             head_dim <= 128, no softcap, no ALiBi, no packed batch, on compute capability 8.0+ or the
             simulator (``backward_tc.uses_tensor_cores``), the SIMT ones (``backward_simt``) otherwise; True
-            or False forces one (an input the forced kernels cannot take is an error: True takes a softcap
-            and ALiBi, not a packed batch).
+            or False forces one (an input the forced kernels cannot take is an error: True takes a softcap,
+            ALiBi and a packed batch).
 
     Returns:
         dq, dk, dv in the shapes and dtypes of q, k, v (dk, dv: (batch, heads_k, seqlen_k, head_dim), each

@@ -831,13 +831,19 @@ def _kernel(name, *key):
     return kernel
 
 
-def dsink_parts(spec: AttentionSpec, O: torch.Tensor, rows: int = PRE_BLOCK_M, shares: int = 1) -> torch.Tensor | None:
+def dsink_parts(
+    spec: AttentionSpec, O: torch.Tensor, rows: int = PRE_BLOCK_M, shares: int = 1, per_sequence: bool = False
+) -> torch.Tensor | None:
     """With spec.sink, where a kernel writes the shares of dsink: (heads, batch · tiles · shares) fp32, tiles of
-    ``rows`` query rows (the preprocess's blocks: one share each; the tensor-core dQ kernel's: one per warp),
-    uninitialised (every share is written; no column where O has no row); else None."""
+    ``rows`` query rows (the preprocess's blocks: one share each, a packed batch's rows as one sequence; the
+    tensor-core dQ kernel's: one per warp, with per_sequence a packed batch's tiles per sequence, as many as
+    max_seqlen_q's, as its grid: ``common.grid_extent``), uninitialised (every share is written; no column
+    where O has no row); else None."""
     if spec.sink is None:
         return None
     batch, heads, seqlen_q = O.shape[:3]
+    if per_sequence:
+        batch, seqlen_q, _ = grid_extent(spec, O, O)
     return torch.empty(heads, batch * -(-seqlen_q // rows) * shares, dtype=torch.float32, device=O.device)
 
 

@@ -57,10 +57,24 @@ relative error at most 2^-10.99, the forward's) and dS (dSᵀ) is multiplied by 
 derivative; ALiBi subtracts slope · log2 e · |i + diag - j| from x (one FMA, the distance from a per-step value
 and a constant per element); then P = exp2(x - L · log2 e), the mask as above. The slopes get no gradient.
 
-Not here: packed (varlen) batches (``supports``), fp32, head_dim > 128 (``backward_simt`` computes them).
-``fa2_numba_cuda.backward.flash_attn_backward`` picks these kernels by itself for the features in
-``AUTOMATIC_FEATURES`` (windows), and for a softcap or ALiBi only with tensor_cores=True (opt-in until measured
-against ``backward_simt`` on the H200).
+Packed (variable-length) batches as ``backward_simt`` and ``forward_tc`` take them (``spec.varlen``; the VARLEN
+switch of ``Features``): q, O, dO (1, heads, total_q, head_dim), L (1, heads, total_q), k, v (1, heads_k,
+total_k, head_dim). Still one launch per kernel, with no host sync: the preprocess runs on the packed rows as on
+one sequence of total_q (delta is per row); the dK/dV grid is (key tile of max_seqlen_k, sequence·key/value
+head), the dQ grid (query tile of max_seqlen_q, sequence·head) (``common.grid_extent``). Each block reads its
+sequence's offsets (``common.offset_args``, the kernels' last two arguments, so that the kernels without VARLEN
+keep every other parameter where it was and compile to the same instructions), exits before its first load
+where its tile starts past the sequence's end (the whole block: no barrier or ``mma`` left waiting), and
+otherwise runs on the sequence's rows with its own lengths: the window and its skipped tiles, ALiBi's
+slopes[s, h] and distance, keys past the sequence masked, query rows past it read with L = +inf, per sequence. A
+key tile of a sequence without queries writes dk = dv = 0. With SINK, a dQ block that exits writes its warps'
+shares as zeros, so that every share of the (heads, sequences · num_m_tiles · DQ_WARPS) parts is written
+(``backward_simt.dsink_parts`` with per_sequence), and dsink sums every sequence's rows per head. cp.async needs
+the packed rows 16 B aligned, as a dense batch's.
+
+Not here: fp32, head_dim > 128 (``backward_simt`` computes them). ``fa2_numba_cuda.backward.flash_attn_backward``
+picks these kernels by itself for the features in ``AUTOMATIC_FEATURES`` (windows), and for a softcap, ALiBi or
+a packed batch only with tensor_cores=True (opt-in until measured against ``backward_simt`` on the H200).
 
 Launch: on torch's current CUDA stream, no host synchronisation; one compiled kernel per (kernel, padded
 head dim, TensorCoreBwdConfig, Features, bf16 or fp16, head_dim == padded, cp.async or plain loads, head_dim
@@ -91,8 +105,11 @@ from fa2_numba_cuda.common import (
     dsink_arg,
     feature_args,
     features,
+    grid_extent,
+    offset_args,
     rows_16b_aligned,
     score_scale,
+    sequence,
     simulated,
     sink_arg,
     spec_class,
@@ -263,22 +280,23 @@ def shared_bytes(name: str, HEAD_DIM: int, config: TensorCoreBwdConfig) -> int:
 
 
 # The ``common.Features`` that the automatic choice (``uses_tensor_cores``) sends to these kernels: windows
-# (causal included). The kernels compute softcap and ALiBi too (``supports``), but only when asked for
-# (``tensor_cores=True``) until they are measured against ``backward_simt`` on the H200.
+# (causal included). The kernels compute softcap, ALiBi and packed batches too (``supports``), but only when
+# asked for (``tensor_cores=True``) until they are measured against ``backward_simt`` on the H200.
 AUTOMATIC_FEATURES = frozenset({"LEFT", "RIGHT"})
 
 
 def supports(spec: AttentionSpec) -> bool:
-    """Whether these kernels compute ``spec``: dense batches with any scale, window (causal included),
-    softcap, ALiBi slopes and attention sink; not packed (varlen) batches."""
-    return not features(spec).VARLEN
+    """Whether these kernels compute ``spec``: every spec, dense or packed (varlen), with any scale, window
+    (causal included), softcap, ALiBi slopes and attention sink."""
+    return True
 
 
 def uses_tensor_cores(q: torch.Tensor, spec: AttentionSpec) -> bool:
     """Whether ``fa2_numba_cuda.backward.flash_attn_backward`` runs these kernels unasked: fp16 or bf16,
     head_dim <= 128, a spec whose features are all in ``AUTOMATIC_FEATURES`` (dense, any window and sink; a
-    softcap or ALiBi goes to ``backward_simt`` unless tensor_cores=True asks for these kernels), on a CUDA
-    device of compute capability 8.0 or newer or under numba's simulator (the instructions' emulations)."""
+    softcap, ALiBi or a packed batch goes to ``backward_simt`` unless tensor_cores=True asks for these
+    kernels), on a CUDA device of compute capability 8.0 or newer or under numba's simulator (the
+    instructions' emulations)."""
     return (
         q.dtype in (torch.float16, torch.bfloat16)
         and q.shape[-1] <= MAX_HEAD_DIM
@@ -498,9 +516,9 @@ def _helpers(HEAD_DIM, IS_BF16, ASYNC_LOADS, OUT_PAIRS, EVEN_HEAD_DIM):
     return wait_tiles, load_frag, products, store_rows
 
 
-def _build_dkdv(HEAD_DIM, config, LEFT, RIGHT, SOFTCAP, ALIBI, IS_BF16, EVEN_HEAD_DIM, ASYNC_LOADS, OUT_PAIRS):
-    """The dK/dV kernel for one padded head dim, block shape, ``Features`` of a dense batch (LEFT, RIGHT,
-    SOFTCAP, ALIBI) and input kind (compile-time)."""
+def _build_dkdv(HEAD_DIM, config, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN, IS_BF16, EVEN_HEAD_DIM, ASYNC_LOADS, OUT_PAIRS):
+    """The dK/dV kernel for one padded head dim, block shape, ``Features`` (LEFT, RIGHT, SOFTCAP, ALIBI,
+    VARLEN) and input kind (compile-time)."""
     NUM_WARPS, BLOCK_M = config.DKDV_WARPS, config.DKDV_BLOCK_M
     BLOCK_N = 16 * NUM_WARPS
     NUM_THREADS = 32 * NUM_WARPS
@@ -624,6 +642,8 @@ def _build_dkdv(HEAD_DIM, config, LEFT, RIGHT, SOFTCAP, ALIBI, IS_BF16, EVEN_HEA
         slopes,
         stride_ab,
         stride_ah,
+        cu_seqlens_q,
+        cu_seqlens_k,
     ):
         """One block: BLOCK_N keys of one (batch, key/value head), for the group's query heads. q, k, v, do:
         flat int16 views (fp16 or bf16 bit patterns) of (B, H, N, D) tensors, k and v with H // group heads,
@@ -631,13 +651,28 @@ def _build_dkdv(HEAD_DIM, config, LEFT, RIGHT, SOFTCAP, ALIBI, IS_BF16, EVEN_HEA
         (B, H // group, seqlen_k, head_dim), flat, contiguous, int32 pairs (OUT_PAIRS) or int16. qk_scale =
         scale · log2 e, with a softcap c scale / c (``common.score_scale``); softcap_log2 = c · log2 e and the
         slopes (B, H) with their strides as ``common.feature_args`` gives them, read only with SOFTCAP and
-        ALIBI."""
+        ALIBI. VARLEN: B = 1, N the packed totals, and the block's (key tile, sequence·key/value head) reads
+        its sequence's rows from cu_seqlens_q and cu_seqlens_k (``common.offset_args``, the last arguments:
+        without VARLEN unread); num_n_tiles covers max_seqlen_k."""
         diag = seqlen_k - seqlen_q
         start_n = (cuda.blockIdx.x % num_n_tiles) * BLOCK_N
         heads_k = heads // group
         off_bhk = cuda.blockIdx.x // num_n_tiles
-        off_b = off_bhk // heads_k
+        off_b = off_bhk // heads_k  # the batch; with VARLEN the sequence
         off_hk = off_bhk % heads_k
+        if VARLEN:
+            # Sequence off_b: keys k_start .. k_start + seqlen_k of the packed k, v (and dk, dv), queries
+            # q_start .. q_start + seqlen_q of q, dO, L and delta; its own lengths (and their diag) stand for
+            # seqlen_q and seqlen_k from here on. A key tile past its end exits (the whole block, before any
+            # barrier or warp-wide instruction).
+            q_start, seqlen_q_s = sequence(cu_seqlens_q, off_b, seqlen_q)
+            k_start, seqlen_k_s = sequence(cu_seqlens_k, off_b, seqlen_k)
+            dkv_start = off_hk * seqlen_k + k_start  # dk's and dv's row of the sequence's key 0
+            total_q = seqlen_q
+            seqlen_q, seqlen_k = seqlen_q_s, seqlen_k_s
+            diag = seqlen_k - seqlen_q
+            if start_n >= seqlen_k:
+                return
         warp = cuda.threadIdx.x // 32
         lane = cuda.threadIdx.x % 32
         g = lane // 4
@@ -660,8 +695,12 @@ def _build_dkdv(HEAD_DIM, config, LEFT, RIGHT, SOFTCAP, ALIBI, IS_BF16, EVEN_HEA
         do_t_lane = q_t_lane + uint32(2 * BLOCK_M * LD)
 
         # K and V of the tile: global -> shared (-> the warp's A fragments), held for the whole block.
-        k_offset = off_b * stride_kb + off_hk * stride_kh
-        v_offset = off_b * stride_vb + off_hk * stride_vh
+        if VARLEN:  # the sequence's first rows
+            k_offset = off_hk * stride_kh + k_start * stride_kn
+            v_offset = off_hk * stride_vh + k_start * stride_vn
+        else:
+            k_offset = off_b * stride_kb + off_hk * stride_kh
+            v_offset = off_b * stride_vb + off_hk * stride_vh
         load_kv(smem, smem_base, 0, k, k_base, k_offset, stride_kn, stride_kd, start_n, seqlen_k, head_dim)
         load_kv(smem, smem_base, V_ROW, v, v_base, v_offset, stride_vn, stride_vd, start_n, seqlen_k, head_dim)
         wait_tiles()
@@ -700,6 +739,16 @@ def _build_dkdv(HEAD_DIM, config, LEFT, RIGHT, SOFTCAP, ALIBI, IS_BF16, EVEN_HEA
         steps = group * m_steps
         head0 = off_hk * group
         if steps > 0:
+            if VARLEN:  # the sequence's first rows; delta is per query head, (1·H, total_q)
+                q_offset = head0 * stride_qh + q_start * stride_qm
+                do_offset = head0 * stride_doh + q_start * stride_dom
+                l_offset = head0 * stride_lh + q_start * stride_lm
+                delta_offset = head0 * total_q + q_start
+            else:
+                q_offset = off_b * stride_qb + head0 * stride_qh
+                do_offset = off_b * stride_dob + head0 * stride_doh
+                l_offset = off_b * stride_lb + head0 * stride_lh
+                delta_offset = (off_b * heads + head0) * seqlen_q
             load_step(
                 smem,
                 smem_base,
@@ -709,19 +758,19 @@ def _build_dkdv(HEAD_DIM, config, LEFT, RIGHT, SOFTCAP, ALIBI, IS_BF16, EVEN_HEA
                 begin_m,
                 q,
                 q_base,
-                off_b * stride_qb + head0 * stride_qh,
+                q_offset,
                 stride_qm,
                 stride_qd,
                 do,
                 do_base,
-                off_b * stride_dob + head0 * stride_doh,
+                do_offset,
                 stride_dom,
                 stride_dod,
                 lse,
-                off_b * stride_lb + head0 * stride_lh,
+                l_offset,
                 stride_lm,
                 delta,
-                (off_b * heads + head0) * seqlen_q,
+                delta_offset,
                 seqlen_q,
                 head_dim,
             )
@@ -738,6 +787,16 @@ def _build_dkdv(HEAD_DIM, config, LEFT, RIGHT, SOFTCAP, ALIBI, IS_BF16, EVEN_HEA
                 next_m = begin_m
                 next_h += 1
             if it + 1 < steps:
+                if VARLEN:
+                    q_offset = next_h * stride_qh + q_start * stride_qm
+                    do_offset = next_h * stride_doh + q_start * stride_dom
+                    l_offset = next_h * stride_lh + q_start * stride_lm
+                    delta_offset = next_h * total_q + q_start
+                else:
+                    q_offset = off_b * stride_qb + next_h * stride_qh
+                    do_offset = off_b * stride_dob + next_h * stride_doh
+                    l_offset = off_b * stride_lb + next_h * stride_lh
+                    delta_offset = (off_b * heads + next_h) * seqlen_q
                 load_step(
                     smem,
                     smem_base,
@@ -747,19 +806,19 @@ def _build_dkdv(HEAD_DIM, config, LEFT, RIGHT, SOFTCAP, ALIBI, IS_BF16, EVEN_HEA
                     next_m,
                     q,
                     q_base,
-                    off_b * stride_qb + next_h * stride_qh,
+                    q_offset,
                     stride_qm,
                     stride_qd,
                     do,
                     do_base,
-                    off_b * stride_dob + next_h * stride_doh,
+                    do_offset,
                     stride_dom,
                     stride_dod,
                     lse,
-                    off_b * stride_lb + next_h * stride_lh,
+                    l_offset,
                     stride_lm,
                     delta,
-                    (off_b * heads + next_h) * seqlen_q,
+                    delta_offset,
                     seqlen_q,
                     head_dim,
                 )
@@ -816,16 +875,19 @@ def _build_dkdv(HEAD_DIM, config, LEFT, RIGHT, SOFTCAP, ALIBI, IS_BF16, EVEN_HEA
             start_m = next_m
 
         # Epilogue: dk = scale · dK, dv = dV, each element once (keys that no row sees: zeros).
-        dkv_start = off_bhk * seqlen_k
+        if not VARLEN:
+            dkv_start = off_bhk * seqlen_k  # dk's and dv's row of key 0 of this (batch, key/value head)
         store_rows(dk, dk_acc, scale, dkv_start + start_n + 16 * warp, dkv_start + seqlen_k, head_dim, g, t)
         store_rows(dv, dv_acc, float32(1.0), dkv_start + start_n + 16 * warp, dkv_start + seqlen_k, head_dim, g, t)
 
     return _jit(_attn_bwd_dkdv_tc, config.MAX_REGISTERS)
 
 
-def _build_dq(HEAD_DIM, config, LEFT, RIGHT, SOFTCAP, ALIBI, IS_BF16, EVEN_HEAD_DIM, ASYNC_LOADS, OUT_PAIRS, SINK):
-    """The dQ kernel for one padded head dim, block shape, ``Features`` of a dense batch (LEFT, RIGHT, SOFTCAP,
-    ALIBI), input kind and whether it writes the attention sink's gradient shares (SINK), all compile-time."""
+def _build_dq(
+    HEAD_DIM, config, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN, IS_BF16, EVEN_HEAD_DIM, ASYNC_LOADS, OUT_PAIRS, SINK
+):
+    """The dQ kernel for one padded head dim, block shape, ``Features`` (LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN),
+    input kind and whether it writes the attention sink's gradient shares (SINK), all compile-time."""
     NUM_WARPS, BLOCK_N = config.DQ_WARPS, config.DQ_BLOCK_N
     BLOCK_M = 16 * NUM_WARPS
     NUM_THREADS = 32 * NUM_WARPS
@@ -886,18 +948,37 @@ def _build_dq(HEAD_DIM, config, LEFT, RIGHT, SOFTCAP, ALIBI, IS_BF16, EVEN_HEAD_
         stride_ah,
         dsink,
         sink,
+        cu_seqlens_q,
+        cu_seqlens_k,
     ):
         """One block: BLOCK_M query rows of one (batch, head); arguments as ``_attn_bwd_dkdv_tc``'s, dq: (B, H,
         seqlen_q, head_dim), flat, contiguous, int32 pairs (OUT_PAIRS) or int16. SINK: sink (H,) fp32 is read
         and warp w writes its rows' share of the sink's gradient to dsink (H, B · num_m_tiles · NUM_WARPS),
-        flat, at [h, (b · num_m_tiles + tile) · NUM_WARPS + w]; without SINK both are unread."""
+        flat, at [h, (b · num_m_tiles + tile) · NUM_WARPS + w]; without SINK both are unread. VARLEN: as
+        ``_attn_bwd_dkdv_tc``'s, b the sequence, num_m_tiles covering max_seqlen_q."""
         diag = seqlen_k - seqlen_q
         tile_m = cuda.blockIdx.x % num_m_tiles
         start_m = tile_m * BLOCK_M
         off_bh = cuda.blockIdx.x // num_m_tiles
-        off_b = off_bh // heads
+        off_b = off_bh // heads  # the batch; with VARLEN the sequence
         off_h = off_bh % heads
         off_hk = off_h // group
+        if VARLEN:
+            # Sequence off_b: queries q_start .. q_start + seqlen_q of the packed q, dO, L, delta (and dq),
+            # keys k_start .. k_start + seqlen_k of k and v; its own lengths (and their diag) stand for
+            # seqlen_q and seqlen_k from here on. A query tile past its end exits (the whole block, before any
+            # barrier or warp-wide instruction); with SINK its warps' shares are zeros, so that every share
+            # is written.
+            q_start, seqlen_q_s = sequence(cu_seqlens_q, off_b, seqlen_q)
+            k_start, seqlen_k = sequence(cu_seqlens_k, off_b, seqlen_k)
+            dq_start = off_h * seqlen_q + q_start  # dq's and delta's row of the sequence's query 0
+            seqlen_q = seqlen_q_s
+            diag = seqlen_k - seqlen_q
+            if start_m >= seqlen_q:
+                if SINK and cuda.threadIdx.x % 32 == 0:
+                    at = (off_h * (cuda.gridDim.x // heads) + off_b * num_m_tiles + tile_m) * NUM_WARPS
+                    dsink[uint64(at + cuda.threadIdx.x // 32)] = float32(0.0)
+                return
         warp = cuda.threadIdx.x // 32
         lane = cuda.threadIdx.x % 32
         g = lane // 4
@@ -916,8 +997,12 @@ def _build_dq(HEAD_DIM, config, LEFT, RIGHT, SOFTCAP, ALIBI, IS_BF16, EVEN_HEAD_
         k_t_lane = smem_base + uint32(2 * ((KV_ROW + a_row) * LD + a_col))  # K as B with .trans (keys as k)
 
         # Q and dO: global -> shared (-> the warp's A fragments).
-        q_offset = off_b * stride_qb + off_h * stride_qh
-        do_offset = off_b * stride_dob + off_h * stride_doh
+        if VARLEN:  # the sequence's first rows
+            q_offset = off_h * stride_qh + q_start * stride_qm
+            do_offset = off_h * stride_doh + q_start * stride_dom
+        else:
+            q_offset = off_b * stride_qb + off_h * stride_qh
+            do_offset = off_b * stride_dob + off_h * stride_doh
         load_qdo(smem, smem_base, 0, q, q_base, q_offset, stride_qm, stride_qd, start_m, seqlen_q, head_dim)
         load_qdo(smem, smem_base, BLOCK_M, do, do_base, do_offset, stride_dom, stride_dod, start_m, seqlen_q, head_dim)
         wait_tiles()
@@ -932,13 +1017,18 @@ def _build_dq(HEAD_DIM, config, LEFT, RIGHT, SOFTCAP, ALIBI, IS_BF16, EVEN_HEAD_
         row0 = start_m + 16 * warp + g
         lse_r = cuda.local.array(2, float32)
         delta_r = cuda.local.array(2, float32)
+        if VARLEN:
+            l_offset = off_h * stride_lh + q_start * stride_lm
+        else:
+            l_offset = off_b * stride_lb + off_h * stride_lh
+            dq_start = off_bh * seqlen_q  # dq's and delta's row of query 0 of this (batch, head)
         for h in range(2):
             row = row0 + 8 * h
             lse_r[h] = float32(math.inf)
             delta_r[h] = 0.0
             if row < seqlen_q:
-                lse_r[h] = lse[uint64(off_b * stride_lb + off_h * stride_lh + row * stride_lm)] * float32(LOG2E)
-                delta_r[h] = delta[uint64(off_bh * seqlen_q + row)]
+                lse_r[h] = lse[uint64(l_offset + row * stride_lm)] * float32(LOG2E)
+                delta_r[h] = delta[uint64(dq_start + row)]
 
         acc = cuda.local.array((O_TILES, 4), float32)  # [16 rows, HEAD_DIM] as 8-column C tiles
         s = cuda.local.array((N_TILES, 4), float32)  # S, then P: [16 rows, BLOCK_N]
@@ -947,8 +1037,12 @@ def _build_dq(HEAD_DIM, config, LEFT, RIGHT, SOFTCAP, ALIBI, IS_BF16, EVEN_HEAD_
             for e in range(4):
                 acc[c, e] = 0.0
 
-        k_offset = off_b * stride_kb + off_hk * stride_kh
-        v_offset = off_b * stride_vb + off_hk * stride_vh
+        if VARLEN:
+            k_offset = off_hk * stride_kh + k_start * stride_kn
+            v_offset = off_hk * stride_vh + k_start * stride_vn
+        else:
+            k_offset = off_b * stride_kb + off_hk * stride_kh
+            v_offset = off_b * stride_vb + off_hk * stride_vh
         # The key tiles the tile's rows see, as the forward's; the others are skipped.
         begin_n = max(start_m + diag - window_left, 0) // BLOCK_N * BLOCK_N if LEFT else 0
         end_n = min(seqlen_k, min(start_m + BLOCK_M, seqlen_q) + diag + window_right) if RIGHT else seqlen_k
@@ -1056,9 +1150,7 @@ def _build_dq(HEAD_DIM, config, LEFT, RIGHT, SOFTCAP, ALIBI, IS_BF16, EVEN_HEAD_
             acc_plus(acc, dp, k_t_lane + buf_bytes)  # dQ += dS K
 
         # Epilogue: dq = scale · dQ, each element once (rows that see no key: zeros).
-        store_rows(
-            dq, acc, scale, off_bh * seqlen_q + start_m + 16 * warp, off_bh * seqlen_q + seqlen_q, head_dim, g, t
-        )
+        store_rows(dq, acc, scale, dq_start + start_m + 16 * warp, dq_start + seqlen_q, head_dim, g, t)
         # side-by-side: dsink-tc
         if SINK:
             # The sink's weight in a row is exp(sink[h] - L), here in base 2 (0 past seqlen_q, where L = +inf).
@@ -1088,8 +1180,8 @@ def _jit(kernel, MAX_REGISTERS):
 
 
 # Compiled kernels by (name, *the builder's arguments): ("dkdv" or "dq", HEAD_DIM, config, LEFT, RIGHT, SOFTCAP,
-# ALIBI, IS_BF16, EVEN_HEAD_DIM, ASYNC_LOADS, OUT_PAIRS), the dQ kernel's with SINK last, config holding only the
-# fields of that kernel (``_own_fields``): configurations that differ in the other kernel's tiles share it.
+# ALIBI, VARLEN, IS_BF16, EVEN_HEAD_DIM, ASYNC_LOADS, OUT_PAIRS), the dQ kernel's with SINK last, config holding
+# only the fields of that kernel (``_own_fields``): configurations that differ in the other kernel's tiles share it.
 _KERNELS: dict[tuple, object] = {}
 _BUILDERS = {"dkdv": _build_dkdv, "dq": _build_dq}
 _FIELDS = {
@@ -1117,10 +1209,11 @@ def _kernel(name, HEAD_DIM, config, *flags):
     return kernel
 
 
-def _slopes_positions(spec: AttentionSpec, at: int) -> tuple[int, ...]:
-    """Where the kernels take ``common.spec_tensors``' tensors of a dense spec, the slopes at ``at``: (at,) with
-    ALiBi, else ()."""
-    return () if spec.alibi_slopes is None else (at,)
+def _spec_positions(spec: AttentionSpec, slopes_at: int, offsets_at: int) -> tuple[int, ...]:
+    """Where the kernels take ``common.spec_tensors``' tensors, in its order: the slopes at ``slopes_at`` with
+    ALiBi, a packed batch's cu_seqlens_q and cu_seqlens_k at ``offsets_at`` and the next."""
+    slopes = () if spec.alibi_slopes is None else (slopes_at,)
+    return (*slopes, offsets_at, offsets_at + 1) if spec.varlen else slopes
 
 
 def _sink_tensors(parts: torch.Tensor | None, spec: AttentionSpec) -> tuple:
@@ -1161,9 +1254,9 @@ def flash_attn_backward(
     config: TensorCoreBwdConfig | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """The tensor-core launches (the SIMT preprocess, dK/dV, dQ): arguments and returns as
-    ``fa2_numba_cuda.backward.flash_attn_backward``, for fp16 and bf16 with head_dim <= 128 and a spec that
-    ``supports`` takes (dense: any window, softcap, ALiBi, sink); CUDA tensors on compute capability 8.0+, or
-    CPU tensors under numba's simulator. config: the blocks, for tuning; default
+    ``fa2_numba_cuda.backward.flash_attn_backward``, for fp16 and bf16 with head_dim <= 128 and any spec
+    (``supports``: dense or packed, any window, softcap, ALiBi, sink); CUDA tensors on compute capability
+    8.0+, or CPU tensors under numba's simulator. config: the blocks, for tuning; default
     ``tc_bwd_config(padded_head_dim(head_dim))``."""
     key = None
     if launch.FAST:  # a call of a class met before: the kernels' parameters are packed, only pointers change
@@ -1206,7 +1299,7 @@ def flash_attn_backward(
             if dkdv is not None:
                 dkdv(q, k, v, dO, L, delta, dk, dv, *extra)
             # Made after the first launches: the host's time for it passes while the GPU works.
-            parts = dsink_parts(spec, O, 16 * dq_warps, dq_warps)
+            parts = dsink_parts(spec, O, 16 * dq_warps, dq_warps, per_sequence=True)
             if dq_kernel is not None:
                 dq_kernel(q, k, v, dO, L, delta, dq, *extra, *_sink_tensors(parts, spec))
             return dq, dk, dv, *sink_gradient(spec, parts)
@@ -1217,11 +1310,6 @@ def flash_attn_backward(
     if head_dim > MAX_HEAD_DIM:
         raise NotImplementedError(
             f"fa2-numba-cuda's tensor-core backward supports head_dim up to {MAX_HEAD_DIM}, got {head_dim}"
-        )
-    if not supports(spec):
-        raise NotImplementedError(
-            "fa2-numba-cuda's tensor-core backward takes dense batches only, not packed (varlen) ones, got "
-            f"cu_seqlens_q with {spec.cu_seqlens_q.numel() - 1} sequences (the SIMT backward takes them)"
         )
     _check_device(q)
     if not simulated() and capability(q.device) < MIN_COMPUTE_CAPABILITY:
@@ -1240,11 +1328,11 @@ def flash_attn_backward(
     HEAD_DIM = padded_head_dim(head_dim)
     config = TensorCoreBwdConfig(*config) if config is not None else tc_bwd_config(HEAD_DIM, max_shared_bytes(q.device))
     _check_config(HEAD_DIM, config)
-    parts = dsink_parts(spec, O, 16 * config.DQ_WARPS, config.DQ_WARPS)
+    parts = dsink_parts(spec, O, 16 * config.DQ_WARPS, config.DQ_WARPS, per_sequence=True)
     is_bf16 = q.dtype == torch.bfloat16
     async_loads = all(rows_16b_aligned(t) for t in (q, k, v, dO))
     out_pairs = head_dim % 2 == 0
-    flags = (*features(spec)[:4], is_bf16, head_dim == HEAD_DIM, async_loads, out_pairs)
+    flags = (*features(spec), is_bf16, head_dim == HEAD_DIM, async_loads, out_pairs)
     out_dtype = torch.int32 if out_pairs else torch.int16
     group = heads // heads_k  # query heads per key/value head (the interface checked the division)
     # The window's sizes among the other sizes; the softcap and the slopes after the tile count (the kernels
@@ -1268,8 +1356,12 @@ def flash_attn_backward(
         window_left,
         window_right,
     )
-    num_n_tiles = -(-seqlen_k // (16 * config.DKDV_WARPS))
-    num_m_tiles = -(-seqlen_q // (16 * config.DQ_WARPS))
+    offsets = offset_args(spec, q.device)
+    # delta is per row: the preprocess runs on a packed batch as on one sequence of total_q rows. The main
+    # kernels' grids: per (sequence, head), the tiles of the longest sequence; the others' extra tiles exit.
+    grid_batch, grid_seqlen_q, grid_seqlen_k = grid_extent(spec, q, k)
+    num_n_tiles = -(-grid_seqlen_k // (16 * config.DKDV_WARPS))
+    num_m_tiles = -(-grid_seqlen_q // (16 * config.DQ_WARPS))
 
     plan = [None, None, None]
     prepared = True
@@ -1278,31 +1370,33 @@ def flash_attn_backward(
         # shares, which the dQ kernel takes.
         plan[0] = launch_preprocess(O, dO, L, delta, None, dataclasses.replace(spec, sink=None))
         prepared = prepared and plan[0] is not None
-    if seqlen_k:
-        args = (*inputs, dk.view(out_dtype), dv.view(out_dtype), *tail, num_n_tiles, *score_args)
+    # The offsets come last (the kernels without VARLEN keep every other parameter where it was).
+    if seqlen_k and num_n_tiles * grid_batch:
+        head = (*inputs, dk.view(out_dtype), dv.view(out_dtype), *tail, num_n_tiles, *score_args)
+        args = (*head, *offsets)
         plan[1] = launch.prepare(
             _kernel("dkdv", HEAD_DIM, config, *flags),
-            num_n_tiles * batch * heads_k,
+            num_n_tiles * grid_batch * heads_k,
             32 * config.DKDV_WARPS,
             q.device,
             args,
-            (*range(8), *_slopes_positions(spec, len(args) - 3)),
+            (*range(8), *_spec_positions(spec, len(head) - 3, len(head))),
             tile_bytes("dkdv", HEAD_DIM, config),
         )
         prepared = prepared and plan[1] is not None
-    if seqlen_q:
+    if seqlen_q and num_m_tiles * grid_batch:
         head = (*inputs, dq.view(out_dtype), *tail, num_m_tiles, *score_args)
-        args = (*head, dsink_arg(parts, q.device), sink_arg(spec, q.device))
+        args = (*head, dsink_arg(parts, q.device), sink_arg(spec, q.device), *offsets)
         plan[2] = launch.prepare(
             _kernel("dq", HEAD_DIM, config, *flags, parts is not None),
-            num_m_tiles * batch * heads,
+            num_m_tiles * grid_batch * heads,
             32 * config.DQ_WARPS,
             q.device,
             args,
             (
                 *range(7),
-                *_slopes_positions(spec, len(head) - 3),
-                *(() if parts is None else (len(args) - 2, len(args) - 1)),
+                *_spec_positions(spec, len(head) - 3, len(head) + 2),
+                *(() if parts is None else (len(head), len(head) + 1)),
             ),
             tile_bytes("dq", HEAD_DIM, config),
         )
@@ -1327,6 +1421,7 @@ def kernel_resources() -> list[dict]:
         RIGHT,
         SOFTCAP,
         ALIBI,
+        VARLEN,
         IS_BF16,
         EVEN_HEAD_DIM,
         ASYNC_LOADS,
@@ -1342,7 +1437,7 @@ def kernel_resources() -> list[dict]:
                     "kernel": f"tensor-core {name}",
                     "HEAD_DIM": HEAD_DIM,
                     **config._asdict(),
-                    **_feature_columns((LEFT, RIGHT, SOFTCAP, ALIBI, False)),
+                    **_feature_columns((LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN)),
                     "bf16": IS_BF16,
                     "even_head_dim": EVEN_HEAD_DIM,
                     "async_loads": ASYNC_LOADS,
