@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import types
 
 import pytest
 import torch
@@ -103,3 +104,38 @@ def test_out_of_memory_is_skipped_with_the_reason(tmp_path):
         ("32", "skipped", "out of memory: OutOfMemoryError: CUDA out of memory. Tried to allocate 128.00 GiB"),
         ("8", "failed", "NotImplementedError: no such path"),
     ]
+
+
+def test_a_run_stopped_midway_keeps_the_rows_it_measured(tmp_path, monkeypatch):
+    """Rows are written as they are measured (but the check point's, which wait for sdpa's tokens): a run that
+    a time-limited device call stops in the middle of a point keeps that point's rows measured so far."""
+    cfg = generate.Config(
+        providers=("sdpa", "eager"),
+        batches=(2,),
+        prompts=(8,),
+        new_tokens=2,
+        padding=("unpadded",),
+        parts=("generate",),
+        repeats=1,
+        seed=0,
+        defaults=generate.DEFAULTS[True, False],
+        device=torch.device("cpu"),
+        out_dir=tmp_path,
+        name="stopped",
+        append=False,
+        command="",
+    )
+    records = generate.Records(cfg, {})
+    model = types.SimpleNamespace(config=types.SimpleNamespace(pad_token_id=255, vocab_size=256))
+    model.set_attn_implementation = lambda name: setattr(model, "attn", name)
+
+    def measure(cfg, model, input_ids, mask):
+        if model.attn == "eager":
+            raise KeyboardInterrupt  # the call's timeout, mid-point
+        return torch.zeros(2, 2, dtype=torch.long), 0.01, 0.1, ""
+
+    monkeypatch.setattr(generate, "_measure_generate", measure)
+    with pytest.raises(KeyboardInterrupt):
+        generate.run_generate(cfg, model, list(cfg.providers), records)
+    rows = generate.read_csv(tmp_path / "stopped.partial.csv")
+    assert [(r["provider"], r["batch"], r["tokens_per_s"]) for r in rows] == [("sdpa", "2", "40")]
