@@ -180,6 +180,21 @@ def test_rows_that_see_no_key_get_the_sink(backend, status, device):
         assert_dsink_matches(dsink, q, k, v, dO, causal, sink, window=window)
 
 
+def test_a_sink_of_minus_inf_gives_no_key_rows_nan(backend, status, device):
+    """The documented limit of a non-finite sink: with sink[h] = -inf (no sink for head h), a row of h that sees
+    no key gets O = NaN (as the fp64 reference) and L = NaN; its other rows are those of attention without a
+    sink, and the other head's rows are untouched."""
+    require_runnable(backend, status, device, torch.float32, (1, 2, 5, 3, 16))
+    q, k, v = random_qkv((1, 2, 5, 16), (1, 2, 3, 16), torch.float32, device, seed=5)
+    sink = torch.tensor([float("-inf"), 0.5], device=device)
+    O, L = _refusal_is_a_skip(fa2.attention, q, k, v, causal=True, sink=sink, backend=backend)
+    assert O[0, 0, :2].isnan().all() and L[0, 0, :2].isnan().all(), "rows 0 and 1 see no key"
+    O_plain, L_plain = fa2.attention(q, k, v, causal=True, backend=backend)
+    torch.testing.assert_close(O[0, 0, 2:], O_plain[0, 0, 2:])
+    torch.testing.assert_close(L[0, 0, 2:], L_plain[0, 0, 2:])
+    assert (O[0, 1, :2] == 0).all() and not O[0, 1].isnan().any()
+
+
 def test_sink_backward_is_deterministic(backend, status, device):
     """Two backward passes give bit-identical dq, dk, dv and dsink (no atomics in the sink's sum)."""
     require_runnable(backend, status, device, torch.float32, (2, 4, 33, 47, 16))

@@ -108,7 +108,9 @@ def attention(
             (s: the final scores above). A row's weights then sum to less than 1: the head can attend to
             nothing. The L returned includes the sink, and a row that sees no key gets O = 0 and L = sink[h]
             (not +inf). Differentiable: dsink[h] = -Σ_i exp(sink[h] - L_i) · rowsum(dO_i ∘ O_i), summed over
-            every leading index and row of head h. Needs q of rank 3 or more (a heads dim).
+            every leading index and row of head h. Needs q of rank 3 or more (a heads dim). Finite values: a
+            sink of -inf (no sink for that head) gives a row that sees no key O = NaN, as the fp64 reference
+            does, and L = NaN (the reference's -inf); not checked, which would need a device sync.
         backend: "pytorch", "triton", "numba-cuda" or None. None picks, for CUDA tensors, the fastest
             installed backend that runs natively on CUDA (triton, then numba-cuda, then pytorch); for CPU
             tensors, pytorch. An explicit backend is used or fails: fa2 never falls back to another.

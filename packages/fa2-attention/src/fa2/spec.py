@@ -55,6 +55,7 @@ class AttentionSpec:
             with L_i = log(exp(sink[h]) + Σ_j exp(s_ij)), the L returned. A row that sees no key gets O = 0
             and L = sink[h]. Its gradient, dsink[h] = -Σ_i exp(sink[h] - L_i) · rowsum(dO_i ∘ O_i) over every
             batch row and query of head h, leaves dq, dk and dv as they are without it (P = exp(s - L)).
+            Finite values (``fa2.attention``'s docstring says what -inf gives).
 
     KV-cache attention (``fa2.kvcache_attention``, a backend's ``kvcache_forward``) adds:
         cache_seqlens: None, or (batch,) int32 on q's device: K_b, the keys row b of q attends to, keys
