@@ -738,17 +738,15 @@ def _build_dkdv(HEAD_DIM, config, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN, IS_BF16, 
         m_steps = (end_m - begin_m + BLOCK_M - 1) // BLOCK_M if end_m > begin_m else 0
         steps = group * m_steps
         head0 = off_hk * group
+        # Query head h's first row in q, dO and L is these plus h times the head's stride; in delta, delta_rows
+        # plus h · delta_head.
+        if VARLEN:  # the sequence's first rows; delta is per query head, (1·H, total_q)
+            q_rows, do_rows, l_rows = q_start * stride_qm, q_start * stride_dom, q_start * stride_lm
+            delta_rows, delta_head = q_start, total_q
+        else:
+            q_rows, do_rows, l_rows = off_b * stride_qb, off_b * stride_dob, off_b * stride_lb
+            delta_rows, delta_head = off_b * heads * seqlen_q, seqlen_q
         if steps > 0:
-            if VARLEN:  # the sequence's first rows; delta is per query head, (1·H, total_q)
-                q_offset = head0 * stride_qh + q_start * stride_qm
-                do_offset = head0 * stride_doh + q_start * stride_dom
-                l_offset = head0 * stride_lh + q_start * stride_lm
-                delta_offset = head0 * total_q + q_start
-            else:
-                q_offset = off_b * stride_qb + head0 * stride_qh
-                do_offset = off_b * stride_dob + head0 * stride_doh
-                l_offset = off_b * stride_lb + head0 * stride_lh
-                delta_offset = (off_b * heads + head0) * seqlen_q
             load_step(
                 smem,
                 smem_base,
@@ -758,19 +756,19 @@ def _build_dkdv(HEAD_DIM, config, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN, IS_BF16, 
                 begin_m,
                 q,
                 q_base,
-                q_offset,
+                q_rows + head0 * stride_qh,
                 stride_qm,
                 stride_qd,
                 do,
                 do_base,
-                do_offset,
+                do_rows + head0 * stride_doh,
                 stride_dom,
                 stride_dod,
                 lse,
-                l_offset,
+                l_rows + head0 * stride_lh,
                 stride_lm,
                 delta,
-                delta_offset,
+                delta_rows + head0 * delta_head,
                 seqlen_q,
                 head_dim,
             )
@@ -787,16 +785,6 @@ def _build_dkdv(HEAD_DIM, config, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN, IS_BF16, 
                 next_m = begin_m
                 next_h += 1
             if it + 1 < steps:
-                if VARLEN:
-                    q_offset = next_h * stride_qh + q_start * stride_qm
-                    do_offset = next_h * stride_doh + q_start * stride_dom
-                    l_offset = next_h * stride_lh + q_start * stride_lm
-                    delta_offset = next_h * total_q + q_start
-                else:
-                    q_offset = off_b * stride_qb + next_h * stride_qh
-                    do_offset = off_b * stride_dob + next_h * stride_doh
-                    l_offset = off_b * stride_lb + next_h * stride_lh
-                    delta_offset = (off_b * heads + next_h) * seqlen_q
                 load_step(
                     smem,
                     smem_base,
@@ -806,19 +794,19 @@ def _build_dkdv(HEAD_DIM, config, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN, IS_BF16, 
                     next_m,
                     q,
                     q_base,
-                    q_offset,
+                    q_rows + next_h * stride_qh,
                     stride_qm,
                     stride_qd,
                     do,
                     do_base,
-                    do_offset,
+                    do_rows + next_h * stride_doh,
                     stride_dom,
                     stride_dod,
                     lse,
-                    l_offset,
+                    l_rows + next_h * stride_lh,
                     stride_lm,
                     delta,
-                    delta_offset,
+                    delta_rows + next_h * delta_head,
                     seqlen_q,
                     head_dim,
                 )
