@@ -69,12 +69,11 @@ def test_sdpa_without_cudnn_is_sdpa_with_cudnn_left_out():
     assert "sdpa-no-cudnn" in generate.default_providers(emulated=False)
 
 
-def test_out_of_memory_is_skipped_with_the_reason(tmp_path):
-    """A point that runs out of memory is recorded as skipped (any other exception as failed) and None is
-    returned, so that the run goes on."""
-    cfg = generate.Config(
-        providers=("eager",),
-        batches=(1,),
+def _tiny_config(tmp_path, name: str, providers: tuple[str, ...], batch: int) -> generate.Config:
+    """A CPU run's Config of one generate point (batch, 8-token prompt, unpadded, 2 new tokens)."""
+    return generate.Config(
+        providers=providers,
+        batches=(batch,),
         prompts=(8,),
         new_tokens=2,
         padding=("unpadded",),
@@ -84,10 +83,16 @@ def test_out_of_memory_is_skipped_with_the_reason(tmp_path):
         defaults=generate.DEFAULTS[True, False],
         device=torch.device("cpu"),
         out_dir=tmp_path,
-        name="oom",
+        name=name,
         append=False,
         command="",
     )
+
+
+def test_out_of_memory_is_skipped_with_the_reason(tmp_path):
+    """A point that runs out of memory is recorded as skipped (any other exception as failed) and None is
+    returned, so that the run goes on."""
+    cfg = _tiny_config(tmp_path, "oom", ("eager",), batch=1)
     records = generate.Records(cfg, {})
     key = dict(part="generate", provider="eager", layout="unpadded", batch=32, prompt=8192, new_tokens=2)
 
@@ -109,22 +114,7 @@ def test_out_of_memory_is_skipped_with_the_reason(tmp_path):
 def test_a_run_stopped_midway_keeps_the_rows_it_measured(tmp_path, monkeypatch):
     """Rows are written as they are measured (but the check point's, which wait for sdpa's tokens): a run that
     a time-limited device call stops in the middle of a point keeps that point's rows measured so far."""
-    cfg = generate.Config(
-        providers=("sdpa", "eager"),
-        batches=(2,),
-        prompts=(8,),
-        new_tokens=2,
-        padding=("unpadded",),
-        parts=("generate",),
-        repeats=1,
-        seed=0,
-        defaults=generate.DEFAULTS[True, False],
-        device=torch.device("cpu"),
-        out_dir=tmp_path,
-        name="stopped",
-        append=False,
-        command="",
-    )
+    cfg = _tiny_config(tmp_path, "stopped", ("sdpa", "eager"), batch=2)
     records = generate.Records(cfg, {})
     model = types.SimpleNamespace(config=types.SimpleNamespace(pad_token_id=255, vocab_size=256))
     model.set_attn_implementation = lambda name: setattr(model, "attn", name)

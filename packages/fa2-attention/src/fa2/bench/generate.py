@@ -520,23 +520,23 @@ def run_generate(cfg: Config, model, providers: list[str], records: Records) -> 
             first, prefill_s, seconds, peak = measured
             first_tokens[provider] = first
             decode_s = seconds - prefill_s
-            rows.append(
-                {
-                    **key,
-                    "tokens": tokens,
-                    "seconds": f"{seconds:.4g}",
-                    "tokens_per_s": f"{batch * cfg.new_tokens / seconds:.4g}",
-                    "prefill_ms": f"{1e3 * prefill_s:.4g}",
-                    "decode_tokens_per_s": (
-                        f"{batch * (cfg.new_tokens - 1) / decode_s:.4g}" if cfg.new_tokens > 1 and decode_s > 0 else ""
-                    ),
-                    "peak_mem_gb": peak,
-                    "dtype": str(DTYPES[cfg.emulated]).removeprefix("torch."),
-                }
-            )
-            print(f"  {provider} {_point_text(key)}: {rows[-1]['tokens_per_s']} tokens/s", flush=True)
-            if not checked:
-                records.result(rows.pop())
+            row = {
+                **key,
+                "tokens": tokens,
+                "seconds": f"{seconds:.4g}",
+                "tokens_per_s": f"{batch * cfg.new_tokens / seconds:.4g}",
+                "prefill_ms": f"{1e3 * prefill_s:.4g}",
+                "decode_tokens_per_s": (
+                    f"{batch * (cfg.new_tokens - 1) / decode_s:.4g}" if cfg.new_tokens > 1 and decode_s > 0 else ""
+                ),
+                "peak_mem_gb": peak,
+                "dtype": str(DTYPES[cfg.emulated]).removeprefix("torch."),
+            }
+            print(f"  {provider} {_point_text(key)}: {row['tokens_per_s']} tokens/s", flush=True)
+            if checked:
+                rows.append(row)
+            else:
+                records.result(row)
         if checked:
             _check_against_sdpa(rows, first_tokens)
             for row in rows:
