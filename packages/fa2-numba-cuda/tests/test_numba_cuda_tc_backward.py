@@ -1,11 +1,10 @@
 """fa2-numba-cuda's tensor-core backward (``fa2_numba_cuda.backward_tc``): the kernels chosen, their gradients.
 
 ``fa2_numba_cuda.backward.flash_attn_backward`` runs the tensor-core kernels for fp16 and bf16 with head_dim
-<= 128 on dense batches (any window, causal included), on compute capability 8.0+ or under numba's
-simulator (``mma.py``'s emulated instructions), and the SIMT kernels for everything else, chosen by the
-inputs and the spec alone; a softcap, ALiBi or a packed (varlen) batch runs on the tensor-core kernels only
-when asked for (tensor_cores=True). Each case here checks that the kernels it expects were the ones called
-and built, and the gradients against the fp64 reference with the suite's FlashAttention-2 rule
+<= 128, dense or packed (varlen), with any window (causal included), softcap, ALiBi and sink, on compute
+capability 8.0+ or under numba's simulator (``mma.py``'s emulated instructions), and the SIMT kernels for
+fp32 and head_dim > 128, chosen by the inputs alone. Each case here checks that the kernels it expects were
+the ones called and built, and the gradients against the fp64 reference with the suite's FlashAttention-2 rule
 (``test_gradients.assert_grads_match``; packed batches as shared_tests/test_varlen.py applies it, to the
 whole batch); outputs start as NaN (conftest's ``poison_empty``). O and L come from the fp64 reference (O
 rounded to the dtype), so that only the backward is under test. Tiny shapes: the simulator is slow. With
@@ -142,7 +141,7 @@ CASES = [
     _case(torch.bfloat16, 1, 2, 1, 19, 24, 32, True, layout="strided"),
 ]
 
-# Softcap and ALiBi (asked for: tensor_cores=True), fp16 and bf16. A softcap of 2 saturates the larger scores
+# Softcap and ALiBi, fp16 and bf16. A softcap of 2 saturates the larger scores
 # (1 - tanh² well below 1); the slopes are per (batch, head).
 SCORE_CASES = [
     case
@@ -196,9 +195,7 @@ def test_tensor_core_backward_matches_reference(tc_device, calls, dtype, case):
     O, L = _forward(q, k, v, causal, window, scale, **features)
     spec_window = (window[0], 0) if causal else window
     spec = AttentionSpec(d**-0.5 if scale is None else scale, spec_window, softcap, slopes, h // h_k)
-    # Softcap and ALiBi are the tensor-core kernels' when asked for; the rest is their automatic choice.
-    asked = True if features else None
-    dq, dk, dv = backward.flash_attn_backward(q, k, v, O, L, dO, spec, case["config"], tensor_cores=asked)
+    dq, dk, dv = backward.flash_attn_backward(q, k, v, O, L, dO, spec, case["config"])
     assert calls == ["tc"], f"expected the tensor-core backward alone, got {calls}"
     HEAD_DIM = tensor_cores.padded_head_dim(d)
     # Keys: (name, HEAD_DIM, config, LEFT, RIGHT, SOFTCAP, ALIBI, ...).
@@ -211,54 +208,38 @@ def test_tensor_core_backward_matches_reference(tc_device, calls, dtype, case):
 
 
 @pytest.mark.parametrize(
-    "dtype, d, features, expected",
+    "dtype, d, expected",
     [
-        pytest.param(torch.float16, 16, {}, "tc", id="fp16-D16-dense-tc"),
-        pytest.param(torch.float32, 16, {}, "simt", id="fp32-simt"),
-        pytest.param(torch.float16, 160, {}, "simt", id="fp16-D160-simt"),
-        pytest.param(torch.float16, 16, {"softcap": 5.0}, "simt", id="fp16-softcap-simt"),
-        pytest.param(torch.float16, 16, {"alibi": True}, "simt", id="fp16-alibi-simt"),
-        pytest.param(torch.float16, 16, {"varlen": True}, "simt", id="fp16-varlen-simt"),
+        pytest.param(torch.float16, 16, "tc", id="fp16-D16-tc"),
+        pytest.param(torch.bfloat16, 128, "tc", id="bf16-D128-tc"),
+        pytest.param(torch.float32, 16, "simt", id="fp32-simt"),
+        pytest.param(torch.float16, 160, "simt", id="fp16-D160-simt"),
     ],
 )
-def test_dispatch_by_input_and_spec(tc_device, dtype, d, features, expected):
-    """backward_tc.uses_tensor_cores: dtype, head_dim and the spec's features alone decide (no launch)."""
+def test_dispatch_by_dtype_and_head_dim(tc_device, dtype, d, expected):
+    """backward_tc.uses_tensor_cores: dtype and head_dim alone decide (no launch), whatever the spec: the
+    softcap, ALiBi and packed-batch tests below check that those 16-bit inputs reach the tensor cores."""
     q = torch.zeros(1, 2, 4, d, dtype=dtype, device=tc_device)
-    slopes = torch.ones(1, 2, device=tc_device) if features.get("alibi") else None
-    offsets = torch.tensor([0, 4], dtype=torch.int32, device=tc_device) if features.get("varlen") else None
-    spec = AttentionSpec(
-        0.5,
-        (-1, 0),
-        features.get("softcap", 0.0),
-        slopes,
-        1,
-        offsets,
-        offsets,
-        4 if offsets is not None else 0,
-        4 if offsets is not None else 0,
-    )
-    assert backward_tc.uses_tensor_cores(q, spec) == (expected == "tc")
+    assert backward_tc.uses_tensor_cores(q) == (expected == "tc")
 
 
 @pytest.mark.parametrize(
     "asked, expected",
-    [pytest.param(None, "simt", id="automatic-simt"), pytest.param(True, "tc", id="asked-tensor-cores")],
+    [pytest.param(None, "tc", id="automatic-tensor-cores"), pytest.param(False, "simt", id="asked-simt")],
 )
-def test_softcap_alibi_run_tensor_cores_only_when_asked(tc_device, calls, asked, expected):
-    """Softcap and ALiBi: the automatic choice sends fp16 to the SIMT backward (``backward_tc``'s
-    AUTOMATIC_FEATURES: not yet measured on the tensor cores), tensor_cores=True to the tensor-core kernels
-    (built with SOFTCAP and ALIBI); both match the reference."""
+def test_softcap_alibi_take_tensor_cores_unasked(tc_device, calls, asked, expected):
+    """Softcap and ALiBi: the automatic choice sends fp16 to the tensor-core kernels (built with SOFTCAP and
+    ALIBI), never to the SIMT backward; tensor_cores=False to the SIMT one; both match the reference."""
     dtype = torch.float16
     q, k, v = random_qkv((1, 1, 17, 16), (1, 1, 29, 16), dtype, tc_device, seed=5)
     dO = torch.randn(q.shape, generator=torch.Generator().manual_seed(5)).to(device=tc_device, dtype=dtype)
     slopes = torch.full((1, 1), 0.3, device=tc_device)
     O64, L64 = reference.attention(q.double(), k.double(), v.double(), True, softcap=5.0, alibi_slopes=slopes)
     spec = AttentionSpec(0.25, (-1, 0), 5.0, slopes, 1)
-    assert not backward_tc.uses_tensor_cores(q, spec) and backward_tc.supports(spec)
     built = set(backward_tc._KERNELS)
     dq, dk, dv = backward.flash_attn_backward(q, k, v, O64.to(dtype), L64.float(), dO, spec, tensor_cores=asked)
     assert calls == [expected], f"expected the {expected} backward alone, got {calls}"
-    if asked:
+    if expected == "tc":
         new = {(key[0], key[5], key[6]) for key in set(backward_tc._KERNELS) - built}
         assert new <= {("dkdv", True, True), ("dq", True, True)}, f"tensor-core kernels built: {sorted(new)}"
         assert any(key[:1] + key[5:7] == ("dq", True, True) for key in backward_tc._KERNELS)
@@ -292,7 +273,7 @@ def _varlen_case(dtype, lens_q, lens_k, h, h_k, causal=False, window=(-1, -1), s
     return pytest.param(dtype, case, id="-".join(parts))
 
 
-# Packed batches of three sequences (asked for: tensor_cores=True), GQA 2:1, D16.
+# Packed batches of three sequences, GQA 2:1, D16.
 VARLEN_CASES = [
     case
     for dtype in (torch.float16, torch.bfloat16)
@@ -385,12 +366,12 @@ def test_tensor_core_backward_matches_reference_on_packed_batches(tc_device, cal
 
 @pytest.mark.parametrize(
     "asked, expected",
-    [pytest.param(None, "simt", id="automatic-simt"), pytest.param(True, "tc", id="asked-tensor-cores")],
+    [pytest.param(None, "tc", id="automatic-tensor-cores"), pytest.param(False, "simt", id="asked-simt")],
 )
-def test_packed_batches_run_tensor_cores_only_when_asked(tc_device, calls, asked, expected):
-    """A packed batch: the automatic choice sends fp16 to the SIMT backward (``backward_tc``'s
-    AUTOMATIC_FEATURES: not yet measured on the tensor cores), tensor_cores=True to the tensor-core kernels
-    (built with VARLEN); both match the reference."""
+def test_packed_batches_take_tensor_cores_unasked(tc_device, calls, asked, expected):
+    """A packed batch: the automatic choice sends fp16 to the tensor-core kernels (built with VARLEN), one
+    launch each for every sequence, never to the SIMT backward; tensor_cores=False to the SIMT one; both
+    match the reference."""
     dtype = torch.float16
     lens_q, lens_k = [3, 9], [6, 4]
     cu_q, cu_k = _offsets(lens_q, tc_device), _offsets(lens_k, tc_device)
@@ -401,13 +382,12 @@ def test_packed_batches_run_tensor_cores_only_when_asked(tc_device, calls, asked
     )
     O64, L64 = reference.varlen_attention(q.double(), k.double(), v.double(), cu_q, cu_k, True)
     spec = AttentionSpec(0.25, (-1, 0), 0.0, None, 1, cu_q, cu_k, 9, 6)
-    assert not backward_tc.uses_tensor_cores(_packed(q), spec) and backward_tc.supports(spec)
     built = set(backward_tc._KERNELS)
     got = backward.flash_attn_backward(
         *(_packed(t) for t in (q, k, v, O64.to(dtype))), L64.float()[None], _packed(dO), spec, tensor_cores=asked
     )
     assert calls == [expected], f"expected the {expected} backward alone, got {calls}"
-    if asked:
+    if expected == "tc":
         new = {(key[0], key[7]) for key in set(backward_tc._KERNELS) - built}
         assert new <= {("dkdv", True), ("dq", True)}, f"tensor-core kernels built: {sorted(new)}"
         assert any(key[0] == "dq" and key[7] for key in backward_tc._KERNELS)
@@ -421,7 +401,7 @@ def test_packed_batches_run_tensor_cores_only_when_asked(tc_device, calls, asked
         pytest.param(torch.bfloat16, 128, True, "contiguous", None, 0.0, id="bf16-D128-causal-cp.async"),
         pytest.param(torch.bfloat16, 128, False, "contiguous", LARGE_TILES[1], 0.0, id="bf16-D128-full-large-tiles"),
         pytest.param(torch.float16, 40, False, "strided", None, 0.0, id="fp16-D40-full-plain-loads"),
-        # softcap and ALiBi (asked for): the slopes are a varying tensor of the class, as q, k, v
+        # softcap and ALiBi: the slopes are a varying tensor of the class, as q, k, v
         pytest.param(torch.bfloat16, 64, True, "contiguous", None, 5.0, id="bf16-D64-causal-softcap-alibi"),
     ],
 )
@@ -443,9 +423,8 @@ def test_prepared_launch_equals_numbas_bit_for_bit(device, monkeypatch, dtype, d
     features = dict(softcap=softcap, alibi_slopes=slopes) if softcap else {}
     O, L = _forward(q, k, v, causal, (-1, -1), None, **features)
     spec = AttentionSpec(d**-0.5, window, softcap, slopes, 2)
-    asked = True if softcap else None
     monkeypatch.setattr(backward_tc.launch, "FAST", False)
-    expected = backward.flash_attn_backward(q, k, v, O, L, dO, spec, config, tensor_cores=asked)
+    expected = backward.flash_attn_backward(q, k, v, O, L, dO, spec, config)
     monkeypatch.setattr(backward_tc.launch, "FAST", True)
     real = backward_tc.launch.prepare
     sizes = []  # the dynamic shared memory each prepared launch asks for
@@ -457,10 +436,10 @@ def test_prepared_launch_equals_numbas_bit_for_bit(device, monkeypatch, dtype, d
     monkeypatch.setattr(backward_tc.launch, "prepare", recording)
     # A class's first call: numba's, then prepared.
     first = spec if slopes is None else AttentionSpec(d**-0.5, window, softcap, first_slopes, 2)
-    backward.flash_attn_backward(q, k, v, O, L, dO, first, config, tensor_cores=asked)
+    backward.flash_attn_backward(q, k, v, O, L, dO, first, config)
     prepares = []
     monkeypatch.setattr(backward_tc.launch, "prepare", lambda *a: prepares.append(a) or real(*a))
-    got = backward.flash_attn_backward(q, k, v, O, L, dO, spec, config, tensor_cores=asked)
+    got = backward.flash_attn_backward(q, k, v, O, L, dO, spec, config)
     assert not prepares, "the second call of a class must take the prepared launches"
     torch.cuda.synchronize()
     for name, x, ref in zip(("dq", "dk", "dv"), got, expected):
@@ -474,7 +453,7 @@ def test_prepared_launch_equals_numbas_bit_for_bit(device, monkeypatch, dtype, d
 
 @pytest.mark.gpu
 def test_prepared_varlen_launch_equals_numbas_bit_for_bit(device, monkeypatch):
-    """On the GPU, a packed batch with a sink (asked for: tensor_cores=True): a class's second call takes the
+    """On the GPU, a packed batch with a sink: a class's second call takes the
     prepared launches and gives numba's launches' dq, dk, dv and dsink bit for bit. The class's first call
     takes other offsets (the same count and longest lengths): the prepared launches must read the second
     call's cu_seqlens_q and cu_seqlens_k, and their sink and slopes."""
@@ -497,13 +476,13 @@ def test_prepared_varlen_launch_equals_numbas_bit_for_bit(device, monkeypatch):
 
     args = (*(_packed(t) for t in (q, k, v, O64.to(dtype))), L64.float()[None], _packed(dO))
     monkeypatch.setattr(backward_tc.launch, "FAST", False)
-    expected = backward.flash_attn_backward(*args, spec(cu, slopes), tensor_cores=True)
+    expected = backward.flash_attn_backward(*args, spec(cu, slopes))
     monkeypatch.setattr(backward_tc.launch, "FAST", True)
-    backward.flash_attn_backward(*args, spec(first_cu, torch.rand_like(slopes)), tensor_cores=True)
+    backward.flash_attn_backward(*args, spec(first_cu, torch.rand_like(slopes)))
     prepares = []
     real = backward_tc.launch.prepare
     monkeypatch.setattr(backward_tc.launch, "prepare", lambda *a: prepares.append(a) or real(*a))
-    got = backward.flash_attn_backward(*args, spec(cu, slopes), tensor_cores=True)
+    got = backward.flash_attn_backward(*args, spec(cu, slopes))
     assert not prepares, "the second call of a class must take the prepared launches"
     torch.cuda.synchronize()
     for name, x, ref in zip(("dq", "dk", "dv", "dsink"), got, expected):

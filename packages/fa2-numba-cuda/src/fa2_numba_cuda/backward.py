@@ -1,12 +1,9 @@
 """FlashAttention-2's backward in fa2-numba-cuda: ``flash_attn_backward`` picks the kernels for the inputs.
 
-- ``backward_tc``: tensor cores (``mma.sync`` through inline PTX), for fp16 and bf16 with head_dim <= 128 and a
-  dense batch with any scale and window (causal included), on a CUDA device of compute capability 8.0 or newer
-  or under numba's simulator (``backward_tc.uses_tensor_cores``). It computes a softcap, ALiBi and packed
-  batches too (``backward_tc.supports``), but runs them only when asked for (tensor_cores=True): opt-in until
-  measured on the H200 (``backward_tc.AUTOMATIC_FEATURES``);
-- ``backward_simt``: CUDA cores, fp32 arithmetic, for everything else: fp32, head_dim up to 256, older GPUs,
-  packed batches (cu_seqlens), and unasked every spec with a softcap or ALiBi slopes, whatever the dtype.
+- ``backward_tc``: tensor cores (``mma.sync`` through inline PTX), for fp16 and bf16 with head_dim <= 128, dense
+  or packed batches with any scale, window (causal included), softcap, ALiBi slopes and sink, on a CUDA device
+  of compute capability 8.0 or newer or under numba's simulator (``backward_tc.uses_tensor_cores``);
+- ``backward_simt``: CUDA cores, fp32 arithmetic, for everything else: fp32, head_dim up to 256, older GPUs.
 
 The choice is made from the inputs' dtype, head_dim and device and the spec alone, before any launch; an
 error in the chosen kernels is raised, never answered by the other ones.
@@ -49,10 +46,9 @@ def flash_attn_backward(
             default ``backward_simt.bwd_block_config(common.padded_head_dim(head_dim))``; for the tensor-core
             kernels a ``backward_tc.TensorCoreBwdConfig``, default ``backward_tc.tc_bwd_config(...)``.
         tensor_cores: which kernels. None: the tensor-core ones (``backward_tc``) for fp16 and bf16 with
-            head_dim <= 128, no softcap, no ALiBi, no packed batch, on compute capability 8.0+ or the
-            simulator (``backward_tc.uses_tensor_cores``), the SIMT ones (``backward_simt``) otherwise; True
-            or False forces one (an input the forced kernels cannot take is an error: True takes a softcap,
-            ALiBi and a packed batch).
+            head_dim <= 128 on compute capability 8.0+ or the simulator (``backward_tc.uses_tensor_cores``),
+            the SIMT ones (``backward_simt``) otherwise; True or False forces one (an input the forced kernels
+            cannot take is an error).
 
     Returns:
         dq, dk, dv in the shapes and dtypes of q, k, v (dk, dv: (batch, heads_k, seqlen_k, head_dim), each
@@ -66,7 +62,7 @@ def flash_attn_backward(
         it) carrying it into P = exp(S - L).
     """
     if tensor_cores is None:
-        tensor_cores = backward_tc.uses_tensor_cores(q, spec)
+        tensor_cores = backward_tc.uses_tensor_cores(q)
     if tensor_cores:
         return backward_tc.flash_attn_backward(q, k, v, O, L, dO, spec, config)
     return backward_simt.flash_attn_backward(q, k, v, O, L, dO, spec, config)

@@ -73,8 +73,9 @@ shares as zeros, so that every share of the (heads, sequences · num_m_tiles · 
 the packed rows 16 B aligned, as a dense batch's.
 
 Not here: fp32, head_dim > 128 (``backward_simt`` computes them). ``fa2_numba_cuda.backward.flash_attn_backward``
-picks these kernels by itself for the features in ``AUTOMATIC_FEATURES`` (windows), and for a softcap, ALiBi or
-a packed batch only with tensor_cores=True (opt-in until measured against ``backward_simt`` on the H200).
+picks these kernels for every fp16 and bf16 input with head_dim <= 128 (``uses_tensor_cores``), whatever the
+spec: on the H200 (B1 H16 N16k D128 causal bf16) a softcap of 50 runs at 0.95× the dense kernels' TFLOP/s and
+ALiBi at 0.99×, where ``backward_simt`` gave both 15 TFLOP/s (docs/notes/numba-tc-backward.md).
 
 Launch: on torch's current CUDA stream, no host synchronisation; one compiled kernel per (kernel, padded
 head dim, TensorCoreBwdConfig, Features, bf16 or fp16, head_dim == padded, cp.async or plain loads, head_dim
@@ -279,28 +280,14 @@ def shared_bytes(name: str, HEAD_DIM: int, config: TensorCoreBwdConfig) -> int:
     return tile_bytes(name, HEAD_DIM, config) + stats
 
 
-# The ``common.Features`` that the automatic choice (``uses_tensor_cores``) sends to these kernels: windows
-# (causal included). The kernels compute softcap, ALiBi and packed batches too (``supports``), but only when
-# asked for (``tensor_cores=True``) until they are measured against ``backward_simt`` on the H200.
-AUTOMATIC_FEATURES = frozenset({"LEFT", "RIGHT"})
-
-
-def supports(spec: AttentionSpec) -> bool:
-    """Whether these kernels compute ``spec``: every spec, dense or packed (varlen), with any scale, window
-    (causal included), softcap, ALiBi slopes and attention sink."""
-    return True
-
-
-def uses_tensor_cores(q: torch.Tensor, spec: AttentionSpec) -> bool:
+def uses_tensor_cores(q: torch.Tensor) -> bool:
     """Whether ``fa2_numba_cuda.backward.flash_attn_backward`` runs these kernels unasked: fp16 or bf16,
-    head_dim <= 128, a spec whose features are all in ``AUTOMATIC_FEATURES`` (dense, any window and sink; a
-    softcap, ALiBi or a packed batch goes to ``backward_simt`` unless tensor_cores=True asks for these
-    kernels), on a CUDA device of compute capability 8.0 or newer or under numba's simulator (the
-    instructions' emulations)."""
+    head_dim <= 128, on a CUDA device of compute capability 8.0 or newer or under numba's simulator (the
+    instructions' emulations), with any spec (dense or packed, any window, softcap, ALiBi and sink), as
+    ``forward_tc.uses_tensor_cores``."""
     return (
         q.dtype in (torch.float16, torch.bfloat16)
         and q.shape[-1] <= MAX_HEAD_DIM
-        and all(name in AUTOMATIC_FEATURES for name, on in features(spec)._asdict().items() if on)
         and (simulated() or (q.device.type == "cuda" and capability(q.device) >= MIN_COMPUTE_CAPABILITY))
     )
 
