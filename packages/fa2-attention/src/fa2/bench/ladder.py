@@ -286,6 +286,8 @@ def plot(rows: list[dict], backend: str, path: Path, where: str, emulated: bool)
                 if (r["direction"], int(r["head_dim"]), r["causal"] == "True") == (direction, head_dim, causal)
                 and r["tflops"]
             }
+            if not cell:
+                continue
             xs = [j + (i - (len(series) - 1) / 2) * width for j, rung in enumerate(rungs) if rung in cell]
             ax.bar(
                 xs,
@@ -297,9 +299,10 @@ def plot(rows: list[dict], backend: str, path: Path, where: str, emulated: bool)
         ax.set_ylabel("TFLOP/s")
         ax.set_title({"fwd": "forward", "bwd": "backward"}[direction])
         ax.grid(True, axis="y", alpha=0.3)
-        ax.legend(fontsize=7)
-        if emulated:
-            ax.set_yscale("log")
+        if ax.containers:
+            ax.legend(fontsize=7)
+        if emulated and ax.containers:
+            ax.set_yscale("log")  # the emulators' times span orders of magnitude
     first = mine[0]
     heads = ", ".join(f"{h} at D {d}" for d, h in sorted({int(r["head_dim"]): r["heads"] for r in mine}.items()))
     fig.suptitle(
