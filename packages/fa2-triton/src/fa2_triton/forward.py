@@ -95,8 +95,10 @@ def flash_attn_forward(
             f"fa2-triton supports head_dim a multiple of 8 from 8 to {MAX_HEAD_DIM}, got {head_dim}"
         )
 
+    # side-by-side: dispatch
     if tiles is None and forward_gluon.uses_gluon(q, k, v, spec):
         return forward_gluon.flash_attn_forward(q, k, v, spec)
+    # side-by-side: end
     O = torch.empty(batch, heads, seqlen_q, head_dim, device=q.device, dtype=q.dtype)
     L = torch.empty(batch, heads, seqlen_q, device=q.device, dtype=torch.float32)
     if O.numel() == 0:
@@ -142,6 +144,7 @@ def _launch(q, k, v, O, L, spec: AttentionSpec, tiles: Tiles | None = None):
         qk_scale, alibi_scale = qk_scale / LOG2_E, 1.0
     # A packed batch reads through descriptors built in the kernel, bounded by each sequence (a host
     # descriptor's bounds are the packed tensor's, and its tiles would cross into the next sequence).
+    # side-by-side: descriptors
     device_desc = warp_specialize or (spec.varlen and tiles.tma and tma_layout(q, k, v, HEAD_DIM))
     if not device_desc and tiles.tma and tma_layout(q, k, v, HEAD_DIM):
         use_tma = True
@@ -150,6 +153,7 @@ def _launch(q, k, v, O, L, spec: AttentionSpec, tiles: Tiles | None = None):
     else:
         use_tma = False
         q_arg, k_arg, v_arg, o_arg = q, k, v, O
+    # side-by-side: end
     # One program per (query tile, batch·head), on one grid axis: CUDA caps the other two at 65535, and
     # (batch, seqlen, head_dim) inputs arrive with the batch as heads.
     grid = triton.cdiv(seqlen_q, tiles.block_m) * batch * heads

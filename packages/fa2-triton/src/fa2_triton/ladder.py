@@ -102,8 +102,10 @@ RUNGS: tuple[Rung, ...] = (
 _INDEX = {r.name: i for i, r in enumerate(RUNGS)}
 
 # The minimal rung's launch configurations.
+# side-by-side: minimal
 _MINIMAL = Tiles(64, 64, 4, 1, exp2=False, fused_exp2=False, split_loop=False)
 _MINIMAL_BWD = BwdTiles(dkdv=KernelTiles(32, 64, 4, 1), dq=KernelTiles(64, 32, 4, 1))
+# side-by-side: end
 
 # rung name -> {(kernel, hash): resources}: the compiled kernels each rung has launched in this process.
 _KERNELS: dict[str, dict[tuple, dict]] = {}
@@ -126,6 +128,7 @@ def _forward_tiles(rung: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         return ws_layout(q, k, v, spec.masked, HEAD_DIM, tiles)
 
     table = tiles_for(HEAD_DIM, q.dtype, spec.masked, k.shape[2], can_specialize)
+    # side-by-side: climb
     t = _MINIMAL
     if i >= _INDEX["tiles"]:
         t = t._replace(
@@ -143,6 +146,7 @@ def _forward_tiles(rung: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         t = t._replace(maxnreg=table.maxnreg, lazy_rescale=table.lazy_rescale)
     if i >= _INDEX["warp-specialize"]:
         t = t._replace(warp_specialize=table.warp_specialize)
+    # side-by-side: end
     return t
 
 
