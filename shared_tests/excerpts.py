@@ -1,4 +1,4 @@
-"""Keeps the code excerpts of docs/side-by-side.md equal to the source they quote.
+"""Keeps the code excerpts of docs/side-by-side.md and docs/ladder/*.md equal to the source they quote.
 
 A source file marks a region with two comment lines (the same in Python for every backend):
 
@@ -17,8 +17,8 @@ and the page quotes it as a fenced block right after a marker comment naming fil
 The first line of the block is not source: it tells a reader of the rendered page (where the marker
 comment is invisible) which file, function and marker to look for.
 
-``python shared_tests/excerpts.py`` rewrites every such block from the source; test_docs.py fails when a
-block and its region differ.
+``python shared_tests/excerpts.py`` rewrites every such block of every page (``pages``) from the source;
+test_docs.py fails when a block and its region differ.
 """
 
 from __future__ import annotations
@@ -31,6 +31,15 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGE = ROOT / "docs" / "side-by-side.md"
+# The optimisation ladder's pages (docs/ladder/<backend>.md) quote the source the same way.
+LADDER = ROOT / "docs" / "ladder"
+
+
+def pages() -> list[Path]:
+    """Every page whose excerpts this module keeps: the side-by-side page and the ladder's."""
+    return [PAGE, *sorted(LADDER.glob("*.md"))]
+
+
 _START = re.compile(r"^\s*# side-by-side: (?P<name>[\w-]+)\s*$")
 _END = re.compile(r"^\s*# side-by-side: end\s*$")
 _EXCERPT = re.compile(
@@ -99,7 +108,8 @@ def render(page: str) -> str:
 
 
 if __name__ == "__main__":
-    new = render(PAGE.read_text())
+    stale = [page for page in pages() if render(page.read_text()) != page.read_text()]
     if "--check" in sys.argv:
-        sys.exit(new != PAGE.read_text())
-    PAGE.write_text(new)
+        sys.exit(bool(stale))
+    for page in stale:
+        page.write_text(render(page.read_text()))

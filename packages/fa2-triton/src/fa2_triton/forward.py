@@ -95,8 +95,10 @@ def flash_attn_forward(
             f"fa2-triton supports head_dim a multiple of 8 from 8 to {MAX_HEAD_DIM}, got {head_dim}"
         )
 
+    # side-by-side: dispatch
     if tiles is None and forward_gluon.uses_gluon(q, k, v, spec):
         return forward_gluon.flash_attn_forward(q, k, v, spec)
+    # side-by-side: end
     O = torch.empty(batch, heads, seqlen_q, head_dim, device=q.device, dtype=q.dtype)
     L = torch.empty(batch, heads, seqlen_q, device=q.device, dtype=torch.float32)
     if O.numel() == 0:
@@ -131,11 +133,18 @@ def _launch(q, k, v, O, L, spec: AttentionSpec, tiles: Tiles | None = None):
     else:
         warp_specialize = can_specialize(tiles)
     s = score_args(spec, q.dtype)
-    fused_exp2 = tiles.fused_exp2 and s.qk_scale > 0
+    fused_exp2 = tiles.exp2 and tiles.fused_exp2 and s.qk_scale > 0
     # The ALiBi bias is subtracted in qk's units: log2 units, or with the fused exp2 before qk_scale.
     alibi_scale = LOG2_E / s.qk_scale if fused_exp2 else LOG2_E
+    qk_scale = s.qk_scale
+    if not tiles.exp2:
+        # Natural units: qk_scale and ALiBi without log2(e).
+        if spec.sink is not None:
+            raise NotImplementedError("fa2-triton's forward without exp2 (tiles.exp2=False) takes no sink")
+        qk_scale, alibi_scale = qk_scale / LOG2_E, 1.0
     # A packed batch reads through descriptors built in the kernel, bounded by each sequence (a host
     # descriptor's bounds are the packed tensor's, and its tiles would cross into the next sequence).
+    # side-by-side: descriptors
     device_desc = warp_specialize or (spec.varlen and tiles.tma and tma_layout(q, k, v, HEAD_DIM))
     if not device_desc and tiles.tma and tma_layout(q, k, v, HEAD_DIM):
         use_tma = True
@@ -144,6 +153,7 @@ def _launch(q, k, v, O, L, spec: AttentionSpec, tiles: Tiles | None = None):
     else:
         use_tma = False
         q_arg, k_arg, v_arg, o_arg = q, k, v, O
+    # side-by-side: end
     # One program per (query tile, batch·head), on one grid axis: CUDA caps the other two at 65535, and
     # (batch, seqlen, head_dim) inputs arrive with the batch as heads.
     grid = triton.cdiv(seqlen_q, tiles.block_m) * batch * heads
@@ -162,7 +172,7 @@ def _launch(q, k, v, O, L, spec: AttentionSpec, tiles: Tiles | None = None):
                 L if spec.sink is None else spec.sink,
                 cu_q,
                 cu_k,
-                s.qk_scale,
+                qk_scale,
                 s.cap_scale,
                 alibi_scale,
                 s.window_left,
@@ -198,6 +208,8 @@ def _launch(q, k, v, O, L, spec: AttentionSpec, tiles: Tiles | None = None):
                 WARP_SPECIALIZE=warp_specialize,
                 VARLEN=spec.varlen,
                 DEVICE_DESC=device_desc,
+                EXP2=tiles.exp2,
+                SPLIT_LOOP=tiles.split_loop,
             ),
             dict(num_warps=tiles.num_warps, num_stages=tiles.num_stages, maxnreg=tiles.maxnreg),
         )

@@ -64,6 +64,13 @@ D), k's and v's (B·H_K·N, D)), so it is taken where ``tiles.ws_layout`` holds 
 whole tiles; softcap and ALiBi are fine; the tile table asks for it at D = 128 from N = 2k). Otherwise pointer
 loads with masks.
 
+Two switches undo levers, for the optimisation ladder (``fa2_triton.ladder``, docs/ladder/triton.md),
+and are on everywhere else: without EXP2 the scores stay in natural units (qk_scale = scale, or softcap
+under a softcap) and the softmax calls ``exp`` (which Triton lowers to a multiply by log2(e) and the same
+ex2.approx), the epilogue's L = m + log(l) directly (no sink: the host refuses one); without SPLIT_LOOP the
+key loop is the seed's single loop, every visited tile masked (the tiles every row sees whole are visited
+by the masked loop too, and the unmasked loop is not compiled).
+
 Credits: the structure and names follow Triton's tutorial ``06-fused-attention.py`` (Tillet et al.); the
 log2-domain softmax, the fused max subtraction, the unmasked/masked split of the key loop and the host-side
 tensor descriptors are from there too. Masking on padded head dims as in Tri Dao's ``flash_attn_triton.py``.
@@ -133,6 +140,7 @@ def _attn_fwd_inner(
     LAZY_RESCALE: tl.constexpr,
     WARP_SPECIALIZE: tl.constexpr,
     DEVICE_DESC: tl.constexpr,
+    EXP2: tl.constexpr,
 ):
     """The online softmax over key tiles [lo, hi): masked iff IN_BAND. k_src, v_src: 4-D tensor descriptors
     read at key/value head off_hk (USE_TMA), 2-D ones built in the kernel whose rows of this batch and
@@ -140,7 +148,8 @@ def _attn_fwd_inner(
     that head. Key j is visible to query i iff j < seqlen_k, j >= i + diag_left (WINDOW_LEFT) and
     j <= i + diag_right (WINDOW_RIGHT). SOFTCAP: tanh of the scores times cap_scale (scale / softcap, for
     ``_tanh``), qk_scale then softcap · log2(e). ALIBI: alibi (slope · log2(e), over qk_scale with FUSED_EXP2) times
-    |i + diag - j| comes off the scores."""
+    |i + diag - j| comes off the scores. EXP2: log2 units and exp2; else natural units and exp (then
+    never FUSED_EXP2)."""
     # side-by-side: scores
     for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
         start_n = tl.multiple_of(start_n, BLOCK_N)
@@ -163,7 +172,7 @@ def _attn_fwd_inner(
             qk = _tanh(qk * cap_scale, SOFTCAP)
         # side-by-side: end
         if not FUSED_EXP2:
-            qk = qk * qk_scale  # log2 units
+            qk = qk * qk_scale  # log2 units (natural units without EXP2)
         # side-by-side: alibi
         if ALIBI:
             # -slope · |i + diag - j|, in the units qk is in here (log2, or log2 over qk_scale when fused).
@@ -200,9 +209,13 @@ def _attn_fwd_inner(
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         if FUSED_EXP2:
             p = tl.math.exp2(tl.math.fma(qk, qk_scale, -m_safe[:, None]))
-        else:
+            alpha = tl.math.exp2(m_i - m_safe)
+        elif EXP2:
             p = tl.math.exp2(qk - m_safe[:, None])
-        alpha = tl.math.exp2(m_i - m_safe)
+            alpha = tl.math.exp2(m_i - m_safe)
+        else:
+            p = tl.exp(qk - m_safe[:, None])
+            alpha = tl.exp(m_i - m_safe)
 
         if LAZY_RESCALE:
             # One branch for the whole tile: rescale acc only if some row's max moved.
@@ -285,6 +298,8 @@ def _attn_fwd(
     WARP_SPECIALIZE: tl.constexpr,
     VARLEN: tl.constexpr,
     DEVICE_DESC: tl.constexpr,
+    EXP2: tl.constexpr,
+    SPLIT_LOOP: tl.constexpr,
 ):
     """Q, K, V, O: pointers, or with USE_TMA tensor descriptors of blocks [1, 1, BLOCK, HEAD_DIM], Q's and O's
     over (B, H, N_Q, D), K's and V's over (B, H // GROUP, N_K, D) (their strides are then unused).
@@ -303,7 +318,8 @@ def _attn_fwd(
     (H,) float32, sink[h] added to each row's sum of exp(scores) before the division and L. DEVICE_DESC:
     q, k, v and O read and written through 2-D descriptors built here (with WARP_SPECIALIZE, or for a
     packed batch: over one sequence's rows of one head, unit stride along D, the other strides multiples
-    of 16 bytes)."""
+    of 16 bytes). EXP2 (else natural units and exp, no sink) and SPLIT_LOOP (else one masked loop, never
+    with WARP_SPECIALIZE): see the module's docstring."""
     # One program per (query tile, batch·head), flattened to one grid axis; GRID_ORDER picks the order.
     pid = tl.program_id(0)
     num_m_tiles = tl.cdiv(N_Q, BLOCK_M)
@@ -434,6 +450,10 @@ def _attn_fwd(
     )
     diag_left = diag - window_left
     diag_right = diag + window_right
+    if not SPLIT_LOOP:
+        # The seed's one loop: every tile from lo to hi masked, the whole ones too.
+        full_lo = lo
+        full_hi = lo
     # side-by-side: end
 
     # side-by-side: loop
@@ -476,46 +496,49 @@ def _attn_fwd(
             LAZY_RESCALE,
             False,
             DEVICE_DESC,
+            EXP2,
         )
-    acc, l_i, m_i = _attn_fwd_inner(
-        acc,
-        l_i,
-        m_i,
-        q,
-        k_src,
-        v_src,
-        stride_kn,
-        stride_vn,
-        off_b,
-        off_hk,
-        kv_row,
-        offs_m,
-        offs_n,
-        offs_d,
-        head_dim,
-        N_K,
-        diag,
-        diag_left,
-        diag_right,
-        qk_scale,
-        cap_scale,
-        alibi,
-        full_lo,
-        full_hi,
-        False,
-        WINDOW_LEFT,
-        WINDOW_RIGHT,
-        SOFTCAP,
-        ALIBI,
-        BLOCK_N,
-        HEAD_DIM,
-        EVEN_D,
-        USE_TMA,
-        FUSED_EXP2,
-        LAZY_RESCALE,
-        WARP_SPECIALIZE,
-        DEVICE_DESC,
-    )
+    if SPLIT_LOOP:  # the tiles every row sees whole, unmasked
+        acc, l_i, m_i = _attn_fwd_inner(
+            acc,
+            l_i,
+            m_i,
+            q,
+            k_src,
+            v_src,
+            stride_kn,
+            stride_vn,
+            off_b,
+            off_hk,
+            kv_row,
+            offs_m,
+            offs_n,
+            offs_d,
+            head_dim,
+            N_K,
+            diag,
+            diag_left,
+            diag_right,
+            qk_scale,
+            cap_scale,
+            alibi,
+            full_lo,
+            full_hi,
+            False,
+            WINDOW_LEFT,
+            WINDOW_RIGHT,
+            SOFTCAP,
+            ALIBI,
+            BLOCK_N,
+            HEAD_DIM,
+            EVEN_D,
+            USE_TMA,
+            FUSED_EXP2,
+            LAZY_RESCALE,
+            WARP_SPECIALIZE,
+            DEVICE_DESC,
+            EXP2,
+        )
     if not WARP_SPECIALIZE:  # no band then (BLOCK_N divides seqlen_k), and a second loop would not compile
         acc, l_i, m_i = _attn_fwd_inner(
             acc,
@@ -555,6 +578,7 @@ def _attn_fwd(
             LAZY_RESCALE,
             False,
             DEVICE_DESC,
+            EXP2,
         )
     # side-by-side: end
 
@@ -580,8 +604,11 @@ def _attn_fwd(
         acc = acc * (alpha / l_safe)[:, None]
     else:
         acc = acc / l_safe[:, None]
-    # m_i + log2(l_i) is the log2-domain logsumexp; times ln(2) it is the natural-log one.
-    lse = tl.where(empty, float("inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)
+    if EXP2:
+        # m_i + log2(l_i) is the log2-domain logsumexp; times ln(2) it is the natural-log one.
+        lse = tl.where(empty, float("inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)
+    else:
+        lse = tl.where(empty, float("inf"), m_i + tl.log(l_safe))
 
     l_ptrs = L + tl.cast(off_bt, tl.int64) * stride_lb + off_h.to(tl.int64) * stride_lh + offs_m * stride_lm
     tl.store(l_ptrs, lse, mask=offs_m < N_Q)

@@ -17,6 +17,9 @@ float by its type. With the constexprs, the launch options, the device and Trito
 instrumentation settings, two calls of one class are two calls Triton would send to the same compiled
 kernel, which ``test_triton_launch`` checks against Triton's own classifier. Kernels that Triton's
 interpreter runs, and kernels with pre-run hooks, are launched as written.
+
+``recording`` collects the compiled kernels of the launches made inside a block (the optimisation ladder,
+``fa2_triton.ladder``, reads their registers, spills and shared memory).
 """
 
 from __future__ import annotations
@@ -38,6 +41,8 @@ except ImportError:
 # (kernel, device, constexprs, options, Triton settings, argument classes) -> the compiled kernel. One entry
 # per class of arguments met, so it stays as small as Triton's own cache of compilations.
 _COMPILED: dict[tuple, Any] = {}
+# The lists of the ``recording`` blocks open now, innermost last: each launch adds its compiled kernel there.
+_RECORDING: list[list] = []
 
 
 def on_device(device: torch.device):
@@ -46,6 +51,19 @@ def on_device(device: torch.device):
     if device.type != "cuda" or device.index == torch.cuda.current_device():
         return contextlib.nullcontext()
     return torch.cuda.device(device)
+
+
+@contextlib.contextmanager
+def recording():
+    """Yields a list that gets the compiled kernel of every launch ``launch`` makes inside the block (on a
+    GPU: Triton's ``CompiledKernel``, with ``n_regs``, ``n_spills`` and ``metadata.shared``; nothing for
+    kernels the interpreter runs, which compiles none)."""
+    kernels: list = []
+    _RECORDING.append(kernels)
+    try:
+        yield kernels
+    finally:
+        _RECORDING.remove(kernels)
 
 
 @contextlib.contextmanager
@@ -159,6 +177,8 @@ def launch(kernel, grid: int | tuple[int, ...], args: tuple, constexprs: dict[st
             raise AssertionError(f"{kernel.arg_names[len(args) :]} are not the constexprs {list(constexprs)}")
         compiled = kernel[grid](*args, **constexprs, **options)
         _COMPILED[key] = compiled
+        if _RECORDING:
+            _RECORDING[-1].append(compiled)
         return compiled
     # What JITFunction.run does once it has found the compiled kernel (Triton 3.6 and 3.9).
     bound = (*args, *constexprs.values())
@@ -174,4 +194,6 @@ def launch(kernel, grid: int | tuple[int, ...], args: tuple, constexprs: dict[st
         knobs.runtime.launch_exit_hook,
         *bound,
     )
+    if _RECORDING:
+        _RECORDING[-1].append(compiled)
     return compiled

@@ -50,6 +50,12 @@ class Tiles(NamedTuple):
     # BLOCK_M / 2 rows each, so that one group's softmax overlaps the other's matmuls; taken when
     # ``ws_layout`` holds (else the path the fields above choose; ``tiles_for`` picks a table's fallback).
     warp_specialize: bool = False
+    # The ladder's first rungs (``fa2_triton.ladder``) turn these off; every table entry keeps them on.
+    # False: scores in natural units and ``exp`` instead of log2 units and exp2 (then never fused_exp2).
+    exp2: bool = True
+    # False: the seed's one key loop, every visited tile masked, instead of an unmasked loop over the tiles
+    # every row sees whole and masked ones across the edges (then never warp_specialize).
+    split_loop: bool = True
 
 
 # Keys of TILES: HEAD_DIM (head_dim padded to a power of two), the dtype class, masked (causal or any window:
@@ -159,8 +165,9 @@ def ws_tiles(tiles: Tiles, masked: bool) -> bool:
     band's, and causal as one loop masking every tile ran at 0.83-1.01x the unspecialised kernel at D = 128
     and 0.59-0.78x at D = 64), and the configuration measured correct on the H200 with Triton 3.6: BLOCK_M
     128 (two consumer groups of 64 rows), 4 warps a group, 2 stages (3 gave NaN there), without lazy_rescale
-    (its branch keeps Triton from specialising the loop) or maxnreg (the groups set their own). Softcap and
-    ALiBi take it: they are elementwise work inside the one loop."""
+    (its branch keeps Triton from specialising the loop) or maxnreg (the groups set their own), with the
+    split loop (the specialised loop is the unmasked one). Softcap and ALiBi take it: they are elementwise
+    work inside the one loop."""
     shape = (tiles.block_m, tiles.num_warps, tiles.num_stages)
     return (
         tiles.warp_specialize
@@ -168,6 +175,7 @@ def ws_tiles(tiles: Tiles, masked: bool) -> bool:
         and shape == (128, 4, 2)
         and not tiles.lazy_rescale
         and tiles.maxnreg is None
+        and tiles.split_loop
     )
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from fa2.bench import report, sweep
+from fa2.bench import ladder, report, sweep
 from fa2.bench.output import default_name, default_out
 from fa2.bench.providers import (
     DECODE_DEFAULT_PROVIDERS,
@@ -230,6 +230,21 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         f"{_decode_defaults(lambda d: ','.join(map(str, d.page_sizes)))}",
     )
     parser.add_argument(
+        "--ladder",
+        action="store_true",
+        help="each backend's optimisation ladder (issue 43) instead of the sweep: every rung of "
+        "fa2_<backend>.ladder, forward and backward, checked then timed, with the compiler's registers, "
+        "spills and shared memory; on a GPU N 4096, B 4, H 2048 / D, D 64,128, causal and not, bf16; "
+        "emulated N 64, D 16,32, fp16 (timings that need a GPU). Files <name>-ladder (one CSV, a plot "
+        "per backend; a run keeps the rows of backends it does not measure)",
+    )
+    parser.add_argument(
+        "--backends",
+        type=_list(str),
+        help="--ladder's comma-separated fa2 backends (pytorch, triton, numba-cuda); default every installed "
+        "one whose package has a ladder module",
+    )
+    parser.add_argument(
         "--quick",
         action="store_true",
         help="a few shapes in one dtype (GPU: bf16, N 1k and 4k; with --varlen D 128 alone), written as <name>-quick",
@@ -275,6 +290,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
             "--decode times plain attention over the whole cache through fa2.kvcache_attention: no "
             "--varlen, --window, --softcap, --causal yes, --fa2-entry sdpa, and one --group"
         )
+    if args.backends is not None and not args.ladder:
+        parser.error("--backends: only with --ladder (the sweep's are --providers)")
+    if args.ladder and (args.decode or args.varlen or args.quick or args.report_only or args.append):
+        parser.error("--ladder runs on its own shapes: no --decode, --varlen, --quick, --report-only or --append")
     if not args.decode:
         args.group = args.group or (1,)
     if args.varlen and (
@@ -386,6 +405,9 @@ def main(argv: list[str] | None = None) -> None:
     if emulated and unset and not args.report_only:
         print(f"fa2.bench: no GPU; running again with {' '.join(f'{k}={v}' for k, v in unset.items())}", flush=True)
         os.execve(sys.executable, [sys.executable, "-m", "fa2.bench", *argv], {**os.environ, **unset})
+    if args.ladder:
+        _ladder(args, argv, device)
+        return
     seqlens, head_dims, dtypes = sweep.DEFAULTS[emulated, args.quick]
     bwd_seqlens, bwd_dtypes = sweep.BWD_DEFAULTS[emulated, args.quick]
     providers, packing, decode, modes = tuple(PROVIDERS), None, None, args.modes
@@ -469,6 +491,28 @@ def main(argv: list[str] | None = None) -> None:
     if not args.report_only:
         written = [cfg.path(".csv"), cfg.path("-skipped.csv"), cfg.path("-run.json"), *written]
     print(f"\nwrote {', '.join(map(str, written))}")
+
+
+def _ladder(args: argparse.Namespace, argv: list[str], device: torch.device) -> None:
+    """--ladder: fa2.bench.ladder's run, with its files under --out."""
+    backends = list(args.backends or ladder.with_ladder())
+    if not backends:
+        sys.exit("fa2.bench --ladder: no installed fa2 backend has a ladder module")
+    if device.type != "cuda":
+        print(f"fa2.bench --ladder: {ladder.EMULATED_NOTE}", flush=True)
+    name = args.name or default_name(device)
+    print(f"fa2.bench --ladder: {', '.join(backends)} on {device}; writing {args.out / name}-ladder.csv", flush=True)
+    csv_path, plots = ladder.run(
+        backends,
+        device,
+        args.out,
+        name,
+        command=shlex.join(["python", "-m", "fa2.bench", *argv]),
+        progress=lambda text: print(f"  {text}", file=sys.stderr, flush=True),
+    )
+    if device.type != "cuda":
+        print(f"fa2.bench --ladder: {ladder.EMULATED_NOTE}")
+    print(f"\nwrote {', '.join(map(str, [csv_path, *plots]))}")
 
 
 if __name__ == "__main__":
