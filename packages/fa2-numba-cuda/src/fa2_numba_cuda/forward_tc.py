@@ -120,6 +120,8 @@ from fa2_numba_cuda.mma import (
     ldmatrix_b_row_col,
     ldmatrix_x4,
     ldmatrix_x4_trans,
+    lds_x4,
+    lds_x4_trans,
     mma_bf16,
     mma_f16,
     pack_bf16x2,
@@ -135,12 +137,19 @@ class TensorCoreConfig(NamedTuple):
     """One block's shape: NUM_WARPS warps of 16 query rows each (BLOCK_M = 16 · NUM_WARPS), BLOCK_N keys per
     tile (a multiple of 16). MAX_REGISTERS caps ptxas (0: no cap; cp.async kernels only). S_AHEAD: each warp
     computes S = Q Kᵀ of the next key tile during the softmax of the current one, their instructions
-    interleaved, so that its mma and FP32 work overlap (two S tiles in registers: BLOCK_N / 2 more each)."""
+    interleaved, so that its mma and FP32 work overlap (two S tiles in registers: BLOCK_N / 2 more each).
+
+    Two switches for the optimisation ladder (``fa2_numba_cuda.ladder``), on in every configuration the kernel
+    chooses: LDMATRIX, the fragments of Q, K and V from shared memory by ``ldmatrix`` (off: ``mma.lds_x4``, the
+    same registers from plain shared loads); CP_ASYNC, the tiles copied by ``cp.async`` where the inputs allow
+    it (off: plain loads always)."""
 
     NUM_WARPS: int
     BLOCK_N: int
     MAX_REGISTERS: int
     S_AHEAD: bool = False
+    LDMATRIX: bool = True
+    CP_ASYNC: bool = True
 
 
 def tc_config(HEAD_DIM: int) -> TensorCoreConfig:
@@ -202,7 +211,7 @@ def _build_kernel(
     (the epilogue adds the attention sink) and input type; EVEN_HEAD_DIM: head_dim is
     HEAD_DIM (no column checks); ASYNC_LOADS: cp.async copies 16 B chunks (q, k, v contiguous along
     head_dim, rows 16 B aligned); O_PAIRS: head_dim is even and o is an int32 view (two elements a store)."""
-    NUM_WARPS, BLOCK_N, _, S_AHEAD = config
+    NUM_WARPS, BLOCK_N, S_AHEAD = config.NUM_WARPS, config.BLOCK_N, config.S_AHEAD
     BLOCK_M = 16 * NUM_WARPS
     NUM_THREADS = 32 * NUM_WARPS
     LD = HEAD_DIM + 8  # shared row length in 16-bit elements
@@ -226,6 +235,7 @@ def _build_kernel(
     assert BLOCK_N % 16 == 0 and HEAD_DIM % 16 == 0
     mma = mma_bf16 if IS_BF16 else mma_f16
     pack = pack_bf16x2 if IS_BF16 else pack_f16x2
+    ldsm, ldsm_trans = (ldmatrix_x4, ldmatrix_x4_trans) if config.LDMATRIX else (lds_x4, lds_x4_trans)
 
     def tile_loader(ROWS):
         """load(smem, smem_base, row0, x, x_base, offset, stride_n, stride_d, start, seqlen, head_dim): rows
@@ -310,7 +320,7 @@ def _build_kernel(
                     s[BUF, j, e] = 0.0
             for jj in range(N_TILES // 2):
                 for kk in range(D_STEPS):
-                    b0, b1, b2, b3 = ldmatrix_x4(k_lane + uint32(2 * (16 * jj * LD + 16 * kk)))
+                    b0, b1, b2, b3 = ldsm(k_lane + uint32(2 * (16 * jj * LD + 16 * kk)))
                     d0, d1, d2, d3 = mma(
                         q_frag[kk, 0],
                         q_frag[kk, 1],
@@ -473,7 +483,7 @@ def _build_kernel(
                     s[NXT, j, e] = 0.0
             for jj in range(N_TILES // 2):
                 for kk in range(D_STEPS):
-                    b0, b1, b2, b3 = ldmatrix_x4(k_lane + uint32(2 * (16 * jj * LD + 16 * kk)))
+                    b0, b1, b2, b3 = ldsm(k_lane + uint32(2 * (16 * jj * LD + 16 * kk)))
                     d0, d1, d2, d3 = mma(
                         q_frag[kk, 0],
                         q_frag[kk, 1],
@@ -532,7 +542,7 @@ def _build_kernel(
                 a2 = pack(s[BUF, 2 * kk + 1, 0], s[BUF, 2 * kk + 1, 1])
                 a3 = pack(s[BUF, 2 * kk + 1, 2], s[BUF, 2 * kk + 1, 3])
                 for dd in range(D_STEPS):
-                    b0, b1, b2, b3 = ldmatrix_x4_trans(v_lane + uint32(2 * (16 * kk * LD + 16 * dd)))
+                    b0, b1, b2, b3 = ldsm_trans(v_lane + uint32(2 * (16 * kk * LD + 16 * dd)))
                     d0, d1, d2, d3 = mma(
                         a0, a1, a2, a3, b0, b1, acc[2 * dd, 0], acc[2 * dd, 1], acc[2 * dd, 2], acc[2 * dd, 3]
                     )
@@ -673,7 +683,7 @@ def _build_kernel(
         cuda.syncthreads()
         q_frag = cuda.local.array((D_STEPS, 4), int32)  # [16 rows, HEAD_DIM] as D_STEPS A fragments
         for kk in range(D_STEPS):
-            a0, a1, a2, a3 = ldmatrix_x4(q_lane + uint32(32 * kk))
+            a0, a1, a2, a3 = ldsm(q_lane + uint32(32 * kk))
             q_frag[kk, 0] = a0
             q_frag[kk, 1] = a1
             q_frag[kk, 2] = a2
@@ -1039,7 +1049,7 @@ def flash_attn_forward(
     HEAD_DIM = padded_head_dim(head_dim)
     config = TensorCoreConfig(*config) if config is not None else tc_config(HEAD_DIM)
     _check_config(HEAD_DIM, config)
-    async_loads = all(rows_16b_aligned(t) for t in (q, k, v))
+    async_loads = config.CP_ASYNC and all(rows_16b_aligned(t) for t in (q, k, v))
     o_pairs = head_dim % 2 == 0
     kernel = _kernel(
         HEAD_DIM,
