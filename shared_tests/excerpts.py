@@ -1,4 +1,5 @@
-"""Keeps the code excerpts of docs/side-by-side.md equal to the source they quote.
+"""Keeps the code excerpts of docs/side-by-side.md and of the ladder's pages (docs/ladder/*.md) equal to the
+source they quote.
 
 A source file marks a region with two comment lines (the same in Python for every backend):
 
@@ -31,6 +32,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGE = ROOT / "docs" / "side-by-side.md"
+# Every page whose excerpts are kept: the side-by-side page and each DSL's page of the optimisation ladder.
+PAGES = (PAGE, *sorted((ROOT / "docs" / "ladder").glob("*.md")))
 _START = re.compile(r"^\s*# side-by-side: (?P<name>[\w-]+)\s*$")
 _END = re.compile(r"^\s*# side-by-side: end\s*$")
 _EXCERPT = re.compile(
@@ -99,7 +102,11 @@ def render(page: str) -> str:
 
 
 if __name__ == "__main__":
-    new = render(PAGE.read_text())
-    if "--check" in sys.argv:
-        sys.exit(new != PAGE.read_text())
-    PAGE.write_text(new)
+    stale = False
+    for page in PAGES:
+        new = render(page.read_text())
+        if "--check" in sys.argv:
+            stale = stale or new != page.read_text()
+        else:
+            page.write_text(new)
+    sys.exit(stale)

@@ -1,13 +1,16 @@
-"""docs/side-by-side.md quotes the real source: a quoted region that drifts from its file fails here.
+"""docs/side-by-side.md and the ladder's pages (docs/ladder/*.md) quote the real source: a quoted region that
+drifts from its file fails here.
 Regenerate the page with `python shared_tests/excerpts.py`."""
 
 from __future__ import annotations
 
 import pytest
 
-from excerpts import PAGE, ROOT, excerpts, regions
+from excerpts import PAGE, PAGES, ROOT, excerpts, regions
 
 QUOTED = excerpts(PAGE.read_text())
+# (page, path, region, code) of every page's excerpts.
+ALL_QUOTED = [(page.name, *quoted) for page in PAGES for quoted in excerpts(page.read_text())]
 
 
 def test_page_quotes_every_backend():
@@ -16,8 +19,10 @@ def test_page_quotes_every_backend():
         assert any(package in f for f in files), f"docs/side-by-side.md quotes nothing from {package}"
 
 
-@pytest.mark.parametrize("path, name, code", QUOTED, ids=[f"{p.split('/')[-2]}#{n}" for p, n, _ in QUOTED])
-def test_excerpt_matches_source(path, name, code):
+@pytest.mark.parametrize(
+    "page, path, name, code", ALL_QUOTED, ids=[f"{page}:{p.split('/')[-2]}#{n}" for page, p, n, _ in ALL_QUOTED]
+)
+def test_excerpt_matches_source(page, path, name, code):
     found = regions(ROOT / path)
     assert name in found, f"{path} has no region {name!r}"
     assert code == found[name], f"{path}#{name} changed: run python shared_tests/excerpts.py"

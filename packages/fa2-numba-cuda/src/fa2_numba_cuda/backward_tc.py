@@ -174,12 +174,14 @@ class TensorCoreBwdConfig(NamedTuple):
 # (.whl/scripts/bench_tc_bwd_dyn.py, bf16, B 4, H 16, N 2k / 4k, full / causal: 201 / 166 / 213 / 195 TFLOP/s
 # against 177 / 152 / 188 / 176 with the 16-query tiles of 4 warps; the dQ candidates with Q and dO in
 # shared memory were slower).
+# side-by-side: ladder-tiles
 TC_BWD_CONFIGS = {
     64: TensorCoreBwdConfig(4, 64, 4, 32, 0, True),
     96: TensorCoreBwdConfig(4, 32, 4, 48, 0, True),
     112: TensorCoreBwdConfig(4, 16, 4, 32, 0, True),
     128: TensorCoreBwdConfig(8, 64, 4, 32, 0, True, True),
 }
+# side-by-side: end
 # Where a device allows a block less shared memory than an entry needs (sm_86 and sm_89: 99 KB, against
 # D128's 140,288 B): the tiles that fit 48 KB, D128's before the dynamic shared memory.
 TC_BWD_CONFIGS_48KB = {

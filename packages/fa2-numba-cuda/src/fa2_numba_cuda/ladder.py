@@ -98,6 +98,7 @@ _FIRST_TC_BWD = TensorCoreBwdConfig(4, 16, 4, 32, 0, True, LDMATRIX=False, CP_AS
 def _forward_config(rung: str, HEAD_DIM: int) -> TensorCoreConfig | None:
     """The tensor-core forward's configuration at a rung (None: the kernel's default, ``tc_config``)."""
     table = tc_config(HEAD_DIM)
+    # side-by-side: configs
     return {
         "mma": _FIRST_TC,
         "ldmatrix": _FIRST_TC._replace(LDMATRIX=True),
@@ -107,6 +108,7 @@ def _forward_config(rung: str, HEAD_DIM: int) -> TensorCoreConfig | None:
         "s-ahead": table,
         "prepared": None,
     }[rung]
+    # side-by-side: end
 
 
 def _backward_config(rung: str, HEAD_DIM: int, device: torch.device) -> TensorCoreBwdConfig | None:

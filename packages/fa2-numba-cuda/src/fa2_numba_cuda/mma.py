@@ -544,6 +544,7 @@ else:
         return cuda.all_sync(0xFFFFFFFF, predicate)
 
 
+# side-by-side: ladder-lds
 @device_function
 def lds_x4(address):
     """``ldmatrix_x4(address)`` from plain loads: register j of lane 4 g + t is row g of matrix j, columns 2 t and
@@ -556,6 +557,9 @@ def lds_x4(address):
     r2 = ld_shared_b32(uint32(shfl_idx(int32(address), 16 + g)) + uint32(4 * t))
     r3 = ld_shared_b32(uint32(shfl_idx(int32(address), 24 + g)) + uint32(4 * t))
     return r0, r1, r2, r3
+
+
+# side-by-side: end
 
 
 @device_function
