@@ -192,7 +192,7 @@ def _run_tc(q, k, v, causal, scale, config, window=(-1, -1), softcap=0.0, alibi_
 
 def _case(dtype, b, h, n_q, n_k, d, causal, config, scale=None):
     kind, mask = "bf16" if dtype == torch.bfloat16 else "fp16", "causal" if causal else "full"
-    warps, block_n, _, ahead = config
+    warps, block_n, _, ahead = tuple(config)[:4]
     name = f"{kind}-B{b}-H{h}-{n_q}x{n_k}-D{d}-{mask}-{warps}w{block_n}" + ("-ahead" if ahead else "")
     return pytest.param(
         dtype, (b, h, n_q, n_k, d), causal, config, scale, id=name + (f"-scale{scale}" if scale is not None else "")
@@ -270,7 +270,7 @@ def _feature_case(
 ):
     """alibi: None, "head" (one slope per head, expanded over batch with stride 0) or "batch"."""
     kind = "bf16" if dtype == torch.bfloat16 else "fp16"
-    warps, block_n, _, ahead = config
+    warps, block_n, _, ahead = tuple(config)[:4]
     parts = [kind, f"B{b}-H{h}" + (f"-Hk{h_k}" if h_k != h else ""), f"{n_q}x{n_k}-D{d}"]
     parts += ["causal"] if causal else []
     parts += [f"w{window[0]}.{window[1]}"] if window != (-1, -1) else []
@@ -406,7 +406,7 @@ def _varlen_case(
     dtype, lens_q, lens_k, h, h_k, d, config, causal=False, window=(-1, -1), softcap=0.0, alibi=False, gain=1.0
 ):
     kind = "bf16" if dtype == torch.bfloat16 else "fp16"
-    warps, block_n, _, ahead = config
+    warps, block_n, _, ahead = tuple(config)[:4]
     parts = [kind, f"q{'.'.join(map(str, lens_q))}-k{'.'.join(map(str, lens_k))}", f"H{h}-Hk{h_k}-D{d}"]
     parts += ["causal"] if causal else []
     parts += [f"w{window[0]}.{window[1]}"] if window != (-1, -1) else []

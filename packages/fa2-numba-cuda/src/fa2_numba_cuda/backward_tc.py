@@ -127,6 +127,8 @@ from fa2_numba_cuda.mma import (
     ldmatrix_b_row_col,
     ldmatrix_x4,
     ldmatrix_x4_trans,
+    lds_x4,
+    lds_x4_trans,
     mma_bf16,
     mma_f16,
     pack_bf16x2,
@@ -145,7 +147,12 @@ class TensorCoreBwdConfig(NamedTuple):
     no cap). V_IN_SHARED: the dK/dV kernel keeps V's tile in shared memory, its A fragments loaded by
     ``ldmatrix`` for each dPᵀ, instead of in registers (HEAD_DIM / 4 fewer per thread); K_IN_SHARED: the
     same for K's tile and each Sᵀ. QDO_IN_SHARED: the dQ kernel keeps its Q and dO rows in shared memory
-    (their A fragments loaded for each S and dP) instead of in registers (HEAD_DIM / 2 fewer)."""
+    (their A fragments loaded for each S and dP) instead of in registers (HEAD_DIM / 2 fewer).
+
+    Two switches for the optimisation ladder (``fa2_numba_cuda.ladder``), on in every configuration the kernels
+    choose: LDMATRIX, every fragment from shared memory by ``ldmatrix`` (off: ``mma.lds_x4``, the same
+    registers from plain shared loads); CP_ASYNC, the tiles copied by ``cp.async`` where the inputs allow it
+    (off: plain loads always)."""
 
     DKDV_WARPS: int
     DKDV_BLOCK_M: int
@@ -155,6 +162,8 @@ class TensorCoreBwdConfig(NamedTuple):
     V_IN_SHARED: bool = False
     K_IN_SHARED: bool = False
     QDO_IN_SHARED: bool = False
+    LDMATRIX: bool = True
+    CP_ASYNC: bool = True
 
 
 # The blocks by padded head dim (up to 112 chosen when the tiles had to fit 48 KB of static shared memory:
@@ -166,12 +175,14 @@ class TensorCoreBwdConfig(NamedTuple):
 # (.whl/scripts/bench_tc_bwd_dyn.py, bf16, B 4, H 16, N 2k / 4k, full / causal: 201 / 166 / 213 / 195 TFLOP/s
 # against 177 / 152 / 188 / 176 with the 16-query tiles of 4 warps; the dQ candidates with Q and dO in
 # shared memory were slower).
+# side-by-side: ladder-tiles
 TC_BWD_CONFIGS = {
     64: TensorCoreBwdConfig(4, 64, 4, 32, 0, True),
     96: TensorCoreBwdConfig(4, 32, 4, 48, 0, True),
     112: TensorCoreBwdConfig(4, 16, 4, 32, 0, True),
     128: TensorCoreBwdConfig(8, 64, 4, 32, 0, True, True),
 }
+# side-by-side: end
 # Where a device allows a block less shared memory than an entry needs (sm_86 and sm_89: 99 KB, against
 # D128's 140,288 B): the tiles that fit 48 KB, D128's before the dynamic shared memory.
 TC_BWD_CONFIGS_48KB = {
@@ -348,14 +359,16 @@ def _tile_loader(ROWS, NUM_THREADS, HEAD_DIM, EVEN_HEAD_DIM, ASYNC_LOADS):
     return load
 
 
-def _helpers(HEAD_DIM, IS_BF16, ASYNC_LOADS, OUT_PAIRS, EVEN_HEAD_DIM):
+def _helpers(HEAD_DIM, IS_BF16, ASYNC_LOADS, OUT_PAIRS, EVEN_HEAD_DIM, LDMATRIX):
     """The device functions both kernels use: wait_tiles, the fragment products (``products``), and the
-    epilogue's store of a warp's 16 rows of an fp32 accumulator."""
+    epilogue's store of a warp's 16 rows of an fp32 accumulator. LDMATRIX: fragments by ``ldmatrix``, else
+    by ``mma.lds_x4`` (plain shared loads)."""
     D_STEPS = HEAD_DIM // 16
     O_TILES = HEAD_DIM // 8
     LD = HEAD_DIM + 8
     mma = mma_bf16 if IS_BF16 else mma_f16
     pack = pack_bf16x2 if IS_BF16 else pack_f16x2
+    ldsm, ldsm_trans = (ldmatrix_x4, ldmatrix_x4_trans) if LDMATRIX else (lds_x4, lds_x4_trans)
 
     @device_function
     def wait_tiles():
@@ -367,7 +380,7 @@ def _helpers(HEAD_DIM, IS_BF16, ASYNC_LOADS, OUT_PAIRS, EVEN_HEAD_DIM):
     def load_frag(frag, lane_address):
         """frag[kk] = the A fragment of the warp's 16 shared rows, head dims 16 kk .. 16 kk + 15."""
         for kk in range(D_STEPS):
-            a0, a1, a2, a3 = ldmatrix_x4(lane_address + uint32(32 * kk))
+            a0, a1, a2, a3 = ldsm(lane_address + uint32(32 * kk))
             frag[kk, 0] = a0
             frag[kk, 1] = a1
             frag[kk, 2] = a2
@@ -384,7 +397,7 @@ def _helpers(HEAD_DIM, IS_BF16, ASYNC_LOADS, OUT_PAIRS, EVEN_HEAD_DIM):
                     s[j, e] = 0.0
             for jj in range(N_TILES // 2):
                 for kk in range(D_STEPS):
-                    b0, b1, b2, b3 = ldmatrix_x4(b_lane + uint32(2 * (16 * jj * LD + 16 * kk)))
+                    b0, b1, b2, b3 = ldsm(b_lane + uint32(2 * (16 * jj * LD + 16 * kk)))
                     d0, d1, d2, d3 = mma(
                         frag[kk, 0],
                         frag[kk, 1],
@@ -429,7 +442,7 @@ def _helpers(HEAD_DIM, IS_BF16, ASYNC_LOADS, OUT_PAIRS, EVEN_HEAD_DIM):
                 a2 = pack(p[2 * kk + 1, 0], p[2 * kk + 1, 1])
                 a3 = pack(p[2 * kk + 1, 2], p[2 * kk + 1, 3])
                 for dd in range(D_STEPS):
-                    b0, b1, b2, b3 = ldmatrix_x4_trans(x_lane + uint32(2 * (16 * kk * LD + 16 * dd)))
+                    b0, b1, b2, b3 = ldsm_trans(x_lane + uint32(2 * (16 * kk * LD + 16 * dd)))
                     d0, d1, d2, d3 = mma(
                         a0, a1, a2, a3, b0, b1, acc[2 * dd, 0], acc[2 * dd, 1], acc[2 * dd, 2], acc[2 * dd, 3]
                     )
@@ -462,9 +475,9 @@ def _helpers(HEAD_DIM, IS_BF16, ASYNC_LOADS, OUT_PAIRS, EVEN_HEAD_DIM):
                 for e in range(4):
                     s[j, e] = 0.0
             for kk in range(D_STEPS):
-                a0, a1, a2, a3 = ldmatrix_x4(a_lane + uint32(32 * kk))
+                a0, a1, a2, a3 = ldsm(a_lane + uint32(32 * kk))
                 for jj in range(N_TILES // 2):
-                    b0, b1, b2, b3 = ldmatrix_x4(b_lane + uint32(2 * (16 * jj * LD + 16 * kk)))
+                    b0, b1, b2, b3 = ldsm(b_lane + uint32(2 * (16 * jj * LD + 16 * kk)))
                     d0, d1, d2, d3 = mma(a0, a1, a2, a3, b0, b1, s[2 * jj, 0], s[2 * jj, 1], s[2 * jj, 2], s[2 * jj, 3])
                     s[2 * jj, 0] = d0
                     s[2 * jj, 1] = d1
@@ -519,7 +532,9 @@ def _build_dkdv(HEAD_DIM, config, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN, IS_BF16, 
     QDO_ROW, V_ROW, _ = _dkdv_rows(config)
     ROW_STATS = 2 * BLOCK_M  # L · log2 e and delta of both buffers' queries
     assert BLOCK_M % 16 == 0 and HEAD_DIM % 16 == 0 and BLOCK_M <= NUM_THREADS
-    wait_tiles, load_frag, products, store_rows = _helpers(HEAD_DIM, IS_BF16, ASYNC_LOADS, OUT_PAIRS, EVEN_HEAD_DIM)
+    wait_tiles, load_frag, products, store_rows = _helpers(
+        HEAD_DIM, IS_BF16, ASYNC_LOADS, OUT_PAIRS, EVEN_HEAD_DIM, config.LDMATRIX
+    )
     rows_dot, rows_dot_shared, acc_plus = products(M_TILES)
     load_kv = _tile_loader(BLOCK_N, NUM_THREADS, HEAD_DIM, EVEN_HEAD_DIM, ASYNC_LOADS)
     load_qdo = _tile_loader(BLOCK_M, NUM_THREADS, HEAD_DIM, EVEN_HEAD_DIM, ASYNC_LOADS)
@@ -875,7 +890,9 @@ def _build_dq(
     # rows KV_ROW + 2 BLOCK_N b .., V BLOCK_N rows on), in dynamic shared memory (``tile_bytes``).
     KV_ROW = _dq_rows(config)[0]
     assert BLOCK_N % 16 == 0 and HEAD_DIM % 16 == 0
-    wait_tiles, load_frag, products, store_rows = _helpers(HEAD_DIM, IS_BF16, ASYNC_LOADS, OUT_PAIRS, EVEN_HEAD_DIM)
+    wait_tiles, load_frag, products, store_rows = _helpers(
+        HEAD_DIM, IS_BF16, ASYNC_LOADS, OUT_PAIRS, EVEN_HEAD_DIM, config.LDMATRIX
+    )
     rows_dot, rows_dot_shared, acc_plus = products(N_TILES)
     load_qdo = _tile_loader(BLOCK_M, NUM_THREADS, HEAD_DIM, EVEN_HEAD_DIM, ASYNC_LOADS)
     load_kv = _tile_loader(BLOCK_N, NUM_THREADS, HEAD_DIM, EVEN_HEAD_DIM, ASYNC_LOADS)
@@ -1160,8 +1177,8 @@ def _jit(kernel, MAX_REGISTERS):
 _KERNELS: dict[tuple, object] = {}
 _BUILDERS = {"dkdv": _build_dkdv, "dq": _build_dq}
 _FIELDS = {
-    "dkdv": ("DKDV_WARPS", "DKDV_BLOCK_M", "MAX_REGISTERS", "V_IN_SHARED", "K_IN_SHARED"),
-    "dq": ("DQ_WARPS", "DQ_BLOCK_N", "MAX_REGISTERS", "QDO_IN_SHARED"),
+    "dkdv": ("DKDV_WARPS", "DKDV_BLOCK_M", "MAX_REGISTERS", "V_IN_SHARED", "K_IN_SHARED", "LDMATRIX"),
+    "dq": ("DQ_WARPS", "DQ_BLOCK_N", "MAX_REGISTERS", "QDO_IN_SHARED", "LDMATRIX"),
 }
 
 
@@ -1305,7 +1322,7 @@ def flash_attn_backward(
     _check_config(HEAD_DIM, config)
     parts = dsink_parts(spec, O, 16 * config.DQ_WARPS, config.DQ_WARPS, per_sequence=True)
     is_bf16 = q.dtype == torch.bfloat16
-    async_loads = all(rows_16b_aligned(t) for t in (q, k, v, dO))
+    async_loads = config.CP_ASYNC and all(rows_16b_aligned(t) for t in (q, k, v, dO))
     out_pairs = head_dim % 2 == 0
     flags = (*features(spec), is_bf16, head_dim == HEAD_DIM, async_loads, out_pairs)
     out_dtype = torch.int32 if out_pairs else torch.int16

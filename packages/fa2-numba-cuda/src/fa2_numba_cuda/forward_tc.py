@@ -120,6 +120,8 @@ from fa2_numba_cuda.mma import (
     ldmatrix_b_row_col,
     ldmatrix_x4,
     ldmatrix_x4_trans,
+    lds_x4,
+    lds_x4_trans,
     mma_bf16,
     mma_f16,
     pack_bf16x2,
@@ -135,12 +137,19 @@ class TensorCoreConfig(NamedTuple):
     """One block's shape: NUM_WARPS warps of 16 query rows each (BLOCK_M = 16 · NUM_WARPS), BLOCK_N keys per
     tile (a multiple of 16). MAX_REGISTERS caps ptxas (0: no cap; cp.async kernels only). S_AHEAD: each warp
     computes S = Q Kᵀ of the next key tile during the softmax of the current one, their instructions
-    interleaved, so that its mma and FP32 work overlap (two S tiles in registers: BLOCK_N / 2 more each)."""
+    interleaved, so that its mma and FP32 work overlap (two S tiles in registers: BLOCK_N / 2 more each).
+
+    Two switches for the optimisation ladder (``fa2_numba_cuda.ladder``), on in every configuration the kernel
+    chooses: LDMATRIX, the fragments of Q, K and V from shared memory by ``ldmatrix`` (off: ``mma.lds_x4``, the
+    same registers from plain shared loads); CP_ASYNC, the tiles copied by ``cp.async`` where the inputs allow
+    it (off: plain loads always)."""
 
     NUM_WARPS: int
     BLOCK_N: int
     MAX_REGISTERS: int
     S_AHEAD: bool = False
+    LDMATRIX: bool = True
+    CP_ASYNC: bool = True
 
 
 def tc_config(HEAD_DIM: int) -> TensorCoreConfig:
@@ -168,9 +177,11 @@ def tc_config(HEAD_DIM: int) -> TensorCoreConfig:
     uncapped 232. HEAD_DIM 128: 270; without S_AHEAD 253; 4 warps 271, 4 warps without S_AHEAD 273;
     BLOCK_N 32 230. (One run; the 4-warp variants are within 1% of the default, inside run-to-run noise.)
     """
+    # side-by-side: ladder-tiles
     if HEAD_DIM <= 64:
         return TensorCoreConfig(8, 64, 128, False)
     return TensorCoreConfig(8, 64, 0, HEAD_DIM != 112)
+    # side-by-side: end
 
 
 def uses_tensor_cores(q: torch.Tensor) -> bool:
@@ -202,7 +213,7 @@ def _build_kernel(
     (the epilogue adds the attention sink) and input type; EVEN_HEAD_DIM: head_dim is
     HEAD_DIM (no column checks); ASYNC_LOADS: cp.async copies 16 B chunks (q, k, v contiguous along
     head_dim, rows 16 B aligned); O_PAIRS: head_dim is even and o is an int32 view (two elements a store)."""
-    NUM_WARPS, BLOCK_N, _, S_AHEAD = config
+    NUM_WARPS, BLOCK_N, S_AHEAD = config.NUM_WARPS, config.BLOCK_N, config.S_AHEAD
     BLOCK_M = 16 * NUM_WARPS
     NUM_THREADS = 32 * NUM_WARPS
     LD = HEAD_DIM + 8  # shared row length in 16-bit elements
@@ -226,6 +237,9 @@ def _build_kernel(
     assert BLOCK_N % 16 == 0 and HEAD_DIM % 16 == 0
     mma = mma_bf16 if IS_BF16 else mma_f16
     pack = pack_bf16x2 if IS_BF16 else pack_f16x2
+    # side-by-side: ladder-ldmatrix
+    ldsm, ldsm_trans = (ldmatrix_x4, ldmatrix_x4_trans) if config.LDMATRIX else (lds_x4, lds_x4_trans)
+    # side-by-side: end
 
     def tile_loader(ROWS):
         """load(smem, smem_base, row0, x, x_base, offset, stride_n, stride_d, start, seqlen, head_dim): rows
@@ -310,7 +324,7 @@ def _build_kernel(
                     s[BUF, j, e] = 0.0
             for jj in range(N_TILES // 2):
                 for kk in range(D_STEPS):
-                    b0, b1, b2, b3 = ldmatrix_x4(k_lane + uint32(2 * (16 * jj * LD + 16 * kk)))
+                    b0, b1, b2, b3 = ldsm(k_lane + uint32(2 * (16 * jj * LD + 16 * kk)))
                     d0, d1, d2, d3 = mma(
                         q_frag[kk, 0],
                         q_frag[kk, 1],
@@ -473,7 +487,7 @@ def _build_kernel(
                     s[NXT, j, e] = 0.0
             for jj in range(N_TILES // 2):
                 for kk in range(D_STEPS):
-                    b0, b1, b2, b3 = ldmatrix_x4(k_lane + uint32(2 * (16 * jj * LD + 16 * kk)))
+                    b0, b1, b2, b3 = ldsm(k_lane + uint32(2 * (16 * jj * LD + 16 * kk)))
                     d0, d1, d2, d3 = mma(
                         q_frag[kk, 0],
                         q_frag[kk, 1],
@@ -526,13 +540,14 @@ def _build_kernel(
                 for c in range(O_TILES):
                     for e in range(4):
                         acc[c, e] *= alpha[e // 2]
+            # side-by-side: ladder-mma
             for kk in range(N_TILES // 2):
                 a0 = pack(s[BUF, 2 * kk, 0], s[BUF, 2 * kk, 1])
                 a1 = pack(s[BUF, 2 * kk, 2], s[BUF, 2 * kk, 3])
                 a2 = pack(s[BUF, 2 * kk + 1, 0], s[BUF, 2 * kk + 1, 1])
                 a3 = pack(s[BUF, 2 * kk + 1, 2], s[BUF, 2 * kk + 1, 3])
                 for dd in range(D_STEPS):
-                    b0, b1, b2, b3 = ldmatrix_x4_trans(v_lane + uint32(2 * (16 * kk * LD + 16 * dd)))
+                    b0, b1, b2, b3 = ldsm_trans(v_lane + uint32(2 * (16 * kk * LD + 16 * dd)))
                     d0, d1, d2, d3 = mma(
                         a0, a1, a2, a3, b0, b1, acc[2 * dd, 0], acc[2 * dd, 1], acc[2 * dd, 2], acc[2 * dd, 3]
                     )
@@ -540,6 +555,7 @@ def _build_kernel(
                     acc[2 * dd, 1] = d1
                     acc[2 * dd, 2] = d2
                     acc[2 * dd, 3] = d3
+                    # side-by-side: end
                     d0, d1, d2, d3 = mma(
                         a0,
                         a1,
@@ -673,7 +689,7 @@ def _build_kernel(
         cuda.syncthreads()
         q_frag = cuda.local.array((D_STEPS, 4), int32)  # [16 rows, HEAD_DIM] as D_STEPS A fragments
         for kk in range(D_STEPS):
-            a0, a1, a2, a3 = ldmatrix_x4(q_lane + uint32(32 * kk))
+            a0, a1, a2, a3 = ldsm(q_lane + uint32(32 * kk))
             q_frag[kk, 0] = a0
             q_frag[kk, 1] = a1
             q_frag[kk, 2] = a2
@@ -774,11 +790,13 @@ def _build_kernel(
                                     slope,
                                     exp_scale,
                                 )
+                                # side-by-side: ladder-s-ahead
                                 if sees_next:
                                     ahead_0(s, q_frag, k_lane, l_i, alpha, m_safe, exp_scale)
                                 else:
                                     exp_0_row_g(s, l_i, alpha, m_safe, exp_scale)
                                     exp_0_row_g8(s, l_i, alpha, m_safe, exp_scale)
+                                # side-by-side: end
                             elif sees_next:
                                 qk_1(s, q_frag, k_lane)
                         else:
@@ -829,6 +847,7 @@ def _build_kernel(
                             else:
                                 pv_1(s, acc, alpha, rescale, v_lane)
         else:
+            # side-by-side: ladder-double-buffer
             for start_n in range(begin_n, end_n, BLOCK_N):
                 wait_tiles()
                 cuda.syncthreads()  # K's tile has landed; every warp is done with the previous V tile
@@ -837,6 +856,7 @@ def _build_kernel(
                 if sees:
                     qk_0(s, q_frag, k_lane)
                 wait_tiles()
+                # side-by-side: end
                 cuda.syncthreads()  # V's tile has landed; every warp is done with K's
                 if start_n + BLOCK_N < end_n:
                     load_kv(
@@ -913,9 +933,11 @@ def _build_kernel(
         return cuda.jit(_attn_fwd_tc)
     # The cap is for the cp.async kernels: with plain loads, whose unrolled 16-bit loads ptxas hoists for
     # latency, 128 registers spill hundreds of bytes (offline, sm_90).
+    # side-by-side: ladder-maxnreg
     if config.MAX_REGISTERS and ASYNC_LOADS:
         return cuda.jit(max_registers=config.MAX_REGISTERS)(_attn_fwd_tc)
     return cuda.jit(_attn_fwd_tc)
+    # side-by-side: end
 
 
 # Compiled kernels by (HEAD_DIM, TensorCoreConfig, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN, SINK, IS_BF16,
@@ -1012,12 +1034,14 @@ def flash_attn_forward(
             spec_class(spec),
             None if config is None else tuple(config),
         )
+        # side-by-side: ladder-prepared
         prepared = _PREPARED.get(key)
         if prepared is not None:
             O = torch.empty(q.shape, dtype=q.dtype, device=q.device)
             L = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
             prepared(q, k, v, O, L, *spec_tensors(spec), *sink_tensors(spec))
             return O, L
+        # side-by-side: end
     batch, heads, seqlen_q, head_dim = q.shape
     if q.dtype not in (torch.float16, torch.bfloat16):
         raise NotImplementedError(f"fa2-numba-cuda's tensor-core kernel takes fp16 or bf16, got {q.dtype}")
@@ -1039,7 +1063,9 @@ def flash_attn_forward(
     HEAD_DIM = padded_head_dim(head_dim)
     config = TensorCoreConfig(*config) if config is not None else tc_config(HEAD_DIM)
     _check_config(HEAD_DIM, config)
-    async_loads = all(rows_16b_aligned(t) for t in (q, k, v))
+    # side-by-side: ladder-cp-async
+    async_loads = config.CP_ASYNC and all(rows_16b_aligned(t) for t in (q, k, v))
+    # side-by-side: end
     o_pairs = head_dim % 2 == 0
     kernel = _kernel(
         HEAD_DIM,

@@ -11,6 +11,12 @@ with the lower index (the order ``mma`` and ``ldmatrix`` use).
     ldmatrix_x4(address), ldmatrix_x4_trans(address) -> (r0, r1, r2, r3)
         ldmatrix.sync.aligned.m8n8.x4[.trans].shared.b16: four 8 x 8 matrices of 16-bit elements from shared
         memory; lanes 8j .. 8j + 7 give the (16 B aligned) addresses of the 8 rows of matrix j.
+    lds_x4(address), lds_x4_trans(address) -> (r0, r1, r2, r3)
+        The same registers without ldmatrix, for the ladder's rung before it (``fa2_numba_cuda.ladder``) and
+        the kernels' LDMATRIX switch: each lane fetches the row addresses it needs from the lanes that hold
+        them (``shfl_idx``) and loads its own words, four 32-bit ``ld.shared`` (.trans: eight 16-bit ones).
+    ld_shared_b32(address) -> int32, ld_shared_u16(address) -> int32: one plain shared-memory load.
+    shfl_idx(value, src_lane) -> int32: ``cuda.shfl_sync`` over the full warp, lane src_lane's value.
     pack_f16x2, pack_bf16x2(lo, hi) -> int32: two fp32 values rounded to nearest even (cvt.rn.*x2.f32).
     cp_async_16(dst, src, src_bytes); cp_async_commit(); cp_async_wait_all()
         cp.async.cg.shared.global: copy 16 B from global to shared memory without passing through registers;
@@ -76,7 +82,7 @@ import threading
 
 import numba
 import numpy as np
-from numba import cuda
+from numba import cuda, int32, uint32
 
 WARP_SIZE = 32
 
@@ -334,6 +340,22 @@ if numba.config.ENABLE_CUDASIM:
             dst[: source.size] = source
         _pending.copies = []
 
+    def ld_shared_b32(address):
+        if int(address) % 4:
+            raise ValueError(f"ld.shared.b32 address must be 4 B aligned, got {int(address):#x}")
+        return _bytes(address, 4).view(np.int32)[0]
+
+    def ld_shared_u16(address):
+        if int(address) % 2:
+            raise ValueError(f"ld.shared.u16 address must be 2 B aligned, got {int(address):#x}")
+        return np.int32(_bytes(address, 2).view(np.uint16)[0])
+
+    def shfl_idx(value, src_lane):
+        def compute(values):
+            return [values[int(src)][0] for _, src in values]
+
+        return np.int32(_collective((value, src_lane), compute))
+
     def shfl_xor(value, lane_mask):
         return np.float32(_collective(value, lambda values: [values[i ^ lane_mask] for i in range(WARP_SIZE)]))
 
@@ -493,6 +515,26 @@ else:
 
         return types.float32(x), codegen
 
+    def _ld_shared_intrinsic(text):
+        @intrinsic
+        def ld_shared(typingctx, address):
+            def codegen(context, builder, sig, args):
+                (address,) = _cast(context, builder, sig, args, [types.uint32])
+                # As ldmatrix: shared memory that LLVM cannot see being written, so neither moved nor merged.
+                return _asm(builder, _i32, [address], text, "=r,r,~{memory}", side_effect=True)
+
+            return types.int32(address), codegen
+
+        return ld_shared
+
+    ld_shared_b32 = _ld_shared_intrinsic("ld.shared.b32 $0, [$1];")
+    # A .u16 load into a 32-bit register zero-extends (PTX's relaxed type rules for ld's destination).
+    ld_shared_u16 = _ld_shared_intrinsic("ld.shared.u16 $0, [$1];")
+
+    @device_function
+    def shfl_idx(value, src_lane):
+        return cuda.shfl_sync(0xFFFFFFFF, value, src_lane)
+
     @device_function
     def shfl_xor(value, lane_mask):
         return cuda.shfl_xor_sync(0xFFFFFFFF, value, lane_mask)
@@ -500,3 +542,44 @@ else:
     @device_function
     def all_lanes(predicate):
         return cuda.all_sync(0xFFFFFFFF, predicate)
+
+
+# side-by-side: ladder-lds
+@device_function
+def lds_x4(address):
+    """``ldmatrix_x4(address)`` from plain loads: register j of lane 4 g + t is row g of matrix j, columns 2 t and
+    2 t + 1 (``ldmatrix_layout``): the 32-bit word 4 t bytes into the row whose address lane 8 j + g gave."""
+    lane = cuda.laneid
+    g = lane // 4
+    t = lane % 4
+    r0 = ld_shared_b32(uint32(shfl_idx(int32(address), g)) + uint32(4 * t))
+    r1 = ld_shared_b32(uint32(shfl_idx(int32(address), 8 + g)) + uint32(4 * t))
+    r2 = ld_shared_b32(uint32(shfl_idx(int32(address), 16 + g)) + uint32(4 * t))
+    r3 = ld_shared_b32(uint32(shfl_idx(int32(address), 24 + g)) + uint32(4 * t))
+    return r0, r1, r2, r3
+
+
+# side-by-side: end
+
+
+@device_function
+def _column_pair(address, row_lane, g):
+    """Column g of the rows whose addresses lanes row_lane and row_lane + 1 gave, as one .b32 (low half first)."""
+    lo = ld_shared_u16(uint32(shfl_idx(int32(address), row_lane)) + uint32(2 * g))
+    hi = ld_shared_u16(uint32(shfl_idx(int32(address), row_lane + 1)) + uint32(2 * g))
+    return int32(uint32(lo) | (uint32(hi) << uint32(16)))
+
+
+@device_function
+def lds_x4_trans(address):
+    """``ldmatrix_x4_trans(address)`` from plain loads: register j of lane 4 g + t is column g of matrix j's
+    rows 2 t and 2 t + 1 (``ldmatrix_layout``), two 16-bit loads from the rows lanes 8 j + 2 t and 8 j + 2 t + 1
+    gave."""
+    lane = cuda.laneid
+    g = lane // 4
+    t = lane % 4
+    r0 = _column_pair(address, 2 * t, g)
+    r1 = _column_pair(address, 8 + 2 * t, g)
+    r2 = _column_pair(address, 16 + 2 * t, g)
+    r3 = _column_pair(address, 24 + 2 * t, g)
+    return r0, r1, r2, r3
