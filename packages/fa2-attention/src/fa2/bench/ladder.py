@@ -30,6 +30,7 @@ import functools
 import importlib
 import json
 import platform
+import re
 import sys
 import time
 from collections.abc import Callable
@@ -314,3 +315,117 @@ def plot(rows: list[dict], backend: str, path: Path, where: str, emulated: bool)
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+# The figures of a ladder page (docs/ladder/<backend>.md) sit between these two lines, rendered from the
+# committed CSV by ``tables`` (``python -m fa2.bench.ladder`` writes them; the docs tests check them).
+TABLES_START = "<!-- ladder-tables: {backend} -->"
+TABLES_END = "<!-- ladder-tables: end -->"
+
+
+def _kib(x: str) -> str:
+    return f"{int(x) / 1024:.0f} KiB" if x else "—"
+
+
+def tables(rows: list[dict], backend: str) -> str:
+    """One backend's ladder as markdown: forward and backward TFLOP/s per rung at each (D, causal), each with
+    its speed-up over the rung before (×), then the compiler's registers a thread, bytes spilled and shared
+    memory a block (the most over the rung's kernels; — where the rung compiled none new in that call)."""
+    mine = [r for r in rows if r["backend"] == backend]
+    rungs = list(dict.fromkeys(r["rung"] for r in mine))
+    points = sorted({(int(r["head_dim"]), r["causal"] == "True") for r in mine})
+    cell = {(r["rung"], r["direction"], int(r["head_dim"]), r["causal"] == "True"): r for r in mine}
+    heads = ", ".join(f"D {d}: H {h}" for d, h in sorted({int(r["head_dim"]): r["heads"] for r in mine}.items()))
+    first = mine[0]
+    out = [
+        f"{first['dtype']}, N = {first['seqlen']}, B = {first['batch']}, {heads}; TFLOP/s (× the rung before).",
+        "",
+    ]
+    header = "| rung | " + " | ".join(f"D {d} {'causal' if c else 'full'}" for d, c in points) + " |"
+    rule = "|---|" + "---:|" * len(points)
+    for direction, title in (("fwd", "Forward"), ("bwd", "Backward (2.5 forwards' FLOPs)")):
+        out += [f"**{title}**", "", header, rule]
+        for rung in rungs:
+            cells = []
+            for d, c in points:
+                r = cell.get((rung, direction, d, c))
+                if r is None or not r["tflops"]:
+                    cells.append(r["problem"][:40] if r else "—")
+                else:
+                    cells.append(f"{float(r['tflops']):.0f} ({float(r['speedup_vs_previous']):.2f}×)")
+            out.append(f"| `{rung}` | " + " | ".join(cells) + " |")
+        out.append("")
+    out += ["**Registers / spilled bytes / shared memory** (forward; backward)", "", header, rule]
+    for rung in rungs:
+        cells = []
+        for d, c in points:
+            parts = []
+            for direction in DIRECTIONS:
+                r = cell.get((rung, direction, d, c))
+                if r is None or not r["registers"]:
+                    parts.append("—")
+                else:
+                    parts.append(f"{r['registers']} / {r['spills']} / {_kib(r['shared_bytes'])}")
+            cells.append("; ".join(parts))
+        out.append(f"| `{rung}` | " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
+def summary(rows: list[dict]) -> str:
+    """Every backend's first and last rung as markdown: TFLOP/s at each (direction, D, causal), and the last
+    over the first."""
+    points = sorted({(int(r["head_dim"]), r["causal"] == "True") for r in rows})
+    cell = {(r["backend"], r["rung"], r["direction"], int(r["head_dim"]), r["causal"] == "True"): r for r in rows}
+    out = [
+        "| backend | rung | "
+        + " | ".join(f"{t} D {d} {'causal' if c else 'full'}" for t in ("fwd", "bwd") for d, c in points)
+        + " |",
+        "|---|---|" + "---:|" * (2 * len(points)),
+    ]
+    for backend in _backends_of(rows):
+        rungs = list(dict.fromkeys(r["rung"] for r in rows if r["backend"] == backend))
+        ends = [(rungs[0], "first"), (rungs[-1], "last")]
+        values = {}
+        for rung, which in ends:
+            cells = []
+            for direction in DIRECTIONS:
+                for d, c in points:
+                    r = cell.get((backend, rung, direction, d, c))
+                    values[which, direction, d, c] = float(r["tflops"]) if r and r["tflops"] else None
+                    cells.append(
+                        "—" if values[which, direction, d, c] is None else f"{values[which, direction, d, c]:.0f}"
+                    )
+            out.append(f"| {backend} | `{rung}` | " + " | ".join(cells) + " |")
+        ratios = []
+        for direction in DIRECTIONS:
+            for d, c in points:
+                a, b = values["first", direction, d, c], values["last", direction, d, c]
+                ratios.append(f"{b / a:.2f}×" if a and b else "—")
+        out.append(f"| {backend} | last / first | " + " | ".join(ratios) + " |")
+    return "\n".join(out)
+
+
+def render_page(page: str, rows: list[dict]) -> str:
+    """``page`` with the block between each TABLES_START line (for a backend; ``summary`` for every backend's
+    first and last rungs) and TABLES_END replaced by that backend's ``tables`` (or the ``summary``)."""
+    lines = page.split("\n")
+    out: list[str] = []
+    i = 0
+    while i < len(lines):
+        out.append(lines[i])
+        start = re.fullmatch(r"<!-- ladder-tables: ([\w-]+) -->", lines[i].strip())
+        if start and start.group(1) != "end":
+            end = lines.index(TABLES_END, i + 1)
+            body = summary(rows) if start.group(1) == "summary" else tables(rows, start.group(1))
+            out += ["", body, "", TABLES_END]
+            i = end
+        i += 1
+    return "\n".join(out)
+
+
+if __name__ == "__main__":
+    # From the repository's root: python -m fa2.bench.ladder [CSV] writes the ladder pages' tables from the
+    # committed run (default docs/benchmarks/h200-ladder.csv).
+    committed = read_rows(Path(sys.argv[1] if len(sys.argv) > 1 else "docs/benchmarks/h200-ladder.csv"))
+    for page in [Path("docs/ladder.md"), *sorted(Path("docs/ladder").glob("*.md"))]:
+        page.write_text(render_page(page.read_text(), committed))
