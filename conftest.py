@@ -116,7 +116,8 @@ def poison_empty(monkeypatch):
 
     def poisoned(t):
         if t.is_floating_point() and t.numel():
-            t.fill_(math.nan)
+            with torch.no_grad():  # also for a leaf that requires grad (torch.compile makes such tensors)
+                t.fill_(math.nan)
         return t
 
     monkeypatch.setattr(torch, "empty", lambda *a, **kw: poisoned(real_empty(*a, **kw)))

@@ -1,13 +1,15 @@
 """fa2-pytorch's optimisation ladder (issue 43): the naive attention that materialises the scores, then
-FlashAttention-2's tiled loop, which is this backend's forward and backward (the default path).
+FlashAttention-2's tiled loop, which is this backend's forward and backward (the default path), then the same
+loop through ``torch.compile``.
 
-The issue's third rung, ``torch.compile`` of the tiled loop, is not here: fa2-pytorch has no compiled path
-(its default is the eager loop, and the last rung must be the default path). docs/ladder/pytorch.md explains
-both rungs and quotes the lines they run.
+Unlike the other backends' ladders, the last rung is not the default path but one past it: fa2-pytorch runs
+eager (no compilation on the first call, any shape at once), and ``compiled`` shows what compiling its loop
+buys. ``tiled`` is the default path. docs/ladder/pytorch.md explains the rungs and quotes the lines they run.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import NamedTuple
 
@@ -37,7 +39,15 @@ RUNGS: tuple[Rung, ...] = (
         "FlashAttention-2's online softmax over key tiles (fa2_pytorch.flash_attn_forward and "
         "flash_attn_backward): memory O(N · BLOCK_N) instead of O(N²), key tiles past the diagonal skipped.",
     ),
+    Rung(
+        "compiled",
+        "compiled: torch.compile of the tiled loop (past the default path)",
+        "The same forward and backward through torch.compile (TorchInductor): each key tile's passes over the "
+        "scores fused into generated kernels; compiled once per class of inputs.",
+    ),
 )
+# The rung that is fa2-pytorch's default path (the last rung, ``compiled``, is one past it).
+DEFAULT = "tiled"
 _NAMES = [r.name for r in RUNGS]
 
 
@@ -71,6 +81,8 @@ def forward(
     _check(rung)
     if rung == "tiled":
         return flash_attn_forward(q, k, v, spec)
+    if rung == "compiled":
+        return _compiled(flash_attn_forward)(q, k, v, spec)
     _check_spec(spec, q, k)
     p, L = _naive_probabilities(q, k, spec)
     return torch.matmul(p, v.float()).to(q.dtype), L
@@ -91,6 +103,8 @@ def backward(
     _check(rung)
     if rung == "tiled":
         return flash_attn_backward(q, k, v, O, L, dO, spec)
+    if rung == "compiled":
+        return _compiled(flash_attn_backward)(q, k, v, O, L, dO, spec)
     _check_spec(spec, q, k)
     # side-by-side: naive-backward
     p, _ = _naive_probabilities(q, k, spec)  # recomputed, as the tiled backward does: [B, H, N_Q, N_K]
@@ -105,8 +119,17 @@ def backward(
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
+@functools.cache
+def _compiled(fn):
+    """torch.compile of fn, made once (its compilations are cached by torch per class of inputs)."""
+    # side-by-side: compiled
+    return torch.compile(fn, fullgraph=False, dynamic=False)
+    # side-by-side: end
+
+
 def resources(rung: str) -> list[dict]:
-    """[]: eager PyTorch compiles no kernel of its own (its ops' kernels are PyTorch's)."""
+    """[]: eager PyTorch compiles no kernel of its own (its ops' kernels are PyTorch's), and Inductor's
+    kernels (``compiled``) report no registers here."""
     _check(rung)
     return []
 
