@@ -232,7 +232,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument(
         "--ladder",
         action="store_true",
-        help="each backend's optimisation ladder (issue 43) instead of the sweep: every rung of "
+        help="each backend's optimisation ladder instead of the sweep (docs/ladder.md): every rung of "
         "fa2_<backend>.ladder, forward and backward, checked then timed, with the compiler's registers, "
         "spills and shared memory; on a GPU N 4096, B 4, H 2048 / D, D 64,128, causal and not, bf16; "
         "emulated N 64, D 16,32, fp16 (timings that need a GPU). Files <name>-ladder (one CSV, a plot "
