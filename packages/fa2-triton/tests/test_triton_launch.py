@@ -101,10 +101,10 @@ def test_launch_classifies_as_arg_class():
     again (the integers' memo), for tensor subclasses too."""
     samples = INTS + FLOATS + _tensors() + _descriptors() + [torch.nn.Parameter(torch.zeros(8))]
     want = tuple(launch.arg_class(a) for a in samples)
-    assert launch._classes(tuple(samples)) == want
-    assert launch._classes(tuple(samples)) == want
+    assert launch.arg_classes(tuple(samples)) == want
+    assert launch.arg_classes(tuple(samples)) == want
     with pytest.raises(TypeError, match="no argument class for bool"):
-        launch._classes((1, True))
+        launch.arg_classes((1, True))
 
 
 def test_arg_class_refuses_what_it_cannot_classify():
