@@ -16,7 +16,7 @@ import fa2
 import fa2_triton
 from checks import assert_matches_reference, random_qkv
 from fa2.spec import AttentionSpec
-from fa2_triton import launch
+from fa2_triton import forward, launch
 from fa2_triton.common import INTERPRETED
 
 INTS = [
@@ -101,10 +101,10 @@ def test_launch_classifies_as_arg_class():
     again (the integers' memo), for tensor subclasses too."""
     samples = INTS + FLOATS + _tensors() + _descriptors() + [torch.nn.Parameter(torch.zeros(8))]
     want = tuple(launch.arg_class(a) for a in samples)
-    assert launch._classes(tuple(samples)) == want
-    assert launch._classes(tuple(samples)) == want
+    assert launch.arg_classes(tuple(samples)) == want
+    assert launch.arg_classes(tuple(samples)) == want
     with pytest.raises(TypeError, match="no argument class for bool"):
-        launch._classes((1, True))
+        launch.arg_classes((1, True))
 
 
 def test_arg_class_refuses_what_it_cannot_classify():
@@ -135,6 +135,34 @@ def test_calls_share_a_compiled_kernel_only_within_a_class(device):
     assert forward(200, seed=2) == 1
     assert forward(208, seed=3) == 2
     assert forward(200, seed=4, misaligned=True) == 3
+
+
+def test_forward_plans_are_kept_per_class_of_inputs(device):
+    """The forward's plans (``forward._PLANS``): new data of one shape, strides and alignment reuses a plan;
+    misaligned data of that shape gets its own, without host descriptors; a new shape its own. Each call
+    matches the reference, and the plan's argument classes are what launch() computes (it checks them when
+    it first meets a class)."""
+    if fa2_triton.availability()[0] == "unavailable":
+        pytest.skip("fa2-triton cannot run here")
+    dtype = torch.float16
+    forward._PLANS.clear()
+
+    def call(n, seed, misaligned=False):
+        q, k, v = random_qkv((1, 2, n, 64), (1, 2, n, 64), dtype, device, seed=seed)
+        if misaligned:
+            buf = torch.empty(q.numel() + 1, device=device, dtype=dtype)
+            q = buf[1:].view(q.shape).copy_(q)
+            assert q.data_ptr() % 16
+        O, L = fa2_triton.flash_attn_forward(q, k, v, AttentionSpec(0.125, (-1, 0)))
+        assert_matches_reference(O, L, q, k, v, True, scale=0.125)
+        return list(forward._PLANS.values())
+
+    plans = call(32, seed=1)
+    assert len(plans) == 1 and plans[0].classes is not None
+    assert call(32, seed=2) == plans
+    plans = call(32, seed=3, misaligned=True)
+    assert len(plans) == 2 and plans[1].descriptors is None
+    assert len(call(48, seed=4)) == 3
 
 
 @pytest.mark.skipif(not INTERPRETED, reason="the interpreter's refusal (TRITON_INTERPRET=1); a GPU runs bfloat16")

@@ -12,11 +12,10 @@ Each launcher (``launch_preprocess``, ``launch_dq``, ``launch_dkdv``) runs one k
 from __future__ import annotations
 
 import torch
-import triton
 
 from fa2.spec import AttentionSpec
 from fa2_triton.backward_tl import _attn_bwd_dkdv, _attn_bwd_dq, _attn_bwd_preprocess
-from fa2_triton.common import MAX_HEAD_DIM, _check_device, group_size, packed, score_args
+from fa2_triton.common import MAX_HEAD_DIM, _check_device, cdiv, group_size, packed, padded_head_dim, score_args
 from fa2_triton.launch import launch, on_device
 from fa2_triton.tiles import PREPROCESS_ELEMENTS, BwdTiles, KernelTiles, bwd_tiles_for
 
@@ -83,11 +82,11 @@ def flash_attn_backward(
         else:
             # Padded to whole query tiles and to HEAD_DIM, so the atomic adds need no mask (a packed batch's
             # last tile of a sequence adds zeros into the next one's rows, its last one into the padding).
-            HEAD_DIM = max(16, triton.next_power_of_2(head_dim))
+            HEAD_DIM = padded_head_dim(head_dim)
             if spec.varlen:
                 padded_q = seqlen_q + tiles.dkdv.block_m
             else:
-                padded_q = triton.cdiv(seqlen_q, tiles.dkdv.block_m) * tiles.dkdv.block_m
+                padded_q = cdiv(seqlen_q, tiles.dkdv.block_m) * tiles.dkdv.block_m
             dq_acc = torch.zeros(batch, heads, padded_q, HEAD_DIM, device=q.device, dtype=torch.float32)
             launch_dkdv(q, k, v, dO, L, delta, dk, dv, dq_acc, spec, tiles.dkdv)
             dq = (dq_acc[:, :, :seqlen_q, :head_dim] * spec.scale).to(q.dtype)
@@ -111,9 +110,9 @@ def launch_preprocess(
     over each head's adds them in a fixed order, so dsink is deterministic."""
     batch, heads, seqlen_q, head_dim = O.shape
     delta = torch.empty(batch, heads, seqlen_q, device=O.device, dtype=torch.float32)
-    HEAD_DIM = max(16, triton.next_power_of_2(head_dim))
+    HEAD_DIM = padded_head_dim(head_dim)
     pre_block_m = PREPROCESS_ELEMENTS // HEAD_DIM
-    tiles = triton.cdiv(seqlen_q, pre_block_m)
+    tiles = cdiv(seqlen_q, pre_block_m)
     parts = None if sink is None else torch.empty(heads, batch * tiles, device=O.device, dtype=torch.float32)
     if batch * heads and seqlen_q:
         launch(
@@ -142,14 +141,14 @@ def launch_preprocess(
 def launch_dq(q, k, v, dO, L, delta, dq, spec: AttentionSpec, t: KernelTiles):
     """The dQ kernel into dq (written in full)."""
     batch, heads, seqlen_q, head_dim = q.shape
-    HEAD_DIM = max(16, triton.next_power_of_2(head_dim))
+    HEAD_DIM = padded_head_dim(head_dim)
     batch, seqlen_q, seqlen_k, cu_q, cu_k = packed(spec, batch, seqlen_q, k.shape[2], L)
     if not (batch * heads and seqlen_q):
         return None
     a = score_args(spec, q.dtype)
     return launch(
         _attn_bwd_dq,
-        triton.cdiv(seqlen_q, t.block_m) * batch * heads,
+        cdiv(seqlen_q, t.block_m) * batch * heads,
         (
             q,
             k,
@@ -204,7 +203,7 @@ def launch_dkdv(q, k, v, dO, L, delta, dk, dv, dq_acc, spec: AttentionSpec, t: K
     batch, heads, seqlen_q, head_dim = q.shape
     heads_k, seqlen_k = k.shape[1], k.shape[2]
     group = group_size(q, k)
-    HEAD_DIM = max(16, triton.next_power_of_2(head_dim))
+    HEAD_DIM = padded_head_dim(head_dim)
     dq_acc_stride = 0 if dq_acc is None else dq_acc.stride(1)
     batch, seqlen_q, seqlen_k, cu_q, cu_k = packed(spec, batch, seqlen_q, seqlen_k, L)
     if not (batch * heads_k and seqlen_k):
@@ -217,7 +216,7 @@ def launch_dkdv(q, k, v, dO, L, delta, dk, dv, dq_acc, spec: AttentionSpec, t: K
     a = score_args(spec, q.dtype)
     return launch(
         _attn_bwd_dkdv,
-        triton.cdiv(seqlen_k, t.block_n) * batch * heads_k,
+        cdiv(seqlen_k, t.block_n) * batch * heads_k,
         (
             q,
             k,

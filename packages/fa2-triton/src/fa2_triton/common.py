@@ -8,7 +8,8 @@
   ``_tiles_in_window`` (the tiles a window's rows see, as a key loop's bounds), ``_rows`` and ``_sequence``
   (a packed batch's sequences from their offsets);
 - an ``AttentionSpec`` as the kernels' arguments (``ScoreArgs``, ``score_args``), the packed batch's grid
-  extent and offsets (``packed``), grouped-query attention's group (``group_size``);
+  extent and offsets (``packed``), grouped-query attention's group (``group_size``), the padded head_dim and
+  a rounded-up division for the launchers (``padded_head_dim``, ``cdiv``);
 - the GPU's compute capability (``_capability``, cached: asked on every launch).
 """
 
@@ -194,6 +195,19 @@ def packed(spec: AttentionSpec, batch: int, seqlen_q: int, seqlen_k: int, stand_
             spec.cu_seqlens_k,
         )
     return batch, seqlen_q, seqlen_k, stand_in, stand_in
+
+
+def padded_head_dim(head_dim: int) -> int:
+    """HEAD_DIM, the kernels' head_dim: the next power of two, at least 16. In plain Python, for the launchers:
+    ``triton.next_power_of_2`` is a constexpr function (Triton 3.5 and up), whose call costs ~1 µs of host
+    time, and a backward asked it four times."""
+    return max(16, 1 << (head_dim - 1).bit_length())
+
+
+def cdiv(a: int, b: int) -> int:
+    """a / b rounded up, in plain Python for the launchers (``triton.cdiv`` is a constexpr function, as
+    ``padded_head_dim`` says)."""
+    return -(-a // b)
 
 
 def group_size(q: torch.Tensor, k: torch.Tensor) -> int:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+from typing import NamedTuple
 
 import torch
 import triton
@@ -27,7 +28,7 @@ from fa2.spec import AttentionSpec
 from fa2_triton import forward_gluon
 from fa2_triton.common import LOG2_E, MAX_HEAD_DIM, _check_device, group_size, packed, score_args
 from fa2_triton.forward_tl import _attn_fwd
-from fa2_triton.launch import launch, on_device, scratch_allocator
+from fa2_triton.launch import arg_classes, launch, on_device, scratch_allocator
 from fa2_triton.tiles import Tiles, tiles_for, tma_layout, ws_layout
 
 
@@ -107,15 +108,107 @@ def flash_attn_forward(
     return O, L
 
 
+class _Plan(NamedTuple):
+    """Everything ``_launch`` works out from the inputs' shapes, strides, dtypes, alignment and the spec,
+    but for the tensors themselves: kept per class of inputs (``_PLANS``)."""
+
+    use_tma: bool
+    device_desc: bool
+    # Q's, K's, V's and O's descriptors but for their base (TensorDescriptor's fields), with use_tma.
+    descriptors: tuple[dict, ...] | None
+    grid: int
+    scalars: tuple
+    constexprs: dict
+    options: dict
+    # The launch's argument classes (``fa2_triton.launch.arg_classes``), once a launch has met them.
+    classes: tuple | None = None
+
+
+# (shapes, strides, dtype, device, 16-byte alignment of every tensor argument, the spec's scale, window,
+# softcap and sink) -> _Plan, for the inputs the plans serve (``_launch``). Emptied past 4096 entries (a
+# generate loop meets a new seqlen_k every step).
+_PLANS: dict[tuple, _Plan] = {}
+
+
 def _launch(q, k, v, O, L, spec: AttentionSpec, tiles: Tiles | None = None):
     """Runs the kernel into O and L (both written in full); returns what the launch returns (on a GPU the
-    compiled kernel, whose n_regs and n_spills the tuner records; None if there is nothing to launch)."""
+    compiled kernel, whose n_regs and n_spills the tuner records; None if there is nothing to launch).
+
+    Dense inputs without ALiBi at the default tiles (what training and prefill calls are) keep their
+    ``_plan`` per class of inputs, keyed on everything it reads, tensor descriptors included: a short
+    call's host time is mostly this planning and the launch's classification of its 28 arguments.
+    """
+    sink = spec.sink
+    key = None
+    if tiles is None and not spec.varlen and spec.alibi_slopes is None:
+        key = (
+            q.shape,
+            q.stride(),
+            k.shape,
+            k.stride(),
+            v.shape,
+            v.stride(),
+            q.dtype,
+            q.device,
+            q.data_ptr() % 16,
+            k.data_ptr() % 16,
+            v.data_ptr() % 16,
+            O.data_ptr() % 16,
+            L.data_ptr() % 16,
+            spec.scale,
+            spec.window,
+            spec.softcap,
+            None if sink is None else sink.data_ptr() % 16,
+        )
+        plan = _PLANS.get(key)
+    if key is None or plan is None:
+        plan = _plan(q, k, v, O, L, spec, tiles)
+        if plan is None:
+            return None
+    if plan.use_tma:
+        q_arg, k_arg, v_arg, o_arg = (_copy_descriptor(d, t) for d, t in zip(plan.descriptors, (q, k, v, O)))
+    else:
+        q_arg, k_arg, v_arg, o_arg = q, k, v, O
+    cu_q, cu_k = (spec.cu_seqlens_q, spec.cu_seqlens_k) if spec.varlen else (L, L)
+    slopes = spec.alibi_slopes
+    args = (
+        q_arg,
+        k_arg,
+        v_arg,
+        o_arg,
+        L,
+        L if slopes is None else slopes,
+        L if sink is None else sink,
+        cu_q,
+        cu_k,
+        *plan.scalars,
+    )
+    if key is not None and plan.classes is None:
+        if len(_PLANS) >= 4096:
+            _PLANS.clear()
+        plan = _PLANS[key] = plan._replace(classes=arg_classes(args))
+    # The kernel's own descriptors live in global memory that Triton asks its allocator for.
+    with on_device(q.device), scratch_allocator() if plan.device_desc else contextlib.nullcontext():
+        return launch(_attn_fwd, plan.grid, args, plan.constexprs, plan.options, plan.classes)
+
+
+def _copy_descriptor(fields: dict, base: torch.Tensor) -> TensorDescriptor:
+    """A TensorDescriptor of ``fields`` (a checked descriptor's, but for its base) over ``base``, whose shape,
+    strides and alignment are the checked one's (``_PLANS``' key): the same checks would pass, so they are
+    not made again (~3 µs a descriptor on the H200's host)."""
+    d = TensorDescriptor.__new__(TensorDescriptor)
+    d.__dict__.update(fields, base=base)
+    return d
+
+
+def _plan(q, k, v, O, L, spec: AttentionSpec, tiles: Tiles | None) -> _Plan | None:
+    """The launch of ``_launch``'s inputs: None if there is nothing to launch (a packed batch of no query)."""
     batch, heads, seqlen_q, head_dim = q.shape
     seqlen_k = k.shape[2]
     group = group_size(q, k)
     HEAD_DIM = max(16, triton.next_power_of_2(head_dim))
     masked = spec.masked
-    batch, seqlen_q, seqlen_k, cu_q, cu_k = packed(spec, batch, seqlen_q, seqlen_k, L)
+    batch, seqlen_q, seqlen_k, _, _ = packed(spec, batch, seqlen_q, seqlen_k, L)
     if spec.varlen:
         # One key loop over whole tiles, which warp specialisation needs, is not what sequences of any
         # length have.
@@ -148,68 +241,56 @@ def _launch(q, k, v, O, L, spec: AttentionSpec, tiles: Tiles | None = None):
     device_desc = warp_specialize or (spec.varlen and tiles.tma and tma_layout(q, k, v, HEAD_DIM))
     if not device_desc and tiles.tma and tma_layout(q, k, v, HEAD_DIM):
         use_tma = True
-        q_arg, o_arg = _descriptor(q, tiles.block_m), _descriptor(O, tiles.block_m)
-        k_arg, v_arg = _descriptor(k, tiles.block_n), _descriptor(v, tiles.block_n)
+        descriptors = tuple(
+            {**_descriptor(t, rows).__dict__, "base": None}
+            for t, rows in ((q, tiles.block_m), (k, tiles.block_n), (v, tiles.block_n), (O, tiles.block_m))
+        )
     else:
         use_tma = False
-        q_arg, k_arg, v_arg, o_arg = q, k, v, O
+        descriptors = None
     # side-by-side: end
     # One program per (query tile, batch·head), on one grid axis: CUDA caps the other two at 65535, and
     # (batch, seqlen, head_dim) inputs arrive with the batch as heads.
     grid = triton.cdiv(seqlen_q, tiles.block_m) * batch * heads
-    # The kernel's own descriptors live in global memory that Triton asks its allocator for.
-    with on_device(q.device), scratch_allocator() if device_desc else contextlib.nullcontext():
-        return launch(
-            _attn_fwd,
-            grid,
-            (
-                q_arg,
-                k_arg,
-                v_arg,
-                o_arg,
-                L,
-                L if s.slopes is None else s.slopes,
-                L if spec.sink is None else spec.sink,
-                cu_q,
-                cu_k,
-                qk_scale,
-                s.cap_scale,
-                alibi_scale,
-                s.window_left,
-                s.window_right,
-                *q.stride(),
-                *k.stride(),
-                *v.stride(),
-                *O.stride(),
-                *L.stride(),
-                *s.slope_strides,
-                heads,
-                group,
-                seqlen_q,
-                seqlen_k,
-                q.shape[2],
-                k.shape[2],
-                head_dim,
-            ),
-            dict(
-                WINDOW_LEFT=s.WINDOW_LEFT,
-                WINDOW_RIGHT=s.WINDOW_RIGHT,
-                SOFTCAP=s.SOFTCAP,
-                ALIBI=s.ALIBI,
-                HAS_SINK=spec.sink is not None,
-                BLOCK_M=tiles.block_m,
-                BLOCK_N=tiles.block_n,
-                HEAD_DIM=HEAD_DIM,
-                EVEN_D=HEAD_DIM == head_dim,
-                USE_TMA=use_tma,
-                FUSED_EXP2=fused_exp2,
-                LAZY_RESCALE=tiles.lazy_rescale,
-                GRID_ORDER=tiles.grid_order,
-                WARP_SPECIALIZE=warp_specialize,
-                VARLEN=spec.varlen,
-                DEVICE_DESC=device_desc,
-                EXP2=tiles.exp2,
-                SPLIT_LOOP=tiles.split_loop,
-            ),
-            dict(num_warps=tiles.num_warps, num_stages=tiles.num_stages, maxnreg=tiles.maxnreg),
-        )
+    scalars = (
+        qk_scale,
+        s.cap_scale,
+        alibi_scale,
+        s.window_left,
+        s.window_right,
+        *q.stride(),
+        *k.stride(),
+        *v.stride(),
+        *O.stride(),
+        *L.stride(),
+        *s.slope_strides,
+        heads,
+        group,
+        seqlen_q,
+        seqlen_k,
+        q.shape[2],
+        k.shape[2],
+        head_dim,
+    )
+    constexprs = dict(
+        WINDOW_LEFT=s.WINDOW_LEFT,
+        WINDOW_RIGHT=s.WINDOW_RIGHT,
+        SOFTCAP=s.SOFTCAP,
+        ALIBI=s.ALIBI,
+        HAS_SINK=spec.sink is not None,
+        BLOCK_M=tiles.block_m,
+        BLOCK_N=tiles.block_n,
+        HEAD_DIM=HEAD_DIM,
+        EVEN_D=HEAD_DIM == head_dim,
+        USE_TMA=use_tma,
+        FUSED_EXP2=fused_exp2,
+        LAZY_RESCALE=tiles.lazy_rescale,
+        GRID_ORDER=tiles.grid_order,
+        WARP_SPECIALIZE=warp_specialize,
+        VARLEN=spec.varlen,
+        DEVICE_DESC=device_desc,
+        EXP2=tiles.exp2,
+        SPLIT_LOOP=tiles.split_loop,
+    )
+    options = dict(num_warps=tiles.num_warps, num_stages=tiles.num_stages, maxnreg=tiles.maxnreg)
+    return _Plan(use_tma, bool(device_desc), descriptors, grid, scalars, constexprs, options)

@@ -133,7 +133,7 @@ class _IntClasses(dict):
 _INT_CLASSES = _IntClasses()
 
 
-def _classes(args: tuple) -> tuple:
+def arg_classes(args: tuple) -> tuple:
     """``arg_class`` of every argument, in order: one comprehension, integers and tensors classified inline
     (this runs on every launch; a function call per argument was the largest item of the launch's host
     time)."""
@@ -149,13 +149,23 @@ def _classes(args: tuple) -> tuple:
     )
 
 
-def launch(kernel, grid: int | tuple[int, ...], args: tuple, constexprs: dict[str, Any], options: dict[str, Any]):
+def launch(
+    kernel,
+    grid: int | tuple[int, ...],
+    args: tuple,
+    constexprs: dict[str, Any],
+    options: dict[str, Any],
+    classes: tuple | None = None,
+):
     """Runs ``kernel[grid](*args, **constexprs, **options)`` on the current device and stream (``grid``: the
     programs along one axis, or a tuple of up to three); returns the compiled kernel (on a GPU; what the
     launch returns under the interpreter). Gluon kernels too (their ``GluonJITFunction`` is a
     ``JITFunction``, launched the same way).
 
     ``constexprs`` must be the kernel's last parameters, in order (checked when a class is first met).
+    ``classes``: ``arg_classes(args)`` where the caller already has it, from a plan it keeps per class of
+    inputs (``forward._plan``) whose key fixes every argument's class; None: computed here. Checked against
+    ``arg_classes(args)`` whenever the class is first met.
     """
     grid = (grid,) if isinstance(grid, int) else tuple(grid)
     if not isinstance(kernel, JITFunction) or kernel.pre_run_hooks:
@@ -169,12 +179,14 @@ def launch(kernel, grid: int | tuple[int, ...], args: tuple, constexprs: dict[st
         *options.items(),
         knobs.runtime.debug,
         knobs.compilation.instrumentation_mode,
-        _classes(args),
+        arg_classes(args) if classes is None else classes,
     )
     compiled = _COMPILED.get(key)
     if compiled is None:
         if kernel.arg_names[len(args) :] != list(constexprs):
             raise AssertionError(f"{kernel.arg_names[len(args) :]} are not the constexprs {list(constexprs)}")
+        if classes is not None and classes != arg_classes(args):
+            raise AssertionError(f"the classes given for {kernel.fn.__name__} are not its arguments' classes")
         compiled = kernel[grid](*args, **constexprs, **options)
         _COMPILED[key] = compiled
         if _RECORDING:

@@ -22,9 +22,8 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
-import triton
 
-from fa2_triton.common import INTERPRETED, _capability
+from fa2_triton.common import INTERPRETED, _capability, padded_head_dim
 
 
 class Tiles(NamedTuple):
@@ -298,7 +297,7 @@ def bwd_tiles_for(
     a packed batch's max_seqlen_k) and whether the batch is packed (``BWD_DKDV_VARLEN``'s dK/dV tiles where
     it has them). The interpreter gets the same tiles as the GPU (it ignores num_warps, num_stages and
     maxnreg), so CPU tests cover the GPU's tiling."""
-    HEAD_DIM = max(16, triton.next_power_of_2(head_dim))
+    HEAD_DIM = padded_head_dim(head_dim)
     dtype_class = DTYPE_CLASS[dtype]
     if dtype_class == "16-bit" and head_dim % 16:
         return BWD_TILES_16BIT_PADDED[HEAD_DIM]

@@ -459,7 +459,8 @@ def _padded_forward(query, key, value, attention_mask, *, causal: bool, window, 
         O = kvcache_attention(query, key, value, end, cache_leftpad=start, causal=causal, window=window, **options).O
         return O.transpose(1, 2).contiguous()
     seqlen_k = attention_mask.shape[1]
-    key, value = key[..., :seqlen_k, :], value[..., :seqlen_k, :]
+    if seqlen_k != key.shape[-2]:  # a static cache's unwritten slots (two slices cost ~4 µs a decode step)
+        key, value = key.narrow(-2, 0, seqlen_k), value.narrow(-2, 0, seqlen_k)
     pad = _memo(attention_mask, _padding)
     if pad.all_visible:
         O = attention(query, key, value, causal=causal, window=window, **options).O
