@@ -43,8 +43,12 @@ def test_rung_matches_reference(device, rung, dtype, shape, causal):
     assert_grads_match(dq, dk, dv, q, k, v, dO, causal)
 
 
-def test_compiled_rung_matches_reference(device):
+def test_compiled_rung_matches_reference(device, monkeypatch):
     q, k, v, dO, spec = _inputs(torch.float32, "B1-H2-33x77-D16", True, device)
+    # The root conftest's NaN-poisoning torch.empty is Python that Dynamo would trace into the graph (and,
+    # with several conftest modules under xdist, fail to resolve); the compiled rung's outputs are its
+    # graph's own allocations, checked against the reference below.
+    monkeypatch.undo()
     O, L = ladder.forward("compiled", q, k, v, spec)
     assert_matches_reference(O, L, q, k, v, True)
     dq, dk, dv = ladder.backward("compiled", q, k, v, O, L, dO, spec)
