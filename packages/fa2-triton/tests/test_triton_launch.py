@@ -16,7 +16,7 @@ import fa2
 import fa2_triton
 from checks import assert_matches_reference, random_qkv
 from fa2.spec import AttentionSpec
-from fa2_triton import forward, launch
+from fa2_triton import forward, kvcache, launch
 from fa2_triton.common import INTERPRETED
 
 INTS = [
@@ -163,6 +163,32 @@ def test_forward_plans_are_kept_per_class_of_inputs(device):
     plans = call(32, seed=3, misaligned=True)
     assert len(plans) == 2 and plans[1].descriptors is None
     assert len(call(48, seed=4)) == 3
+
+
+def test_kvcache_launches_are_kept_per_class_of_inputs(device):
+    """The KV-cache kernel's launches (``kvcache._LAUNCHES``), through fa2.attention's decode route: new data
+    of one shape reuses the launch; misaligned data of that shape too (the tensors' classes are taken on every
+    call); a new key count gets its own. Each call matches the reference."""
+    if fa2_triton.availability()[0] == "unavailable":
+        pytest.skip("fa2-triton cannot run here")
+    dtype = torch.float16
+    kvcache._LAUNCHES.clear()
+
+    def call(n, seed, misaligned=False):
+        q, k, v = random_qkv((1, 4, 1, 16), (1, 2, n, 16), dtype, device, seed=seed)
+        if misaligned:
+            buf = torch.empty(q.numel() + 1, device=device, dtype=dtype)
+            q = buf[1:].view(q.shape).copy_(q)
+            assert q.data_ptr() % 16
+        O, L = fa2.attention(q, k, v, causal=True, backend="triton")
+        assert_matches_reference(O, L, q, k, v, True)
+        return list(kvcache._LAUNCHES.values())
+
+    launches = call(256, seed=1)
+    assert len(launches) == 1 and launches[0].scalar_classes == launch.arg_classes(launches[0].scalars)
+    assert call(256, seed=2) == launches
+    assert call(256, seed=3, misaligned=True) == launches
+    assert len(call(272, seed=4)) == 2
 
 
 @pytest.mark.skipif(not INTERPRETED, reason="the interpreter's refusal (TRITON_INTERPRET=1); a GPU runs bfloat16")
