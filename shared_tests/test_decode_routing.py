@@ -12,6 +12,7 @@ fa2-pytorch, torch.compile), stubs record which path ran, without running a kern
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import pytest
@@ -19,7 +20,7 @@ import torch
 
 import fa2
 from checks import assert_matches_reference
-from fa2 import api, registry
+from fa2 import api, kvcache, registry
 from test_conformance import DTYPES, require_runnable, simulated_subset
 
 MAX_Q, PER_QUERY = api.DECODE_MAX_SEQLEN_Q, api.DECODE_MIN_KEYS_PER_QUERY
@@ -287,3 +288,42 @@ def test_torch_compile_keeps_the_dense_op(backend, status, device, monkeypatch):
         q, k, v = (torch.randn(1, 2, n, 16, device=device) for n in (1, nk, nk))
         O, L = step(q, k, v)
         assert_matches_reference(O, L, q, k, v, False)
+
+
+def test_key_counts_are_kept_per_stream_and_shape(device):
+    """The routed dense call's cache_seqlens (``fa2.kvcache._key_counts``): one (batch,) int32 tensor of
+    seqlen_k per (device, stream, batch, seqlen_k), shared by the calls that ask again; another shape, or
+    another stream, its own; under a CUDA-graph capture a new one each call, none kept."""
+    kvcache._KEY_COUNTS.clear()
+    counts = kvcache._key_counts(3, 257, torch.device(device))
+    assert counts.dtype == torch.int32 and counts.tolist() == [257] * 3
+    assert kvcache._key_counts(3, 257, torch.device(device)) is counts
+    assert kvcache._key_counts(3, 258, torch.device(device)) is not counts
+    assert kvcache._key_counts(2, 257, torch.device(device)).tolist() == [257] * 2
+    if device != "cuda":
+        return
+    with torch.cuda.stream(torch.cuda.Stream()):
+        other = kvcache._key_counts(3, 257, torch.device(device))
+    assert other is not counts and other.tolist() == [257] * 3
+    kept = dict(kvcache._KEY_COUNTS)
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+        captured = [kvcache._key_counts(3, 257, torch.device(device)) for _ in range(2)]
+    graph.replay()
+    torch.cuda.synchronize()
+    assert captured[0] is not captured[1] and kvcache._KEY_COUNTS == kept
+    assert captured[0].tolist() == [257] * 3
+
+
+def test_spec_replace_is_dataclasses_replace():
+    """``AttentionSpec.replace`` (the decode route's, without dataclasses.replace's host time) gives what
+    dataclasses.replace gives, and refuses a field the spec does not have."""
+    spec = api.make_spec(torch.empty(1, 4, 1, 16), torch.empty(1, 2, 8, 16), True, 0.5, softcap=2.0)
+    seqlens = torch.full((1,), 8, dtype=torch.int32)
+    got = spec.replace(cache_seqlens=seqlens, cache_leftpad=None)
+    assert got == dataclasses.replace(spec, cache_seqlens=seqlens, cache_leftpad=None) and got.cache_seqlens is seqlens
+    assert spec.cache_seqlens is None and got.causal and got.softcap == 2.0
+    with pytest.raises(TypeError, match=r"AttentionSpec has no field \['seqlens'\]"):
+        spec.replace(seqlens=seqlens)

@@ -249,3 +249,49 @@ def test_gluon_calls_share_a_compiled_kernel_only_within_a_class(device):
         O, L = flash_attn_forward(q, k, v, _spec())
         assert_matches_reference(O, L, q, k, v, False, SCALE)
         assert entries() == [1, 1, 2, 3][n]
+
+
+@needs_gluon
+def test_gluon_plans_are_kept_per_class_of_inputs(monkeypatch):
+    """The Gluon forward's plans (``forward_gluon._PLANS``), on the CPU with the launch stubbed: new data of
+    one class reuses a plan, whose copied descriptors are the ones Gluon builds for the new data (fields and
+    base) and whose argument classes are launch's; another layout or shape gets its own plan."""
+    from fa2_triton import launch
+
+    launches = []
+    monkeypatch.setattr(forward_gluon, "launch", lambda *a: launches.append(a))
+    forward_gluon._PLANS.clear()
+
+    def call(seqlen, interleaved=False, seed=0):
+        q, k, v = random_qkv((1, 4, seqlen, 128), (1, 2, seqlen, 128), torch.bfloat16, "cpu", seed=seed)
+        if interleaved:
+            q, k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v))
+        assert forward_gluon.takes(q, k, v, _spec(group=2))
+        O, L = forward_gluon.flash_attn_forward(q, k, v, _spec(group=2))
+        kernel, grid, args, constexprs, options, classes = launches[-1]
+        assert kernel is forward_gluon._attn_fwd_gluon and grid == (seqlen // 128, 4)
+        assert classes == launch.arg_classes(args)
+        q_layout, kv_layout = forward_gluon._smem_layouts(q.dtype)
+        want = [
+            forward_gluon.GluonTensorDescriptor.from_tensor(forward_gluon._rows_2d(t, interleaved), block, layout)
+            for t, block, layout in ((q, [64, 128], q_layout), (k, [128, 128], kv_layout), (v, [128, 128], kv_layout))
+        ]
+        want.append(forward_gluon.GluonTensorDescriptor.from_tensor(O.view(-1, 128), [64, 128], q_layout))
+        for got, ref in zip(args[:4], want):
+            assert got.base.data_ptr() == ref.base.data_ptr() and got.base.shape == ref.base.shape
+            assert (tuple(got.shape), tuple(got.strides), got.block_shape, got.layout, got.padding) == (
+                tuple(ref.shape),
+                tuple(ref.strides),
+                ref.block_shape,
+                ref.layout,
+                ref.padding,
+            )
+        assert args[4] is L and args[5:] == (SCALE * forward_gluon.LOG2_E, seqlen, seqlen, 4, 2)
+        assert constexprs == dict(Q_COLS=interleaved, KV_COLS=interleaved, HEAD_DIM=128)
+        return list(forward_gluon._PLANS.values())
+
+    plans = call(128, seed=1)
+    assert len(plans) == 1 and plans[0].classes is not None
+    assert call(128, seed=2) == plans
+    assert len(call(128, interleaved=True, seed=3)) == 2
+    assert len(call(256, seed=4)) == 3

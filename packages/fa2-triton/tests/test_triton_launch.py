@@ -16,8 +16,9 @@ import fa2
 import fa2_triton
 from checks import assert_matches_reference, random_qkv
 from fa2.spec import AttentionSpec
-from fa2_triton import forward, launch
+from fa2_triton import backward, forward, kvcache, launch
 from fa2_triton.common import INTERPRETED
+from test_gradients import assert_grads_match
 
 INTS = [
     0,
@@ -163,6 +164,63 @@ def test_forward_plans_are_kept_per_class_of_inputs(device):
     plans = call(32, seed=3, misaligned=True)
     assert len(plans) == 2 and plans[1].descriptors is None
     assert len(call(48, seed=4)) == 3
+
+
+@pytest.mark.parametrize("deterministic", [True, False], ids=["deterministic", "atomic-dq"])
+def test_backward_plans_are_kept_per_class_of_inputs(device, deterministic):
+    """The backward's launches (``backward._PLANS``, one per kernel): new data of one shape reuses them,
+    misaligned data of that shape too (the tensors' classes are taken on every call), a new shape gets its
+    own. The gradients match the reference each time, and each plan's scalar classes are launch's."""
+    if fa2_triton.availability()[0] == "unavailable":
+        pytest.skip("fa2-triton cannot run here")
+    dtype = torch.float16
+    backward._PLANS.clear()
+
+    def call(n, seed, misaligned=False):
+        q, k, v = random_qkv((1, 2, n, 16), (1, 1, n, 16), dtype, device, seed=seed)
+        dO = torch.randn(q.shape, generator=torch.Generator().manual_seed(seed)).to(device, dtype)
+        if misaligned:
+            buf = torch.empty(dO.numel() + 1, device=device, dtype=dtype)
+            dO = buf[1:].view(dO.shape).copy_(dO)
+            assert dO.data_ptr() % 16
+        spec = AttentionSpec(0.25, (-1, 0), group=2)
+        O, L = fa2_triton.flash_attn_forward(q, k, v, spec)
+        dq, dk, dv = backward.flash_attn_backward(q, k, v, O, L, dO, spec, deterministic=deterministic)
+        assert_grads_match(dq, dk, dv, q, k, v, dO, True, scale=0.25)
+        return dict(backward._PLANS)
+
+    plans = call(32, seed=1)
+    assert len(plans) == (3 if deterministic else 2)
+    assert all(p.scalar_classes == launch.arg_classes(p.scalars) for p in plans.values())
+    assert call(32, seed=2) == plans
+    assert call(32, seed=3, misaligned=True) == plans
+    assert len(call(48, seed=4)) == 2 * len(plans)
+
+
+def test_kvcache_launches_are_kept_per_class_of_inputs(device):
+    """The KV-cache kernel's launches (``kvcache._LAUNCHES``), through fa2.attention's decode route: new data
+    of one shape reuses the launch; misaligned data of that shape too (the tensors' classes are taken on every
+    call); a new key count gets its own. Each call matches the reference."""
+    if fa2_triton.availability()[0] == "unavailable":
+        pytest.skip("fa2-triton cannot run here")
+    dtype = torch.float16
+    kvcache._LAUNCHES.clear()
+
+    def call(n, seed, misaligned=False):
+        q, k, v = random_qkv((1, 4, 1, 16), (1, 2, n, 16), dtype, device, seed=seed)
+        if misaligned:
+            buf = torch.empty(q.numel() + 1, device=device, dtype=dtype)
+            q = buf[1:].view(q.shape).copy_(q)
+            assert q.data_ptr() % 16
+        O, L = fa2.attention(q, k, v, causal=True, backend="triton")
+        assert_matches_reference(O, L, q, k, v, True)
+        return list(kvcache._LAUNCHES.values())
+
+    launches = call(256, seed=1)
+    assert len(launches) == 1 and launches[0].scalar_classes == launch.arg_classes(launches[0].scalars)
+    assert call(256, seed=2) == launches
+    assert call(256, seed=3, misaligned=True) == launches
+    assert len(call(272, seed=4)) == 2
 
 
 @pytest.mark.skipif(not INTERPRETED, reason="the interpreter's refusal (TRITON_INTERPRET=1); a GPU runs bfloat16")

@@ -6,8 +6,6 @@ each backend's ``autograd.py`` builds its own around its forward and backward,
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 
 from fa2.layout import Backward, Forward, backward_any_rank, forward_any_rank, spec_for
@@ -38,13 +36,13 @@ def make_flash_attention2(
             if spec is None:
                 spec = spec_for(q, k, is_causal, scale)
             if sink is not None:
-                spec = dataclasses.replace(spec, sink=sink)
+                spec = spec.replace(sink=sink)
             O, L = forward_any_rank(flash_attn_forward, q, k, v, spec)
             # The sink is saved as a tensor, not inside ctx.spec, so that an in-place change before the backward
             # (an optimizer step) raises instead of giving a wrong gradient; without one, the saved tensors
             # are the CS336 contract's (q, k, v, O, L).
             ctx.save_for_backward(q, k, v, O, L, *(() if spec.sink is None else (spec.sink,)))
-            ctx.spec = spec if spec.sink is None else dataclasses.replace(spec, sink=None)
+            ctx.spec = spec if spec.sink is None else spec.replace(sink=None)
             # L's gradient (L is non-differentiable) would otherwise be a zeros tensor made on every backward:
             # a fill kernel and ~10 µs of host time a step (torch.profiler on the H200).
             ctx.set_materialize_grads(False)
@@ -58,7 +56,7 @@ def make_flash_attention2(
             if dO is None:  # O reached no loss: every gradient is zero, which None stands for
                 return None, None, None, None, None, None, None, None
             q, k, v, O, L, *sink = ctx.saved_tensors
-            spec = dataclasses.replace(ctx.spec, sink=sink[0]) if sink else ctx.spec
+            spec = ctx.spec.replace(sink=sink[0]) if sink else ctx.spec
             dq, dk, dv, *dsink = backward_any_rank(flash_attn_backward, q, k, v, O, L, dO, spec)
             dsink = dsink[0] if dsink and ctx.needs_input_grad[7] else None
             return dq, dk, dv, None, None, None, None, dsink

@@ -265,9 +265,36 @@ def dense_forward(forward, q, k, v, spec: AttentionSpec) -> tuple[torch.Tensor, 
         k, v = (t.expand(num_seqs, *t.shape[1:]) for t in (k, v))
         seqlens, leftpad = spec.cu_seqlens_k[1:], spec.cu_seqlens_k[:-1]
     else:
-        seqlens = torch.full((q.shape[0],), k.shape[2], dtype=torch.int32, device=q.device)
+        seqlens = _key_counts(q.shape[0], k.shape[2], q.device)
         leftpad = None
-    return forward(q, k, v, dataclasses.replace(spec, cache_seqlens=seqlens, cache_leftpad=leftpad))
+    return forward(q, k, v, spec.replace(cache_seqlens=seqlens, cache_leftpad=leftpad))
+
+
+# (device, stream, batch, seqlen_k) -> (batch,) int32 filled with seqlen_k, for ``dense_forward``. Read only:
+# the kernels never write cache_seqlens, and the tensor leaves this module only inside a spec.
+_KEY_COUNTS: dict[tuple, torch.Tensor] = {}
+
+
+def _key_counts(batch: int, seqlen_k: int, device: torch.device) -> torch.Tensor:
+    """(batch,) int32 seqlen_k on device, made once per (device, stream, batch, seqlen_k) and kept, so that the
+    layers of a decode step share one instead of each paying an allocation and a fill kernel. Kept per
+    stream: its fill was queued on the stream that first asked, and a launch on that stream runs after it
+    (another stream gets its own). Under a CUDA-graph capture, a new one each call, never a kept one: the
+    graph's memory pool keeps it alive as long as the graph (a kept one may be dropped before a replay) and
+    the replay fills it. At most 64 kept; emptied past that (a generate loop meets a new seqlen_k every step;
+    the allocator orders a dropped tensor's reuse after the launches of its stream)."""
+    if device.type == "cuda":
+        if torch.cuda.is_current_stream_capturing():
+            return torch.full((batch,), seqlen_k, dtype=torch.int32, device=device)
+        key = (device, torch.cuda.current_stream(device).cuda_stream, batch, seqlen_k)
+    else:
+        key = (device, None, batch, seqlen_k)
+    counts = _KEY_COUNTS.get(key)
+    if counts is None:
+        if len(_KEY_COUNTS) >= 64:
+            _KEY_COUNTS.clear()
+        counts = _KEY_COUNTS[key] = torch.full((batch,), seqlen_k, dtype=torch.int32, device=device)
+    return counts
 
 
 def run(q, k_cache, v_cache, spec: AttentionSpec, backend: str | None) -> tuple[torch.Tensor, torch.Tensor]:

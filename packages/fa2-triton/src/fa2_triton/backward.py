@@ -11,12 +11,14 @@ Each launcher (``launch_preprocess``, ``launch_dq``, ``launch_dkdv``) runs one k
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from fa2.spec import AttentionSpec
 from fa2_triton.backward_tl import _attn_bwd_dkdv, _attn_bwd_dq, _attn_bwd_preprocess
 from fa2_triton.common import MAX_HEAD_DIM, _check_device, cdiv, group_size, packed, padded_head_dim, score_args
-from fa2_triton.launch import launch, on_device
+from fa2_triton.launch import arg_classes, launch, on_device
 from fa2_triton.tiles import PREPROCESS_ELEMENTS, BwdTiles, KernelTiles, bwd_tiles_for
 
 
@@ -98,7 +100,58 @@ def flash_attn_backward(
 # The launchers below run one kernel each, on the current CUDA device (the tuner times them apart), and
 # return what the launch returns: on a GPU the compiled kernel, whose n_regs and n_spills the tuner
 # records; None if there is nothing to launch. One program per tile and batch·head, on one grid axis each
-# (CUDA caps the other two at 65535).
+# (CUDA caps the other two at 65535). Each keeps its launch but for the tensors per class of inputs
+# (``_PLANS``): a training step's backward classified its three launches' ~130 arguments on every call.
+
+
+class _Launch(NamedTuple):
+    """One kernel's launch but for its tensor arguments, which come first."""
+
+    grid: int
+    # The arguments after the tensors, and their classes (``fa2_triton.launch.arg_classes``).
+    scalars: tuple
+    scalar_classes: tuple
+    constexprs: dict
+    options: dict
+
+
+# (kernel, the shapes and strides of its tensors, dtype, device, the spec's scale, window and softcap, the
+# ALiBi slopes' strides, a packed batch's sequences and longest lengths, the tiles) -> _Launch, or None where
+# there is nothing to launch: everything a launch's scalars, constexprs and their classes depend on. The
+# tensors' classes (dtype, 16-byte alignment) are taken on every call. Emptied past 4096 entries.
+_PLANS: dict[tuple, _Launch | None] = {}
+
+
+def _plan(key: tuple, build, *args) -> _Launch | None:
+    """``build(*args)``, kept under ``key`` (see ``_PLANS``)."""
+    try:
+        return _PLANS[key]
+    except KeyError:
+        pass
+    plan = build(*args)
+    if len(_PLANS) >= 4096:
+        _PLANS.clear()
+    _PLANS[key] = plan
+    return plan
+
+
+def _run(kernel, plan: _Launch, tensors: tuple):
+    """Launches ``kernel`` on ``tensors`` and the plan's scalars, the tensors classified as
+    ``fa2_triton.launch.arg_classes`` does (which ``launch`` checks when it first meets a class)."""
+    classes = (*[(t.dtype, t.data_ptr() % 16 == 0) for t in tensors], *plan.scalar_classes)
+    return launch(kernel, plan.grid, (*tensors, *plan.scalars), plan.constexprs, plan.options, classes)
+
+
+def _spec_key(spec: AttentionSpec) -> tuple:
+    """What the backward's launches read of the spec, but for its tensors."""
+    slopes = spec.alibi_slopes
+    return (
+        spec.scale,
+        spec.window,
+        spec.softcap,
+        None if slopes is None else slopes.stride(),
+        None if not spec.varlen else (spec.cu_seqlens_q.numel(), spec.max_seqlen_q, spec.max_seqlen_k),
+    )
 
 
 def launch_preprocess(
@@ -110,14 +163,16 @@ def launch_preprocess(
     over each head's adds them in a fixed order, so dsink is deterministic."""
     batch, heads, seqlen_q, head_dim = O.shape
     delta = torch.empty(batch, heads, seqlen_q, device=O.device, dtype=torch.float32)
-    HEAD_DIM = padded_head_dim(head_dim)
-    pre_block_m = PREPROCESS_ELEMENTS // HEAD_DIM
-    tiles = cdiv(seqlen_q, pre_block_m)
-    parts = None if sink is None else torch.empty(heads, batch * tiles, device=O.device, dtype=torch.float32)
-    if batch * heads and seqlen_q:
-        launch(
+    key = ("preprocess", O.shape, O.stride(), dO.stride(), None if L is None else L.stride(), sink is None)
+    plan = _plan(key, _preprocess_plan, O, dO, L, sink, delta)
+    if sink is None:
+        parts = None
+    else:
+        parts = torch.empty(heads, plan.grid // heads if plan else 0, device=O.device, dtype=torch.float32)
+    if plan is not None:
+        _run(
             _attn_bwd_preprocess,
-            tiles * batch * heads,
+            plan,
             (
                 O,
                 dO,
@@ -125,62 +180,85 @@ def launch_preprocess(
                 delta if L is None else L,
                 delta if sink is None else sink,
                 delta if parts is None else parts,
-                *O.stride(),
-                *dO.stride(),
-                *(delta if L is None else L).stride(),
-                heads,
-                seqlen_q,
-                head_dim,
             ),
-            dict(HAS_SINK=sink is not None, BLOCK_M=pre_block_m, HEAD_DIM=HEAD_DIM, EVEN_D=HEAD_DIM == head_dim),
-            dict(num_warps=8),
         )
     return delta, None if parts is None else parts.sum(dim=1)
 
 
+def _preprocess_plan(O, dO, L, sink, delta) -> _Launch | None:
+    batch, heads, seqlen_q, head_dim = O.shape
+    if not (batch * heads and seqlen_q):
+        return None
+    HEAD_DIM = padded_head_dim(head_dim)
+    pre_block_m = PREPROCESS_ELEMENTS // HEAD_DIM
+    scalars = (*O.stride(), *dO.stride(), *(delta if L is None else L).stride(), heads, seqlen_q, head_dim)
+    return _Launch(
+        cdiv(seqlen_q, pre_block_m) * batch * heads,
+        scalars,
+        arg_classes(scalars),
+        dict(HAS_SINK=sink is not None, BLOCK_M=pre_block_m, HEAD_DIM=HEAD_DIM, EVEN_D=HEAD_DIM == head_dim),
+        dict(num_warps=8),
+    )
+
+
 def launch_dq(q, k, v, dO, L, delta, dq, spec: AttentionSpec, t: KernelTiles):
     """The dQ kernel into dq (written in full)."""
+    key = (
+        "dq",
+        q.shape,
+        q.stride(),
+        k.shape,
+        k.stride(),
+        v.stride(),
+        dO.stride(),
+        L.stride(),
+        delta.stride(1),
+        dq.stride(),
+        q.dtype,
+        _spec_key(spec),
+        t,
+    )
+    plan = _plan(key, _dq_plan, q, k, v, dO, L, delta, dq, spec, t)
+    if plan is None:
+        return None
+    slopes = spec.alibi_slopes
+    cu_q, cu_k = (spec.cu_seqlens_q, spec.cu_seqlens_k) if spec.varlen else (L, L)
+    return _run(_attn_bwd_dq, plan, (q, k, v, dO, L, delta, dq, L if slopes is None else slopes, cu_q, cu_k))
+
+
+def _dq_plan(q, k, v, dO, L, delta, dq, spec: AttentionSpec, t: KernelTiles) -> _Launch | None:
     batch, heads, seqlen_q, head_dim = q.shape
     HEAD_DIM = padded_head_dim(head_dim)
-    batch, seqlen_q, seqlen_k, cu_q, cu_k = packed(spec, batch, seqlen_q, k.shape[2], L)
+    batch, seqlen_q, seqlen_k, _, _ = packed(spec, batch, seqlen_q, k.shape[2], L)
     if not (batch * heads and seqlen_q):
         return None
     a = score_args(spec, q.dtype)
-    return launch(
-        _attn_bwd_dq,
+    scalars = (
+        spec.scale,
+        a.qk_scale,
+        a.cap_scale,
+        a.window_left,
+        a.window_right,
+        *q.stride(),
+        *k.stride(),
+        *v.stride(),
+        *dO.stride(),
+        *L.stride(),
+        *dq.stride(),
+        *a.slope_strides,
+        delta.stride(1),
+        heads,
+        group_size(q, k),
+        seqlen_q,
+        seqlen_k,
+        q.shape[2],
+        k.shape[2],
+        head_dim,
+    )
+    return _Launch(
         cdiv(seqlen_q, t.block_m) * batch * heads,
-        (
-            q,
-            k,
-            v,
-            dO,
-            L,
-            delta,
-            dq,
-            L if a.slopes is None else a.slopes,
-            cu_q,
-            cu_k,
-            spec.scale,
-            a.qk_scale,
-            a.cap_scale,
-            a.window_left,
-            a.window_right,
-            *q.stride(),
-            *k.stride(),
-            *v.stride(),
-            *dO.stride(),
-            *L.stride(),
-            *dq.stride(),
-            *a.slope_strides,
-            delta.stride(1),
-            heads,
-            group_size(q, k),
-            seqlen_q,
-            seqlen_k,
-            q.shape[2],
-            k.shape[2],
-            head_dim,
-        ),
+        scalars,
+        arg_classes(scalars),
         dict(
             WINDOW_LEFT=a.WINDOW_LEFT,
             WINDOW_RIGHT=a.WINDOW_RIGHT,
@@ -200,23 +278,38 @@ def launch_dkdv(q, k, v, dO, L, delta, dk, dv, dq_acc, spec: AttentionSpec, t: K
     """The dK/dV kernel into dk and dv (written in full); with dq_acc (a zeroed fp32 (batch, heads,
     cdiv(seqlen_q, t.block_m) · t.block_m, HEAD_DIM) tensor), also dq / scale added into it atomically.
     One program per key tile and batch·heads_k: each sums its group's query heads into dk and dv."""
-    batch, heads, seqlen_q, head_dim = q.shape
-    heads_k, seqlen_k = k.shape[1], k.shape[2]
-    group = group_size(q, k)
-    HEAD_DIM = padded_head_dim(head_dim)
-    dq_acc_stride = 0 if dq_acc is None else dq_acc.stride(1)
-    batch, seqlen_q, seqlen_k, cu_q, cu_k = packed(spec, batch, seqlen_q, seqlen_k, L)
-    if not (batch * heads_k and seqlen_k):
-        return None
-    if not heads:
+    if not q.shape[1]:
         # Key/value heads with no query head (group 0): nothing sees any key, and the kernel divides by GROUP.
-        dk.zero_()
-        dv.zero_()
+        batch, _, seqlen_k, _, _ = packed(spec, q.shape[0], 0, k.shape[2], L)
+        if batch * k.shape[1] and seqlen_k:
+            dk.zero_()
+            dv.zero_()
         return None
-    a = score_args(spec, q.dtype)
-    return launch(
+    key = (
+        "dkdv",
+        q.shape,
+        q.stride(),
+        k.shape,
+        k.stride(),
+        v.stride(),
+        dO.stride(),
+        L.stride(),
+        delta.stride(1),
+        dk.stride(),
+        dv.stride(),
+        None if dq_acc is None else dq_acc.stride(1),
+        q.dtype,
+        _spec_key(spec),
+        t,
+    )
+    plan = _plan(key, _dkdv_plan, q, k, v, dO, L, delta, dk, dv, dq_acc, spec, t)
+    if plan is None:
+        return None
+    slopes = spec.alibi_slopes
+    cu_q, cu_k = (spec.cu_seqlens_q, spec.cu_seqlens_k) if spec.varlen else (L, L)
+    return _run(
         _attn_bwd_dkdv,
-        cdiv(seqlen_k, t.block_n) * batch * heads_k,
+        plan,
         (
             q,
             k,
@@ -227,32 +320,50 @@ def launch_dkdv(q, k, v, dO, L, delta, dk, dv, dq_acc, spec: AttentionSpec, t: K
             dk,
             dv,
             delta if dq_acc is None else dq_acc,
-            L if a.slopes is None else a.slopes,
+            L if slopes is None else slopes,
             cu_q,
             cu_k,
-            spec.scale,
-            a.qk_scale,
-            a.cap_scale,
-            a.window_left,
-            a.window_right,
-            *q.stride(),
-            *k.stride(),
-            *v.stride(),
-            *dO.stride(),
-            *L.stride(),
-            *dk.stride(),
-            *dv.stride(),
-            *a.slope_strides,
-            delta.stride(1),
-            dq_acc_stride,
-            heads,
-            group,
-            seqlen_q,
-            seqlen_k,
-            q.shape[2],
-            k.shape[2],
-            head_dim,
         ),
+    )
+
+
+def _dkdv_plan(q, k, v, dO, L, delta, dk, dv, dq_acc, spec: AttentionSpec, t: KernelTiles) -> _Launch | None:
+    batch, heads, seqlen_q, head_dim = q.shape
+    heads_k, seqlen_k = k.shape[1], k.shape[2]
+    group = group_size(q, k)
+    HEAD_DIM = padded_head_dim(head_dim)
+    batch, seqlen_q, seqlen_k, _, _ = packed(spec, batch, seqlen_q, seqlen_k, L)
+    if not (batch * heads_k and seqlen_k):
+        return None
+    a = score_args(spec, q.dtype)
+    scalars = (
+        spec.scale,
+        a.qk_scale,
+        a.cap_scale,
+        a.window_left,
+        a.window_right,
+        *q.stride(),
+        *k.stride(),
+        *v.stride(),
+        *dO.stride(),
+        *L.stride(),
+        *dk.stride(),
+        *dv.stride(),
+        *a.slope_strides,
+        delta.stride(1),
+        0 if dq_acc is None else dq_acc.stride(1),
+        heads,
+        group,
+        seqlen_q,
+        seqlen_k,
+        q.shape[2],
+        k.shape[2],
+        head_dim,
+    )
+    return _Launch(
+        cdiv(seqlen_k, t.block_n) * batch * heads_k,
+        scalars,
+        arg_classes(scalars),
         dict(
             WINDOW_LEFT=a.WINDOW_LEFT,
             WINDOW_RIGHT=a.WINDOW_RIGHT,

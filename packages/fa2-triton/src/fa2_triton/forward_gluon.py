@@ -37,12 +37,13 @@ importable, a GPU or not.
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 
 from fa2.spec import AttentionSpec
 from fa2_triton.common import INTERPRETED, LOG2_E, _capability, group_size
-from fa2_triton.launch import launch, on_device
+from fa2_triton.launch import arg_classes, launch, on_device
 
 try:
     from triton.experimental import gluon
@@ -119,29 +120,88 @@ def flash_attn_forward(
         natural log of the scores' sum (and exp(sink[h]) with a sink).
     """
     batch, heads, seqlen_q, head_dim = q.shape
-    seqlen_k = k.shape[2]
     O = torch.empty(batch, heads, seqlen_q, head_dim, device=q.device, dtype=q.dtype)
     L = torch.empty(batch, heads, seqlen_q, device=q.device, dtype=torch.float32)
+    sink = spec.sink
+    key = (
+        q.shape,
+        q.stride(),
+        k.shape,
+        k.stride(),
+        v.stride(),
+        q.dtype,
+        q.device,
+        O.data_ptr() % 16,
+        L.data_ptr() % 16,
+        spec.scale,
+        None if sink is None else sink.data_ptr() % 16,
+    )
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = _plan(q, k, v, O, spec)
+    bases = (_rows_2d(q, plan.q_cols), _rows_2d(k, plan.kv_cols), _rows_2d(v, plan.kv_cols), O.view(-1, head_dim))
+    q_desc, k_desc, v_desc, o_desc = (_copy_descriptor(d, t) for d, t in zip(plan.descriptors, bases))
+    if sink is None:
+        kernel, args = _attn_fwd_gluon, (q_desc, k_desc, v_desc, o_desc, L, *plan.scalars)
+    else:
+        kernel, args = _attn_fwd_gluon_sink, (q_desc, k_desc, v_desc, o_desc, L, sink, *plan.scalars)
+    if plan.classes is None:
+        if len(_PLANS) >= 4096:
+            _PLANS.clear()
+        plan = _PLANS[key] = plan._replace(classes=arg_classes(args))
+    with on_device(q.device):
+        launch(kernel, plan.grid, args, plan.constexprs, dict(num_warps=4, maxnreg=MAXNREG), plan.classes)
+    return O, L
+
+
+class _Plan(NamedTuple):
+    """What ``flash_attn_forward`` works out from the inputs' shapes, strides, dtype, alignment and the spec,
+    but for the tensors: kept per class of inputs (``_PLANS``)."""
+
+    q_cols: bool
+    kv_cols: bool
+    # Q's, K's, V's and O's descriptors but for their base (GluonTensorDescriptor's fields).
+    descriptors: tuple[dict, ...]
+    grid: tuple[int, int]
+    scalars: tuple
+    constexprs: dict
+    # The launch's argument classes (``fa2_triton.launch.arg_classes``), once a launch has met them.
+    classes: tuple | None = None
+
+
+# (shapes, strides, dtype, device, the 16-byte alignment of O, L and the sink, the spec's scale) -> _Plan.
+# q, k and v are 16-byte aligned here (``takes``). Emptied past 4096 entries.
+_PLANS: dict[tuple, _Plan] = {}
+
+
+def _plan(q, k, v, O, spec: AttentionSpec) -> _Plan:
+    """The launch of ``flash_attn_forward``'s inputs: the four descriptors built and checked by Gluon once a
+    class (~3 µs each of host time on the H200), then copied (``_copy_descriptor``)."""
+    batch, heads, seqlen_q, head_dim = q.shape
     q_layout, kv_layout = _smem_layouts(q.dtype)
     q_cols, kv_cols = _rows_layout(q), _rows_layout(k)
-    q_desc = GluonTensorDescriptor.from_tensor(_rows_2d(q, q_cols), [BLOCK_M // 2, head_dim], q_layout)
-    k_desc = GluonTensorDescriptor.from_tensor(_rows_2d(k, kv_cols), [BLOCK_N, head_dim], kv_layout)
-    v_desc = GluonTensorDescriptor.from_tensor(_rows_2d(v, kv_cols), [BLOCK_N, head_dim], kv_layout)
-    o_desc = GluonTensorDescriptor.from_tensor(O.view(-1, head_dim), [BLOCK_M // 2, head_dim], q_layout)
-    with on_device(q.device):
-        sizes = (spec.scale * LOG2_E, seqlen_q, seqlen_k, heads, group_size(q, k))
-        if spec.sink is None:
-            kernel, args = _attn_fwd_gluon, (q_desc, k_desc, v_desc, o_desc, L, *sizes)
-        else:
-            kernel, args = _attn_fwd_gluon_sink, (q_desc, k_desc, v_desc, o_desc, L, spec.sink, *sizes)
-        launch(
-            kernel,
-            (seqlen_q // BLOCK_M, batch * heads),
-            args,
-            dict(Q_COLS=q_cols, KV_COLS=kv_cols, HEAD_DIM=head_dim),
-            dict(num_warps=4, maxnreg=MAXNREG),
-        )
-    return O, L
+    descriptors = (
+        GluonTensorDescriptor.from_tensor(_rows_2d(q, q_cols), [BLOCK_M // 2, head_dim], q_layout),
+        GluonTensorDescriptor.from_tensor(_rows_2d(k, kv_cols), [BLOCK_N, head_dim], kv_layout),
+        GluonTensorDescriptor.from_tensor(_rows_2d(v, kv_cols), [BLOCK_N, head_dim], kv_layout),
+        GluonTensorDescriptor.from_tensor(O.view(-1, head_dim), [BLOCK_M // 2, head_dim], q_layout),
+    )
+    return _Plan(
+        q_cols,
+        kv_cols,
+        tuple({**d.__dict__, "base": None} for d in descriptors),
+        (seqlen_q // BLOCK_M, batch * heads),
+        (spec.scale * LOG2_E, seqlen_q, k.shape[2], heads, group_size(q, k)),
+        dict(Q_COLS=q_cols, KV_COLS=kv_cols, HEAD_DIM=head_dim),
+    )
+
+
+def _copy_descriptor(fields: dict, base: torch.Tensor) -> GluonTensorDescriptor:
+    """A GluonTensorDescriptor of ``fields`` (a checked descriptor's, but for its base) over ``base``, whose
+    shape, strides and alignment are the checked one's (``_PLANS``' key): the same checks would pass."""
+    d = GluonTensorDescriptor.__new__(GluonTensorDescriptor)
+    d.__dict__.update(fields, base=base)
+    return d
 
 
 def _rows_2d(t: torch.Tensor, heads_in_cols: bool) -> torch.Tensor:

@@ -50,7 +50,7 @@ import triton.language as tl
 
 from fa2.spec import AttentionSpec
 from fa2_triton.common import INTERPRETED, LOG2_E, MAX_HEAD_DIM, _check_device, _rows, _tanh, score_args
-from fa2_triton.launch import launch, on_device
+from fa2_triton.launch import arg_classes, launch, on_device
 from fa2_triton.tiles import Tiles
 
 
@@ -389,7 +389,7 @@ def kvcache_forward(
         NotImplementedError: head_dim above 256; bfloat16 under the interpreter.
         RuntimeError: tensors on a device this build of the kernels cannot run on.
     """
-    batch_t, heads, seqlen_t, head_dim = q.shape
+    seqlen_t, head_dim = q.shape[2:]
     _check_device(q)
     if head_dim > MAX_HEAD_DIM:
         raise NotImplementedError(
@@ -405,88 +405,62 @@ def kvcache_forward(
             O.zero_()
             L.fill_(float("inf"))
         return O, L
-    paged = spec.paged
-    page_size = k_cache.shape[2] if paged else 1
-    capacity = page_size * spec.block_table.shape[1] if paged else k_cache.shape[2]
-    plan = _plan(
-        heads // heads_k,
-        seqlen_q,
-        head_dim,
+    slopes, sink, table = spec.alibi_slopes, spec.sink, spec.block_table
+    leftpad, batch_idx, cu_q = spec.cache_leftpad, spec.cache_batch_idx, spec.cu_seqlens_q
+    key = (
+        q.shape,
+        q.stride(),
+        k_cache.shape,
+        k_cache.stride(),
+        v_cache.stride(),
         q.dtype,
-        batch * heads_k,
-        capacity,
-        page_size if paged else 0,
-        spec.num_splits,
         q.device,
+        batch,
+        seqlen_q,
+        spec.scale,
+        spec.window,
+        spec.softcap,
+        spec.num_splits,
+        None if slopes is None else slopes.stride(),
+        sink is None,
+        leftpad is None,
+        batch_idx is None,
+        None if table is None else (table.shape, table.stride()),
+        cu_q is None,
     )
-    splits = plan.splits
+    plan = _LAUNCHES.get(key)
+    if plan is None:
+        plan = _launch_plan(q, k_cache, v_cache, O, L, spec, batch, seqlen_q)
+        if len(_LAUNCHES) >= 4096:
+            _LAUNCHES.clear()
+        _LAUNCHES[key] = plan
     stand_in = spec.cache_seqlens
-    rows = L.numel()
-    if splits > 1:
+    if plan.splits > 1:
         # One allocation for the splits' results, and counters that the kernel leaves at zero.
-        work = torch.empty(splits * rows * (head_dim + 1), device=q.device, dtype=torch.float32)
-        counter = _counters(q.device, plan.grid // splits)
+        work = torch.empty(plan.work, device=q.device, dtype=torch.float32)
+        counter = _counters(q.device, plan.grid // plan.splits)
     else:
         work, counter = L, stand_in
-    s = score_args(spec, q.dtype)
-    table = spec.block_table if paged else stand_in
+    tensors = (
+        q,
+        k_cache,
+        v_cache,
+        O,
+        L,
+        work,
+        counter,
+        stand_in if slopes is None else slopes,
+        stand_in if sink is None else sink,
+        stand_in,
+        stand_in if leftpad is None else leftpad,
+        stand_in if batch_idx is None else batch_idx,
+        stand_in if table is None else table,
+        stand_in if cu_q is None else cu_q,
+    )
+    # The tensors' classes as launch.arg_classes makes them; the scalars' are the plan's (its key fixes them).
+    classes = (*[(t.dtype, t.data_ptr() % 16 == 0) for t in tensors], *plan.scalar_classes)
     with on_device(q.device):
-        launch(
-            _kvcache_fwd,
-            plan.grid,
-            (
-                q,
-                k_cache,
-                v_cache,
-                O,
-                L,
-                work,
-                counter,
-                stand_in if s.slopes is None else s.slopes,
-                stand_in if spec.sink is None else spec.sink,
-                spec.cache_seqlens,
-                stand_in if spec.cache_leftpad is None else spec.cache_leftpad,
-                stand_in if spec.cache_batch_idx is None else spec.cache_batch_idx,
-                table,
-                spec.cu_seqlens_q if spec.varlen else stand_in,
-                s.qk_scale,
-                s.cap_scale,
-                LOG2_E,
-                s.window_left,
-                s.window_right,
-                *q.stride(),
-                *k_cache.stride(),
-                *v_cache.stride(),
-                *O.stride(),
-                *L.stride(),
-                *s.slope_strides,
-                *(table.stride() if paged else (0, 0)),
-                heads,
-                heads // heads_k,
-                seqlen_q,
-                seqlen_t,
-                capacity,
-                k_cache.shape[0],
-                plan.chunk,
-                splits,
-                rows,
-                head_dim,
-            ),
-            dict(
-                WINDOW_LEFT=s.WINDOW_LEFT,
-                WINDOW_RIGHT=s.WINDOW_RIGHT,
-                SOFTCAP=s.SOFTCAP,
-                ALIBI=s.ALIBI,
-                HAS_SINK=spec.sink is not None,
-                LEFTPAD=spec.cache_leftpad is not None,
-                BATCH_IDX=spec.cache_batch_idx is not None,
-                PAGED=paged,
-                PAGE_SIZE=page_size,
-                VARLEN=spec.varlen,
-                **plan.constexprs,
-            ),
-            plan.options,
-        )
+        launch(_kvcache_fwd, plan.grid, (*tensors, *plan.scalars), plan.constexprs, plan.options, classes)
     return O, L
 
 
@@ -511,6 +485,97 @@ def _counters(device: torch.device, n: int) -> torch.Tensor:
     if counters is None or counters.numel() < n:
         counters = _COUNTERS[key] = torch.zeros(max(n, 1024), device=device, dtype=torch.int32)
     return counters
+
+
+class _Launch(NamedTuple):
+    """A ``kvcache_forward`` launch but for its tensors, kept per class of inputs (``_LAUNCHES``)."""
+
+    splits: int
+    grid: int
+    # The workspace's fp32 elements (splits > 1).
+    work: int
+    # The launch's arguments after its tensors, and their classes (``fa2_triton.launch.arg_classes``).
+    scalars: tuple
+    scalar_classes: tuple
+    constexprs: dict
+    options: dict
+
+
+# (q's shape and strides, the caches' shape and strides, dtype, device, batch, seqlen_q, the spec's scale,
+# window, softcap and num_splits, the ALiBi slopes' strides, the block table's shape and strides, which
+# optional tensors are given) -> _Launch: everything its scalars, constexprs and their classes depend on.
+# The tensors' classes (dtype, alignment) are taken on every call. Emptied past 4096 entries (a generate loop
+# meets a new seqlen_k every step).
+_LAUNCHES: dict[tuple, _Launch] = {}
+
+
+def _launch_plan(q, k_cache, v_cache, O, L, spec: AttentionSpec, batch: int, seqlen_q: int) -> _Launch:
+    """The launch of ``kvcache_forward``'s inputs (not empty), but for the tensors: a decode step's host time
+    was mostly this and the launch's classification of its 43 arguments."""
+    heads, seqlen_t, head_dim = q.shape[1:]
+    heads_k = k_cache.shape[1]
+    paged = spec.paged
+    page_size = k_cache.shape[2] if paged else 1
+    capacity = page_size * spec.block_table.shape[1] if paged else k_cache.shape[2]
+    plan = _plan(
+        heads // heads_k,
+        seqlen_q,
+        head_dim,
+        q.dtype,
+        batch * heads_k,
+        capacity,
+        page_size if paged else 0,
+        spec.num_splits,
+        q.device,
+    )
+    s = score_args(spec, q.dtype)
+    rows = L.numel()
+    scalars = (
+        s.qk_scale,
+        s.cap_scale,
+        LOG2_E,
+        s.window_left,
+        s.window_right,
+        *q.stride(),
+        *k_cache.stride(),
+        *v_cache.stride(),
+        *O.stride(),
+        *L.stride(),
+        *s.slope_strides,
+        *(spec.block_table.stride() if paged else (0, 0)),
+        heads,
+        heads // heads_k,
+        seqlen_q,
+        seqlen_t,
+        capacity,
+        k_cache.shape[0],
+        plan.chunk,
+        plan.splits,
+        rows,
+        head_dim,
+    )
+    constexprs = dict(
+        WINDOW_LEFT=s.WINDOW_LEFT,
+        WINDOW_RIGHT=s.WINDOW_RIGHT,
+        SOFTCAP=s.SOFTCAP,
+        ALIBI=s.ALIBI,
+        HAS_SINK=spec.sink is not None,
+        LEFTPAD=spec.cache_leftpad is not None,
+        BATCH_IDX=spec.cache_batch_idx is not None,
+        PAGED=paged,
+        PAGE_SIZE=page_size,
+        VARLEN=spec.varlen,
+        **plan.constexprs,
+    )
+    return _Launch(
+        plan.splits,
+        plan.grid,
+        plan.splits * rows * (head_dim + 1),
+        scalars,
+        arg_classes(scalars),
+        constexprs,
+        plan.options,
+    )
 
 
 class Plan(NamedTuple):
