@@ -20,6 +20,7 @@ from fa2 import reference
 from fa2.spec import AttentionSpec
 from fa2_triton import backward, forward
 from fa2_triton.common import INTERPRETED
+from fa2_triton.launch import Plans
 from fa2_triton.tiles import TILES, Tiles, tiles_for, ws_layout
 
 BASE = Tiles(128, 64, 4, 2, tma=True)
@@ -156,7 +157,7 @@ def test_default_tiles_specialise_exactly_where_the_inputs_can(native_or_interpr
     ws, fallback = Tiles(128, 64, 4, 2, tma=True, warp_specialize=True), Tiles(128, 64, 4, 2, tma=True)
     monkeypatch.setitem(TILES, (64, "16-bit", False), ((None, ws), (None, fallback)))
     # The forward's plans were made from the table as it was: none of them may serve the patched one.
-    monkeypatch.setattr(forward, "_PLANS", {})
+    monkeypatch.setattr(forward, "_PLANS", Plans())
     taken = []
     real_launch = forward.launch
 

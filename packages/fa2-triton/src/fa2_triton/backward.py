@@ -18,7 +18,7 @@ import torch
 from fa2.spec import AttentionSpec
 from fa2_triton.backward_tl import _attn_bwd_dkdv, _attn_bwd_dq, _attn_bwd_preprocess
 from fa2_triton.common import MAX_HEAD_DIM, _check_device, cdiv, group_size, packed, padded_head_dim, score_args
-from fa2_triton.launch import arg_classes, launch, on_device
+from fa2_triton.launch import Plans, arg_classes, launch_planned, on_device
 from fa2_triton.tiles import PREPROCESS_ELEMENTS, BwdTiles, KernelTiles, bwd_tiles_for
 
 
@@ -118,8 +118,8 @@ class _Launch(NamedTuple):
 # (kernel, the shapes and strides of its tensors, dtype, device, the spec's scale, window and softcap, the
 # ALiBi slopes' strides, a packed batch's sequences and longest lengths, the tiles) -> _Launch, or None where
 # there is nothing to launch: everything a launch's scalars, constexprs and their classes depend on. The
-# tensors' classes (dtype, 16-byte alignment) are taken on every call. Emptied past 4096 entries.
-_PLANS: dict[tuple, _Launch | None] = {}
+# tensors' classes (dtype, 16-byte alignment) are taken on every call (``launch_planned``).
+_PLANS = Plans()
 
 
 def _plan(key: tuple, build, *args) -> _Launch | None:
@@ -128,18 +128,12 @@ def _plan(key: tuple, build, *args) -> _Launch | None:
         return _PLANS[key]
     except KeyError:
         pass
-    plan = build(*args)
-    if len(_PLANS) >= 4096:
-        _PLANS.clear()
-    _PLANS[key] = plan
-    return plan
+    return _PLANS.keep(key, build(*args))
 
 
 def _run(kernel, plan: _Launch, tensors: tuple):
-    """Launches ``kernel`` on ``tensors`` and the plan's scalars, the tensors classified as
-    ``fa2_triton.launch.arg_classes`` does (which ``launch`` checks when it first meets a class)."""
-    classes = (*[(t.dtype, t.data_ptr() % 16 == 0) for t in tensors], *plan.scalar_classes)
-    return launch(kernel, plan.grid, (*tensors, *plan.scalars), plan.constexprs, plan.options, classes)
+    """Launches ``kernel`` on ``tensors`` and the plan's scalars."""
+    return launch_planned(kernel, plan.grid, tensors, plan.scalars, plan.scalar_classes, plan.constexprs, plan.options)
 
 
 def _spec_key(spec: AttentionSpec) -> tuple:

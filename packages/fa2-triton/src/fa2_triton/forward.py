@@ -28,7 +28,7 @@ from fa2.spec import AttentionSpec
 from fa2_triton import forward_gluon
 from fa2_triton.common import LOG2_E, MAX_HEAD_DIM, _check_device, group_size, packed, score_args
 from fa2_triton.forward_tl import _attn_fwd
-from fa2_triton.launch import arg_classes, launch, on_device, scratch_allocator
+from fa2_triton.launch import Plans, arg_classes, launch, on_device, scratch_allocator
 from fa2_triton.tiles import Tiles, tiles_for, tma_layout, ws_layout
 
 
@@ -125,9 +125,8 @@ class _Plan(NamedTuple):
 
 
 # (shapes, strides, dtype, device, 16-byte alignment of every tensor argument, the spec's scale, window,
-# softcap and sink) -> _Plan, for the inputs the plans serve (``_launch``). Emptied past 4096 entries (a
-# generate loop meets a new seqlen_k every step).
-_PLANS: dict[tuple, _Plan] = {}
+# softcap and sink) -> _Plan, for the inputs the plans serve (``_launch``).
+_PLANS = Plans()
 
 
 def _launch(q, k, v, O, L, spec: AttentionSpec, tiles: Tiles | None = None):
@@ -184,9 +183,7 @@ def _launch(q, k, v, O, L, spec: AttentionSpec, tiles: Tiles | None = None):
         *plan.scalars,
     )
     if key is not None and plan.classes is None:
-        if len(_PLANS) >= 4096:
-            _PLANS.clear()
-        plan = _PLANS[key] = plan._replace(classes=arg_classes(args))
+        plan = _PLANS.keep(key, plan._replace(classes=arg_classes(args)))
     # The kernel's own descriptors live in global memory that Triton asks its allocator for.
     with on_device(q.device), scratch_allocator() if plan.device_desc else contextlib.nullcontext():
         return launch(_attn_fwd, plan.grid, args, plan.constexprs, plan.options, plan.classes)

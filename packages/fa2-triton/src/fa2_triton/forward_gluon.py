@@ -43,7 +43,7 @@ import torch
 
 from fa2.spec import AttentionSpec
 from fa2_triton.common import INTERPRETED, LOG2_E, _capability, group_size
-from fa2_triton.launch import arg_classes, launch, on_device
+from fa2_triton.launch import Plans, arg_classes, launch, on_device
 
 try:
     from triton.experimental import gluon
@@ -146,9 +146,7 @@ def flash_attn_forward(
     else:
         kernel, args = _attn_fwd_gluon_sink, (q_desc, k_desc, v_desc, o_desc, L, sink, *plan.scalars)
     if plan.classes is None:
-        if len(_PLANS) >= 4096:
-            _PLANS.clear()
-        plan = _PLANS[key] = plan._replace(classes=arg_classes(args))
+        plan = _PLANS.keep(key, plan._replace(classes=arg_classes(args)))
     with on_device(q.device):
         launch(kernel, plan.grid, args, plan.constexprs, dict(num_warps=4, maxnreg=MAXNREG), plan.classes)
     return O, L
@@ -170,8 +168,8 @@ class _Plan(NamedTuple):
 
 
 # (shapes, strides, dtype, device, the 16-byte alignment of O, L and the sink, the spec's scale) -> _Plan.
-# q, k and v are 16-byte aligned here (``takes``). Emptied past 4096 entries.
-_PLANS: dict[tuple, _Plan] = {}
+# q, k and v are 16-byte aligned here (``takes``).
+_PLANS = Plans()
 
 
 def _plan(q, k, v, O, spec: AttentionSpec) -> _Plan:

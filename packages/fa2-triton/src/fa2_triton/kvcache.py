@@ -50,7 +50,7 @@ import triton.language as tl
 
 from fa2.spec import AttentionSpec
 from fa2_triton.common import INTERPRETED, LOG2_E, MAX_HEAD_DIM, _check_device, _rows, _tanh, score_args
-from fa2_triton.launch import arg_classes, launch, on_device
+from fa2_triton.launch import Plans, arg_classes, launch_planned, on_device
 from fa2_triton.tiles import Tiles
 
 
@@ -430,10 +430,7 @@ def kvcache_forward(
     )
     plan = _LAUNCHES.get(key)
     if plan is None:
-        plan = _launch_plan(q, k_cache, v_cache, O, L, spec, batch, seqlen_q)
-        if len(_LAUNCHES) >= 4096:
-            _LAUNCHES.clear()
-        _LAUNCHES[key] = plan
+        plan = _LAUNCHES.keep(key, _launch_plan(q, k_cache, v_cache, O, L, spec, batch, seqlen_q))
     stand_in = spec.cache_seqlens
     if plan.splits > 1:
         # One allocation for the splits' results, and counters that the kernel leaves at zero.
@@ -457,10 +454,10 @@ def kvcache_forward(
         stand_in if table is None else table,
         stand_in if cu_q is None else cu_q,
     )
-    # The tensors' classes as launch.arg_classes makes them; the scalars' are the plan's (its key fixes them).
-    classes = (*[(t.dtype, t.data_ptr() % 16 == 0) for t in tensors], *plan.scalar_classes)
     with on_device(q.device):
-        launch(_kvcache_fwd, plan.grid, (*tensors, *plan.scalars), plan.constexprs, plan.options, classes)
+        launch_planned(
+            _kvcache_fwd, plan.grid, tensors, plan.scalars, plan.scalar_classes, plan.constexprs, plan.options
+        )
     return O, L
 
 
@@ -504,9 +501,8 @@ class _Launch(NamedTuple):
 # (q's shape and strides, the caches' shape and strides, dtype, device, batch, seqlen_q, the spec's scale,
 # window, softcap and num_splits, the ALiBi slopes' strides, the block table's shape and strides, which
 # optional tensors are given) -> _Launch: everything its scalars, constexprs and their classes depend on.
-# The tensors' classes (dtype, alignment) are taken on every call. Emptied past 4096 entries (a generate loop
-# meets a new seqlen_k every step).
-_LAUNCHES: dict[tuple, _Launch] = {}
+# The tensors' classes (dtype, alignment) are taken on every call (``launch_planned``).
+_LAUNCHES = Plans()
 
 
 def _launch_plan(q, k_cache, v_cache, O, L, spec: AttentionSpec, batch: int, seqlen_q: int) -> _Launch:

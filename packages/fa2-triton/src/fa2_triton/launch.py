@@ -149,6 +149,29 @@ def arg_classes(args: tuple) -> tuple:
     )
 
 
+class Plans(dict):
+    """Launch plans kept per class of inputs (key -> plan: what a launcher works out from its inputs' shapes,
+    strides, dtypes, alignment and spec, but for the tensors), emptied when a new entry would make it larger
+    than LIMIT: a generate loop meets a new seqlen_k every step."""
+
+    LIMIT = 4096
+
+    def keep(self, key, plan):
+        """plan, kept under key."""
+        if len(self) >= self.LIMIT:
+            self.clear()
+        self[key] = plan
+        return plan
+
+
+def launch_planned(kernel, grid, tensors: tuple, scalars: tuple, scalar_classes: tuple, constexprs, options):
+    """``launch`` of (*tensors, *scalars), whose scalars' classes a plan kept per class of inputs already
+    has (its key fixes them); the tensors (dtype, 16-byte alignment) classified here, as ``arg_classes``
+    does."""
+    classes = (*[(t.dtype, t.data_ptr() % 16 == 0) for t in tensors], *scalar_classes)
+    return launch(kernel, grid, (*tensors, *scalars), constexprs, options, classes)
+
+
 def launch(
     kernel,
     grid: int | tuple[int, ...],
