@@ -71,11 +71,32 @@ TAKES = {
 
 
 @pytest.mark.parametrize("case", TAKES, ids=list(TAKES))
-def test_which_inputs_the_gluon_kernel_takes(case):
+def test_which_inputs_the_gluon_kernel_takes(case, monkeypatch):
+    monkeypatch.setattr(forward_gluon, "CAUSAL", False)
     shape, spec, expected = TAKES[case]
     shape = dict(batch=2, heads=4, heads_k=4, seqlen_q=256, seqlen_k=384) | shape
     q, k, v = _qkv(**shape)
     assert forward_gluon.takes(q, k, v, _spec(**spec)) is expected
+
+
+CAUSAL_TAKES = {
+    "256x384": (256, 384, True),
+    "256x256": (256, 256, True),
+    "fewer-keys-384x256": (384, 256, False),
+}
+
+
+@pytest.mark.parametrize("case", CAUSAL_TAKES, ids=list(CAUSAL_TAKES))
+def test_which_causal_inputs_the_gluon_kernel_takes_when_on(case, monkeypatch):
+    """Causal runs on the Gluon kernel only where CAUSAL is on and no query tile lies wholly above the
+    diagonal (seqlen_k >= seqlen_q); a window never does."""
+    seqlen_q, seqlen_k, expected = CAUSAL_TAKES[case]
+    q, k, v = _qkv(2, 4, 4, seqlen_q, seqlen_k)
+    monkeypatch.setattr(forward_gluon, "CAUSAL", True)
+    assert forward_gluon.takes(q, k, v, _spec(window=(-1, 0))) is expected
+    assert not forward_gluon.takes(q, k, v, _spec(window=(64, 0))), "a window stays on the tl kernel"
+    monkeypatch.setattr(forward_gluon, "CAUSAL", False)
+    assert not forward_gluon.takes(q, k, v, _spec(window=(-1, 0))), "off: causal stays on the tl kernel"
 
 
 def test_the_gluon_kernel_takes_no_mixed_or_strided_layouts():
@@ -102,7 +123,7 @@ def test_no_gluon_kernel_off_a_hopper_gpu():
     assert not forward_gluon.uses_gluon(q, k, v, _spec()), "CPU tensors never take the Gluon kernel"
 
 
-def _sm90a_build(dtype_name: str, q_cols: bool, kv_cols: bool) -> dict:
+def _sm90a_build(dtype_name: str, q_cols: bool, kv_cols: bool, causal: bool = False) -> dict:
     """The kernel compiled for sm_90a by ptxas (no GPU needed): its SASS's HGMMA count, local memory and
     shared memory per CTA. Triton's interpreter cannot compile Gluon (its kernels become interpreted
     functions), so the test calls this in a subprocess without TRITON_INTERPRET."""
@@ -113,7 +134,7 @@ def _sm90a_build(dtype_name: str, q_cols: bool, kv_cols: bool) -> dict:
     q_layout, kv_layout = forward_gluon._smem_layouts(dtype)
     rows, block_n, d = forward_gluon.BLOCK_M // 2, forward_gluon.BLOCK_N, forward_gluon.HEAD_DIM
     fn = forward_gluon._attn_fwd_gluon
-    constexprs = dict(Q_COLS=q_cols, KV_COLS=kv_cols, HEAD_DIM=d)
+    constexprs = dict(Q_COLS=q_cols, KV_COLS=kv_cols, HEAD_DIM=d, CAUSAL=causal)
     signature = {
         "q_desc": f"tensordesc<{dtype_name}[{rows}, {d}],{q_layout!r}>",
         "k_desc": f"tensordesc<{dtype_name}[{block_n}, {d}],{kv_layout!r}>",
@@ -147,14 +168,17 @@ def _sm90a_build(dtype_name: str, q_cols: bool, kv_cols: bool) -> dict:
 
 @needs_gluon
 @pytest.mark.parametrize(
-    "dtype, q_cols, kv_cols",
-    [("bf16", False, False), ("fp16", True, True)],
-    ids=["bf16-heads-contiguous", "fp16-flash-attn-layout"],
+    "dtype, q_cols, kv_cols, causal",
+    [("bf16", False, False, False), ("fp16", True, True, False), ("bf16", False, False, True)],
+    ids=["bf16-heads-contiguous", "fp16-flash-attn-layout", "bf16-causal"],
 )
-def test_the_gluon_kernel_compiles_for_sm90a(dtype, q_cols, kv_cols):
+def test_the_gluon_kernel_compiles_for_sm90a(dtype, q_cols, kv_cols, causal):
     """ptxas's sm_90a build: warpgroup MMAs in the SASS, no local memory, the shared memory within a CTA's
     227 KB."""
-    code = f"import json, test_triton_gluon as t; print(json.dumps(t._sm90a_build({dtype!r}, {q_cols}, {kv_cols})))"
+    code = (
+        "import json, test_triton_gluon as t; "
+        f"print(json.dumps(t._sm90a_build({dtype!r}, {q_cols}, {kv_cols}, {causal})))"
+    )
     run = run_python(code, without="TRITON_INTERPRET", timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     build = json.loads(run.stdout.strip().splitlines()[-1])
@@ -181,16 +205,21 @@ CASES = {
 }
 
 
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("case", CASES, ids=list(CASES))
-def test_the_gluon_kernel_matches_the_reference(case, dtype, device):
+def test_the_gluon_kernel_matches_the_reference(case, dtype, causal, device, monkeypatch):
     _hopper(device)
+    monkeypatch.setattr(forward_gluon, "CAUSAL", True)
     q, k, v = _qkv(dtype=dtype, device=device, **CASES[case])
-    spec = _spec(group=q.shape[1] // k.shape[1])
+    spec = _spec(group=q.shape[1] // k.shape[1], window=(-1, 0) if causal else (-1, -1))
+    if causal and k.shape[2] < q.shape[2]:
+        assert not forward_gluon.uses_gluon(q, k, v, spec)
+        pytest.skip("causal with fewer keys than queries runs the tl kernel")
     assert forward_gluon.uses_gluon(q, k, v, spec)
     O, L = flash_attn_forward(q, k, v, spec)
     assert O.is_contiguous()
-    assert_matches_reference(O, L, q, k, v, False, SCALE)
+    assert_matches_reference(O, L, q, k, v, causal, SCALE)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
@@ -212,6 +241,7 @@ def test_the_gluon_kernel_on_keys_of_minus_inf(dtype, device):
 
 def test_fa2_attention_reaches_the_gluon_kernel(device, monkeypatch):
     _hopper(device)
+    monkeypatch.setattr(forward_gluon, "CAUSAL", False)
     calls = []
     real = forward_gluon.flash_attn_forward
     monkeypatch.setattr(forward_gluon, "flash_attn_forward", lambda *a: calls.append(1) or real(*a))
@@ -287,7 +317,7 @@ def test_gluon_plans_are_kept_per_class_of_inputs(monkeypatch):
                 ref.padding,
             )
         assert args[4] is L and args[5:] == (SCALE * forward_gluon.LOG2_E, seqlen, seqlen, 4, 2)
-        assert constexprs == dict(Q_COLS=interleaved, KV_COLS=interleaved, HEAD_DIM=128)
+        assert constexprs == dict(Q_COLS=interleaved, KV_COLS=interleaved, HEAD_DIM=128, CAUSAL=False)
         return list(forward_gluon._PLANS.values())
 
     plans = call(128, seed=1)

@@ -18,8 +18,15 @@ consumer's Q buffer and stored by TMA, and L = m + log(l) in natural log. It is 
 
 Which inputs take it (``uses_gluon``), as measured on the H200 (docs/notes/gluon-forward.md): a Hopper GPU
 (compute capability 9.0) with Gluon's Hopper API importable, not the interpreter; fp16 or bf16;
-head_dim 128; no mask (no causal, no window), no softcap, no ALiBi, no packed batch, no KV cache (a sink
-is fine: ``_attn_fwd_gluon_sink``, the same body with HAS_SINK, adds it in the consumers' epilogue);
+head_dim 128; no window, no softcap, no ALiBi, no packed batch, no KV cache (a sink is fine:
+``_attn_fwd_gluon_sink``, the same body with HAS_SINK, adds it in the consumers' epilogue); causal only where
+``CAUSAL`` is on (opt-in, FA2_TRITON_GLUON_CAUSAL=1, until measured) and seqlen_k >= seqlen_q: each query tile
+t then reads the key tiles up to its diagonal one and masks that one alone (bottom-right aligned, here with
+seqlen_q = 256, seqlen_k = 384, tiles of 128 as blocks)::
+
+    query tile 0:  [ whole ][ diag  ][ -     ]
+    query tile 1:  [ whole ][ whole ][ diag  ]
+
 seqlen_q and seqlen_k multiples of 128 (the copies are 2-D, over all heads' rows: a tile past a head's end
 would read, or write, the next head's rows); each of q, k, v with its heads' rows contiguous,
 (batch, heads, seqlen, head_dim), or interleaved, (batch, seqlen, heads, head_dim) as flash-attn's layout,
@@ -37,6 +44,7 @@ importable, a GPU or not.
 from __future__ import annotations
 
 import functools
+import os
 from typing import NamedTuple
 
 import torch
@@ -69,6 +77,9 @@ STAGES = 3  # K/V buffers: 3 x 2 x 32 KB, with Q's 32 KB 224 KB of the H200's 22
 # Registers: 12 warps (two consumer warpgroups, the loader's) x 168 at launch fill the 64K; the partitions
 # then set 240 (consumers) and 24 (loader).
 MAXNREG = 168
+# Causal attention on this kernel (the diagonal tile masked, the tiles past it never loaded), opt-in until
+# measured on the H200: FA2_TRITON_GLUON_CAUSAL=1. Read once; tests set the attribute.
+CAUSAL = os.environ.get("FA2_TRITON_GLUON_CAUSAL") == "1"
 CONSUMER_REGS = 240
 LOADER_REGS = 24
 
@@ -87,7 +98,10 @@ def takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionSpec
     """Whether the kernel takes these inputs, whatever the device."""
     if q.dtype not in (torch.float16, torch.bfloat16) or q.shape[-1] != HEAD_DIM:
         return False
-    if spec.masked or spec.softcap or spec.alibi_slopes is not None or spec.varlen:
+    if spec.softcap or spec.alibi_slopes is not None or spec.varlen:
+        return False
+    # Causal with at least as many keys as queries: every query tile then sees its diagonal tile.
+    if spec.masked and not (CAUSAL and spec.causal and k.shape[2] >= q.shape[2]):
         return False
     if q.numel() == 0 or k.numel() == 0 or q.shape[2] % BLOCK_M or k.shape[2] % BLOCK_N:
         return False
@@ -134,6 +148,7 @@ def flash_attn_forward(
         O.data_ptr() % 16,
         L.data_ptr() % 16,
         spec.scale,
+        spec.causal,
         None if sink is None else sink.data_ptr() % 16,
     )
     plan = _PLANS.get(key)
@@ -167,7 +182,8 @@ class _Plan(NamedTuple):
     classes: tuple | None = None
 
 
-# (shapes, strides, dtype, device, the 16-byte alignment of O, L and the sink, the spec's scale) -> _Plan.
+# (shapes, strides, dtype, device, the 16-byte alignment of O, L and the sink, the spec's scale and causal)
+# -> _Plan.
 # q, k and v are 16-byte aligned here (``takes``).
 _PLANS = Plans()
 
@@ -190,7 +206,7 @@ def _plan(q, k, v, O, spec: AttentionSpec) -> _Plan:
         tuple({**d.__dict__, "base": None} for d in descriptors),
         (seqlen_q // BLOCK_M, batch * heads),
         (spec.scale * LOG2_E, seqlen_q, k.shape[2], heads, group_size(q, k)),
-        dict(Q_COLS=q_cols, KV_COLS=kv_cols, HEAD_DIM=head_dim),
+        dict(Q_COLS=q_cols, KV_COLS=kv_cols, HEAD_DIM=head_dim, CAUSAL=spec.causal),
     )
 
 
@@ -230,10 +246,15 @@ if GLUON:
     _LOADER_REGS = gl.constexpr(LOADER_REGS)
 
     @gluon.jit
-    def _coords(N_Q, N_K, H, GROUP, Q_COLS: gl.constexpr, KV_COLS: gl.constexpr, HEAD_DIM: gl.constexpr):
-        """This CTA's first Q row and column, its key/value head's first row and column in the 2-D views,
-        and its first O row."""
+    def _coords(
+        N_Q, N_K, H, GROUP, Q_COLS: gl.constexpr, KV_COLS: gl.constexpr, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr
+    ):
+        """This CTA's query tile t, its first Q row and column, its key/value head's first row and column in
+        the 2-D views, and its first O row. Causal, the tiles run last first: the last sees the most keys, and
+        the short ones then fill the GPU's last wave."""
         t = gl.program_id(0)
+        if CAUSAL:
+            t = gl.num_programs(0) - 1 - t
         bh = gl.program_id(1)
         b = bh // H
         h = bh % H
@@ -251,7 +272,15 @@ if GLUON:
         else:
             kv_row = (b * (H // GROUP) + h_k) * N_K
             kv_col = 0
-        return q_row, q_col, kv_row, kv_col, o_row
+        return t, q_row, q_col, kv_row, kv_col, o_row
+
+    @gluon.jit
+    def _key_tiles(t, N_Q, N_K, CAUSAL: gl.constexpr):
+        """The key tiles query tile t sees: every one, or causal (N_K >= N_Q, both multiples of the tiles),
+        those up to its diagonal tile, which holds key i + N_K - N_Q of each row i."""
+        if CAUSAL:
+            return t + 1 + (N_K - N_Q) // _BLOCK_N
+        return N_K // _BLOCK_N
 
     @gluon.jit
     def _loader(
@@ -278,12 +307,13 @@ if GLUON:
         KV_COLS: gl.constexpr,
         HEAD_DIM: gl.constexpr,
         HAS_SINK: gl.constexpr,
+        CAUSAL: gl.constexpr,
     ):
-        q_row, q_col, kv_row, kv_col, o_row = _coords(N_Q, N_K, H, GROUP, Q_COLS, KV_COLS, HEAD_DIM)
+        t, q_row, q_col, kv_row, kv_col, o_row = _coords(N_Q, N_K, H, GROUP, Q_COLS, KV_COLS, HEAD_DIM, CAUSAL)
         mbarrier.expect(q_ready, 2 * q_desc.block_type.nbytes)
         _async_load(q_desc, [q_row, q_col], q_ready, q_smem.index(0))
         _async_load(q_desc, [q_row + _ROWS, q_col], q_ready, q_smem.index(1))
-        for j in range(N_K // _BLOCK_N):
+        for j in range(_key_tiles(t, N_Q, N_K, CAUSAL)):
             s = j % _STAGES
             # A fresh barrier counts its phase before the first as complete: the first pass does not wait.
             mbarrier.wait(kv_empty.index(s), ((j // _STAGES) & 1) ^ 1)
@@ -312,14 +342,17 @@ if GLUON:
         m_i,
         l_i,
         qk_scale,
+        last_key,
         s_layout: gl.constexpr,
         o_layout: gl.constexpr,
         p_layout: gl.constexpr,
         WG: gl.constexpr,
         HAS_PREV: gl.constexpr,
+        MASK: gl.constexpr,
     ):
         """Key tile j: P V of tile j - 1 (HAS_PREV) and S = Q K_j^T issued in this warpgroup's turn, then
-        the online softmax of S. Returns P (as the next MMA's register operand), O, m, l."""
+        the online softmax of S, with MASK (a causal diagonal tile) the keys past last_key + r hidden from
+        the warpgroup's row r. Returns P (as the next MMA's register operand), O, m, l."""
         # side-by-side: gluon-step
         s = j % _STAGES
         mbarrier.wait(k_ready.index(s), (j // _STAGES) & 1)
@@ -341,6 +374,10 @@ if GLUON:
         if HAS_PREV:
             mbarrier.arrive(kv_empty.index(sp), count=1)
         s2 = S * qk_scale
+        if MASK:
+            rows = last_key + gl.arange(0, _ROWS, layout=gl.SliceLayout(1, s_layout))
+            cols = j * _BLOCK_N + gl.arange(0, _BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+            s2 = gl.where(cols[None, :] <= rows[:, None], s2, -float("inf"))
         m_new = gl.maximum(m_i, gl.max(s2, axis=1))
         # A row whose scores so far are all -inf (keys of -inf) keeps m = -inf: exponents from 0 then, so
         # that -inf - -inf never makes a NaN.
@@ -378,8 +415,9 @@ if GLUON:
         KV_COLS: gl.constexpr,
         HEAD_DIM: gl.constexpr,
         HAS_SINK: gl.constexpr,
+        CAUSAL: gl.constexpr,
     ):
-        q_row, q_col, kv_row, kv_col, o_row = _coords(N_Q, N_K, H, GROUP, Q_COLS, KV_COLS, HEAD_DIM)
+        t, q_row, q_col, kv_row, kv_col, o_row = _coords(N_Q, N_K, H, GROUP, Q_COLS, KV_COLS, HEAD_DIM, CAUSAL)
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, _BLOCK_N, 16]
         )
@@ -393,30 +431,105 @@ if GLUON:
         l_i = gl.zeros([_ROWS], gl.float32, gl.SliceLayout(1, s_layout))
         acc = gl.zeros([_ROWS, HEAD_DIM], gl.float32, o_layout)
         p = gl.zeros([_ROWS, _BLOCK_N], q_desc.dtype, p_layout)
-        p, acc, m_i, l_i = _step(
-            0,
-            q,
-            k_smem,
-            v_smem,
-            k_ready,
-            v_ready,
-            kv_empty,
-            turn,
-            p,
-            acc,
-            m_i,
-            l_i,
-            qk_scale,
-            s_layout,
-            o_layout,
-            p_layout,
-            WG,
-            False,
-        )
-        n = N_K // _BLOCK_N
-        for j in range(1, n):
+        n = _key_tiles(t, N_Q, N_K, CAUSAL)
+        # The key on the diagonal of this warpgroup's first row (causal): the last it sees.
+        last_key = t * (2 * _ROWS) + WG * _ROWS + N_K - N_Q
+        if CAUSAL:
+            # Only the last tile, the diagonal one, is masked; the tiles before it are whole.
+            if n == 1:
+                p, acc, m_i, l_i = _step(
+                    0,
+                    q,
+                    k_smem,
+                    v_smem,
+                    k_ready,
+                    v_ready,
+                    kv_empty,
+                    turn,
+                    p,
+                    acc,
+                    m_i,
+                    l_i,
+                    qk_scale,
+                    last_key,
+                    s_layout,
+                    o_layout,
+                    p_layout,
+                    WG,
+                    False,
+                    True,
+                )
+            else:
+                p, acc, m_i, l_i = _step(
+                    0,
+                    q,
+                    k_smem,
+                    v_smem,
+                    k_ready,
+                    v_ready,
+                    kv_empty,
+                    turn,
+                    p,
+                    acc,
+                    m_i,
+                    l_i,
+                    qk_scale,
+                    last_key,
+                    s_layout,
+                    o_layout,
+                    p_layout,
+                    WG,
+                    False,
+                    False,
+                )
+                for j in range(1, n - 1):
+                    p, acc, m_i, l_i = _step(
+                        j,
+                        q,
+                        k_smem,
+                        v_smem,
+                        k_ready,
+                        v_ready,
+                        kv_empty,
+                        turn,
+                        p,
+                        acc,
+                        m_i,
+                        l_i,
+                        qk_scale,
+                        last_key,
+                        s_layout,
+                        o_layout,
+                        p_layout,
+                        WG,
+                        True,
+                        False,
+                    )
+                p, acc, m_i, l_i = _step(
+                    n - 1,
+                    q,
+                    k_smem,
+                    v_smem,
+                    k_ready,
+                    v_ready,
+                    kv_empty,
+                    turn,
+                    p,
+                    acc,
+                    m_i,
+                    l_i,
+                    qk_scale,
+                    last_key,
+                    s_layout,
+                    o_layout,
+                    p_layout,
+                    WG,
+                    True,
+                    True,
+                )
+        else:
             p, acc, m_i, l_i = _step(
-                j,
+                0,
                 q,
                 k_smem,
                 v_smem,
@@ -429,12 +542,37 @@ if GLUON:
                 m_i,
                 l_i,
                 qk_scale,
+                last_key,
                 s_layout,
                 o_layout,
                 p_layout,
                 WG,
-                True,
+                False,
+                False,
             )
+            for j in range(1, n):
+                p, acc, m_i, l_i = _step(
+                    j,
+                    q,
+                    k_smem,
+                    v_smem,
+                    k_ready,
+                    v_ready,
+                    kv_empty,
+                    turn,
+                    p,
+                    acc,
+                    m_i,
+                    l_i,
+                    qk_scale,
+                    last_key,
+                    s_layout,
+                    o_layout,
+                    p_layout,
+                    WG,
+                    True,
+                    False,
+                )
         last = (n - 1) % _STAGES
         mbarrier.wait(v_ready.index(last), ((n - 1) // _STAGES) & 1)
         _turn_wait(turn, n, WG)
@@ -491,6 +629,7 @@ if GLUON:
         KV_COLS: gl.constexpr,
         HEAD_DIM: gl.constexpr,
         HAS_SINK: gl.constexpr,
+        CAUSAL: gl.constexpr,
     ):
         _consumer(
             0,
@@ -517,6 +656,7 @@ if GLUON:
             KV_COLS,
             HEAD_DIM,
             HAS_SINK,
+            CAUSAL,
         )
 
     @gluon.jit
@@ -544,6 +684,7 @@ if GLUON:
         KV_COLS: gl.constexpr,
         HEAD_DIM: gl.constexpr,
         HAS_SINK: gl.constexpr,
+        CAUSAL: gl.constexpr,
     ):
         _consumer(
             1,
@@ -570,6 +711,7 @@ if GLUON:
             KV_COLS,
             HEAD_DIM,
             HAS_SINK,
+            CAUSAL,
         )
 
     @gluon.jit
@@ -587,10 +729,13 @@ if GLUON:
         Q_COLS: gl.constexpr,
         KV_COLS: gl.constexpr,
         HEAD_DIM: gl.constexpr,
+        CAUSAL: gl.constexpr,
     ):
         """The kernel without a sink. Two entry points over one body (``_attn_fwd``, HAS_SINK a constexpr) so
         that this one keeps its arguments: no pointer it never reads, the same build as before sinks."""
-        _attn_fwd(q_desc, k_desc, v_desc, o_desc, L, L, qk_scale, N_Q, N_K, H, GROUP, Q_COLS, KV_COLS, HEAD_DIM, False)
+        _attn_fwd(
+            q_desc, k_desc, v_desc, o_desc, L, L, qk_scale, N_Q, N_K, H, GROUP, Q_COLS, KV_COLS, HEAD_DIM, False, CAUSAL
+        )
 
     @gluon.jit
     def _attn_fwd_gluon_sink(
@@ -608,10 +753,26 @@ if GLUON:
         Q_COLS: gl.constexpr,
         KV_COLS: gl.constexpr,
         HEAD_DIM: gl.constexpr,
+        CAUSAL: gl.constexpr,
     ):
         """The kernel with attention sinks: Sink (H,) float32."""
         _attn_fwd(
-            q_desc, k_desc, v_desc, o_desc, L, Sink, qk_scale, N_Q, N_K, H, GROUP, Q_COLS, KV_COLS, HEAD_DIM, True
+            q_desc,
+            k_desc,
+            v_desc,
+            o_desc,
+            L,
+            Sink,
+            qk_scale,
+            N_Q,
+            N_K,
+            H,
+            GROUP,
+            Q_COLS,
+            KV_COLS,
+            HEAD_DIM,
+            True,
+            CAUSAL,
         )
 
     @gluon.jit
@@ -631,6 +792,7 @@ if GLUON:
         KV_COLS: gl.constexpr,
         HEAD_DIM: gl.constexpr,
         HAS_SINK: gl.constexpr,
+        CAUSAL: gl.constexpr,
     ):
         dtype: gl.constexpr = q_desc.dtype
         q_smem = gl.allocate_shared_memory(dtype, [2, _ROWS, HEAD_DIM], q_desc.layout)
@@ -679,6 +841,7 @@ if GLUON:
                         KV_COLS,
                         HEAD_DIM,
                         HAS_SINK,
+                        CAUSAL,
                     ),
                 ),
                 (
@@ -707,6 +870,7 @@ if GLUON:
                         KV_COLS,
                         HEAD_DIM,
                         HAS_SINK,
+                        CAUSAL,
                     ),
                 ),
                 (
@@ -735,6 +899,7 @@ if GLUON:
                         KV_COLS,
                         HEAD_DIM,
                         HAS_SINK,
+                        CAUSAL,
                     ),
                 ),
             ],
