@@ -6,6 +6,7 @@ run goes on. Skipped, with the reason, where transformers or fa2-pytorch is not 
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import types
@@ -119,13 +120,60 @@ def test_a_run_stopped_midway_keeps_the_rows_it_measured(tmp_path, monkeypatch):
     model = types.SimpleNamespace(config=types.SimpleNamespace(pad_token_id=255, vocab_size=256))
     model.set_attn_implementation = lambda name: setattr(model, "attn", name)
 
-    def measure(cfg, model, input_ids, mask):
+    def timed(cfg, model, input_ids, mask):
         if model.attn == "eager":
             raise KeyboardInterrupt  # the call's timeout, mid-point
-        return torch.zeros(2, 2, dtype=torch.long), 0.01, 0.1, ""
+        return 0.1, ""
 
-    monkeypatch.setattr(generate, "_measure_generate", measure)
+    monkeypatch.setattr(generate, "_warm_up", lambda *a: (torch.zeros(2, 2, dtype=torch.long), 0.01))
+    monkeypatch.setattr(generate, "_timed_generate", timed)
     with pytest.raises(KeyboardInterrupt):
         generate.run_generate(cfg, model, list(cfg.providers), records)
     rows = generate.read_csv(tmp_path / "stopped.partial.csv")
     assert [(r["provider"], r["batch"], r["tokens_per_s"]) for r in rows] == [("sdpa", "2", "40")]
+
+
+def test_timed_rounds_interleave_the_providers(tmp_path, monkeypatch):
+    """Every provider is warmed up first; then each round times every provider once, the order reversed every
+    other round, and a row is each provider's median: a drift of the host's speed falls on all alike. A
+    provider that fails a round is recorded and leaves the later rounds."""
+    cfg = dataclasses.replace(_tiny_config(tmp_path, "rounds", ("sdpa", "eager", "fa2-pytorch"), batch=2), repeats=3)
+    records = generate.Records(cfg, {})
+    model = types.SimpleNamespace(config=types.SimpleNamespace(pad_token_id=255, vocab_size=256))
+    model.set_attn_implementation = lambda name: setattr(model, "attn", name)
+    calls = []
+
+    def warm_up(cfg, model, input_ids, mask):
+        calls.append(("warm", model.attn))
+        return torch.zeros(2, 2, dtype=torch.long), 0.01
+
+    seconds = {"sdpa": [0.1, 0.3, 0.2], "eager": [0.4, 0.5, 0.6], "fa2-pytorch": [0.2]}
+
+    def timed(cfg, model, input_ids, mask):
+        calls.append(("timed", model.attn))
+        if model.attn == "fa2-pytorch" and len(seconds["fa2-pytorch"]) == 0:
+            raise RuntimeError("broken in round 2")
+        return seconds[model.attn].pop(0), ""
+
+    monkeypatch.setattr(generate, "_warm_up", warm_up)
+    monkeypatch.setattr(generate, "_timed_generate", timed)
+    generate.run_generate(cfg, model, list(cfg.providers), records)
+    assert calls == [
+        ("warm", "sdpa"),
+        ("warm", "eager"),
+        ("warm", "fa2-pytorch"),
+        ("timed", "sdpa"),
+        ("timed", "eager"),
+        ("timed", "fa2-pytorch"),
+        ("timed", "fa2-pytorch"),
+        ("timed", "eager"),
+        ("timed", "sdpa"),
+        ("timed", "sdpa"),
+        ("timed", "eager"),
+    ]
+    rows = generate.read_csv(tmp_path / "rounds.partial.csv")
+    assert {r["provider"]: r["seconds"] for r in rows} == {"sdpa": "0.2", "eager": "0.5"}
+    issues = generate.read_csv(tmp_path / "rounds.partial-skipped.csv")
+    assert [(i["provider"], i["status"], i["reason"]) for i in issues] == [
+        ("fa2-pytorch", "failed", "RuntimeError: broken in round 2")
+    ]

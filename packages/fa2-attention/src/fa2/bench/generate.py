@@ -17,8 +17,9 @@ faster of the two).
    unpadded, and left-padded (each row's prompt a random length between half and all of the prompt, the
    rest padding; the same rows for every provider, from ``--seed``). The prompt tokens are random, the pad
    token never among them. Per (point, provider): a warm-up ``generate`` of ``CHECK_TOKENS`` new tokens,
-   then the prefill alone (a ``generate`` of one new token), then ``--repeats`` timed ``generate`` calls
-   (their median), ``torch.cuda.synchronize`` before and after each. Tokens per second = batch · new
+   then the prefill alone (a ``generate`` of one new token); then ``--repeats`` rounds of one timed
+   ``generate`` per provider, the providers' order reversed every other round (the median of each
+   provider's), ``torch.cuda.synchronize`` before and after each. Tokens per second = batch · new
    tokens / seconds; decode tokens per second = batch · (new tokens - 1) / (seconds - prefill). Before it is
    timed, each fa2 provider's warm-up tokens at batch 1, the first prompt, unpadded, are compared with
    sdpa's: the CSV's ``agree`` is how many of the first ``CHECK_TOKENS`` equal sdpa's before the first that
@@ -236,7 +237,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         default=PARTS,
         help="generate (tokens per second), train (a training step, padded and packed); default both",
     )
-    parser.add_argument("--repeats", type=_positive, default=1, help="timed generate calls per point (their median)")
+    parser.add_argument(
+        "--repeats",
+        type=_positive,
+        default=1,
+        help="rounds of timed generate calls per point, the providers' order reversed every other round (each "
+        "provider's median)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="the weights', prompts' and lengths' seed")
     parser.add_argument(
         "--quick",
@@ -493,17 +500,16 @@ def _attempt(records: Records, key: dict, device: torch.device, fn):
 
 
 def run_generate(cfg: Config, model, providers: list[str], records: Records) -> None:
+    """Every generate point: each provider's warm-up and prefill, then ``cfg.repeats`` rounds of one timed
+    ``generate`` per provider, the order reversed every other round, so that a drift of the host's speed
+    (the H200's host moved up to 2x within one run: docs/notes/kvcache.md) falls on every provider alike."""
     pad = model.config.pad_token_id
     check_point = (1, cfg.prompts[0], "unpadded")
     for batch, prompt, layout in cfg.generate_points():
         input_ids, mask = prompt_batch(cfg, batch, prompt, layout, model.config.vocab_size, pad)
         tokens = int(mask.sum())
-        # The check point's rows wait for sdpa's tokens (their ``agree``); every other row is written as it is
-        # measured, so that a run stopped midway (a time-limited device call) keeps what it measured.
-        checked = (batch, prompt, layout) == check_point
-        rows, first_tokens = [], {}
-        for provider in providers:
-            key = dict(
+        keys = {
+            provider: dict(
                 part="generate",
                 provider=provider,
                 layout=layout,
@@ -511,51 +517,88 @@ def run_generate(cfg: Config, model, providers: list[str], records: Records) -> 
                 prompt=prompt,
                 new_tokens=cfg.new_tokens,
             )
-            model.set_attn_implementation(attn_implementation(provider))
-            measure = functools.partial(_measure_generate, cfg, model, input_ids, mask)
-            with provider_context(provider):
-                measured = _attempt(records, key, cfg.device, measure)
-            if measured is None:
-                continue
-            first, prefill_s, seconds, peak = measured
-            first_tokens[provider] = first
-            decode_s = seconds - prefill_s
-            row = {
-                **key,
-                "tokens": tokens,
-                "seconds": f"{seconds:.4g}",
-                "tokens_per_s": f"{batch * cfg.new_tokens / seconds:.4g}",
-                "prefill_ms": f"{1e3 * prefill_s:.4g}",
-                "decode_tokens_per_s": (
-                    f"{batch * (cfg.new_tokens - 1) / decode_s:.4g}" if cfg.new_tokens > 1 and decode_s > 0 else ""
-                ),
-                "peak_mem_gb": peak,
-                "dtype": str(DTYPES[cfg.emulated]).removeprefix("torch."),
-            }
-            print(f"  {provider} {_point_text(key)}: {row['tokens_per_s']} tokens/s", flush=True)
-            if checked:
-                rows.append(row)
-            else:
-                records.result(row)
+            for provider in providers
+        }
+
+        warm = {}  # provider -> (the warm-up's new tokens, the prefill's seconds)
+        for provider in providers:
+            measured = _in_provider(cfg, model, records, keys[provider], _warm_up, input_ids, mask)
+            if measured is not None:
+                warm[provider] = measured
+        # The check point's rows wait for sdpa's tokens (their ``agree``); every other row is written when its
+        # provider's last round is measured, so that a run stopped midway (a time-limited device call) keeps
+        # what it measured.
+        checked = (batch, prompt, layout) == check_point
+        times: dict[str, list[float]] = {provider: [] for provider in warm}
+        peaks: dict[str, str] = {}
+        rows = []
+        for round_ in range(cfg.repeats):
+            for provider in list(times)[:: -1 if round_ % 2 else 1]:
+                measured = _in_provider(cfg, model, records, keys[provider], _timed_generate, input_ids, mask)
+                if measured is None:
+                    del times[provider]  # recorded as skipped or failed: no row
+                    continue
+                seconds, peak = measured
+                times[provider].append(seconds)
+                peaks.setdefault(provider, peak)
+                if round_ == cfg.repeats - 1:
+                    row = _generate_row(
+                        cfg, keys[provider], tokens, warm[provider][1], times[provider], peaks[provider]
+                    )
+                    print(f"  {provider} {_point_text(keys[provider])}: {row['tokens_per_s']} tokens/s", flush=True)
+                    if checked:
+                        rows.append(row)
+                    else:
+                        records.result(row)
         if checked:
-            _check_against_sdpa(rows, first_tokens)
+            _check_against_sdpa(rows, {row["provider"]: warm[row["provider"]][0] for row in rows})
             for row in rows:
                 records.result(row)
 
 
-def _measure_generate(cfg: Config, model, input_ids: torch.Tensor, mask: torch.Tensor):
-    """(the warm-up's new tokens on the CPU, the prefill's seconds, the median timed generate's seconds, its
-    peak memory in GB as text)."""
+def _in_provider(cfg: Config, model, records: Records, key: dict, measure, input_ids, mask):
+    """measure(cfg, model, input_ids, mask) with the model's attention switched to key's provider, or None
+    with the point recorded (``_attempt``)."""
+    provider = key["provider"]
+    model.set_attn_implementation(attn_implementation(provider))
+    with provider_context(provider):
+        return _attempt(records, key, cfg.device, functools.partial(measure, cfg, model, input_ids, mask))
+
+
+def _generate_row(cfg: Config, key: dict, tokens: int, prefill_s: float, times: list[float], peak: str) -> dict:
+    """A generate point's CSV row: the median of its timed calls."""
+    batch = key["batch"]
+    seconds = statistics.median(times)
+    decode_s = seconds - prefill_s
+    return {
+        **key,
+        "tokens": tokens,
+        "seconds": f"{seconds:.4g}",
+        "tokens_per_s": f"{batch * cfg.new_tokens / seconds:.4g}",
+        "prefill_ms": f"{1e3 * prefill_s:.4g}",
+        "decode_tokens_per_s": (
+            f"{batch * (cfg.new_tokens - 1) / decode_s:.4g}" if cfg.new_tokens > 1 and decode_s > 0 else ""
+        ),
+        "peak_mem_gb": peak,
+        "dtype": str(DTYPES[cfg.emulated]).removeprefix("torch."),
+    }
+
+
+def _warm_up(cfg: Config, model, input_ids: torch.Tensor, mask: torch.Tensor):
+    """(the warm-up's new tokens on the CPU, the prefill's seconds: a generate of one new token)."""
     pad = model.config.pad_token_id
     warm = _generate(model, input_ids, mask, min(CHECK_TOKENS, cfg.new_tokens), pad)
-    first = warm[:, input_ids.shape[1] :].cpu()
     _, prefill_s = _timed(lambda: _generate(model, input_ids, mask, 1, pad), cfg.device)
+    return warm[:, input_ids.shape[1] :].cpu(), prefill_s
+
+
+def _timed_generate(cfg: Config, model, input_ids: torch.Tensor, mask: torch.Tensor):
+    """(one timed generate's seconds, its peak memory in GB as text)."""
     before = _peak_start(cfg.device)
-    times = [
-        _timed(lambda: _generate(model, input_ids, mask, cfg.new_tokens, pad), cfg.device)[1]
-        for _ in range(cfg.repeats)
-    ]
-    return first, prefill_s, statistics.median(times), _peak_gb(cfg.device, before)
+    _, seconds = _timed(
+        lambda: _generate(model, input_ids, mask, cfg.new_tokens, model.config.pad_token_id), cfg.device
+    )
+    return seconds, _peak_gb(cfg.device, before)
 
 
 def _check_against_sdpa(rows: list[dict], first_tokens: dict) -> None:
@@ -951,9 +994,10 @@ class Report:
             ),
             f"- Generate: greedy, every run makes all its new tokens (min_new_tokens = max_new_tokens, no eos); "
             f"per (point, provider) a warm-up of {CHECK_TOKENS} new tokens, a generate of one new token (the "
-            f"prefill), then the median of {info.get('repeats', '?')} timed generate call(s), the device "
-            "synchronised around each. Left-padded rows: each a prompt of a random length between half and all "
-            "of the prompt, the same for every provider.",
+            f"prefill), then {info.get('repeats', '?')} round(s) of one timed generate per provider, the order "
+            "reversed every other round, and each provider's median, the device synchronised around each. "
+            "Left-padded rows: each a prompt of a random length between half and all of the prompt, the same "
+            "for every provider.",
         ]
         lines += self.generate_tables() + self.train_tables()
         lines += ["", "## Plots", ""]
