@@ -399,8 +399,7 @@ if GLUON:
         dv = gl.zeros([_ROWS, HEAD_DIM], gl.float32, acc_layout)
         mbarrier.wait(kv_ready, 0)
         n_tiles = (N_Q - lo) // _BLOCK_M
-        # The group's query heads one after another, each's diagonal tiles (masked) before the rest: the
-        # loader's order.
+        # The group's query heads one after another, each's query tiles from lo: the loader's order.
         for g in range(GROUP):
             for t in range(n_tiles):
                 dk, dv = _step(
