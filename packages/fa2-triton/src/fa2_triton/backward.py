@@ -4,6 +4,11 @@ they compute and what they take): the preprocess (delta = rowsum(dO ∘ O)), the
 kernel, or with ``deterministic=False`` the dK/dV kernel alone, adding dQ into an fp32 accumulator with
 atomics.
 
+Opt-in (``backward_gluon.ENABLED``, FA2_TRITON_GLUON_BACKWARD=1): where ``backward_gluon.uses_gluon`` says so
+(a Hopper GPU, inputs it takes, default tiles), the dK/dV step runs ``backward_gluon``'s warp-specialised
+kernel instead of the tl one, beside the tl preprocess and the tl dQ kernel, in both modes (with
+``deterministic=False`` too: the Gluon kernel adds no dQ). An error in it is raised, never retried on tl.
+
 Each launcher (``launch_preprocess``, ``launch_dq``, ``launch_dkdv``) runs one kernel, so that the tuner
 (``python -m fa2_triton.tuning.backward``) can time them apart; each kernel's tiles come from
 ``tiles.bwd_tiles_for``, the spec as the kernels' arguments from ``common.score_args``.
@@ -16,6 +21,7 @@ from typing import NamedTuple
 import torch
 
 from fa2.spec import AttentionSpec
+from fa2_triton import backward_gluon
 from fa2_triton.backward_tl import _attn_bwd_dkdv, _attn_bwd_dq, _attn_bwd_preprocess
 from fa2_triton.common import MAX_HEAD_DIM, _check_device, cdiv, group_size, packed, padded_head_dim, score_args
 from fa2_triton.launch import Plans, arg_classes, launch_planned, on_device
@@ -44,11 +50,13 @@ def flash_attn_backward(
             over softcap; ALiBi adds nothing to it, and the slopes get no gradient. A sink changes nothing in
             dq, dk, dv (P = exp(S - L) with the L that includes it) and gets its own gradient.
         tiles: each kernel's tiles (powers of two >= 16), num_warps, num_stages, maxnreg; default
-            ``bwd_tiles_for``.
+            ``bwd_tiles_for``. Given tiles always run the tl kernels (the tuner times them).
         deterministic: True (the default) computes dq in its own kernel, every element written once, so
             that the same inputs give the same bits. False adds dq into a zeroed fp32 accumulator from the
             dK/dV kernel with atomics instead (as FA2's CUDA kernel): S and dP are computed once instead of
-            twice, but the order of the additions, and so the last bits of dq, vary from run to run.
+            twice, but the order of the additions, and so the last bits of dq, vary from run to run. Where
+            the Gluon dK/dV kernel runs (``backward_gluon.uses_gluon``), dq comes from the dQ kernel in
+            both modes.
 
     Returns:
         dq, dk, dv in the shapes and dtypes of q, k, v (dk, dv: (batch, heads_k, seqlen_k, head_dim), each
@@ -72,15 +80,19 @@ def flash_attn_backward(
 
     dk = torch.empty(k.shape, device=k.device, dtype=k.dtype)
     dv = torch.empty(v.shape, device=v.device, dtype=v.dtype)
+    gluon = tiles is None and backward_gluon.uses_gluon(q, k, v, spec)
     tiles = tiles or bwd_tiles_for(
         head_dim, q.dtype, spec.masked, spec.max_seqlen_k if spec.varlen else seqlen_k, spec.varlen
     )
     with on_device(q.device):
         delta, dsink = launch_preprocess(O, dO, L, spec.sink)
-        if deterministic:
+        if deterministic or gluon:
             dq = torch.empty(q.shape, device=q.device, dtype=q.dtype)
             launch_dq(q, k, v, dO, L, delta, dq, spec, tiles.dq)
-            launch_dkdv(q, k, v, dO, L, delta, dk, dv, None, spec, tiles.dkdv)
+            if gluon:
+                backward_gluon.flash_attn_dkdv(q, k, v, dO, L, delta, dk, dv, spec)
+            else:
+                launch_dkdv(q, k, v, dO, L, delta, dk, dv, None, spec, tiles.dkdv)
         else:
             # Padded to whole query tiles and to HEAD_DIM, so the atomic adds need no mask (a packed batch's
             # last tile of a sequence adds zeros into the next one's rows, its last one into the padding).

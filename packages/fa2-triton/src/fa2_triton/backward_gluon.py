@@ -1,0 +1,692 @@
+"""fa2-triton's Hopper dK/dV kernel in Gluon (``triton.experimental.gluon``): warp-specialised, on warpgroup MMA.
+
+The backward's dK/dV step (``backward_tl._attn_bwd_dkdv``'s work) written down as FlashAttention-3's
+backward does it, where the tl kernel leaves the schedule to Triton's compiler. One CTA per 128 keys of a
+(batch, key/value head) has three partitions:
+
+- a loader warp that issues every copy by TMA: K's and V's two 64-row halves once, then Q with its rows of L
+  and dO with its rows of delta (the preprocess's rowsum(dO ∘ O)), tile after tile (64 query rows), into a
+  ring of ``STAGES`` shared-memory buffers, each with a ready mbarrier the copies complete (one for Q and L,
+  one for dO and delta, so that Sᵀ can start before dO lands) and an empty one that both consumers arrive
+  at once they have read the buffer;
+- two consumer warpgroups, 64 keys each, with their dK and dV in registers. A step, for query tile i::
+
+      Sᵀ  = K Q_iᵀ,  dPᵀ = V dO_iᵀ                    warpgroup MMAs, K, V, Q, dO from shared memory
+      Pᵀ  = exp2(Sᵀ · scale · log2(e) - L_i · log2(e))  (L in natural log, as the forward writes it)
+      dV += Pᵀ dO_i                                    Pᵀ from registers, as the forward feeds P
+      dSᵀ = Pᵀ ∘ (dPᵀ - delta_i)
+      dK += dSᵀ Q_i                                    dSᵀ from registers
+
+  L and delta are read from shared memory when needed (as plain global loads, their addresses kept across
+  the loop made the consumers spill). At the end dK is multiplied by the softmax scale; dK and dV are
+  staged in the consumer's K and V buffers (free once its last Sᵀ and dPᵀ have completed) and stored by
+  TMA.
+
+Grouped-query attention as in the tl kernel: the CTA of key/value head h_k walks the query heads
+h_k · group ... h_k · group + group - 1 one after another (a fixed order: deterministic), summing into one
+dK and dV. Under causal (bottom-right, as everywhere in fa2) the query tiles that see no key of the CTA's
+tile are skipped, not loaded; the rest are masked (a compare and select a score, which the tiles past the
+diagonal pass whole).
+
+dQ is not here: ``backward.flash_attn_backward`` runs the tl dQ kernel beside this one in both of its
+modes (with ``deterministic=False`` too, where the tl dK/dV kernel would add dQ by atomics), so dq, dk and
+dv are the same bits run after run.
+
+Which inputs take it (``takes``): fp16 or bf16; head_dim 64 or 128; no window other than causal, no softcap,
+no ALiBi, no packed batch, no KV cache (a sink is fine: it changes nothing here, the preprocess makes its
+gradient); seqlen_q and seqlen_k multiples of 128 (the copies are 2-D, over all heads' rows: a tile past a
+head's end would read the next head's rows); q, k, v contiguous (batch, heads, seqlen, head_dim) and 16-byte
+aligned; batch·heads_k at most 65,535 (the grid's second axis). dO, L and delta are copied where they are
+not contiguous and 16-byte aligned. ``uses_gluon`` adds the device (a Hopper GPU, compute capability 9.0,
+with Gluon's Hopper API, not the interpreter) and the opt-in: ``ENABLED``, from the environment variable
+FA2_TRITON_GLUON_BACKWARD=1 at import, off by default until the kernel has been measured on the H200. An
+error in this kernel is raised, never retried on the tl kernel.
+
+Gluon's API moves between Triton releases; the names used here are the ones ``forward_gluon`` uses, bound
+for Triton 3.6 and 3.7+ alike; packages/fa2-triton/tests/test_triton_gluon_backward.py compiles the kernel
+for sm_90a wherever Gluon is importable.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import NamedTuple
+
+import torch
+
+from fa2.spec import AttentionSpec
+from fa2_triton.common import INTERPRETED, LOG2_E, _capability, group_size
+from fa2_triton.forward_gluon import GLUON
+from fa2_triton.launch import Plans, arg_classes, launch, on_device
+
+if GLUON:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        mbarrier,
+        tma,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTensorDescriptor
+
+# The opt-in: off by default until the kernel has been measured on the H200; tests set it.
+ENABLED = os.environ.get("FA2_TRITON_GLUON_BACKWARD") == "1"
+
+BLOCK_M = 64  # query rows a step
+BLOCK_N = 128  # keys a CTA: two consumer warpgroups of 64
+HEAD_DIMS = (64, 128)
+MAX_GRID_Y = 65535
+MAX_ROWS = 2**31 - 1  # TMA coordinates are 32-bit
+# Q and dO buffers: at head_dim 128, K and V take 64 KB and each stage 32 KB (160 KB with three).
+STAGES = 3
+# Registers: 12 warps (two consumer warpgroups, the loader's) x 168 at launch fill the 64K; the partitions
+# then set 240 (consumers: dK and dV alone are 128 a thread at head_dim 128) and 24 (loader).
+MAXNREG = 168
+CONSUMER_REGS = 240
+LOADER_REGS = 24
+
+
+def uses_gluon(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionSpec) -> bool:
+    """Whether fa2-triton's backward runs this module's dK/dV kernel on these inputs: opted in (``ENABLED``),
+    a device that can run it and inputs it takes (the module docstring says which)."""
+    return ENABLED and _on_hopper(q.device) and takes(q, k, v, spec)
+
+
+def _on_hopper(device: torch.device) -> bool:
+    return GLUON and not INTERPRETED and device.type == "cuda" and _capability(device.index) == (9, 0)
+
+
+def takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionSpec) -> bool:
+    """Whether the kernel takes these inputs, whatever the device."""
+    if q.dtype not in (torch.float16, torch.bfloat16) or q.shape[-1] not in HEAD_DIMS:
+        return False
+    if (spec.masked and not spec.causal) or spec.softcap or spec.alibi_slopes is not None:
+        return False
+    if spec.varlen or spec.paged:
+        return False
+    batch, heads, seqlen_q, _ = q.shape
+    seqlen_k = k.shape[2]
+    if q.numel() == 0 or k.numel() == 0 or seqlen_q % 128 or seqlen_k % BLOCK_N:
+        return False
+    if batch * k.shape[1] > MAX_GRID_Y or max(q.numel(), k.numel()) // q.shape[-1] > MAX_ROWS:
+        return False
+    return all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in (q, k, v))
+
+
+def flash_attn_dkdv(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    dO: torch.Tensor,
+    L: torch.Tensor,
+    delta: torch.Tensor,
+    dk: torch.Tensor,
+    dv: torch.Tensor,
+    spec: AttentionSpec,
+):
+    """dK and dV into dk and dv (written in full).
+
+    Arguments:
+        q, dO: (batch, heads, seqlen_q, head_dim); k, v: (batch, heads_k, seqlen_k, head_dim), heads a
+            multiple of heads_k; inputs that ``takes`` accepts (dO any strides).
+        L: (batch, heads, seqlen_q), float32, natural log, from the forward; delta: the preprocess's
+            rowsum(dO ∘ O), (batch, heads, seqlen_q) float32.
+        dk, dv: contiguous, k's shape and dtype.
+        spec: the scale and whether causal (``takes``).
+
+    Returns:
+        the compiled kernel (Triton's, on a GPU).
+    """
+    batch, heads, seqlen_q, head_dim = q.shape
+    dO, L, delta = (_tma_ready(t) for t in (dO, L, delta))
+    key = (q.shape, k.shape, q.dtype, q.device, spec.scale, spec.causal)
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = _plan(q, k, v, dO, L, delta, dk, dv, spec)
+    bases = (*(t.view(-1, head_dim) for t in (q, k, v, dO, dk, dv)), L.view(-1), delta.view(-1))
+    args = (*(_copy_descriptor(d, t) for d, t in zip(plan.descriptors, bases)), *plan.scalars)
+    if plan.classes is None:
+        plan = _PLANS.keep(key, plan._replace(classes=arg_classes(args)))
+    with on_device(q.device):
+        return launch(
+            _attn_bwd_dkdv_gluon, plan.grid, args, plan.constexprs, dict(num_warps=4, maxnreg=MAXNREG), plan.classes
+        )
+
+
+class _Plan(NamedTuple):
+    """What ``flash_attn_dkdv`` works out from the inputs' shapes, dtype, alignment and the spec, but for the
+    tensors: kept per class of inputs (``_PLANS``)."""
+
+    # Q's, K's, V's, dO's, dK's, dV's, L's and delta's descriptors but for their base (GluonTensorDescriptor's
+    # fields).
+    descriptors: tuple[dict, ...]
+    grid: tuple[int, int]
+    scalars: tuple
+    constexprs: dict
+    # The launch's argument classes (``fa2_triton.launch.arg_classes``), once a launch has met them.
+    classes: tuple | None = None
+
+
+# (shapes, dtype, device, the scale, causal) -> _Plan. Every tensor is contiguous and 16-byte aligned here
+# (``takes``, ``flash_attn_dkdv``).
+_PLANS = Plans()
+
+
+def _plan(q, k, v, dO, L, delta, dk, dv, spec: AttentionSpec) -> _Plan:
+    """The launch of ``flash_attn_dkdv``'s inputs: the eight descriptors built and checked by Gluon once a
+    class, then copied (``_copy_descriptor``)."""
+    batch, heads, seqlen_q, head_dim = q.shape
+    heads_k, seqlen_k = k.shape[1], k.shape[2]
+    layout = _smem_layout(q.dtype, head_dim)
+    descriptors = tuple(
+        GluonTensorDescriptor.from_tensor(t.view(-1, head_dim), [BLOCK_M, head_dim], layout)
+        for t in (q, k, v, dO, dk, dv)
+    ) + tuple(GluonTensorDescriptor.from_tensor(t.view(-1), [BLOCK_M], _ROWS_LAYOUT) for t in (L, delta))
+    return _Plan(
+        tuple({**d.__dict__, "base": None} for d in descriptors),
+        (seqlen_k // BLOCK_N, batch * heads_k),
+        (spec.scale * LOG2_E, spec.scale, seqlen_q, seqlen_k, group_size(q, k)),
+        dict(CAUSAL=spec.causal, HEAD_DIM=head_dim, STAGES=STAGES),
+    )
+
+
+def _copy_descriptor(fields: dict, base: torch.Tensor) -> GluonTensorDescriptor:
+    """A GluonTensorDescriptor of ``fields`` (a checked descriptor's, but for its base) over ``base``, whose
+    shape, strides and alignment are the checked one's (``_PLANS``' key): the same checks would pass."""
+    d = GluonTensorDescriptor.__new__(GluonTensorDescriptor)
+    d.__dict__.update(fields, base=base)
+    return d
+
+
+def _tma_ready(t: torch.Tensor) -> torch.Tensor:
+    """t, or a contiguous copy where it is not contiguous and 16-byte aligned (what the copies need)."""
+    if t.is_contiguous() and t.data_ptr() % 16 == 0:
+        return t
+    return t.clone(memory_format=torch.contiguous_format)
+
+
+@functools.cache
+def _smem_layout(dtype: torch.dtype, head_dim: int):
+    """The shared-memory layout of every tile here: [64 rows, head_dim]."""
+    gdtype = gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
+    return gl.NVMMASharedLayout.get_default_for([BLOCK_M, head_dim], gdtype)
+
+
+if GLUON:
+    # L's and delta's rows of a query tile in shared memory: 64 float32, unswizzled.
+    _ROWS_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
+    _BLOCK_M = gl.constexpr(BLOCK_M)
+    _ROWS = gl.constexpr(BLOCK_N // 2)  # keys of one consumer warpgroup
+    _BLOCK_N = gl.constexpr(BLOCK_N)
+    # The copies' names since Triton 3.7 (async_load, async_store), else 3.6's.
+    _async_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+    _async_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
+    _CONSUMER_REGS = gl.constexpr(CONSUMER_REGS)
+    _LOADER_REGS = gl.constexpr(LOADER_REGS)
+
+    @gluon.jit
+    def _query_tiles(N_Q, N_K, CAUSAL: gl.constexpr):
+        """This CTA's key tile's first key and its key/value rows in the 2-D views; the first query row that
+        sees some of its keys, lo (query i sees key j iff j <= i + N_K - N_Q under causal). The lengths are
+        multiples of 128, so lo is a multiple of 64."""
+        start_n = gl.program_id(0) * _BLOCK_N
+        kv_row = gl.program_id(1) * N_K + start_n
+        if CAUSAL:
+            lo = gl.minimum(gl.maximum(start_n - (N_K - N_Q), 0), N_Q)
+        else:
+            lo = 0
+        return start_n, kv_row, lo
+
+    @gluon.jit
+    def _loader(
+        q_desc,
+        k_desc,
+        v_desc,
+        do_desc,
+        dk_desc,
+        dv_desc,
+        q_smem,
+        do_smem,
+        k_smem,
+        v_smem,
+        kv_ready,
+        q_ready,
+        do_ready,
+        empty,
+        l_desc,
+        delta_desc,
+        lse_smem,
+        delta_smem,
+        qk_scale,
+        scale,
+        N_Q,
+        N_K,
+        GROUP,
+        CAUSAL: gl.constexpr,
+        HEAD_DIM: gl.constexpr,
+        STAGES: gl.constexpr,
+    ):
+        start_n, kv_row, lo = _query_tiles(N_Q, N_K, CAUSAL)
+        mbarrier.expect(kv_ready, 4 * k_desc.block_type.nbytes)
+        _async_load(k_desc, [kv_row, 0], kv_ready, k_smem.index(0))
+        _async_load(k_desc, [kv_row + _ROWS, 0], kv_ready, k_smem.index(1))
+        _async_load(v_desc, [kv_row, 0], kv_ready, v_smem.index(0))
+        _async_load(v_desc, [kv_row + _ROWS, 0], kv_ready, v_smem.index(1))
+        n_tiles = (N_Q - lo) // _BLOCK_M
+        for g in range(GROUP):
+            q_row = (gl.program_id(1) * GROUP + g) * N_Q
+            for t in range(n_tiles):
+                it = g * n_tiles + t
+                s = it % STAGES
+                # A fresh barrier counts its phase before the first as complete: the first pass does not wait.
+                mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
+                row = q_row + lo + t * _BLOCK_M
+                mbarrier.expect(q_ready.index(s), q_desc.block_type.nbytes + l_desc.block_type.nbytes)
+                _async_load(q_desc, [row, 0], q_ready.index(s), q_smem.index(s))
+                _async_load(l_desc, [row], q_ready.index(s), lse_smem.index(s))
+                mbarrier.expect(do_ready.index(s), do_desc.block_type.nbytes + delta_desc.block_type.nbytes)
+                _async_load(do_desc, [row, 0], do_ready.index(s), do_smem.index(s))
+                _async_load(delta_desc, [row], do_ready.index(s), delta_smem.index(s))
+
+    @gluon.jit
+    def _step(
+        it,
+        start_m,
+        first,
+        k,
+        v,
+        q_smem,
+        do_smem,
+        q_ready,
+        do_ready,
+        empty,
+        dk,
+        dv,
+        lse_smem,
+        delta_smem,
+        qk_scale,
+        s_layout: gl.constexpr,
+        a_layout: gl.constexpr,
+        STAGES: gl.constexpr,
+        CAUSAL: gl.constexpr,
+    ):
+        """The query tile in stage ``it`` of the ring, rows [start_m, start_m + BLOCK_M) of its head: dK and
+        dV of this warpgroup's keys updated. Under CAUSAL, Pᵀ is zeroed where a query comes before the first that
+        sees the key (``first``, [64]: key - (N_K - N_Q))."""
+        s = it % STAGES
+        phase = (it // STAGES) & 1
+        q = q_smem.index(s)
+        do = do_smem.index(s)
+        mbarrier.wait(q_ready.index(s), phase)
+        sT = warpgroup_mma(
+            k, q.permute((1, 0)), gl.zeros([_ROWS, _BLOCK_M], gl.float32, s_layout), use_acc=False, is_async=True
+        )
+        mbarrier.wait(do_ready.index(s), phase)
+        dpT = warpgroup_mma(
+            v, do.permute((1, 0)), gl.zeros([_ROWS, _BLOCK_M], gl.float32, s_layout), use_acc=False, is_async=True
+        )
+        # L in log2 units, as the scores.
+        lse = lse_smem.index(s).load(gl.SliceLayout(0, s_layout)) * 1.4426950408889634
+        sT = warpgroup_mma_wait(num_outstanding=1, deps=(sT,))
+        # exp(S - L); a row with L = +inf (it sees no key) gets exp2(-inf) = 0.
+        pT = gl.exp2(sT * qk_scale - lse[None, :])  # [64 keys, BLOCK_M queries]
+        if CAUSAL:
+            # Every tile, not the two across the diagonal alone (the others pass whole): the branch around it
+            # made the consumers spill. Zeroing after exp2 keeps -inf out of it. Compared as offsets from
+            # start_m, so that no [64, BLOCK_M] tile of indices is loop-invariant (kept in registers).
+            offs = gl.arange(0, _BLOCK_M, layout=gl.SliceLayout(0, s_layout))
+            pT = gl.where(offs[None, :] >= (first - start_m)[:, None], pT, 0.0)
+        p16 = gl.convert_layout(pT.to(q_smem.dtype), a_layout)
+        dv = warpgroup_mma(p16, do, dv, is_async=True)
+        # dV's MMA completes before dSᵀ is formed, freeing Pᵀ's 16-bit copy (with it live there the consumers
+        # spilled); the other warpgroup's MMAs keep the tensor cores busy meanwhile.
+        dpT, dv = warpgroup_mma_wait(num_outstanding=0, deps=(dpT, dv))
+        delta = delta_smem.index(s).load(gl.SliceLayout(0, s_layout))
+        dsT = pT * (dpT - delta[None, :])
+        ds16 = gl.convert_layout(dsT.to(q_smem.dtype), a_layout)
+        dk = warpgroup_mma(ds16, q, dk, is_async=True)
+        dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk))
+        mbarrier.arrive(empty.index(s), count=1)
+        return dk, dv
+
+    @gluon.jit
+    def _consumer(
+        WG: gl.constexpr,
+        q_desc,
+        k_desc,
+        v_desc,
+        do_desc,
+        dk_desc,
+        dv_desc,
+        q_smem,
+        do_smem,
+        k_smem,
+        v_smem,
+        kv_ready,
+        q_ready,
+        do_ready,
+        empty,
+        l_desc,
+        delta_desc,
+        lse_smem,
+        delta_smem,
+        qk_scale,
+        scale,
+        N_Q,
+        N_K,
+        GROUP,
+        CAUSAL: gl.constexpr,
+        HEAD_DIM: gl.constexpr,
+        STAGES: gl.constexpr,
+    ):
+        """Consumer warpgroup WG: keys [64 · WG, 64 · WG + 64) of the CTA's tile."""
+        start_n, kv_row, lo = _query_tiles(N_Q, N_K, CAUSAL)
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, _BLOCK_M, 16]
+        )
+        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16]
+        )
+        a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+        k = k_smem.index(WG)
+        v = v_smem.index(WG)
+        # The first query position that sees each of this warpgroup's keys (causal).
+        first = start_n + WG * _ROWS + gl.arange(0, _ROWS, layout=gl.SliceLayout(1, s_layout)) - (N_K - N_Q)
+        dk = gl.zeros([_ROWS, HEAD_DIM], gl.float32, acc_layout)
+        dv = gl.zeros([_ROWS, HEAD_DIM], gl.float32, acc_layout)
+        mbarrier.wait(kv_ready, 0)
+        n_tiles = (N_Q - lo) // _BLOCK_M
+        # The group's query heads one after another, each's query tiles from lo: the loader's order.
+        for g in range(GROUP):
+            for t in range(n_tiles):
+                dk, dv = _step(
+                    g * n_tiles + t,
+                    lo + t * _BLOCK_M,
+                    first,
+                    k,
+                    v,
+                    q_smem,
+                    do_smem,
+                    q_ready,
+                    do_ready,
+                    empty,
+                    dk,
+                    dv,
+                    lse_smem,
+                    delta_smem,
+                    qk_scale,
+                    s_layout,
+                    a_layout,
+                    STAGES,
+                    CAUSAL,
+                )
+        dk = dk * scale
+        # The K and V buffers are free: this warpgroup's last MMAs that read them have completed. A key tile
+        # that no query sees stores dk = dv = 0.
+        k.store(dk.to(q_desc.dtype))
+        v.store(dv.to(q_desc.dtype))
+        fence_async_shared()
+        _async_store(dk_desc, [kv_row + WG * _ROWS, 0], k)
+        _async_store(dv_desc, [kv_row + WG * _ROWS, 0], v)
+        tma.store_wait(0)
+
+    @gluon.jit
+    def _consumer0(
+        q_desc,
+        k_desc,
+        v_desc,
+        do_desc,
+        dk_desc,
+        dv_desc,
+        q_smem,
+        do_smem,
+        k_smem,
+        v_smem,
+        kv_ready,
+        q_ready,
+        do_ready,
+        empty,
+        l_desc,
+        delta_desc,
+        lse_smem,
+        delta_smem,
+        qk_scale,
+        scale,
+        N_Q,
+        N_K,
+        GROUP,
+        CAUSAL: gl.constexpr,
+        HEAD_DIM: gl.constexpr,
+        STAGES: gl.constexpr,
+    ):
+        _consumer(
+            0,
+            q_desc,
+            k_desc,
+            v_desc,
+            do_desc,
+            dk_desc,
+            dv_desc,
+            q_smem,
+            do_smem,
+            k_smem,
+            v_smem,
+            kv_ready,
+            q_ready,
+            do_ready,
+            empty,
+            l_desc,
+            delta_desc,
+            lse_smem,
+            delta_smem,
+            qk_scale,
+            scale,
+            N_Q,
+            N_K,
+            GROUP,
+            CAUSAL,
+            HEAD_DIM,
+            STAGES,
+        )
+
+    @gluon.jit
+    def _consumer1(
+        q_desc,
+        k_desc,
+        v_desc,
+        do_desc,
+        dk_desc,
+        dv_desc,
+        q_smem,
+        do_smem,
+        k_smem,
+        v_smem,
+        kv_ready,
+        q_ready,
+        do_ready,
+        empty,
+        l_desc,
+        delta_desc,
+        lse_smem,
+        delta_smem,
+        qk_scale,
+        scale,
+        N_Q,
+        N_K,
+        GROUP,
+        CAUSAL: gl.constexpr,
+        HEAD_DIM: gl.constexpr,
+        STAGES: gl.constexpr,
+    ):
+        _consumer(
+            1,
+            q_desc,
+            k_desc,
+            v_desc,
+            do_desc,
+            dk_desc,
+            dv_desc,
+            q_smem,
+            do_smem,
+            k_smem,
+            v_smem,
+            kv_ready,
+            q_ready,
+            do_ready,
+            empty,
+            l_desc,
+            delta_desc,
+            lse_smem,
+            delta_smem,
+            qk_scale,
+            scale,
+            N_Q,
+            N_K,
+            GROUP,
+            CAUSAL,
+            HEAD_DIM,
+            STAGES,
+        )
+
+    @gluon.jit
+    def _attn_bwd_dkdv_gluon(
+        q_desc,
+        k_desc,
+        v_desc,
+        do_desc,
+        dk_desc,
+        dv_desc,
+        l_desc,
+        delta_desc,
+        qk_scale,
+        scale,
+        N_Q,
+        N_K,
+        GROUP,
+        CAUSAL: gl.constexpr,
+        HEAD_DIM: gl.constexpr,
+        STAGES: gl.constexpr,
+    ):
+        """q_desc, do_desc: (B·H·N_Q, D) rows, blocks [64, D]; k_desc, v_desc, dk_desc, dv_desc: (B·H_K·N_K,
+        D), blocks [64, D]; L, Delta: (B·H·N_Q,) float32. qk_scale: the softmax scale · log2(e); scale: the
+        softmax scale; GROUP: query heads per key/value head. One CTA per (key tile, batch·H_K)."""
+        dtype: gl.constexpr = q_desc.dtype
+        q_smem = gl.allocate_shared_memory(dtype, [STAGES, _BLOCK_M, HEAD_DIM], q_desc.layout)
+        do_smem = gl.allocate_shared_memory(dtype, [STAGES, _BLOCK_M, HEAD_DIM], do_desc.layout)
+        k_smem = gl.allocate_shared_memory(dtype, [2, _ROWS, HEAD_DIM], k_desc.layout)
+        v_smem = gl.allocate_shared_memory(dtype, [2, _ROWS, HEAD_DIM], v_desc.layout)
+        lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, _BLOCK_M], l_desc.layout)
+        delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, _BLOCK_M], delta_desc.layout)
+        kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        do_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(kv_ready, count=1)
+        for i in gl.static_range(STAGES):
+            mbarrier.init(q_ready.index(i), count=1)
+            mbarrier.init(do_ready.index(i), count=1)
+            mbarrier.init(empty.index(i), count=2)  # both consumers release a buffer
+        # Every partition gets the whole list, spelled out here: a tuple bound to a name first loses its
+        # constexprs (as in forward_gluon).
+        gl.warp_specialize(
+            [
+                (
+                    _consumer0,
+                    (
+                        q_desc,
+                        k_desc,
+                        v_desc,
+                        do_desc,
+                        dk_desc,
+                        dv_desc,
+                        q_smem,
+                        do_smem,
+                        k_smem,
+                        v_smem,
+                        kv_ready,
+                        q_ready,
+                        do_ready,
+                        empty,
+                        l_desc,
+                        delta_desc,
+                        lse_smem,
+                        delta_smem,
+                        qk_scale,
+                        scale,
+                        N_Q,
+                        N_K,
+                        GROUP,
+                        CAUSAL,
+                        HEAD_DIM,
+                        STAGES,
+                    ),
+                ),
+                (
+                    _consumer1,
+                    (
+                        q_desc,
+                        k_desc,
+                        v_desc,
+                        do_desc,
+                        dk_desc,
+                        dv_desc,
+                        q_smem,
+                        do_smem,
+                        k_smem,
+                        v_smem,
+                        kv_ready,
+                        q_ready,
+                        do_ready,
+                        empty,
+                        l_desc,
+                        delta_desc,
+                        lse_smem,
+                        delta_smem,
+                        qk_scale,
+                        scale,
+                        N_Q,
+                        N_K,
+                        GROUP,
+                        CAUSAL,
+                        HEAD_DIM,
+                        STAGES,
+                    ),
+                ),
+                (
+                    _loader,
+                    (
+                        q_desc,
+                        k_desc,
+                        v_desc,
+                        do_desc,
+                        dk_desc,
+                        dv_desc,
+                        q_smem,
+                        do_smem,
+                        k_smem,
+                        v_smem,
+                        kv_ready,
+                        q_ready,
+                        do_ready,
+                        empty,
+                        l_desc,
+                        delta_desc,
+                        lse_smem,
+                        delta_smem,
+                        qk_scale,
+                        scale,
+                        N_Q,
+                        N_K,
+                        GROUP,
+                        CAUSAL,
+                        HEAD_DIM,
+                        STAGES,
+                    ),
+                ),
+            ],
+            [4, 1],
+            [_CONSUMER_REGS, _LOADER_REGS],
+        )

@@ -1,0 +1,305 @@
+"""fa2-triton's Hopper dK/dV kernel in Gluon (``fa2_triton.backward_gluon``), opt-in: which inputs it takes
+and how flash_attn_backward wires it in (on the CPU, whatever the GPU), that it compiles for sm_90a with the
+Gluon API of the Triton this runs with (wherever Gluon is importable, a GPU or not), and, on a Hopper GPU,
+that dq, dk, dv match the fp64 reference through fa2.attention with the switch on, the same bits run after
+run."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import tempfile
+
+import pytest
+import torch
+import triton
+
+import fa2
+from checks import random_qkv, run_python
+from fa2.spec import AttentionSpec
+from fa2_triton import backward, backward_gluon
+from test_gradients import assert_grads_match, grads
+
+needs_gluon = pytest.mark.skipif(
+    not backward_gluon.GLUON, reason=f"Triton {triton.__version__} has no Gluon Hopper API"
+)
+SCALE = 128**-0.5
+
+
+def _qkv(batch, heads, heads_k, seqlen_q, seqlen_k, dtype=torch.bfloat16, device="cpu", head_dim=128):
+    return random_qkv((batch, heads, seqlen_q, head_dim), (batch, heads_k, seqlen_k, head_dim), dtype, device)
+
+
+def _spec(group=1, window=(-1, -1), softcap=0.0, alibi=None, **extra):
+    return AttentionSpec(SCALE, window, softcap, alibi, group, **extra)
+
+
+TAKES = {
+    "bf16-256x384": (dict(), dict(), True),
+    "fp16-causal": (dict(dtype=torch.float16), dict(window=(-1, 0)), True),
+    "gqa4-384x640": (dict(heads=8, heads_k=2, seqlen_q=384, seqlen_k=640), dict(group=4), True),
+    "head_dim-64": (dict(head_dim=64), dict(), True),
+    "sink": (dict(), dict(sink=torch.zeros(4)), True),
+    "window": (dict(), dict(window=(64, 64)), False),
+    "window-left-only": (dict(), dict(window=(64, -1)), False),
+    "softcap": (dict(), dict(softcap=30.0), False),
+    "alibi": (dict(), dict(alibi=torch.ones(2, 4)), False),
+    "head_dim-96": (dict(head_dim=96), dict(), False),
+    "seqlen_q-192": (dict(seqlen_q=192), dict(), False),
+    "seqlen_k-200": (dict(seqlen_k=200), dict(), False),
+    "fp32": (dict(dtype=torch.float32), dict(), False),
+    "batch-0": (dict(batch=0), dict(), False),
+    "packed": (
+        dict(batch=1),
+        dict(
+            cu_seqlens_q=torch.tensor([0, 256], dtype=torch.int32),
+            cu_seqlens_k=torch.tensor([0, 384], dtype=torch.int32),
+            max_seqlen_q=256,
+            max_seqlen_k=384,
+        ),
+        False,
+    ),
+}
+
+
+@pytest.mark.parametrize("case", TAKES, ids=list(TAKES))
+def test_which_inputs_the_gluon_backward_takes(case):
+    shape, spec, expected = TAKES[case]
+    shape = dict(batch=2, heads=4, heads_k=4, seqlen_q=256, seqlen_k=384) | shape
+    q, k, v = _qkv(**shape)
+    assert backward_gluon.takes(q, k, v, _spec(**spec)) is expected
+
+
+def test_the_gluon_backward_takes_no_strided_or_misaligned_inputs():
+    q, k, v = _qkv(2, 4, 4, 256, 256)
+    assert backward_gluon.takes(q, k, v, _spec())
+    interleaved = torch.randn(2, 256, 4, 128, dtype=torch.bfloat16).transpose(1, 2)
+    assert not backward_gluon.takes(interleaved, k, v, _spec()), "(B, N, H, D) views: the copies read heads' rows"
+    assert not backward_gluon.takes(q, interleaved, v, _spec())
+    shifted = torch.randn(2 * 4 * 256 * 128 + 1, dtype=torch.bfloat16)[1:].view(2, 4, 256, 128)
+    assert not backward_gluon.takes(shifted, k, v, _spec()), "q 2 bytes off a 16-byte boundary"
+
+
+def test_the_gluon_backward_takes_no_more_than_its_grid_holds():
+    """batch·heads_k is the grid's second axis, at most 65,535 (meta tensors: shapes without memory)."""
+    q, k, v = (torch.empty(65535, 1, 128, 128, dtype=torch.bfloat16, device="meta") for _ in range(3))
+    assert backward_gluon.takes(q, k, v, _spec())
+    q, k, v = (torch.empty(16384, 4, 128, 128, dtype=torch.bfloat16, device="meta") for _ in range(3))
+    assert not backward_gluon.takes(q, k, v, _spec())
+
+
+def test_the_gluon_backward_is_opt_in(monkeypatch):
+    """uses_gluon: ENABLED (FA2_TRITON_GLUON_BACKWARD=1 at import), a Hopper GPU and inputs it takes; CPU
+    tensors never take it. ENABLED is off by default and read from the environment."""
+    q, k, v = _qkv(2, 4, 4, 256, 256)
+    monkeypatch.setattr(backward_gluon, "ENABLED", True)
+    assert not backward_gluon.uses_gluon(q, k, v, _spec()), "CPU tensors never take the Gluon kernel"
+    monkeypatch.setattr(backward_gluon, "_on_hopper", lambda device: True)
+    assert backward_gluon.uses_gluon(q, k, v, _spec())
+    monkeypatch.setattr(backward_gluon, "ENABLED", False)
+    assert not backward_gluon.uses_gluon(q, k, v, _spec()), "off unless opted in"
+    code = "from fa2_triton import backward_gluon as b; print(b.ENABLED)"
+    for value, expected in ((None, "False"), ("1", "True"), ("0", "False")):
+        if value is None:
+            monkeypatch.delenv("FA2_TRITON_GLUON_BACKWARD", raising=False)
+        else:
+            monkeypatch.setenv("FA2_TRITON_GLUON_BACKWARD", value)
+        run = run_python(code, without="FA2_TRITON_GLUON_BACKWARD" if value is None else "", timeout=120)
+        assert run.returncode == 0, run.stderr[-3000:]
+        assert run.stdout.strip().splitlines()[-1] == expected, f"FA2_TRITON_GLUON_BACKWARD={value}"
+
+
+@pytest.mark.parametrize("deterministic", [True, False], ids=["deterministic", "atomic-dq"])
+def test_flash_attn_backward_sends_dkdv_to_gluon(monkeypatch, deterministic):
+    """Where uses_gluon says so, the dK/dV step is the Gluon kernel's and dq the tl dQ kernel's, in both
+    modes (the tl dK/dV kernel, which adds dq by atomics with deterministic=False, is not launched); given
+    tiles keep the tl kernels. The launches stubbed: this checks the wiring on the CPU."""
+    calls = []
+    monkeypatch.setattr(backward, "_check_device", lambda q: None)
+    monkeypatch.setattr(backward, "launch_preprocess", lambda O, dO, L, sink: (torch.zeros(L.shape), None))
+    monkeypatch.setattr(backward, "launch_dq", lambda *a: calls.append("dq"))
+    monkeypatch.setattr(backward, "launch_dkdv", lambda *a: calls.append("tl-dkdv" if a[8] is None else "tl-atomic"))
+    monkeypatch.setattr(backward_gluon, "flash_attn_dkdv", lambda *a: calls.append("gluon-dkdv"))
+    monkeypatch.setattr(backward_gluon, "uses_gluon", lambda q, k, v, spec: True)
+    q, k, v = _qkv(2, 4, 4, 256, 256)
+    L = torch.zeros(2, 4, 256)
+    backward.flash_attn_backward(q, k, v, q, L, q, _spec(), deterministic=deterministic)
+    assert calls == ["dq", "gluon-dkdv"]
+    calls.clear()
+    tiles = backward.bwd_tiles_for(128, q.dtype, False, 256, False)
+    backward.flash_attn_backward(q, k, v, q, L, q, _spec(), tiles=tiles, deterministic=deterministic)
+    assert calls == (["dq", "tl-dkdv"] if deterministic else ["tl-atomic"]), "given tiles run the tl kernels"
+
+
+@needs_gluon
+def test_gluon_backward_plans_are_kept_per_class_of_inputs(monkeypatch):
+    """The plans (``backward_gluon._PLANS``), on the CPU with the launch stubbed: new data of one class
+    reuses a plan, whose copied descriptors are the ones Gluon builds for the new data; a non-contiguous dO
+    is copied; another shape gets its own plan."""
+    from fa2_triton import launch
+
+    launches = []
+    monkeypatch.setattr(backward_gluon, "launch", lambda *a: launches.append(a))
+    backward_gluon._PLANS.clear()
+
+    def call(seqlen, seed, dO_strided=False):
+        q, k, v = random_qkv((1, 4, seqlen, 128), (1, 2, seqlen, 128), torch.bfloat16, "cpu", seed=seed)
+        spec = _spec(group=2, window=(-1, 0))
+        dO = torch.randn(1, seqlen, 4, 128, dtype=torch.bfloat16).transpose(1, 2) if dO_strided else q + 1
+        L, delta = torch.randn(1, 4, seqlen), torch.randn(1, 4, seqlen)
+        dk, dv = torch.empty_like(k), torch.empty_like(v)
+        assert backward_gluon.takes(q, k, v, spec)
+        backward_gluon.flash_attn_dkdv(q, k, v, dO, L, delta, dk, dv, spec)
+        kernel, grid, args, constexprs, options, classes = launches[-1]
+        assert kernel is backward_gluon._attn_bwd_dkdv_gluon and grid == (seqlen // 128, 2)
+        assert classes == launch.arg_classes(args)
+        layout = backward_gluon._smem_layout(q.dtype, 128)
+        want = [
+            backward_gluon.GluonTensorDescriptor.from_tensor(t.reshape(-1, 128), [64, 128], layout)
+            for t in (q, k, v, dO, dk, dv)
+        ] + [
+            backward_gluon.GluonTensorDescriptor.from_tensor(t.view(-1), [64], backward_gluon._ROWS_LAYOUT)
+            for t in (L, delta)
+        ]
+        for n, (got, ref) in enumerate(zip(args[:8], want)):
+            if n == 3 and dO_strided:
+                assert got.base.is_contiguous() and torch.equal(got.base, ref.base), "dO copied, contiguous"
+            else:
+                assert got.base.data_ptr() == ref.base.data_ptr() and got.base.shape == ref.base.shape
+            assert (tuple(got.shape), tuple(got.strides), got.block_shape, got.layout, got.padding) == (
+                tuple(ref.shape),
+                tuple(ref.strides),
+                ref.block_shape,
+                ref.layout,
+                ref.padding,
+            )
+        assert args[8:] == (SCALE * backward_gluon.LOG2_E, SCALE, seqlen, seqlen, 2)
+        assert constexprs == dict(CAUSAL=True, HEAD_DIM=128, STAGES=backward_gluon.STAGES)
+        return list(backward_gluon._PLANS.values())
+
+    plans = call(128, seed=1)
+    assert len(plans) == 1 and plans[0].classes is not None
+    assert call(128, seed=2) == plans
+    assert call(128, seed=3, dO_strided=True) == plans
+    assert len(call(256, seed=4)) == 2
+
+
+def _sm90a_build(dtype_name: str, head_dim: int, causal: bool) -> dict:
+    """The kernel compiled for sm_90a by ptxas (no GPU needed): its registers at launch, local memory (spills)
+    and shared memory per CTA, and the HGMMA count of its SASS. Triton's interpreter cannot compile Gluon, so
+    the test calls this in a subprocess without TRITON_INTERPRET."""
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype_name]
+    layout = backward_gluon._smem_layout(dtype, head_dim)
+    rows = f"tensordesc<fp32[{backward_gluon.BLOCK_M}],{backward_gluon._ROWS_LAYOUT!r}>"
+    tile = f"tensordesc<{dtype_name}[{backward_gluon.BLOCK_M}, {head_dim}],{layout!r}>"
+    fn = backward_gluon._attn_bwd_dkdv_gluon
+    constexprs = dict(CAUSAL=causal, HEAD_DIM=head_dim, STAGES=backward_gluon.STAGES)
+    signature = {name: tile for name in ("q_desc", "k_desc", "v_desc", "do_desc", "dk_desc", "dv_desc")}
+    signature |= {"l_desc": rows, "delta_desc": rows, "qk_scale": "fp32", "scale": "fp32"}
+    for arg in fn.arg_names:
+        signature.setdefault(arg, "constexpr" if arg in constexprs else "i32")
+    src = GluonASTSource(
+        fn=fn, signature=signature, constexprs={(fn.arg_names.index(n),): v for n, v in constexprs.items()}
+    )
+    kernel = triton.compile(
+        src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, maxnreg=backward_gluon.MAXNREG)
+    )
+    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile("wb", suffix=".cubin", delete=False) as f:
+        f.write(kernel.asm["cubin"])
+    try:
+        usage = subprocess.run(
+            [cuobjdump, "--dump-resource-usage", f.name], capture_output=True, text=True, check=True
+        ).stdout
+        sass = subprocess.run([cuobjdump, "-sass", f.name], capture_output=True, text=True, check=True).stdout
+    finally:
+        os.unlink(f.name)
+    return dict(
+        registers=int(re.search(r"REG:(\d+)", usage).group(1)),
+        stack=int(re.search(r"STACK:(\d+)", usage).group(1)),
+        shared=kernel.metadata.shared,
+        hgmma=sass.count("HGMMA"),
+    )
+
+
+@needs_gluon
+@pytest.mark.parametrize(
+    "dtype, head_dim, causal",
+    [("bf16", 128, False), ("bf16", 128, True), ("fp16", 64, True)],
+    ids=["bf16-D128", "bf16-D128-causal", "fp16-D64-causal"],
+)
+def test_the_gluon_backward_compiles_for_sm90a(dtype, head_dim, causal, record_property):
+    """ptxas's sm_90a build: the step's four warpgroup MMAs in the SASS for each consumer warpgroup (Sᵀ and dPᵀ
+    over head_dim, dV and dK over the tile's 64 queries, 16 deep an instruction), no local memory, the shared
+    memory within a CTA's 227 KB."""
+    code = (
+        "import json, test_triton_gluon_backward as t; "
+        f"print(json.dumps(t._sm90a_build({dtype!r}, {head_dim}, {causal})))"
+    )
+    run = run_python(code, without="TRITON_INTERPRET", timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    build = json.loads(run.stdout.strip().splitlines()[-1])
+    record_property("sm90a_build", build)
+    assert build["hgmma"] == 2 * (2 * head_dim // 16 + 2 * backward_gluon.BLOCK_M // 16), build
+    assert build["stack"] == 0, f"{build['stack']} B of local memory a thread: {build}"
+    assert build["shared"] <= 227 * 1024, f"{build['shared']} B of shared memory"
+
+
+def _hopper(device):
+    if device.type != "cuda":
+        pytest.skip("needs a Hopper GPU (--device cuda)")
+    if not backward_gluon._on_hopper(device):
+        pytest.skip(
+            f"the Gluon backward runs on compute capability 9.0 with Gluon's Hopper API "
+            f"(this GPU: {torch.cuda.get_device_capability(device)}, Gluon: {backward_gluon.GLUON})"
+        )
+
+
+CASES = {
+    "B2-H4-256x256": dict(batch=2, heads=4, heads_k=4, seqlen_q=256, seqlen_k=256),
+    "B2-H4-512x512": dict(batch=2, heads=4, heads_k=4, seqlen_q=512, seqlen_k=512),
+    "B2-H4-1024x1024": dict(batch=2, heads=4, heads_k=4, seqlen_q=1024, seqlen_k=1024),
+    "B2-H4-256x512": dict(batch=2, heads=4, heads_k=4, seqlen_q=256, seqlen_k=512),
+    "B1-H2-512x256": dict(batch=1, heads=2, heads_k=2, seqlen_q=512, seqlen_k=256),
+    "gqa4-384x640": dict(batch=1, heads=8, heads_k=2, seqlen_q=384, seqlen_k=640),
+    "B2-H4-512x512-D64": dict(batch=2, heads=4, heads_k=4, seqlen_q=512, seqlen_k=512, head_dim=64),
+}
+
+
+def _gradients(case, dtype, causal, device, monkeypatch):
+    """(dq, dk, dv), q, k, v, dO of fa2.attention(...)'s backward with the switch on, the Gluon dK/dV kernel
+    checked to have run."""
+    monkeypatch.setattr(backward_gluon, "ENABLED", True)
+    calls = []
+    real = backward_gluon.flash_attn_dkdv
+    monkeypatch.setattr(backward_gluon, "flash_attn_dkdv", lambda *a: calls.append(1) or real(*a))
+    q, k, v = (t.requires_grad_() for t in _qkv(dtype=dtype, device=device, **CASES[case]))
+    dO = torch.randn(q.shape, generator=torch.Generator().manual_seed(1)).to(device=device, dtype=dtype)
+    O, _ = fa2.attention(q, k, v, causal=causal, scale=SCALE, backend="triton")
+    grads_ = grads(O, (q, k, v), dO)
+    assert calls == [1], "the Gluon dK/dV kernel ran"
+    return grads_, (q, k, v, dO)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("case", CASES, ids=list(CASES))
+def test_the_gluon_backward_matches_the_reference(case, dtype, causal, device, monkeypatch):
+    _hopper(device)
+    (dq, dk, dv), (q, k, v, dO) = _gradients(case, dtype, causal, device, monkeypatch)
+    assert_grads_match(dq, dk, dv, q, k, v, dO, causal, scale=SCALE)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_the_gluon_backward_gives_the_same_bits_twice(causal, device, monkeypatch):
+    """The Gluon dK/dV kernel sums in a fixed order and dq comes from the tl dQ kernel: two runs, equal bits."""
+    _hopper(device)
+    first, _ = _gradients("gqa4-384x640", torch.bfloat16, causal, device, monkeypatch)
+    second, _ = _gradients("gqa4-384x640", torch.bfloat16, causal, device, monkeypatch)
+    for name, a, b in zip(("dq", "dk", "dv"), first, second):
+        assert torch.equal(a, b), f"{name} differs between two runs"
