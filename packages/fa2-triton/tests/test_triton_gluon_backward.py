@@ -90,18 +90,22 @@ def test_the_gluon_backward_takes_no_more_than_its_grid_holds():
     assert not backward_gluon.takes(q, k, v, _spec())
 
 
-def test_the_gluon_backward_is_opt_in(monkeypatch):
-    """uses_gluon: ENABLED (FA2_TRITON_GLUON_BACKWARD=1 at import), a Hopper GPU and inputs it takes; CPU
-    tensors never take it. ENABLED is off by default and read from the environment."""
+def test_which_head_dims_the_gluon_backward_is_on_for(monkeypatch):
+    """uses_gluon: a head_dim of ENABLED (read from FA2_TRITON_GLUON_BACKWARD at import: 128 by default, 64
+    and 128 with =1, none with =0), a Hopper GPU and inputs it takes; CPU tensors never take it."""
     q, k, v = _qkv(2, 4, 4, 256, 256)
-    monkeypatch.setattr(backward_gluon, "ENABLED", True)
+    q64, k64, v64 = _qkv(2, 4, 4, 256, 256, head_dim=64)
+    monkeypatch.setattr(backward_gluon, "ENABLED", (128,))
     assert not backward_gluon.uses_gluon(q, k, v, _spec()), "CPU tensors never take the Gluon kernel"
     monkeypatch.setattr(backward_gluon, "_on_hopper", lambda device: True)
     assert backward_gluon.uses_gluon(q, k, v, _spec())
-    monkeypatch.setattr(backward_gluon, "ENABLED", False)
-    assert not backward_gluon.uses_gluon(q, k, v, _spec()), "off unless opted in"
+    assert not backward_gluon.uses_gluon(q64, k64, v64, _spec()), "head_dim 64 only where asked for"
+    monkeypatch.setattr(backward_gluon, "ENABLED", backward_gluon.HEAD_DIMS)
+    assert backward_gluon.uses_gluon(q64, k64, v64, _spec())
+    monkeypatch.setattr(backward_gluon, "ENABLED", ())
+    assert not backward_gluon.uses_gluon(q, k, v, _spec()), "off"
     code = "from fa2_triton import backward_gluon as b; print(b.ENABLED)"
-    for value, expected in ((None, "False"), ("1", "True"), ("0", "False")):
+    for value, expected in ((None, "(128,)"), ("1", "(64, 128)"), ("0", "()")):
         if value is None:
             monkeypatch.delenv("FA2_TRITON_GLUON_BACKWARD", raising=False)
         else:
@@ -235,8 +239,8 @@ def _sm90a_build(dtype_name: str, head_dim: int, causal: bool) -> dict:
 )
 def test_the_gluon_backward_compiles_for_sm90a(dtype, head_dim, causal, record_property):
     """ptxas's sm_90a build: the step's four warpgroup MMAs in the SASS for each consumer warpgroup (Sᵀ and dPᵀ
-    over head_dim, dV and dK over the tile's 64 queries, 16 deep an instruction), no local memory, the shared
-    memory within a CTA's 227 KB."""
+    over head_dim, dV and dK over the tile's 64 queries, 16 deep an instruction), no local memory (but for
+    Triton 3.6's causal scalars), the shared memory within a CTA's 227 KB."""
     code = (
         "import json, test_triton_gluon_backward as t; "
         f"print(json.dumps(t._sm90a_build({dtype!r}, {head_dim}, {causal})))"
@@ -246,7 +250,9 @@ def test_the_gluon_backward_compiles_for_sm90a(dtype, head_dim, causal, record_p
     build = json.loads(run.stdout.strip().splitlines()[-1])
     record_property("sm90a_build", build)
     assert build["hgmma"] == 2 * (2 * head_dim // 16 + 2 * backward_gluon.BLOCK_M // 16), build
-    assert build["stack"] == 0, f"{build['stack']} B of local memory a thread: {build}"
+    # Triton 3.6's causal D128 build keeps 24 B of scalars in local memory (the warp-specialised dispatch's
+    # shared-memory base among them), reloaded about once a step; 3.9's build none.
+    assert build["stack"] <= (24 if causal else 0), f"{build['stack']} B of local memory a thread: {build}"
     assert build["shared"] <= 227 * 1024, f"{build['shared']} B of shared memory"
 
 
@@ -274,7 +280,7 @@ CASES = {
 def _gradients(case, dtype, causal, device, monkeypatch):
     """(dq, dk, dv), q, k, v, dO of fa2.attention(...)'s backward with the switch on, the Gluon dK/dV kernel
     checked to have run."""
-    monkeypatch.setattr(backward_gluon, "ENABLED", True)
+    monkeypatch.setattr(backward_gluon, "ENABLED", backward_gluon.HEAD_DIMS)
     calls = []
     real = backward_gluon.flash_attn_dkdv
     monkeypatch.setattr(backward_gluon, "flash_attn_dkdv", lambda *a: calls.append(1) or real(*a))

@@ -4,8 +4,8 @@ they compute and what they take): the preprocess (delta = rowsum(dO ∘ O)), the
 kernel, or with ``deterministic=False`` the dK/dV kernel alone, adding dQ into an fp32 accumulator with
 atomics.
 
-Opt-in (``backward_gluon.ENABLED``, FA2_TRITON_GLUON_BACKWARD=1): where ``backward_gluon.uses_gluon`` says so
-(a Hopper GPU, inputs it takes, default tiles), the dK/dV step runs ``backward_gluon``'s warp-specialised
+Where ``backward_gluon.uses_gluon`` says so (a Hopper GPU, inputs it takes, a head_dim of
+``backward_gluon.ENABLED``: 128 by default; default tiles), the dK/dV step runs ``backward_gluon``'s warp-specialised
 kernel instead of the tl one, beside the tl preprocess and the tl dQ kernel, in both modes (with
 ``deterministic=False`` too: the Gluon kernel adds no dQ). An error in it is raised, never retried on tl.
 

@@ -38,9 +38,9 @@ gradient); seqlen_q and seqlen_k multiples of 128 (the copies are 2-D, over all 
 head's end would read the next head's rows); q, k, v contiguous (batch, heads, seqlen, head_dim) and 16-byte
 aligned; batch·heads_k at most 65,535 (the grid's second axis). dO, L and delta are copied where they are
 not contiguous and 16-byte aligned. ``uses_gluon`` adds the device (a Hopper GPU, compute capability 9.0,
-with Gluon's Hopper API, not the interpreter) and the opt-in: ``ENABLED``, from the environment variable
-FA2_TRITON_GLUON_BACKWARD=1 at import, off by default until the kernel has been measured on the H200. An
-error in this kernel is raised, never retried on the tl kernel.
+with Gluon's Hopper API, not the interpreter) and ``ENABLED``, the head dims it is on for: 128 by default
+(measured on the H200), 64 too with FA2_TRITON_GLUON_BACKWARD=1, none with =0. An error in this kernel is
+raised, never retried on the tl kernel.
 
 Gluon's API moves between Triton releases; the names used here are the ones ``forward_gluon`` uses, bound
 for Triton 3.6 and 3.7+ alike; packages/fa2-triton/tests/test_triton_gluon_backward.py compiles the kernel
@@ -72,12 +72,14 @@ if GLUON:
     )
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTensorDescriptor
 
-# The opt-in: off by default until the kernel has been measured on the H200; tests set it.
-ENABLED = os.environ.get("FA2_TRITON_GLUON_BACKWARD") == "1"
-
 BLOCK_M = 64  # query rows a step
 BLOCK_N = 128  # keys a CTA: two consumer warpgroups of 64
 HEAD_DIMS = (64, 128)
+# The head dims fa2-triton's backward sends to this kernel (where ``takes`` and the device allow). By default
+# 128, as measured on the H200 (docs/notes/gluon-backward.md: the dK/dV kernel 1.32-1.48x the tl one, the
+# whole backward 1.14-1.20x); FA2_TRITON_GLUON_BACKWARD=1 adds 64 (correct on the H200, not timed yet), =0
+# sends none. Read once; tests set the attribute.
+ENABLED = {"0": (), "1": HEAD_DIMS}.get(os.environ.get("FA2_TRITON_GLUON_BACKWARD"), (128,))
 MAX_GRID_Y = 65535
 MAX_ROWS = 2**31 - 1  # TMA coordinates are 32-bit
 # Q and dO buffers: at head_dim 128, K and V take 64 KB and each stage 32 KB (160 KB with three).
@@ -90,9 +92,9 @@ LOADER_REGS = 24
 
 
 def uses_gluon(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionSpec) -> bool:
-    """Whether fa2-triton's backward runs this module's dK/dV kernel on these inputs: opted in (``ENABLED``),
-    a device that can run it and inputs it takes (the module docstring says which)."""
-    return ENABLED and _on_hopper(q.device) and takes(q, k, v, spec)
+    """Whether fa2-triton's backward runs this module's dK/dV kernel on these inputs: a head_dim it is on for
+    (``ENABLED``), a device that can run it and inputs it takes (the module docstring says which)."""
+    return q.shape[-1] in ENABLED and _on_hopper(q.device) and takes(q, k, v, spec)
 
 
 def _on_hopper(device: torch.device) -> bool:
