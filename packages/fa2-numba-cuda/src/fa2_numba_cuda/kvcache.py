@@ -390,10 +390,15 @@ def kvcache_forward(
         split,
         sink and not split,
     )
+    # The page size is compiled in (one kernel per page size met): the loader's divisions by it are shifts or
+    # multiplies, not a division a key row.
+    paging = page_size if spec.paged else 0
     if tensor_cores:
-        kernel = kvcache_tc.kernel(HEAD_DIM, config, *switches, kind == "bf16", head_dim == HEAD_DIM, async_loads)
+        kernel = kvcache_tc.kernel(
+            HEAD_DIM, config, *switches, kind == "bf16", head_dim == HEAD_DIM, async_loads, paging
+        )
     else:
-        kernel = kvcache_simt.kernel(HEAD_DIM, config, *switches, kind, head_dim == HEAD_DIM, async_loads)
+        kernel = kvcache_simt.kernel(HEAD_DIM, config, *switches, kind, head_dim == HEAD_DIM, async_loads, paging)
     if split:
         o_out = torch.empty(num_splits, rows_total, head_dim, dtype=torch.float32, device=device)
         lse_out = torch.empty(num_splits, rows_total, dtype=torch.float32, device=device)
@@ -418,7 +423,6 @@ def kvcache_forward(
         seqlen_rows,
         capacity,
         k_cache.shape[0],
-        page_size,
         head_dim,
         np.float32(score_scale(spec)),
         num_m_tiles,

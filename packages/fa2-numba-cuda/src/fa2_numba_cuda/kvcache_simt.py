@@ -148,12 +148,14 @@ def _build_kernel(
     KIND,
     EVEN_HEAD_DIM,
     ASYNC_LOADS,
+    PAGE_SIZE,
 ):
     """The split-KV kernel for one padded head dim, ``DecodeConfig``, ``Features`` (LEFT, RIGHT, SOFTCAP,
     ALIBI, VARLEN: cu_seqlens_q), cache kind (PAGED, BATCH_IDX, LEFTPAD), SPLIT (partial fp32 O and base-2 L
     per split, for ``kvcache_combine``; else O in q's dtype and natural L), SINK (the epilogue adds the
     attention sink: only without SPLIT, the combine adding it once otherwise), input kind KIND ("f32", "f16", "bf16"),
-    head_dim == HEAD_DIM and cp.async loads (ASYNC_LOADS), all compile-time constants."""
+    head_dim == HEAD_DIM, cp.async loads (ASYNC_LOADS) and a paged cache's page size (PAGE_SIZE, 0 for a
+    contiguous cache), all compile-time constants."""
     BLOCK_M, BLOCK_N, MAX_REGISTERS = config
     ES = 4 if KIND == "f32" else 2  # bytes an element
     VEC = 16 // ES  # elements in a 16 B chunk (4 words)
@@ -195,7 +197,8 @@ def _build_kernel(
                 out[2 * w] = lo
                 out[2 * w + 1] = hi
 
-    load_kv = _kv_loader(BLOCK_N, ROW_STEP, LDW, KIND, PAGED, EVEN_HEAD_DIM, ASYNC_LOADS)
+    assert PAGED == (PAGE_SIZE > 0)
+    load_kv = _kv_loader(BLOCK_N, ROW_STEP, LDW, KIND, PAGE_SIZE, EVEN_HEAD_DIM, ASYNC_LOADS)
 
     def _kvcache_fwd(
         q,
@@ -229,7 +232,6 @@ def _build_kernel(
         total_q,
         capacity,
         cache_rows,
-        page_size,
         head_dim,
         qk_scale,
         num_m_tiles,
@@ -389,7 +391,6 @@ def _build_kernel(
                 stride_tp,
                 capacity,
                 cache_rows,
-                page_size,
                 head_dim,
             )
         for t in range(n_tiles):
@@ -425,7 +426,6 @@ def _build_kernel(
                     stride_tp,
                     capacity,
                     cache_rows,
-                    page_size,
                     head_dim,
                 )
             # side-by-side: end
@@ -556,7 +556,7 @@ def _build_kernel(
 
 
 # Compiled kernels by (HEAD_DIM, DecodeConfig, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN, PAGED, BATCH_IDX, LEFTPAD,
-# SPLIT, SINK, KIND, EVEN_HEAD_DIM, ASYNC_LOADS).
+# SPLIT, SINK, KIND, EVEN_HEAD_DIM, ASYNC_LOADS, PAGE_SIZE).
 _KERNELS: dict[tuple, object] = {}
 
 

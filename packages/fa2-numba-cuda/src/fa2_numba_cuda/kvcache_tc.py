@@ -22,7 +22,7 @@ layouts as in ``forward_tc``):
   (partial fp32 O and base-2 L per split for ``kvcache_combine``, or O and natural L).
 
 Compiled once per (padded head dim: 32, 64 or 128, ``TensorCoreDecodeConfig``, ``common.Features``, cache
-kind, split or not, bf16 or fp16, head_dim == padded, cp.async or plain loads) and cached (``kernel``). Under
+kind, split or not, bf16 or fp16, head_dim == padded, cp.async or plain loads, page size) and cached (``kernel``). Under
 numba's simulator it runs on ``mma.py``'s Python emulation of the instructions.
 """
 
@@ -54,6 +54,7 @@ from fa2_numba_cuda.common import (
 )
 from fa2_numba_cuda.mma import (
     cp_async_wait_all,
+    cp_async_wait_one,
     exp2_approx,
     global_address,
     ldmatrix_a_row_col,
@@ -115,9 +116,11 @@ def _build_kernel(
     IS_BF16,
     EVEN_HEAD_DIM,
     ASYNC_LOADS,
+    PAGE_SIZE,
 ):
     """The split-KV kernel on tensor cores, for fp16 / bf16 and a padded head dim of 32, 64 or 128, with the
-    switches of ``kvcache_simt._build_kernel`` and its arguments (q as 16-bit patterns); ``TensorCoreDecodeConfig``."""
+    switches of ``kvcache_simt._build_kernel`` (PAGE_SIZE too) and its arguments (q as 16-bit patterns);
+    ``TensorCoreDecodeConfig``."""
     NUM_WARPS, MAX_REGISTERS = config
     NUM_THREADS = 32 * NUM_WARPS
     BLOCK_M = 16  # query rows of a block: the group · seqlen_q rows of a (batch, key/value head), in tiles of 16
@@ -136,7 +139,8 @@ def _build_kernel(
     mma = mma_bf16 if IS_BF16 else mma_f16
     pack = pack_bf16x2 if IS_BF16 else pack_f16x2
     from_float = _float_to_bf16 if IS_BF16 else _identity
-    load_kv = _kv_loader(BLOCK_N, ROW_STEP, LDW, kind, PAGED, EVEN_HEAD_DIM, ASYNC_LOADS)
+    assert PAGED == (PAGE_SIZE > 0)
+    load_kv = _kv_loader(BLOCK_N, ROW_STEP, LDW, kind, PAGE_SIZE, EVEN_HEAD_DIM, ASYNC_LOADS)
 
     def _kvcache_fwd_tc(
         q,
@@ -170,7 +174,6 @@ def _build_kernel(
         total_q,
         capacity,
         cache_rows,
-        page_size,
         head_dim,
         qk_scale,
         num_m_tiles,
@@ -273,7 +276,7 @@ def _build_kernel(
             q_frag[kk, 1] = a1
             q_frag[kk, 2] = a2
             q_frag[kk, 3] = a3
-        # Stage 1 is written only after the first tile's barrier, by which every warp has its fragments.
+        # Stage 1 is written only after the first tile's first barrier, by which every warp has its fragments.
 
         m_i = cuda.local.array(2, float32)
         l_i = cuda.local.array(2, float32)
@@ -295,7 +298,10 @@ def _build_kernel(
         k_head = off_hk * stride_kh + (0 if PAGED else cache_b * stride_kb)
         v_head = off_hk * stride_vh + (0 if PAGED else cache_b * stride_vb)
 
-        # Two stages, as the SIMT kernel: tile t + 1's copies fly during tile t's compute.
+        # Two stages, tile t + 1's copies issued before tile t's are waited for, so that a block waits with two
+        # tiles' copies in flight, not one (the SIMT kernel issues them after the wait). The first barrier of a
+        # tile frees the stage tile t - 1 was read from (and, at the first tile, stage 1's Q rows: every warp
+        # has its fragments); the second, after the wait, shows tile t's copies to every warp.
         if n_tiles > 0:
             load_kv(
                 kv_tile,
@@ -322,16 +328,13 @@ def _build_kernel(
                 stride_tp,
                 capacity,
                 cache_rows,
-                page_size,
                 head_dim,
             )
         for tile in range(n_tiles):
-            if ASYNC_LOADS:
-                cp_async_wait_all()
-            cuda.syncthreads()
             start_n = lo + tile * BLOCK_N
             k_row = (tile % 2) * 2 * BLOCK_N
             if tile + 1 < n_tiles:
+                cuda.syncthreads()
                 load_kv(
                     kv_tile,
                     ((tile + 1) % 2) * 2 * BLOCK_N,
@@ -357,9 +360,13 @@ def _build_kernel(
                     stride_tp,
                     capacity,
                     cache_rows,
-                    page_size,
                     head_dim,
                 )
+                if ASYNC_LOADS:
+                    cp_async_wait_one()
+            elif ASYNC_LOADS:
+                cp_async_wait_all()
+            cuda.syncthreads()
 
             # S = Q Kᵀ on the warp's 16 keys: per 16 head dims one ldmatrix (two 8-key B fragments), two mma.
             for j in range(2):
@@ -558,7 +565,7 @@ def _build_kernel(
 
 
 # Compiled kernels by (HEAD_DIM, TensorCoreDecodeConfig, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN, PAGED, BATCH_IDX,
-# LEFTPAD, SPLIT, SINK, IS_BF16, EVEN_HEAD_DIM, ASYNC_LOADS).
+# LEFTPAD, SPLIT, SINK, IS_BF16, EVEN_HEAD_DIM, ASYNC_LOADS, PAGE_SIZE).
 _KERNELS: dict[tuple, object] = {}
 
 
