@@ -536,6 +536,9 @@ KV_TC_CASES = [
     _kv(torch.float16, q=5, b=2, h=4, hk=1, d=36, cap=50, seqlens=(50, 0), batch_idx=(1, 0), splits=0),
     # packed queries with a block table, three splits
     _kv(torch.bfloat16, varlen=(2, 5), b=2, h=4, hk=2, d=32, cap=48, seqlens=(48, 20), page=16, splits=3),
+    # 37 splits of a key tile each (64 keys at head_dim 32), the last five past K_b and one ending inside it,
+    # in pages of 64: the combine's lanes each hold splits of the row, its groups of UNROLL a partial one
+    _kv(torch.float16, q=1, b=1, h=2, hk=1, d=32, cap=37 * 64, seqlens=(2000,), page=64, splits=37),
 ]
 
 
@@ -576,7 +579,8 @@ def test_kvcache_tensor_core_kernel(device, monkeypatch, dtype, case, scale, cau
 def test_kvcache_tensor_core_kernel_on_the_gpu(page):
     """The decode benchmark's class (bf16, 32 query / 8 key-value heads, D 128, one token, split): the
     tensor-core kernel runs, matches the reference, and keeps its registers (offline, ptxas sm_90: 174
-    registers and no local memory contiguous, 36 B of spills paged)."""
+    registers and no local memory contiguous; pages of 256, 176 registers and 32 B of local memory, 52 B of
+    spill stores, none in the key loop)."""
     from fa2_numba_cuda import kvcache
     from test_kvcache import _make, assert_matches_kvcache_reference
 

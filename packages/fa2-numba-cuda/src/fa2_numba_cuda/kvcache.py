@@ -438,7 +438,7 @@ def kvcache_forward(
     combine_launch = None
     if split:
         combine_launch = launch.prepare(
-            kvcache_combine.kernel(q.dtype == torch.bfloat16, sink),
+            kvcache_combine.kernel(q.dtype == torch.bfloat16, sink, head_dim),
             -(-rows_total // kvcache_combine.ROWS),
             kvcache_combine.NUM_THREADS,
             device,
