@@ -578,9 +578,9 @@ def test_kvcache_tensor_core_kernel(device, monkeypatch, dtype, case, scale, cau
 @pytest.mark.parametrize("page", [None, 256], ids=["contiguous", "paged256"])
 def test_kvcache_tensor_core_kernel_on_the_gpu(page):
     """The decode benchmark's class (bf16, 32 query / 8 key-value heads, D 128, one token, split): the
-    tensor-core kernel runs, matches the reference, and keeps its registers (offline, ptxas sm_90: 174
-    registers and no local memory contiguous; pages of 256, 176 registers and 32 B of local memory, 52 B of
-    spill stores, none in the key loop)."""
+    tensor-core kernel runs, matches the reference, and keeps its registers (offline, ptxas sm_90, 176
+    registers: contiguous 8 B of local memory, pages of 256 32 B (56 B of spill stores); none in the key
+    loop)."""
     from fa2_numba_cuda import kvcache
     from test_kvcache import _make, assert_matches_kvcache_reference
 

@@ -380,7 +380,9 @@ def _tile_loader(HEAD_DIM, NUM_WARPS, EVEN_HEAD_DIM, UNIT_STRIDE_D, to_float):
 
 
 def _kv_loader(BLOCK_N, ROW_STEP, LDW, KIND, PAGE_SIZE, EVEN_HEAD_DIM, ASYNC_LOADS):
-    """``load_kv``, the copy of one stage's K and V tiles (BLOCK_N keys each) into a shared array of 32-bit
+    """(PAGE_READS, ``page_ids``, ``load_kv``): the page ids a thread's rows of a tile need (PAGE_READS of them,
+    read by ``page_ids`` into a local int32 array, before the copies that use them, which may be a tile later),
+    and ``load_kv``, the copy of one stage's K and V tiles (BLOCK_N keys each) into a shared array of 32-bit
     words, LDW a row, for both KV-cache split kernels (``kvcache_simt``, ``kvcache_tc``): a thread copies one
     16 B chunk of tile rows ld_r, ld_r + ROW_STEP, ... (BLOCK_N / ROW_STEP rows of K and as many of V); KIND
     "f32", "f16" or "bf16" (16-bit elements two a word, the lower index in the low half: ``ldmatrix``'s
@@ -425,6 +427,24 @@ def _kv_loader(BLOCK_N, ROW_STEP, LDW, KIND, PAGE_SIZE, EVEN_HEAD_DIM, ASYNC_LOA
                 tile[uint64(tile_row), uint64(4 * chunk + w)] = lo | hi
 
     @device_function
+    def page_ids(pages, start_n, block_table, off_b, ld_r, stride_tb, stride_tp, capacity, cache_rows):
+        """A paged cache's block-table ids for the thread's rows of the tile from key start_n (``load_kv``'s
+        rows), into ``pages`` (PAGE_READS int32), clamped into the cache; a contiguous cache's: nothing. The
+        PAGES_SPANNED pages from its first row's on, each read once, or (PAGE_A_ROW) one a row's. Keys and page
+        indices as 32-bit unsigned values (below the capacity, an int32): numba's signed 64-bit floor division
+        and modulo cost a sign fix-up each."""
+        if PAGED:
+            last_key = uint32(capacity - 1)
+            first_page = uint32(min(start_n + ld_r, capacity - 1)) // uint32(PAGE_SIZE)
+            for j in range(PAGE_READS):
+                if PAGE_A_ROW:
+                    page_idx = int32(min(uint32(start_n + ld_r + ROW_STEP * j), last_key) // uint32(PAGE_SIZE))
+                else:
+                    page_idx = int32(min(first_page + uint32(j), last_key // uint32(PAGE_SIZE)))
+                page = block_table[uint64(off_b * stride_tb + page_idx * stride_tp)]
+                pages[j] = min(max(page, int32(0)), int32(cache_rows - 1))
+
+    @device_function
     def load_kv(
         kv_tile,
         stage_row,
@@ -436,8 +456,7 @@ def _kv_loader(BLOCK_N, ROW_STEP, LDW, KIND, PAGE_SIZE, EVEN_HEAD_DIM, ASYNC_LOA
         v_base,
         k_head,
         v_head,
-        block_table,
-        off_b,
+        pages,
         ld_r,
         ld_c,
         stride_kb,
@@ -446,31 +465,16 @@ def _kv_loader(BLOCK_N, ROW_STEP, LDW, KIND, PAGE_SIZE, EVEN_HEAD_DIM, ASYNC_LOA
         stride_vb,
         stride_vn,
         stride_vd,
-        stride_tb,
-        stride_tp,
         capacity,
-        cache_rows,
         head_dim,
     ):
         """Keys start_n .. start_n + BLOCK_N of K and V into the stage at shared row stage_row (K, then V
         BLOCK_N rows on), zeros from key hi on: chunk ld_c of tile rows ld_r, ld_r + ROW_STEP, ... A paged
-        cache's page ids are read from the block table and clamped into the cache (a key past the capacity,
-        never visible, takes the last key's page, and reads nothing of the cache)."""
+        cache's rows from the page ids ``page_ids`` read for start_n (a key past the capacity, never visible,
+        takes the last key's page, and reads nothing of the cache)."""
         if PAGED:
-            # The page ids of the thread's rows, all read before the first copy (a read per row, each copy
-            # waiting on its own, waited eight times a tile): the PAGES_SPANNED pages from its first row's on,
-            # each read once, or (PAGE_A_ROW) one a row. Keys and page indices as 32-bit unsigned values (below
-            # the capacity, an int32): numba's signed 64-bit floor division and modulo cost a sign fix-up each.
-            pages = cuda.local.array(PAGE_READS, int32)
             last_key = uint32(capacity - 1)
             first_page = uint32(min(start_n + ld_r, capacity - 1)) // uint32(PAGE_SIZE)
-            for j in range(PAGE_READS):
-                if PAGE_A_ROW:
-                    page_idx = int32(min(uint32(start_n + ld_r + ROW_STEP * j), last_key) // uint32(PAGE_SIZE))
-                else:
-                    page_idx = int32(min(first_page + uint32(j), last_key // uint32(PAGE_SIZE)))
-                page = block_table[uint64(off_b * stride_tb + page_idx * stride_tp)]
-                pages[j] = min(max(page, int32(0)), int32(cache_rows - 1))
         for it in range(LOADS):
             r = ld_r + ROW_STEP * it
             key = start_n + r
@@ -498,7 +502,7 @@ def _kv_loader(BLOCK_N, ROW_STEP, LDW, KIND, PAGE_SIZE, EVEN_HEAD_DIM, ASYNC_LOA
         if ASYNC_LOADS:
             cp_async_commit()
 
-    return load_kv
+    return PAGE_READS, page_ids, load_kv
 
 
 def _feature_columns(switches) -> dict:

@@ -198,7 +198,7 @@ def _build_kernel(
                 out[2 * w + 1] = hi
 
     assert PAGED == (PAGE_SIZE > 0)
-    load_kv = _kv_loader(BLOCK_N, ROW_STEP, LDW, KIND, PAGE_SIZE, EVEN_HEAD_DIM, ASYNC_LOADS)
+    PAGE_READS, page_ids, load_kv = _kv_loader(BLOCK_N, ROW_STEP, LDW, KIND, PAGE_SIZE, EVEN_HEAD_DIM, ASYNC_LOADS)
 
     def _kvcache_fwd(
         q,
@@ -365,7 +365,9 @@ def _build_kernel(
 
         # side-by-side: loop
         # Two stages: tile t + 1's copies are issued once tile t has landed, and fly during its compute.
+        pages = cuda.local.array(PAGE_READS, int32)  # a paged cache's page ids of the thread's rows of a tile
         if n_tiles > 0:
+            page_ids(pages, lo, block_table, off_b, ld_r, stride_tb, stride_tp, capacity, cache_rows)
             load_kv(
                 kv_tile,
                 0,
@@ -377,8 +379,7 @@ def _build_kernel(
                 v_base,
                 k_head,
                 v_head,
-                block_table,
-                off_b,
+                pages,
                 ld_r,
                 ld_c,
                 stride_kb,
@@ -387,10 +388,7 @@ def _build_kernel(
                 stride_vb,
                 stride_vn,
                 stride_vd,
-                stride_tb,
-                stride_tp,
                 capacity,
-                cache_rows,
                 head_dim,
             )
         for t in range(n_tiles):
@@ -401,6 +399,7 @@ def _build_kernel(
             k_row = (t % 2) * 2 * BLOCK_N
             v_row = k_row + BLOCK_N
             if t + 1 < n_tiles:
+                page_ids(pages, start_n + BLOCK_N, block_table, off_b, ld_r, stride_tb, stride_tp, capacity, cache_rows)
                 load_kv(
                     kv_tile,
                     ((t + 1) % 2) * 2 * BLOCK_N,
@@ -412,8 +411,7 @@ def _build_kernel(
                     v_base,
                     k_head,
                     v_head,
-                    block_table,
-                    off_b,
+                    pages,
                     ld_r,
                     ld_c,
                     stride_kb,
@@ -422,10 +420,7 @@ def _build_kernel(
                     stride_vb,
                     stride_vn,
                     stride_vd,
-                    stride_tb,
-                    stride_tp,
                     capacity,
-                    cache_rows,
                     head_dim,
                 )
             # side-by-side: end

@@ -140,7 +140,7 @@ def _build_kernel(
     pack = pack_bf16x2 if IS_BF16 else pack_f16x2
     from_float = _float_to_bf16 if IS_BF16 else _identity
     assert PAGED == (PAGE_SIZE > 0)
-    load_kv = _kv_loader(BLOCK_N, ROW_STEP, LDW, kind, PAGE_SIZE, EVEN_HEAD_DIM, ASYNC_LOADS)
+    PAGE_READS, page_ids, load_kv = _kv_loader(BLOCK_N, ROW_STEP, LDW, kind, PAGE_SIZE, EVEN_HEAD_DIM, ASYNC_LOADS)
 
     def _kvcache_fwd_tc(
         q,
@@ -301,8 +301,12 @@ def _build_kernel(
         # Two stages, tile t + 1's copies issued before tile t's are waited for, so that a block waits with two
         # tiles' copies in flight, not one (the SIMT kernel issues them after the wait). The first barrier of a
         # tile frees the stage tile t - 1 was read from (and, at the first tile, stage 1's Q rows: every warp
-        # has its fragments); the second, after the wait, shows tile t's copies to every warp.
+        # has its fragments); the second, after the wait, shows tile t's copies to every warp. A paged cache's
+        # page ids for tile t + 2 are read once tile t + 1's copies are issued, and land during tile t's wait
+        # and compute, so that no copy waits on the block table.
+        pages = cuda.local.array(PAGE_READS, int32)
         if n_tiles > 0:
+            page_ids(pages, lo, block_table, off_b, ld_r, stride_tb, stride_tp, capacity, cache_rows)
             load_kv(
                 kv_tile,
                 0,
@@ -314,8 +318,7 @@ def _build_kernel(
                 v_base,
                 k_head,
                 v_head,
-                block_table,
-                off_b,
+                pages,
                 ld_r,
                 ld_c,
                 stride_kb,
@@ -324,12 +327,11 @@ def _build_kernel(
                 stride_vb,
                 stride_vn,
                 stride_vd,
-                stride_tb,
-                stride_tp,
                 capacity,
-                cache_rows,
                 head_dim,
             )
+            if n_tiles > 1:
+                page_ids(pages, lo + BLOCK_N, block_table, off_b, ld_r, stride_tb, stride_tp, capacity, cache_rows)
         for tile in range(n_tiles):
             start_n = lo + tile * BLOCK_N
             k_row = (tile % 2) * 2 * BLOCK_N
@@ -346,8 +348,7 @@ def _build_kernel(
                     v_base,
                     k_head,
                     v_head,
-                    block_table,
-                    off_b,
+                    pages,
                     ld_r,
                     ld_c,
                     stride_kb,
@@ -356,12 +357,21 @@ def _build_kernel(
                     stride_vb,
                     stride_vn,
                     stride_vd,
-                    stride_tb,
-                    stride_tp,
                     capacity,
-                    cache_rows,
                     head_dim,
                 )
+                if tile + 2 < n_tiles:
+                    page_ids(
+                        pages,
+                        start_n + 2 * BLOCK_N,
+                        block_table,
+                        off_b,
+                        ld_r,
+                        stride_tb,
+                        stride_tp,
+                        capacity,
+                        cache_rows,
+                    )
                 if ASYNC_LOADS:
                     cp_async_wait_one()
             elif ASYNC_LOADS:
