@@ -78,6 +78,8 @@ if simulated():
 
     def _shared_array(self, shape, dtype, alignment=None):
         if shape == 0 or alignment is not None:  # dynamic shared memory (one buffer), or the simulator's refusal
+            if not isinstance(dtype, _kernelapi.types.Type):
+                dtype = np.dtype(dtype)  # a numpy scalar type (int32 here is numpy's): the simulator wants a dtype
             return _simulator_shared_array(self, shape, dtype, alignment)
         caller = sys._getframe(1)
         key = (caller.f_code.co_filename, caller.f_lineno)
@@ -379,7 +381,7 @@ def _tile_loader(HEAD_DIM, NUM_WARPS, EVEN_HEAD_DIM, UNIT_STRIDE_D, to_float):
     return load_tile
 
 
-def _kv_loader(BLOCK_N, ROW_STEP, LDW, KIND, PAGE_SIZE, EVEN_HEAD_DIM, ASYNC_LOADS):
+def _kv_loader(BLOCK_N, ROW_STEP, LDW, KIND, PAGE_SIZE, EVEN_HEAD_DIM, ASYNC_LOADS, FLAT=False):
     """(PAGE_READS, ``page_ids``, ``load_kv``): the page ids a thread's rows of a tile need (PAGE_READS of them,
     read by ``page_ids`` into a local int32 array, before the copies that use them, which may be a tile later),
     and ``load_kv``, the copy of one stage's K and V tiles (BLOCK_N keys each) into a shared array of 32-bit
@@ -387,7 +389,8 @@ def _kv_loader(BLOCK_N, ROW_STEP, LDW, KIND, PAGE_SIZE, EVEN_HEAD_DIM, ASYNC_LOA
     16 B chunk of tile rows ld_r, ld_r + ROW_STEP, ... (BLOCK_N / ROW_STEP rows of K and as many of V); KIND
     "f32", "f16" or "bf16" (16-bit elements two a word, the lower index in the low half: ``ldmatrix``'s
     layout); PAGE_SIZE the paged cache's page size, a compile-time constant (the divisions by it shifts or
-    multiplies), 0 for a contiguous cache."""
+    multiplies), 0 for a contiguous cache; FLAT: the shared array is one-dimensional (row r at word r · LDW, as
+    a dynamic shared array is), else (rows, LDW)."""
     ES = 4 if KIND == "f32" else 2  # bytes an element
     VEC = 16 // ES  # elements in a 16 B chunk (4 words)
     LOADS = BLOCK_N // ROW_STEP
@@ -415,7 +418,10 @@ def _kv_loader(BLOCK_N, ROW_STEP, LDW, KIND, PAGE_SIZE, EVEN_HEAD_DIM, ASYNC_LOA
                 value = float32(0.0)
                 if visible and (EVEN_HEAD_DIM or col + w < head_dim):
                     value = x[uint64(offset + (col + w) * stride_d)]
-                tile[uint64(tile_row), uint64(4 * chunk + w)] = value
+                if FLAT:
+                    tile[uint64(tile_row * LDW + 4 * chunk + w)] = value
+                else:
+                    tile[uint64(tile_row), uint64(4 * chunk + w)] = value
         else:
             for w in range(4):
                 lo = int32(0)
@@ -424,7 +430,10 @@ def _kv_loader(BLOCK_N, ROW_STEP, LDW, KIND, PAGE_SIZE, EVEN_HEAD_DIM, ASYNC_LOA
                     lo = int32(x[uint64(offset + (col + 2 * w) * stride_d)]) & int32(0xFFFF)
                 if visible and (EVEN_HEAD_DIM or col + 2 * w + 1 < head_dim):
                     hi = int32(x[uint64(offset + (col + 2 * w + 1) * stride_d)]) << int32(16)
-                tile[uint64(tile_row), uint64(4 * chunk + w)] = lo | hi
+                if FLAT:
+                    tile[uint64(tile_row * LDW + 4 * chunk + w)] = lo | hi
+                else:
+                    tile[uint64(tile_row), uint64(4 * chunk + w)] = lo | hi
 
     @device_function
     def page_ids(pages, start_n, block_table, off_b, ld_r, stride_tb, stride_tp, capacity, cache_rows):

@@ -124,7 +124,7 @@ _SPLITS: dict[tuple, int] = {}  # num_splits_heuristic's answers by its argument
 
 def block_slots(device: torch.device, threads: int, max_registers: int, shared: int) -> int:
     """Decode blocks the device holds at once, for blocks of ``threads`` threads, registers capped at
-    ``max_registers`` and ``shared`` bytes of static shared memory: SMs x min(by threads, by registers, by
+    ``max_registers`` and ``shared`` bytes of shared memory: SMs x min(by threads, by registers, by
     shared memory). From torch's device properties (no sync); under the simulator, 2 SMs of 4 blocks."""
     key = (device, threads, max_registers, shared)
     slots = _SLOTS.get(key)
@@ -434,7 +434,8 @@ def kvcache_forward(
     args = (*head, *feature_args(spec, seqlen_q, capacity, device), sink_flat)
     # Each launch is numba's the first time a class is met, then prepared (``launch.prepare``).
     varying = _varying(spec, len(head) + 3, len(args) - 1)
-    split_launch = launch.prepare(kernel, blocks * num_splits, threads, device, args, varying)
+    dynamic = kvcache_tc.dynamic_shared_bytes(HEAD_DIM, config) if tensor_cores else 0
+    split_launch = launch.prepare(kernel, blocks * num_splits, threads, device, args, varying, dynamic)
     combine_launch = None
     if split:
         combine_launch = launch.prepare(

@@ -18,13 +18,13 @@ with the lower index (the order ``mma`` and ``ldmatrix`` use).
     ld_shared_b32(address) -> int32, ld_shared_u16(address) -> int32: one plain shared-memory load.
     shfl_idx(value, src_lane) -> int32: ``cuda.shfl_sync`` over the full warp, lane src_lane's value.
     pack_f16x2, pack_bf16x2(lo, hi) -> int32: two fp32 values rounded to nearest even (cvt.rn.*x2.f32).
-    cp_async_16(dst, src, src_bytes); cp_async_commit(); cp_async_wait_all(); cp_async_wait_one()
+    cp_async_16(dst, src, src_bytes); cp_async_commit(); cp_async_wait_all(); cp_async_wait_group(n)
         cp.async.cg.shared.global: copy 16 B from global to shared memory without passing through registers;
         only src_bytes (0 to 16) are read, the rest of the 16 B is zero-filled. cp_async_commit closes the
         thread's group of copies issued since the last one. The copies are complete and visible to the issuing
-        thread after cp_async_wait_all (every group: cp.async.wait_group 0), those of all but the newest
-        committed group after cp_async_wait_one (cp.async.wait_group 1); to the block after a barrier that
-        follows the wait.
+        thread after cp_async_wait_all (every group: cp.async.wait_group 0), those of all but the n newest
+        committed groups after cp_async_wait_group(n) (n a compile-time constant); to the block after a barrier
+        that follows the wait.
     shared_address(array) -> uint32, global_address(array) -> uint64: the byte address of array[0] (a shared
         array, in the shared window; a global one, generic), for the instructions above.
     shfl_xor(value, lane_mask) -> float32: ``cuda.shfl_xor_sync`` over the full warp.
@@ -354,12 +354,13 @@ if numba.config.ENABLE_CUDASIM:
         _pending.groups = []
         _pending.copies = []
 
-    def cp_async_wait_one():
-        # The groups but the newest land; the newest, and copies not yet committed, stay in flight.
+    def cp_async_wait_group(n):
+        # The groups but the n newest land; those, and copies not yet committed, stay in flight.
         groups = getattr(_pending, "groups", [])
-        for group in groups[:-1]:
+        kept = len(groups) - min(int(n), len(groups))
+        for group in groups[:kept]:
             _land(group)
-        _pending.groups = groups[-1:]
+        _pending.groups = groups[kept:]
 
     def ld_shared_b32(address):
         if int(address) % 4:
@@ -521,11 +522,15 @@ else:
         return types.void(), codegen
 
     @intrinsic
-    def cp_async_wait_one(typingctx):
-        def codegen(context, builder, sig, args):
-            _asm(builder, ir.VoidType(), [], "cp.async.wait_group 1;", "~{memory}", side_effect=True)
+    def cp_async_wait_group(typingctx, n):
+        if not isinstance(n, types.IntegerLiteral):
+            return None  # numba types the call again with the constant as a literal
+        text = f"cp.async.wait_group {n.literal_value};"
 
-        return types.void(), codegen
+        def codegen(context, builder, sig, args):
+            _asm(builder, ir.VoidType(), [], text, "~{memory}", side_effect=True)
+
+        return types.void(n), codegen
 
     @intrinsic
     def exp2_approx(typingctx, x):
