@@ -13,31 +13,11 @@ import torch
 
 from checks import assert_matches_reference, random_qkv
 from fa2.spec import AttentionSpec
-from fa2_numba_cuda import common, flash_attn_backward, flash_attn_forward, forward_tc, ladder, tensor_cores
+from fa2_numba_cuda import common, flash_attn_backward, flash_attn_forward, forward_tc, ladder
 from test_gradients import assert_grads_match
 
 SHAPE_Q, SHAPE_K = (1, 1, 17, 16), (1, 1, 20, 16)
 CAUSAL = [pytest.param(False, id="full"), pytest.param(True, id="causal")]
-
-
-@pytest.fixture(autouse=True)
-def _numba_cuda_selected(request):
-    selected = request.config.getoption("--backend")
-    if selected and "numba-cuda" not in selected:
-        pytest.skip(f"numba-cuda's own tests; --backend {selected}")
-
-
-@pytest.fixture
-def tc_device(device):
-    """Where the tensor-core rungs run: the simulator on the CPU, or a GPU of compute capability 8.0+."""
-    if common.simulated() != (device.type == "cpu"):
-        pytest.skip(
-            f"--device {device.type} with NUMBA_ENABLE_CUDASIM={int(common.simulated())}: numba runs "
-            "CPU tensors only in its simulator and CUDA tensors only without it"
-        )
-    if device.type == "cuda" and tensor_cores.capability(device) < tensor_cores.MIN_COMPUTE_CAPABILITY:
-        pytest.skip(f"the tensor-core rungs need compute capability 8.0+, got {tensor_cores.capability(device)}")
-    return device
 
 
 def _inputs(device):

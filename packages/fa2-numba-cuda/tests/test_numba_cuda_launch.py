@@ -31,13 +31,6 @@ from fa2_numba_cuda import backward_simt, common, forward, forward_simt, forward
 HOST_US_LIMIT = 150.0
 
 
-@pytest.fixture(autouse=True)
-def _numba_cuda_selected(request):
-    selected = request.config.getoption("--backend")
-    if selected and "numba-cuda" not in selected:
-        pytest.skip(f"numba-cuda's own tests; --backend {selected}")
-
-
 # --- the packing against numba's, on the CPU ----------------------------------------------------------
 
 

@@ -15,25 +15,8 @@ import torch
 from checks import assert_matches_reference, max_err, random_qkv
 from fa2 import reference
 from fa2.spec import AttentionSpec
-from fa2_numba_cuda import backward, backward_simt, backward_tc, common, forward, kvcache, kvcache_tc
+from fa2_numba_cuda import backward, backward_simt, backward_tc, forward, kvcache, kvcache_tc
 from test_gradients import FP32_GRAD_ATOL, assert_grads_match
-
-
-@pytest.fixture(autouse=True)
-def _numba_cuda_selected(request):
-    selected = request.config.getoption("--backend")
-    if selected and "numba-cuda" not in selected:
-        pytest.skip(f"numba-cuda's own tests; --backend {selected}")
-
-
-@pytest.fixture
-def kernel_device(device):
-    if common.simulated() != (device.type == "cpu"):
-        pytest.skip(
-            f"--device {device.type} with NUMBA_ENABLE_CUDASIM={int(common.simulated())}: numba runs "
-            "CPU tensors only in its simulator and CUDA tensors only without it"
-        )
-    return device
 
 
 def _sink(heads, device, seed=7):

@@ -25,26 +25,6 @@ from fa2_numba_cuda import backward, backward_simt, backward_tc, common, tensor_
 from test_gradients import assert_grads_match
 
 
-@pytest.fixture(autouse=True)
-def _numba_cuda_selected(request):
-    selected = request.config.getoption("--backend")
-    if selected and "numba-cuda" not in selected:
-        pytest.skip(f"numba-cuda's own tests; --backend {selected}")
-
-
-@pytest.fixture
-def tc_device(device):
-    """Where the tensor-core backward runs: the simulator on the CPU, or a GPU of compute capability 8.0+."""
-    if common.simulated() != (device.type == "cpu"):
-        pytest.skip(
-            f"--device {device.type} with NUMBA_ENABLE_CUDASIM={int(common.simulated())}: numba runs "
-            "CPU tensors only in its simulator and CUDA tensors only without it"
-        )
-    if device.type == "cuda" and tensor_cores.capability(device) < tensor_cores.MIN_COMPUTE_CAPABILITY:
-        pytest.skip(f"the tensor-core backward needs compute capability 8.0+, got {tensor_cores.capability(device)}")
-    return device
-
-
 @pytest.fixture
 def calls(monkeypatch):
     """Which of backward_tc's and backward_simt's flash_attn_backward ``backward`` called, in order."""

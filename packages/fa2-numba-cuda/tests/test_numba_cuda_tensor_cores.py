@@ -35,13 +35,6 @@ from fa2_numba_cuda import common, forward, forward_tc, mma, tensor_cores
 SIMULATED = common.simulated()
 
 
-@pytest.fixture(autouse=True)
-def _numba_cuda_selected(request):
-    selected = request.config.getoption("--backend")
-    if selected and "numba-cuda" not in selected:
-        pytest.skip(f"numba-cuda's own tests; --backend {selected}")
-
-
 # --- the ISA's tables ---------------------------------------------------------------------------------
 
 # Literal entries of the PTX ISA's figures ("Matrix Fragments for mma.m16n8k16 with floating point type",
