@@ -1,8 +1,8 @@
-"""fa2-triton's Hopper dK/dV kernel in Gluon (``fa2_triton.backward_gluon``), opt-in: which inputs it takes
-and how flash_attn_backward wires it in (on the CPU, whatever the GPU), that it compiles for sm_90a with the
-Gluon API of the Triton this runs with (wherever Gluon is importable, a GPU or not), and, on a Hopper GPU,
-that dq, dk, dv match the fp64 reference through fa2.attention with the switch on, the same bits run after
-run."""
+"""fa2-triton's Hopper dK/dV and dQ kernels in Gluon (``fa2_triton.backward_gluon``): which inputs they take
+and how flash_attn_backward wires them in (on the CPU, whatever the GPU), that they compile for sm_90a with
+the Gluon API of the Triton this runs with (wherever Gluon is importable, a GPU or not), and, on a Hopper
+GPU, that dq, dk, dv match the fp64 reference through fa2.attention with the switches on, the same bits run
+after run."""
 
 from __future__ import annotations
 
@@ -90,6 +90,69 @@ def test_the_gluon_backward_takes_no_more_than_its_grid_holds():
     assert not backward_gluon.takes(q, k, v, _spec())
 
 
+TAKES_DQ = {
+    "bf16-256x384": (dict(), dict(), True),
+    "causal-256x384": (dict(), dict(window=(-1, 0)), True),
+    "causal-384x384": (dict(seqlen_q=384), dict(window=(-1, 0)), True),
+    "384x256": (dict(seqlen_q=384, seqlen_k=256), dict(), True),
+    "causal-384x256": (dict(seqlen_q=384, seqlen_k=256), dict(window=(-1, 0)), False),
+    "gqa4-causal-384x640": (dict(heads=8, heads_k=2, seqlen_q=384, seqlen_k=640), dict(group=4, window=(-1, 0)), True),
+    "head_dim-64": (dict(head_dim=64), dict(), True),
+    "sink": (dict(), dict(sink=torch.zeros(4)), True),
+    "window": (dict(), dict(window=(64, 64)), False),
+    "head_dim-96": (dict(head_dim=96), dict(), False),
+    "seqlen_q-192": (dict(seqlen_q=192), dict(), False),
+    "fp32": (dict(dtype=torch.float32), dict(), False),
+}
+
+
+@pytest.mark.parametrize("case", TAKES_DQ, ids=list(TAKES_DQ))
+def test_which_inputs_the_gluon_dq_takes(case):
+    """takes_dq: what takes accepts, less causal inputs with fewer keys than queries (a query tile would see
+    no diagonal key tile)."""
+    shape, spec, expected = TAKES_DQ[case]
+    shape = dict(batch=2, heads=4, heads_k=4, seqlen_q=256, seqlen_k=384) | shape
+    q, k, v = _qkv(**shape)
+    assert backward_gluon.takes_dq(q, k, v, _spec(**spec)) is expected
+
+
+def test_the_gluon_dq_takes_no_more_than_its_grid_holds():
+    """batch·heads (query heads) is the dQ grid's second axis, at most 65,535: GQA can pass takes's check on
+    batch·heads_k and fail this one (meta tensors: shapes without memory)."""
+    q = torch.empty(65535, 1, 128, 128, dtype=torch.bfloat16, device="meta")
+    assert backward_gluon.takes_dq(q, q, q, _spec())
+    q = torch.empty(32768, 4, 128, 128, dtype=torch.bfloat16, device="meta")
+    k = torch.empty(32768, 1, 128, 128, dtype=torch.bfloat16, device="meta")
+    assert backward_gluon.takes(q, k, k, _spec(group=4))
+    assert not backward_gluon.takes_dq(q, k, k, _spec(group=4))
+
+
+def test_which_head_dims_the_gluon_dq_is_on_for(monkeypatch):
+    """uses_gluon_dq: a head_dim of DQ_ENABLED (read from FA2_TRITON_GLUON_DQ at import: none by default or
+    with any other value, 64 and 128 with =1), a Hopper GPU and inputs takes_dq accepts; apart from ENABLED,
+    the dK/dV kernel's switch."""
+    q, k, v = _qkv(2, 4, 4, 256, 256)
+    monkeypatch.setattr(backward_gluon, "DQ_ENABLED", backward_gluon.HEAD_DIMS)
+    monkeypatch.setattr(backward_gluon, "ENABLED", ())
+    assert not backward_gluon.uses_gluon_dq(q, k, v, _spec()), "CPU tensors never take the Gluon kernel"
+    monkeypatch.setattr(backward_gluon, "_on_hopper", lambda device: True)
+    assert backward_gluon.uses_gluon_dq(q, k, v, _spec())
+    assert not backward_gluon.uses_gluon(q, k, v, _spec()), "the dK/dV kernel's switch is its own"
+    q_long = _qkv(2, 4, 4, 384, 256)[0]
+    assert not backward_gluon.uses_gluon_dq(q_long, k, v, _spec(window=(-1, 0))), "causal, fewer keys"
+    monkeypatch.setattr(backward_gluon, "DQ_ENABLED", ())
+    assert not backward_gluon.uses_gluon_dq(q, k, v, _spec()), "off"
+    code = "from fa2_triton import backward_gluon as b; print(b.DQ_ENABLED)"
+    for value, expected in ((None, "()"), ("1", "(64, 128)"), ("0", "()"), ("yes", "()")):
+        if value is None:
+            monkeypatch.delenv("FA2_TRITON_GLUON_DQ", raising=False)
+        else:
+            monkeypatch.setenv("FA2_TRITON_GLUON_DQ", value)
+        run = run_python(code, without="FA2_TRITON_GLUON_DQ" if value is None else "", timeout=120)
+        assert run.returncode == 0, run.stderr[-3000:]
+        assert run.stdout.strip().splitlines()[-1] == expected, f"FA2_TRITON_GLUON_DQ={value}"
+
+
 def test_which_head_dims_the_gluon_backward_is_on_for(monkeypatch):
     """uses_gluon: a head_dim of ENABLED (read from FA2_TRITON_GLUON_BACKWARD at import: 128 by default, 64
     and 128 with =1, none with =0), a Hopper GPU and inputs it takes; CPU tensors never take it."""
@@ -135,6 +198,94 @@ def test_flash_attn_backward_sends_dkdv_to_gluon(monkeypatch, deterministic):
     tiles = backward.bwd_tiles_for(128, q.dtype, False, 256, False)
     backward.flash_attn_backward(q, k, v, q, L, q, _spec(), tiles=tiles, deterministic=deterministic)
     assert calls == (["dq", "tl-dkdv"] if deterministic else ["tl-atomic"]), "given tiles run the tl kernels"
+
+
+@pytest.mark.parametrize("deterministic", [True, False], ids=["deterministic", "atomic-dq"])
+@pytest.mark.parametrize("dkdv_on", [True, False], ids=["gluon-dkdv", "tl-dkdv"])
+@pytest.mark.parametrize("dq_on", [True, False], ids=["gluon-dq", "tl-dq"])
+def test_flash_attn_backward_sends_dq_to_gluon(monkeypatch, deterministic, dkdv_on, dq_on):
+    """With DQ_ENABLED on (a Hopper GPU faked), dq comes from the Gluon dQ kernel and the dK/dV step adds
+    none, in both modes, beside either dK/dV kernel; with it off, dq is the tl dQ kernel's (or, with the
+    tl dK/dV kernel and deterministic=False, its atomics'); given tiles keep the tl kernels. The launches
+    stubbed: this checks the wiring on the CPU."""
+    calls = []
+    monkeypatch.setattr(backward, "_check_device", lambda q: None)
+    monkeypatch.setattr(backward, "launch_preprocess", lambda O, dO, L, sink: (torch.zeros(L.shape), None))
+    monkeypatch.setattr(backward, "launch_dq", lambda *a: calls.append("tl-dq"))
+    monkeypatch.setattr(backward, "launch_dkdv", lambda *a: calls.append("tl-dkdv" if a[8] is None else "tl-atomic"))
+    monkeypatch.setattr(backward_gluon, "flash_attn_dkdv", lambda *a: calls.append("gluon-dkdv"))
+    monkeypatch.setattr(backward_gluon, "flash_attn_dq", lambda *a: calls.append("gluon-dq"))
+    monkeypatch.setattr(backward_gluon, "_on_hopper", lambda device: True)
+    monkeypatch.setattr(backward_gluon, "ENABLED", (128,) if dkdv_on else ())
+    monkeypatch.setattr(backward_gluon, "DQ_ENABLED", backward_gluon.HEAD_DIMS if dq_on else ())
+    q, k, v = _qkv(2, 4, 4, 256, 256)
+    L = torch.zeros(2, 4, 256)
+    backward.flash_attn_backward(q, k, v, q, L, q, _spec(), deterministic=deterministic)
+    dkdv = "gluon-dkdv" if dkdv_on else "tl-dkdv"
+    if dq_on:
+        assert calls == ["gluon-dq", dkdv]
+    elif dkdv_on or deterministic:
+        assert calls == ["tl-dq", dkdv]
+    else:
+        assert calls == ["tl-atomic"]
+    calls.clear()
+    tiles = backward.bwd_tiles_for(128, q.dtype, False, 256, False)
+    backward.flash_attn_backward(q, k, v, q, L, q, _spec(), tiles=tiles, deterministic=deterministic)
+    assert calls == (["tl-dq", "tl-dkdv"] if deterministic else ["tl-atomic"]), "given tiles run the tl kernels"
+
+
+@needs_gluon
+def test_gluon_dq_plans_are_kept_per_class_of_inputs(monkeypatch):
+    """The dQ kernel's plans (``backward_gluon._DQ_PLANS``), on the CPU with the launch stubbed: new data of
+    one class reuses a plan, whose copied descriptors are the ones Gluon builds for the new data; a
+    non-contiguous dO is copied; another shape gets its own plan."""
+    from fa2_triton import launch
+
+    launches = []
+    monkeypatch.setattr(backward_gluon, "launch", lambda *a: launches.append(a))
+    backward_gluon._DQ_PLANS.clear()
+
+    def call(seqlen, seed, dO_strided=False):
+        q, k, v = random_qkv((1, 4, seqlen, 128), (1, 2, seqlen, 128), torch.bfloat16, "cpu", seed=seed)
+        spec = _spec(group=2, window=(-1, 0))
+        dO = torch.randn(1, seqlen, 4, 128, dtype=torch.bfloat16).transpose(1, 2) if dO_strided else q + 1
+        L, delta = torch.randn(1, 4, seqlen), torch.randn(1, 4, seqlen)
+        dq = torch.empty_like(q)
+        assert backward_gluon.takes_dq(q, k, v, spec)
+        backward_gluon.flash_attn_dq(q, k, v, dO, L, delta, dq, spec)
+        kernel, grid, args, constexprs, options, classes = launches[-1]
+        assert kernel is backward_gluon._attn_bwd_dq_gluon and grid == (seqlen // 128, 4)
+        assert classes == launch.arg_classes(args)
+        rows = backward_gluon._smem_layout(q.dtype, 128)
+        keys = backward_gluon._smem_layout(q.dtype, 128, backward_gluon.DQ_BLOCK_N)
+        want = [
+            backward_gluon.GluonTensorDescriptor.from_tensor(t.reshape(-1, 128), [block, 128], layout)
+            for t, block, layout in ((q, 64, rows), (k, 128, keys), (v, 128, keys), (dO, 64, rows), (dq, 64, rows))
+        ] + [
+            backward_gluon.GluonTensorDescriptor.from_tensor(t.view(-1), [64], backward_gluon._ROWS_LAYOUT)
+            for t in (L, delta)
+        ]
+        for n, (got, ref) in enumerate(zip(args[:7], want)):
+            if n == 3 and dO_strided:
+                assert got.base.is_contiguous() and torch.equal(got.base, ref.base), "dO copied, contiguous"
+            else:
+                assert got.base.data_ptr() == ref.base.data_ptr() and got.base.shape == ref.base.shape
+            assert (tuple(got.shape), tuple(got.strides), got.block_shape, got.layout, got.padding) == (
+                tuple(ref.shape),
+                tuple(ref.strides),
+                ref.block_shape,
+                ref.layout,
+                ref.padding,
+            )
+        assert args[7:] == (SCALE * backward_gluon.LOG2_E, SCALE, seqlen, seqlen, 4, 2)
+        assert constexprs == dict(CAUSAL=True, HEAD_DIM=128, STAGES=backward_gluon.DQ_STAGES[128])
+        return list(backward_gluon._DQ_PLANS.values())
+
+    plans = call(128, seed=1)
+    assert len(plans) == 1 and plans[0].classes is not None
+    assert call(128, seed=2) == plans
+    assert call(128, seed=3, dO_strided=True) == plans
+    assert len(call(256, seed=4)) == 2
 
 
 @needs_gluon
@@ -190,10 +341,11 @@ def test_gluon_backward_plans_are_kept_per_class_of_inputs(monkeypatch):
     assert len(call(256, seed=4)) == 2
 
 
-def _sm90a_build(dtype_name: str, head_dim: int, causal: bool) -> dict:
-    """The kernel compiled for sm_90a by ptxas (no GPU needed): its registers at launch, local memory (spills)
-    and shared memory per CTA, and the HGMMA count of its SASS. Triton's interpreter cannot compile Gluon, so
-    the test calls this in a subprocess without TRITON_INTERPRET."""
+def _sm90a_build(kernel: str, dtype_name: str, head_dim: int, causal: bool) -> dict:
+    """The dK/dV kernel (kernel "dkdv") or the dQ kernel ("dq") compiled for sm_90a by ptxas (no GPU needed):
+    its registers at launch, local memory (spills) and shared memory per CTA, and the HGMMA count of its SASS.
+    Triton's interpreter cannot compile Gluon, so the test calls this in a subprocess without
+    TRITON_INTERPRET."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
@@ -201,9 +353,19 @@ def _sm90a_build(dtype_name: str, head_dim: int, causal: bool) -> dict:
     layout = backward_gluon._smem_layout(dtype, head_dim)
     rows = f"tensordesc<fp32[{backward_gluon.BLOCK_M}],{backward_gluon._ROWS_LAYOUT!r}>"
     tile = f"tensordesc<{dtype_name}[{backward_gluon.BLOCK_M}, {head_dim}],{layout!r}>"
-    fn = backward_gluon._attn_bwd_dkdv_gluon
-    constexprs = dict(CAUSAL=causal, HEAD_DIM=head_dim, STAGES=backward_gluon.STAGES)
-    signature = {name: tile for name in ("q_desc", "k_desc", "v_desc", "do_desc", "dk_desc", "dv_desc")}
+    if kernel == "dkdv":
+        fn = backward_gluon._attn_bwd_dkdv_gluon
+        constexprs = dict(CAUSAL=causal, HEAD_DIM=head_dim, STAGES=backward_gluon.STAGES)
+        signature = {name: tile for name in ("q_desc", "k_desc", "v_desc", "do_desc", "dk_desc", "dv_desc")}
+    else:
+        fn = backward_gluon._attn_bwd_dq_gluon
+        constexprs = dict(CAUSAL=causal, HEAD_DIM=head_dim, STAGES=backward_gluon.DQ_STAGES[head_dim])
+        keys = backward_gluon.DQ_BLOCK_N
+        key_tile = (
+            f"tensordesc<{dtype_name}[{keys}, {head_dim}],{backward_gluon._smem_layout(dtype, head_dim, keys)!r}>"
+        )
+        signature = {name: tile for name in ("q_desc", "do_desc", "dq_desc")}
+        signature |= {"k_desc": key_tile, "v_desc": key_tile}
     signature |= {"l_desc": rows, "delta_desc": rows, "qk_scale": "fp32", "scale": "fp32"}
     for arg in fn.arg_names:
         signature.setdefault(arg, "constexpr" if arg in constexprs else "i32")
@@ -243,7 +405,7 @@ def test_the_gluon_backward_compiles_for_sm90a(dtype, head_dim, causal, record_p
     Triton 3.6's causal scalars), the shared memory within a CTA's 227 KB."""
     code = (
         "import json, test_triton_gluon_backward as t; "
-        f"print(json.dumps(t._sm90a_build({dtype!r}, {head_dim}, {causal})))"
+        f"print(json.dumps(t._sm90a_build('dkdv', {dtype!r}, {head_dim}, {causal})))"
     )
     run = run_python(code, without="TRITON_INTERPRET", timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
@@ -253,6 +415,31 @@ def test_the_gluon_backward_compiles_for_sm90a(dtype, head_dim, causal, record_p
     # Triton 3.6's causal D128 build keeps 24 B of scalars in local memory (the warp-specialised dispatch's
     # shared-memory base among them), reloaded about once a step; 3.9's build none.
     assert build["stack"] <= (24 if causal else 0), f"{build['stack']} B of local memory a thread: {build}"
+    assert build["shared"] <= 227 * 1024, f"{build['shared']} B of shared memory"
+
+
+@needs_gluon
+@pytest.mark.parametrize(
+    "dtype, head_dim, causal",
+    [("bf16", 128, False), ("bf16", 128, True), ("fp16", 64, True)],
+    ids=["bf16-D128", "bf16-D128-causal", "fp16-D64-causal"],
+)
+def test_the_gluon_dq_compiles_for_sm90a(dtype, head_dim, causal, record_property):
+    """ptxas's sm_90a build of the dQ kernel: the step's three warpgroup MMAs in the SASS for each consumer
+    warpgroup (S and dP over head_dim, dQ over the tile's DQ_BLOCK_N keys, 16 deep an instruction), twice
+    under causal (the diagonal step is a copy of the loop's, with the mask), no local memory (none in
+    Triton 3.6's and 3.9's builds), the shared memory within a CTA's 227 KB."""
+    code = (
+        "import json, test_triton_gluon_backward as t; "
+        f"print(json.dumps(t._sm90a_build('dq', {dtype!r}, {head_dim}, {causal})))"
+    )
+    run = run_python(code, without="TRITON_INTERPRET", timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    build = json.loads(run.stdout.strip().splitlines()[-1])
+    record_property("sm90a_build", build)
+    step = 2 * head_dim // 16 + backward_gluon.DQ_BLOCK_N // 16
+    assert build["hgmma"] == 2 * step * (2 if causal else 1), build
+    assert build["stack"] == 0, f"{build['stack']} B of local memory a thread: {build}"
     assert build["shared"] <= 227 * 1024, f"{build['shared']} B of shared memory"
 
 
@@ -277,18 +464,23 @@ CASES = {
 }
 
 
-def _gradients(case, dtype, causal, device, monkeypatch):
-    """(dq, dk, dv), q, k, v, dO of fa2.attention(...)'s backward with the switch on, the Gluon dK/dV kernel
-    checked to have run."""
+def _gradients(case, dtype, causal, device, monkeypatch, dq=False):
+    """(dq, dk, dv), q, k, v, dO of fa2.attention(...)'s backward with the dK/dV switch on (and with dq, the dQ
+    switch), the Gluon dK/dV kernel checked to have run, and the Gluon dQ kernel where dq and takes_dq say so
+    (causal inputs with fewer keys than queries keep the tl dQ kernel)."""
     monkeypatch.setattr(backward_gluon, "ENABLED", backward_gluon.HEAD_DIMS)
+    monkeypatch.setattr(backward_gluon, "DQ_ENABLED", backward_gluon.HEAD_DIMS if dq else ())
     calls = []
-    real = backward_gluon.flash_attn_dkdv
-    monkeypatch.setattr(backward_gluon, "flash_attn_dkdv", lambda *a: calls.append(1) or real(*a))
+    real_dkdv, real_dq = backward_gluon.flash_attn_dkdv, backward_gluon.flash_attn_dq
+    monkeypatch.setattr(backward_gluon, "flash_attn_dkdv", lambda *a: calls.append("dkdv") or real_dkdv(*a))
+    monkeypatch.setattr(backward_gluon, "flash_attn_dq", lambda *a: calls.append("dq") or real_dq(*a))
     q, k, v = (t.requires_grad_() for t in _qkv(dtype=dtype, device=device, **CASES[case]))
     dO = torch.randn(q.shape, generator=torch.Generator().manual_seed(1)).to(device=device, dtype=dtype)
     O, _ = fa2.attention(q, k, v, causal=causal, scale=SCALE, backend="triton")
     grads_ = grads(O, (q, k, v), dO)
-    assert calls == [1], "the Gluon dK/dV kernel ran"
+    spec = _spec(window=(-1, 0) if causal else (-1, -1), group=q.shape[1] // k.shape[1])
+    want_dq = dq and backward_gluon.takes_dq(q, k, v, spec)
+    assert calls == (["dq", "dkdv"] if want_dq else ["dkdv"]), "the Gluon kernels that ran"
     return grads_, (q, k, v, dO)
 
 
@@ -307,5 +499,26 @@ def test_the_gluon_backward_gives_the_same_bits_twice(causal, device, monkeypatc
     _hopper(device)
     first, _ = _gradients("gqa4-384x640", torch.bfloat16, causal, device, monkeypatch)
     second, _ = _gradients("gqa4-384x640", torch.bfloat16, causal, device, monkeypatch)
+    for name, a, b in zip(("dq", "dk", "dv"), first, second):
+        assert torch.equal(a, b), f"{name} differs between two runs"
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("case", CASES, ids=list(CASES))
+def test_the_gluon_dq_matches_the_reference(case, dtype, causal, device, monkeypatch):
+    """dq from the Gluon dQ kernel (dk, dv from the Gluon dK/dV kernel) against the fp64 reference; B1-H2-512x256
+    causal (fewer keys than queries) checks that it keeps the tl dQ kernel."""
+    _hopper(device)
+    (dq, dk, dv), (q, k, v, dO) = _gradients(case, dtype, causal, device, monkeypatch, dq=True)
+    assert_grads_match(dq, dk, dv, q, k, v, dO, causal, scale=SCALE)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_the_gluon_dq_gives_the_same_bits_twice(causal, device, monkeypatch):
+    """The Gluon dQ kernel writes each element of dq once: two runs, equal bits."""
+    _hopper(device)
+    first, _ = _gradients("gqa4-384x640", torch.bfloat16, causal, device, monkeypatch, dq=True)
+    second, _ = _gradients("gqa4-384x640", torch.bfloat16, causal, device, monkeypatch, dq=True)
     for name, a, b in zip(("dq", "dk", "dv"), first, second):
         assert torch.equal(a, b), f"{name} differs between two runs"

@@ -6,8 +6,12 @@ atomics.
 
 Where ``backward_gluon.uses_gluon`` says so (a Hopper GPU, inputs it takes, a head_dim of
 ``backward_gluon.ENABLED``: 128 by default; default tiles), the dK/dV step runs ``backward_gluon``'s warp-specialised
-kernel instead of the tl one, beside the tl preprocess and the tl dQ kernel, in both modes (with
-``deterministic=False`` too: the Gluon kernel adds no dQ). An error in it is raised, never retried on tl.
+kernel instead of the tl one, beside the tl preprocess and a dQ kernel, in both modes (with
+``deterministic=False`` too: the Gluon kernel adds no dQ). Where ``backward_gluon.uses_gluon_dq`` says so (the
+same, with a head_dim of ``backward_gluon.DQ_ENABLED``: none by default, FA2_TRITON_GLUON_DQ=1 turns it on;
+causal only with seqlen_k >= seqlen_q), dq comes from ``backward_gluon``'s dQ kernel instead of the tl one, in
+both modes too (the dK/dV step then adds no dQ, whichever kernel runs it). An error in a Gluon kernel is
+raised, never retried on tl.
 
 Each launcher (``launch_preprocess``, ``launch_dq``, ``launch_dkdv``) runs one kernel, so that the tuner
 (``python -m fa2_triton.tuning.backward``) can time them apart; each kernel's tiles come from
@@ -55,8 +59,8 @@ def flash_attn_backward(
             that the same inputs give the same bits. False adds dq into a zeroed fp32 accumulator from the
             dK/dV kernel with atomics instead (as FA2's CUDA kernel): S and dP are computed once instead of
             twice, but the order of the additions, and so the last bits of dq, vary from run to run. Where
-            the Gluon dK/dV kernel runs (``backward_gluon.uses_gluon``), dq comes from the dQ kernel in
-            both modes.
+            the Gluon dK/dV kernel or the Gluon dQ kernel runs (``backward_gluon.uses_gluon``,
+            ``uses_gluon_dq``), dq comes from a dQ kernel in both modes.
 
     Returns:
         dq, dk, dv in the shapes and dtypes of q, k, v (dk, dv: (batch, heads_k, seqlen_k, head_dim), each
@@ -81,14 +85,18 @@ def flash_attn_backward(
     dk = torch.empty(k.shape, device=k.device, dtype=k.dtype)
     dv = torch.empty(v.shape, device=v.device, dtype=v.dtype)
     gluon = tiles is None and backward_gluon.uses_gluon(q, k, v, spec)
+    gluon_dq = tiles is None and backward_gluon.uses_gluon_dq(q, k, v, spec)
     tiles = tiles or bwd_tiles_for(
         head_dim, q.dtype, spec.masked, spec.max_seqlen_k if spec.varlen else seqlen_k, spec.varlen
     )
     with on_device(q.device):
         delta, dsink = launch_preprocess(O, dO, L, spec.sink)
-        if deterministic or gluon:
+        if deterministic or gluon or gluon_dq:
             dq = torch.empty(q.shape, device=q.device, dtype=q.dtype)
-            launch_dq(q, k, v, dO, L, delta, dq, spec, tiles.dq)
+            if gluon_dq:
+                backward_gluon.flash_attn_dq(q, k, v, dO, L, delta, dq, spec)
+            else:
+                launch_dq(q, k, v, dO, L, delta, dq, spec, tiles.dq)
             if gluon:
                 backward_gluon.flash_attn_dkdv(q, k, v, dO, L, delta, dk, dv, spec)
             else:

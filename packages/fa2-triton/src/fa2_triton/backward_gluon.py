@@ -1,4 +1,5 @@
-"""fa2-triton's Hopper dK/dV kernel in Gluon (``triton.experimental.gluon``): warp-specialised, on warpgroup MMA.
+"""fa2-triton's Hopper dK/dV and dQ kernels in Gluon (``triton.experimental.gluon``): warp-specialised, on warpgroup
+MMA.
 
 The backward's dK/dV step (``backward_tl._attn_bwd_dkdv``'s work) written down as FlashAttention-3's
 backward does it, where the tl kernel leaves the schedule to Triton's compiler. One CTA per 128 keys of a
@@ -28,9 +29,27 @@ dK and dV. Under causal (bottom-right, as everywhere in fa2) the query tiles tha
 tile are skipped, not loaded; the rest are masked (a compare and select a score, which the tiles past the
 diagonal pass whole).
 
-dQ is not here: ``backward.flash_attn_backward`` runs the tl dQ kernel beside this one in both of its
-modes (with ``deterministic=False`` too, where the tl dK/dV kernel would add dQ by atomics), so dq, dk and
-dv are the same bits run after run.
+The dQ step (``backward_tl._attn_bwd_dq``'s work) is the second kernel here, the forward's schedule
+(``forward_gluon``) with the backward's step. One CTA per 128 query rows of a (batch, query head):
+
+- a loader warp copies Q and dO (two 64-row halves each, one per consumer) with their rows of L and delta
+  once, then the K and V tiles (``DQ_BLOCK_N`` keys) of key/value head h // group, tile after tile, into a
+  ring of ``DQ_STAGES`` buffers (ready mbarriers for K and for V, an empty one both consumers release);
+- two consumer warpgroups, 64 query rows each, with their dQ in registers. A step, for key tile j::
+
+      S  = Q K_jᵀ,  dP = dO V_jᵀ                 warpgroup MMAs, Q, dO, K, V from shared memory
+      P  = exp2(S · scale · log2(e) - L · log2(e))
+      dS = P ∘ (dP - delta)
+      dQ += dS K_j                               dS from registers, K_j as it lies (no transpose)
+
+  At the end dQ is multiplied by the softmax scale, staged in the consumer's Q buffer and stored by TMA:
+  each element written once, so dq is the same bits run after run. Under causal (bottom-right; seqlen_k >=
+  seqlen_q, ``takes_dq``) a query tile loads the key tiles up to its diagonal one and masks that one
+  alone, and the query tiles run last first (the longest first), as in the forward.
+
+``backward.flash_attn_backward`` runs the dK/dV kernel (this one or tl's) beside a dQ kernel (this one or
+tl's) in both of its modes (with ``deterministic=False`` too, where the tl dK/dV kernel alone would add dQ
+by atomics), so dq, dk and dv are the same bits run after run.
 
 Which inputs take it (``takes``): fp16 or bf16; head_dim 64 or 128; no window other than causal, no softcap,
 no ALiBi, no packed batch, no KV cache (a sink is fine: it changes nothing here, the preprocess makes its
@@ -39,11 +58,14 @@ head's end would read the next head's rows); q, k, v contiguous (batch, heads, s
 aligned; batch·heads_k at most 65,535 (the grid's second axis). dO, L and delta are copied where they are
 not contiguous and 16-byte aligned. ``uses_gluon`` adds the device (a Hopper GPU, compute capability 9.0,
 with Gluon's Hopper API, not the interpreter) and ``ENABLED``, the head dims it is on for: 128 by default
-(measured on the H200), 64 too with FA2_TRITON_GLUON_BACKWARD=1, none with =0. An error in this kernel is
-raised, never retried on the tl kernel.
+(measured on the H200), 64 too with FA2_TRITON_GLUON_BACKWARD=1, none with =0. The dQ kernel's switch is its
+own, ``uses_gluon_dq`` with ``DQ_ENABLED``: none by default (not measured yet), 64 and 128 with
+FA2_TRITON_GLUON_DQ=1; it takes what ``takes`` does less causal inputs with fewer keys than queries and
+batch·heads over 65,535, its grid's second axis (``takes_dq``). An error in these kernels is raised, never
+retried on the tl kernels.
 
 Gluon's API moves between Triton releases; the names used here are the ones ``forward_gluon`` uses, bound
-for Triton 3.6 and 3.7+ alike; packages/fa2-triton/tests/test_triton_gluon_backward.py compiles the kernel
+for Triton 3.6 and 3.7+ alike; packages/fa2-triton/tests/test_triton_gluon_backward.py compiles the kernels
 for sm_90a wherever Gluon is importable.
 """
 
@@ -80,6 +102,14 @@ HEAD_DIMS = (64, 128)
 # whole backward 1.14-1.20x); FA2_TRITON_GLUON_BACKWARD=1 adds 64 (correct on the H200, not timed yet), =0
 # sends none. Read once; tests set the attribute.
 ENABLED = {"0": (), "1": HEAD_DIMS}.get(os.environ.get("FA2_TRITON_GLUON_BACKWARD"), (128,))
+# The head dims fa2-triton's backward sends to the dQ kernel (``uses_gluon_dq``): none by default, until it is
+# measured on the H200; FA2_TRITON_GLUON_DQ=1 sends 64 and 128. Read once; tests set the attribute.
+DQ_ENABLED = HEAD_DIMS if os.environ.get("FA2_TRITON_GLUON_DQ") == "1" else ()
+DQ_BLOCK_M = 128  # query rows a dQ CTA: two consumer warpgroups of 64
+DQ_BLOCK_N = 128  # keys a K/V tile of the dQ kernel
+# The dQ kernel's K/V buffers by head_dim: a stage (a K and a V tile) 64 KB at 128, with Q's and dO's 64 KB
+# two stages take 192 KB of the H200's 227 KB a CTA; at 64, 32 KB a stage, three with Q's and dO's 32 KB.
+DQ_STAGES = {64: 3, 128: 2}
 MAX_GRID_Y = 65535
 MAX_ROWS = 2**31 - 1  # TMA coordinates are 32-bit
 # Q and dO buffers: at head_dim 128, K and V take 64 KB and each stage 32 KB (160 KB with three).
@@ -95,6 +125,12 @@ def uses_gluon(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: Attentio
     """Whether fa2-triton's backward runs this module's dK/dV kernel on these inputs: a head_dim it is on for
     (``ENABLED``), a device that can run it and inputs it takes (the module docstring says which)."""
     return q.shape[-1] in ENABLED and _on_hopper(q.device) and takes(q, k, v, spec)
+
+
+def uses_gluon_dq(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionSpec) -> bool:
+    """Whether fa2-triton's backward runs this module's dQ kernel on these inputs: a head_dim it is on for
+    (``DQ_ENABLED``), a device that can run it and inputs it takes (``takes_dq``)."""
+    return q.shape[-1] in DQ_ENABLED and _on_hopper(q.device) and takes_dq(q, k, v, spec)
 
 
 def _on_hopper(device: torch.device) -> bool:
@@ -116,6 +152,15 @@ def takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionSpec
     if batch * k.shape[1] > MAX_GRID_Y or max(q.numel(), k.numel()) // q.shape[-1] > MAX_ROWS:
         return False
     return all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in (q, k, v))
+
+
+def takes_dq(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionSpec) -> bool:
+    """Whether the dQ kernel takes these inputs, whatever the device: those ``takes`` accepts, batch·heads at
+    most 65,535 (its grid's second axis) and, causal, seqlen_k >= seqlen_q (every query tile then sees its
+    diagonal key tile, as in ``forward_gluon``)."""
+    if not takes(q, k, v, spec) or q.shape[0] * q.shape[1] > MAX_GRID_Y:
+        return False
+    return not spec.causal or k.shape[2] >= q.shape[2]
 
 
 def flash_attn_dkdv(
@@ -158,12 +203,51 @@ def flash_attn_dkdv(
         )
 
 
-class _Plan(NamedTuple):
-    """What ``flash_attn_dkdv`` works out from the inputs' shapes, dtype, alignment and the spec, but for the
-    tensors: kept per class of inputs (``_PLANS``)."""
+def flash_attn_dq(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    dO: torch.Tensor,
+    L: torch.Tensor,
+    delta: torch.Tensor,
+    dq: torch.Tensor,
+    spec: AttentionSpec,
+):
+    """dQ into dq (written in full, each element once).
 
-    # Q's, K's, V's, dO's, dK's, dV's, L's and delta's descriptors but for their base (GluonTensorDescriptor's
-    # fields).
+    Arguments:
+        q, dO: (batch, heads, seqlen_q, head_dim); k, v: (batch, heads_k, seqlen_k, head_dim), heads a
+            multiple of heads_k; inputs that ``takes_dq`` accepts (dO any strides).
+        L: (batch, heads, seqlen_q), float32, natural log, from the forward; delta: the preprocess's
+            rowsum(dO ∘ O), (batch, heads, seqlen_q) float32.
+        dq: contiguous, q's shape and dtype.
+        spec: the scale and whether causal (``takes_dq``).
+
+    Returns:
+        the compiled kernel (Triton's, on a GPU).
+    """
+    head_dim = q.shape[-1]
+    dO, L, delta = (_tma_ready(t) for t in (dO, L, delta))
+    key = (q.shape, k.shape, q.dtype, q.device, spec.scale, spec.causal)
+    plan = _DQ_PLANS.get(key)
+    if plan is None:
+        plan = _dq_plan(q, k, v, dO, L, delta, dq, spec)
+    bases = (*(t.view(-1, head_dim) for t in (q, k, v, dO, dq)), L.view(-1), delta.view(-1))
+    args = (*(_copy_descriptor(d, t) for d, t in zip(plan.descriptors, bases)), *plan.scalars)
+    if plan.classes is None:
+        plan = _DQ_PLANS.keep(key, plan._replace(classes=arg_classes(args)))
+    with on_device(q.device):
+        return launch(
+            _attn_bwd_dq_gluon, plan.grid, args, plan.constexprs, dict(num_warps=4, maxnreg=MAXNREG), plan.classes
+        )
+
+
+class _Plan(NamedTuple):
+    """What ``flash_attn_dkdv`` or ``flash_attn_dq`` works out from the inputs' shapes, dtype, alignment and
+    the spec, but for the tensors: kept per class of inputs (``_PLANS``, ``_DQ_PLANS``)."""
+
+    # The kernel's descriptors but for their base (GluonTensorDescriptor's fields): Q's, K's, V's, dO's, dK's,
+    # dV's, L's and delta's (dK/dV); Q's, K's, V's, dO's, dQ's, L's and delta's (dQ).
     descriptors: tuple[dict, ...]
     grid: tuple[int, int]
     scalars: tuple
@@ -175,6 +259,8 @@ class _Plan(NamedTuple):
 # (shapes, dtype, device, the scale, causal) -> _Plan. Every tensor is contiguous and 16-byte aligned here
 # (``takes``, ``flash_attn_dkdv``).
 _PLANS = Plans()
+# The same for ``flash_attn_dq``.
+_DQ_PLANS = Plans()
 
 
 def _plan(q, k, v, dO, L, delta, dk, dv, spec: AttentionSpec) -> _Plan:
@@ -195,6 +281,30 @@ def _plan(q, k, v, dO, L, delta, dk, dv, spec: AttentionSpec) -> _Plan:
     )
 
 
+def _dq_plan(q, k, v, dO, L, delta, dq, spec: AttentionSpec) -> _Plan:
+    """The launch of ``flash_attn_dq``'s inputs: the seven descriptors built and checked by Gluon once a class,
+    then copied (``_copy_descriptor``)."""
+    batch, heads, seqlen_q, head_dim = q.shape
+    rows_layout = _smem_layout(q.dtype, head_dim)
+    keys_layout = _smem_layout(q.dtype, head_dim, DQ_BLOCK_N)
+    descriptors = tuple(
+        GluonTensorDescriptor.from_tensor(t.view(-1, head_dim), [block, head_dim], layout)
+        for t, block, layout in (
+            (q, DQ_BLOCK_M // 2, rows_layout),
+            (k, DQ_BLOCK_N, keys_layout),
+            (v, DQ_BLOCK_N, keys_layout),
+            (dO, DQ_BLOCK_M // 2, rows_layout),
+            (dq, DQ_BLOCK_M // 2, rows_layout),
+        )
+    ) + tuple(GluonTensorDescriptor.from_tensor(t.view(-1), [DQ_BLOCK_M // 2], _ROWS_LAYOUT) for t in (L, delta))
+    return _Plan(
+        tuple({**d.__dict__, "base": None} for d in descriptors),
+        (seqlen_q // DQ_BLOCK_M, batch * heads),
+        (spec.scale * LOG2_E, spec.scale, seqlen_q, k.shape[2], heads, group_size(q, k)),
+        dict(CAUSAL=spec.causal, HEAD_DIM=head_dim, STAGES=DQ_STAGES[head_dim]),
+    )
+
+
 def _copy_descriptor(fields: dict, base: torch.Tensor) -> GluonTensorDescriptor:
     """A GluonTensorDescriptor of ``fields`` (a checked descriptor's, but for its base) over ``base``, whose
     shape, strides and alignment are the checked one's (``_PLANS``' key): the same checks would pass."""
@@ -211,10 +321,11 @@ def _tma_ready(t: torch.Tensor) -> torch.Tensor:
 
 
 @functools.cache
-def _smem_layout(dtype: torch.dtype, head_dim: int):
-    """The shared-memory layout of every tile here: [64 rows, head_dim]."""
+def _smem_layout(dtype: torch.dtype, head_dim: int, rows: int = BLOCK_M):
+    """The shared-memory layout of a [rows, head_dim] tile: 64 rows for every tile but the dQ kernel's K
+    and V tiles (DQ_BLOCK_N)."""
     gdtype = gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
-    return gl.NVMMASharedLayout.get_default_for([BLOCK_M, head_dim], gdtype)
+    return gl.NVMMASharedLayout.get_default_for([rows, head_dim], gdtype)
 
 
 if GLUON:
@@ -682,6 +793,525 @@ if GLUON:
                         scale,
                         N_Q,
                         N_K,
+                        GROUP,
+                        CAUSAL,
+                        HEAD_DIM,
+                        STAGES,
+                    ),
+                ),
+            ],
+            [4, 1],
+            [_CONSUMER_REGS, _LOADER_REGS],
+        )
+
+    # The dQ kernel.
+
+    _DQ_ROWS = gl.constexpr(DQ_BLOCK_M // 2)  # query rows of one consumer warpgroup
+    _DQ_BLOCK_N = gl.constexpr(DQ_BLOCK_N)
+
+    @gluon.jit
+    def _dq_coords(N_Q, N_K, H, GROUP, CAUSAL: gl.constexpr):
+        """This CTA's query tile t, its first Q (and dQ) row and its key/value head's first row in the 2-D
+        views. Causal, the tiles run last first: the last sees the most keys, and the short ones then fill
+        the GPU's last wave (as in ``forward_gluon``)."""
+        t = gl.program_id(0)
+        if CAUSAL:
+            t = gl.num_programs(0) - 1 - t
+        bh = gl.program_id(1)
+        q_row = bh * N_Q + t * (2 * _DQ_ROWS)
+        kv_row = ((bh // H) * (H // GROUP) + (bh % H) // GROUP) * N_K
+        return t, q_row, kv_row
+
+    @gluon.jit
+    def _dq_key_tiles(t, N_Q, N_K, CAUSAL: gl.constexpr):
+        """The key tiles query tile t sees: every one, or causal (N_K >= N_Q, both multiples of the tiles),
+        those up to its diagonal tile, which holds key i + N_K - N_Q of each row i."""
+        if CAUSAL:
+            return t + 1 + (N_K - N_Q) // _DQ_BLOCK_N
+        return N_K // _DQ_BLOCK_N
+
+    @gluon.jit
+    def _dq_loader(
+        q_desc,
+        k_desc,
+        v_desc,
+        do_desc,
+        dq_desc,
+        l_desc,
+        delta_desc,
+        q_smem,
+        do_smem,
+        k_smem,
+        v_smem,
+        lse_smem,
+        delta_smem,
+        q_ready,
+        do_ready,
+        k_ready,
+        v_ready,
+        kv_empty,
+        qk_scale,
+        scale,
+        N_Q,
+        N_K,
+        H,
+        GROUP,
+        CAUSAL: gl.constexpr,
+        HEAD_DIM: gl.constexpr,
+        STAGES: gl.constexpr,
+    ):
+        t, q_row, kv_row = _dq_coords(N_Q, N_K, H, GROUP, CAUSAL)
+        mbarrier.expect(q_ready, 2 * q_desc.block_type.nbytes + 2 * l_desc.block_type.nbytes)
+        for wg in gl.static_range(2):
+            _async_load(q_desc, [q_row + wg * _DQ_ROWS, 0], q_ready, q_smem.index(wg))
+            _async_load(l_desc, [q_row + wg * _DQ_ROWS], q_ready, lse_smem.index(wg))
+        mbarrier.expect(do_ready, 2 * do_desc.block_type.nbytes + 2 * delta_desc.block_type.nbytes)
+        for wg in gl.static_range(2):
+            _async_load(do_desc, [q_row + wg * _DQ_ROWS, 0], do_ready, do_smem.index(wg))
+            _async_load(delta_desc, [q_row + wg * _DQ_ROWS], do_ready, delta_smem.index(wg))
+        for j in range(_dq_key_tiles(t, N_Q, N_K, CAUSAL)):
+            s = j % STAGES
+            # A fresh barrier counts its phase before the first as complete: the first pass does not wait.
+            mbarrier.wait(kv_empty.index(s), ((j // STAGES) & 1) ^ 1)
+            mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
+            _async_load(k_desc, [kv_row + j * _DQ_BLOCK_N, 0], k_ready.index(s), k_smem.index(s))
+            mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
+            _async_load(v_desc, [kv_row + j * _DQ_BLOCK_N, 0], v_ready.index(s), v_smem.index(s))
+
+    @gluon.jit
+    def _dq_step(
+        j,
+        q,
+        do,
+        k_smem,
+        v_smem,
+        k_ready,
+        v_ready,
+        kv_empty,
+        dq,
+        lse,
+        delta,
+        qk_scale,
+        last_key,
+        s_layout: gl.constexpr,
+        a_layout: gl.constexpr,
+        STAGES: gl.constexpr,
+        MASK: gl.constexpr,
+    ):
+        """Key tile j: dQ of this warpgroup's rows updated. MASK (the causal diagonal tile): P zeroed where
+        key > last_key + r for the warpgroup's row r. lse: L · log2(e); delta: rowsum(dO ∘ O), [64] each."""
+        s = j % STAGES
+        phase = (j // STAGES) & 1
+        k = k_smem.index(s)
+        mbarrier.wait(k_ready.index(s), phase)
+        S = warpgroup_mma(
+            q,
+            k.permute((1, 0)),
+            gl.zeros([_DQ_ROWS, _DQ_BLOCK_N], gl.float32, s_layout),
+            use_acc=False,
+            is_async=True,
+        )
+        mbarrier.wait(v_ready.index(s), phase)
+        dp = warpgroup_mma(
+            do,
+            v_smem.index(s).permute((1, 0)),
+            gl.zeros([_DQ_ROWS, _DQ_BLOCK_N], gl.float32, s_layout),
+            use_acc=False,
+            is_async=True,
+        )
+        S = warpgroup_mma_wait(num_outstanding=1, deps=(S,))
+        # exp(S - L) in log2 units, as the dK/dV kernel's Pᵀ.
+        p = gl.exp2(S * qk_scale - lse[:, None])  # [64 queries, DQ_BLOCK_N keys]
+        if MASK:
+            # Zeroing after exp2 keeps -inf out of it.
+            rows = last_key + gl.arange(0, _DQ_ROWS, layout=gl.SliceLayout(1, s_layout))
+            cols = j * _DQ_BLOCK_N + gl.arange(0, _DQ_BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+            p = gl.where(cols[None, :] <= rows[:, None], p, 0.0)
+        dp = warpgroup_mma_wait(num_outstanding=0, deps=(dp,))
+        ds = p * (dp - delta[:, None])
+        ds16 = gl.convert_layout(ds.to(q.dtype), a_layout)
+        # K as the B operand, [DQ_BLOCK_N, HEAD_DIM] as it lies: no transpose.
+        dq = warpgroup_mma(ds16, k, dq, is_async=True)
+        dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq,))
+        mbarrier.arrive(kv_empty.index(s), count=1)
+        return dq
+
+    @gluon.jit
+    def _dq_consumer(
+        WG: gl.constexpr,
+        q_desc,
+        k_desc,
+        v_desc,
+        do_desc,
+        dq_desc,
+        l_desc,
+        delta_desc,
+        q_smem,
+        do_smem,
+        k_smem,
+        v_smem,
+        lse_smem,
+        delta_smem,
+        q_ready,
+        do_ready,
+        k_ready,
+        v_ready,
+        kv_empty,
+        qk_scale,
+        scale,
+        N_Q,
+        N_K,
+        H,
+        GROUP,
+        CAUSAL: gl.constexpr,
+        HEAD_DIM: gl.constexpr,
+        STAGES: gl.constexpr,
+    ):
+        """Consumer warpgroup WG: query rows [64 · WG, 64 · WG + 64) of the CTA's tile."""
+        t, q_row, kv_row = _dq_coords(N_Q, N_K, H, GROUP, CAUSAL)
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, _DQ_BLOCK_N, 16]
+        )
+        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16]
+        )
+        a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+        q = q_smem.index(WG)
+        do = do_smem.index(WG)
+        mbarrier.wait(q_ready, 0)
+        # L in log2 units, as the scores.
+        lse = lse_smem.index(WG).load(gl.SliceLayout(1, s_layout)) * 1.4426950408889634
+        mbarrier.wait(do_ready, 0)
+        delta = delta_smem.index(WG).load(gl.SliceLayout(1, s_layout))
+        dq = gl.zeros([_DQ_ROWS, HEAD_DIM], gl.float32, acc_layout)
+        n = _dq_key_tiles(t, N_Q, N_K, CAUSAL)
+        # The key on the diagonal of this warpgroup's first row (causal): the last it sees.
+        last_key = t * (2 * _DQ_ROWS) + WG * _DQ_ROWS + N_K - N_Q
+        if CAUSAL:
+            # Only the last tile, the diagonal one, is masked; the tiles before it are whole.
+            for j in range(n - 1):
+                dq = _dq_step(
+                    j,
+                    q,
+                    do,
+                    k_smem,
+                    v_smem,
+                    k_ready,
+                    v_ready,
+                    kv_empty,
+                    dq,
+                    lse,
+                    delta,
+                    qk_scale,
+                    last_key,
+                    s_layout,
+                    a_layout,
+                    STAGES,
+                    False,
+                )
+            dq = _dq_step(
+                n - 1,
+                q,
+                do,
+                k_smem,
+                v_smem,
+                k_ready,
+                v_ready,
+                kv_empty,
+                dq,
+                lse,
+                delta,
+                qk_scale,
+                last_key,
+                s_layout,
+                a_layout,
+                STAGES,
+                True,
+            )
+        else:
+            for j in range(n):
+                dq = _dq_step(
+                    j,
+                    q,
+                    do,
+                    k_smem,
+                    v_smem,
+                    k_ready,
+                    v_ready,
+                    kv_empty,
+                    dq,
+                    lse,
+                    delta,
+                    qk_scale,
+                    last_key,
+                    s_layout,
+                    a_layout,
+                    STAGES,
+                    False,
+                )
+        dq = dq * scale
+        q.store(dq.to(q_desc.dtype))  # Q's buffer is free: this warpgroup's last S = Q Kᵀ has completed
+        fence_async_shared()
+        _async_store(dq_desc, [q_row + WG * _DQ_ROWS, 0], q)
+        tma.store_wait(0)
+
+    @gluon.jit
+    def _dq_consumer0(
+        q_desc,
+        k_desc,
+        v_desc,
+        do_desc,
+        dq_desc,
+        l_desc,
+        delta_desc,
+        q_smem,
+        do_smem,
+        k_smem,
+        v_smem,
+        lse_smem,
+        delta_smem,
+        q_ready,
+        do_ready,
+        k_ready,
+        v_ready,
+        kv_empty,
+        qk_scale,
+        scale,
+        N_Q,
+        N_K,
+        H,
+        GROUP,
+        CAUSAL: gl.constexpr,
+        HEAD_DIM: gl.constexpr,
+        STAGES: gl.constexpr,
+    ):
+        _dq_consumer(
+            0,
+            q_desc,
+            k_desc,
+            v_desc,
+            do_desc,
+            dq_desc,
+            l_desc,
+            delta_desc,
+            q_smem,
+            do_smem,
+            k_smem,
+            v_smem,
+            lse_smem,
+            delta_smem,
+            q_ready,
+            do_ready,
+            k_ready,
+            v_ready,
+            kv_empty,
+            qk_scale,
+            scale,
+            N_Q,
+            N_K,
+            H,
+            GROUP,
+            CAUSAL,
+            HEAD_DIM,
+            STAGES,
+        )
+
+    @gluon.jit
+    def _dq_consumer1(
+        q_desc,
+        k_desc,
+        v_desc,
+        do_desc,
+        dq_desc,
+        l_desc,
+        delta_desc,
+        q_smem,
+        do_smem,
+        k_smem,
+        v_smem,
+        lse_smem,
+        delta_smem,
+        q_ready,
+        do_ready,
+        k_ready,
+        v_ready,
+        kv_empty,
+        qk_scale,
+        scale,
+        N_Q,
+        N_K,
+        H,
+        GROUP,
+        CAUSAL: gl.constexpr,
+        HEAD_DIM: gl.constexpr,
+        STAGES: gl.constexpr,
+    ):
+        _dq_consumer(
+            1,
+            q_desc,
+            k_desc,
+            v_desc,
+            do_desc,
+            dq_desc,
+            l_desc,
+            delta_desc,
+            q_smem,
+            do_smem,
+            k_smem,
+            v_smem,
+            lse_smem,
+            delta_smem,
+            q_ready,
+            do_ready,
+            k_ready,
+            v_ready,
+            kv_empty,
+            qk_scale,
+            scale,
+            N_Q,
+            N_K,
+            H,
+            GROUP,
+            CAUSAL,
+            HEAD_DIM,
+            STAGES,
+        )
+
+    @gluon.jit
+    def _attn_bwd_dq_gluon(
+        q_desc,
+        k_desc,
+        v_desc,
+        do_desc,
+        dq_desc,
+        l_desc,
+        delta_desc,
+        qk_scale,
+        scale,
+        N_Q,
+        N_K,
+        H,
+        GROUP,
+        CAUSAL: gl.constexpr,
+        HEAD_DIM: gl.constexpr,
+        STAGES: gl.constexpr,
+    ):
+        """q_desc, do_desc, dq_desc: (B·H·N_Q, D) rows, blocks [64, D]; k_desc, v_desc: (B·H_K·N_K, D), blocks
+        [DQ_BLOCK_N, D]; L, Delta: (B·H·N_Q,) float32, blocks [64]. qk_scale: the softmax scale · log2(e);
+        scale: the softmax scale; H: query heads; GROUP: query heads per key/value head. One CTA per (query
+        tile of 128 rows, batch·H)."""
+        dtype: gl.constexpr = q_desc.dtype
+        q_smem = gl.allocate_shared_memory(dtype, [2, _DQ_ROWS, HEAD_DIM], q_desc.layout)
+        do_smem = gl.allocate_shared_memory(dtype, [2, _DQ_ROWS, HEAD_DIM], do_desc.layout)
+        k_smem = gl.allocate_shared_memory(dtype, [STAGES, _DQ_BLOCK_N, HEAD_DIM], k_desc.layout)
+        v_smem = gl.allocate_shared_memory(dtype, [STAGES, _DQ_BLOCK_N, HEAD_DIM], v_desc.layout)
+        lse_smem = gl.allocate_shared_memory(gl.float32, [2, _DQ_ROWS], l_desc.layout)
+        delta_smem = gl.allocate_shared_memory(gl.float32, [2, _DQ_ROWS], delta_desc.layout)
+        q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        do_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(q_ready, count=1)
+        mbarrier.init(do_ready, count=1)
+        for i in gl.static_range(STAGES):
+            mbarrier.init(k_ready.index(i), count=1)
+            mbarrier.init(v_ready.index(i), count=1)
+            mbarrier.init(kv_empty.index(i), count=2)  # both consumers release a buffer
+        # Every partition gets the whole list, spelled out here: a tuple bound to a name first loses its
+        # constexprs (as in forward_gluon).
+        gl.warp_specialize(
+            [
+                (
+                    _dq_consumer0,
+                    (
+                        q_desc,
+                        k_desc,
+                        v_desc,
+                        do_desc,
+                        dq_desc,
+                        l_desc,
+                        delta_desc,
+                        q_smem,
+                        do_smem,
+                        k_smem,
+                        v_smem,
+                        lse_smem,
+                        delta_smem,
+                        q_ready,
+                        do_ready,
+                        k_ready,
+                        v_ready,
+                        kv_empty,
+                        qk_scale,
+                        scale,
+                        N_Q,
+                        N_K,
+                        H,
+                        GROUP,
+                        CAUSAL,
+                        HEAD_DIM,
+                        STAGES,
+                    ),
+                ),
+                (
+                    _dq_consumer1,
+                    (
+                        q_desc,
+                        k_desc,
+                        v_desc,
+                        do_desc,
+                        dq_desc,
+                        l_desc,
+                        delta_desc,
+                        q_smem,
+                        do_smem,
+                        k_smem,
+                        v_smem,
+                        lse_smem,
+                        delta_smem,
+                        q_ready,
+                        do_ready,
+                        k_ready,
+                        v_ready,
+                        kv_empty,
+                        qk_scale,
+                        scale,
+                        N_Q,
+                        N_K,
+                        H,
+                        GROUP,
+                        CAUSAL,
+                        HEAD_DIM,
+                        STAGES,
+                    ),
+                ),
+                (
+                    _dq_loader,
+                    (
+                        q_desc,
+                        k_desc,
+                        v_desc,
+                        do_desc,
+                        dq_desc,
+                        l_desc,
+                        delta_desc,
+                        q_smem,
+                        do_smem,
+                        k_smem,
+                        v_smem,
+                        lse_smem,
+                        delta_smem,
+                        q_ready,
+                        do_ready,
+                        k_ready,
+                        v_ready,
+                        kv_empty,
+                        qk_scale,
+                        scale,
+                        N_Q,
+                        N_K,
+                        H,
                         GROUP,
                         CAUSAL,
                         HEAD_DIM,
