@@ -8,7 +8,7 @@ Where ``backward_gluon.uses_gluon`` says so (a Hopper GPU, inputs it takes, a he
 ``backward_gluon.ENABLED``: 128 by default; default tiles), the dK/dV step runs ``backward_gluon``'s warp-specialised
 kernel instead of the tl one, beside the tl preprocess and a dQ kernel, in both modes (with
 ``deterministic=False`` too: the Gluon kernel adds no dQ). Where ``backward_gluon.uses_gluon_dq`` says so (the
-same, with a head_dim of ``backward_gluon.DQ_ENABLED``: none by default, FA2_TRITON_GLUON_DQ=1 turns it on;
+same, with a head_dim of ``backward_gluon.DQ_ENABLED``: 128 by default, FA2_TRITON_GLUON_DQ=1 adds 64;
 causal only with seqlen_k >= seqlen_q), dq comes from ``backward_gluon``'s dQ kernel instead of the tl one, in
 both modes too (the dK/dV step then adds no dQ, whichever kernel runs it). An error in a Gluon kernel is
 raised, never retried on tl.

@@ -59,8 +59,8 @@ aligned; batch·heads_k at most 65,535 (the grid's second axis). dO, L and delta
 not contiguous and 16-byte aligned. ``uses_gluon`` adds the device (a Hopper GPU, compute capability 9.0,
 with Gluon's Hopper API, not the interpreter) and ``ENABLED``, the head dims it is on for: 128 by default
 (measured on the H200), 64 too with FA2_TRITON_GLUON_BACKWARD=1, none with =0. The dQ kernel's switch is its
-own, ``uses_gluon_dq`` with ``DQ_ENABLED``: none by default (not measured yet), 64 and 128 with
-FA2_TRITON_GLUON_DQ=1; it takes what ``takes`` does less causal inputs with fewer keys than queries and
+own, ``uses_gluon_dq`` with ``DQ_ENABLED``: 128 by default (measured on the H200), 64 too with
+FA2_TRITON_GLUON_DQ=1, none with =0; it takes what ``takes`` does less causal inputs with fewer keys than queries and
 batch·heads over 65,535, its grid's second axis (``takes_dq``). An error in these kernels is raised, never
 retried on the tl kernels.
 
@@ -102,9 +102,11 @@ HEAD_DIMS = (64, 128)
 # whole backward 1.14-1.20x); FA2_TRITON_GLUON_BACKWARD=1 adds 64 (correct on the H200, not timed yet), =0
 # sends none. Read once; tests set the attribute.
 ENABLED = {"0": (), "1": HEAD_DIMS}.get(os.environ.get("FA2_TRITON_GLUON_BACKWARD"), (128,))
-# The head dims fa2-triton's backward sends to the dQ kernel (``uses_gluon_dq``): none by default, until it is
-# measured on the H200; FA2_TRITON_GLUON_DQ=1 sends 64 and 128. Read once; tests set the attribute.
-DQ_ENABLED = HEAD_DIMS if os.environ.get("FA2_TRITON_GLUON_DQ") == "1" else ()
+# The head dims fa2-triton's backward sends to the dQ kernel (``uses_gluon_dq``). By default 128, as measured
+# on the H200 (docs/notes/gluon-backward.md: 1.45-1.66x the tl dQ kernel, its dq bits, the whole backward
+# 1.18-1.19x with it); FA2_TRITON_GLUON_DQ=1 adds 64 (correct on the H200, not timed), =0 sends none. Read
+# once; tests set the attribute.
+DQ_ENABLED = {"0": (), "1": HEAD_DIMS}.get(os.environ.get("FA2_TRITON_GLUON_DQ"), (128,))
 DQ_BLOCK_M = 128  # query rows a dQ CTA: two consumer warpgroups of 64
 DQ_BLOCK_N = 128  # keys a K/V tile of the dQ kernel
 # The dQ kernel's K/V buffers by head_dim: a stage (a K and a V tile) 64 KB at 128, with Q's and dO's 64 KB
