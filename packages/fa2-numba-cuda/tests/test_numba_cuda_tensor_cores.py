@@ -529,6 +529,9 @@ KV_TC_CASES = [
     _kv(torch.float16, q=5, b=2, h=4, hk=1, d=36, cap=50, seqlens=(50, 0), batch_idx=(1, 0), splits=0),
     # packed queries with a block table, three splits
     _kv(torch.bfloat16, varlen=(2, 5), b=2, h=4, hk=2, d=32, cap=48, seqlens=(48, 20), page=16, splits=3),
+    # 37 splits of a key tile each (64 keys at head_dim 32), the last five past K_b and one ending inside it,
+    # in pages of 64: the combine's lanes each hold splits of the row, its groups of UNROLL a partial one
+    _kv(torch.float16, q=1, b=1, h=2, hk=1, d=32, cap=37 * 64, seqlens=(2000,), page=64, splits=37),
 ]
 
 
@@ -561,6 +564,39 @@ def test_kvcache_tensor_core_kernel(device, monkeypatch, dtype, case, scale, cau
     assert_matches_kvcache_reference(O, L, q, k_cache, v_cache, spec)
 
 
+KV_STAGES_CASES = [
+    # HEAD_DIM 64 (64-key tiles), three stages (55,808 B: dynamic shared memory), pages of 16; row 2's split 1
+    # past its keys and its split 0 of 3 tiles
+    pytest.param(
+        3, _kv(torch.float16, q=4, b=2, h=4, hk=2, d=64, cap=400, seqlens=(400, 150), page=16, splits=2), id="stages3"
+    ),
+    # HEAD_DIM 128 (32-key tiles), four stages, contiguous, one split of 9 tiles and one of fewer than 3
+    pytest.param(
+        4, _kv(torch.bfloat16, q=1, b=2, h=4, hk=1, d=128, cap=288, seqlens=(288, 70), splits=1), id="stages4"
+    ),
+]
+
+
+@pytest.mark.parametrize("stages, kv", KV_STAGES_CASES)
+def test_kvcache_tensor_core_kernel_stages(device, stages, kv):
+    """The tensor-core split kernel with more stages than its default two (``TensorCoreDecodeConfig.STAGES``:
+    tiles in dynamic shared memory, STAGES - 1 tiles' copies issued ahead) matches the reference."""
+    from fa2_numba_cuda import kvcache, kvcache_tc
+    from test_kvcache import _make, assert_matches_kvcache_reference
+
+    dtype, case, _ = kv.values
+    if SIMULATED != (device.type == "cpu"):
+        pytest.skip(f"the kernel runs on CUDA tensors, or on CPU tensors under numba's simulator; got {device}")
+    if device.type == "cuda" and torch.cuda.get_device_capability() < tensor_cores.MIN_COMPUTE_CAPABILITY:
+        pytest.skip(f"compute capability {torch.cuda.get_device_capability()} < 8.0: no tensor-core kernel")
+    q, k_cache, v_cache, spec = _make(case, False, dtype, device, seed=stages)
+    head_dim = kvcache.padded_head_dim(case["d"])
+    config = kvcache_tc.tc_decode_config(head_dim)._replace(STAGES=stages)
+    assert kvcache_tc.dynamic_shared_bytes(head_dim, config) > 0
+    O, L = kvcache.kvcache_forward(q, k_cache, v_cache, spec, config=config)
+    assert_matches_kvcache_reference(O, L, q, k_cache, v_cache, spec)
+
+
 @pytest.mark.skipif(
     SIMULATED or not torch.cuda.is_available(),
     reason=("registers and local memory of the compiled kernel: a CUDA GPU of compute capability 8.0+ only"),
@@ -568,8 +604,8 @@ def test_kvcache_tensor_core_kernel(device, monkeypatch, dtype, case, scale, cau
 @pytest.mark.parametrize("page", [None, 256], ids=["contiguous", "paged256"])
 def test_kvcache_tensor_core_kernel_on_the_gpu(page):
     """The decode benchmark's class (bf16, 32 query / 8 key-value heads, D 128, one token, split): the
-    tensor-core kernel runs, matches the reference, and keeps its registers (offline, ptxas sm_90: 174
-    registers and no local memory contiguous, 36 B of spills paged)."""
+    tensor-core kernel runs, matches the reference, and keeps its registers (offline, ptxas sm_90, 176
+    registers: contiguous 8 B of local memory, spills outside the key loop; pages of 256 none)."""
     from fa2_numba_cuda import kvcache
     from test_kvcache import _make, assert_matches_kvcache_reference
 

@@ -78,6 +78,8 @@ if simulated():
 
     def _shared_array(self, shape, dtype, alignment=None):
         if shape == 0 or alignment is not None:  # dynamic shared memory (one buffer), or the simulator's refusal
+            if not isinstance(dtype, _kernelapi.types.Type):
+                dtype = np.dtype(dtype)  # a numpy scalar type (int32 here is numpy's): the simulator wants a dtype
             return _simulator_shared_array(self, shape, dtype, alignment)
         caller = sys._getframe(1)
         key = (caller.f_code.co_filename, caller.f_lineno)
@@ -379,15 +381,25 @@ def _tile_loader(HEAD_DIM, NUM_WARPS, EVEN_HEAD_DIM, UNIT_STRIDE_D, to_float):
     return load_tile
 
 
-def _kv_loader(BLOCK_N, ROW_STEP, LDW, KIND, PAGED, EVEN_HEAD_DIM, ASYNC_LOADS):
-    """``load_kv``, the copy of one stage's K and V tiles (BLOCK_N keys each) into a shared array of 32-bit
+def _kv_loader(BLOCK_N, ROW_STEP, LDW, KIND, PAGE_SIZE, EVEN_HEAD_DIM, ASYNC_LOADS, FLAT=False):
+    """(PAGE_READS, ``page_ids``, ``load_kv``): the page ids a thread's rows of a tile need (PAGE_READS of them,
+    read by ``page_ids`` into a local int32 array, before the copies that use them, which may be a tile later),
+    and ``load_kv``, the copy of one stage's K and V tiles (BLOCK_N keys each) into a shared array of 32-bit
     words, LDW a row, for both KV-cache split kernels (``kvcache_simt``, ``kvcache_tc``): a thread copies one
     16 B chunk of tile rows ld_r, ld_r + ROW_STEP, ... (BLOCK_N / ROW_STEP rows of K and as many of V); KIND
     "f32", "f16" or "bf16" (16-bit elements two a word, the lower index in the low half: ``ldmatrix``'s
-    layout)."""
+    layout); PAGE_SIZE the paged cache's page size, a compile-time constant (the divisions by it shifts or
+    multiplies), 0 for a contiguous cache; FLAT: the shared array is one-dimensional (row r at word r · LDW, as
+    a dynamic shared array is), else (rows, LDW)."""
     ES = 4 if KIND == "f32" else 2  # bytes an element
     VEC = 16 // ES  # elements in a 16 B chunk (4 words)
     LOADS = BLOCK_N // ROW_STEP
+    PAGED = PAGE_SIZE > 0
+    # Pages from a thread's first row's to its last's (LOADS rows, ROW_STEP apart): read each, or where that is
+    # more reads than rows, each row's.
+    PAGES_SPANNED = -(-ROW_STEP * (LOADS - 1) // PAGE_SIZE) + 1 if PAGED else 1
+    PAGE_A_ROW = PAGES_SPANNED > LOADS
+    PAGE_READS = LOADS if PAGE_A_ROW else PAGES_SPANNED
 
     @device_function
     def load_row(tile, tile_row, x, x_base, offset, stride_d, chunk, head_dim, visible):
@@ -406,7 +418,10 @@ def _kv_loader(BLOCK_N, ROW_STEP, LDW, KIND, PAGED, EVEN_HEAD_DIM, ASYNC_LOADS):
                 value = float32(0.0)
                 if visible and (EVEN_HEAD_DIM or col + w < head_dim):
                     value = x[uint64(offset + (col + w) * stride_d)]
-                tile[uint64(tile_row), uint64(4 * chunk + w)] = value
+                if FLAT:
+                    tile[uint64(tile_row * LDW + 4 * chunk + w)] = value
+                else:
+                    tile[uint64(tile_row), uint64(4 * chunk + w)] = value
         else:
             for w in range(4):
                 lo = int32(0)
@@ -415,7 +430,28 @@ def _kv_loader(BLOCK_N, ROW_STEP, LDW, KIND, PAGED, EVEN_HEAD_DIM, ASYNC_LOADS):
                     lo = int32(x[uint64(offset + (col + 2 * w) * stride_d)]) & int32(0xFFFF)
                 if visible and (EVEN_HEAD_DIM or col + 2 * w + 1 < head_dim):
                     hi = int32(x[uint64(offset + (col + 2 * w + 1) * stride_d)]) << int32(16)
-                tile[uint64(tile_row), uint64(4 * chunk + w)] = lo | hi
+                if FLAT:
+                    tile[uint64(tile_row * LDW + 4 * chunk + w)] = lo | hi
+                else:
+                    tile[uint64(tile_row), uint64(4 * chunk + w)] = lo | hi
+
+    @device_function
+    def page_ids(pages, start_n, block_table, off_b, ld_r, stride_tb, stride_tp, capacity, cache_rows):
+        """A paged cache's block-table ids for the thread's rows of the tile from key start_n (``load_kv``'s
+        rows), into ``pages`` (PAGE_READS int32), clamped into the cache; a contiguous cache's: nothing. The
+        PAGES_SPANNED pages from its first row's on, each read once, or (PAGE_A_ROW) one a row's. Keys and page
+        indices as 32-bit unsigned values (below the capacity, an int32): numba's signed 64-bit floor division
+        and modulo cost a sign fix-up each."""
+        if PAGED:
+            last_key = uint32(capacity - 1)
+            first_page = uint32(min(start_n + ld_r, capacity - 1)) // uint32(PAGE_SIZE)
+            for j in range(PAGE_READS):
+                if PAGE_A_ROW:
+                    page_idx = int32(min(uint32(start_n + ld_r + ROW_STEP * j), last_key) // uint32(PAGE_SIZE))
+                else:
+                    page_idx = int32(min(first_page + uint32(j), last_key // uint32(PAGE_SIZE)))
+                page = block_table[uint64(off_b * stride_tb + page_idx * stride_tp)]
+                pages[j] = min(max(page, int32(0)), int32(cache_rows - 1))
 
     @device_function
     def load_kv(
@@ -429,8 +465,7 @@ def _kv_loader(BLOCK_N, ROW_STEP, LDW, KIND, PAGED, EVEN_HEAD_DIM, ASYNC_LOADS):
         v_base,
         k_head,
         v_head,
-        block_table,
-        off_b,
+        pages,
         ld_r,
         ld_c,
         stride_kb,
@@ -439,39 +474,34 @@ def _kv_loader(BLOCK_N, ROW_STEP, LDW, KIND, PAGED, EVEN_HEAD_DIM, ASYNC_LOADS):
         stride_vb,
         stride_vn,
         stride_vd,
-        stride_tb,
-        stride_tp,
         capacity,
-        cache_rows,
-        page_size,
         head_dim,
     ):
         """Keys start_n .. start_n + BLOCK_N of K and V into the stage at shared row stage_row (K, then V
         BLOCK_N rows on), zeros from key hi on: chunk ld_c of tile rows ld_r, ld_r + ROW_STEP, ... A paged
-        cache's page ids are read from the block table and clamped into the cache (a key past hi reads the
-        table at the last key of the capacity, and nothing of the cache). One division a tile: the thread's
-        next rows step (page, row in page) on by ROW_STEP keys."""
+        cache's rows from the page ids ``page_ids`` read for start_n (a key past the capacity, never visible,
+        takes the last key's page, and reads nothing of the cache)."""
         if PAGED:
-            page_idx = (start_n + ld_r) // page_size
-            in_page = (start_n + ld_r) - page_idx * page_size
+            last_key = uint32(capacity - 1)
+            first_page = uint32(min(start_n + ld_r, capacity - 1)) // uint32(PAGE_SIZE)
         for it in range(LOADS):
             r = ld_r + ROW_STEP * it
             key = start_n + r
             visible = key < hi
             # side-by-side: pages
             if PAGED:
-                if it > 0:
-                    in_page += ROW_STEP
-                    while in_page >= page_size:
-                        in_page -= page_size
-                        page_idx += 1
-                last = capacity - 1  # keys past the capacity (only invisible ones) read the last page id
-                if key > last:
-                    page_idx, in_page = last // page_size, last % page_size
-                page = int(block_table[uint64(off_b * stride_tb + page_idx * stride_tp)])
-                page = min(max(page, 0), cache_rows - 1)
-                k_off = k_head + page * stride_kb + in_page * stride_kn
-                v_off = v_head + page * stride_vb + in_page * stride_vn
+                key_in = min(uint32(key), last_key)  # keys past the capacity (never visible): the last one's page
+                if PAGE_A_ROW:
+                    page = pages[it]
+                else:
+                    nth = key_in // uint32(PAGE_SIZE) - first_page
+                    page = pages[0]
+                    for j in range(1, PAGE_READS):
+                        if nth == uint32(j):
+                            page = pages[j]
+                slot = int32(key_in % uint32(PAGE_SIZE))
+                k_off = k_head + page * stride_kb + slot * stride_kn
+                v_off = v_head + page * stride_vb + slot * stride_vn
             else:
                 k_off = k_head + key * stride_kn
                 v_off = v_head + key * stride_vn
@@ -481,7 +511,7 @@ def _kv_loader(BLOCK_N, ROW_STEP, LDW, KIND, PAGED, EVEN_HEAD_DIM, ASYNC_LOADS):
         if ASYNC_LOADS:
             cp_async_commit()
 
-    return load_kv
+    return PAGE_READS, page_ids, load_kv
 
 
 def _feature_columns(switches) -> dict:

@@ -124,7 +124,7 @@ _SPLITS: dict[tuple, int] = {}  # num_splits_heuristic's answers by its argument
 
 def block_slots(device: torch.device, threads: int, max_registers: int, shared: int) -> int:
     """Decode blocks the device holds at once, for blocks of ``threads`` threads, registers capped at
-    ``max_registers`` and ``shared`` bytes of static shared memory: SMs x min(by threads, by registers, by
+    ``max_registers`` and ``shared`` bytes of shared memory: SMs x min(by threads, by registers, by
     shared memory). From torch's device properties (no sync); under the simulator, 2 SMs of 4 blocks."""
     key = (device, threads, max_registers, shared)
     slots = _SLOTS.get(key)
@@ -390,10 +390,15 @@ def kvcache_forward(
         split,
         sink and not split,
     )
+    # The page size is compiled in (one kernel per page size met): the loader's divisions by it are shifts or
+    # multiplies, not a division a key row.
+    paging = page_size if spec.paged else 0
     if tensor_cores:
-        kernel = kvcache_tc.kernel(HEAD_DIM, config, *switches, kind == "bf16", head_dim == HEAD_DIM, async_loads)
+        kernel = kvcache_tc.kernel(
+            HEAD_DIM, config, *switches, kind == "bf16", head_dim == HEAD_DIM, async_loads, paging
+        )
     else:
-        kernel = kvcache_simt.kernel(HEAD_DIM, config, *switches, kind, head_dim == HEAD_DIM, async_loads)
+        kernel = kvcache_simt.kernel(HEAD_DIM, config, *switches, kind, head_dim == HEAD_DIM, async_loads, paging)
     if split:
         o_out = torch.empty(num_splits, rows_total, head_dim, dtype=torch.float32, device=device)
         lse_out = torch.empty(num_splits, rows_total, dtype=torch.float32, device=device)
@@ -418,7 +423,6 @@ def kvcache_forward(
         seqlen_rows,
         capacity,
         k_cache.shape[0],
-        page_size,
         head_dim,
         np.float32(score_scale(spec)),
         num_m_tiles,
@@ -430,11 +434,12 @@ def kvcache_forward(
     args = (*head, *feature_args(spec, seqlen_q, capacity, device), sink_flat)
     # Each launch is numba's the first time a class is met, then prepared (``launch.prepare``).
     varying = _varying(spec, len(head) + 3, len(args) - 1)
-    split_launch = launch.prepare(kernel, blocks * num_splits, threads, device, args, varying)
+    dynamic = kvcache_tc.dynamic_shared_bytes(HEAD_DIM, config) if tensor_cores else 0
+    split_launch = launch.prepare(kernel, blocks * num_splits, threads, device, args, varying, dynamic)
     combine_launch = None
     if split:
         combine_launch = launch.prepare(
-            kvcache_combine.kernel(q.dtype == torch.bfloat16, sink),
+            kvcache_combine.kernel(q.dtype == torch.bfloat16, sink, head_dim),
             -(-rows_total // kvcache_combine.ROWS),
             kvcache_combine.NUM_THREADS,
             device,

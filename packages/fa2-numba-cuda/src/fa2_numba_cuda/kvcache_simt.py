@@ -148,12 +148,14 @@ def _build_kernel(
     KIND,
     EVEN_HEAD_DIM,
     ASYNC_LOADS,
+    PAGE_SIZE,
 ):
     """The split-KV kernel for one padded head dim, ``DecodeConfig``, ``Features`` (LEFT, RIGHT, SOFTCAP,
     ALIBI, VARLEN: cu_seqlens_q), cache kind (PAGED, BATCH_IDX, LEFTPAD), SPLIT (partial fp32 O and base-2 L
     per split, for ``kvcache_combine``; else O in q's dtype and natural L), SINK (the epilogue adds the
     attention sink: only without SPLIT, the combine adding it once otherwise), input kind KIND ("f32", "f16", "bf16"),
-    head_dim == HEAD_DIM and cp.async loads (ASYNC_LOADS), all compile-time constants."""
+    head_dim == HEAD_DIM, cp.async loads (ASYNC_LOADS) and a paged cache's page size (PAGE_SIZE, 0 for a
+    contiguous cache), all compile-time constants."""
     BLOCK_M, BLOCK_N, MAX_REGISTERS = config
     ES = 4 if KIND == "f32" else 2  # bytes an element
     VEC = 16 // ES  # elements in a 16 B chunk (4 words)
@@ -195,7 +197,8 @@ def _build_kernel(
                 out[2 * w] = lo
                 out[2 * w + 1] = hi
 
-    load_kv = _kv_loader(BLOCK_N, ROW_STEP, LDW, KIND, PAGED, EVEN_HEAD_DIM, ASYNC_LOADS)
+    assert PAGED == (PAGE_SIZE > 0)
+    PAGE_READS, page_ids, load_kv = _kv_loader(BLOCK_N, ROW_STEP, LDW, KIND, PAGE_SIZE, EVEN_HEAD_DIM, ASYNC_LOADS)
 
     def _kvcache_fwd(
         q,
@@ -229,7 +232,6 @@ def _build_kernel(
         total_q,
         capacity,
         cache_rows,
-        page_size,
         head_dim,
         qk_scale,
         num_m_tiles,
@@ -363,7 +365,9 @@ def _build_kernel(
 
         # side-by-side: loop
         # Two stages: tile t + 1's copies are issued once tile t has landed, and fly during its compute.
+        pages = cuda.local.array(PAGE_READS, int32)  # a paged cache's page ids of the thread's rows of a tile
         if n_tiles > 0:
+            page_ids(pages, lo, block_table, off_b, ld_r, stride_tb, stride_tp, capacity, cache_rows)
             load_kv(
                 kv_tile,
                 0,
@@ -375,8 +379,7 @@ def _build_kernel(
                 v_base,
                 k_head,
                 v_head,
-                block_table,
-                off_b,
+                pages,
                 ld_r,
                 ld_c,
                 stride_kb,
@@ -385,11 +388,7 @@ def _build_kernel(
                 stride_vb,
                 stride_vn,
                 stride_vd,
-                stride_tb,
-                stride_tp,
                 capacity,
-                cache_rows,
-                page_size,
                 head_dim,
             )
         for t in range(n_tiles):
@@ -400,6 +399,7 @@ def _build_kernel(
             k_row = (t % 2) * 2 * BLOCK_N
             v_row = k_row + BLOCK_N
             if t + 1 < n_tiles:
+                page_ids(pages, start_n + BLOCK_N, block_table, off_b, ld_r, stride_tb, stride_tp, capacity, cache_rows)
                 load_kv(
                     kv_tile,
                     ((t + 1) % 2) * 2 * BLOCK_N,
@@ -411,8 +411,7 @@ def _build_kernel(
                     v_base,
                     k_head,
                     v_head,
-                    block_table,
-                    off_b,
+                    pages,
                     ld_r,
                     ld_c,
                     stride_kb,
@@ -421,11 +420,7 @@ def _build_kernel(
                     stride_vb,
                     stride_vn,
                     stride_vd,
-                    stride_tb,
-                    stride_tp,
                     capacity,
-                    cache_rows,
-                    page_size,
                     head_dim,
                 )
             # side-by-side: end
@@ -556,7 +551,7 @@ def _build_kernel(
 
 
 # Compiled kernels by (HEAD_DIM, DecodeConfig, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN, PAGED, BATCH_IDX, LEFTPAD,
-# SPLIT, SINK, KIND, EVEN_HEAD_DIM, ASYNC_LOADS).
+# SPLIT, SINK, KIND, EVEN_HEAD_DIM, ASYNC_LOADS, PAGE_SIZE).
 _KERNELS: dict[tuple, object] = {}
 
 

@@ -10,7 +10,7 @@ layouts as in ``forward_tc``):
   every warp; each warp owns its own 16 keys of each BLOCK_N = 16 · NUM_WARPS-key tile
   (``TensorCoreDecodeConfig``, ``tc_decode_config``), with its own m_i, l_i and acc.
 - The tiles are the SIMT kernel's (``common._kv_loader``: cp.async or plain loads, contiguous or paged,
-  16-bit pairs a word, 16 B of padding a row); Q is copied once into stage 1's rows and taken as A fragments
+  16-bit pairs a word, 16 B of padding a row); Q is copied once into the last stage's rows and taken as A fragments
   by ``ldmatrix``.
 - S = Q Kᵀ is one ``ldmatrix.x4`` and two mma per 16 head dims; scores, masks, softcap and ALiBi as
   ``kvcache``'s docstring gives them, in fp32 on the accumulators (lane 4 g + t: rows g and g + 8, keys 2 t,
@@ -22,7 +22,7 @@ layouts as in ``forward_tc``):
   (partial fp32 O and base-2 L per split for ``kvcache_combine``, or O and natural L).
 
 Compiled once per (padded head dim: 32, 64 or 128, ``TensorCoreDecodeConfig``, ``common.Features``, cache
-kind, split or not, bf16 or fp16, head_dim == padded, cp.async or plain loads) and cached (``kernel``). Under
+kind, split or not, bf16 or fp16, head_dim == padded, cp.async or plain loads, page size) and cached (``kernel``). Under
 numba's simulator it runs on ``mma.py``'s Python emulation of the instructions.
 """
 
@@ -52,8 +52,10 @@ from fa2_numba_cuda.common import (
     uint32,
     uint64,
 )
+from fa2_numba_cuda.launch import PORTABLE_SHARED_BYTES
 from fa2_numba_cuda.mma import (
-    cp_async_wait_all,
+    cp_async_commit,
+    cp_async_wait_group,
     exp2_approx,
     global_address,
     ldmatrix_a_row_col,
@@ -72,15 +74,18 @@ from fa2_numba_cuda.mma import (
 class TensorCoreDecodeConfig(NamedTuple):
     """The tensor-core split kernel's block: NUM_WARPS warps, each with the same BLOCK_M = 16 query rows (the
     M side of ``mma.m16n8k16``) and its own 16 keys of every BLOCK_N = 16 · NUM_WARPS-key tile; MAX_REGISTERS
-    caps ptxas (it bounds the blocks an SM holds, which ``num_splits_heuristic`` counts on)."""
+    caps ptxas (it bounds the blocks an SM holds, which ``num_splits_heuristic`` counts on); STAGES key tiles
+    of K and V in shared memory, STAGES - 1 of them in flight while the block computes one (in dynamic shared
+    memory where the stages pass static shared memory's 48 KB: ``dynamic_shared_bytes``)."""
 
     NUM_WARPS: int
     MAX_REGISTERS: int
+    STAGES: int = 2
 
 
 def tc_decode_config(HEAD_DIM: int) -> TensorCoreDecodeConfig:
-    """The tensor-core block for a padded head dim (32, 64 or 128): two stages of K and V tiles and their
-    16 B row padding in the 48 KB of static shared memory, Q and the warps' final merge reusing them::
+    """The tensor-core block for a padded head dim (32, 64 or 128): two stages (STAGES) of K and V tiles and
+    their 16 B row padding in the 48 KB of static shared memory, Q and the warps' final merge reusing them::
 
         HEAD_DIM   warps   keys a tile   shared memory (as ptxas reports it)
         32, 64     4       64            20,992, 37,376 B
@@ -95,8 +100,16 @@ def tc_decode_config(HEAD_DIM: int) -> TensorCoreDecodeConfig:
 
 
 def shared_bytes(HEAD_DIM: int, config: TensorCoreDecodeConfig) -> int:
-    """Static shared memory of a tensor-core decode block (``_build_kernel``'s arrays)."""
-    return 4 * (4 * 16 * config.NUM_WARPS * (HEAD_DIM // 2 + 4) + 2 * 16 * config.NUM_WARPS)
+    """Shared memory of a tensor-core decode block, static and dynamic (``_build_kernel``'s arrays)."""
+    return 4 * (2 * config.STAGES * 16 * config.NUM_WARPS * (HEAD_DIM // 2 + 4) + 2 * 16 * config.NUM_WARPS)
+
+
+def dynamic_shared_bytes(HEAD_DIM: int, config: TensorCoreDecodeConfig) -> int:
+    """The launch's dynamic shared memory: the stages' K and V tiles where all the block's arrays pass the 48 KB
+    of static shared memory a block may have, else 0 (the tiles static too)."""
+    if shared_bytes(HEAD_DIM, config) <= PORTABLE_SHARED_BYTES:
+        return 0
+    return 4 * 2 * config.STAGES * 16 * config.NUM_WARPS * (HEAD_DIM // 2 + 4)
 
 
 def _build_kernel(
@@ -115,10 +128,12 @@ def _build_kernel(
     IS_BF16,
     EVEN_HEAD_DIM,
     ASYNC_LOADS,
+    PAGE_SIZE,
 ):
     """The split-KV kernel on tensor cores, for fp16 / bf16 and a padded head dim of 32, 64 or 128, with the
-    switches of ``kvcache_simt._build_kernel`` and its arguments (q as 16-bit patterns); ``TensorCoreDecodeConfig``."""
-    NUM_WARPS, MAX_REGISTERS = config
+    switches of ``kvcache_simt._build_kernel`` (PAGE_SIZE too) and its arguments (q as 16-bit patterns);
+    ``TensorCoreDecodeConfig``."""
+    NUM_WARPS, MAX_REGISTERS, STAGES = config
     NUM_THREADS = 32 * NUM_WARPS
     BLOCK_M = 16  # query rows of a block: the group · seqlen_q rows of a (batch, key/value head), in tiles of 16
     BLOCK_N = 16 * NUM_WARPS  # keys a tile, 16 a warp
@@ -127,8 +142,11 @@ def _build_kernel(
     ROW_STEP = NUM_THREADS // CH  # tile rows one pass of the loader covers
     D_STEPS = HEAD_DIM // 16  # k steps of S = Q Kᵀ; pairs of 8-column tiles of O
     O_TILES = HEAD_DIM // 8  # 8-column C tiles of O
-    Q_ROW = 2 * BLOCK_N  # Q's 16 rows, before the loop, in stage 1's K rows
-    KV_ROWS = 4 * BLOCK_N  # 2 stages of K then V
+    Q_ROW = (STAGES - 1) * 2 * BLOCK_N  # Q's 16 rows, before the loop, in the last stage's K rows
+    KV_ROWS = 2 * STAGES * BLOCK_N  # STAGES stages of K then V
+    KV_WORDS = KV_ROWS * LDW
+    IN_FLIGHT = STAGES - 1  # groups of copies left in flight by a tile's wait (a constant of the instruction)
+    DYNAMIC = dynamic_shared_bytes(HEAD_DIM, config) > 0
     WARP_ROWS = BLOCK_M * NUM_WARPS
     assert HEAD_DIM % 16 == 0 and NUM_THREADS % CH == 0 and BLOCK_N % ROW_STEP == 0
     assert (NUM_WARPS - 1) * 32 <= KV_ROWS and 4 * O_TILES <= LDW  # the warps' merge fits the tiles' rows
@@ -136,7 +154,10 @@ def _build_kernel(
     mma = mma_bf16 if IS_BF16 else mma_f16
     pack = pack_bf16x2 if IS_BF16 else pack_f16x2
     from_float = _float_to_bf16 if IS_BF16 else _identity
-    load_kv = _kv_loader(BLOCK_N, ROW_STEP, LDW, kind, PAGED, EVEN_HEAD_DIM, ASYNC_LOADS)
+    assert PAGED == (PAGE_SIZE > 0)
+    PAGE_READS, page_ids, load_kv = _kv_loader(
+        BLOCK_N, ROW_STEP, LDW, kind, PAGE_SIZE, EVEN_HEAD_DIM, ASYNC_LOADS, True
+    )
 
     def _kvcache_fwd_tc(
         q,
@@ -170,7 +191,6 @@ def _build_kernel(
         total_q,
         capacity,
         cache_rows,
-        page_size,
         head_dim,
         qk_scale,
         num_m_tiles,
@@ -223,7 +243,11 @@ def _build_kernel(
             hi = min(hi, seqlen_q_b + diag + window_right)
         n_tiles = (hi - lo + BLOCK_N - 1) // BLOCK_N if hi > lo else 0
 
-        kv_tile = cuda.shared.array((KV_ROWS, LDW), int32, alignment=SHARED_ALIGN)  # [2, K V, BLOCK_N, HEAD_DIM]
+        # [STAGES, K V, BLOCK_N, HEAD_DIM] as rows of LDW words, row r at word r · LDW
+        if DYNAMIC:
+            kv_tile = cuda.shared.array(0, int32, alignment=SHARED_ALIGN)  # the launch's dynamic size
+        else:
+            kv_tile = cuda.shared.array(KV_WORDS, int32, alignment=SHARED_ALIGN)
         m_warps = cuda.shared.array(WARP_ROWS, float32)  # each warp's row maxima and sums, merged
         l_warps = cuda.shared.array(WARP_ROWS, float32)
         tile_base = shared_address(kv_tile)  # first (the simulator fills a shared array at its first address)
@@ -242,7 +266,7 @@ def _build_kernel(
                     uint64(off_b * stride_ab + (off_hk * group + row // seqlen_q) * stride_ah)
                 ] * float32(LOG2E)
 
-        # Q: 16 rows of 16-bit pairs into stage 1's K rows (zeros past the rows and head_dim), then every warp's
+        # Q: 16 rows of 16-bit pairs into the last stage's K rows (zeros past the rows and head_dim), then every warp's
         # A fragments (the same 16 rows for each warp), one per 16 head dims.
         for it in range(-(-BLOCK_M * (HEAD_DIM // 2) // NUM_THREADS)):
             idx = tid + NUM_THREADS * it
@@ -262,7 +286,7 @@ def _build_kernel(
                 if EVEN_HEAD_DIM or c + 1 < head_dim:
                     word |= int32(q[uint64(offset + (c + 1) * stride_qd)]) << int32(16)
             if r < BLOCK_M:
-                kv_tile[uint64(Q_ROW + r), uint64(c // 2)] = word
+                kv_tile[uint64((Q_ROW + r) * LDW + c // 2)] = word
         cuda.syncthreads()
         a_row, a_col = ldmatrix_a_row_col(lane)
         b_row, b_col = ldmatrix_b_row_col(lane)
@@ -273,7 +297,7 @@ def _build_kernel(
             q_frag[kk, 1] = a1
             q_frag[kk, 2] = a2
             q_frag[kk, 3] = a3
-        # Stage 1 is written only after the first tile's barrier, by which every warp has its fragments.
+        # The last stage is written only after the first tile's first barrier, by which every warp has its fragments.
 
         m_i = cuda.local.array(2, float32)
         l_i = cuda.local.array(2, float32)
@@ -295,47 +319,23 @@ def _build_kernel(
         k_head = off_hk * stride_kh + (0 if PAGED else cache_b * stride_kb)
         v_head = off_hk * stride_vh + (0 if PAGED else cache_b * stride_vb)
 
-        # Two stages, as the SIMT kernel: tile t + 1's copies fly during tile t's compute.
+        # STAGES stages, tile t + STAGES - 1's copies issued before tile t's are waited for, so that a block waits
+        # with STAGES tiles' copies in flight (the SIMT kernel issues tile t + 1's after tile t's wait: one). A
+        # group of copies is committed for every tile, empty past the last, so that waiting for all but the
+        # STAGES - 1 newest groups is waiting for tile t. The first barrier of a tile frees the stage tile t - 1
+        # was read from (and, at the first tile, the last stage's Q rows: every warp has its fragments); the
+        # second, after the wait, shows tile t's copies to every warp. A paged cache's page ids for the next
+        # tile to copy are read once a tile's copies are issued, and land while the block waits and computes,
+        # so that no copy waits on the block table.
+        pages = cuda.local.array(PAGE_READS, int32)
         if n_tiles > 0:
-            load_kv(
-                kv_tile,
-                0,
-                lo,
-                hi,
-                k,
-                v,
-                k_base,
-                v_base,
-                k_head,
-                v_head,
-                block_table,
-                off_b,
-                ld_r,
-                ld_c,
-                stride_kb,
-                stride_kn,
-                stride_kd,
-                stride_vb,
-                stride_vn,
-                stride_vd,
-                stride_tb,
-                stride_tp,
-                capacity,
-                cache_rows,
-                page_size,
-                head_dim,
-            )
-        for tile in range(n_tiles):
-            if ASYNC_LOADS:
-                cp_async_wait_all()
-            cuda.syncthreads()
-            start_n = lo + tile * BLOCK_N
-            k_row = (tile % 2) * 2 * BLOCK_N
-            if tile + 1 < n_tiles:
+            page_ids(pages, lo, block_table, off_b, ld_r, stride_tb, stride_tp, capacity, cache_rows)
+        for stage in range(STAGES - 1):
+            if stage < n_tiles:
                 load_kv(
                     kv_tile,
-                    ((tile + 1) % 2) * 2 * BLOCK_N,
-                    start_n + BLOCK_N,
+                    stage * 2 * BLOCK_N,
+                    lo + stage * BLOCK_N,
                     hi,
                     k,
                     v,
@@ -343,8 +343,7 @@ def _build_kernel(
                     v_base,
                     k_head,
                     v_head,
-                    block_table,
-                    off_b,
+                    pages,
                     ld_r,
                     ld_c,
                     stride_kb,
@@ -353,13 +352,69 @@ def _build_kernel(
                     stride_vb,
                     stride_vn,
                     stride_vd,
-                    stride_tb,
-                    stride_tp,
                     capacity,
-                    cache_rows,
-                    page_size,
                     head_dim,
                 )
+                if stage + 1 < n_tiles:
+                    page_ids(
+                        pages,
+                        lo + (stage + 1) * BLOCK_N,
+                        block_table,
+                        off_b,
+                        ld_r,
+                        stride_tb,
+                        stride_tp,
+                        capacity,
+                        cache_rows,
+                    )
+            elif ASYNC_LOADS:
+                cp_async_commit()
+        for tile in range(n_tiles):
+            start_n = lo + tile * BLOCK_N
+            k_row = (tile % STAGES) * 2 * BLOCK_N
+            ahead = tile + STAGES - 1  # the tile whose copies this one issues
+            cuda.syncthreads()
+            if ahead < n_tiles:
+                load_kv(
+                    kv_tile,
+                    (ahead % STAGES) * 2 * BLOCK_N,
+                    lo + ahead * BLOCK_N,
+                    hi,
+                    k,
+                    v,
+                    k_base,
+                    v_base,
+                    k_head,
+                    v_head,
+                    pages,
+                    ld_r,
+                    ld_c,
+                    stride_kb,
+                    stride_kn,
+                    stride_kd,
+                    stride_vb,
+                    stride_vn,
+                    stride_vd,
+                    capacity,
+                    head_dim,
+                )
+                if ahead + 1 < n_tiles:
+                    page_ids(
+                        pages,
+                        lo + (ahead + 1) * BLOCK_N,
+                        block_table,
+                        off_b,
+                        ld_r,
+                        stride_tb,
+                        stride_tp,
+                        capacity,
+                        cache_rows,
+                    )
+            elif ASYNC_LOADS:
+                cp_async_commit()
+            if ASYNC_LOADS:
+                cp_async_wait_group(IN_FLIGHT)
+            cuda.syncthreads()
 
             # S = Q Kᵀ on the warp's 16 keys: per 16 head dims one ldmatrix (two 8-key B fragments), two mma.
             for j in range(2):
@@ -505,14 +560,14 @@ def _build_kernel(
             for c in range(O_TILES):
                 for e in range(4):
                     word = _float_as_int(acc[c, e] * alpha[e // 2])
-                    kv_tile[uint64((warp - 1) * 32 + lane), uint64(4 * c + e)] = word
+                    kv_tile[uint64(((warp - 1) * 32 + lane) * LDW + 4 * c + e)] = word
         cuda.syncthreads()
         if warp == 0:
             for c in range(O_TILES):
                 for e in range(4):
                     value = acc[c, e] * alpha[e // 2]
                     for w in range(1, NUM_WARPS):
-                        value += _int_as_float(kv_tile[uint64((w - 1) * 32 + lane), uint64(4 * c + e)])
+                        value += _int_as_float(kv_tile[uint64(((w - 1) * 32 + lane) * LDW + 4 * c + e)])
                     acc[c, e] = value
             for h in range(2):
                 r = g + 8 * h
@@ -558,7 +613,7 @@ def _build_kernel(
 
 
 # Compiled kernels by (HEAD_DIM, TensorCoreDecodeConfig, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN, PAGED, BATCH_IDX,
-# LEFTPAD, SPLIT, SINK, IS_BF16, EVEN_HEAD_DIM, ASYNC_LOADS).
+# LEFTPAD, SPLIT, SINK, IS_BF16, EVEN_HEAD_DIM, ASYNC_LOADS, PAGE_SIZE).
 _KERNELS: dict[tuple, object] = {}
 
 

@@ -18,10 +18,13 @@ with the lower index (the order ``mma`` and ``ldmatrix`` use).
     ld_shared_b32(address) -> int32, ld_shared_u16(address) -> int32: one plain shared-memory load.
     shfl_idx(value, src_lane) -> int32: ``cuda.shfl_sync`` over the full warp, lane src_lane's value.
     pack_f16x2, pack_bf16x2(lo, hi) -> int32: two fp32 values rounded to nearest even (cvt.rn.*x2.f32).
-    cp_async_16(dst, src, src_bytes); cp_async_commit(); cp_async_wait_all()
+    cp_async_16(dst, src, src_bytes); cp_async_commit(); cp_async_wait_all(); cp_async_wait_group(n)
         cp.async.cg.shared.global: copy 16 B from global to shared memory without passing through registers;
-        only src_bytes (0 to 16) are read, the rest of the 16 B is zero-filled. The copies are complete and
-        visible to the issuing thread after cp_async_wait_all, to the block after a barrier that follows it.
+        only src_bytes (0 to 16) are read, the rest of the 16 B is zero-filled. cp_async_commit closes the
+        thread's group of copies issued since the last one. The copies are complete and visible to the issuing
+        thread after cp_async_wait_all (every group: cp.async.wait_group 0), those of all but the n newest
+        committed groups after cp_async_wait_group(n) (n a compile-time constant); to the block after a barrier
+        that follows the wait.
     shared_address(array) -> uint32, global_address(array) -> uint64: the byte address of array[0] (a shared
         array, in the shared window; a global one, generic), for the instructions above.
     shfl_xor(value, lane_mask) -> float32: ``cuda.shfl_xor_sync`` over the full warp.
@@ -67,7 +70,7 @@ Under numba's CUDA simulator (NUMBA_ENABLE_CUDASIM=1) the same names are Python 
 instructions from the tables above (``emulate_ldmatrix``, ``emulate_mma``): a warp's 32 simulator threads
 meet at a barrier, exchange their registers and each takes its own lane's result. Shared and global arrays
 get virtual addresses, bounds-checked on every access; shared memory starts as NaN bit patterns and
-``cp.async`` copies land only at ``cp_async_wait_all``, so reading a tile too early gives NaN. That checks a
+``cp.async`` copies land only at the wait that covers their group, so reading a tile too early gives NaN. That checks a
 kernel's index math and synchronisation against the ISA's layouts on the CPU; it is slow (tests only), and
 says nothing of the hardware beyond those tables. The approximate MUFU instructions (ex2.approx,
 tanh.approx) are emulated by the exact function rounded to fp32 (numpy's exp2, math.tanh): their error on
@@ -332,13 +335,32 @@ if numba.config.ENABLE_CUDASIM:
         _pending.copies.append((_bytes(dst, 16), source))
 
     def cp_async_commit():
-        pass
+        # The thread's copies since its last commit become a group, the newest.
+        if not hasattr(_pending, "groups"):
+            _pending.groups = []
+        _pending.groups.append(getattr(_pending, "copies", []))
+        _pending.copies = []
 
-    def cp_async_wait_all():
-        for dst, source in getattr(_pending, "copies", []):
+    def _land(copies):
+        for dst, source in copies:
             dst[:] = 0
             dst[: source.size] = source
+
+    def cp_async_wait_all():
+        # Every copy lands, committed or not (uncommitted ones may land at any time on the hardware).
+        for group in getattr(_pending, "groups", []):
+            _land(group)
+        _land(getattr(_pending, "copies", []))
+        _pending.groups = []
         _pending.copies = []
+
+    def cp_async_wait_group(n):
+        # The groups but the n newest land; those, and copies not yet committed, stay in flight.
+        groups = getattr(_pending, "groups", [])
+        kept = len(groups) - min(int(n), len(groups))
+        for group in groups[:kept]:
+            _land(group)
+        _pending.groups = groups[kept:]
 
     def ld_shared_b32(address):
         if int(address) % 4:
@@ -498,6 +520,17 @@ else:
             _asm(builder, ir.VoidType(), [], "cp.async.wait_group 0;", "~{memory}", side_effect=True)
 
         return types.void(), codegen
+
+    @intrinsic
+    def cp_async_wait_group(typingctx, n):
+        if not isinstance(n, types.IntegerLiteral):
+            return None  # numba types the call again with the constant as a literal
+        text = f"cp.async.wait_group {n.literal_value};"
+
+        def codegen(context, builder, sig, args):
+            _asm(builder, ir.VoidType(), [], text, "~{memory}", side_effect=True)
+
+        return types.void(n), codegen
 
     @intrinsic
     def exp2_approx(typingctx, x):
