@@ -631,14 +631,14 @@ def test_kvcache_tensor_core_kernel_on_the_gpu(page):
     q, k_cache, v_cache, spec = _make(case, False, torch.bfloat16, "cuda", seed=5)
     O, L = kvcache.kvcache_forward(q, k_cache, v_cache, spec)
     assert_matches_kvcache_reference(O, L, q, k_cache, v_cache, spec)
-    # (HEAD_DIM, config, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN, PAGED, BATCH_IDX, LEFTPAD, SPLIT, IS_BF16, ...)
+    # switches: (LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN, PAGED, BATCH_IDX, LEFTPAD, SPLIT, SINK, IS_BF16, ...)
     rows = [
         r
         for r in kvcache.kernel_resources()
         if r["kernel"] == "kvcache-tensor-core"
         and r["HEAD_DIM"] == 128
         and r["switches"][:6] == [False] * 5 + [page is not None]
-        and r["switches"][9]
+        and r["switches"][8]
     ]
     print(f"\nkvcache tensor-core kernel ({'paged 256' if page else 'contiguous'}): {rows}")
     assert rows, "the tensor-core split kernel of this class did not run"
