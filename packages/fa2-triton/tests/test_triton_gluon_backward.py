@@ -128,8 +128,8 @@ def test_the_gluon_dq_takes_no_more_than_its_grid_holds():
 
 
 def test_which_head_dims_the_gluon_dq_is_on_for(monkeypatch):
-    """uses_gluon_dq: a head_dim of DQ_ENABLED (read from FA2_TRITON_GLUON_DQ at import: 128 by default or with
-    any other value, 64 and 128 with =1, none with =0), a Hopper GPU and inputs takes_dq accepts; apart from
+    """uses_gluon_dq: a head_dim of DQ_ENABLED (read from FA2_TRITON_GLUON_DQ at import: 64 and 128 unless it
+    is 0, then none), a Hopper GPU and inputs takes_dq accepts; apart from
     ENABLED, the dK/dV kernel's switch."""
     q, k, v = _qkv(2, 4, 4, 256, 256)
     monkeypatch.setattr(backward_gluon, "DQ_ENABLED", backward_gluon.HEAD_DIMS)
@@ -143,7 +143,7 @@ def test_which_head_dims_the_gluon_dq_is_on_for(monkeypatch):
     monkeypatch.setattr(backward_gluon, "DQ_ENABLED", ())
     assert not backward_gluon.uses_gluon_dq(q, k, v, _spec()), "off"
     code = "from fa2_triton import backward_gluon as b; print(b.DQ_ENABLED)"
-    for value, expected in ((None, "(128,)"), ("1", "(64, 128)"), ("0", "()"), ("yes", "(128,)")):
+    for value, expected in ((None, "(64, 128)"), ("1", "(64, 128)"), ("0", "()"), ("yes", "(64, 128)")):
         if value is None:
             monkeypatch.delenv("FA2_TRITON_GLUON_DQ", raising=False)
         else:
@@ -154,8 +154,8 @@ def test_which_head_dims_the_gluon_dq_is_on_for(monkeypatch):
 
 
 def test_which_head_dims_the_gluon_backward_is_on_for(monkeypatch):
-    """uses_gluon: a head_dim of ENABLED (read from FA2_TRITON_GLUON_BACKWARD at import: 128 by default, 64
-    and 128 with =1, none with =0), a Hopper GPU and inputs it takes; CPU tensors never take it."""
+    """uses_gluon: a head_dim of ENABLED (read from FA2_TRITON_GLUON_BACKWARD at import: 64 and 128 unless it
+    is 0, then none), a Hopper GPU and inputs it takes; CPU tensors never take it."""
     q, k, v = _qkv(2, 4, 4, 256, 256)
     q64, k64, v64 = _qkv(2, 4, 4, 256, 256, head_dim=64)
     monkeypatch.setattr(backward_gluon, "ENABLED", (128,))
@@ -168,7 +168,7 @@ def test_which_head_dims_the_gluon_backward_is_on_for(monkeypatch):
     monkeypatch.setattr(backward_gluon, "ENABLED", ())
     assert not backward_gluon.uses_gluon(q, k, v, _spec()), "off"
     code = "from fa2_triton import backward_gluon as b; print(b.ENABLED)"
-    for value, expected in ((None, "(128,)"), ("1", "(64, 128)"), ("0", "()")):
+    for value, expected in ((None, "(64, 128)"), ("1", "(64, 128)"), ("0", "()")):
         if value is None:
             monkeypatch.delenv("FA2_TRITON_GLUON_BACKWARD", raising=False)
         else:

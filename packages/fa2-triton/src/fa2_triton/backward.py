@@ -5,12 +5,13 @@ kernel, or with ``deterministic=False`` the dK/dV kernel alone, adding dQ into a
 atomics.
 
 Where ``backward_gluon.uses_gluon`` says so (a Hopper GPU, inputs it takes, a head_dim of
-``backward_gluon.ENABLED``: 128 by default; default tiles), the dK/dV step runs ``backward_gluon``'s warp-specialised
-kernel instead of the tl one, beside the tl preprocess and a dQ kernel, in both modes (with
-``deterministic=False`` too: the Gluon kernel adds no dQ). Where ``backward_gluon.uses_gluon_dq`` says so (the
-same, with a head_dim of ``backward_gluon.DQ_ENABLED``: 128 by default, FA2_TRITON_GLUON_DQ=1 adds 64;
-causal only with seqlen_k >= seqlen_q), dq comes from ``backward_gluon``'s dQ kernel instead of the tl one, in
-both modes too (the dK/dV step then adds no dQ, whichever kernel runs it). An error in a Gluon kernel is
+``backward_gluon.ENABLED``: 64 and 128 unless FA2_TRITON_GLUON_BACKWARD=0; default tiles), the dK/dV step
+runs ``backward_gluon``'s warp-specialised kernel instead of the tl one, beside the tl preprocess and a dQ
+kernel, in both modes (with ``deterministic=False`` too: the Gluon kernel adds no dQ). Where
+``backward_gluon.uses_gluon_dq`` says so (the same, with a head_dim of ``backward_gluon.DQ_ENABLED``: 64 and
+128 unless FA2_TRITON_GLUON_DQ=0; causal only with seqlen_k >= seqlen_q), dq comes from ``backward_gluon``'s
+dQ kernel instead of the tl one, in both modes too (the dK/dV step then adds no dQ, whichever kernel runs
+it). An error in a Gluon kernel is
 raised, never retried on tl.
 
 Each launcher (``launch_preprocess``, ``launch_dq``, ``launch_dkdv``) runs one kernel, so that the tuner

@@ -57,10 +57,10 @@ gradient); seqlen_q and seqlen_k multiples of 128 (the copies are 2-D, over all 
 head's end would read the next head's rows); q, k, v contiguous (batch, heads, seqlen, head_dim) and 16-byte
 aligned; batch·heads_k at most 65,535 (the grid's second axis). dO, L and delta are copied where they are
 not contiguous and 16-byte aligned. ``uses_gluon`` adds the device (a Hopper GPU, compute capability 9.0,
-with Gluon's Hopper API, not the interpreter) and ``ENABLED``, the head dims it is on for: 128 by default
-(measured on the H200), 64 too with FA2_TRITON_GLUON_BACKWARD=1, none with =0. The dQ kernel's switch is its
-own, ``uses_gluon_dq`` with ``DQ_ENABLED``: 128 by default (measured on the H200), 64 too with
-FA2_TRITON_GLUON_DQ=1, none with =0; it takes what ``takes`` does less causal inputs with fewer keys than queries and
+with Gluon's Hopper API, not the interpreter) and ``ENABLED``, the head dims it is on for: 64 and 128
+(measured on the H200), none with FA2_TRITON_GLUON_BACKWARD=0. The dQ kernel's switch is its own,
+``uses_gluon_dq`` with ``DQ_ENABLED``: 64 and 128 (measured on the H200), none with FA2_TRITON_GLUON_DQ=0; it
+takes what ``takes`` does less causal inputs with fewer keys than queries and
 batch·heads over 65,535, its grid's second axis (``takes_dq``). An error in these kernels is raised, never
 retried on the tl kernels.
 
@@ -97,16 +97,15 @@ if GLUON:
 BLOCK_M = 64  # query rows a step
 BLOCK_N = 128  # keys a CTA: two consumer warpgroups of 64
 HEAD_DIMS = (64, 128)
-# The head dims fa2-triton's backward sends to this kernel (where ``takes`` and the device allow). By default
-# 128, as measured on the H200 (docs/notes/gluon-backward.md: the dK/dV kernel 1.32-1.48x the tl one, the
-# whole backward 1.14-1.20x); FA2_TRITON_GLUON_BACKWARD=1 adds 64 (correct on the H200, not timed yet), =0
+# The head dims fa2-triton's backward sends to this kernel (where ``takes`` and the device allow): 64 and 128,
+# as measured on the H200 (docs/notes/gluon-backward.md: at 128 the dK/dV kernel 1.32-1.48x the tl one; at 64
+# the whole backward with both Gluon kernels 1.09-1.37x the tl pair); FA2_TRITON_GLUON_BACKWARD=0 sends none.
+# Read once; tests set the attribute.
+ENABLED = () if os.environ.get("FA2_TRITON_GLUON_BACKWARD") == "0" else HEAD_DIMS
+# The head dims fa2-triton's backward sends to the dQ kernel (``uses_gluon_dq``): 64 and 128, as measured on
+# the H200 (docs/notes/gluon-backward.md: at 128 1.45-1.66x the tl dQ kernel, its dq bits); FA2_TRITON_GLUON_DQ=0
 # sends none. Read once; tests set the attribute.
-ENABLED = {"0": (), "1": HEAD_DIMS}.get(os.environ.get("FA2_TRITON_GLUON_BACKWARD"), (128,))
-# The head dims fa2-triton's backward sends to the dQ kernel (``uses_gluon_dq``). By default 128, as measured
-# on the H200 (docs/notes/gluon-backward.md: 1.45-1.66x the tl dQ kernel, its dq bits, the whole backward
-# 1.18-1.19x with it); FA2_TRITON_GLUON_DQ=1 adds 64 (correct on the H200, not timed), =0 sends none. Read
-# once; tests set the attribute.
-DQ_ENABLED = {"0": (), "1": HEAD_DIMS}.get(os.environ.get("FA2_TRITON_GLUON_DQ"), (128,))
+DQ_ENABLED = () if os.environ.get("FA2_TRITON_GLUON_DQ") == "0" else HEAD_DIMS
 DQ_BLOCK_M = 128  # query rows a dQ CTA: two consumer warpgroups of 64
 DQ_BLOCK_N = 128  # keys a K/V tile of the dQ kernel
 # The dQ kernel's K/V buffers by head_dim: a stage (a K and a V tile) 64 KB at 128, with Q's and dO's 64 KB
