@@ -570,7 +570,7 @@ KV_STAGES_CASES = [
     pytest.param(
         3, _kv(torch.float16, q=4, b=2, h=4, hk=2, d=64, cap=400, seqlens=(400, 150), page=16, splits=2), id="stages3"
     ),
-    # HEAD_DIM 128 (32-key tiles), four stages, contiguous, one split of 9 tiles and one of fewer than 3
+    # HEAD_DIM 128 (64-key tiles), four stages, contiguous, one split of 5 tiles and one of 2
     pytest.param(
         4, _kv(torch.bfloat16, q=1, b=2, h=4, hk=1, d=128, cap=288, seqlens=(288, 70), splits=1), id="stages4"
     ),

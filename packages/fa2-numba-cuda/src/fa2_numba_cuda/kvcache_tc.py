@@ -85,18 +85,22 @@ class TensorCoreDecodeConfig(NamedTuple):
 
 def tc_decode_config(HEAD_DIM: int) -> TensorCoreDecodeConfig:
     """The tensor-core block for a padded head dim (32, 64 or 128): two stages (STAGES) of K and V tiles and
-    their 16 B row padding in the 48 KB of static shared memory, Q and the warps' final merge reusing them::
+    their 16 B row padding, Q and the warps' final merge reusing them::
 
-        HEAD_DIM   warps   keys a tile   shared memory (as ptxas reports it)
-        32, 64     4       64            20,992, 37,376 B
-        128        2       32            35,072 B
+        HEAD_DIM   warps   keys a tile   shared memory
+        32, 64     4       64            20,992, 37,376 B (static, as ptxas reports it)
+        128        4       64            70,144 B (dynamic: over the 48 KB a block may have statically)
 
     Registers per thread (fragments: fp32 O HEAD_DIM / 2, Q HEAD_DIM / 4, S 8): capped at 128 up to HEAD_DIM
-    64 and at 176 at 128, where ptxas (CUDA 13.0, sm_90, offline) needs no spill; at 128 that is five blocks an
-    SM by registers (six by shared memory). Not yet measured on a GPU."""
+    64 and at 176 at 128, where ptxas (CUDA 13.0, sm_90, offline) needs no spill. At 128, four warps against
+    two (32-key tiles in 35,072 B of static shared memory, the default until then) ran the decode benchmark's
+    points on the H200 (bf16, 32/8 heads, one query token; .whl probe numba_cfg_probe.py, numba's code at 02a29c6) at 0.87-0.90x
+    fa2-triton's rate instead of 0.61-0.71x: 8 x 8k keys 90.9 µs against 131.6, 1 x 128k 167.0 against 213.5,
+    8 x 32k 285.3 against 360.3; three or four stages of two warps 0.69-0.87x, a cap of 128 registers 0.47-0.54x.
+    """
     if HEAD_DIM <= 64:
         return TensorCoreDecodeConfig(4, 128)
-    return TensorCoreDecodeConfig(2, 176)
+    return TensorCoreDecodeConfig(4, 176)
 
 
 def shared_bytes(HEAD_DIM: int, config: TensorCoreDecodeConfig) -> int:
