@@ -78,9 +78,9 @@ from typing import NamedTuple
 import torch
 
 from fa2.spec import AttentionSpec
-from fa2_triton.common import INTERPRETED, LOG2_E, _capability, group_size
+from fa2_triton.common import LOG2_E, group_size, on_hopper
 from fa2_triton.forward_gluon import GLUON
-from fa2_triton.launch import Plans, arg_classes, launch, on_device
+from fa2_triton.launch import Plans, arg_classes, copy_descriptor, launch, on_device
 
 if GLUON:
     from triton.experimental import gluon
@@ -135,7 +135,7 @@ def uses_gluon_dq(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: Atten
 
 
 def _on_hopper(device: torch.device) -> bool:
-    return GLUON and not INTERPRETED and device.type == "cuda" and _capability(device.index) == (9, 0)
+    return GLUON and on_hopper(device)
 
 
 def takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionSpec) -> bool:
@@ -195,7 +195,7 @@ def flash_attn_dkdv(
     if plan is None:
         plan = _plan(q, k, v, dO, L, delta, dk, dv, spec)
     bases = (*(t.view(-1, head_dim) for t in (q, k, v, dO, dk, dv)), L.view(-1), delta.view(-1))
-    args = (*(_copy_descriptor(d, t) for d, t in zip(plan.descriptors, bases)), *plan.scalars)
+    args = (*(copy_descriptor(GluonTensorDescriptor, d, t) for d, t in zip(plan.descriptors, bases)), *plan.scalars)
     if plan.classes is None:
         plan = _PLANS.keep(key, plan._replace(classes=arg_classes(args)))
     with on_device(q.device):
@@ -234,7 +234,7 @@ def flash_attn_dq(
     if plan is None:
         plan = _dq_plan(q, k, v, dO, L, delta, dq, spec)
     bases = (*(t.view(-1, head_dim) for t in (q, k, v, dO, dq)), L.view(-1), delta.view(-1))
-    args = (*(_copy_descriptor(d, t) for d, t in zip(plan.descriptors, bases)), *plan.scalars)
+    args = (*(copy_descriptor(GluonTensorDescriptor, d, t) for d, t in zip(plan.descriptors, bases)), *plan.scalars)
     if plan.classes is None:
         plan = _DQ_PLANS.keep(key, plan._replace(classes=arg_classes(args)))
     with on_device(q.device):
@@ -266,7 +266,7 @@ _DQ_PLANS = Plans()
 
 def _plan(q, k, v, dO, L, delta, dk, dv, spec: AttentionSpec) -> _Plan:
     """The launch of ``flash_attn_dkdv``'s inputs: the eight descriptors built and checked by Gluon once a
-    class, then copied (``_copy_descriptor``)."""
+    class, then copied (``launch.copy_descriptor``)."""
     batch, heads, seqlen_q, head_dim = q.shape
     heads_k, seqlen_k = k.shape[1], k.shape[2]
     layout = _smem_layout(q.dtype, head_dim)
@@ -284,7 +284,7 @@ def _plan(q, k, v, dO, L, delta, dk, dv, spec: AttentionSpec) -> _Plan:
 
 def _dq_plan(q, k, v, dO, L, delta, dq, spec: AttentionSpec) -> _Plan:
     """The launch of ``flash_attn_dq``'s inputs: the seven descriptors built and checked by Gluon once a class,
-    then copied (``_copy_descriptor``)."""
+    then copied (``launch.copy_descriptor``)."""
     batch, heads, seqlen_q, head_dim = q.shape
     rows_layout = _smem_layout(q.dtype, head_dim)
     keys_layout = _smem_layout(q.dtype, head_dim, DQ_BLOCK_N)
@@ -304,14 +304,6 @@ def _dq_plan(q, k, v, dO, L, delta, dq, spec: AttentionSpec) -> _Plan:
         (spec.scale * LOG2_E, spec.scale, seqlen_q, k.shape[2], heads, group_size(q, k)),
         dict(CAUSAL=spec.causal, HEAD_DIM=head_dim, STAGES=DQ_STAGES[head_dim]),
     )
-
-
-def _copy_descriptor(fields: dict, base: torch.Tensor) -> GluonTensorDescriptor:
-    """A GluonTensorDescriptor of ``fields`` (a checked descriptor's, but for its base) over ``base``, whose
-    shape, strides and alignment are the checked one's (``_PLANS``' key): the same checks would pass."""
-    d = GluonTensorDescriptor.__new__(GluonTensorDescriptor)
-    d.__dict__.update(fields, base=base)
-    return d
 
 
 def _tma_ready(t: torch.Tensor) -> torch.Tensor:

@@ -10,7 +10,8 @@
 - an ``AttentionSpec`` as the kernels' arguments (``ScoreArgs``, ``score_args``), the packed batch's grid
   extent and offsets (``packed``), grouped-query attention's group (``group_size``), the padded head_dim and
   a rounded-up division for the launchers (``padded_head_dim``, ``cdiv``);
-- the GPU's compute capability (``_capability``, cached: asked on every launch).
+- the GPU's compute capability (``capability``, cached: asked on every launch) and whether a device is a
+  Hopper GPU the Gluon kernels can run on (``on_hopper``).
 """
 
 from __future__ import annotations
@@ -239,6 +240,13 @@ def _check_device(q: torch.Tensor) -> None:
 
 
 @functools.cache
-def _capability(index: int) -> tuple[int, int]:
-    # Asked on every launch: torch's own lookup costs ~8 µs a call on the H200's host.
+def capability(index: int) -> tuple[int, int]:
+    """CUDA device ``index``'s compute capability. Cached: asked on every launch, and torch's own lookup costs
+    ~8 µs a call on the H200's host."""
     return torch.cuda.get_device_capability(index)
+
+
+def on_hopper(device: torch.device) -> bool:
+    """Whether ``device`` is a Hopper GPU (compute capability 9.0) outside the interpreter: where the Gluon
+    kernels can run, given a Triton with Gluon's Hopper API (each Gluon module's ``GLUON``)."""
+    return not INTERPRETED and device.type == "cuda" and capability(device.index) == (9, 0)

@@ -28,7 +28,7 @@ from fa2.spec import AttentionSpec
 from fa2_triton import forward_gluon
 from fa2_triton.common import LOG2_E, MAX_HEAD_DIM, _check_device, group_size, packed, score_args
 from fa2_triton.forward_tl import _attn_fwd
-from fa2_triton.launch import Plans, arg_classes, launch, on_device, scratch_allocator
+from fa2_triton.launch import Plans, arg_classes, copy_descriptor, launch, on_device, scratch_allocator
 from fa2_triton.tiles import Tiles, tiles_for, tma_layout, ws_layout
 
 
@@ -165,7 +165,9 @@ def _launch(q, k, v, O, L, spec: AttentionSpec, tiles: Tiles | None = None):
         if plan is None:
             return None
     if plan.use_tma:
-        q_arg, k_arg, v_arg, o_arg = (_copy_descriptor(d, t) for d, t in zip(plan.descriptors, (q, k, v, O)))
+        q_arg, k_arg, v_arg, o_arg = (
+            copy_descriptor(TensorDescriptor, d, t) for d, t in zip(plan.descriptors, (q, k, v, O))
+        )
     else:
         q_arg, k_arg, v_arg, o_arg = q, k, v, O
     cu_q, cu_k = (spec.cu_seqlens_q, spec.cu_seqlens_k) if spec.varlen else (L, L)
@@ -187,15 +189,6 @@ def _launch(q, k, v, O, L, spec: AttentionSpec, tiles: Tiles | None = None):
     # The kernel's own descriptors live in global memory that Triton asks its allocator for.
     with on_device(q.device), scratch_allocator() if plan.device_desc else contextlib.nullcontext():
         return launch(_attn_fwd, plan.grid, args, plan.constexprs, plan.options, plan.classes)
-
-
-def _copy_descriptor(fields: dict, base: torch.Tensor) -> TensorDescriptor:
-    """A TensorDescriptor of ``fields`` (a checked descriptor's, but for its base) over ``base``, whose shape,
-    strides and alignment are the checked one's (``_PLANS``' key): the same checks would pass, so they are
-    not made again (~3 µs a descriptor on the H200's host)."""
-    d = TensorDescriptor.__new__(TensorDescriptor)
-    d.__dict__.update(fields, base=base)
-    return d
 
 
 def _plan(q, k, v, O, L, spec: AttentionSpec, tiles: Tiles | None) -> _Plan | None:

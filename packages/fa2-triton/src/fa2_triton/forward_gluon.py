@@ -50,8 +50,8 @@ from typing import NamedTuple
 import torch
 
 from fa2.spec import AttentionSpec
-from fa2_triton.common import INTERPRETED, LOG2_E, _capability, group_size
-from fa2_triton.launch import Plans, arg_classes, launch, on_device
+from fa2_triton.common import LOG2_E, group_size, on_hopper
+from fa2_triton.launch import Plans, arg_classes, copy_descriptor, launch, on_device
 
 try:
     from triton.experimental import gluon
@@ -93,7 +93,7 @@ def uses_gluon(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: Attentio
 
 
 def _on_hopper(device: torch.device) -> bool:
-    return GLUON and not INTERPRETED and device.type == "cuda" and _capability(device.index) == (9, 0)
+    return GLUON and on_hopper(device)
 
 
 def takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionSpec) -> bool:
@@ -157,7 +157,9 @@ def flash_attn_forward(
     if plan is None:
         plan = _plan(q, k, v, O, spec)
     bases = (_rows_2d(q, plan.q_cols), _rows_2d(k, plan.kv_cols), _rows_2d(v, plan.kv_cols), O.view(-1, head_dim))
-    q_desc, k_desc, v_desc, o_desc = (_copy_descriptor(d, t) for d, t in zip(plan.descriptors, bases))
+    q_desc, k_desc, v_desc, o_desc = (
+        copy_descriptor(GluonTensorDescriptor, d, t) for d, t in zip(plan.descriptors, bases)
+    )
     if sink is None:
         kernel, args = _attn_fwd_gluon, (q_desc, k_desc, v_desc, o_desc, L, *plan.scalars)
     else:
@@ -192,7 +194,7 @@ _PLANS = Plans()
 
 def _plan(q, k, v, O, spec: AttentionSpec) -> _Plan:
     """The launch of ``flash_attn_forward``'s inputs: the four descriptors built and checked by Gluon once a
-    class (~3 µs each of host time on the H200), then copied (``_copy_descriptor``)."""
+    class (~3 µs each of host time on the H200), then copied (``launch.copy_descriptor``)."""
     batch, heads, seqlen_q, head_dim = q.shape
     q_layout, kv_layout = _smem_layouts(q.dtype)
     q_cols, kv_cols = _rows_layout(q), _rows_layout(k)
@@ -210,14 +212,6 @@ def _plan(q, k, v, O, spec: AttentionSpec) -> _Plan:
         (spec.scale * LOG2_E, seqlen_q, k.shape[2], heads, group_size(q, k)),
         dict(Q_COLS=q_cols, KV_COLS=kv_cols, HEAD_DIM=head_dim, CAUSAL=spec.causal),
     )
-
-
-def _copy_descriptor(fields: dict, base: torch.Tensor) -> GluonTensorDescriptor:
-    """A GluonTensorDescriptor of ``fields`` (a checked descriptor's, but for its base) over ``base``, whose
-    shape, strides and alignment are the checked one's (``_PLANS``' key): the same checks would pass."""
-    d = GluonTensorDescriptor.__new__(GluonTensorDescriptor)
-    d.__dict__.update(fields, base=base)
-    return d
 
 
 def _rows_2d(t: torch.Tensor, heads_in_cols: bool) -> torch.Tensor:

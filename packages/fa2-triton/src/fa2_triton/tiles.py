@@ -23,7 +23,7 @@ from typing import NamedTuple
 
 import torch
 
-from fa2_triton.common import INTERPRETED, _capability, padded_head_dim
+from fa2_triton.common import INTERPRETED, capability, padded_head_dim
 
 
 class Tiles(NamedTuple):
@@ -147,7 +147,7 @@ def tma_layout(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, head_dim_padde
     past seqlen come back as zeros and are not written."""
     if q.shape[-1] != head_dim_padded:
         return False
-    if not INTERPRETED and _capability(q.device.index)[0] < 9:
+    if not INTERPRETED and capability(q.device.index)[0] < 9:
         return False
     for t in (q, k, v):
         if t.numel() == 0 or t.stride(-1) != 1 or t.data_ptr() % 16:
@@ -189,7 +189,7 @@ def ws_layout(
     fewer than 2^31 rows."""
     if not ws_tiles(tiles, masked):
         return False
-    if not INTERPRETED and _capability(q.device.index)[0] != 9:
+    if not INTERPRETED and capability(q.device.index)[0] != 9:
         return False
     if q.shape[-1] != head_dim_padded or q.shape[2] % tiles.block_m or k.shape[2] % tiles.block_n:
         return False
