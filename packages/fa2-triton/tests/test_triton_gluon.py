@@ -6,16 +6,13 @@ and, on a Hopper GPU, that its O and L match the fp64 reference and that fa2.att
 from __future__ import annotations
 
 import json
-import os
-import re
-import subprocess
-import tempfile
 
 import pytest
 import torch
 import triton
 
 import fa2
+import gluon_build
 from checks import assert_matches_reference, random_qkv, run_python
 from fa2.spec import AttentionSpec
 from fa2_triton import forward_gluon
@@ -124,17 +121,10 @@ def test_no_gluon_kernel_off_a_hopper_gpu():
 
 
 def _sm90a_build(dtype_name: str, q_cols: bool, kv_cols: bool, causal: bool = False) -> dict:
-    """The kernel compiled for sm_90a by ptxas (no GPU needed): its SASS's HGMMA count, local memory and
-    shared memory per CTA. Triton's interpreter cannot compile Gluon (its kernels become interpreted
-    functions), so the test calls this in a subprocess without TRITON_INTERPRET."""
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-
+    """The kernel compiled for sm_90a (``gluon_build.sm90a``): registers, local and shared memory, HGMMA count."""
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype_name]
     q_layout, kv_layout = forward_gluon._smem_layouts(dtype)
     rows, block_n, d = forward_gluon.BLOCK_M // 2, forward_gluon.BLOCK_N, forward_gluon.HEAD_DIM
-    fn = forward_gluon._attn_fwd_gluon
-    constexprs = dict(Q_COLS=q_cols, KV_COLS=kv_cols, HEAD_DIM=d, CAUSAL=causal)
     signature = {
         "q_desc": f"tensordesc<{dtype_name}[{rows}, {d}],{q_layout!r}>",
         "k_desc": f"tensordesc<{dtype_name}[{block_n}, {d}],{kv_layout!r}>",
@@ -143,27 +133,8 @@ def _sm90a_build(dtype_name: str, q_cols: bool, kv_cols: bool, causal: bool = Fa
         "L": "*fp32",
         "qk_scale": "fp32",
     }
-    for arg in fn.arg_names:
-        signature.setdefault(arg, "constexpr" if arg in constexprs else "i32")
-    src = GluonASTSource(
-        fn=fn, signature=signature, constexprs={(fn.arg_names.index(n),): v for n, v in constexprs.items()}
-    )
-    kernel = triton.compile(
-        src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, maxnreg=forward_gluon.MAXNREG)
-    )
-    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    with tempfile.NamedTemporaryFile("wb", suffix=".cubin", delete=False) as f:
-        f.write(kernel.asm["cubin"])
-    try:
-        usage = subprocess.run(
-            [cuobjdump, "--dump-resource-usage", f.name], capture_output=True, text=True, check=True
-        ).stdout
-        sass = subprocess.run([cuobjdump, "-sass", f.name], capture_output=True, text=True, check=True).stdout
-    finally:
-        os.unlink(f.name)
-    return dict(
-        hgmma=sass.count("HGMMA"), stack=int(re.search(r"STACK:(\d+)", usage).group(1)), shared=kernel.metadata.shared
-    )
+    constexprs = dict(Q_COLS=q_cols, KV_COLS=kv_cols, HEAD_DIM=d, CAUSAL=causal)
+    return gluon_build.sm90a(forward_gluon._attn_fwd_gluon, signature, constexprs, forward_gluon.MAXNREG)
 
 
 @needs_gluon

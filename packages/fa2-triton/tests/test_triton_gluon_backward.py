@@ -7,16 +7,13 @@ after run."""
 from __future__ import annotations
 
 import json
-import os
-import re
-import subprocess
-import tempfile
 
 import pytest
 import torch
 import triton
 
 import fa2
+import gluon_build
 from checks import random_qkv, run_python
 from fa2.spec import AttentionSpec
 from fa2_triton import backward, backward_gluon
@@ -344,11 +341,7 @@ def test_gluon_backward_plans_are_kept_per_class_of_inputs(monkeypatch):
 def _sm90a_build(kernel: str, dtype_name: str, head_dim: int, causal: bool) -> dict:
     """The dK/dV kernel (kernel "dkdv") or the dQ kernel ("dq") compiled for sm_90a by ptxas (no GPU needed):
     its registers at launch, local memory (spills) and shared memory per CTA, and the HGMMA count of its SASS.
-    Triton's interpreter cannot compile Gluon, so the test calls this in a subprocess without
-    TRITON_INTERPRET."""
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-
+    (``gluon_build.sm90a``)."""
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype_name]
     layout = backward_gluon._smem_layout(dtype, head_dim)
     rows = f"tensordesc<fp32[{backward_gluon.BLOCK_M}],{backward_gluon._ROWS_LAYOUT!r}>"
@@ -367,30 +360,7 @@ def _sm90a_build(kernel: str, dtype_name: str, head_dim: int, causal: bool) -> d
         signature = {name: tile for name in ("q_desc", "do_desc", "dq_desc")}
         signature |= {"k_desc": key_tile, "v_desc": key_tile}
     signature |= {"l_desc": rows, "delta_desc": rows, "qk_scale": "fp32", "scale": "fp32"}
-    for arg in fn.arg_names:
-        signature.setdefault(arg, "constexpr" if arg in constexprs else "i32")
-    src = GluonASTSource(
-        fn=fn, signature=signature, constexprs={(fn.arg_names.index(n),): v for n, v in constexprs.items()}
-    )
-    kernel = triton.compile(
-        src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, maxnreg=backward_gluon.MAXNREG)
-    )
-    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    with tempfile.NamedTemporaryFile("wb", suffix=".cubin", delete=False) as f:
-        f.write(kernel.asm["cubin"])
-    try:
-        usage = subprocess.run(
-            [cuobjdump, "--dump-resource-usage", f.name], capture_output=True, text=True, check=True
-        ).stdout
-        sass = subprocess.run([cuobjdump, "-sass", f.name], capture_output=True, text=True, check=True).stdout
-    finally:
-        os.unlink(f.name)
-    return dict(
-        registers=int(re.search(r"REG:(\d+)", usage).group(1)),
-        stack=int(re.search(r"STACK:(\d+)", usage).group(1)),
-        shared=kernel.metadata.shared,
-        hgmma=sass.count("HGMMA"),
-    )
+    return gluon_build.sm90a(fn, signature, constexprs, backward_gluon.MAXNREG)
 
 
 @needs_gluon

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import fa2_triton
+import gluon_build
 from checks import assert_matches_reference, max_err, random_qkv, run_python, tolerances
 from fa2 import reference
 from fa2.spec import AttentionSpec
@@ -309,20 +310,9 @@ def test_kvcache_with_a_sink(runnable, device, dtype, case, causal):
 def _sm90a_sink_build(dtype_name: str, q_cols: bool, kv_cols: bool) -> dict:
     """``_attn_fwd_gluon_sink`` compiled for sm_90a by ptxas, as test_triton_gluon._sm90a_build compiles the
     kernel without a sink: its SASS's HGMMA count, local memory and shared memory per CTA."""
-    import os
-    import re
-    import subprocess
-    import tempfile
-
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype_name]
     q_layout, kv_layout = forward_gluon._smem_layouts(dtype)
     rows, block_n, d = forward_gluon.BLOCK_M // 2, forward_gluon.BLOCK_N, forward_gluon.HEAD_DIM
-    fn = forward_gluon._attn_fwd_gluon_sink
-    constexprs = dict(Q_COLS=q_cols, KV_COLS=kv_cols, HEAD_DIM=d)
     signature = {
         "q_desc": f"tensordesc<{dtype_name}[{rows}, {d}],{q_layout!r}>",
         "k_desc": f"tensordesc<{dtype_name}[{block_n}, {d}],{kv_layout!r}>",
@@ -332,27 +322,8 @@ def _sm90a_sink_build(dtype_name: str, q_cols: bool, kv_cols: bool) -> dict:
         "Sink": "*fp32",
         "qk_scale": "fp32",
     }
-    for arg in fn.arg_names:
-        signature.setdefault(arg, "constexpr" if arg in constexprs else "i32")
-    src = GluonASTSource(
-        fn=fn, signature=signature, constexprs={(fn.arg_names.index(n),): v for n, v in constexprs.items()}
-    )
-    kernel = triton.compile(
-        src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, maxnreg=forward_gluon.MAXNREG)
-    )
-    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    with tempfile.NamedTemporaryFile("wb", suffix=".cubin", delete=False) as f:
-        f.write(kernel.asm["cubin"])
-    try:
-        usage = subprocess.run(
-            [cuobjdump, "--dump-resource-usage", f.name], capture_output=True, text=True, check=True
-        ).stdout
-        sass = subprocess.run([cuobjdump, "-sass", f.name], capture_output=True, text=True, check=True).stdout
-    finally:
-        os.unlink(f.name)
-    return dict(
-        hgmma=sass.count("HGMMA"), stack=int(re.search(r"STACK:(\d+)", usage).group(1)), shared=kernel.metadata.shared
-    )
+    constexprs = dict(Q_COLS=q_cols, KV_COLS=kv_cols, HEAD_DIM=d)
+    return gluon_build.sm90a(forward_gluon._attn_fwd_gluon_sink, signature, constexprs, forward_gluon.MAXNREG)
 
 
 @pytest.mark.skipif(not forward_gluon.GLUON, reason="this Triton has no Gluon Hopper API")
