@@ -340,7 +340,7 @@ def test_gluon_backward_plans_are_kept_per_class_of_inputs(monkeypatch):
 
 def _sm90a_build(kernel: str, dtype_name: str, head_dim: int, causal: bool) -> dict:
     """The dK/dV kernel (kernel "dkdv") or the dQ kernel ("dq") compiled for sm_90a by ptxas (no GPU needed):
-    its registers at launch, local memory (spills) and shared memory per CTA, and the HGMMA count of its SASS.
+    its registers at launch, local memory (spills) and shared memory per CTA, and the HGMMA count of its SASS
     (``gluon_build.sm90a``)."""
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype_name]
     layout = backward_gluon._smem_layout(dtype, head_dim)

@@ -94,6 +94,8 @@ if GLUON:
     )
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTensorDescriptor
 
+    from fa2_triton.forward_gluon import key_tiles
+
 BLOCK_M = 64  # query rows a step
 BLOCK_N = 128  # keys a CTA: two consumer warpgroups of 64
 HEAD_DIMS = (64, 128)
@@ -816,14 +818,6 @@ if GLUON:
         return t, q_row, kv_row
 
     @gluon.jit
-    def _dq_key_tiles(t, N_Q, N_K, CAUSAL: gl.constexpr):
-        """The key tiles query tile t sees: every one, or causal (N_K >= N_Q, both multiples of the tiles),
-        those up to its diagonal tile, which holds key i + N_K - N_Q of each row i."""
-        if CAUSAL:
-            return t + 1 + (N_K - N_Q) // _DQ_BLOCK_N
-        return N_K // _DQ_BLOCK_N
-
-    @gluon.jit
     def _dq_loader(
         q_desc,
         k_desc,
@@ -862,7 +856,7 @@ if GLUON:
         for wg in gl.static_range(2):
             _async_load(do_desc, [q_row + wg * _DQ_ROWS, 0], do_ready, do_smem.index(wg))
             _async_load(delta_desc, [q_row + wg * _DQ_ROWS], do_ready, delta_smem.index(wg))
-        for j in range(_dq_key_tiles(t, N_Q, N_K, CAUSAL)):
+        for j in range(key_tiles(t, N_Q, N_K, _DQ_BLOCK_N, CAUSAL)):
             s = j % STAGES
             # A fresh barrier counts its phase before the first as complete: the first pass does not wait.
             mbarrier.wait(kv_empty.index(s), ((j // STAGES) & 1) ^ 1)
@@ -977,7 +971,7 @@ if GLUON:
         mbarrier.wait(do_ready, 0)
         delta = delta_smem.index(WG).load(gl.SliceLayout(1, s_layout))
         dq = gl.zeros([_DQ_ROWS, HEAD_DIM], gl.float32, acc_layout)
-        n = _dq_key_tiles(t, N_Q, N_K, CAUSAL)
+        n = key_tiles(t, N_Q, N_K, _DQ_BLOCK_N, CAUSAL)
         # The key on the diagonal of this warpgroup's first row (causal): the last it sees.
         last_key = t * (2 * _DQ_ROWS) + WG * _DQ_ROWS + N_K - N_Q
         if CAUSAL:

@@ -271,12 +271,13 @@ if GLUON:
         return t, q_row, q_col, kv_row, kv_col, o_row
 
     @gluon.jit
-    def _key_tiles(t, N_Q, N_K, CAUSAL: gl.constexpr):
-        """The key tiles query tile t sees: every one, or causal (N_K >= N_Q, both multiples of the tiles),
-        those up to its diagonal tile, which holds key i + N_K - N_Q of each row i."""
+    def key_tiles(t, N_Q, N_K, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
+        """The key tiles of BLOCK_N keys query tile t sees: every one, or causal (N_K >= N_Q, both multiples
+        of the tiles, query tiles of BLOCK_N rows), those up to its diagonal tile, which holds key
+        i + N_K - N_Q of each row i. Also the dQ kernel's (``backward_gluon``)."""
         if CAUSAL:
-            return t + 1 + (N_K - N_Q) // _BLOCK_N
-        return N_K // _BLOCK_N
+            return t + 1 + (N_K - N_Q) // BLOCK_N
+        return N_K // BLOCK_N
 
     @gluon.jit
     def _loader(
@@ -309,7 +310,7 @@ if GLUON:
         mbarrier.expect(q_ready, 2 * q_desc.block_type.nbytes)
         _async_load(q_desc, [q_row, q_col], q_ready, q_smem.index(0))
         _async_load(q_desc, [q_row + _ROWS, q_col], q_ready, q_smem.index(1))
-        for j in range(_key_tiles(t, N_Q, N_K, CAUSAL)):
+        for j in range(key_tiles(t, N_Q, N_K, _BLOCK_N, CAUSAL)):
             s = j % _STAGES
             # A fresh barrier counts its phase before the first as complete: the first pass does not wait.
             mbarrier.wait(kv_empty.index(s), ((j // _STAGES) & 1) ^ 1)
@@ -427,7 +428,7 @@ if GLUON:
         l_i = gl.zeros([_ROWS], gl.float32, gl.SliceLayout(1, s_layout))
         acc = gl.zeros([_ROWS, HEAD_DIM], gl.float32, o_layout)
         p = gl.zeros([_ROWS, _BLOCK_N], q_desc.dtype, p_layout)
-        n = _key_tiles(t, N_Q, N_K, CAUSAL)
+        n = key_tiles(t, N_Q, N_K, _BLOCK_N, CAUSAL)
         # The key on the diagonal of this warpgroup's first row (causal): the last it sees.
         last_key = t * (2 * _ROWS) + WG * _ROWS + N_K - N_Q
         if CAUSAL:
