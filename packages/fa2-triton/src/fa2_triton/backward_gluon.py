@@ -94,7 +94,7 @@ if GLUON:
     )
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTensorDescriptor
 
-    from fa2_triton.forward_gluon import key_tiles
+    from fa2_triton.forward_gluon import async_load, async_store, key_tiles
 
 BLOCK_M = 64  # query rows a step
 BLOCK_N = 128  # keys a CTA: two consumer warpgroups of 64
@@ -329,9 +329,6 @@ if GLUON:
     _BLOCK_M = gl.constexpr(BLOCK_M)
     _ROWS = gl.constexpr(BLOCK_N // 2)  # keys of one consumer warpgroup
     _BLOCK_N = gl.constexpr(BLOCK_N)
-    # The copies' names since Triton 3.7 (async_load, async_store), else 3.6's.
-    _async_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
-    _async_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
     _CONSUMER_REGS = gl.constexpr(CONSUMER_REGS)
     _LOADER_REGS = gl.constexpr(LOADER_REGS)
 
@@ -379,10 +376,10 @@ if GLUON:
     ):
         start_n, kv_row, lo = _query_tiles(N_Q, N_K, CAUSAL)
         mbarrier.expect(kv_ready, 4 * k_desc.block_type.nbytes)
-        _async_load(k_desc, [kv_row, 0], kv_ready, k_smem.index(0))
-        _async_load(k_desc, [kv_row + _ROWS, 0], kv_ready, k_smem.index(1))
-        _async_load(v_desc, [kv_row, 0], kv_ready, v_smem.index(0))
-        _async_load(v_desc, [kv_row + _ROWS, 0], kv_ready, v_smem.index(1))
+        async_load(k_desc, [kv_row, 0], kv_ready, k_smem.index(0))
+        async_load(k_desc, [kv_row + _ROWS, 0], kv_ready, k_smem.index(1))
+        async_load(v_desc, [kv_row, 0], kv_ready, v_smem.index(0))
+        async_load(v_desc, [kv_row + _ROWS, 0], kv_ready, v_smem.index(1))
         n_tiles = (N_Q - lo) // _BLOCK_M
         for g in range(GROUP):
             q_row = (gl.program_id(1) * GROUP + g) * N_Q
@@ -393,11 +390,11 @@ if GLUON:
                 mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
                 row = q_row + lo + t * _BLOCK_M
                 mbarrier.expect(q_ready.index(s), q_desc.block_type.nbytes + l_desc.block_type.nbytes)
-                _async_load(q_desc, [row, 0], q_ready.index(s), q_smem.index(s))
-                _async_load(l_desc, [row], q_ready.index(s), lse_smem.index(s))
+                async_load(q_desc, [row, 0], q_ready.index(s), q_smem.index(s))
+                async_load(l_desc, [row], q_ready.index(s), lse_smem.index(s))
                 mbarrier.expect(do_ready.index(s), do_desc.block_type.nbytes + delta_desc.block_type.nbytes)
-                _async_load(do_desc, [row, 0], do_ready.index(s), do_smem.index(s))
-                _async_load(delta_desc, [row], do_ready.index(s), delta_smem.index(s))
+                async_load(do_desc, [row, 0], do_ready.index(s), do_smem.index(s))
+                async_load(delta_desc, [row], do_ready.index(s), delta_smem.index(s))
 
     @gluon.jit
     def _step(
@@ -537,8 +534,8 @@ if GLUON:
         k.store(dk.to(q_desc.dtype))
         v.store(dv.to(q_desc.dtype))
         fence_async_shared()
-        _async_store(dk_desc, [kv_row + WG * _ROWS, 0], k)
-        _async_store(dv_desc, [kv_row + WG * _ROWS, 0], v)
+        async_store(dk_desc, [kv_row + WG * _ROWS, 0], k)
+        async_store(dv_desc, [kv_row + WG * _ROWS, 0], v)
         tma.store_wait(0)
 
     @gluon.jit
@@ -850,20 +847,20 @@ if GLUON:
         t, q_row, kv_row = _dq_coords(N_Q, N_K, H, GROUP, CAUSAL)
         mbarrier.expect(q_ready, 2 * q_desc.block_type.nbytes + 2 * l_desc.block_type.nbytes)
         for wg in gl.static_range(2):
-            _async_load(q_desc, [q_row + wg * _DQ_ROWS, 0], q_ready, q_smem.index(wg))
-            _async_load(l_desc, [q_row + wg * _DQ_ROWS], q_ready, lse_smem.index(wg))
+            async_load(q_desc, [q_row + wg * _DQ_ROWS, 0], q_ready, q_smem.index(wg))
+            async_load(l_desc, [q_row + wg * _DQ_ROWS], q_ready, lse_smem.index(wg))
         mbarrier.expect(do_ready, 2 * do_desc.block_type.nbytes + 2 * delta_desc.block_type.nbytes)
         for wg in gl.static_range(2):
-            _async_load(do_desc, [q_row + wg * _DQ_ROWS, 0], do_ready, do_smem.index(wg))
-            _async_load(delta_desc, [q_row + wg * _DQ_ROWS], do_ready, delta_smem.index(wg))
+            async_load(do_desc, [q_row + wg * _DQ_ROWS, 0], do_ready, do_smem.index(wg))
+            async_load(delta_desc, [q_row + wg * _DQ_ROWS], do_ready, delta_smem.index(wg))
         for j in range(key_tiles(t, N_Q, N_K, _DQ_BLOCK_N, CAUSAL)):
             s = j % STAGES
             # A fresh barrier counts its phase before the first as complete: the first pass does not wait.
             mbarrier.wait(kv_empty.index(s), ((j // STAGES) & 1) ^ 1)
             mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
-            _async_load(k_desc, [kv_row + j * _DQ_BLOCK_N, 0], k_ready.index(s), k_smem.index(s))
+            async_load(k_desc, [kv_row + j * _DQ_BLOCK_N, 0], k_ready.index(s), k_smem.index(s))
             mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
-            _async_load(v_desc, [kv_row + j * _DQ_BLOCK_N, 0], v_ready.index(s), v_smem.index(s))
+            async_load(v_desc, [kv_row + j * _DQ_BLOCK_N, 0], v_ready.index(s), v_smem.index(s))
 
     @gluon.jit
     def _dq_step(
@@ -1039,7 +1036,7 @@ if GLUON:
         dq = dq * scale
         q.store(dq.to(q_desc.dtype))  # Q's buffer is free: this warpgroup's last S = Q Kᵀ has completed
         fence_async_shared()
-        _async_store(dq_desc, [q_row + WG * _DQ_ROWS, 0], q)
+        async_store(dq_desc, [q_row + WG * _DQ_ROWS, 0], q)
         tma.store_wait(0)
 
     @gluon.jit

@@ -36,8 +36,8 @@ choice depends on the inputs alone, and an error in this kernel is raised, never
 
 Gluon is experimental and its API moves between Triton releases: Triton 3.6 (the H200's) names the TMA
 copies ``tma.async_copy_global_to_shared`` / ``async_copy_shared_to_global``, later releases
-``tma.async_load`` / ``async_store`` (the module binds whichever exists as ``_async_load``,
-``_async_store``); packages/fa2-triton/tests/test_triton_gluon.py compiles the kernel for sm_90a wherever Gluon is
+``tma.async_load`` / ``async_store`` (the module binds whichever exists as ``async_load``,
+``async_store``); packages/fa2-triton/tests/test_triton_gluon.py compiles the kernel for sm_90a wherever Gluon is
 importable, a GPU or not.
 """
 
@@ -235,9 +235,10 @@ if GLUON:
     _ROWS = gl.constexpr(BLOCK_M // 2)  # query rows of one consumer warpgroup
     _BLOCK_N = gl.constexpr(BLOCK_N)
     _STAGES = gl.constexpr(STAGES)
-    # The copies' names since Triton 3.7 (async_load, async_store), else 3.6's.
-    _async_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
-    _async_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
+    # The copies' names since Triton 3.7 (async_load, async_store), else 3.6's; the backward's kernels take
+    # them from here.
+    async_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+    async_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
     _CONSUMER_REGS = gl.constexpr(CONSUMER_REGS)
     _LOADER_REGS = gl.constexpr(LOADER_REGS)
 
@@ -308,16 +309,16 @@ if GLUON:
     ):
         t, q_row, q_col, kv_row, kv_col, o_row = _coords(N_Q, N_K, H, GROUP, Q_COLS, KV_COLS, HEAD_DIM, CAUSAL)
         mbarrier.expect(q_ready, 2 * q_desc.block_type.nbytes)
-        _async_load(q_desc, [q_row, q_col], q_ready, q_smem.index(0))
-        _async_load(q_desc, [q_row + _ROWS, q_col], q_ready, q_smem.index(1))
+        async_load(q_desc, [q_row, q_col], q_ready, q_smem.index(0))
+        async_load(q_desc, [q_row + _ROWS, q_col], q_ready, q_smem.index(1))
         for j in range(key_tiles(t, N_Q, N_K, _BLOCK_N, CAUSAL)):
             s = j % _STAGES
             # A fresh barrier counts its phase before the first as complete: the first pass does not wait.
             mbarrier.wait(kv_empty.index(s), ((j // _STAGES) & 1) ^ 1)
             mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
-            _async_load(k_desc, [kv_row + j * _BLOCK_N, kv_col], k_ready.index(s), k_smem.index(s))
+            async_load(k_desc, [kv_row + j * _BLOCK_N, kv_col], k_ready.index(s), k_smem.index(s))
             mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
-            _async_load(v_desc, [kv_row + j * _BLOCK_N, kv_col], v_ready.index(s), v_smem.index(s))
+            async_load(v_desc, [kv_row + j * _BLOCK_N, kv_col], v_ready.index(s), v_smem.index(s))
 
     @gluon.jit
     def _turn_wait(turn, k, WG: gl.constexpr):
@@ -595,7 +596,7 @@ if GLUON:
         o = (acc / l_o[:, None]).to(q_desc.dtype)
         q.store(o)  # Q's buffer is free: this warpgroup's last Q K^T has completed
         fence_async_shared()
-        _async_store(o_desc, [o_row + WG * _ROWS, 0], q)
+        async_store(o_desc, [o_row + WG * _ROWS, 0], q)
         # m is in log2 units of the scaled scores; L in natural log.
         rows = o_row + WG * _ROWS + gl.arange(0, _ROWS, layout=gl.SliceLayout(1, s_layout))
         gl.store(L + rows, gl.where(empty, float("inf"), (m_i + gl.log2(l_i)) * 0.6931471805599453))
