@@ -120,8 +120,9 @@ def test_no_gluon_kernel_off_a_hopper_gpu():
     assert not forward_gluon.uses_gluon(q, k, v, _spec()), "CPU tensors never take the Gluon kernel"
 
 
-def _sm90a_build(dtype_name: str, q_cols: bool, kv_cols: bool, causal: bool = False) -> dict:
-    """The kernel compiled for sm_90a (``gluon_build.sm90a``): registers, local and shared memory, HGMMA count."""
+def _sm90a_build(dtype_name: str, q_cols: bool, kv_cols: bool, causal: bool = False, sink: bool = False) -> dict:
+    """The kernel (with ``sink``, ``_attn_fwd_gluon_sink``) compiled for sm_90a (``gluon_build.sm90a``):
+    registers, local and shared memory, HGMMA count."""
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype_name]
     q_layout, kv_layout = forward_gluon._smem_layouts(dtype)
     rows, block_n, d = forward_gluon.BLOCK_M // 2, forward_gluon.BLOCK_N, forward_gluon.HEAD_DIM
@@ -131,10 +132,12 @@ def _sm90a_build(dtype_name: str, q_cols: bool, kv_cols: bool, causal: bool = Fa
         "v_desc": f"tensordesc<{dtype_name}[{block_n}, {d}],{kv_layout!r}>",
         "o_desc": f"tensordesc<{dtype_name}[{rows}, {d}],{q_layout!r}>",
         "L": "*fp32",
+        **({"Sink": "*fp32"} if sink else {}),
         "qk_scale": "fp32",
     }
     constexprs = dict(Q_COLS=q_cols, KV_COLS=kv_cols, HEAD_DIM=d, CAUSAL=causal)
-    return gluon_build.sm90a(forward_gluon._attn_fwd_gluon, signature, constexprs, forward_gluon.MAXNREG)
+    fn = forward_gluon._attn_fwd_gluon_sink if sink else forward_gluon._attn_fwd_gluon
+    return gluon_build.sm90a(fn, signature, constexprs, forward_gluon.MAXNREG)
 
 
 @needs_gluon

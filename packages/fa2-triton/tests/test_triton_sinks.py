@@ -16,7 +16,6 @@ import pytest
 import torch
 
 import fa2_triton
-import gluon_build
 from checks import assert_matches_reference, max_err, random_qkv, run_python, tolerances
 from fa2 import reference
 from fa2.spec import AttentionSpec
@@ -307,30 +306,11 @@ def test_kvcache_with_a_sink(runnable, device, dtype, case, causal):
         assert err_L <= tol_L, f"row {b}: max |L - L_ref| = {err_L:.3g} > tolerance {tol_L:.3g} ({dtype})"
 
 
-def _sm90a_sink_build(dtype_name: str, q_cols: bool, kv_cols: bool) -> dict:
-    """``_attn_fwd_gluon_sink`` compiled for sm_90a by ptxas, as test_triton_gluon._sm90a_build compiles the
-    kernel without a sink: its SASS's HGMMA count, local memory and shared memory per CTA."""
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype_name]
-    q_layout, kv_layout = forward_gluon._smem_layouts(dtype)
-    rows, block_n, d = forward_gluon.BLOCK_M // 2, forward_gluon.BLOCK_N, forward_gluon.HEAD_DIM
-    signature = {
-        "q_desc": f"tensordesc<{dtype_name}[{rows}, {d}],{q_layout!r}>",
-        "k_desc": f"tensordesc<{dtype_name}[{block_n}, {d}],{kv_layout!r}>",
-        "v_desc": f"tensordesc<{dtype_name}[{block_n}, {d}],{kv_layout!r}>",
-        "o_desc": f"tensordesc<{dtype_name}[{rows}, {d}],{q_layout!r}>",
-        "L": "*fp32",
-        "Sink": "*fp32",
-        "qk_scale": "fp32",
-    }
-    constexprs = dict(Q_COLS=q_cols, KV_COLS=kv_cols, HEAD_DIM=d)
-    return gluon_build.sm90a(forward_gluon._attn_fwd_gluon_sink, signature, constexprs, forward_gluon.MAXNREG)
-
-
 @pytest.mark.skipif(not forward_gluon.GLUON, reason="this Triton has no Gluon Hopper API")
 def test_the_gluon_sink_kernel_compiles_for_sm90a():
     """ptxas's sm_90a build of the kernel with a sink, as test_triton_gluon checks the one without:
     warpgroup MMAs in the SASS, no local memory, the shared memory within a CTA's 227 KB."""
-    code = "import json, test_triton_sinks as s; print(json.dumps(s._sm90a_sink_build('fp16', True, True)))"
+    code = "import json, test_triton_gluon as t; print(json.dumps(t._sm90a_build('fp16', True, True, sink=True)))"
     run = run_python(code, without="TRITON_INTERPRET", timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     build = json.loads(run.stdout.strip().splitlines()[-1])
