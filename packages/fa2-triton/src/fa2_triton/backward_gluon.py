@@ -6,7 +6,8 @@ backward does it, where the tl kernel leaves the schedule to Triton's compiler. 
 (batch, key/value head) has three partitions:
 
 - a loader warp that issues every copy by TMA: K's and V's two 64-row halves once, then Q with its rows of L
-  and dO with its rows of delta (the preprocess's rowsum(dO ∘ O)), tile after tile (64 query rows), into a
+  and dO with its rows of delta (the preprocess's rowsum(dO ∘ O)), tile after tile (``BLOCK_M`` query rows:
+  128 at head_dim 64, 64 at 128), into a
   ring of ``STAGES`` shared-memory buffers, each with a ready mbarrier the copies complete (one for Q and L,
   one for dO and delta, so that Sᵀ can start before dO lands) and an empty one that both consumers arrive
   at once they have read the buffer;
@@ -26,8 +27,8 @@ backward does it, where the tl kernel leaves the schedule to Triton's compiler. 
 Grouped-query attention as in the tl kernel: the CTA of key/value head h_k walks the query heads
 h_k · group ... h_k · group + group - 1 one after another (a fixed order: deterministic), summing into one
 dK and dV. Under causal (bottom-right, as everywhere in fa2) the query tiles that see no key of the CTA's
-tile are skipped, not loaded; the rest are masked (a compare and select a score, which the tiles past the
-diagonal pass whole).
+tile are skipped, not loaded; the tiles across its diagonal are masked (a compare and select a score) by a
+copy of the step, the rest run the step without the mask.
 
 The dQ step (``backward_tl._attn_bwd_dq``'s work) is the second kernel here, the forward's schedule
 (``forward_gluon``) with the backward's step. One CTA per 128 query rows of a (batch, query head):
@@ -96,7 +97,11 @@ if GLUON:
 
     from fa2_triton.forward_gluon import async_load, async_store, key_tiles
 
-BLOCK_M = 64  # query rows a step
+# Query rows a step, by head_dim. At 64, tiles of 128 rows: Sᵀ's and dPᵀ's MMAs 128 wide (64-wide ones, both
+# operands from shared memory, run below the tensor cores' rate) and half the barriers and waits a query row,
+# as FlashAttention-3 tiles its head_dim 64 backward; at 128 the registers (dK and dV alone 128 a thread) leave
+# room for 64-row tiles only.
+BLOCK_M = {64: 128, 128: 64}
 BLOCK_N = 128  # keys a CTA: two consumer warpgroups of 64
 HEAD_DIMS = (64, 128)
 # The head dims fa2-triton's backward sends to this kernel (where ``takes`` and the device allow): 64 and 128,
@@ -271,16 +276,18 @@ def _plan(q, k, v, dO, L, delta, dk, dv, spec: AttentionSpec) -> _Plan:
     class, then copied (``launch.copy_descriptor``)."""
     batch, heads, seqlen_q, head_dim = q.shape
     heads_k, seqlen_k = k.shape[1], k.shape[2]
-    layout = _smem_layout(q.dtype, head_dim)
+    rows, keys = BLOCK_M[head_dim], BLOCK_N // 2
     descriptors = tuple(
-        GluonTensorDescriptor.from_tensor(t.view(-1, head_dim), [BLOCK_M, head_dim], layout)
-        for t in (q, k, v, dO, dk, dv)
-    ) + tuple(GluonTensorDescriptor.from_tensor(t.view(-1), [BLOCK_M], _ROWS_LAYOUT) for t in (L, delta))
+        GluonTensorDescriptor.from_tensor(
+            t.view(-1, head_dim), [block, head_dim], _smem_layout(q.dtype, head_dim, block)
+        )
+        for t, block in ((q, rows), (k, keys), (v, keys), (dO, rows), (dk, keys), (dv, keys))
+    ) + tuple(GluonTensorDescriptor.from_tensor(t.view(-1), [rows], _ROWS_LAYOUT) for t in (L, delta))
     return _Plan(
         tuple({**d.__dict__, "base": None} for d in descriptors),
         (seqlen_k // BLOCK_N, batch * heads_k),
         (spec.scale * LOG2_E, spec.scale, seqlen_q, seqlen_k, group_size(q, k)),
-        dict(CAUSAL=spec.causal, HEAD_DIM=head_dim, STAGES=STAGES),
+        dict(CAUSAL=spec.causal, HEAD_DIM=head_dim, STAGES=STAGES, BLOCK_M=rows),
     )
 
 
@@ -288,7 +295,7 @@ def _dq_plan(q, k, v, dO, L, delta, dq, spec: AttentionSpec) -> _Plan:
     """The launch of ``flash_attn_dq``'s inputs: the seven descriptors built and checked by Gluon once a class,
     then copied (``launch.copy_descriptor``)."""
     batch, heads, seqlen_q, head_dim = q.shape
-    rows_layout = _smem_layout(q.dtype, head_dim)
+    rows_layout = _smem_layout(q.dtype, head_dim, DQ_BLOCK_M // 2)
     keys_layout = _smem_layout(q.dtype, head_dim, DQ_BLOCK_N)
     descriptors = tuple(
         GluonTensorDescriptor.from_tensor(t.view(-1, head_dim), [block, head_dim], layout)
@@ -316,9 +323,8 @@ def _tma_ready(t: torch.Tensor) -> torch.Tensor:
 
 
 @functools.cache
-def _smem_layout(dtype: torch.dtype, head_dim: int, rows: int = BLOCK_M):
-    """The shared-memory layout of a [rows, head_dim] tile: 64 rows for every tile but the dQ kernel's K
-    and V tiles (DQ_BLOCK_N)."""
+def _smem_layout(dtype: torch.dtype, head_dim: int, rows: int):
+    """The shared-memory layout of a [rows, head_dim] tile."""
     gdtype = gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
     return gl.NVMMASharedLayout.get_default_for([rows, head_dim], gdtype)
 
@@ -326,7 +332,6 @@ def _smem_layout(dtype: torch.dtype, head_dim: int, rows: int = BLOCK_M):
 if GLUON:
     # L's and delta's rows of a query tile in shared memory: 64 float32, unswizzled.
     _ROWS_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
-    _BLOCK_M = gl.constexpr(BLOCK_M)
     _ROWS = gl.constexpr(BLOCK_N // 2)  # keys of one consumer warpgroup
     _BLOCK_N = gl.constexpr(BLOCK_N)
     _CONSUMER_REGS = gl.constexpr(CONSUMER_REGS)
@@ -373,6 +378,7 @@ if GLUON:
         CAUSAL: gl.constexpr,
         HEAD_DIM: gl.constexpr,
         STAGES: gl.constexpr,
+        BLOCK_M: gl.constexpr,
     ):
         start_n, kv_row, lo = _query_tiles(N_Q, N_K, CAUSAL)
         mbarrier.expect(kv_ready, 4 * k_desc.block_type.nbytes)
@@ -380,7 +386,7 @@ if GLUON:
         async_load(k_desc, [kv_row + _ROWS, 0], kv_ready, k_smem.index(1))
         async_load(v_desc, [kv_row, 0], kv_ready, v_smem.index(0))
         async_load(v_desc, [kv_row + _ROWS, 0], kv_ready, v_smem.index(1))
-        n_tiles = (N_Q - lo) // _BLOCK_M
+        n_tiles = (N_Q - lo) // BLOCK_M
         for g in range(GROUP):
             q_row = (gl.program_id(1) * GROUP + g) * N_Q
             for t in range(n_tiles):
@@ -388,7 +394,7 @@ if GLUON:
                 s = it % STAGES
                 # A fresh barrier counts its phase before the first as complete: the first pass does not wait.
                 mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
-                row = q_row + lo + t * _BLOCK_M
+                row = q_row + lo + t * BLOCK_M
                 mbarrier.expect(q_ready.index(s), q_desc.block_type.nbytes + l_desc.block_type.nbytes)
                 async_load(q_desc, [row, 0], q_ready.index(s), q_smem.index(s))
                 async_load(l_desc, [row], q_ready.index(s), lse_smem.index(s))
@@ -416,43 +422,54 @@ if GLUON:
         s_layout: gl.constexpr,
         a_layout: gl.constexpr,
         STAGES: gl.constexpr,
-        CAUSAL: gl.constexpr,
+        MASKED: gl.constexpr,
+        BLOCK_M: gl.constexpr,
     ):
         """The query tile in stage ``it`` of the ring, rows [start_m, start_m + BLOCK_M) of its head: dK and
-        dV of this warpgroup's keys updated. Under CAUSAL, Pᵀ is zeroed where a query comes before the first that
-        sees the key (``first``, [64]: key - (N_K - N_Q))."""
+        dV of this warpgroup's keys updated. MASKED (a tile across the causal diagonal): Pᵀ is zeroed where a
+        query comes before the first that sees the key (``first``, [64]: key - (N_K - N_Q))."""
         s = it % STAGES
         phase = (it // STAGES) & 1
         q = q_smem.index(s)
         do = do_smem.index(s)
         mbarrier.wait(q_ready.index(s), phase)
         sT = warpgroup_mma(
-            k, q.permute((1, 0)), gl.zeros([_ROWS, _BLOCK_M], gl.float32, s_layout), use_acc=False, is_async=True
+            k, q.permute((1, 0)), gl.zeros([_ROWS, BLOCK_M], gl.float32, s_layout), use_acc=False, is_async=True
         )
         mbarrier.wait(do_ready.index(s), phase)
         dpT = warpgroup_mma(
-            v, do.permute((1, 0)), gl.zeros([_ROWS, _BLOCK_M], gl.float32, s_layout), use_acc=False, is_async=True
+            v, do.permute((1, 0)), gl.zeros([_ROWS, BLOCK_M], gl.float32, s_layout), use_acc=False, is_async=True
         )
         # L in log2 units, as the scores.
         lse = lse_smem.index(s).load(gl.SliceLayout(0, s_layout)) * 1.4426950408889634
         sT = warpgroup_mma_wait(num_outstanding=1, deps=(sT,))
         # exp(S - L); a row with L = +inf (it sees no key) gets exp2(-inf) = 0.
         pT = gl.exp2(sT * qk_scale - lse[None, :])  # [64 keys, BLOCK_M queries]
-        if CAUSAL:
-            # Every tile, not the two across the diagonal alone (the others pass whole): the branch around it
-            # made the consumers spill. Zeroing after exp2 keeps -inf out of it. Compared as offsets from
-            # start_m, so that no [64, BLOCK_M] tile of indices is loop-invariant (kept in registers).
-            offs = gl.arange(0, _BLOCK_M, layout=gl.SliceLayout(0, s_layout))
+        if MASKED:
+            # Zeroing after exp2 keeps -inf out of it. Compared as offsets from start_m, so that no
+            # [64, BLOCK_M] tile of indices is loop-invariant (kept in registers).
+            offs = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
             pT = gl.where(offs[None, :] >= (first - start_m)[:, None], pT, 0.0)
-        p16 = gl.convert_layout(pT.to(q_smem.dtype), a_layout)
-        dv = warpgroup_mma(p16, do, dv, is_async=True)
-        # dV's MMA completes before dSᵀ is formed, freeing Pᵀ's 16-bit copy (with it live there the consumers
-        # spilled); the other warpgroup's MMAs keep the tensor cores busy meanwhile.
-        dpT, dv = warpgroup_mma_wait(num_outstanding=0, deps=(dpT, dv))
-        delta = delta_smem.index(s).load(gl.SliceLayout(0, s_layout))
-        dsT = pT * (dpT - delta[None, :])
-        ds16 = gl.convert_layout(dsT.to(q_smem.dtype), a_layout)
-        dk = warpgroup_mma(ds16, q, dk, is_async=True)
+        if BLOCK_M == 128:
+            # dSᵀ formed before either MMA is issued: Pᵀ's 16-bit copy is not live beside dPᵀ's [64, 128]
+            # accumulator (with it there the consumers spilled); dV's and dK's MMAs then run together.
+            dpT = warpgroup_mma_wait(num_outstanding=0, deps=(dpT,))
+            delta = delta_smem.index(s).load(gl.SliceLayout(0, s_layout))
+            dsT = pT * (dpT - delta[None, :])
+            p16 = gl.convert_layout(pT.to(q_smem.dtype), a_layout)
+            ds16 = gl.convert_layout(dsT.to(q_smem.dtype), a_layout)
+            dv = warpgroup_mma(p16, do, dv, is_async=True)
+            dk = warpgroup_mma(ds16, q, dk, is_async=True)
+        else:
+            p16 = gl.convert_layout(pT.to(q_smem.dtype), a_layout)
+            dv = warpgroup_mma(p16, do, dv, is_async=True)
+            # dV's MMA completes before dSᵀ is formed, freeing Pᵀ's 16-bit copy (with it live there the
+            # consumers spilled); the other warpgroup's MMAs keep the tensor cores busy meanwhile.
+            dpT, dv = warpgroup_mma_wait(num_outstanding=0, deps=(dpT, dv))
+            delta = delta_smem.index(s).load(gl.SliceLayout(0, s_layout))
+            dsT = pT * (dpT - delta[None, :])
+            ds16 = gl.convert_layout(dsT.to(q_smem.dtype), a_layout)
+            dk = warpgroup_mma(ds16, q, dk, is_async=True)
         dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk))
         mbarrier.arrive(empty.index(s), count=1)
         return dk, dv
@@ -486,11 +503,12 @@ if GLUON:
         CAUSAL: gl.constexpr,
         HEAD_DIM: gl.constexpr,
         STAGES: gl.constexpr,
+        BLOCK_M: gl.constexpr,
     ):
         """Consumer warpgroup WG: keys [64 · WG, 64 · WG + 64) of the CTA's tile."""
         start_n, kv_row, lo = _query_tiles(N_Q, N_K, CAUSAL)
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, _BLOCK_M, 16]
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_M, 16]
         )
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16]
@@ -503,13 +521,43 @@ if GLUON:
         dk = gl.zeros([_ROWS, HEAD_DIM], gl.float32, acc_layout)
         dv = gl.zeros([_ROWS, HEAD_DIM], gl.float32, acc_layout)
         mbarrier.wait(kv_ready, 0)
-        n_tiles = (N_Q - lo) // _BLOCK_M
+        n_tiles = (N_Q - lo) // BLOCK_M
+        # Under causal the first BLOCK_N // BLOCK_M tiles from lo cross the diagonal of the CTA's keys and are
+        # masked; the rest pass whole and skip the mask (a copy of the step without it: the mask's indices
+        # made the consumers spill).
+        masked = 0
+        if CAUSAL:
+            masked = gl.minimum(n_tiles, _BLOCK_N // BLOCK_M)
         # The group's query heads one after another, each's query tiles from lo: the loader's order.
         for g in range(GROUP):
-            for t in range(n_tiles):
+            if CAUSAL:
+                for t in range(masked):
+                    dk, dv = _step(
+                        g * n_tiles + t,
+                        lo + t * BLOCK_M,
+                        first,
+                        k,
+                        v,
+                        q_smem,
+                        do_smem,
+                        q_ready,
+                        do_ready,
+                        empty,
+                        dk,
+                        dv,
+                        lse_smem,
+                        delta_smem,
+                        qk_scale,
+                        s_layout,
+                        a_layout,
+                        STAGES,
+                        True,
+                        BLOCK_M,
+                    )
+            for t in range(masked, n_tiles):
                 dk, dv = _step(
                     g * n_tiles + t,
-                    lo + t * _BLOCK_M,
+                    lo + t * BLOCK_M,
                     first,
                     k,
                     v,
@@ -526,7 +574,8 @@ if GLUON:
                     s_layout,
                     a_layout,
                     STAGES,
-                    CAUSAL,
+                    False,
+                    BLOCK_M,
                 )
         dk = dk * scale
         # The K and V buffers are free: this warpgroup's last MMAs that read them have completed. A key tile
@@ -566,6 +615,7 @@ if GLUON:
         CAUSAL: gl.constexpr,
         HEAD_DIM: gl.constexpr,
         STAGES: gl.constexpr,
+        BLOCK_M: gl.constexpr,
     ):
         _consumer(
             0,
@@ -595,6 +645,7 @@ if GLUON:
             CAUSAL,
             HEAD_DIM,
             STAGES,
+            BLOCK_M,
         )
 
     @gluon.jit
@@ -625,6 +676,7 @@ if GLUON:
         CAUSAL: gl.constexpr,
         HEAD_DIM: gl.constexpr,
         STAGES: gl.constexpr,
+        BLOCK_M: gl.constexpr,
     ):
         _consumer(
             1,
@@ -654,6 +706,7 @@ if GLUON:
             CAUSAL,
             HEAD_DIM,
             STAGES,
+            BLOCK_M,
         )
 
     @gluon.jit
@@ -674,17 +727,18 @@ if GLUON:
         CAUSAL: gl.constexpr,
         HEAD_DIM: gl.constexpr,
         STAGES: gl.constexpr,
+        BLOCK_M: gl.constexpr,
     ):
         """q_desc, do_desc: (B·H·N_Q, D) rows, blocks [64, D]; k_desc, v_desc, dk_desc, dv_desc: (B·H_K·N_K,
         D), blocks [64, D]; L, Delta: (B·H·N_Q,) float32. qk_scale: the softmax scale · log2(e); scale: the
         softmax scale; GROUP: query heads per key/value head. One CTA per (key tile, batch·H_K)."""
         dtype: gl.constexpr = q_desc.dtype
-        q_smem = gl.allocate_shared_memory(dtype, [STAGES, _BLOCK_M, HEAD_DIM], q_desc.layout)
-        do_smem = gl.allocate_shared_memory(dtype, [STAGES, _BLOCK_M, HEAD_DIM], do_desc.layout)
+        q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], q_desc.layout)
+        do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], do_desc.layout)
         k_smem = gl.allocate_shared_memory(dtype, [2, _ROWS, HEAD_DIM], k_desc.layout)
         v_smem = gl.allocate_shared_memory(dtype, [2, _ROWS, HEAD_DIM], v_desc.layout)
-        lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, _BLOCK_M], l_desc.layout)
-        delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, _BLOCK_M], delta_desc.layout)
+        lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], l_desc.layout)
+        delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], delta_desc.layout)
         kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         do_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -727,6 +781,7 @@ if GLUON:
                         CAUSAL,
                         HEAD_DIM,
                         STAGES,
+                        BLOCK_M,
                     ),
                 ),
                 (
@@ -758,6 +813,7 @@ if GLUON:
                         CAUSAL,
                         HEAD_DIM,
                         STAGES,
+                        BLOCK_M,
                     ),
                 ),
                 (
@@ -789,6 +845,7 @@ if GLUON:
                         CAUSAL,
                         HEAD_DIM,
                         STAGES,
+                        BLOCK_M,
                     ),
                 ),
             ],
