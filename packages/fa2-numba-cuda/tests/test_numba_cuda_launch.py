@@ -72,8 +72,8 @@ def check_parameters_match_numba() -> int:
     from test_kvcache import CASES
 
     assert not common.simulated()
-    real = kvcache._check_device, kvcache.block_slots, kvcache.capability
-    kvcache._check_device = lambda q: None  # CPU tensors, kernels not launched
+    real = kvcache.check_device, kvcache.block_slots, kvcache.capability
+    kvcache.check_device = lambda q: None  # CPU tensors, kernels not launched
     kvcache.block_slots = lambda *a: 132 * 4  # an H100's SMs x blocks, without asking a GPU
     kvcache.capability = lambda device: (9, 0)
     kinds = [
@@ -96,7 +96,7 @@ def check_parameters_match_numba() -> int:
             (kvcache,),
         )
     finally:
-        kvcache._check_device, kvcache.block_slots, kvcache.capability = real
+        kvcache.check_device, kvcache.block_slots, kvcache.capability = real
 
 
 def test_packed_parameters_are_numbas():
@@ -176,9 +176,9 @@ def check_dense_parameters_match_numba() -> int:
     Returns the number of launches compared."""
     assert not common.simulated()
     modules = (forward_simt, forward_tc, backward_simt)
-    real = [m._check_device for m in modules], forward_tc.capability
+    real = [m.check_device for m in modules], forward_tc.capability
     for m in modules:
-        m._check_device = lambda q: None  # CPU tensors, kernels not launched
+        m.check_device = lambda q: None  # CPU tensors, kernels not launched
     forward_tc.capability = lambda device: (9, 0)
 
     def make(direction, dtype, case):
@@ -197,7 +197,7 @@ def check_dense_parameters_match_numba() -> int:
     finally:
         checks, forward_tc.capability = real
         for m, check in zip(modules, checks):
-            m._check_device = check
+            m.check_device = check
 
 
 def _check_prepared(cases, modules) -> int:
@@ -270,7 +270,7 @@ def _compare_prepared(args, varying, tensors, args2, given) -> int:
         compiled.signature = types.SimpleNamespace(args=[typeof(a, Purpose.argument) for a in flat])
         return compiled
 
-    flat, flat2 = ([common._flat(a) if isinstance(a, torch.Tensor) else a for a in x] for x in (args, args2))
+    flat, flat2 = ([common.flat_view(a) if isinstance(a, torch.Tensor) else a for a in x] for x in (args, args2))
     compiled, compiled2 = compiled_for(flat), compiled_for(flat2)
     assert compiled.argument_types == compiled2.argument_types  # one class, one compiled kernel
     given = {t.data_ptr() for t in given}

@@ -181,7 +181,7 @@ def test_flash_attn_backward_sends_dkdv_to_gluon(monkeypatch, deterministic):
     modes (the tl dK/dV kernel, which adds dq by atomics with deterministic=False, is not launched); given
     tiles keep the tl kernels. The launches stubbed: this checks the wiring on the CPU."""
     calls = []
-    monkeypatch.setattr(backward, "_check_device", lambda q: None)
+    monkeypatch.setattr(backward, "check_device", lambda q: None)
     monkeypatch.setattr(backward, "launch_preprocess", lambda O, dO, L, sink: (torch.zeros(L.shape), None))
     monkeypatch.setattr(backward, "launch_dq", lambda *a: calls.append("dq"))
     monkeypatch.setattr(backward, "launch_dkdv", lambda *a: calls.append("tl-dkdv" if a[8] is None else "tl-atomic"))
@@ -206,7 +206,7 @@ def test_flash_attn_backward_sends_dq_to_gluon(monkeypatch, deterministic, dkdv_
     tl dK/dV kernel and deterministic=False, its atomics'); given tiles keep the tl kernels. The launches
     stubbed: this checks the wiring on the CPU."""
     calls = []
-    monkeypatch.setattr(backward, "_check_device", lambda q: None)
+    monkeypatch.setattr(backward, "check_device", lambda q: None)
     monkeypatch.setattr(backward, "launch_preprocess", lambda O, dO, L, sink: (torch.zeros(L.shape), None))
     monkeypatch.setattr(backward, "launch_dq", lambda *a: calls.append("tl-dq"))
     monkeypatch.setattr(backward, "launch_dkdv", lambda *a: calls.append("tl-dkdv" if a[8] is None else "tl-atomic"))

@@ -74,7 +74,7 @@ def test_lever_matches_reference(native_or_interpreted, device, dtype, lever, he
     q, k, v = random_qkv((2, 2, n_q, head_dim), (2, 2, n_k, head_dim), dtype, device, seed=n_k + head_dim)
     O = torch.full_like(q, math.nan)
     L = torch.full(q.shape[:-1], math.nan, device=device)
-    compiled = forward._launch(q, k, v, O, L, _spec(causal, head_dim**-0.5), tiles)
+    compiled = forward.launch_kernel(q, k, v, O, L, _spec(causal, head_dim**-0.5), tiles)
     assert_matches_reference(O, L, q, k, v, causal)
     specialised = ws_layout(q, k, v, causal, head_dim, tiles)
     # Not green by accident: the warp-specialised path runs exactly where its conditions say.
@@ -106,7 +106,7 @@ def test_lever_with_features_matches_reference(native_or_interpreted, device, dt
     spec = _spec(causal, 64**-0.5, **{**f, "alibi_slopes": None if slopes is None else slopes.expand(1, 2)})
     O = torch.full_like(q, math.nan)
     L = torch.full(q.shape[:-1], math.nan, device=device)
-    compiled = forward._launch(q, k, v, O, L, spec, tiles)
+    compiled = forward.launch_kernel(q, k, v, O, L, spec, tiles)
     assert_matches_reference(O, L, q, k, v, causal, **f)
     specialised = ws_layout(q, k, v, spec.masked, 64, tiles)
     assert specialised == (tiles.warp_specialize and not spec.masked and n_k % tiles.block_n == 0)
@@ -123,7 +123,7 @@ def test_shipped_tiles_match_reference(native_or_interpreted, device, head_dim, 
     for _, tiles in TILES[head_dim, "16-bit", causal]:
         O = torch.full_like(q, math.nan)
         L = torch.full(q.shape[:-1], math.nan, device=device)
-        forward._launch(q, k, v, O, L, _spec(causal, head_dim**-0.5), tiles)
+        forward.launch_kernel(q, k, v, O, L, _spec(causal, head_dim**-0.5), tiles)
         assert_matches_reference(O, L, q, k, v, causal)
 
 
@@ -169,7 +169,7 @@ def test_default_tiles_specialise_exactly_where_the_inputs_can(native_or_interpr
     q, k, v = random_qkv((2, 2, seqlen, 64), (2, 2, seqlen, 64), torch.float16, device, seed=seqlen)
     O = torch.full_like(q, math.nan)
     L = torch.full(q.shape[:-1], math.nan, device=device)
-    forward._launch(q, k, v, O, L, AttentionSpec(64**-0.5))
+    forward.launch_kernel(q, k, v, O, L, AttentionSpec(64**-0.5))
     assert taken == [seqlen % 128 == 0]
     assert_matches_reference(O, L, q, k, v, False)
 
@@ -259,7 +259,7 @@ def test_varlen_lever_matches_reference(native_or_interpreted, device, monkeypat
     taken = []
     real_launch = forward.launch
     monkeypatch.setattr(forward, "launch", lambda *a: taken.append(a[3]) or real_launch(*a))
-    forward._launch(q, k, v, O, L, spec, LEVERS[lever])
+    forward.launch_kernel(q, k, v, O, L, spec, LEVERS[lever])
     [constexprs] = taken
     assert (constexprs["DEVICE_DESC"], constexprs["USE_TMA"], constexprs["WARP_SPECIALIZE"]) == (
         LEVERS[lever].tma,

@@ -131,7 +131,7 @@ def test_forward_levers_with_a_sink(runnable, device, dtype, lever, causal):
     spec = AttentionSpec(0.25, (-1, 0) if causal else (-1, -1), sink=sink)
     O = torch.full_like(q, math.nan)
     L = torch.full(q.shape[:-1], math.nan, device=device)
-    forward._launch(q, k, v, O, L, spec, LEVERS[lever])
+    forward.launch_kernel(q, k, v, O, L, spec, LEVERS[lever])
     assert_matches_reference(O, L, q, k, v, causal, 0.25, sink=sink)
 
 

@@ -53,7 +53,7 @@ gradients) are per sequence. A key tile of a sequence without queries writes dk 
 compile-time switch of the same ``Features``: the dense kernels never read the offsets.
 
 Both main kernels are the forward's block (``fa2_numba_cuda.forward_simt``) with other operands: padded
-fp32 shared tiles loaded by the forward's ``load_tile`` (``common._tile_loader``), register micro-tiles
+fp32 shared tiles loaded by the forward's ``load_tile`` (``common.tile_loader``), register micro-tiles
 indexed only by loops over constants, 4-float shared loads through uint64 indices, row statistics in
 registers.
 
@@ -90,21 +90,18 @@ from fa2_numba_cuda.common import (
     MAX_HEAD_DIM,
     SHARED_ALIGN,
     BlockConfig,
-    _alibi,
-    _bf16_to_float,
-    _check_device,
-    _feature_columns,
-    _float_to_bf16,
-    _identity,
-    _key_mask,
-    _tanh,
-    _tile_loader,
-    _to_float,
+    alibi,
+    bf16_to_float,
+    check_device,
     dsink_arg,
     feature_args,
+    feature_columns,
     features,
     float32,
+    float_to_bf16,
     grid_extent,
+    identity,
+    key_mask,
     offset_args,
     padded_head_dim,
     score_scale,
@@ -114,6 +111,9 @@ from fa2_numba_cuda.common import (
     spec_class,
     spec_positions,
     spec_tensors,
+    tanh,
+    tile_loader,
+    to_float32,
     uint64,
 )
 from fa2_numba_cuda.mma import shfl_xor
@@ -164,7 +164,7 @@ def bwd_block_config(HEAD_DIM: int) -> tuple[DkDvConfig, BlockConfig]:
 
 def _converters(IS_BF16):
     """(to_float, from_float): bf16 as int16 bit patterns, fp16 and fp32 as themselves."""
-    return (_bf16_to_float, _float_to_bf16) if IS_BF16 else (_to_float, _identity)
+    return (bf16_to_float, float_to_bf16) if IS_BF16 else (to_float32, identity)
 
 
 def _jit(kernel, MAX_REGISTERS):
@@ -278,8 +278,8 @@ def _build_dkdv(HEAD_DIM, config, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN, IS_BF16, 
     assert HEAD_DIM % (4 * THREADS_M) == 0 and HEAD_DIM % S_STEP == 0
 
     to_float, from_float = _converters(IS_BF16)
-    load_tile = _tile_loader(HEAD_DIM, NUM_WARPS, EVEN_HEAD_DIM, UNIT_STRIDE_D, to_float)
-    masked = _key_mask(LEFT, RIGHT)
+    load_tile = tile_loader(HEAD_DIM, NUM_WARPS, EVEN_HEAD_DIM, UNIT_STRIDE_D, to_float)
+    masked = key_mask(LEFT, RIGHT)
 
     def _attn_bwd_dkdv(
         q,
@@ -474,7 +474,7 @@ def _build_dkdv(HEAD_DIM, config, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN, IS_BF16, 
                 if SOFTCAP:
                     for i in range(TN):
                         for j in range(TM):
-                            t = _tanh(sT[i, j])
+                            t = tanh(sT[i, j])
                             dcapT[i, j] = float32(1.0) - t * t
                             sT[i, j] = t * softcap_log2
                 if ALIBI:
@@ -482,7 +482,7 @@ def _build_dkdv(HEAD_DIM, config, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN, IS_BF16, 
                         for j in range(TM):
                             key = start_n + ty + THREADS_N * i
                             row = start_m + tx + THREADS_M * j
-                            sT[i, j] = _alibi(sT[i, j], slope, row, key, diag)
+                            sT[i, j] = alibi(sT[i, j], slope, row, key, diag)
                 # Mask only the tiles that cross the end of the keys or a window edge.
                 if (
                     start_n + BLOCK_N > seqlen_k
@@ -576,8 +576,8 @@ def _build_dq(HEAD_DIM, config, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN, IS_BF16, EV
     assert HEAD_DIM % (4 * THREADS_N) == 0 and HEAD_DIM % S_STEP == 0
 
     to_float, from_float = _converters(IS_BF16)
-    load_tile = _tile_loader(HEAD_DIM, NUM_WARPS, EVEN_HEAD_DIM, UNIT_STRIDE_D, to_float)
-    masked = _key_mask(LEFT, RIGHT)
+    load_tile = tile_loader(HEAD_DIM, NUM_WARPS, EVEN_HEAD_DIM, UNIT_STRIDE_D, to_float)
+    masked = key_mask(LEFT, RIGHT)
 
     def _attn_bwd_dq(
         q,
@@ -754,7 +754,7 @@ def _build_dq(HEAD_DIM, config, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN, IS_BF16, EV
             if SOFTCAP:
                 for i in range(TM):
                     for j in range(TN):
-                        t = _tanh(s[i, j])
+                        t = tanh(s[i, j])
                         dcap[i, j] = float32(1.0) - t * t
                         s[i, j] = t * softcap_log2
             if ALIBI:
@@ -762,7 +762,7 @@ def _build_dq(HEAD_DIM, config, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN, IS_BF16, EV
                     for j in range(TN):
                         row = start_m + ty + THREADS_M * i
                         key = start_n + tx + THREADS_N * j
-                        s[i, j] = _alibi(s[i, j], slope, row, key, diag)
+                        s[i, j] = alibi(s[i, j], slope, row, key, diag)
             # Mask only the tiles that cross the end of the keys or a window edge.
             if (
                 start_n + BLOCK_N > seqlen_k
@@ -947,7 +947,7 @@ def flash_attn_backward(
     heads_k, seqlen_k = k.shape[1], k.shape[2]
     if head_dim > MAX_HEAD_DIM:
         raise NotImplementedError(f"fa2-numba-cuda supports head_dim up to {MAX_HEAD_DIM}, got {head_dim}")
-    _check_device(q)
+    check_device(q)
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
@@ -1031,7 +1031,7 @@ def kernel_resources() -> list[dict]:
             spec = {
                 "HEAD_DIM": HEAD_DIM,
                 **config._asdict(),
-                **_feature_columns(switches),
+                **feature_columns(switches),
                 "bf16": IS_BF16,
                 "even_head_dim": EVEN_HEAD_DIM,
                 "unit_stride_d": UNIT_STRIDE_D,

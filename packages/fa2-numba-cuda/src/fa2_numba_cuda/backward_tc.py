@@ -101,10 +101,10 @@ from fa2_numba_cuda.backward_simt import dsink_parts, launch_preprocess, preproc
 from fa2_numba_cuda.common import (
     LOG2E,
     SHARED_ALIGN,
-    _check_device,
-    _feature_columns,
+    check_device,
     dsink_arg,
     feature_args,
+    feature_columns,
     features,
     grid_extent,
     offset_args,
@@ -1303,7 +1303,7 @@ def flash_attn_backward(
         raise NotImplementedError(
             f"fa2-numba-cuda's tensor-core backward supports head_dim up to {MAX_HEAD_DIM}, got {head_dim}"
         )
-    _check_device(q)
+    check_device(q)
     if not simulated() and capability(q.device) < MIN_COMPUTE_CAPABILITY:
         raise NotImplementedError(
             f"fa2-numba-cuda's tensor-core backward needs compute capability 8.0 or newer, got "
@@ -1429,7 +1429,7 @@ def kernel_resources() -> list[dict]:
                     "kernel": f"tensor-core {name}",
                     "HEAD_DIM": HEAD_DIM,
                     **config._asdict(),
-                    **_feature_columns((LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN)),
+                    **feature_columns((LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN)),
                     "bf16": IS_BF16,
                     "even_head_dim": EVEN_HEAD_DIM,
                     "async_loads": ASYNC_LOADS,

@@ -5,16 +5,16 @@
 - the simulator switch (``simulated``) and what differs under it: no libdevice, no aligned shared arrays,
   numpy's float32, int32 and uint32 and plain ints for numba's slow scalar casts, and the simulator's
   ``cuda.shared.array`` made safe for the block's threads (``_shared_array``);
-- bf16 as int16 bit patterns (``_bf16_to_float``, ``_float_to_bf16``) and the fp32 ``_tanh`` of the softcap;
+- bf16 as int16 bit patterns (``bf16_to_float``, ``float_to_bf16``) and the fp32 ``tanh`` of the softcap;
 - ``Features``: an ``AttentionSpec``'s compile-time switches, with their runtime arguments (``feature_args``),
   the grid's extent and the packed batch's offsets (``grid_extent``, ``offset_args``, ``sequence``); the
-  attention sink of the kernels that normalise (``_with_sink``, ``sink_arg``), and its gradient's shares from
+  attention sink of the kernels that normalise (``with_sink``, ``sink_arg``), and its gradient's shares from
   the backward's preprocess (``dsink_arg``);
-- the SIMT kernels' block (``BlockConfig``, ``padded_head_dim``, ``_tile_loader``) and pre-scale
+- the SIMT kernels' block (``BlockConfig``, ``padded_head_dim``, ``tile_loader``) and pre-scale
   (``score_scale``); the KV-cache split kernels' copy of a stage's K and V tiles from a contiguous or paged
-  cache (``_kv_loader``);
-- the kernels' views of tensors (``_flat``), whether cp.async can copy a tensor's rows (``rows_16b_aligned``)
-  and the device check (``_check_device``).
+  cache (``kv_loader``);
+- the kernels' views of tensors (``flat_view``), whether cp.async can copy a tensor's rows (``rows_16b_aligned``)
+  and the device check (``check_device``).
 """
 
 from __future__ import annotations
@@ -47,10 +47,12 @@ if simulated():
     # be single vector loads (ld.shared.v4.f32).
     SHARED_ALIGN = None
 
-    def _int_as_float(bits):
+    def int_as_float(bits):
+        """The fp32 whose bit pattern is the int32 ``bits`` (on the GPU, libdevice's int_as_float)."""
         return np.int32(bits).view(np.float32)
 
-    def _float_as_int(x):
+    def float_as_int(x):
+        """The bit pattern of fp32 ``x`` as an int32 (on the GPU, libdevice's float_as_int)."""
         return np.float32(x).view(np.int32)
 
     # numba's scalar types are slow to call in the simulator, a type-system call each: uint64(i) takes about
@@ -94,36 +96,38 @@ if simulated():
 
 else:
     SHARED_ALIGN = 16
-    _int_as_float = cuda.libdevice.int_as_float
-    _float_as_int = cuda.libdevice.float_as_int
+    int_as_float = cuda.libdevice.int_as_float
+    float_as_int = cuda.libdevice.float_as_int
 
 
 @cuda.jit(device=True)
-def _bf16_to_float(bits):
+def bf16_to_float(bits):
     """The bf16 whose bit pattern is the int16 ``bits``, as fp32 (exact: bf16 is fp32's top half)."""
-    return _int_as_float(int32(bits) << int32(16))
+    return int_as_float(int32(bits) << int32(16))
 
 
 @cuda.jit(device=True)
-def _float_to_bf16(x):
+def float_to_bf16(x):
     """fp32 ``x`` rounded to the nearest bf16 (ties to even), as that bf16's int16 bit pattern."""
-    bits = _float_as_int(x)
+    bits = float_as_int(x)
     bits += int32(0x7FFF) + ((bits >> int32(16)) & int32(1))
     return int16(bits >> int32(16))
 
 
 @cuda.jit(device=True)
-def _to_float(x):
+def to_float32(x):
+    """An fp16 or fp32 element ``x`` as fp32: the kernels' ``to_float`` for inputs that are not bf16."""
     return float32(x)
 
 
 @cuda.jit(device=True)
-def _identity(x):
+def identity(x):
+    """``x`` unchanged: the kernels' ``from_float`` for fp16 and fp32 outputs (the store converts)."""
     return x
 
 
 @cuda.jit(device=True)
-def _tanh(x):
+def tanh(x):
     """tanh(x) in fp32 from exp2, for the softcap: sign(x) · (1 - e) / (1 + e) with e = exp(-2|x|) in [0, 1],
     so that nothing overflows: exactly ±1 once e is below fp32's resolution at 1 (|x| > 9), NaN for NaN;
     absolute error about 1e-7 (the rounding of 1 - e). numba's simulator may give math.tanh as a libdevice
@@ -142,21 +146,21 @@ def _tanh(x):
 
 
 @device_function
-def _softcap(s, softcap_log2):
-    """The capped score in base 2 of a score s pre-scaled by scale / c: c · log2 e · tanh(s) (``_tanh``, fp32),
+def softcap(s, softcap_log2):
+    """The capped score in base 2 of a score s pre-scaled by scale / c: c · log2 e · tanh(s) (``tanh``, fp32),
     softcap_log2 = c · log2 e."""
-    return _tanh(s) * softcap_log2
+    return tanh(s) * softcap_log2
 
 
 @device_function
-def _alibi(s, slope, row, key, diag):
+def alibi(s, slope, row, key, diag):
     """s with ALiBi's bias for query row ``row`` and key ``key``: minus the slope (in base 2) times the key's
     distance from the row's diagonal, |row + diag - key|, diag = seqlen_k - seqlen_q."""
     return s - slope * float32(abs(row + diag - key))
 
 
 @device_function
-def _with_sink(m_i, l_i, sink):
+def with_sink(m_i, l_i, sink):
     """A row's softmax statistics with the attention sink joined, all in base 2: the sink (sink[h] · log2 e)
     is one more logit in the denominator and none in the numerator. Returns (m, l, alpha): m = max(m_i, sink),
     l = l_i · alpha + exp2(sink - m) and alpha = exp2(m_i - m), by which the row's acc is rescaled; then O =
@@ -169,7 +173,7 @@ def _with_sink(m_i, l_i, sink):
     # side-by-side: end
 
 
-def _key_mask(LEFT, RIGHT):
+def key_mask(LEFT, RIGHT):
     """``masked(row, key, diag, end, window_left, window_right)``: whether key ``key`` is hidden from query row
     ``row``: at or past ``end`` or outside the row's window, bottom-right aligned (diag = seqlen_k - seqlen_q),
     LEFT and RIGHT saying which sides bound it (compile-time, ``Features``)."""
@@ -212,7 +216,7 @@ def feature_args(spec: AttentionSpec, seqlen_q: int, seqlen_k: int, device: torc
     if slopes is None:
         slopes_args = (_placeholder("slopes", device), 0, 0)
     else:
-        slopes_args = (_flat(slopes), *slopes.stride())
+        slopes_args = (flat_view(slopes), *slopes.stride())
     return (left, right, np.float32(spec.softcap * LOG2E), *slopes_args)
 
 
@@ -226,7 +230,7 @@ def _placeholder(role: str, device: torch.device, dtype: torch.dtype = torch.flo
     simulator copies each array argument back after the launch)."""
     flat = _PLACEHOLDERS.get((role, device))
     if flat is None:
-        flat = _PLACEHOLDERS[role, device] = _flat(torch.zeros(1, dtype=dtype, device=device))
+        flat = _PLACEHOLDERS[role, device] = flat_view(torch.zeros(1, dtype=dtype, device=device))
     return flat
 
 
@@ -237,7 +241,7 @@ def sink_arg(spec: AttentionSpec, device: torch.device):
     the simulator copies each array argument back after the launch). Kernels compiled without SINK read
     nothing more than before: the argument comes last, so the others keep their parameter offsets."""
     if spec.sink is not None:
-        return _flat(spec.sink)
+        return flat_view(spec.sink)
     return _placeholder("sink", device)
 
 
@@ -273,7 +277,7 @@ def offset_args(spec: AttentionSpec, device: torch.device) -> tuple:
     """The kernels' last two arguments: cu_seqlens_q and cu_seqlens_k as flat int32 arrays (a packed batch),
     or without VARLEN one int32 zero on ``device`` twice, unread."""
     if spec.varlen:
-        return _flat(spec.cu_seqlens_q.contiguous()), _flat(spec.cu_seqlens_k.contiguous())
+        return flat_view(spec.cu_seqlens_q.contiguous()), flat_view(spec.cu_seqlens_k.contiguous())
     flat = _placeholder("offsets", device, torch.int32)
     return flat, flat
 
@@ -355,7 +359,7 @@ def padded_head_dim(head_dim: int) -> int:
     return max(32, -(-head_dim // 32) * 32)
 
 
-def _tile_loader(HEAD_DIM, NUM_WARPS, EVEN_HEAD_DIM, UNIT_STRIDE_D, to_float):
+def tile_loader(HEAD_DIM, NUM_WARPS, EVEN_HEAD_DIM, UNIT_STRIDE_D, to_float):
     """The device function ``load_tile`` of a block of NUM_WARPS warps, for one padded head dim and input
     kind (``to_float`` widens an element to fp32); the forward's and the backward's kernels share it."""
 
@@ -381,7 +385,7 @@ def _tile_loader(HEAD_DIM, NUM_WARPS, EVEN_HEAD_DIM, UNIT_STRIDE_D, to_float):
     return load_tile
 
 
-def _kv_loader(BLOCK_N, ROW_STEP, LDW, KIND, PAGE_SIZE, EVEN_HEAD_DIM, ASYNC_LOADS, FLAT=False):
+def kv_loader(BLOCK_N, ROW_STEP, LDW, KIND, PAGE_SIZE, EVEN_HEAD_DIM, ASYNC_LOADS, FLAT=False):
     """(PAGE_READS, ``page_ids``, ``load_kv``): the page ids a thread's rows of a tile need (PAGE_READS of them,
     read by ``page_ids`` into a local int32 array, before the copies that use them, which may be a tile later),
     and ``load_kv``, the copy of one stage's K and V tiles (BLOCK_N keys each) into a shared array of 32-bit
@@ -514,12 +518,14 @@ def _kv_loader(BLOCK_N, ROW_STEP, LDW, KIND, PAGE_SIZE, EVEN_HEAD_DIM, ASYNC_LOA
     return PAGE_READS, page_ids, load_kv
 
 
-def _feature_columns(switches) -> dict:
+def feature_columns(switches) -> dict:
     """kernel_resources' columns for a kernel's Features."""
     return {name.lower(): bool(on) for name, on in zip(Features._fields, switches)}
 
 
-def _check_device(q: torch.Tensor) -> None:
+def check_device(q: torch.Tensor) -> None:
+    """Refuses inputs on a device this build cannot run on: q (any input tensor, e.g. (batch, heads, seqlen_q,
+    head_dim)) must be on the CPU under numba's simulator, on a CUDA device otherwise."""
     if simulated() and q.device.type != "cpu":
         raise ValueError(
             f"numba's CUDA simulator (NUMBA_ENABLE_CUDASIM=1) runs fa2-numba-cuda on CPU tensors, got {q.device}; "
@@ -540,7 +546,7 @@ def rows_16b_aligned(t: torch.Tensor) -> bool:
     return t.stride(3) == 1 and t.data_ptr() % 16 == 0 and all(s % vec == 0 for s in t.stride()[:3])
 
 
-def _flat(t: torch.Tensor):
+def flat_view(t: torch.Tensor):
     """The kernel's view of ``t``: a flat array over the memory ``t`` spans (element i at ``t.stride()``
     offsets from the first), without a copy; bf16 as its int16 bit patterns. A CUDA array through
     __cuda_array_interface__, or under the simulator a numpy view of the same memory."""

@@ -36,7 +36,7 @@ values runtime arguments (one kernel serves every window size, softcap and slope
 diag = seqlen_k - seqlen_q, in this order:
 
 - softcap c > 0: Q is pre-scaled by scale / c instead of scale · log2 e, and the score becomes
-  tanh(s) · c · log2 e (``_tanh``: fp32, from exp2, which runs in the simulator as on the GPU);
+  tanh(s) · c · log2 e (``tanh``: fp32, from exp2, which runs in the simulator as on the GPU);
 - ALiBi: minus slope[b, h] · log2 e · |i + diag - j|, slopes a (batch, heads) fp32 tensor of any strides;
 - window (left, right), bottom-right aligned like causal (causal is (-1, 0)): key j is visible iff
   i + diag - left <= j <= i + diag + right. With seqlen_q = 4, seqlen_k = 6 and window (1, 0)::
@@ -53,7 +53,7 @@ A row that sees no key gets O = 0 and L = +inf.
 
 Attention sinks (``spec.sink``, gpt-oss): a logit sink[h] per query head joins every row's softmax denominator
 and no numerator, O_i = Σ_j exp(s_ij - L_i) v_j with L_i = log(exp(sink[h]) + Σ_j exp(s_ij)). It changes
-nothing in the loop: the epilogue joins it to the row's m_i and l_i (``common._with_sink``, in base 2), so that
+nothing in the loop: the epilogue joins it to the row's m_i and l_i (``common.with_sink``, in base 2), so that
 a row that sees no key gets O = 0 and L = sink[h]. SINK is a compile-time switch of its own (the score step's
 ``Features`` are unchanged by it) and the sink the kernel's last argument, read once per row: without SINK
 the kernel is the one it was, its other parameters at their offsets.
@@ -104,21 +104,17 @@ from fa2_numba_cuda.common import (
     MAX_HEAD_DIM,
     SHARED_ALIGN,
     BlockConfig,
-    _alibi,
-    _bf16_to_float,
-    _check_device,
-    _feature_columns,
-    _float_to_bf16,
-    _identity,
-    _key_mask,
-    _softcap,
-    _tile_loader,
-    _to_float,
-    _with_sink,
+    alibi,
+    bf16_to_float,
+    check_device,
     feature_args,
+    feature_columns,
     features,
     float32,
+    float_to_bf16,
     grid_extent,
+    identity,
+    key_mask,
     offset_args,
     padded_head_dim,
     score_scale,
@@ -127,10 +123,14 @@ from fa2_numba_cuda.common import (
     sink_arg,
     sink_positions,
     sink_tensors,
+    softcap,
     spec_class,
     spec_positions,
     spec_tensors,
+    tile_loader,
+    to_float32,
     uint64,
+    with_sink,
 )
 
 
@@ -172,12 +172,12 @@ def _build_kernel(HEAD_DIM, config, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN, SINK, I
     assert HEAD_DIM % (4 * THREADS_N) == 0 and HEAD_DIM % S_STEP == 0
 
     if IS_BF16:
-        to_float, from_float = _bf16_to_float, _float_to_bf16
+        to_float, from_float = bf16_to_float, float_to_bf16
     else:
-        to_float, from_float = _to_float, _identity
+        to_float, from_float = to_float32, identity
 
-    load_tile = _tile_loader(HEAD_DIM, NUM_WARPS, EVEN_HEAD_DIM, UNIT_STRIDE_D, to_float)
-    masked = _key_mask(LEFT, RIGHT)
+    load_tile = tile_loader(HEAD_DIM, NUM_WARPS, EVEN_HEAD_DIM, UNIT_STRIDE_D, to_float)
+    masked = key_mask(LEFT, RIGHT)
 
     def _attn_fwd(
         q,
@@ -326,7 +326,7 @@ def _build_kernel(HEAD_DIM, config, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN, SINK, I
             if SOFTCAP:
                 for i in range(TM):
                     for j in range(TN):
-                        s[i, j] = _softcap(s[i, j], softcap_log2)
+                        s[i, j] = softcap(s[i, j], softcap_log2)
             # side-by-side: end
 
             # side-by-side: alibi
@@ -336,7 +336,7 @@ def _build_kernel(HEAD_DIM, config, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN, SINK, I
                     for j in range(TN):
                         row = start_m + ty + THREADS_M * i
                         key = start_n + tx + THREADS_N * j
-                        s[i, j] = _alibi(s[i, j], slope, row, key, diag)
+                        s[i, j] = alibi(s[i, j], slope, row, key, diag)
             # side-by-side: end
 
             # side-by-side: mask
@@ -417,7 +417,7 @@ def _build_kernel(HEAD_DIM, config, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN, SINK, I
             if row < seqlen_q:
                 if SINK:
                     # The sink joins the denominator: O = acc · alpha / l, L = m + log2 l (l >= 1).
-                    m_row, l_sum, alpha = _with_sink(m_i[i], l_sum, sink_log2)
+                    m_row, l_sum, alpha = with_sink(m_i[i], l_sum, sink_log2)
                     inv_l = alpha / l_sum
                 else:
                     # Rows that saw no key have l = 0: O = 0 and L = +inf (see fa2.attention). A NaN score
@@ -490,7 +490,7 @@ def flash_attn_forward(
     batch, heads, seqlen_q, head_dim = q.shape
     if head_dim > MAX_HEAD_DIM:
         raise NotImplementedError(f"fa2-numba-cuda supports head_dim up to {MAX_HEAD_DIM}, got {head_dim}")
-    _check_device(q)
+    check_device(q)
     O = torch.empty(batch, heads, seqlen_q, head_dim, dtype=q.dtype, device=q.device)
     L = torch.empty(batch, heads, seqlen_q, dtype=torch.float32, device=q.device)
     if O.numel() == 0:
@@ -550,7 +550,7 @@ def kernel_resources() -> list[dict]:
                 {
                     "HEAD_DIM": HEAD_DIM,
                     **config._asdict(),
-                    **_feature_columns(switches),
+                    **feature_columns(switches),
                     "sink": SINK,
                     "bf16": IS_BF16,
                     "even_head_dim": EVEN_HEAD_DIM,

@@ -48,7 +48,7 @@ relative error at most 2^-10.99, about fp16's unit roundoff: this kernel takes o
 slope · log2 e · |i + diag - j|, and the exponentials take x with a scale of 1. With a softcap alone it leaves
 tanh(s · qk_scale), and the exponentials' FFMA scales by c · log2 e. Rows that see no key get O = 0 and L =
 +inf. Attention sinks (``spec.sink``) as ``fa2_numba_cuda.forward_simt``: SINK, a switch of its own, adds
-sink[h] · log2 e to each row's m_i and l_i in the epilogue (``common._with_sink``; m_i is in the base-2 units of
+sink[h] · log2 e to each row's m_i and l_i in the epilogue (``common.with_sink``; m_i is in the base-2 units of
 the final scores whatever exp_scale is), nothing in the loop (a row that sees no key: O = 0, L = sink[h]).
 seqlen_q and seqlen_k need not be multiples of anything (tiles are zero-padded, padded keys masked), head_dim
 is padded to a multiple of 16 with zeros.
@@ -91,10 +91,9 @@ from fa2_numba_cuda.common import (
     LN2,
     LOG2E,
     SHARED_ALIGN,
-    _check_device,
-    _feature_columns,
-    _with_sink,
+    check_device,
     feature_args,
+    feature_columns,
     features,
     grid_extent,
     offset_args,
@@ -107,6 +106,7 @@ from fa2_numba_cuda.common import (
     spec_class,
     spec_positions,
     spec_tensors,
+    with_sink,
 )
 from fa2_numba_cuda.mma import (
     all_lanes,
@@ -202,7 +202,7 @@ def _softcap_log2(s, qk_scale, softcap_log2):
     score s, qk_scale = |scale| / c: one MUFU instruction (tanh.approx.f32) between two multiplies, as
     fa2-triton's 16-bit path. Its relative error, at most 2^-10.99, is about fp16's unit roundoff and 8x below
     bf16's: the naive 16-bit attention of the precision rule rounds the scores that much anyway (the SIMT
-    kernels, which take fp32, keep ``common._tanh``). Saturates at ±c · log2 e; NaN stays NaN."""
+    kernels, which take fp32, keep ``common.tanh``). Saturates at ±c · log2 e; NaN stays NaN."""
     return tanh_approx(s * qk_scale) * softcap_log2
 
 
@@ -906,7 +906,7 @@ def _build_kernel(
             if row < seqlen_q:
                 if SINK:
                     # The sink joins the denominator: O = acc · alpha / l, L = m + log2 l (l >= 1).
-                    m_row, l_sum, alpha_row = _with_sink(m_i[h], l_sum, sink_log2)
+                    m_row, l_sum, alpha_row = with_sink(m_i[h], l_sum, sink_log2)
                     inv_l = alpha_row / l_sum
                 else:
                     # Rows that saw no key have l = 0: O = 0 and L = +inf (see fa2.attention). A NaN score
@@ -1049,7 +1049,7 @@ def flash_attn_forward(
         raise NotImplementedError(
             f"fa2-numba-cuda's tensor-core kernel supports head_dim up to {MAX_HEAD_DIM}, got {head_dim}"
         )
-    _check_device(q)
+    check_device(q)
     if not simulated() and capability(q.device) < MIN_COMPUTE_CAPABILITY:
         raise NotImplementedError(
             f"fa2-numba-cuda's tensor-core kernel needs compute capability 8.0 or newer (mma.sync m16n8k16 with "
@@ -1127,7 +1127,7 @@ def kernel_resources() -> list[dict]:
                     "kernel": "tensor-core",
                     "HEAD_DIM": HEAD_DIM,
                     **config._asdict(),
-                    **_feature_columns(switches),
+                    **feature_columns(switches),
                     "sink": SINK,
                     "bf16": IS_BF16,
                     "even_head_dim": EVEN_HEAD_DIM,

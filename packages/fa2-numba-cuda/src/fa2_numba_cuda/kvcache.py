@@ -16,7 +16,7 @@ split the first kernel writes O and L itself and there is no second launch. The 
 - ``kvcache_combine``: the LSE combine, one warp a row.
 
 The choice of split kernel is by dtype, head_dim and the device's compute capability only, never a fallback
-after an error. Both take the same arguments, copy K and V the same way (``common._kv_loader``) and compute the
+after an error. Both take the same arguments, copy K and V the same way (``common.kv_loader``) and compute the
 same thing. The query rows of a block are the group · seqlen_q rows (query head of the group, query token) of
 one key/value head: row r is head ``off_hk · group + r // seqlen_q``, token ``r % seqlen_q``. One pass over
 the head's K and V serves them all, so each cached key is read once per key/value head and call.
@@ -72,7 +72,7 @@ from fa2.spec import AttentionSpec
 from fa2_numba_cuda import kvcache_combine, kvcache_simt, kvcache_tc, launch
 from fa2_numba_cuda.common import (
     MAX_HEAD_DIM,
-    _check_device,
+    check_device,
     feature_args,
     features,
     rows_16b_aligned,
@@ -172,8 +172,8 @@ def _index(t: torch.Tensor | None, device: torch.device) -> torch.Tensor:
 
 
 def _cache_view(t: torch.Tensor) -> torch.Tensor:
-    """The kernel's view of a K or V cache (``launch`` passes it as ``_flat`` of it): fp16 as its int16 bit
-    patterns (the plain loads move bits into the 32-bit words of the shared tiles), bf16 too (``_flat``)."""
+    """The kernel's view of a K or V cache (``launch`` passes it as ``flat_view`` of it): fp16 as its int16 bit
+    patterns (the plain loads move bits into the 32-bit words of the shared tiles), bf16 too (``flat_view``)."""
     return t.view(torch.int16) if t.dtype == torch.float16 else t
 
 
@@ -315,7 +315,7 @@ def kvcache_forward(
             f"q, k_cache and v_cache must share one dtype of float32, float16, bfloat16, got {q.dtype}, "
             f"{k_cache.dtype} and {v_cache.dtype}"
         )
-    _check_device(q)
+    check_device(q)
     device = q.device
     if tensor_cores is None:
         tensor_cores = uses_tensor_cores(q)

@@ -13,7 +13,7 @@ import math
 
 from numba import cuda
 
-from fa2_numba_cuda.common import LN2, LOG2E, _float_to_bf16, _identity, float32, uint64
+from fa2_numba_cuda.common import LN2, LOG2E, float32, float_to_bf16, identity, uint64
 from fa2_numba_cuda.mma import shfl_xor
 
 NUM_THREADS = 128  # 4 warps a block
@@ -33,7 +33,7 @@ def _build_kernel(IS_BF16, SINK, COLS):
     with the splits in groups of UNROLL, each group's O rows loaded before any is added, so that a lane waits
     on memory once a group, not once a split (one split an iteration, each lane of the 32 warps of a 1 x 128k
     decode, 32 rows of 69 splits, made about 700 loads in loops of one load before its use)."""
-    from_float = _float_to_bf16 if IS_BF16 else _identity
+    from_float = float_to_bf16 if IS_BF16 else identity
 
     def _combine(o_part, lse_part, o, lse, num_splits, rows_total, head_dim, sink, heads, seqlen_rows):
         row = cuda.blockIdx.x * ROWS + cuda.threadIdx.x // 32

@@ -13,7 +13,7 @@ the kernel is built around its loads:
   again, mostly from L2.
 - K and V tiles of BLOCK_N keys are copied into shared memory by ``cp.async`` (16 B a copy, straight from
   global to shared, zero-filled past the keys and head_dim) where the cache is contiguous along head_dim
-  with 16 B aligned rows, else by plain loads (any strides): ``common._kv_loader``, which the tensor-core
+  with 16 B aligned rows, else by plain loads (any strides): ``common.kv_loader``, which the tensor-core
   kernel shares. Two stages: the copies of tile t + 1 are in flight while tile t is computed. The tiles hold
   the cache's own bits (fp32, or fp16 / bf16 pairs in 32-bit words, widened to fp32 as they are read); Q is
   in shared memory once, fp32, pre-scaled by ``qk_scale``.
@@ -24,7 +24,7 @@ the kernel is built around its loads:
 - acc += P V: thread t owns 16 B of O's columns (chunk ``t % CH``) for TMO rows and every GN-th key of the
   tile; with fewer rows than thread groups (decoding one token of MHA: one row), the GN key subsets' partial
   accumulators are added through shared memory once, after the last tile.
-- All arithmetic is fp32, whatever the cache's dtype; the softcap's tanh is ``common._tanh``.
+- All arithmetic is fp32, whatever the cache's dtype; the softcap's tanh is ``common.tanh``.
 
 Scores, masks, softcap and ALiBi as ``kvcache``'s docstring gives them. Compiled once per (padded head dim,
 ``DecodeConfig``, ``common.Features``, cache kind, split or not, input kind, head_dim == padded, cp.async or
@@ -43,20 +43,20 @@ from fa2_numba_cuda.common import (
     LN2,
     LOG2E,
     SHARED_ALIGN,
-    _alibi,
-    _bf16_to_float,
-    _float_to_bf16,
-    _identity,
-    _int_as_float,
-    _kv_loader,
-    _softcap,
-    _to_float,
-    _with_sink,
+    alibi,
+    bf16_to_float,
     float32,
+    float_to_bf16,
+    identity,
     int32,
+    int_as_float,
+    kv_loader,
     sequence,
     simulated,
+    softcap,
+    to_float32,
     uint64,
+    with_sink,
 )
 from fa2_numba_cuda.mma import cp_async_wait_all, device_function, global_address, shfl_xor
 
@@ -178,9 +178,9 @@ def _build_kernel(
     assert BLOCK_M >= NUM_WARPS or TMS == 1
 
     if KIND == "bf16":
-        to_float, from_float = _bf16_to_float, _float_to_bf16
+        to_float, from_float = bf16_to_float, float_to_bf16
     else:
-        to_float, from_float = _to_float, _identity
+        to_float, from_float = to_float32, identity
 
     @device_function
     def load_chunk(tile, row, chunk, out):
@@ -190,15 +190,15 @@ def _build_kernel(
             if KIND == "f32":
                 out[w] = x
             elif KIND == "bf16":
-                out[2 * w] = _int_as_float(x << int32(16))
-                out[2 * w + 1] = _int_as_float(x & int32(-65536))
+                out[2 * w] = int_as_float(x << int32(16))
+                out[2 * w + 1] = int_as_float(x & int32(-65536))
             else:
                 lo, hi = _f16x2_to_float(x)
                 out[2 * w] = lo
                 out[2 * w + 1] = hi
 
     assert PAGED == (PAGE_SIZE > 0)
-    PAGE_READS, page_ids, load_kv = _kv_loader(BLOCK_N, ROW_STEP, LDW, KIND, PAGE_SIZE, EVEN_HEAD_DIM, ASYNC_LOADS)
+    PAGE_READS, page_ids, load_kv = kv_loader(BLOCK_N, ROW_STEP, LDW, KIND, PAGE_SIZE, EVEN_HEAD_DIM, ASYNC_LOADS)
 
     def _kvcache_fwd(
         q,
@@ -442,11 +442,11 @@ def _build_kernel(
                     score = s[i]
                     # Softcap c: Q was pre-scaled by scale / c, so c · log2 e · tanh(s) is the capped score.
                     if SOFTCAP:
-                        score = _softcap(score, softcap_log2)
+                        score = softcap(score, softcap_log2)
                     # ALiBi: minus slope · log2 e times the key's distance from the query's diagonal.
                     if ALIBI:
-                        score = _alibi(score, slope_i[i], tok_i[i], key, diag)
-                    # The mask written out, the row's validity tested second: through common._key_mask, with the
+                        score = alibi(score, slope_i[i], tok_i[i], key, diag)
+                    # The mask written out, the row's validity tested second: through common.key_mask, with the
                     # validity tested before or after it, ptxas gives these kernels other code (offline, sm_90: other
                     # instruction counts, and at D64 on tensor cores up to 144 B more spills).
                     visible = key < hi and valid_i[i] == 1
@@ -522,7 +522,7 @@ def _build_kernel(
                     m_row = m_tile[r]
                     if SINK:
                         # The sink joins the denominator: O = acc · alpha / l, L = m + log2 l (l >= 1).
-                        m_row, l_sum, alpha = _with_sink(m_row, l_sum, sink[off_h] * float32(LOG2E))
+                        m_row, l_sum, alpha = with_sink(m_row, l_sum, sink[off_h] * float32(LOG2E))
                         inv_l = alpha / l_sum
                     else:
                         # A NaN score makes l NaN, and O and L must then be NaN, not the no-key marker: != 0.

@@ -9,7 +9,7 @@ layouts as in ``forward_tc``):
 - The block's 16 query rows (the group · seqlen_q rows in tiles of 16, padding rows masked) are the M side, in
   every warp; each warp owns its own 16 keys of each BLOCK_N = 16 · NUM_WARPS-key tile
   (``TensorCoreDecodeConfig``, ``tc_decode_config``), with its own m_i, l_i and acc.
-- The tiles are the SIMT kernel's (``common._kv_loader``: cp.async or plain loads, contiguous or paged,
+- The tiles are the SIMT kernel's (``common.kv_loader``: cp.async or plain loads, contiguous or paged,
   16-bit pairs a word, 16 B of padding a row); Q is copied once into the last stage's rows and taken as A fragments
   by ``ldmatrix``.
 - S = Q Kᵀ is one ``ldmatrix.x4`` and two mma per 16 head dims; scores, masks, softcap and ALiBi as
@@ -37,20 +37,20 @@ from fa2_numba_cuda.common import (
     LN2,
     LOG2E,
     SHARED_ALIGN,
-    _alibi,
-    _float_as_int,
-    _float_to_bf16,
-    _identity,
-    _int_as_float,
-    _kv_loader,
-    _softcap,
-    _with_sink,
+    alibi,
     float32,
+    float_as_int,
+    float_to_bf16,
+    identity,
     int32,
+    int_as_float,
+    kv_loader,
     sequence,
     simulated,
+    softcap,
     uint32,
     uint64,
+    with_sink,
 )
 from fa2_numba_cuda.launch import PORTABLE_SHARED_BYTES
 from fa2_numba_cuda.mma import (
@@ -159,11 +159,9 @@ def _build_kernel(
     kind = "bf16" if IS_BF16 else "f16"
     mma = mma_bf16 if IS_BF16 else mma_f16
     pack = pack_bf16x2 if IS_BF16 else pack_f16x2
-    from_float = _float_to_bf16 if IS_BF16 else _identity
+    from_float = float_to_bf16 if IS_BF16 else identity
     assert PAGED == (PAGE_SIZE > 0)
-    PAGE_READS, page_ids, load_kv = _kv_loader(
-        BLOCK_N, ROW_STEP, LDW, kind, PAGE_SIZE, EVEN_HEAD_DIM, ASYNC_LOADS, True
-    )
+    PAGE_READS, page_ids, load_kv = kv_loader(BLOCK_N, ROW_STEP, LDW, kind, PAGE_SIZE, EVEN_HEAD_DIM, ASYNC_LOADS, True)
 
     def _kvcache_fwd_tc(
         q,
@@ -472,10 +470,10 @@ def _build_kernel(
                         key = key0 + 8 * j + e % 2
                         score = s[j, e] * qk_scale
                         if SOFTCAP:  # qk_scale = scale / c: c · log2 e · tanh(s · scale / c)
-                            score = _softcap(score, softcap_log2)
+                            score = softcap(score, softcap_log2)
                         if ALIBI:
-                            score = _alibi(score, slope_i[h], tok_i[h], key, diag)
-                        # The mask written out, the row's validity tested second: through common._key_mask, with the
+                            score = alibi(score, slope_i[h], tok_i[h], key, diag)
+                        # The mask written out, the row's validity tested second: through common.key_mask, with the
                         # validity tested before or after it, ptxas gives these kernels other code (offline, sm_90:
                         # other instruction counts, and at D64 on tensor cores up to 144 B more spills).
                         visible = key < hi and valid_i[h] == 1
@@ -565,7 +563,7 @@ def _build_kernel(
         if warp > 0:  # a lane's HEAD_DIM / 2 accumulators: one tile row, (warp - 1) · 32 + lane
             for c in range(O_TILES):
                 for e in range(4):
-                    word = _float_as_int(acc[c, e] * alpha[e // 2])
+                    word = float_as_int(acc[c, e] * alpha[e // 2])
                     kv_tile[uint64(((warp - 1) * 32 + lane) * LDW + 4 * c + e)] = word
         cuda.syncthreads()
         if warp == 0:
@@ -573,7 +571,7 @@ def _build_kernel(
                 for e in range(4):
                     value = acc[c, e] * alpha[e // 2]
                     for w in range(1, NUM_WARPS):
-                        value += _int_as_float(kv_tile[uint64(((w - 1) * 32 + lane) * LDW + 4 * c + e)])
+                        value += int_as_float(kv_tile[uint64(((w - 1) * 32 + lane) * LDW + 4 * c + e)])
                     acc[c, e] = value
             for h in range(2):
                 r = g + 8 * h
@@ -590,7 +588,7 @@ def _build_kernel(
                     if SINK:
                         # The sink joins the denominator: O = acc · alpha / l, L = m + log2 l (l >= 1). A row
                         # that saw no key has m_safe = 0, l = 0 and acc = 0: O = 0, L = sink.
-                        m_row, l_sum, alpha_row = _with_sink(m_row, l_sum, sink[off_h] * float32(LOG2E))
+                        m_row, l_sum, alpha_row = with_sink(m_row, l_sum, sink[off_h] * float32(LOG2E))
                         inv_l = alpha_row / l_sum
                     else:
                         # A NaN score makes l NaN, and O and L must then be NaN, not the no-key marker: != 0.

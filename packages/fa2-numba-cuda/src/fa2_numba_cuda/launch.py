@@ -13,13 +13,13 @@ capture records it as it records numba's launch).
 Parameters, as numba's ``_Kernel._prepare_args`` lays them out (numba-cuda 0.30): an array is meminfo (0),
 parent (0), nitems, itemsize, data pointer, then its shape and its strides in bytes, each 8 bytes; an int64
 scalar 8 bytes, a float32 4, a float64 8, a bool its first byte (numba hands the driver the Python bool);
-each is packed into 8 bytes here. Every array argument here is ``common._flat`` of a tensor, a 1-d
+each is packed into 8 bytes here. Every array argument here is ``common.flat_view`` of a tensor, a 1-d
 C-contiguous array over the memory the tensor spans: nitems = shape = that span, stride = itemsize.
 
 The callers key a class by everything the launch depends on but the tensors' memory: shapes, strides,
 dtypes, device, the spec's values and the configuration. That holds what numba specialises a compilation on,
-the argument types it infers: an array's dtype (``_flat`` maps bf16 to int16, a function of the dtype),
-ndim (1) and layout ("C"), both fixed by ``_flat``, and its readonly flag (torch exports its tensors,
+the argument types it infers: an array's dtype (``flat_view`` maps bf16 to int16, a function of the dtype),
+ndim (1) and layout ("C"), both fixed by ``flat_view``, and its readonly flag (torch exports its tensors,
 inference-mode ones too, as writable; the flag changes what numba lets a kernel write, not the code that
 reads); a Python int's type by its bit length (int64 below 64 bits: packing with struct's "q" refuses a
 larger value, and such a class is launched by numba); np.float32 as float32, a float as float64. So within
@@ -27,7 +27,7 @@ a class every parameter but the data pointers is the first call's. When a class 
 parameters are compared byte by byte with what numba's own ``_prepare_args`` builds for the compiled
 kernel's argument types, and a mismatch raises: a wrong layout fails loudly on its first use, never as a
 wrong result. Kernels compiled with debug, as cooperative or sensitive to the launch configuration, with
-argument extensions or a type this module does not pack, and calls with an empty tensor (``_flat``
+argument extensions or a type this module does not pack, and calls with an empty tensor (``flat_view``
 substitutes a fresh array) are always launched by numba.
 
 A kernel whose tiles live in dynamic shared memory (``cuda.shared.array(0, dtype)``) is launched with its
@@ -51,7 +51,7 @@ from operator import mul
 import torch
 from numba import cuda
 
-from fa2_numba_cuda.common import _flat, simulated
+from fa2_numba_cuda.common import flat_view, simulated
 
 FAST = not simulated()
 
@@ -64,7 +64,7 @@ if not simulated():
 
 
 def parameter_values(args: tuple) -> list | None:
-    """The values ``prepare`` packs for ``args``, each tensor as the seven of its ``_flat`` array; None when
+    """The values ``prepare`` packs for ``args``, each tensor as the seven of its ``flat_view`` array; None when
     a tensor is empty."""
     values = []
     for a in args:
@@ -89,7 +89,7 @@ PORTABLE_SHARED_BYTES = 48 * 1024
 def _numba_launch(kernel, grid, block, device, args, shared=0):
     """numba's own launch: ``kernel[grid, block, stream, shared](*flat args)`` on torch's current stream, with
     ``shared`` bytes of dynamic shared memory a block (the kernel's limit raised first when over 48 KB)."""
-    flat = [_flat(a) if isinstance(a, torch.Tensor) else a for a in args]
+    flat = [flat_view(a) if isinstance(a, torch.Tensor) else a for a in args]
     if simulated():
         kernel[grid, block, 0, shared](*flat)
         return flat
@@ -225,7 +225,7 @@ class Prepared:
 def prepare(
     kernel, grid: int, block: int, device: torch.device, args: tuple, varying: tuple[int, ...], shared: int = 0
 ) -> Prepared | None:
-    """Launches ``kernel[grid, block, torch's current stream, shared](*args)`` (tensors as ``common._flat`` of
+    """Launches ``kernel[grid, block, torch's current stream, shared](*args)`` (tensors as ``common.flat_view`` of
     them; ``shared``: bytes of dynamic shared memory a block) through numba and returns the ``Prepared``
     launch of the calls that differ from this one only in the memory of the tensors at the positions
     ``varying`` of ``args`` (the caller's class key holds everything else: shapes, strides, dtypes, device,

@@ -46,7 +46,7 @@ import math
 import torch
 
 from fa2.spec import UNBOUNDED, AttentionSpec
-from fa2_pytorch.forward import BLOCK_M, BLOCK_N, _sequence_spec, _sequences, _tf32_matmul
+from fa2_pytorch.forward import BLOCK_M, BLOCK_N, sequence_spec, sequences, tf32_matmul
 
 
 def flash_attn_backward(
@@ -114,7 +114,7 @@ def flash_attn_backward(
     left, right = spec.window
     lo, hi = spec.key_range(0, seqlen_q, seqlen_q, seqlen_k)
 
-    with _tf32_matmul(q.dtype != torch.float32):
+    with tf32_matmul(q.dtype != torch.float32):
         for start_n in range(lo // block_n * block_n, hi, block_n):
             end_n = min(start_n + block_n, seqlen_k)
             start_m = 0 if right == UNBOUNDED else max(start_n - diag - right, 0) // block_m * block_m
@@ -189,7 +189,7 @@ def _varlen_backward(
     dk = torch.zeros(k.shape, device=k.device, dtype=k.dtype)
     dv = torch.zeros(v.shape, device=v.device, dtype=v.dtype)
     dsink = None if spec.sink is None else torch.zeros(q.shape[1], device=q.device, dtype=torch.float32)
-    for s, (q_start, q_end, k_start, k_end) in enumerate(_sequences(spec, q.shape[2], k.shape[2])):
+    for s, (q_start, q_end, k_start, k_end) in enumerate(sequences(spec, q.shape[2], k.shape[2])):
         if q_start == q_end or k_start == k_end:
             continue
         rows, keys = slice(q_start, q_end), slice(k_start, k_end)
@@ -200,7 +200,7 @@ def _varlen_backward(
             O[:, :, rows],
             L[:, :, rows],
             dO[:, :, rows],
-            _sequence_spec(spec, s),
+            sequence_spec(spec, s),
             block_m,
             block_n,
         )

@@ -51,7 +51,7 @@ device sync per call, ``.tolist()``), and each sequence runs the dense loop abov
 head_dim) and (1, heads_k, Nk_s, head_dim) views, with its own spec (its ALiBi row, no offsets), so the
 window, ALiBi and rows that see no key are the sequence's own; its O and L go into their slices of the
 packed outputs. A Python loop over sequences, not one launch: fine for CPU tests and short batches of long
-sequences, a host-bound crawl for many short ones. ``_sequences`` says what it checks once the offsets are
+sequences, a host-bound crawl for many short ones. ``sequences`` says what it checks once the offsets are
 on the host.
 
 Precision: scores are computed from fp32 copies of q and k, in TF32 on CUDA when the inputs are fp16 or
@@ -145,7 +145,7 @@ def flash_attn_forward(
     lo, hi = spec.key_range(0, seqlen_q, seqlen_q, seqlen_k)
     # side-by-side: end
 
-    with _tf32_matmul(q.dtype != torch.float32):
+    with tf32_matmul(q.dtype != torch.float32):
         # side-by-side: loop
         for start_n in range(lo // block_n * block_n, hi, block_n):
             end_n = min(start_n + block_n, seqlen_k)
@@ -274,14 +274,14 @@ def _varlen_forward(
     L = torch.full((1, heads, total_q), math.inf, device=q.device, dtype=torch.float32)
     # side-by-side: varlen
     # The offsets come to the host once; each sequence is then a dense problem on views of its rows.
-    for s, (q_start, q_end, k_start, k_end) in enumerate(_sequences(spec, total_q, k.shape[2])):
+    for s, (q_start, q_end, k_start, k_end) in enumerate(sequences(spec, total_q, k.shape[2])):
         if q_start == q_end:
             continue
         O_s, L_s = flash_attn_forward(
             q[:, :, q_start:q_end],
             k[:, :, k_start:k_end],
             v[:, :, k_start:k_end],
-            _sequence_spec(spec, s),
+            sequence_spec(spec, s),
             block_m,
             block_n,
         )
@@ -291,7 +291,7 @@ def _varlen_forward(
     return O, L
 
 
-def _sequences(spec: AttentionSpec, total_q: int, total_k: int) -> list[tuple[int, int, int, int]]:
+def sequences(spec: AttentionSpec, total_q: int, total_k: int) -> list[tuple[int, int, int, int]]:
     """(q_start, q_end, k_start, k_end) of each sequence of a packed batch, from its offsets: one device
     sync (both offset tensors read together).
 
@@ -315,7 +315,7 @@ def _sequences(spec: AttentionSpec, total_q: int, total_k: int) -> list[tuple[in
     return list(zip(offsets_q, offsets_q[1:], offsets_k, offsets_k[1:]))
 
 
-def _sequence_spec(spec: AttentionSpec, s: int) -> AttentionSpec:
+def sequence_spec(spec: AttentionSpec, s: int) -> AttentionSpec:
     """Sequence s's dense spec: no offsets, and its own (1, heads) row of the ALiBi slopes."""
     slopes = spec.alibi_slopes
     return dataclasses.replace(
@@ -329,7 +329,7 @@ def _sequence_spec(spec: AttentionSpec, s: int) -> AttentionSpec:
 
 
 @contextlib.contextmanager
-def _tf32_matmul(enabled: bool):
+def tf32_matmul(enabled: bool):
     """TF32 for CUDA fp32 matmuls inside the block only (exact for fp16/bf16-valued operands), then the
     caller's setting back."""
     matmul = torch.backends.cuda.matmul

@@ -53,7 +53,7 @@ import torch
 
 from fa2.combine import combine
 from fa2.spec import UNBOUNDED, AttentionSpec
-from fa2_pytorch.forward import _tf32_matmul
+from fa2_pytorch.forward import tf32_matmul
 
 BLOCK_N = 256
 # num_splits = 0: the most fp32 elements one loop step's tiles (scores, gathered K and V) may hold, 128 MiB.
@@ -157,7 +157,7 @@ def kvcache_forward(
         cache_row = torch.arange(batch, device=device) if spec.cache_batch_idx is None else spec.cache_batch_idx
         cache_row = cache_row.long().clamp(0, k_cache.shape[0] - 1)[:, None, None]  # [B, 1, 1]
 
-    with _tf32_matmul(q.dtype != torch.float32):
+    with tf32_matmul(q.dtype != torch.float32):
         for start_n in range(0, chunk, n):
             # side-by-side: gather
             # Key positions of this step's tile in every split, [SPLITS, BLOCK_N]; past the split's end or the

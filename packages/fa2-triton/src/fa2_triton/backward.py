@@ -28,7 +28,7 @@ import torch
 from fa2.spec import AttentionSpec
 from fa2_triton import backward_gluon
 from fa2_triton.backward_tl import _attn_bwd_dkdv, _attn_bwd_dq, _attn_bwd_preprocess
-from fa2_triton.common import MAX_HEAD_DIM, _check_device, cdiv, group_size, packed, padded_head_dim, score_args
+from fa2_triton.common import MAX_HEAD_DIM, cdiv, check_device, group_size, packed, padded_head_dim, score_args
 from fa2_triton.launch import Plans, arg_classes, launch_planned, on_device
 from fa2_triton.tiles import PREPROCESS_ELEMENTS, BwdTiles, KernelTiles, bwd_tiles_for
 
@@ -77,7 +77,7 @@ def flash_attn_backward(
     """
     batch, heads, seqlen_q, head_dim = q.shape
     seqlen_k = k.shape[2]
-    _check_device(q)
+    check_device(q)
     if head_dim % 8 or not 8 <= head_dim <= MAX_HEAD_DIM:
         raise NotImplementedError(
             f"fa2-triton supports head_dim a multiple of 8 from 8 to {MAX_HEAD_DIM}, got {head_dim}"

@@ -52,7 +52,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from fa2_triton.common import _load_tile, _sequence, _tanh, _tiles_in_window
+from fa2_triton.common import load_tile, sequence, tanh, tiles_in_window
 
 
 @triton.jit
@@ -101,8 +101,8 @@ def _attn_bwd_preprocess(
     do_ptrs = (
         dO + off_b * stride_dob + off_h * stride_doh + offs_m64[:, None] * stride_dom + offs_d64[None, :] * stride_dod
     )
-    o = _load_tile(o_ptrs, offs_m, N_Q, offs_d, head_dim, True, EVEN_D)  # [BLOCK_M, HEAD_DIM]
-    do = _load_tile(do_ptrs, offs_m, N_Q, offs_d, head_dim, True, EVEN_D)  # [BLOCK_M, HEAD_DIM]
+    o = load_tile(o_ptrs, offs_m, N_Q, offs_d, head_dim, True, EVEN_D)  # [BLOCK_M, HEAD_DIM]
+    do = load_tile(do_ptrs, offs_m, N_Q, offs_d, head_dim, True, EVEN_D)  # [BLOCK_M, HEAD_DIM]
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
     tl.store(Delta + off_bh * N_Q + offs_m, delta, mask=offs_m < N_Q)
     # side-by-side: dsink
@@ -166,7 +166,7 @@ def _attn_bwd_dkdv_tile(
     adds this tile's dS K into the fp32 dQ accumulator."""
     rows = start_m + offs_m
     start_m64 = tl.cast(start_m, tl.int64)
-    q = _load_tile(
+    q = load_tile(
         q_ptrs + g64 * stride_qh + start_m64 * stride_qm, rows, N_Q, offs_d, head_dim, IN_BAND, EVEN_D
     )  # [BLOCK_M, HEAD_DIM]
     if IN_BAND:
@@ -178,7 +178,7 @@ def _attn_bwd_dkdv_tile(
         delta = tl.load(delta_ptrs + g64 * stride_delta + start_m)
     qkT = tl.dot(k, tl.trans(q), input_precision="ieee")  # [BLOCK_N, BLOCK_M]
     if SOFTCAP:
-        qkT = _tanh(qkT * cap_scale, SOFTCAP)  # the capped score over softcap, as in the forward
+        qkT = tanh(qkT * cap_scale, SOFTCAP)  # the capped score over softcap, as in the forward
     # exp(S - L) in log2 units; a row with L = +inf gets exp2(-inf) = 0.
     sT = qkT * qk_scale - (lse * 1.4426950408889634)[None, :]
     if ALIBI:
@@ -191,7 +191,7 @@ def _attn_bwd_dkdv_tile(
         pT = tl.where(offs_n[:, None] <= rows[None, :] + diag_right, pT, 0.0)
     if IN_BAND and WINDOW_LEFT:
         pT = tl.where(offs_n[:, None] >= rows[None, :] + diag_left, pT, 0.0)
-    do = _load_tile(
+    do = load_tile(
         do_ptrs + g64 * stride_doh + start_m64 * stride_dom, rows, N_Q, offs_d, head_dim, IN_BAND, EVEN_D
     )  # [BLOCK_M, HEAD_DIM]
     dv = tl.dot(pT.to(do.dtype), do, dv, input_precision="ieee")
@@ -440,7 +440,7 @@ def _attn_bwd_dkdv(
     off_hk = off_bhk % H_K
     start_n = (pid % num_n_tiles) * BLOCK_N
     # A packed batch: off_b is a sequence, and every length below is that sequence's own.
-    off_bt, q_start, k_start, N_Q, N_K = _sequence(Cu_q, Cu_k, off_b, N_Q, N_K, TOTAL_Q, TOTAL_K, VARLEN)
+    off_bt, q_start, k_start, N_Q, N_K = sequence(Cu_q, Cu_k, off_b, N_Q, N_K, TOTAL_Q, TOTAL_K, VARLEN)
     if VARLEN:
         if start_n >= N_K:
             return
@@ -468,8 +468,8 @@ def _attn_bwd_dkdv(
     k_ptrs = K + off_bt * stride_kb + off_hk * stride_kh + offs_n64[:, None] * stride_kn + offs_d64[None, :] * stride_kd
     v_ptrs = V + off_bt * stride_vb + off_hk * stride_vh + offs_n64[:, None] * stride_vn + offs_d64[None, :] * stride_vd
 
-    k = _load_tile(k_ptrs, offs_n, N_K, offs_d, head_dim, True, EVEN_D)  # [BLOCK_N, HEAD_DIM]
-    v = _load_tile(v_ptrs, offs_n, N_K, offs_d, head_dim, True, EVEN_D)  # [BLOCK_N, HEAD_DIM]
+    k = load_tile(k_ptrs, offs_n, N_K, offs_d, head_dim, True, EVEN_D)  # [BLOCK_N, HEAD_DIM]
+    v = load_tile(v_ptrs, offs_n, N_K, offs_d, head_dim, True, EVEN_D)  # [BLOCK_N, HEAD_DIM]
     dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
 
@@ -478,7 +478,7 @@ def _attn_bwd_dkdv(
     # edge (under causal, the band) and [full_hi, hi) across the left edge or the end of the queries (the
     # last partial tile, row-masked) are masked; [full_lo, full_hi), every key of the tile seen by every
     # row, unmasked. Keys past seqlen_k count as seen: their gradient rows are never stored.
-    lo, full_lo, full_hi, hi = _tiles_in_window(
+    lo, full_lo, full_hi, hi = tiles_in_window(
         start_n,
         tl.minimum(start_n + BLOCK_N, N_K),
         N_Q,
@@ -687,12 +687,12 @@ def _attn_bwd_dq_inner(
         start_n = tl.multiple_of(start_n, BLOCK_N)
         cols = start_n + offs_n
         start_n64 = tl.cast(start_n, tl.int64)
-        k = _load_tile(
+        k = load_tile(
             k_ptrs + start_n64 * stride_kn, cols, N_K, offs_d, head_dim, IN_BAND, EVEN_D
         )  # [BLOCK_N, HEAD_DIM]
         qk = tl.dot(q, tl.trans(k), input_precision="ieee")  # [BLOCK_M, BLOCK_N]
         if SOFTCAP:
-            qk = _tanh(qk * cap_scale, SOFTCAP)  # the capped score over softcap, as in the forward
+            qk = tanh(qk * cap_scale, SOFTCAP)  # the capped score over softcap, as in the forward
         s = qk * qk_scale - lse[:, None]
         if ALIBI:
             s = s - alibi * tl.abs(offs_m[:, None] + diag - cols[None, :]).to(tl.float32)
@@ -710,7 +710,7 @@ def _attn_bwd_dq_inner(
             # d(softcap · tanh(s / softcap)) / ds = 1 - tanh², folded into P before dP's product, as in the
             # dK/dV kernel.
             p = p * (1.0 - qk * qk)
-        v = _load_tile(
+        v = load_tile(
             v_ptrs + start_n64 * stride_vn, cols, N_K, offs_d, head_dim, IN_BAND, EVEN_D
         )  # [BLOCK_N, HEAD_DIM]
         dp = tl.dot(do, tl.trans(v), input_precision="ieee")  # [BLOCK_M, BLOCK_N]
@@ -792,7 +792,7 @@ def _attn_bwd_dq(
     off_hk = off_h // GROUP
     start_m = (num_m_tiles - 1 - pid % num_m_tiles) * BLOCK_M
     # A packed batch: off_b is a sequence, and every length below is that sequence's own.
-    off_bt, q_start, k_start, N_Q, N_K = _sequence(Cu_q, Cu_k, off_b, N_Q, N_K, TOTAL_Q, TOTAL_K, VARLEN)
+    off_bt, q_start, k_start, N_Q, N_K = sequence(Cu_q, Cu_k, off_b, N_Q, N_K, TOTAL_Q, TOTAL_K, VARLEN)
     if VARLEN:
         if start_m >= N_Q:
             return
@@ -823,8 +823,8 @@ def _attn_bwd_dq(
     k_ptrs = K + off_bt * stride_kb + off_hk * stride_kh + offs_n64[:, None] * stride_kn + offs_d64[None, :] * stride_kd
     v_ptrs = V + off_bt * stride_vb + off_hk * stride_vh + offs_n64[:, None] * stride_vn + offs_d64[None, :] * stride_vd
 
-    q = _load_tile(q_ptrs, offs_m, N_Q, offs_d, head_dim, True, EVEN_D)  # [BLOCK_M, HEAD_DIM]
-    do = _load_tile(do_ptrs, offs_m, N_Q, offs_d, head_dim, True, EVEN_D)  # [BLOCK_M, HEAD_DIM]
+    q = load_tile(q_ptrs, offs_m, N_Q, offs_d, head_dim, True, EVEN_D)  # [BLOCK_M, HEAD_DIM]
+    do = load_tile(do_ptrs, offs_m, N_Q, offs_d, head_dim, True, EVEN_D)  # [BLOCK_M, HEAD_DIM]
     # Rows past seqlen_q: L = +inf makes their P zero. L in log2 units, as the scores.
     lse = (
         tl.load(
@@ -840,7 +840,7 @@ def _attn_bwd_dq(
         alibi = tl.load(Slopes + off_b * stride_sb + off_h * stride_sh) * 1.4426950408889634
     # The key tiles [lo, hi) that some row of this tile sees, as in the forward: [full_lo, full_hi)
     # unmasked, the tiles across the window's edges or the end of the keys masked.
-    lo, full_lo, full_hi, hi = _tiles_in_window(
+    lo, full_lo, full_hi, hi = tiles_in_window(
         start_m,
         tl.minimum(start_m + BLOCK_M, N_Q),
         N_K,

@@ -2,10 +2,10 @@
 ``forward_gluon``), the backward's (``backward_tl``, ``backward``) and the KV-cache kernel's (``kvcache``).
 
 - the interpreter switch (``INTERPRETED``: TRITON_INTERPRET was set when fa2_triton was imported) and the
-  device check (``_check_device``: what this build of the kernels cannot run, bfloat16 in the interpreter);
-- the ``@triton.jit`` helpers: ``_load_tile`` (a tile with rows past the end and padded columns zeroed),
-  ``_tanh`` (the softcap's, exact from exp2 or the GPU's tanh.approx: ``SOFTCAP_EXP2``, ``SOFTCAP_APPROX``),
-  ``_tiles_in_window`` (the tiles a window's rows see, as a key loop's bounds), ``_rows`` and ``_sequence``
+  device check (``check_device``: what this build of the kernels cannot run, bfloat16 in the interpreter);
+- the ``@triton.jit`` helpers: ``load_tile`` (a tile with rows past the end and padded columns zeroed),
+  ``tanh`` (the softcap's, exact from exp2 or the GPU's tanh.approx: ``SOFTCAP_EXP2``, ``SOFTCAP_APPROX``),
+  ``tiles_in_window`` (the tiles a window's rows see, as a key loop's bounds), ``sequence_rows`` and ``sequence``
   (a packed batch's sequences from their offsets);
 - an ``AttentionSpec`` as the kernels' arguments (``ScoreArgs``, ``score_args``), the packed batch's grid
   extent and offsets (``packed``), grouped-query attention's group (``group_size``), the padded head_dim and
@@ -35,7 +35,7 @@ LOG2_E = math.log2(math.e)
 
 
 @triton.jit
-def _load_tile(ptrs, rows, n_rows, offs_d, head_dim, MASK_ROWS: tl.constexpr, EVEN_D: tl.constexpr):
+def load_tile(ptrs, rows, n_rows, offs_d, head_dim, MASK_ROWS: tl.constexpr, EVEN_D: tl.constexpr):
     """A [rows, HEAD_DIM] tile, zero where a row is >= n_rows (only if MASK_ROWS) or a column >= head_dim
     (only if HEAD_DIM pads it: not EVEN_D)."""
     if MASK_ROWS:
@@ -56,7 +56,7 @@ SOFTCAP_NONE, SOFTCAP_EXP2, SOFTCAP_APPROX = 0, 1, 2
 
 
 @triton.jit
-def _tanh(x, SOFTCAP: tl.constexpr):
+def tanh(x, SOFTCAP: tl.constexpr):
     """tanh in fp32 (Triton has no tl.tanh; libdevice's does not run in the interpreter).
 
     SOFTCAP_EXP2: 1 - 2 / (e^2x + 1), with x already multiplied by 2·log2(e) (``score_args`` folds that
@@ -74,7 +74,7 @@ def _tanh(x, SOFTCAP: tl.constexpr):
 
 
 @triton.jit
-def _tiles_in_window(
+def tiles_in_window(
     start,
     end,
     n_other,
@@ -115,7 +115,7 @@ def _tiles_in_window(
 
 
 @triton.jit
-def _rows(Cu, s, total):
+def sequence_rows(Cu, s, total):
     """Sequence s's (first row, length) from offsets Cu, clamped into [0, total] (a length below 0 becomes
     0): offsets nobody checked (that would need a sync) give wrong rows, never accesses outside the
     tensors."""
@@ -125,14 +125,14 @@ def _rows(Cu, s, total):
 
 
 @triton.jit
-def _sequence(Cu_q, Cu_k, off_b, N_Q, N_K, TOTAL_Q, TOTAL_K, VARLEN: tl.constexpr):
+def sequence(Cu_q, Cu_k, off_b, N_Q, N_K, TOTAL_Q, TOTAL_K, VARLEN: tl.constexpr):
     """(batch index into the tensors, first query row, first key row, seqlen_q, seqlen_k) of batch entry
     off_b. VARLEN: off_b is a sequence of the packed batch, whose queries are rows [Cu_q[off_b],
     Cu_q[off_b + 1]) of the TOTAL_Q rows of q's single batch entry (keys likewise from Cu_k); N_Q and N_K,
     the longest sequence's lengths, only sized the grid. Otherwise the dense batch entry off_b, from row 0."""
     if VARLEN:
-        q_start, n_q = _rows(Cu_q, off_b, TOTAL_Q)
-        k_start, n_k = _rows(Cu_k, off_b, TOTAL_K)
+        q_start, n_q = sequence_rows(Cu_q, off_b, TOTAL_Q)
+        k_start, n_k = sequence_rows(Cu_k, off_b, TOTAL_K)
         return 0, q_start, k_start, n_q, n_k
     else:
         return off_b, 0, 0, N_Q, N_K
@@ -158,7 +158,7 @@ class ScoreArgs(NamedTuple):
 
 def score_args(spec: AttentionSpec, dtype: torch.dtype) -> ScoreArgs:
     """The forward's and the backward's kernel arguments for ``spec`` and inputs of ``dtype`` (see
-    ``ScoreArgs``; the dtype picks the tanh, ``_tanh``)."""
+    ``ScoreArgs``; the dtype picks the tanh, ``tanh``)."""
     left, right = spec.window
     softcap = spec.softcap
     qk_scale = softcap * LOG2_E if softcap else spec.scale * LOG2_E
@@ -217,8 +217,9 @@ def group_size(q: torch.Tensor, k: torch.Tensor) -> int:
     return q.shape[1] // k.shape[1] if k.shape[1] else 1
 
 
-def _check_device(q: torch.Tensor) -> None:
-    """Refuses inputs this build of the kernels cannot run, or cannot run correctly."""
+def check_device(q: torch.Tensor) -> None:
+    """Refuses inputs this build of the kernels cannot run, or cannot run correctly: q (any input tensor, e.g.
+    (batch, heads, seqlen_q, head_dim)) must be on the CPU under TRITON_INTERPRET=1, on a CUDA device otherwise."""
     if INTERPRETED and q.device.type != "cpu":
         raise RuntimeError(
             f"fa2-triton was imported with TRITON_INTERPRET=1, so its kernel runs in Triton's CPU interpreter "

@@ -4,7 +4,7 @@ launches a forward kernel: ``forward_gluon``'s warp-specialised Hopper kernel (G
 alone; everywhere else ``forward_tl._attn_fwd`` (``triton.language``; its docstring says how it computes and
 what it takes). An error in one kernel is raised, never retried on the other.
 
-``_launch`` makes the launch: the tiles and levers from ``tiles.tiles_for`` (an entry that asks for warp
+``launch_kernel`` makes the launch: the tiles and levers from ``tiles.tiles_for`` (an entry that asks for warp
 specialisation is passed over where ``tiles.ws_layout`` says the inputs cannot take it); how the kernel
 reaches memory, through host tensor descriptors where ``tiles.tma_layout`` allows them and the tiles ask for
 them (``_descriptor``), through descriptors built in the kernel for the warp-specialised loop and for a
@@ -26,7 +26,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from fa2.spec import AttentionSpec
 from fa2_triton import forward_gluon
-from fa2_triton.common import LOG2_E, MAX_HEAD_DIM, _check_device, group_size, packed, score_args
+from fa2_triton.common import LOG2_E, MAX_HEAD_DIM, check_device, group_size, packed, score_args
 from fa2_triton.forward_tl import _attn_fwd
 from fa2_triton.launch import Plans, arg_classes, copy_descriptor, launch, on_device, scratch_allocator
 from fa2_triton.tiles import Tiles, tiles_for, tma_layout, ws_layout
@@ -90,7 +90,7 @@ def flash_attn_forward(
         RuntimeError: tensors on a device this build of the kernel cannot run on.
     """
     batch, heads, seqlen_q, head_dim = q.shape
-    _check_device(q)
+    check_device(q)
     if head_dim % 8 or not 8 <= head_dim <= MAX_HEAD_DIM:
         raise NotImplementedError(
             f"fa2-triton supports head_dim a multiple of 8 from 8 to {MAX_HEAD_DIM}, got {head_dim}"
@@ -104,12 +104,12 @@ def flash_attn_forward(
     L = torch.empty(batch, heads, seqlen_q, device=q.device, dtype=torch.float32)
     if O.numel() == 0:
         return O, L
-    _launch(q, k, v, O, L, spec, tiles)
+    launch_kernel(q, k, v, O, L, spec, tiles)
     return O, L
 
 
 class _Plan(NamedTuple):
-    """Everything ``_launch`` works out from the inputs' shapes, strides, dtypes, alignment and the spec,
+    """Everything ``launch_kernel`` works out from the inputs' shapes, strides, dtypes, alignment and the spec,
     but for the tensors themselves: kept per class of inputs (``_PLANS``)."""
 
     use_tma: bool
@@ -125,13 +125,16 @@ class _Plan(NamedTuple):
 
 
 # (shapes, strides, dtype, device, 16-byte alignment of every tensor argument, the spec's scale, window,
-# softcap and sink) -> _Plan, for the inputs the plans serve (``_launch``).
+# softcap and sink) -> _Plan, for the inputs the plans serve (``launch_kernel``).
 _PLANS = Plans()
 
 
-def _launch(q, k, v, O, L, spec: AttentionSpec, tiles: Tiles | None = None):
-    """Runs the kernel into O and L (both written in full); returns what the launch returns (on a GPU the
+def launch_kernel(q, k, v, O, L, spec: AttentionSpec, tiles: Tiles | None = None):
+    """Runs the tl kernel into O and L (both written in full); returns what the launch returns (on a GPU the
     compiled kernel, whose n_regs and n_spills the tuner records; None if there is nothing to launch).
+    q, k, v, spec and tiles as ``flash_attn_forward``'s (q (batch, heads, seqlen_q, head_dim), k and v
+    (batch, heads_k, seqlen_k, head_dim); packed, batch 1 and total rows); O: q's shape and dtype, L:
+    (batch, heads, seqlen_q) float32, both allocated by the caller.
 
     Dense inputs without ALiBi at the default tiles (what training and prefill calls are) keep their
     ``_plan`` per class of inputs, keyed on everything it reads, tensor descriptors included: a short
@@ -192,7 +195,7 @@ def _launch(q, k, v, O, L, spec: AttentionSpec, tiles: Tiles | None = None):
 
 
 def _plan(q, k, v, O, L, spec: AttentionSpec, tiles: Tiles | None) -> _Plan | None:
-    """The launch of ``_launch``'s inputs: None if there is nothing to launch (a packed batch of no query)."""
+    """The launch of ``launch_kernel``'s inputs: None if there is nothing to launch (a packed batch of no query)."""
     batch, heads, seqlen_q, head_dim = q.shape
     seqlen_k = k.shape[2]
     group = group_size(q, k)

@@ -29,7 +29,7 @@ FlashAttention-2). With seqlen_q = 4, seqlen_k = 6 and window (1, 0)::
     0 0 0 1 1 0
     0 0 0 0 1 1
 
-The key loop visits only the key tiles [lo, hi) that some row of the query tile sees (``_tiles_in_window``):
+The key loop visits only the key tiles [lo, hi) that some row of the query tile sees (``tiles_in_window``):
 tiles outside the window are never loaded, so the cost follows the window, not seqlen_q · seqlen_k. It runs
 in three parts: the tiles across the window's left edge (only with WINDOW_LEFT), masked; whole key tiles
 that every query row of the tile sees, loaded and used without masks; the tiles across the right edge
@@ -38,7 +38,7 @@ softmax subtracts 0 for it instead of m_i, so p and alpha stay 0 (not NaN) and t
 L = +inf (with a sink: O = 0, L = sink[h]).
 
 The softcap is applied to the natural-scale score s = scale · q·k in fp32, softcap · tanh(s / softcap)
-(``_tanh``: from exp2 for fp32 inputs and in the interpreter, the GPU's tanh.approx for 16-bit ones), then
+(``tanh``: from exp2 for fp32 inputs and in the interpreter, the GPU's tanh.approx for 16-bit ones), then
 log2(e) is folded in: qk_scale = softcap · log2(e) plays the part scale · log2(e) plays without it. ALiBi
 subtracts slope · |i + diag - j| (times log2(e)) from the capped score before the mask.
 
@@ -46,13 +46,13 @@ Packed batches (``spec.varlen``: flash-attn's varlen layout) run in the same ker
 the batch axis of the grid the sequences and the query-tile axis cdiv(max_seqlen_q, BLOCK_M) long; each
 program reads its sequence's offsets from cu_seqlens_q and cu_seqlens_k, moves its base pointers to the
 sequence's first rows and from there runs exactly the dense program with that sequence's seqlen_q and
-seqlen_k (``_sequence``), so windows, causal alignment, ALiBi and the tile skipping are each sequence's own;
+seqlen_k (``sequence``), so windows, causal alignment, ALiBi and the tile skipping are each sequence's own;
 programs whose tile starts past their sequence's end return at once. Nothing is padded and nothing syncs.
 Where the tile table asks for descriptors, a packed batch gets 2-D ones built in the kernel (DEVICE_DESC)
 over its sequence's rows of its head, so rows past the sequence read as zeros and are not written (a host
 descriptor's bounds would be the packed tensor's); never the warp-specialised loop, which needs whole tiles.
 
-Three ways to reach memory, one kernel (chosen on the host: ``forward._launch``). USE_TMA: tensor descriptors
+Three ways to reach memory, one kernel (chosen on the host: ``forward.launch_kernel``). USE_TMA: tensor descriptors
 (TMA on Hopper) over q's and O's (B, H, N, D) and k's and v's (B, H_K, N, D) with blocks [1, 1, BLOCK,
 HEAD_DIM], where ``tiles.tma_layout`` holds (unit stride along head_dim, 16-byte aligned strides and data,
 head_dim a power of two >= 16) and the tile table asks for them; a descriptor block never crosses into another
@@ -95,7 +95,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from fa2_triton.common import _load_tile, _sequence, _tanh, _tiles_in_window
+from fa2_triton.common import load_tile, sequence, tanh, tiles_in_window
 
 # LAZY_RESCALE keeps a row's max until a tile's is this much larger (log2 units): p <= 2^8 (FA4's choice).
 RESCALE_THRESHOLD = tl.constexpr(8.0)
@@ -147,7 +147,7 @@ def _attn_fwd_inner(
     key/value head start at kv_row (DEVICE_DESC), or [BLOCK_N, HEAD_DIM] pointers to the first key tile of
     that head. Key j is visible to query i iff j < seqlen_k, j >= i + diag_left (WINDOW_LEFT) and
     j <= i + diag_right (WINDOW_RIGHT). SOFTCAP: tanh of the scores times cap_scale (scale / softcap, for
-    ``_tanh``), qk_scale then softcap · log2(e). ALIBI: alibi (slope · log2(e), over qk_scale with FUSED_EXP2) times
+    ``tanh``), qk_scale then softcap · log2(e). ALIBI: alibi (slope · log2(e), over qk_scale with FUSED_EXP2) times
     |i + diag - j| comes off the scores. EXP2: log2 units and exp2; else natural units and exp (then
     never FUSED_EXP2)."""
     # side-by-side: scores
@@ -160,7 +160,7 @@ def _attn_fwd_inner(
             # Rows past seqlen_k come back as zeros (the descriptor's bounds); the band masks their scores.
             k = k_src.load([off_b, off_hk, start_n, 0]).reshape(BLOCK_N, HEAD_DIM)
         else:
-            k = _load_tile(
+            k = load_tile(
                 k_src + tl.cast(start_n, tl.int64) * stride_kn, cols, N_K, offs_d, head_dim, IN_BAND, EVEN_D
             )  # [BLOCK_N, HEAD_DIM]
         qk = tl.dot(q, tl.trans(k), input_precision="ieee")  # [BLOCK_M, BLOCK_N]
@@ -169,7 +169,7 @@ def _attn_fwd_inner(
         if SOFTCAP:
             # softcap · tanh(scale · q·k / softcap) in fp32: tanh here, its factor softcap (times log2(e)) is
             # qk_scale, applied below or inside exp2 as without a cap.
-            qk = _tanh(qk * cap_scale, SOFTCAP)
+            qk = tanh(qk * cap_scale, SOFTCAP)
         # side-by-side: end
         if not FUSED_EXP2:
             qk = qk * qk_scale  # log2 units (natural units without EXP2)
@@ -228,7 +228,7 @@ def _attn_fwd_inner(
         elif USE_TMA:
             v = v_src.load([off_b, off_hk, start_n, 0]).reshape(BLOCK_N, HEAD_DIM)
         else:
-            v = _load_tile(
+            v = load_tile(
                 v_src + tl.cast(start_n, tl.int64) * stride_vn, cols, N_K, offs_d, head_dim, IN_BAND, EVEN_D
             )  # [BLOCK_N, HEAD_DIM]
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision="ieee")
@@ -308,7 +308,7 @@ def _attn_fwd(
     per key/value head, a runtime int so that group sizes share compilations (Triton still specialises on
     GROUP = 1, where the divisions by it fold away). window_left, window_right: runtime ints, read only
     where WINDOW_LEFT, WINDOW_RIGHT bound that side (causal: WINDOW_RIGHT with window_right = 0). SOFTCAP
-    (SOFTCAP_EXP2 or SOFTCAP_APPROX, see ``_tanh``): cap_scale = scale / softcap (· 2·log2(e) for
+    (SOFTCAP_EXP2 or SOFTCAP_APPROX, see ``tanh``): cap_scale = scale / softcap (· 2·log2(e) for
     SOFTCAP_EXP2), qk_scale = softcap · log2(e). ALIBI: Slopes (B, H) float32 at
     strides (stride_sb, stride_sh), each program's slope times alibi_scale (log2(e), over qk_scale with
     FUSED_EXP2). VARLEN (pointer loads only): a packed batch, Q, O (1, H, total_q, D), K, V (1, H // GROUP,
@@ -339,7 +339,7 @@ def _attn_fwd(
     start_m = tile_m * BLOCK_M
     # side-by-side: varlen
     # A packed batch: off_b is a sequence, and every length below is that sequence's own.
-    off_bt, q_start, k_start, N_Q, N_K = _sequence(Cu_q, Cu_k, off_b, N_Q, N_K, TOTAL_Q, TOTAL_K, VARLEN)
+    off_bt, q_start, k_start, N_Q, N_K = sequence(Cu_q, Cu_k, off_b, N_Q, N_K, TOTAL_Q, TOTAL_K, VARLEN)
     if VARLEN:
         if start_m >= N_Q:
             return
@@ -420,7 +420,7 @@ def _attn_fwd(
             + offs_n64[:, None] * stride_vn
             + offs_d64[None, :] * stride_vd
         )
-        q = _load_tile(q_ptrs, offs_m, N_Q, offs_d, head_dim, True, EVEN_D)  # [BLOCK_M, HEAD_DIM]
+        q = load_tile(q_ptrs, offs_m, N_Q, offs_d, head_dim, True, EVEN_D)  # [BLOCK_M, HEAD_DIM]
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -437,7 +437,7 @@ def _attn_fwd(
     # [full_lo, full_hi) that every row sees whole run unmasked; the ones across the left edge
     # [lo, full_lo) and across the right edge or the end of the keys [full_hi, hi) are masked. Causal
     # is the case lo = full_lo = 0 (no left edge) with window_right = 0.
-    lo, full_lo, full_hi, hi = _tiles_in_window(
+    lo, full_lo, full_hi, hi = tiles_in_window(
         start_m,
         tl.minimum(start_m + BLOCK_M, N_Q),
         N_K,

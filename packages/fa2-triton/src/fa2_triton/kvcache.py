@@ -49,7 +49,7 @@ import triton
 import triton.language as tl
 
 from fa2.spec import AttentionSpec
-from fa2_triton.common import INTERPRETED, LOG2_E, MAX_HEAD_DIM, _check_device, _rows, _tanh, score_args
+from fa2_triton.common import INTERPRETED, LOG2_E, MAX_HEAD_DIM, check_device, score_args, sequence_rows, tanh
 from fa2_triton.launch import Plans, arg_classes, launch_planned, on_device
 from fa2_triton.tiles import Tiles
 
@@ -153,7 +153,7 @@ def _kvcache_fwd(
     # side-by-side: rows
     # This row's queries (a packed batch: its sequence's) and keys, every index clamped into its tensor.
     if VARLEN:
-        q_start, n_q = _rows(Cu_q, off_b, TOTAL_Q)
+        q_start, n_q = sequence_rows(Cu_q, off_b, TOTAL_Q)
         off_bt = 0
     else:
         q_start = 0
@@ -255,7 +255,7 @@ def _kvcache_fwd(
         )
         qk = tl.dot(q, tl.trans(k), input_precision="ieee")  # [BLOCK_M, BLOCK_N]
         if SOFTCAP:
-            qk = _tanh(qk * cap_scale, SOFTCAP)
+            qk = tanh(qk * cap_scale, SOFTCAP)
         qk = qk * qk_scale  # log2 units
         if ALIBI:
             distance = tl.abs(offs_i[:, None] + diag - cols[None, :]).to(tl.float32)
@@ -390,7 +390,7 @@ def kvcache_forward(
         RuntimeError: tensors on a device this build of the kernels cannot run on.
     """
     seqlen_t, head_dim = q.shape[2:]
-    _check_device(q)
+    check_device(q)
     if head_dim > MAX_HEAD_DIM:
         raise NotImplementedError(
             f"fa2-triton's KV-cache kernel supports head_dim up to {MAX_HEAD_DIM}, got {head_dim}"

@@ -62,10 +62,10 @@ from fa2_triton.tuning.forward import (
     WARM_SEQLEN,
     Result,
     Run,
-    _context_lost,
-    _gpu_name,
-    _reason,
     add_shape_arguments,
+    context_lost,
+    failure_reason,
+    gpu_name,
     median_ms,
     parse_with_run_arguments,
     precompile,
@@ -205,9 +205,9 @@ def _compile_job(job):
         kernel = _launch(prob, kind, tiles, out)
         torch.cuda.synchronize()
     except Exception as e:
-        if _context_lost(e):
+        if context_lost(e):
             _BROKEN_CONTEXT.append(job)
-        return Result("failed", _reason(e))
+        return Result("failed", failure_reason(e))
     if any(torch.isnan(x).any() for x in out):
         return Result("wrong", "NaN left in the outputs on the small input")
     return Result("ok", n_regs=kernel.n_regs, n_spills=kernel.n_spills, shared=kernel.metadata.shared)
@@ -298,9 +298,9 @@ class Bench:
                 return Result("wrong", problem)
             ms = median_ms(self.run.device, lambda: _launch(self.prob, kind, t, out), search=True)
         except Exception as e:
-            if _context_lost(e):
+            if context_lost(e):
                 raise  # the CUDA context is gone: nothing after this can be trusted
-            return Result("failed", _reason(e))
+            return Result("failed", failure_reason(e))
         result = Result("ok", ms=ms)
         if compiled is not None:
             result.n_regs, result.n_spills, result.shared = compiled.n_regs, compiled.n_spills, compiled.shared
@@ -362,7 +362,7 @@ def record(run: Run, p: Point, stage: str, config: str, r: Result, flops: float)
             "n_regs": r.n_regs,
             "n_spills": r.n_spills,
             "shared": r.shared,
-            "gpu": _gpu_name(run.device),
+            "gpu": gpu_name(run.device),
             "triton": triton.__version__,
             "torch": torch.__version__,
         }
@@ -414,9 +414,9 @@ def final(run: Run, b: Bench) -> dict:
                 problem, call = b.fa2_grad(tiles, deterministic)
                 r = Result("wrong", problem) if problem else Result("ok", ms=median_ms(run.device, call, search=False))
             except Exception as e:
-                if _context_lost(e):
+                if context_lost(e):
                     raise
-                r = Result("failed", _reason(e))
+                r = Result("failed", failure_reason(e))
         record(run, p, f"final-{name}", describe(tiles) if tiles else "", r, p.flops)
         row["ms"][name] = r.ms if r.status == "ok" else math.nan
         if name == "winner":
@@ -428,7 +428,7 @@ def final(run: Run, b: Bench) -> dict:
                 ms = median_ms(run.device, b.sdpa_grad(provider), search=False)
                 record(run, p, "final", provider, Result("ok", ms=ms), p.flops)
             except Exception as e:
-                record(run, p, "final", provider, Result("failed", _reason(e)), p.flops)
+                record(run, p, "final", provider, Result("failed", failure_reason(e)), p.flops)
         row["ms"][provider] = ms
     return row
 
@@ -496,7 +496,7 @@ def main(argv: list[str]) -> int:
     run = Run(args, device)
     pts = points(args)
     print(
-        f"{_gpu_name(device)} | triton {triton.__version__} | torch {torch.__version__} | {len(pts)} shapes | "
+        f"{gpu_name(device)} | triton {triton.__version__} | torch {torch.__version__} | {len(pts)} shapes | "
         f"budget {args.budget_s:g} s",
         flush=True,
     )

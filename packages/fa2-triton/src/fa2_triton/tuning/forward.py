@@ -167,7 +167,7 @@ def _short(t: Tiles) -> str:
     return f"{t.block_m}x{t.block_n} w{t.num_warps} s{t.num_stages} {' '.join(flags)}"
 
 
-def _reason(e: BaseException) -> str:
+def failure_reason(e: BaseException) -> str:
     """An exception in one line: its type and the last line of its message (a Triton compile error's
     first lines are the source location; fa2.bench.sweep keeps the first line of the benchmark's)."""
     lines = [line for line in str(e).splitlines() if line.strip()]
@@ -263,18 +263,20 @@ def _compile_job(job):
         q, k, v = _warm_inputs(DTYPES[dtype], head_dim, heads, device)
         O = torch.full_like(q, math.nan)
         L = torch.full(q.shape[:-1], math.nan, device=device)
-        kernel = forward._launch(q, k, v, O, L, shape_spec(causal, head_dim**-0.5), tiles)
+        kernel = forward.launch_kernel(q, k, v, O, L, shape_spec(causal, head_dim**-0.5), tiles)
         torch.cuda.synchronize()
     except Exception as e:
-        if _context_lost(e):
+        if context_lost(e):
             _BROKEN_CONTEXT.append(job)
-        return Result("failed", _reason(e))
+        return Result("failed", failure_reason(e))
     if torch.isnan(O).any() or torch.isnan(L).any():
         return Result("wrong", "NaN left in O or L on the small input")
     return Result("ok", n_regs=kernel.n_regs, n_spills=kernel.n_spills, shared=kernel.metadata.shared)
 
 
-def _context_lost(e: BaseException) -> bool:
+def context_lost(e: BaseException) -> bool:
+    """Whether exception e says the CUDA context is lost (an illegal address, a launch failure, a misaligned
+    or unspecified error): every later launch in this process would fail too."""
     text = str(e)
     return "CUDA" in text and any(s in text for s in ("illegal", "launch failure", "misaligned", "unspecified"))
 
@@ -357,7 +359,7 @@ class Bench:
             O = torch.full_like(self.q, math.nan)
             L = torch.full(self.q.shape[:-1], math.nan, device=self.q.device)
             t0 = time.monotonic()
-            forward._launch(self.q, self.k, self.v, O, L, shape_spec(self.p.causal, self.scale), tiles)
+            forward.launch_kernel(self.q, self.k, self.v, O, L, shape_spec(self.p.causal, self.scale), tiles)
             if self.run.device.type == "cuda":
                 torch.cuda.synchronize()
                 if time.monotonic() - t0 > 1.0:
@@ -370,9 +372,9 @@ class Bench:
             q, k, v, spec = self.q, self.k, self.v, shape_spec(self.p.causal, self.scale)
             ms = median_ms(self.run.device, lambda: forward.flash_attn_forward(q, k, v, spec, tiles), search)
         except Exception as e:
-            if _context_lost(e):
+            if context_lost(e):
                 raise  # the CUDA context is gone: nothing after this can be trusted
-            return Result("failed", _reason(e))
+            return Result("failed", failure_reason(e))
         result = Result("ok", ms=ms)
         if compiled is not None:
             result.n_regs, result.n_spills, result.shared = compiled.n_regs, compiled.n_spills, compiled.shared
@@ -408,14 +410,15 @@ def record(run: Run, p: Point, stage: str, config: str, r: Result) -> None:
             "n_regs": r.n_regs,
             "n_spills": r.n_spills,
             "shared": r.shared,
-            "gpu": _gpu_name(run.device),
+            "gpu": gpu_name(run.device),
             "triton": triton.__version__,
             "torch": torch.__version__,
         }
     )
 
 
-def _gpu_name(device: torch.device) -> str:
+def gpu_name(device: torch.device) -> str:
+    """The name the records give the device: the CUDA device's, or "cpu (interpreted)" off the GPU."""
     return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (interpreted)"
 
 
@@ -581,7 +584,7 @@ def main(argv: list[str]) -> int:
         return 2
     run = Run(args, device)
     pts = points(args)
-    gpu = _gpu_name(device)
+    gpu = gpu_name(device)
     print(
         f"{gpu} | triton {triton.__version__} | torch {torch.__version__} | {len(pts)} shapes | "
         f"budget {args.budget_s:g} s",
@@ -652,7 +655,7 @@ def main(argv: list[str]) -> int:
                 try:
                     ms = median_ms(run.device, functools.partial(fn, b.q, b.k, b.v), search=False)
                 except Exception as e:
-                    record(run, p, "final", provider, Result("failed", _reason(e)))
+                    record(run, p, "final", provider, Result("failed", failure_reason(e)))
             if not math.isnan(ms):
                 record(run, p, "final", provider, Result("ok", ms=ms))
             row["ms"][provider] = ms
