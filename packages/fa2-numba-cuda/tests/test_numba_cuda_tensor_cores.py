@@ -702,8 +702,22 @@ def test_dispatch_on_the_gpu(dtype, head_dim, causal):
     assert_matches_reference(O, L, q, k, v, causal)
     assert len(forward_tc._KERNELS) >= max(before, 1)
     is_bf16 = dtype == torch.bfloat16
-    # Features (LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN): causal is a right bound.
-    key = (head_dim, forward_tc.tc_config(head_dim), False, causal, False, False, False, is_bf16, True, True, True)
+    # Features (LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN): causal is a right bound; then SINK, IS_BF16, EVEN_HEAD_DIM,
+    # ASYNC_LOADS, O_PAIRS (``forward_tc._KERNELS``' key).
+    key = (
+        head_dim,
+        forward_tc.tc_config(head_dim),
+        False,
+        causal,
+        False,
+        False,
+        False,
+        False,
+        is_bf16,
+        True,
+        True,
+        True,
+    )
     assert key in forward_tc._KERNELS, f"the tensor-core kernel {key} did not run"
     rows = [
         r
