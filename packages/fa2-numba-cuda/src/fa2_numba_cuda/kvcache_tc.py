@@ -97,8 +97,8 @@ def tc_decode_config(HEAD_DIM: int) -> TensorCoreDecodeConfig:
     benchmark's points on the H200 (bf16, 32/8 heads, one query token, contiguous; .whl probe
     numba_cfg_probe.py, numba's code at 02a29c6) at 0.87-0.90x fa2-triton's rate instead of 0.61-0.71x: 8 x 8k
     keys 90.9 µs against 131.6, 1 x 128k 167.0 against 213.5, 8 x 32k 285.3 against 360.3; three or four stages
-    of two warps 0.69-0.87x, a cap of 128 registers 0.47-0.54x. Its other points (four query tokens, pages,
-    64 x 4k) are not timed yet.
+    of two warps 0.69-0.87x, a cap of 128 registers 0.47-0.54x. The whole decode benchmark at 6643533 (one and
+    four query tokens, contiguous and paged caches, 8 x 8k to 64 x 4k): 0.81-1.10x fa2-triton's rate.
     """
     if HEAD_DIM <= 64:
         return TensorCoreDecodeConfig(4, 128)
