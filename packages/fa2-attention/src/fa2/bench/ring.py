@@ -68,6 +68,7 @@ from __future__ import annotations
 import argparse
 import csv
 import datetime
+import functools
 import json
 import os
 import shlex
@@ -178,8 +179,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument(
         "--worlds",
         type=_list(int),
-        help="world sizes, each a launch of that many processes; default 1,2,4,8 up to the GPU count "
-        "(emulated: 1,2)",
+        help="world sizes, each a launch of that many processes; default 1,2,4,8 up to the GPU count (emulated: 1,2)",
     )
     parser.add_argument(
         "--tokens-per-gpu",
@@ -188,7 +188,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         f"(emulated {','.join(map(str, cpu.tokens_per_gpu))})",
     )
     parser.add_argument("--batch", type=_positive, default=1)
-    parser.add_argument("--heads", type=_positive, help=f"query and key/value heads; default {gpu.heads} (emulated {cpu.heads})")
+    parser.add_argument(
+        "--heads", type=_positive, help=f"query and key/value heads; default {gpu.heads} (emulated {cpu.heads})"
+    )
     parser.add_argument("--head-dim", type=_positive, help=f"default {gpu.head_dim} (emulated {cpu.head_dim})")
     parser.add_argument("--dtype", choices=tuple(DTYPES), help=f"default {gpu.dtype} (emulated {cpu.dtype})")
     parser.add_argument(
@@ -205,8 +207,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     )
     parser.add_argument("--modes", type=_list(str, MODES), default=MODES, help="fwd, bwd (default both)")
     parser.add_argument("--torch-cp-rotate", choices=ROTATE, default="alltoall", help="torch-cp's K/V rotation")
-    parser.add_argument("--warmups", type=int, help=f"untimed calls first; default {gpu.warmups} (emulated {cpu.warmups})")
-    parser.add_argument("--repeats", type=_positive, help=f"timed calls; default {gpu.repeats} (emulated {cpu.repeats})")
+    parser.add_argument(
+        "--warmups", type=int, help=f"untimed calls first; default {gpu.warmups} (emulated {cpu.warmups})"
+    )
+    parser.add_argument(
+        "--repeats", type=_positive, help=f"timed calls; default {gpu.repeats} (emulated {cpu.repeats})"
+    )
     parser.add_argument(
         "--check-limit",
         type=int,
@@ -389,15 +395,18 @@ class Ring:
             torch.cuda.synchronize(self.device)
 
     def agree(self, error: str | None) -> str | None:
-        """None if no rank had an error, else rank 0's or the first one's, on every rank."""
+        """None if no rank had an error, else the error (which ranks had it, if not all; each rank's if they
+        differ), on every rank."""
         import torch.distributed as dist
 
         errors = [None] * self.world
         dist.all_gather_object(errors, error)
-        failed = [f"rank {r}: {e}" for r, e in enumerate(errors) if e is not None]
+        failed = {r: e for r, e in enumerate(errors) if e is not None}
         if not failed:
             return None
-        return failed[0] if len(set(e for e in errors if e is not None)) == 1 else "; ".join(failed)
+        if len(set(failed.values())) == 1:
+            return next(iter(failed.values())) + ("" if len(failed) == self.world else f" (ranks {sorted(failed)})")
+        return "; ".join(f"rank {r}: {e}" for r, e in failed.items())
 
     def timed(self, fn, warmups: int, repeats: int) -> tuple[float, float]:
         """(the median over the repeats of the slowest rank's ms, the median of the fastest rank's)."""
@@ -540,6 +549,20 @@ def check_point(cfg: Config, ring: Ring, attention, backend: str | None, tokens_
     return None
 
 
+def _call(attention, mode: str, q, k, v, dO):
+    """What ``mode`` times: the forward without grad, or the backward alone after one forward."""
+    if mode == "fwd":
+
+        def forward():
+            with torch.no_grad():
+                return attention(q, k, v)
+
+        return forward
+    qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
+    O, _ = attention(qg, kg, vg)
+    return functools.partial(torch.autograd.grad, O, (qg, kg, vg), dO, retain_graph=True)
+
+
 def _measure(cfg: Config, ring: Ring, tokens_per_gpu: int, provider: str, local, write) -> None:
     """Check (where the whole sequence fits) and time one provider at one point, every rank; rank 0 writes."""
     seqlen = tokens_per_gpu * ring.world
@@ -574,18 +597,7 @@ def _measure(cfg: Config, ring: Ring, tokens_per_gpu: int, provider: str, local,
                 write("issue", key, status, error)
                 continue
             try:
-                if mode == "fwd":
-
-                    def fn():
-                        with torch.no_grad():
-                            return attention(q, k, v)
-                else:
-                    qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
-                    O, _ = attention(qg, kg, vg)
-
-                    def fn():
-                        return torch.autograd.grad(O, (qg, kg, vg), dO, retain_graph=True)
-
+                fn = _call(attention, mode, q, k, v, dO)
                 ms, fastest = ring.timed(fn, cfg.warmups, cfg.repeats)
                 problem = None
             except Exception as e:  # noqa: BLE001 - as above
@@ -658,7 +670,8 @@ def worker(rank: int, world: int, cfg: Config, env: dict, store: str) -> None:
             if kind == "result":
                 row = args[0]
                 rate = f"{row['tflops_per_gpu']} TFLOP/s per GPU" if row["tflops_per_gpu"] else f"{row['gbps']} GB/s"
-                print(f"  world {world} {row['tokens_per_gpu']}/GPU {row['provider']} {row['mode']}: {row['ms']} ms, {rate}")
+                point = f"world {world} {row['tokens_per_gpu']}/GPU {row['provider']} {row['mode']}"
+                print(f"  {point}: {row['ms']} ms, {rate}", flush=True)
 
     ring = Ring(rank, world, device)
     try:
@@ -803,7 +816,10 @@ class Report:
                 for t in self.tokens:
                     cells = []
                     for w in self.worlds:
-                        tf, eff = self.value("tflops_per_gpu", w, t, provider, mode), self.efficiency(w, t, provider, mode)
+                        tf, eff = (
+                            self.value("tflops_per_gpu", w, t, provider, mode),
+                            self.efficiency(w, t, provider, mode),
+                        )
                         cells.append("—" if tf is None else f"{tf:.4g}" + (f" ({eff:.2f})" if eff is not None else ""))
                     if any(c != "—" for c in cells):
                         rows.append([seqlen_label(t), *cells])
@@ -847,7 +863,9 @@ class Report:
                 "that: the share of the step the compute has to hide."
             ),
             "",
-            *_table(["world", "tokens per GPU", "mode", "comm ms", "GB/s", *(f"{p} ms (comm share)" for p in fa2s)], rows),
+            *_table(
+                ["world", "tokens per GPU", "mode", "comm ms", "GB/s", *(f"{p} ms (comm share)" for p in fa2s)], rows
+            ),
         ]
 
     def against_torch_cp(self) -> list[str]:
@@ -899,7 +917,7 @@ class Report:
         lines += [
             f"- Causal, zig-zag shards, batch {shape.get('batch')}, {shape.get('heads')} heads, head_dim "
             f"{shape.get('head_dim')}, {shape.get('dtype')}; one process per "
-            f"{'CPU rank on gloo' if self.emulated else 'GPU on NCCL'} (NCCL {info.get('nccl') or '—'}).",
+            f"{'CPU rank on gloo' if self.emulated else 'GPU on NCCL ' + str(info.get('nccl'))}.",
             f"- Environment: commit `{info.get('commit', '?')}`, torch {info.get('torch', '?')}, triton "
             f"{info.get('triton') or '—'}, numba-cuda {info.get('numba_cuda') or '—'}, {info.get('gpus', 0)} GPU(s).",
             f"- Timing: per point, {info.get('warmups', '?')} warm-up call(s), then the median over "
@@ -912,14 +930,24 @@ class Report:
             + (", ".join(f"({w}, {seqlen_label(t)})" for w, t in checked) or "none")
             + ".",
             f"- Wall time {sum(r.get('wall_s', 0) for r in self.runs):.0f} s, from:",
-            *(f"  - `{r.get('command', '?')}`, started {r.get('started', '?')}, {r.get('wall_s', '?')} s" for r in self.runs),
+            *(
+                f"  - `{r.get('command', '?')}`, started {r.get('started', '?')}, {r.get('wall_s', '?')} s"
+                for r in self.runs
+            ),
         ]
         lines += self.scaling_tables() + self.comm_table() + self.against_torch_cp()
         lines += ["", "## Plots", ""]
         lines += [f"![{p.stem}]({p.name})" for p in plots] or ["None drawn (no matplotlib here)."]
-        rows = [[i["world"], seqlen_label(int(i["tokens_per_gpu"])), i["provider"], i["mode"], i["status"], i["reason"]] for i in self.issues]
+        rows = [
+            [i["world"], seqlen_label(int(i["tokens_per_gpu"])), i["provider"], i["mode"], i["status"], i["reason"]]
+            for i in self.issues
+        ]
         lines += ["", "## Not measured", ""]
-        lines += _table(["world", "tokens per GPU", "provider", "mode", "status", "reason"], rows) if rows else ["Nothing: every point ran."]
+        lines += (
+            _table(["world", "tokens per GPU", "provider", "mode", "status", "reason"], rows)
+            if rows
+            else ["Nothing: every point ran."]
+        )
         return "\n".join(lines) + "\n"
 
     def plot(self, out_dir: Path) -> Path:
@@ -930,7 +958,12 @@ class Report:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
-        colors = dict(zip(self.tokens, plt.get_cmap("viridis")([i / max(1, len(self.tokens) - 1) for i in range(len(self.tokens))])))
+        colors = dict(
+            zip(
+                self.tokens,
+                plt.get_cmap("viridis")([i / max(1, len(self.tokens) - 1) for i in range(len(self.tokens))]),
+            )
+        )
         styles = dict(zip(self.providers, ["-", "--", ":", "-."] * 4))
         markers = dict(zip(self.providers, "osD^v<>" * 2))
         fig, axes = plt.subplots(1, len(self.modes), figsize=(6 * len(self.modes), 4.5), squeeze=False)
@@ -940,7 +973,13 @@ class Report:
                     points = [(w, self.value("tflops_per_gpu", w, t, p, mode)) for w in self.worlds]
                     points = [(w, y) for w, y in points if y is not None]
                     if points:
-                        ax.plot(*zip(*points), styles[p], marker=markers[p], color=colors[t], label=f"{p}, {seqlen_label(t)}/GPU")
+                        ax.plot(
+                            *zip(*points),
+                            styles[p],
+                            marker=markers[p],
+                            color=colors[t],
+                            label=f"{p}, {seqlen_label(t)}/GPU",
+                        )
             ax.set_xscale("log", base=2)
             ax.set_xticks(self.worlds, [str(w) for w in self.worlds])
             ax.set_xlabel("GPUs (world size)")
