@@ -154,8 +154,12 @@ def bench(session: nox.Session) -> None:
     the harness and say nothing about GPU speed. Arguments after -- go to fa2.bench (-- --help lists them),
     e.g. -- --quick for a few shapes; -- --varlen for packed batches of sequences of different lengths
     (<name>-varlen.*); -- --decode for KV-cache decoding, one or a few new query tokens against the cached
-    keys, µs and K/V TB/s against a device copy (<name>-decode.*)."""
+    keys, µs and K/V TB/s against a device copy (<name>-decode.*); -- --ring [options] for python -m
+    fa2.bench.ring, ring attention on every GPU of the host (<name>-ring.*)."""
     install(session, BACKENDS, "bench")
+    if session.posargs[:1] == ["--ring"]:
+        session.run("python", "-m", "fa2.bench.ring", *session.posargs[1:], env=emulation_env())
+        return
     session.run("python", "-m", "fa2.bench", *session.posargs, env=emulation_env())
 
 
