@@ -70,7 +70,6 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass
-from datetime import datetime, timezone
 from importlib import metadata
 from pathlib import Path
 
@@ -79,7 +78,17 @@ import torch
 from fa2 import registry
 from fa2.bench import timing
 from fa2.bench.__main__ import EMULATION
-from fa2.bench.output import default_name, default_out
+from fa2.bench.output import (
+    comma_list,
+    default_name,
+    default_out,
+    exception_reason,
+    markdown_table,
+    now_utc,
+    positive_int,
+    read_csv,
+    read_runs,
+)
 from fa2.bench.report import EMULATED_TAG, seqlen_label
 from fa2.bench.sweep import environment
 
@@ -164,19 +173,6 @@ EMULATED_NOTE = (
 )
 
 
-def _list(kind, valid=None):
-    def parse(text):
-        items = tuple(kind(x) for x in text.split(",") if x)
-        unknown = [x for x in items if valid is not None and x not in valid]
-        if unknown:
-            raise argparse.ArgumentTypeError(f"unknown {', '.join(map(str, unknown))}; choose from {', '.join(valid)}")
-        if any(isinstance(x, int) and x < 1 for x in items):
-            raise argparse.ArgumentTypeError(f"every value must be at least 1, got {text!r}")
-        return items
-
-    return parse
-
-
 def _provider(text: str) -> str:
     if text in TRANSFORMERS_PROVIDERS or (text.startswith("fa2-") and text[4:] in registry.KNOWN):
         return text
@@ -184,13 +180,6 @@ def _provider(text: str) -> str:
         f"unknown provider {text!r}; choose from {', '.join(f'fa2-{b}' for b in registry.KNOWN)}, "
         f"{', '.join(TRANSFORMERS_PROVIDERS)}"
     )
-
-
-def _positive(text: str) -> int:
-    n = int(text)
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
-    return n
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -203,43 +192,43 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     )
     parser.add_argument(
         "--providers",
-        type=_list(_provider),
+        type=comma_list(_provider),
         help="comma-separated; default on a GPU fa2-<backend> for each installed native backend of "
         f"{', '.join(GPU_FA2_BACKENDS)}, then {','.join(TRANSFORMERS_PROVIDERS)}; "
         f"emulated {','.join(EMULATED_PROVIDERS)}",
     )
     parser.add_argument(
         "--batches",
-        type=_list(int),
+        type=comma_list(int),
         help=f"generate's batch sizes; default on a GPU {','.join(map(str, gpu.batches))}, "
         f"emulated {','.join(map(str, emulated.batches))}",
     )
     parser.add_argument(
         "--prompts",
-        type=_list(int),
+        type=comma_list(int),
         help=f"generate's prompt lengths in tokens; default on a GPU {','.join(map(str, gpu.prompts))}, "
         f"emulated {','.join(map(str, emulated.prompts))}",
     )
     parser.add_argument(
         "--new-tokens",
-        type=_positive,
+        type=positive_int,
         help=f"tokens each generate makes; default on a GPU {gpu.new_tokens}, emulated {emulated.new_tokens}",
     )
     parser.add_argument(
         "--padding",
-        type=_list(str, LAYOUTS["generate"]),
+        type=comma_list(str, LAYOUTS["generate"]),
         default=LAYOUTS["generate"],
         help=f"generate's prompts: comma-separated of {', '.join(LAYOUTS['generate'])} (default both)",
     )
     parser.add_argument(
         "--parts",
-        type=_list(str, PARTS),
+        type=comma_list(str, PARTS),
         default=PARTS,
         help="generate (tokens per second), train (a training step, padded and packed); default both",
     )
     parser.add_argument(
         "--repeats",
-        type=_positive,
+        type=positive_int,
         default=1,
         help="rounds of timed generate calls per point, the providers' order reversed every other round (each "
         "provider's median)",
@@ -343,16 +332,6 @@ def provider_context(provider: str):
     return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
 
 
-def _now() -> str:
-    return datetime.now(timezone.utc).isoformat(timespec="seconds")
-
-
-def _reason(e: BaseException) -> str:
-    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
-    text = f"{type(e).__name__}: {lines[0] if lines else ''}"
-    return text if len(text) <= 300 else text[:297] + "..."
-
-
 def _version(dist: str) -> str:
     try:
         return metadata.version(dist)
@@ -383,11 +362,11 @@ class Records:
 
     def result(self, row: dict) -> None:
         self.measured += 1
-        self._append(".csv", COLUMNS, {**row, **self.env, "timestamp": _now()})
+        self._append(".csv", COLUMNS, {**row, **self.env, "timestamp": now_utc()})
 
     def issue(self, key: dict, status: str, reason: str) -> None:
         print(f"  {key['provider']} {_point_text(key)}: {status}: {reason}", flush=True)
-        self._append("-skipped.csv", ISSUE_COLUMNS, {**key, "status": status, "reason": reason, "timestamp": _now()})
+        self._append("-skipped.csv", ISSUE_COLUMNS, {**key, "status": status, "reason": reason, "timestamp": now_utc()})
 
     def _append(self, suffix: str, columns: tuple[str, ...], row: dict) -> None:
         with self._partial(suffix).open("a", newline="") as f:
@@ -401,13 +380,6 @@ class Records:
             )
         for suffix in self.SUFFIXES:
             os.replace(self._partial(suffix), self.cfg.path(suffix))
-
-
-def read_csv(path: Path) -> list[dict[str, str]]:
-    if not path.exists():
-        return []
-    with path.open(newline="") as f:
-        return list(csv.DictReader(f))
 
 
 def _point_text(key: dict) -> str:
@@ -490,9 +462,9 @@ def _attempt(records: Records, key: dict, device: torch.device, fn):
     try:
         return fn()
     except torch.cuda.OutOfMemoryError as e:
-        status, reason = "skipped", f"out of memory: {_reason(e)}"
+        status, reason = "skipped", f"out of memory: {exception_reason(e)}"
     except Exception as e:  # noqa: BLE001 - any provider's failure is recorded and the run goes on
-        status, reason = "failed", _reason(e)
+        status, reason = "failed", exception_reason(e)
     # Here, past the except blocks, the exception and the frames it held are gone: their tensors can be freed.
     _free(device)
     records.issue(key, status, reason)
@@ -743,7 +715,7 @@ def _run(cfg: Config, env: dict, records: Records, providers: list[str], started
         "device": str(cfg.device),
         "emulated": cfg.emulated,
         "command": cfg.command,
-        "started": _now(),
+        "started": now_utc(),
         "model": {
             **(EMULATED_MODEL if cfg.emulated else GPU_MODEL),
             "parameters": n_params,
@@ -787,15 +759,7 @@ def train_key(provider: str, layout: str) -> dict:
     return dict(part="train", provider=provider, layout=layout, batch=batch, prompt="", new_tokens="")
 
 
-def read_runs(path: Path) -> list[dict]:
-    return json.loads(path.read_text())["runs"] if path.exists() else []
-
-
 # The report, from the files alone.
-
-
-def _table(header: list[str], rows: list[list[str]]) -> list[str]:
-    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header), *("| " + " | ".join(r) + " |" for r in rows)]
 
 
 def _num(x: float) -> str:
@@ -854,7 +818,7 @@ class Report:
                 if any(c is not None for c in cells):
                     rows.append([p, *("—" if c is None else _num(c) for c in cells)])
             out += ["", f"## Generate: {title}", "", self.caption(caption), ""]
-            out += _table(["provider", *self._point_header()], rows)
+            out += markdown_table(["provider", *self._point_header()], rows)
         for ref_provider, target in (("sdpa", " (issue 39's target for fa2-triton: >= 1)"), (NO_CUDNN, "")):
             if ref_provider == NO_CUDNN and ref_provider not in self.providers:
                 continue
@@ -875,7 +839,7 @@ class Report:
                     rows.append([p, *("—" if c is None else f"{c:.2f}" for c in cells), f"{min(present):.2f}"])
             out += [self.caption(f"Tokens per second over {ref_provider}'s at the same point{target}."), ""]
             header = ["provider", *self._point_header(), "min"]
-            out += _table(header, rows) if rows else [f"{ref_provider} was not measured."]
+            out += markdown_table(header, rows) if rows else [f"{ref_provider} was not measured."]
         agree = [r for r in self.generate if r["agree"]]
         out += ["", "## Generate: the check against sdpa", ""]
         if agree:
@@ -886,7 +850,7 @@ class Report:
                     "either way)."
                 ),
                 "",
-                *_table(
+                *markdown_table(
                     ["provider", "point", "tokens agreeing"],
                     [
                         [
@@ -941,7 +905,7 @@ class Report:
                 "exact arithmetic."
             ),
             "",
-            *_table(
+            *markdown_table(
                 [
                     "provider",
                     "padded ms",
@@ -968,7 +932,9 @@ class Report:
             for i in self.issues
         ]
         return (
-            _table(["provider", "part", "point", "status", "reason"], rows) if rows else ["Nothing: every point ran."]
+            markdown_table(["provider", "part", "point", "status", "reason"], rows)
+            if rows
+            else ["Nothing: every point ran."]
         )
 
     def markdown(self, plots: list[Path]) -> str:

@@ -84,7 +84,17 @@ import torch
 from fa2 import registry
 from fa2.bench import check
 from fa2.bench.__main__ import EMULATION
-from fa2.bench.output import default_name, default_out
+from fa2.bench.output import (
+    comma_list,
+    default_name,
+    default_out,
+    exception_reason,
+    markdown_table,
+    now_utc,
+    positive_int,
+    read_csv,
+    read_runs,
+)
 from fa2.bench.report import EMULATED_TAG, seqlen_label
 from fa2.bench.sweep import environment
 
@@ -148,26 +158,6 @@ EMULATED_NOTE = (
 )
 
 
-def _list(kind, valid=None):
-    def parse(text):
-        items = tuple(kind(x) for x in text.split(",") if x)
-        unknown = [x for x in items if valid is not None and x not in valid]
-        if unknown:
-            raise argparse.ArgumentTypeError(f"unknown {', '.join(map(str, unknown))}; choose from {', '.join(valid)}")
-        if any(isinstance(x, int) and x < 1 for x in items):
-            raise argparse.ArgumentTypeError(f"every value must be at least 1, got {text!r}")
-        return items
-
-    return parse
-
-
-def _positive(text: str) -> int:
-    n = int(text)
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
-    return n
-
-
 def parse_args(argv: list[str]) -> argparse.Namespace:
     gpu, cpu = DEFAULTS["cuda"], DEFAULTS["cpu"]
     parser = argparse.ArgumentParser(
@@ -178,40 +168,40 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     )
     parser.add_argument(
         "--worlds",
-        type=_list(int),
+        type=comma_list(int),
         help="world sizes, each a launch of that many processes; default 1,2,4,8 up to the GPU count (emulated: 1,2)",
     )
     parser.add_argument(
         "--tokens-per-gpu",
-        type=_list(int),
+        type=comma_list(int),
         help=f"tokens of each rank's shard, even; default {','.join(map(str, gpu.tokens_per_gpu))} "
         f"(emulated {','.join(map(str, cpu.tokens_per_gpu))})",
     )
-    parser.add_argument("--batch", type=_positive, default=1)
+    parser.add_argument("--batch", type=positive_int, default=1)
     parser.add_argument(
-        "--heads", type=_positive, help=f"query and key/value heads; default {gpu.heads} (emulated {cpu.heads})"
+        "--heads", type=positive_int, help=f"query and key/value heads; default {gpu.heads} (emulated {cpu.heads})"
     )
-    parser.add_argument("--head-dim", type=_positive, help=f"default {gpu.head_dim} (emulated {cpu.head_dim})")
+    parser.add_argument("--head-dim", type=positive_int, help=f"default {gpu.head_dim} (emulated {cpu.head_dim})")
     parser.add_argument("--dtype", choices=tuple(DTYPES), help=f"default {gpu.dtype} (emulated {cpu.dtype})")
     parser.add_argument(
         "--backends",
-        type=_list(str, registry.KNOWN),
+        type=comma_list(str, registry.KNOWN),
         help=f"fa2 backends the fa2 provider times; default {','.join(gpu.backends)} (emulated "
         f"{','.join(cpu.backends)})",
     )
     parser.add_argument(
         "--providers",
-        type=_list(str, PROVIDERS),
+        type=comma_list(str, PROVIDERS),
         help=f"of {', '.join(PROVIDERS)}; default {','.join(gpu.providers)} (emulated {','.join(cpu.providers)}); "
         "the ring's transfers alone (comm) are timed whenever fa2 is",
     )
-    parser.add_argument("--modes", type=_list(str, MODES), default=MODES, help="fwd, bwd (default both)")
+    parser.add_argument("--modes", type=comma_list(str, MODES), default=MODES, help="fwd, bwd (default both)")
     parser.add_argument("--torch-cp-rotate", choices=ROTATE, default="alltoall", help="torch-cp's K/V rotation")
     parser.add_argument(
         "--warmups", type=int, help=f"untimed calls first; default {gpu.warmups} (emulated {cpu.warmups})"
     )
     parser.add_argument(
-        "--repeats", type=_positive, help=f"timed calls; default {gpu.repeats} (emulated {cpu.repeats})"
+        "--repeats", type=positive_int, help=f"timed calls; default {gpu.repeats} (emulated {cpu.repeats})"
     )
     parser.add_argument(
         "--check-limit",
@@ -277,27 +267,6 @@ class Config:
         return {tuple(str(key[c]) for c in KEY) for w in self.worlds for key in self.keys(w)}
 
 
-def _now() -> str:
-    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-
-
-def _reason(e: BaseException) -> str:
-    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
-    text = f"{type(e).__name__}: {lines[0] if lines else ''}"
-    return text if len(text) <= 300 else text[:297] + "..."
-
-
-def read_csv(path: Path) -> list[dict[str, str]]:
-    if not path.exists():
-        return []
-    with path.open(newline="") as f:
-        return list(csv.DictReader(f))
-
-
-def read_runs(path: Path) -> list[dict]:
-    return json.loads(path.read_text())["runs"] if path.exists() else []
-
-
 class Records:
     """The two CSVs, written row by row into ``<name>.partial*`` (by the parent's launcher and rank 0 of each
     world) and moved over the earlier files by ``commit`` once anything was measured; --append keeps the
@@ -323,11 +292,11 @@ class Records:
         return self.cfg.path(f".partial{suffix}")
 
     def result(self, row: dict) -> None:
-        self._append(".csv", COLUMNS, {**row, **self.env, "timestamp": _now()})
+        self._append(".csv", COLUMNS, {**row, **self.env, "timestamp": now_utc()})
 
     def issue(self, key: dict, status: str, reason: str) -> None:
         print(f"  world {key['world']} {key['tokens_per_gpu']}/GPU {key['provider']} {key['mode']}: {status}: {reason}")
-        self._append("-skipped.csv", ISSUE_COLUMNS, {**key, "status": status, "reason": reason, "timestamp": _now()})
+        self._append("-skipped.csv", ISSUE_COLUMNS, {**key, "status": status, "reason": reason, "timestamp": now_utc()})
 
     def _append(self, suffix: str, columns: tuple[str, ...], row: dict) -> None:
         with self._partial(suffix).open("a", newline="") as f:
@@ -580,13 +549,13 @@ def _measure(cfg: Config, ring: Ring, tokens_per_gpu: int, provider: str, local,
         else:
             attention = fa2_ring(backend)
     except Exception as e:  # noqa: BLE001 - a provider's failure is recorded and the run goes on
-        error = _reason(e)
+        error = exception_reason(e)
     error = ring.agree(error)
     if error is None and checked:
         try:
             error = check_point(cfg, ring, attention, backend, tokens_per_gpu, local)
         except Exception as e:  # noqa: BLE001 - as above
-            error, status = _reason(e), "skipped" if backend is None else "failed"
+            error, status = exception_reason(e), "skipped" if backend is None else "failed"
         error = ring.agree(error)
     elif error is not None and backend is None:
         status = "skipped"
@@ -601,7 +570,7 @@ def _measure(cfg: Config, ring: Ring, tokens_per_gpu: int, provider: str, local,
                 ms, fastest = ring.timed(fn, cfg.warmups, cfg.repeats)
                 problem = None
             except Exception as e:  # noqa: BLE001 - as above
-                problem = _reason(e)
+                problem = exception_reason(e)
             problem = ring.agree(problem)
             if problem is not None:
                 write("issue", key, "failed", problem)
@@ -751,13 +720,13 @@ def run(cfg: Config) -> None:
                 done = records.written()
                 for key in work.keys(world):
                     if tuple(str(key[c]) for c in KEY) not in done:
-                        records.issue(key, "failed", f"world {world}'s processes stopped: {_reason(e)}")
+                        records.issue(key, "failed", f"world {world}'s processes stopped: {exception_reason(e)}")
     info = {
         **env,
         "device": cfg.device_type,
         "emulated": cfg.emulated,
         "command": cfg.command,
-        "started": _now(),
+        "started": now_utc(),
         "worlds": list(cfg.worlds),
         "gpus": torch.cuda.device_count() if cfg.device_type == "cuda" else 0,
         "distributed_backend": "nccl" if cfg.device_type == "cuda" else "gloo",
@@ -775,10 +744,6 @@ def run(cfg: Config) -> None:
 
 
 # --- the report, from the files alone ------------------------------------------------------------------------
-
-
-def _table(header: list[str], rows: list[list[str]]) -> list[str]:
-    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header), *("| " + " | ".join(r) + " |" for r in rows)]
 
 
 class Report:
@@ -832,7 +797,7 @@ class Report:
                             "provider's TFLOP/s at world 1 and the same tokens per GPU."
                         ),
                         "",
-                        *_table(["tokens per GPU", *(f"world {w}" for w in self.worlds)], rows),
+                        *markdown_table(["tokens per GPU", *(f"world {w}" for w in self.worlds)], rows),
                     ]
         return out
 
@@ -863,7 +828,7 @@ class Report:
                 "that: the share of the step the compute has to hide."
             ),
             "",
-            *_table(
+            *markdown_table(
                 ["world", "tokens per GPU", "mode", "comm ms", "GB/s", *(f"{p} ms (comm share)" for p in fa2s)], rows
             ),
         ]
@@ -903,7 +868,7 @@ class Report:
                 f"torch-cp-cudnn: cuDNN's, K/V rotated by {self.info.get('torch_cp_rotate', '?')}."
             ),
             "",
-            *_table(header, rows),
+            *markdown_table(header, rows),
         ]
 
     def markdown(self, plots: list[Path]) -> str:
@@ -944,7 +909,7 @@ class Report:
         ]
         lines += ["", "## Not measured", ""]
         lines += (
-            _table(["world", "tokens per GPU", "provider", "mode", "status", "reason"], rows)
+            markdown_table(["world", "tokens per GPU", "provider", "mode", "status", "reason"], rows)
             if rows
             else ["Nothing: every point ran."]
         )

@@ -54,13 +54,13 @@ import subprocess
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from datetime import datetime, timezone
 from importlib import metadata
 from pathlib import Path
 
 import torch
 
-from fa2.bench import check, timing
+from fa2.bench import check, output, timing
+from fa2.bench.output import exception_reason, now_utc, read_runs
 from fa2.bench.providers import DECODE_PROVIDERS, DTYPES, PROVIDERS, VARLEN_PROVIDERS, Provider, Shape, fa2_provider
 
 # lengths: a packed batch's sequence lengths, space-separated (seqlen their total, batch their number); empty
@@ -434,17 +434,6 @@ def _commit() -> str:
         return "unknown"
 
 
-def _now() -> str:
-    return datetime.now(timezone.utc).isoformat(timespec="seconds")
-
-
-def _reason(e: BaseException) -> str:
-    """An exception in one line: its type and the first line of its message (compiler errors run long)."""
-    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
-    text = f"{type(e).__name__}: {lines[0] if lines else ''}"
-    return text if len(text) <= 300 else text[:297] + "..."
-
-
 class Records:
     """The CSV of measurements, the CSV of everything not measured and the runs' JSON, written row by row
     into their ``partial_path`` and moved over the earlier files by ``commit``. ``append`` keeps the earlier
@@ -483,7 +472,7 @@ class Records:
         self._append(
             self.issues,
             ISSUE_COLUMNS,
-            {**_shape_columns(p, shape), "status": status, "reason": reason, "timestamp": _now()},
+            {**_shape_columns(p, shape), "status": status, "reason": reason, "timestamp": now_utc()},
         )
 
     @staticmethod
@@ -496,10 +485,7 @@ def read_csv(path: Path) -> list[dict[str, str]]:
     """The rows of a results or skipped CSV; those written before the heads_k, window, softcap, lengths,
     seqlen_q, page_size and tbps columns existed get their values (heads_k = heads, no window, no softcap,
     dense, not decode, contiguous, no rate); tbps only in a results CSV, whose rows have ms."""
-    if not path.exists():
-        return []
-    with path.open(newline="") as f:
-        rows = list(csv.DictReader(f))
+    rows = output.read_csv(path)
     for r in rows:
         if "heads" in r:
             defaults = [
@@ -580,9 +566,9 @@ def measure(p: Provider, shape: Shape, q, k, v, sample: check.Sample, device: to
             return "wrong", problem
         return "ok", (call, first_s, timing.peak_mem_gb(call, device))
     except NotImplementedError as e:  # a backend's documented refusal of this input
-        return "skipped", _reason(e)
+        return "skipped", exception_reason(e)
     except Exception as e:
-        return "failed", _reason(e)
+        return "failed", exception_reason(e)
     finally:
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -605,7 +591,7 @@ def time_rounds(
             try:
                 times[name].append(timing.median_ms(call, device, first_s))
             except Exception as e:
-                failed[name] = _reason(e)
+                failed[name] = exception_reason(e)
     return {
         name: ("failed", failed[name]) if name in failed else ("ok", statistics.median(times[name])) for name in calls
     }
@@ -642,7 +628,7 @@ def run(cfg: Config, progress) -> None:
         "device": str(cfg.device),
         "emulated": cfg.emulated,
         "command": cfg.command,
-        "started": _now(),
+        "started": now_utc(),
         "timing": timing.describe(cfg.device),
         "ceilings": timing.copy_ceiling(cfg.device) if cfg.decode else timing.matmul_ceilings(cfg.device),
     }
@@ -731,7 +717,7 @@ def _measure_shape(shape: Shape, providers: list[Provider], cfg: Config, env: di
         )
     except Exception as e:
         for p in providers:
-            records.issue(p.name, shape, "failed", f"the reference check could not run: {_reason(e)}")
+            records.issue(p.name, shape, "failed", f"the reference check could not run: {exception_reason(e)}")
             bar.update()
         return
     checked = {}
@@ -760,7 +746,7 @@ def _measure_shape(shape: Shape, providers: list[Provider], cfg: Config, env: di
                     "tflops": f"{shape.flops / (outcome * 1e-3) / 1e12:.6g}",
                     "peak_mem_gb": "" if mem is None else f"{mem:.4g}",
                     **env,
-                    "timestamp": _now(),
+                    "timestamp": now_utc(),
                 }
             )
         else:
@@ -822,7 +808,9 @@ def _measure_decode(
         del k, v
     except Exception as e:
         for p, shape in runnable:
-            records.issue(p.name, shape, "failed", f"the inputs or the reference check could not be made: {_reason(e)}")
+            records.issue(
+                p.name, shape, "failed", f"the inputs or the reference check could not be made: {exception_reason(e)}"
+            )
             bar.update()
         return
     checked = {}
@@ -854,17 +842,12 @@ def _measure_decode(
                     "tbps": f"{shape.kv_bytes / seconds / 1e12:.6g}",
                     "peak_mem_gb": "" if mem is None else f"{mem:.4g}",
                     **env,
-                    "timestamp": _now(),
+                    "timestamp": now_utc(),
                 }
             )
         else:
             records.issue(name, shape, status, outcome)
             bar.write(f"{name} {shape}: {status}: {outcome}")
-
-
-def read_runs(path: Path) -> list[dict]:
-    """``<name>-run.json``: one entry per run that wrote into the CSV (several with --append)."""
-    return json.loads(path.read_text())["runs"] if path.exists() else []
 
 
 def write_runs(cfg: Config, runs: list[dict]) -> None:
