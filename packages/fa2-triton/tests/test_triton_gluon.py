@@ -18,6 +18,9 @@ from fa2.spec import AttentionSpec
 from fa2_triton import forward_gluon
 from fa2_triton.forward import flash_attn_forward
 
+# The Gluon kernel on small inputs, which short calls pass to the tl kernel (conftest.long_calls).
+pytestmark = pytest.mark.usefixtures("long_calls")
+
 needs_gluon = pytest.mark.skipif(not forward_gluon.GLUON, reason=f"Triton {triton.__version__} has no Gluon Hopper API")
 SCALE = 128**-0.5
 

@@ -19,6 +19,9 @@ from fa2.spec import AttentionSpec
 from fa2_triton import backward, backward_gluon
 from test_gradients import assert_grads_match, grads
 
+# The Gluon kernels on small inputs, which short calls pass to the tl kernels (conftest.long_calls).
+pytestmark = pytest.mark.usefixtures("long_calls")
+
 needs_gluon = pytest.mark.skipif(
     not backward_gluon.GLUON, reason=f"Triton {triton.__version__} has no Gluon Hopper API"
 )

@@ -16,7 +16,7 @@ import fa2
 import fa2_triton
 from checks import assert_matches_reference, random_qkv
 from fa2.spec import AttentionSpec
-from fa2_triton import backward, forward, kvcache, launch
+from fa2_triton import backward, backward_gluon, forward, forward_gluon, kvcache, launch, tiles
 from fa2_triton.common import INTERPRETED
 from test_gradients import assert_grads_match
 
@@ -114,7 +114,7 @@ def test_arg_class_refuses_what_it_cannot_classify():
 
 
 @pytest.mark.gpu
-def test_calls_share_a_compiled_kernel_only_within_a_class(device):
+def test_calls_share_a_compiled_kernel_only_within_a_class(device, long_calls):
     """New data of the same class reuses the cached kernel; a seqlen that changes divisibility by 16, or
     misaligned data (which also leaves the descriptor path), gets its own entry. Each matches the
     reference."""
@@ -138,7 +138,7 @@ def test_calls_share_a_compiled_kernel_only_within_a_class(device):
     assert forward(200, seed=4, misaligned=True) == 3
 
 
-def test_forward_plans_are_kept_per_class_of_inputs(device):
+def test_forward_plans_are_kept_per_class_of_inputs(device, long_calls):
     """The forward's plans (``forward._PLANS``): new data of one shape, strides and alignment reuses a plan;
     misaligned data of that shape gets its own, without host descriptors; a new shape its own. Each call
     matches the reference, and the plan's argument classes are what launch() computes (it checks them when
@@ -160,6 +160,7 @@ def test_forward_plans_are_kept_per_class_of_inputs(device):
 
     plans = call(32, seed=1)
     assert len(plans) == 1 and plans[0].classes is not None
+    assert (plans[0].descriptors is not None) == plans[0].use_tma
     assert call(32, seed=2) == plans
     plans = call(32, seed=3, misaligned=True)
     assert len(plans) == 2 and plans[1].descriptors is None
@@ -195,6 +196,45 @@ def test_backward_plans_are_kept_per_class_of_inputs(device, deterministic):
     assert call(32, seed=2) == plans
     assert call(32, seed=3, misaligned=True) == plans
     assert len(call(48, seed=4)) == 2 * len(plans)
+
+
+def test_short_calls_read_through_pointers(device, monkeypatch):
+    """A short call (``tiles.short_call``: bound by the host) at the default tiles reads through pointers
+    where the same inputs counted long take host descriptors (wherever ``tiles.tma_layout`` allows them);
+    both match the reference. The Gluon kernels, forward and backward, pass short calls to the tl ones."""
+    if fa2_triton.availability()[0] == "unavailable":
+        pytest.skip("fa2-triton cannot run here")
+
+    def shapes(q, k):
+        return tiles.short_call(torch.empty(q, device="meta"), torch.empty(k, device="meta"))
+
+    assert shapes((1, 16, 256, 64), (1, 16, 256, 64)), "2^20 pairs and 2^13 rows: short"
+    assert not shapes((1, 16, 512, 64), (1, 16, 512, 64)), "2^22 pairs: long"
+    assert not shapes((1, 1, 1, 64), (1, 1, 2**17, 64)), "one query over 2^17 keys: long by its rows"
+
+    default = tiles.SHORT_CALL_PAIRS
+    q, k, v = random_qkv((1, 2, 64, 64), (1, 2, 64, 64), torch.float16, device, seed=5)
+    spec = AttentionSpec(0.125)
+    taken = []
+    real_launch = forward.launch
+    monkeypatch.setattr(forward, "launch", lambda *a: taken.append(a[3]["USE_TMA"]) or real_launch(*a))
+    forward._PLANS.clear()
+    for pairs in (default, -1):
+        monkeypatch.setattr(tiles, "SHORT_CALL_PAIRS", pairs)
+        forward._PLANS.clear()
+        O, L = fa2_triton.flash_attn_forward(q, k, v, spec)
+        assert_matches_reference(O, L, q, k, v, False, scale=0.125)
+    forward._PLANS.clear()
+    assert taken == [False, tiles.tma_layout(q, k, v, 64)]
+
+    monkeypatch.setattr(forward_gluon, "_on_hopper", lambda device: True)
+    monkeypatch.setattr(backward_gluon, "_on_hopper", lambda device: True)
+    q, k, v = (torch.empty(2, 4, 256, 128, dtype=torch.bfloat16) for _ in range(3))
+    for pairs, long in ((default, False), (-1, True)):
+        monkeypatch.setattr(tiles, "SHORT_CALL_PAIRS", pairs)
+        assert forward_gluon.uses_gluon(q, k, v, spec) == long
+        assert backward_gluon.uses_gluon(q, k, v, spec) == (long and 128 in backward_gluon.ENABLED)
+        assert backward_gluon.uses_gluon_dq(q, k, v, spec) == (long and 128 in backward_gluon.DQ_ENABLED)
 
 
 def test_kvcache_launches_are_kept_per_class_of_inputs(device):

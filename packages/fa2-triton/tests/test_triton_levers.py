@@ -151,7 +151,9 @@ def test_tiles_for_passes_over_warp_specialisation_where_the_inputs_cannot_take_
 
 
 @pytest.mark.parametrize("seqlen", [256, 200], ids=["whole_tiles", "ragged"])
-def test_default_tiles_specialise_exactly_where_the_inputs_can(native_or_interpreted, device, monkeypatch, seqlen):
+def test_default_tiles_specialise_exactly_where_the_inputs_can(
+    native_or_interpreted, device, monkeypatch, long_calls, seqlen
+):
     """Without tiles given, the table's warp-specialised entry runs where the inputs can take it and its
     fallback elsewhere (a ragged seqlen would read across heads in the specialised loop)."""
     ws, fallback = Tiles(128, 64, 4, 2, tma=True, warp_specialize=True), Tiles(128, 64, 4, 2, tma=True)

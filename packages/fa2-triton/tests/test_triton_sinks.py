@@ -325,7 +325,7 @@ def test_the_gluon_kernel_takes_a_sink():
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
-def test_the_gluon_kernel_with_a_sink_matches_the_reference(device, dtype):
+def test_the_gluon_kernel_with_a_sink_matches_the_reference(device, dtype, long_calls):
     """On a Hopper GPU: the warp-specialised kernel's epilogue adds the sink (skipped elsewhere)."""
     if device.type != "cuda" or not forward_gluon._on_hopper(device):
         pytest.skip("needs a Hopper GPU with Gluon (--device cuda)")

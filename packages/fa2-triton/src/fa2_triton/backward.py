@@ -5,7 +5,8 @@ kernel, or with ``deterministic=False`` the dK/dV kernel alone, adding dQ into a
 atomics.
 
 Where ``backward_gluon.uses_gluon`` says so (a Hopper GPU, inputs it takes, a head_dim of
-``backward_gluon.ENABLED``: 64 and 128 unless FA2_TRITON_GLUON_BACKWARD=0; default tiles), the dK/dV step
+``backward_gluon.ENABLED``: 64 and 128 unless FA2_TRITON_GLUON_BACKWARD=0; default tiles; not a short call,
+``tiles.short_call``), the dK/dV step
 runs ``backward_gluon``'s warp-specialised kernel instead of the tl one, beside the tl preprocess and a dQ
 kernel, in both modes (with ``deterministic=False`` too: the Gluon kernel adds no dQ). Where
 ``backward_gluon.uses_gluon_dq`` says so (the same, with a head_dim of ``backward_gluon.DQ_ENABLED``: 64 and

@@ -82,6 +82,7 @@ from fa2.spec import AttentionSpec
 from fa2_triton.common import LOG2_E, group_size, on_hopper
 from fa2_triton.forward_gluon import GLUON
 from fa2_triton.launch import Plans, arg_classes, copy_descriptor, launch, on_device
+from fa2_triton.tiles import short_call
 
 if GLUON:
     from triton.experimental import gluon
@@ -131,14 +132,16 @@ LOADER_REGS = 24
 
 def uses_gluon(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionSpec) -> bool:
     """Whether fa2-triton's backward runs this module's dK/dV kernel on these inputs: a head_dim it is on for
-    (``ENABLED``), a device that can run it and inputs it takes (the module docstring says which)."""
-    return q.shape[-1] in ENABLED and _on_hopper(q.device) and takes(q, k, v, spec)
+    (``ENABLED``), a device that can run it, inputs it takes (the module docstring says which) and a call that is
+    not short (``tiles.short_call``: there the tl kernels' pointer loads cost less host time than its
+    descriptors)."""
+    return q.shape[-1] in ENABLED and _on_hopper(q.device) and not short_call(q, k) and takes(q, k, v, spec)
 
 
 def uses_gluon_dq(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionSpec) -> bool:
     """Whether fa2-triton's backward runs this module's dQ kernel on these inputs: a head_dim it is on for
-    (``DQ_ENABLED``), a device that can run it and inputs it takes (``takes_dq``)."""
-    return q.shape[-1] in DQ_ENABLED and _on_hopper(q.device) and takes_dq(q, k, v, spec)
+    (``DQ_ENABLED``), a device that can run it, inputs it takes (``takes_dq``) and a call that is not short."""
+    return q.shape[-1] in DQ_ENABLED and _on_hopper(q.device) and not short_call(q, k) and takes_dq(q, k, v, spec)
 
 
 def _on_hopper(device: torch.device) -> bool:

@@ -7,11 +7,12 @@ what it takes). An error in one kernel is raised, never retried on the other.
 ``launch_kernel`` makes the launch: the tiles and levers from ``tiles.tiles_for`` (an entry that asks for warp
 specialisation is passed over where ``tiles.ws_layout`` says the inputs cannot take it); how the kernel
 reaches memory, through host tensor descriptors where ``tiles.tma_layout`` allows them and the tiles ask for
-them (``_descriptor``), through descriptors built in the kernel for the warp-specialised loop and for a
-packed batch, or by pointer loads; the spec as the kernel's arguments (``common.score_args``); one program
-per (query tile, batch·head), on one grid axis. Launches go through ``fa2_triton.launch``, which reuses the
-compiled kernel for arguments of one class and so spends less host time per call than
-``kernel[grid](...)``.
+them (``_descriptor``), through descriptors built in the kernel for the warp-specialised loop and for a packed
+batch, or by pointer loads (a short call, ``tiles.short_call``, at the default tiles: it is bound by the host,
+which a descriptor costs more time than the kernel saves); the spec as the kernel's arguments
+(``common.score_args``); one program per (query tile, batch·head), on one grid axis. Launches go through
+``fa2_triton.launch``, which reuses the compiled kernel for arguments of one class and so spends less host
+time per call than ``kernel[grid](...)``.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from fa2_triton import forward_gluon
 from fa2_triton.common import LOG2_E, MAX_HEAD_DIM, check_device, group_size, packed, score_args
 from fa2_triton.forward_tl import _attn_fwd
 from fa2_triton.launch import Plans, arg_classes, copy_descriptor, launch, on_device, scratch_allocator
-from fa2_triton.tiles import Tiles, tiles_for, tma_layout, ws_layout
+from fa2_triton.tiles import Tiles, short_call, tiles_for, tma_layout, ws_layout
 
 
 def _descriptor(t: torch.Tensor, block_rows: int) -> TensorDescriptor:
@@ -202,14 +203,17 @@ def _plan(q, k, v, O, L, spec: AttentionSpec, tiles: Tiles | None) -> _Plan | No
     HEAD_DIM = max(16, triton.next_power_of_2(head_dim))
     masked = spec.masked
     batch, seqlen_q, seqlen_k, _, _ = packed(spec, batch, seqlen_q, seqlen_k, L)
-    if spec.varlen:
-        # One key loop over whole tiles, which warp specialisation needs, is not what sequences of any
-        # length have.
+    # A short call at the default tiles reads through pointers: its kernel takes less time than the host
+    # spends on descriptors (``tiles.short_call``), the warp-specialised loop's (built in the kernel) too.
+    short = tiles is None and not spec.varlen and short_call(q, k)
+    if spec.varlen and not seqlen_q:
+        return None
+    if spec.varlen or short:
+        # A packed batch: one key loop over whole tiles, which warp specialisation needs, is not what
+        # sequences of any length have.
         def can_specialize(tiles):
             return False
 
-        if not seqlen_q:
-            return None
     else:
         can_specialize = functools.partial(ws_layout, q, k, v, masked, HEAD_DIM)
     if tiles is None:
@@ -232,7 +236,7 @@ def _plan(q, k, v, O, L, spec: AttentionSpec, tiles: Tiles | None) -> _Plan | No
     # descriptor's bounds are the packed tensor's, and its tiles would cross into the next sequence).
     # side-by-side: descriptors
     device_desc = warp_specialize or (spec.varlen and tiles.tma and tma_layout(q, k, v, HEAD_DIM))
-    if not device_desc and tiles.tma and tma_layout(q, k, v, HEAD_DIM):
+    if not device_desc and tiles.tma and not short and tma_layout(q, k, v, HEAD_DIM):
         use_tma = True
         descriptors = tuple(
             {**_descriptor(t, rows).__dict__, "base": None}

@@ -28,11 +28,12 @@ seqlen_q = 256, seqlen_k = 384, tiles of 128 as blocks)::
     query tile 1:  [ whole ][ whole ][ diag  ]
 
 seqlen_q and seqlen_k multiples of 128 (the copies are 2-D, over all heads' rows: a tile past a head's end
-would read, or write, the next head's rows); each of q, k, v with its heads' rows contiguous,
-(batch, heads, seqlen, head_dim), or interleaved, (batch, seqlen, heads, head_dim) as flash-attn's layout,
-16-byte aligned; batch·heads at most 65,535 (the grid's second axis). Grouped-query attention is in the
-kernel (query head h reads key/value head h // group). Everything else runs ``forward_tl.py``'s kernel; the
-choice depends on the inputs alone, and an error in this kernel is raised, never retried on the other one.
+would read, or write, the next head's rows); each of q, k, v with its heads' rows contiguous, (batch, heads,
+seqlen, head_dim), or interleaved, (batch, seqlen, heads, head_dim) as flash-attn's layout, 16-byte aligned;
+batch·heads at most 65,535 (the grid's second axis); not a short call (``tiles.short_call``: a call bound by
+the host, where the four descriptors' host time outweighs what the kernel saves). Grouped-query attention is
+in the kernel (query head h reads key/value head h // group). Everything else runs ``forward_tl.py``'s kernel;
+the choice depends on the inputs alone, and an error in this kernel is raised, never retried on the other one.
 
 Gluon is experimental and its API moves between Triton releases: Triton 3.6 (the H200's) names the TMA
 copies ``tma.async_copy_global_to_shared`` / ``async_copy_shared_to_global``, later releases
@@ -52,6 +53,7 @@ import torch
 from fa2.spec import AttentionSpec
 from fa2_triton.common import LOG2_E, group_size, on_hopper
 from fa2_triton.launch import Plans, arg_classes, copy_descriptor, launch, on_device
+from fa2_triton.tiles import short_call
 
 try:
     from triton.experimental import gluon
@@ -88,8 +90,9 @@ LOADER_REGS = 24
 
 def uses_gluon(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionSpec) -> bool:
     """Whether fa2-triton's forward runs this module's kernel on these inputs (the module docstring says
-    which, and why): a device that can run it and inputs it takes."""
-    return _on_hopper(q.device) and takes(q, k, v, spec)
+    which, and why): a device that can run it, inputs it takes, and a call long enough that its four
+    descriptors' host time pays (not ``tiles.short_call``)."""
+    return _on_hopper(q.device) and not short_call(q, k) and takes(q, k, v, spec)
 
 
 def _on_hopper(device: torch.device) -> bool:

@@ -138,6 +138,28 @@ def tiles_for(
     raise AssertionError(f"TILES[{head_dim_padded}, {DTYPE_CLASS[dtype]}, {masked}] lacks its last (None) entry")
 
 
+# A call of at most SHORT_CALL_PAIRS (query, key) pairs and SHORT_CALL_ROWS query and key rows over its
+# batch and heads is bound by the host: Triton's launcher encodes every host tensor descriptor on every call
+# (four for the tl forward, more for the Gluon kernels), which costs more host time than such a kernel runs.
+# Such calls read through pointers and take the tl kernels (``short_call``). Measured on the H200
+# (docs/notes/host-overhead.md): a tiny call's host time falls by 14-24 µs forward and 50-65 µs backward,
+# while at 2^20 pairs the kernels (graph replays) take 0-1 µs more at D = 64 forward, 0-15 µs more backward,
+# and up to 20 µs more at D = 128 forward (the tl kernel in place of Gluon's: 36 µs against 16 at
+# (1, 1, 1024, 1024)). Tests that exercise the descriptor paths on small inputs set SHORT_CALL_PAIRS to -1.
+SHORT_CALL_PAIRS = 1 << 20
+SHORT_CALL_ROWS = 1 << 16
+
+
+def short_call(q: torch.Tensor, k: torch.Tensor) -> bool:
+    """Whether a call on q (batch, heads, seqlen_q, head_dim) and k (batch, heads_k, seqlen_k, head_dim) is
+    short enough to be bound by the host (``SHORT_CALL_PAIRS``): then the default tiles read through
+    pointers, and the Gluon kernels pass it to the tl ones."""
+    batch, heads, seqlen_q, _ = q.shape
+    seqlen_k = k.shape[2]
+    rows = batch * heads
+    return rows * seqlen_q * seqlen_k <= SHORT_CALL_PAIRS and rows * (seqlen_q + seqlen_k) <= SHORT_CALL_ROWS
+
+
 def tma_layout(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, head_dim_padded: int) -> bool:
     """Whether q, k, v can be read through (B, H or H_K, N, D) tensor descriptors: a Hopper or later GPU (or the
     interpreter), head_dim already a power of two >= 16 (HEAD_DIM == head_dim, so a block never reaches past
