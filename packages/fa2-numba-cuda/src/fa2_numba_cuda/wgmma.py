@@ -281,6 +281,8 @@ if numba.config.ENABLE_CUDASIM:
         n = 2 * len(acc)
         if len(acc) % 4 or not 8 <= n <= 256:
             raise ValueError(f"wgmma m64nNk16 takes N / 2 accumulators, N = 8 .. 256 a multiple of 8, got {len(acc)}")
+        if int(trans_b) not in (0, 1):
+            raise ValueError(f"wgmma's trans_b must be 0 (B K-major) or 1 (MN-major), got {trans_b}")
 
         def compute(values):
             if len({v[1:] for v in values}) != 1:
@@ -450,6 +452,8 @@ else:
                 raise TypingError(f"wgmma's A registers must be a tuple of four int32, got {a}")
             count = acc.count
             tb = int(trans_b.literal_value)
+            if tb not in (0, 1):
+                raise TypingError(f"wgmma's trans_b must be 0 (B K-major) or 1 (MN-major), got {tb}")
             d = ", ".join(f"${i}" for i in range(count))
             if a_in_registers:
                 a_operand, b_operand, scale = (
