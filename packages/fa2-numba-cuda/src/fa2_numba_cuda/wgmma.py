@@ -3,7 +3,8 @@
 As in ``mma.py``, each GPU function is a ``numba.cuda.extending.intrinsic`` emitting one ``llvmlite.ir.InlineAsm``.
 All need sm_90a (numba-cuda compiles for the "a" target on a device of compute capability 9.0). A warpgroup is
 four consecutive warps, threads 128 w .. 128 w + 127 of the block; every ``.sync.aligned`` instruction below is
-executed by all 128 threads together, with the same immediates and (for the descriptors) the same values.
+executed by all 128 threads together (the same instruction, not in divergent code). The kernels here give every
+thread of a warpgroup the same descriptors and scale_d (the emulation checks it).
 
     wgmma_bf16, wgmma_f16(acc, desc_a, desc_b, scale_d, trans_b) -> acc
         wgmma.mma_async.sync.aligned.m64nNk16.f32.{bf16,f16}.{bf16,f16}: D = A B + (D if scale_d else 0), A 64 x 16
@@ -29,6 +30,7 @@ executed by all 128 threads together, with the same immediates and (for the desc
         proxy: st.shared, and what cp.async has landed) become visible to the async proxy that wgmma reads through.
         Each writing thread fences, then a barrier (``cuda.syncthreads``), then the wgmma.
     zero_accumulators(n) -> acc: a tuple of n float32 zeros (n a compile-time constant).
+    wgmma_d_row_col(thread, i) -> (row, column): the element of D in register i of thread (an epilogue's index).
 
 Shared-memory matrix descriptor (PTX ISA, "Matrix Descriptor Format"): a 64-bit value,
 
