@@ -216,12 +216,12 @@ def _a_from_registers(regs, kind: str) -> np.ndarray:
     """A (64 x 16, fp64) from the warpgroup's (128, 4) int32 registers."""
     index = tuple(np.array([wgmma_a_layout(thread) for thread in range(WARPGROUP_SIZE)]).transpose(2, 0, 1))
     A = np.zeros((64, 16))
-    A[index] = mma.decode16(mma._halves(regs), kind)
+    A[index] = mma.decode16(mma.halves(regs), kind)
     return A
 
 
 if numba.config.ENABLE_CUDASIM:
-    # The shared arrays' simulated addresses are mma.py's (``mma.shared_address``); mma._bytes reads them.
+    # The shared arrays' simulated addresses are mma.py's (``mma.shared_address``); mma.simulated_bytes reads them.
 
     _lock = threading.Lock()
     _state = threading.local()  # this thread's wgmma-groups: fenced, uncommitted and committed results
@@ -313,7 +313,7 @@ if numba.config.ENABLE_CUDASIM:
         flat = addresses.reshape(-1)
         if (flat % 2).any():
             raise ValueError("a 16-bit element's address is odd: the descriptor's start is not 16 B aligned")
-        out = np.array([mma._bytes(int(x), 2).view(np.uint16)[0] for x in flat], dtype=np.uint16)
+        out = np.array([mma.simulated_bytes(int(x), 2).view(np.uint16)[0] for x in flat], dtype=np.uint16)
         return out.reshape(addresses.shape)
 
     def wgmma_bf16(acc, desc_a, desc_b, scale_d, trans_b):
