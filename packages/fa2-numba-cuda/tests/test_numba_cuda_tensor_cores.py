@@ -95,9 +95,9 @@ def test_16_bit_encoding_rounds_as_torch(kind, dtype):
 
 def test_register_pairs_low_half_first():
     halves = np.array([[0x1234, 0xABCD, 0x0001, 0x8000]], dtype=np.uint16)
-    regs = mma._pack(halves)
+    regs = mma.pack(halves)
     assert regs.dtype == np.int32 and [hex(r) for r in regs[0].view(np.uint32)] == ["0xabcd1234", "0x80000001"]
-    assert np.array_equal(mma._halves(regs), halves)
+    assert np.array_equal(mma.halves(regs), halves)
 
 
 # --- the kernel's composition of them, one warp, numpy ------------------------------------------------
@@ -152,7 +152,7 @@ def test_one_warp_s_and_pv_compose(kind, dtype, HEAD_DIM, BLOCK_N):
     acc = np.zeros((HEAD_DIM // 8, 32, 4), dtype=np.float32)
     for kk in range(BLOCK_N // 16):
         pairs = [(2 * kk, 0), (2 * kk, 2), (2 * kk + 1, 0), (2 * kk + 1, 2)]
-        a = np.stack([mma._pack(mma.encode16(p[j, :, e : e + 2], kind))[:, 0] for j, e in pairs], axis=1)
+        a = np.stack([mma.pack(mma.encode16(p[j, :, e : e + 2], kind))[:, 0] for j, e in pairs], axis=1)
         for dd in range(HEAD_DIM // 16):
             b = _ldmatrix(v_tile, 16 * kk, 16 * dd, mma.ldmatrix_a_row_col, True)
             acc[2 * dd] = mma.emulate_mma(a, b[:, 0:2], acc[2 * dd], kind)

@@ -153,13 +153,13 @@ def ldmatrix_b_row_col(lane):
 # The emulation: whole-warp numpy versions of the instructions, lane by lane from the tables above.
 
 
-def _halves(regs) -> np.ndarray:
+def halves(regs) -> np.ndarray:
     """(..., 2 n) uint16 halves of (..., n) .b32 registers, low half first."""
     regs = np.asarray(regs).astype(np.int64) & 0xFFFFFFFF
     return np.stack([regs & 0xFFFF, regs >> 16], axis=-1).reshape(*regs.shape[:-1], -1).astype(np.uint16)
 
 
-def _pack(halves) -> np.ndarray:
+def pack(halves) -> np.ndarray:
     """(..., n) int32 registers from (..., 2 n) uint16 halves, low half first."""
     h = np.asarray(halves).astype(np.int64).reshape(*np.shape(halves)[:-1], -1, 2)
     return (h[..., 0] | (h[..., 1] << 16)).astype(np.uint32).view(np.int32)
@@ -195,15 +195,15 @@ def emulate_ldmatrix(rows, trans: bool) -> np.ndarray:
     l % 8 of matrix l // 8). Returns (32, 4) int32 registers."""
     rows = np.asarray(rows, dtype=np.uint16).reshape(4, 8, 8)  # [matrix, row, column]
     matrix, row, col = _table(ldmatrix_layout, trans)
-    return _pack(rows[matrix, row, col])
+    return pack(rows[matrix, row, col])
 
 
 def emulate_mma(a, b, c, kind: str) -> np.ndarray:
     """mma.sync m16n8k16 for a whole warp: a (32, 4), b (32, 2) int32 registers of 16-bit pairs (kind "f16"
     or "bf16"), c (32, 4) fp32. Returns d (32, 4) fp32, the products summed in fp64 and rounded once."""
     A, B, C = np.zeros((16, 16)), np.zeros((16, 8)), np.zeros((16, 8))
-    A[_table(mma_a_layout)] = decode16(_halves(a), kind)
-    B[_table(mma_b_layout)] = decode16(_halves(b), kind)
+    A[_table(mma_a_layout)] = decode16(halves(a), kind)
+    B[_table(mma_b_layout)] = decode16(halves(b), kind)
     c_index = _table(mma_c_layout)
     C[c_index] = np.asarray(c, dtype=np.float64)
     return (A @ B + C)[c_index].astype(np.float32)
@@ -274,7 +274,9 @@ if numba.config.ENABLE_CUDASIM:
                 entry = block.regions[key] = (base, data.reshape(-1).view(np.uint8), data)
         return entry[0]
 
-    def _bytes(address: int, nbytes: int) -> np.ndarray:
+    def simulated_bytes(address: int, nbytes: int) -> np.ndarray:
+        """A view of the nbytes (uint8) at a simulated shared or global address (``shared_address``,
+        ``global_address``), bounds-checked against the array it falls in."""
         address = int(address)
         for base, data, _ in _block().regions.values():
             if base <= address and address + nbytes <= base + data.size:
@@ -291,7 +293,7 @@ if numba.config.ENABLE_CUDASIM:
         def compute(addresses):
             if any(int(a) % 16 for a in addresses):
                 raise ValueError(f"ldmatrix row addresses must be 16 B aligned, got {addresses}")
-            rows = [_bytes(a, 16).view(np.uint16) for a in addresses]
+            rows = [simulated_bytes(a, 16).view(np.uint16) for a in addresses]
             return emulate_ldmatrix(rows, trans)
 
         return tuple(np.int32(r) for r in _collective(address, compute))
@@ -319,10 +321,10 @@ if numba.config.ENABLE_CUDASIM:
         return _mma("bf16", a0, a1, a2, a3, b0, b1, c0, c1, c2, c3)
 
     def pack_f16x2(lo, hi):
-        return _pack(encode16([lo, hi], "f16"))[0]
+        return pack(encode16([lo, hi], "f16"))[0]
 
     def pack_bf16x2(lo, hi):
-        return _pack(encode16([lo, hi], "bf16"))[0]
+        return pack(encode16([lo, hi], "bf16"))[0]
 
     def cp_async_16(dst, src, src_bytes):
         if int(dst) % 16 or int(src) % 16:
@@ -331,8 +333,8 @@ if numba.config.ENABLE_CUDASIM:
             raise ValueError(f"cp.async src_bytes must be 0 to 16, got {src_bytes}")
         if not hasattr(_pending, "copies"):
             _pending.copies = []
-        source = _bytes(src, int(src_bytes)).copy()  # what the hardware may read by the time of the wait
-        _pending.copies.append((_bytes(dst, 16), source))
+        source = simulated_bytes(src, int(src_bytes)).copy()  # what the hardware may read by the time of the wait
+        _pending.copies.append((simulated_bytes(dst, 16), source))
 
     def cp_async_commit():
         # The thread's copies since its last commit become a group, the newest.
@@ -365,12 +367,12 @@ if numba.config.ENABLE_CUDASIM:
     def ld_shared_b32(address):
         if int(address) % 4:
             raise ValueError(f"ld.shared.b32 address must be 4 B aligned, got {int(address):#x}")
-        return _bytes(address, 4).view(np.int32)[0]
+        return simulated_bytes(address, 4).view(np.int32)[0]
 
     def ld_shared_u16(address):
         if int(address) % 2:
             raise ValueError(f"ld.shared.u16 address must be 2 B aligned, got {int(address):#x}")
-        return np.int32(_bytes(address, 2).view(np.uint16)[0])
+        return np.int32(simulated_bytes(address, 2).view(np.uint16)[0])
 
     def shfl_idx(value, src_lane):
         def compute(values):
