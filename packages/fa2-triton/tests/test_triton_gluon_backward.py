@@ -28,7 +28,14 @@ needs_gluon = pytest.mark.skipif(
 SCALE = 128**-0.5
 
 
-def _qkv(batch, heads, heads_k, seqlen_q, seqlen_k, dtype=torch.bfloat16, device="cpu", head_dim=128):
+def _qkv(
+    batch, heads, heads_k, seqlen_q, seqlen_k, dtype=torch.bfloat16, device="cpu", head_dim=128, interleaved=False
+):
+    """q, k, v (batch, heads, seqlen, head_dim); interleaved: views of (batch, seqlen, heads, head_dim)
+    tensors, as a transformers model's are."""
+    if interleaved:
+        q, k, v = random_qkv((batch, seqlen_q, heads, head_dim), (batch, seqlen_k, heads_k, head_dim), dtype, device)
+        return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     return random_qkv((batch, heads, seqlen_q, head_dim), (batch, heads_k, seqlen_k, head_dim), dtype, device)
 
 
@@ -73,11 +80,15 @@ def test_which_inputs_the_gluon_backward_takes(case):
 
 
 def test_the_gluon_backward_takes_no_strided_or_misaligned_inputs():
+    """Contiguous (B, H, N, D) inputs, or (B, N, H, D) ones seen as (B, H, N, D) (a transformers model's, copied
+    to the first layout by the backward), each 16-byte aligned; no other strides."""
     q, k, v = _qkv(2, 4, 4, 256, 256)
     assert backward_gluon.takes(q, k, v, _spec())
     interleaved = torch.randn(2, 256, 4, 128, dtype=torch.bfloat16).transpose(1, 2)
-    assert not backward_gluon.takes(interleaved, k, v, _spec()), "(B, N, H, D) views: the copies read heads' rows"
-    assert not backward_gluon.takes(q, interleaved, v, _spec())
+    assert backward_gluon.takes(interleaved, k, v, _spec()), "(B, N, H, D) views, copied by the backward"
+    assert backward_gluon.takes(q, interleaved, interleaved, _spec())
+    every_other = torch.randn(2, 4, 512, 128, dtype=torch.bfloat16)[:, :, ::2]
+    assert not backward_gluon.takes(every_other, k, v, _spec()), "every other row: neither layout"
     shifted = torch.randn(2 * 4 * 256 * 128 + 1, dtype=torch.bfloat16)[1:].view(2, 4, 256, 128)
     assert not backward_gluon.takes(shifted, k, v, _spec()), "q 2 bytes off a 16-byte boundary"
 
@@ -198,6 +209,29 @@ def test_flash_attn_backward_sends_dkdv_to_gluon(monkeypatch, deterministic):
     tiles = backward.bwd_tiles_for(128, q.dtype, False, 256, False)
     backward.flash_attn_backward(q, k, v, q, L, q, _spec(), tiles=tiles, deterministic=deterministic)
     assert calls == (["dq", "tl-dkdv"] if deterministic else ["tl-atomic"]), "given tiles run the tl kernels"
+
+
+def test_flash_attn_backward_gives_the_gluon_kernels_rows_contiguous(monkeypatch):
+    """q, k, v with their heads interleaved (a transformers model's) reach the Gluon kernels as contiguous
+    copies of the same values, once for both; contiguous ones as they are. The launches stubbed (CPU)."""
+    seen = []
+    monkeypatch.setattr(backward, "check_device", lambda q: None)
+    monkeypatch.setattr(backward, "launch_preprocess", lambda O, dO, L, sink: (torch.zeros(L.shape), None))
+    monkeypatch.setattr(backward_gluon, "flash_attn_dq", lambda q, k, v, *a: seen.append(("dq", q, k, v)))
+    monkeypatch.setattr(backward_gluon, "flash_attn_dkdv", lambda q, k, v, *a: seen.append(("dkdv", q, k, v)))
+    monkeypatch.setattr(backward_gluon, "uses_gluon", lambda q, k, v, spec: True)
+    monkeypatch.setattr(backward_gluon, "uses_gluon_dq", lambda q, k, v, spec: True)
+    L = torch.zeros(1, 8, 384)
+    for interleaved in (True, False):
+        seen.clear()
+        q, k, v = _qkv(1, 8, 2, 384, 640, interleaved=interleaved)
+        backward.flash_attn_backward(q, k, v, q, L, q, _spec(group=4))
+        assert [name for name, *_ in seen] == ["dq", "dkdv"]
+        for _, *got in seen:
+            for g, t in zip(got, (q, k, v)):
+                assert g.is_contiguous() and torch.equal(g, t)
+                assert (g.data_ptr() == t.data_ptr()) == (not interleaved), "copied only where interleaved"
+        assert all(a is b for a, b in zip(seen[0][1:], seen[1][1:])), "one copy for both kernels"
 
 
 @pytest.mark.parametrize("deterministic", [True, False], ids=["deterministic", "atomic-dq"])
@@ -446,6 +480,10 @@ CASES = {
     "B2-H4-256x512-D64": dict(batch=2, heads=4, heads_k=4, seqlen_q=256, seqlen_k=512, head_dim=64),
     "B1-H2-512x256-D64": dict(batch=1, heads=2, heads_k=2, seqlen_q=512, seqlen_k=256, head_dim=64),
     "gqa4-384x640-D64": dict(batch=1, heads=8, heads_k=2, seqlen_q=384, seqlen_k=640, head_dim=64),
+    "gqa4-384x640-interleaved": dict(batch=1, heads=8, heads_k=2, seqlen_q=384, seqlen_k=640, interleaved=True),
+    "B2-H4-256x512-D64-interleaved": dict(
+        batch=2, heads=4, heads_k=4, seqlen_q=256, seqlen_k=512, head_dim=64, interleaved=True
+    ),
 }
 
 

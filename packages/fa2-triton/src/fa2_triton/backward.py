@@ -88,6 +88,8 @@ def flash_attn_backward(
     dv = torch.empty(v.shape, device=v.device, dtype=v.dtype)
     gluon = tiles is None and backward_gluon.uses_gluon(q, k, v, spec)
     gluon_dq = tiles is None and backward_gluon.uses_gluon_dq(q, k, v, spec)
+    if gluon or gluon_dq:
+        q, k, v = (backward_gluon.rows_contiguous(t) for t in (q, k, v))
     tiles = tiles or bwd_tiles_for(
         head_dim, q.dtype, spec.masked, spec.max_seqlen_k if spec.varlen else seqlen_k, spec.varlen
     )
