@@ -102,7 +102,10 @@ class AttentionSpec:
         """``AttentionSpec(scale, window, softcap, alibi_slopes, group, **fields)`` for the spec every call
         makes (``fa2.validation.make_spec``): the fields set at once instead of by the frozen class's
         ``__init__``, one ``object.__setattr__`` a field (0.4 against 1.2 µs of host time on this project's
-        CPU). Validates nothing, as ``__init__`` validates nothing either."""
+        CPU). Validates nothing, as ``__init__`` validates nothing either. Under torch.compile, ``__init__``:
+        dynamo traces no update of an instance's ``__dict__``."""
+        if torch.compiler.is_compiling():
+            return cls(scale, window, softcap, alibi_slopes, group, **fields)
         if fields:
             unknown = fields.keys() - _DEFAULTS.keys()
             if unknown:
