@@ -32,8 +32,8 @@ Grouped-query attention as ``forward_tc``: query head h reads key/value head h /
 
 Shared memory (dynamic, above 48 KB: ``launch.prepare`` raises the kernel's limit): Q 2 · 64 · HEAD_DIM, K and
 V 2 stages · 2 · BLOCK_N · HEAD_DIM, 16-bit elements, plus 1 KB to align the tiles on the swizzle's 1024 B
-repeat (``shared_bytes``): HEAD_DIM 128, BLOCK_N 128: 164,864 B (one block per SM); HEAD_DIM 64: 82,944 B.
-Registers per thread: s (BLOCK_N / 2), P (BLOCK_N / 4, live until P V's wait), acc (HEAD_DIM / 2).
+repeat (``shared_bytes``): with BLOCK_N 64, 99,328 B at HEAD_DIM 128 and 50,176 B at 64. Registers per thread:
+s (BLOCK_N / 2), P (BLOCK_N / 4, live until P V's wait), acc (HEAD_DIM / 2); ``wgmma_config`` has ptxas's counts.
 
 Limits (``takes``): fp16 and bf16, head_dim exactly 64 or 128, dense (batch, heads, seqlen, head_dim) inputs
 contiguous along head_dim with 16 B aligned rows (cp.async), no window but causal, no softcap, ALiBi, sink,
@@ -92,9 +92,14 @@ class WgmmaConfig(NamedTuple):
 
 
 def wgmma_config(HEAD_DIM: int) -> WgmmaConfig:
-    """128-key tiles at both head dims: per thread s 64 registers, P 32, acc 32 or 64 (ptxas's count, offline,
-    in the module's notes); the shared memory of ``shared_bytes``."""
-    return WgmmaConfig(128)
+    """64-key tiles at both head dims. The softmax's loops over S's registers (``softmax``) then have forward_tc's
+    trip counts (BLOCK_N / 8 tiles of 4), which numba's NVVM unrolls on the H200 (forward_tc: no local memory);
+    with 128 keys they are twice as long, and offline (LLVM's NVPTX backend, ptxas sm_90a) need a larger unroll
+    threshold than forward_tc's kernels to leave p in registers. Offline, with a threshold at which forward_tc's
+    have no local memory, bf16/fp16, causal or not: HEAD_DIM 64, 128-132 registers; HEAD_DIM 128, 168-170; no
+    local memory, no spills (HEAD_DIM 128 with BLOCK_N 128: 239-243 registers once unrolled, 256 B of local
+    memory at that threshold). Not yet measured on the GPU."""
+    return WgmmaConfig(64)
 
 
 def refusal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionSpec) -> str | None:
@@ -147,6 +152,7 @@ def _build_kernel(HEAD_DIM, config, CAUSAL, IS_BF16):
     BLOCK_N = config.BLOCK_N
     assert BLOCK_N % 16 == 0 and 16 <= BLOCK_N <= 256 and HEAD_DIM in HEAD_DIMS
     S_REGS = BLOCK_N // 2  # s: the warpgroup's 64 x BLOCK_N scores
+    N_TILES = BLOCK_N // 8  # 8-key column blocks of s, 4 registers each
     O_REGS = HEAD_DIM // 2  # acc: its 64 x HEAD_DIM output
     D_STEPS = HEAD_DIM // 16  # k steps of S = Q Kᵀ
     N_STEPS = BLOCK_N // 16  # k steps of O += P V
@@ -187,22 +193,27 @@ def _build_kernel(HEAD_DIM, config, CAUSAL, IS_BF16):
 
     @device_function
     def softmax(s, p, m_i, l_i, alpha, start_n, seqlen_k, mask, lane_diag, t, qk_scale):
-        """The online softmax of the tile's scores s (the tuple of S's registers) into p (local, float32): the
-        mask (where ``mask``: keys past seqlen_k, and with CAUSAL past the diagonal of the lane's rows, lane_diag
-        + 8 h for row h, counted from the lane's first key column 2 t), the new row max m_i, alpha (acc's
-        rescale) and p = exp2(s · qk_scale - m), l_i = alpha l_i + the lane's sum of p."""
-        for i in range(S_REGS):
-            p[i] = s[i]
+        """The online softmax of the tile's scores s (S's registers, a tuple) into p [BLOCK_N / 8, 4] (local,
+        float32; p[j, e] is register 4 j + e: forward_tc's s[BUF] layout, its loops): the mask (where
+        ``mask``: keys past seqlen_k, and with CAUSAL past the diagonal of the lane's row h, lane_diag + 8 h,
+        counted from the lane's first key column 2 t), the new row max m_i, alpha (acc's rescale) and p =
+        exp2(s · qk_scale - m), l_i = alpha l_i + the lane's sum of p."""
+        for j in range(N_TILES):
+            for e in range(4):
+                p[j, e] = s[4 * j + e]
         if mask:
-            for i in range(S_REGS):
-                key = start_n + 8 * (i // 4) + i % 2  # from the lane's first column 2 t
-                if key >= seqlen_k - 2 * t or (CAUSAL and key > lane_diag + 8 * (i % 4 // 2)):
-                    p[i] = -math.inf
+            for h in range(2):  # keys from column hi of the lane's row on
+                hi = seqlen_k - 2 * t - start_n
+                if CAUSAL:
+                    hi = min(hi, lane_diag + 8 * h + 1 - start_n)
+                for j in range(N_TILES):
+                    for e in range(2 * h, 2 * h + 2):
+                        if 8 * j + e % 2 >= hi:
+                            p[j, e] = -math.inf
         for h in range(2):
-            m_tile = p[2 * h]
-            for i in range(S_REGS):
-                if i % 4 // 2 == h:
-                    m_tile = max(m_tile, p[i])
+            m_tile = p[0, 2 * h]
+            for j in range(N_TILES):
+                m_tile = max(m_tile, max(p[j, 2 * h], p[j, 2 * h + 1]))
             m_tile = max(m_tile, shfl_xor(m_tile, 1))
             m_tile = max(m_tile, shfl_xor(m_tile, 2))
             m_new = max(m_i[h], m_tile * qk_scale)
@@ -211,21 +222,22 @@ def _build_kernel(HEAD_DIM, config, CAUSAL, IS_BF16):
             alpha[h] = exp2_approx(m_i[h] - m_safe)
             m_i[h] = m_new
             l_part = float32(0.0)
-            for i in range(S_REGS):
-                if i % 4 // 2 == h:
-                    x = exp2_approx(p[i] * qk_scale - m_safe)
-                    p[i] = x
+            for j in range(N_TILES):
+                for e in range(2 * h, 2 * h + 2):
+                    x = exp2_approx(p[j, e] * qk_scale - m_safe)
+                    p[j, e] = x
                     l_part += x
             l_i[h] = alpha[h] * l_i[h] + l_part
 
     @device_function
     def p_fragment(p, kk):
-        """P's A registers for keys 16 kk .. 16 kk + 15: S's registers 8 kk .. 8 kk + 7, rounded in pairs."""
+        """P's A registers for keys 16 kk .. 16 kk + 15: S's registers 8 kk .. 8 kk + 7 (two 8-key tiles of p),
+        rounded in pairs."""
         return (
-            pack(p[8 * kk], p[8 * kk + 1]),
-            pack(p[8 * kk + 2], p[8 * kk + 3]),
-            pack(p[8 * kk + 4], p[8 * kk + 5]),
-            pack(p[8 * kk + 6], p[8 * kk + 7]),
+            pack(p[2 * kk, 0], p[2 * kk, 1]),
+            pack(p[2 * kk, 2], p[2 * kk, 3]),
+            pack(p[2 * kk + 1, 0], p[2 * kk + 1, 1]),
+            pack(p[2 * kk + 1, 2], p[2 * kk + 1, 3]),
         )
 
     def _attn_fwd_wgmma(
@@ -290,7 +302,7 @@ def _build_kernel(HEAD_DIM, config, CAUSAL, IS_BF16):
         m_i = cuda.local.array(2, float32)
         l_i = cuda.local.array(2, float32)
         alpha = cuda.local.array(2, float32)
-        p = cuda.local.array(S_REGS, float32)  # [64 rows, BLOCK_N] as S's registers
+        p = cuda.local.array((N_TILES, 4), float32)  # [64 rows, BLOCK_N] as S's registers
         for h in range(2):
             m_i[h] = -math.inf
             l_i[h] = 0.0
