@@ -57,7 +57,7 @@ from typing import NamedTuple
 
 import numpy as np
 import torch
-from numba import cuda, float32, int16, uint32, uint64
+from numba import cuda, float32, int16, int32, uint32, uint64
 
 from fa2.spec import UNBOUNDED, AttentionSpec
 from fa2_numba_cuda import launch, wgmma
@@ -94,11 +94,12 @@ class WgmmaConfig(NamedTuple):
 def wgmma_config(HEAD_DIM: int) -> WgmmaConfig:
     """64-key tiles at both head dims. The softmax's loops over S's registers (``softmax``) then have forward_tc's
     trip counts (BLOCK_N / 8 tiles of 4), which numba's NVVM unrolls on the H200 (forward_tc: no local memory);
-    with 128 keys they are twice as long, and offline (LLVM's NVPTX backend, ptxas sm_90a) need a larger unroll
-    threshold than forward_tc's kernels to leave p in registers. Offline, with a threshold at which forward_tc's
-    have no local memory, bf16/fp16, causal or not: HEAD_DIM 64, 128-132 registers; HEAD_DIM 128, 168-170; no
-    local memory, no spills (HEAD_DIM 128 with BLOCK_N 128: 239-243 registers once unrolled, 256 B of local
-    memory at that threshold). Not yet measured on the GPU."""
+    with 128 keys they are twice as long, and offline (llvmlite's NVPTX backend, then ptxas -arch=sm_90a) need a
+    larger unroll threshold than forward_tc's kernels to leave p in registers. Offline, at an unroll threshold
+    (1000) where forward_tc's D64 and D128 kernels have no local memory, every dtype, causal or not: HEAD_DIM 64,
+    127 registers, 8 HGMMA.64x64x16 a key tile; HEAD_DIM 128, 167 registers, 8 HGMMA.64x64x16 and 4
+    HGMMA.64x128x16; no local memory, no spills. BLOCK_N 128 there keeps p in 256 B of local memory (unrolled
+    further: 167 registers at HEAD_DIM 64, 237 at 128, no local memory). Not yet measured on the GPU."""
     return WgmmaConfig(64)
 
 
@@ -230,15 +231,14 @@ def _build_kernel(HEAD_DIM, config, CAUSAL, IS_BF16):
             l_i[h] = alpha[h] * l_i[h] + l_part
 
     @device_function
-    def p_fragment(p, kk):
-        """P's A registers for keys 16 kk .. 16 kk + 15: S's registers 8 kk .. 8 kk + 7 (two 8-key tiles of p),
-        rounded in pairs."""
-        return (
-            pack(p[2 * kk, 0], p[2 * kk, 1]),
-            pack(p[2 * kk, 2], p[2 * kk, 3]),
-            pack(p[2 * kk + 1, 0], p[2 * kk + 1, 1]),
-            pack(p[2 * kk + 1, 2], p[2 * kk + 1, 3]),
-        )
+    def pack_p(p, p_regs):
+        """P's A registers p_regs [BLOCK_N / 16, 4] (int32, local): for keys 16 kk .. 16 kk + 15, S's registers 8
+        kk .. 8 kk + 7 (two 8-key tiles of p) rounded to 16 bits in pairs."""
+        for kk in range(N_STEPS):
+            p_regs[kk, 0] = pack(p[2 * kk, 0], p[2 * kk, 1])
+            p_regs[kk, 1] = pack(p[2 * kk, 2], p[2 * kk, 3])
+            p_regs[kk, 2] = pack(p[2 * kk + 1, 0], p[2 * kk + 1, 1])
+            p_regs[kk, 3] = pack(p[2 * kk + 1, 2], p[2 * kk + 1, 3])
 
     def _attn_fwd_wgmma(
         q,
@@ -303,6 +303,7 @@ def _build_kernel(HEAD_DIM, config, CAUSAL, IS_BF16):
         l_i = cuda.local.array(2, float32)
         alpha = cuda.local.array(2, float32)
         p = cuda.local.array((N_TILES, 4), float32)  # [64 rows, BLOCK_N] as S's registers
+        p_regs = cuda.local.array((N_STEPS, 4), int32)  # the same, 16-bit pairs: P V's A fragments
         for h in range(2):
             m_i[h] = -math.inf
             l_i[h] = 0.0
@@ -337,9 +338,13 @@ def _build_kernel(HEAD_DIM, config, CAUSAL, IS_BF16):
             mask = start_n + BLOCK_N > seqlen_k or (CAUSAL and start_n + BLOCK_N - 1 > wg_row + diag)
             softmax(s, p, m_i, l_i, alpha, start_n, seqlen_k, mask, lane_diag, t, qk_scale)
             acc = wgmma.scale_rows(acc, alpha[0], alpha[1])
+            # All of P packed before the fence, in the source: packed between the mma_async (in the loop), ptxas
+            # adds a warpgroup.arrive before each (C7519).
+            pack_p(p, p_regs)
             wgmma.wgmma_fence()  # acc and P, written by this thread, before the mma_async read them
             for kk in range(N_STEPS):
-                acc = rs(acc, p_fragment(p, kk), wgmma.descriptor_mn_major(v_tile, BLOCK_N, 16 * kk), 1, 1)
+                p_kk = (p_regs[kk, 0], p_regs[kk, 1], p_regs[kk, 2], p_regs[kk, 3])
+                acc = rs(acc, p_kk, wgmma.descriptor_mn_major(v_tile, BLOCK_N, 16 * kk), 1, 1)
             wgmma.wgmma_commit()
             wgmma.wgmma_wait(0)
             acc = wgmma.wgmma_fence_operand(acc)
