@@ -294,8 +294,8 @@ def _build_kernel(HEAD_DIM, config, CAUSAL, IS_BF16):
         # The key tiles some row of the block sees: causal, up to the last row's diagonal.
         end_n = max(min(seqlen_k, min(start_m + BLOCK_M, seqlen_q) + diag), 0) if CAUSAL else seqlen_k
         n_tiles = -(-end_n // BLOCK_N)
-        load_q(tiles, q_base, off_b * stride_qb + off_h * stride_qh, stride_qm, start_m, seqlen_q)
-        if n_tiles > 0:
+        if n_tiles > 0:  # else no copy is issued (none is left in flight at the exit)
+            load_q(tiles, q_base, off_b * stride_qb + off_h * stride_qh, stride_qm, start_m, seqlen_q)
             load_kv(kv_tiles, k_base, k_offset, stride_kn, 0, seqlen_k)
             load_kv(kv_tiles + uint32(KV_TILE), v_base, v_offset, stride_vn, 0, seqlen_k)
 
