@@ -38,16 +38,18 @@ def _spec(q, k, causal, scale=None):
     return AttentionSpec(scale, (-1, 0) if causal else (-1, -1), group=q.shape[1] // k.shape[1])
 
 
-def _case(dtype, b, h, h_k, n_q, n_k, d, causal, block_n=None):
+def _case(dtype, b, h, h_k, n_q, n_k, d, causal, config=None):
+    """config: None (``wgmma_config``'s) or a ``WgmmaConfig``."""
     kind = "bf16" if dtype == torch.bfloat16 else "fp16"
     name = f"{kind}-B{b}-H{h}" + (f"-Hk{h_k}" if h_k != h else "") + f"-{n_q}x{n_k}-D{d}"
     name += "-causal" if causal else "-full"
-    name += f"-N{block_n}" if block_n else ""
-    return pytest.param(dtype, (b, h, h_k, n_q, n_k, d), causal, block_n, id=name)
+    if config is not None:
+        name += f"-N{config.BLOCK_N}" + ("-ahead" if config.S_AHEAD else "")
+    return pytest.param(dtype, (b, h, h_k, n_q, n_k, d), causal, config, id=name)
 
 
-def _cases(dtype, shapes, block_n=None):
-    return [_case(dtype, *shape, causal, block_n) for shape in shapes for causal in (False, True)]
+def _cases(dtype, shapes, config=None):
+    return [_case(dtype, *shape, causal, config) for shape in shapes for causal in (False, True)]
 
 
 # (B, H, H_k, seqlen_q, seqlen_k, D). The simulator's: a few 64-key tiles and 128-row blocks (a few seconds each).
@@ -57,7 +59,7 @@ SIM_SHAPES = [
     (1, 1, 1, 70, 150, 64),  # seqlen_q < seqlen_k: causal's diagonal inside the third key tile
     (1, 1, 1, 150, 60, 64),  # seqlen_q > seqlen_k: under causal the first 90 rows see no key
     (2, 2, 1, 40, 100, 64),  # GQA, two batches
-    (1, 1, 1, 70, 90, 128),  # head_dim 128: Q, K and V tiles of two 64-column panels
+    (1, 1, 1, 70, 90, 128),  # head_dim 128 (S_AHEAD by default): Q, K and V tiles of two 64-column panels
 ]
 GPU_SHAPES = [
     *[(1, 2, 2, 512, 512, d) for d in (64, 128)],
@@ -65,23 +67,29 @@ GPU_SHAPES = [
     *[(1, 4, 1, 1500, 700, d) for d in (64, 128)],
     *[(3, 2, 2, 129, 1, d) for d in (64, 128)],
 ]
+AHEAD, PLAIN = forward_wgmma.WgmmaConfig(64, True), forward_wgmma.WgmmaConfig(64, False)
 if SIMULATED:
-    KERNEL_CASES = _cases(torch.float16, SIM_SHAPES) + [
-        _case(torch.float16, 1, 1, 1, 150, 300, 64, True, block_n=128)  # the 128-key tiles of the probe
+    KERNEL_CASES = [
+        *_cases(torch.float16, SIM_SHAPES),
+        # S_AHEAD at head_dim 64: one key tile, two, three, and a block that sees none
+        *_cases(torch.float16, [(1, 1, 1, 70, 60, 64), (1, 1, 1, 150, 200, 64), (1, 1, 1, 150, 60, 64)], AHEAD),
+        _case(torch.float16, 1, 1, 1, 70, 90, 128, True, PLAIN),
+        _case(torch.float16, 1, 1, 1, 150, 300, 64, True, forward_wgmma.WgmmaConfig(128)),  # the probe's 128 keys
     ]
 else:
     KERNEL_CASES = [
         *_cases(torch.float16, GPU_SHAPES),
         *_cases(torch.bfloat16, GPU_SHAPES),
-        *_cases(torch.bfloat16, GPU_SHAPES[2:4], block_n=128),
+        *_cases(torch.bfloat16, GPU_SHAPES, AHEAD),
+        *_cases(torch.bfloat16, GPU_SHAPES, PLAIN),
+        *_cases(torch.bfloat16, GPU_SHAPES[2:4], forward_wgmma.WgmmaConfig(128)),
     ]
 
 
-@pytest.mark.parametrize("dtype, shape, causal, block_n", KERNEL_CASES)
-def test_kernel_matches_reference(wgmma_device, dtype, shape, causal, block_n):
+@pytest.mark.parametrize("dtype, shape, causal, config", KERNEL_CASES)
+def test_kernel_matches_reference(wgmma_device, dtype, shape, causal, config):
     b, h, h_k, n_q, n_k, d = shape
     q, k, v = random_qkv((b, h, n_q, d), (b, h_k, n_k, d), dtype, wgmma_device, seed=n_q + n_k + d)
-    config = None if block_n is None else forward_wgmma.WgmmaConfig(block_n)
     O, L = forward_wgmma.flash_attn_forward(q, k, v, _spec(q, k, causal), config)
     assert_matches_reference(O, L, q, k, v, causal)
 

@@ -24,6 +24,9 @@ layouts), as FlashAttention-3 computes them, without its warp specialisation (ev
 - O += P V: P rounded to 16 bits in pairs is, 8 registers at a time, the A fragment of 16 keys
   (``wgmma.wgmma_a_layout``): BLOCK_N / 16 wgmma m64nHEAD_DIMk16 with A from registers and B = V MN-major
   (stored keys x head dims); commit, wait. ``acc``: HEAD_DIM / 2 fp32 registers.
+- S_AHEAD (``WgmmaConfig``): S of key tile i + 1 is issued before the softmax of tile i and waited for with P V
+  of tile i, so that each warpgroup's tensor cores run during its softmax (forward_tc's S_AHEAD, with the
+  hardware's asynchrony instead of interleaved instructions). K and V then take their stages a tile apart.
 - Causal, bottom-right aligned (key j visible to query i iff j <= i + seqlen_k - seqlen_q): a block stops at the
   last key tile its last row sees; a warpgroup masks only the tiles that cross its rows' diagonal or the end
   of the keys. Blocks are launched longest first. Rows that see no key get O = 0 and L = +inf.
@@ -86,21 +89,33 @@ NUM_THREADS = 2 * wgmma.WARPGROUP_SIZE
 
 
 class WgmmaConfig(NamedTuple):
-    """The key tile: BLOCK_N keys (a multiple of 16, at most 256: wgmma's N)."""
+    """The key tile: BLOCK_N keys (a multiple of 16, at most 256: wgmma's N). S_AHEAD: each warpgroup issues S =
+    Q Kᵀ of the next key tile before the softmax of this one, so that its tensor cores work during the softmax (as
+    forward_tc's S_AHEAD; S's registers twice, K and V loaded a tile apart)."""
 
     BLOCK_N: int
+    S_AHEAD: bool = False
 
 
 def wgmma_config(HEAD_DIM: int) -> WgmmaConfig:
-    """64-key tiles at both head dims. The softmax's loops over S's registers (``softmax``) then have forward_tc's
-    trip counts (BLOCK_N / 8 tiles of 4), which numba's NVVM unrolls on the H200 (forward_tc: no local memory);
-    with 128 keys they are twice as long, and offline (llvmlite's NVPTX backend, then ptxas -arch=sm_90a) need a
-    larger unroll threshold than forward_tc's kernels to leave p in registers. Offline, at an unroll threshold
-    (1000) where forward_tc's D64 and D128 kernels have no local memory, every dtype, causal or not: HEAD_DIM 64,
-    127 registers, 8 HGMMA.64x64x16 a key tile; HEAD_DIM 128, 167 registers, 8 HGMMA.64x64x16 and 4
-    HGMMA.64x128x16; no local memory, no spills. BLOCK_N 128 there keeps p in 256 B of local memory (unrolled
-    further: 167 registers at HEAD_DIM 64, 237 at 128, no local memory). Not yet measured on the GPU."""
-    return WgmmaConfig(64)
+    """64-key tiles at both head dims; S_AHEAD above 64 (forward_tc's choice: at HEAD_DIM 64 two blocks share an
+    SM, whose warpgroups overlap each other's softmax and products; at 128 one block fills it).
+
+    64 keys: the softmax's loops over S's registers (``softmax``) then have forward_tc's trip counts (BLOCK_N / 8
+    tiles of 4), which numba's NVVM unrolls on the H200 (forward_tc: no local memory); with 128 keys they are
+    twice as long, and offline (llvmlite's NVPTX backend, then ptxas -arch=sm_90a) need a larger unroll threshold
+    than forward_tc's kernels to leave p in registers. Offline, at an unroll threshold (1000) where forward_tc's
+    D64 and D128 kernels have no local memory, every dtype, causal or not, no local memory and no spills:
+
+        HEAD_DIM  BLOCK_N  S_AHEAD  registers  HGMMA in the SASS (64x64x16 S, 64xHEAD_DIMx16 P V)
+        64        64       no       127        4 + 4
+        64        64       yes      160-164    8 + 4 (S's first tile before the loop)
+        128       64       no       167        8 + 4
+        128       64       yes      204-209    16 + 4
+
+    BLOCK_N 128 keeps p in 256 B of local memory at that threshold (unrolled further: 167 registers at HEAD_DIM
+    64, 237 at 128; with S_AHEAD 247, and 255 with spills at 128). Not yet measured on the GPU."""
+    return WgmmaConfig(64, HEAD_DIM > 64)
 
 
 def refusal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionSpec) -> str | None:
@@ -150,7 +165,7 @@ def shared_bytes(HEAD_DIM: int, config: WgmmaConfig) -> int:
 
 def _build_kernel(HEAD_DIM, config, CAUSAL, IS_BF16):
     """The kernel for one head dim, key tile, causal or not, and input type."""
-    BLOCK_N = config.BLOCK_N
+    BLOCK_N, S_AHEAD = config.BLOCK_N, config.S_AHEAD
     assert BLOCK_N % 16 == 0 and 16 <= BLOCK_N <= 256 and HEAD_DIM in HEAD_DIMS
     S_REGS = BLOCK_N // 2  # s: the warpgroup's 64 x BLOCK_N scores
     N_TILES = BLOCK_N // 8  # 8-key column blocks of s, 4 registers each
@@ -240,6 +255,34 @@ def _build_kernel(HEAD_DIM, config, CAUSAL, IS_BF16):
             p_regs[kk, 2] = pack(p[2 * kk + 1, 0], p[2 * kk + 1, 1])
             p_regs[kk, 3] = pack(p[2 * kk + 1, 2], p[2 * kk + 1, 3])
 
+    @device_function
+    def issue_qk(q_tile, k_tile):
+        """S = Q Kᵀ of the warpgroup's Q and the K tile at k_tile: fenced, issued, committed, not waited for (S's
+        registers are in flight until a wgmma_wait and wgmma_fence_operand)."""
+        s = wgmma.zero_accumulators(S_REGS)
+        wgmma.wgmma_fence()
+        for kk in range(D_STEPS):
+            s = ss(
+                s,
+                wgmma.descriptor_k_major(q_tile, 64, 16 * kk),
+                wgmma.descriptor_k_major(k_tile, BLOCK_N, 16 * kk),
+                kk,
+                0,
+            )
+        wgmma.wgmma_commit()
+        return s
+
+    @device_function
+    def issue_pv(acc, p_regs, v_tile):
+        """acc += P V for the V tile at v_tile, P from p_regs: fenced (acc and P were written by this thread),
+        issued, committed, not waited for."""
+        wgmma.wgmma_fence()
+        for kk in range(N_STEPS):
+            p_kk = (p_regs[kk, 0], p_regs[kk, 1], p_regs[kk, 2], p_regs[kk, 3])
+            acc = rs(acc, p_kk, wgmma.descriptor_mn_major(v_tile, BLOCK_N, 16 * kk), 1, 1)
+        wgmma.wgmma_commit()
+        return acc
+
     def _attn_fwd_wgmma(
         q,
         k,
@@ -309,45 +352,65 @@ def _build_kernel(HEAD_DIM, config, CAUSAL, IS_BF16):
             l_i[h] = 0.0
         acc = wgmma.zero_accumulators(O_REGS)  # [64 rows, HEAD_DIM] as D's registers
         lane_diag = row0 + diag - 2 * t
-        for it in range(n_tiles):
-            start_n = it * BLOCK_N
-            k_tile = kv_tiles + uint32(it % 2 * STAGE)
-            v_tile = k_tile + uint32(KV_TILE)
-            cp_async_wait_all()  # this thread's copies of tile it (and Q) have landed ...
-            wgmma.fence_proxy_async()  # ... visible to wgmma's async proxy ...
-            cuda.syncthreads()  # ... every thread's; both warpgroups are done with tile it - 1's stage
-            if it + 1 < n_tiles:
-                next_k = kv_tiles + uint32((it + 1) % 2 * STAGE)
-                load_kv(next_k, k_base, k_offset, stride_kn, start_n + BLOCK_N, seqlen_k)
-                load_kv(next_k + uint32(KV_TILE), v_base, v_offset, stride_vn, start_n + BLOCK_N, seqlen_k)
-
+        if S_AHEAD:
+            # S of tile it + 1 runs on the tensor cores during tile it's softmax. K and V take their stages a
+            # tile apart: at the top of iteration it, K it + 1 and V it have landed; K it + 2 goes where K it was
+            # (S it was waited for in iteration it - 1), V it + 1 where V it - 1 was.
+            if n_tiles > 1:
+                load_kv(kv_tiles + uint32(STAGE), k_base, k_offset, stride_kn, BLOCK_N, seqlen_k)
             s = wgmma.zero_accumulators(S_REGS)
-            wgmma.wgmma_fence()
-            for kk in range(D_STEPS):
-                s = ss(
-                    s,
-                    wgmma.descriptor_k_major(q_tile, 64, 16 * kk),
-                    wgmma.descriptor_k_major(k_tile, BLOCK_N, 16 * kk),
-                    kk,
-                    0,
-                )
-            wgmma.wgmma_commit()
-            wgmma.wgmma_wait(0)
-            s = wgmma.wgmma_fence_operand(s)
-
-            mask = start_n + BLOCK_N > seqlen_k or (CAUSAL and start_n + BLOCK_N - 1 > wg_row + diag)
-            softmax(s, p, m_i, l_i, alpha, start_n, seqlen_k, mask, lane_diag, t, qk_scale)
-            acc = wgmma.scale_rows(acc, alpha[0], alpha[1])
-            # All of P packed before the fence, in the source: packed between the mma_async (in the loop), ptxas
-            # adds a warpgroup.arrive before each (C7519).
-            pack_p(p, p_regs)
-            wgmma.wgmma_fence()  # acc and P, written by this thread, before the mma_async read them
-            for kk in range(N_STEPS):
-                p_kk = (p_regs[kk, 0], p_regs[kk, 1], p_regs[kk, 2], p_regs[kk, 3])
-                acc = rs(acc, p_kk, wgmma.descriptor_mn_major(v_tile, BLOCK_N, 16 * kk), 1, 1)
-            wgmma.wgmma_commit()
-            wgmma.wgmma_wait(0)
-            acc = wgmma.wgmma_fence_operand(acc)
+            if n_tiles > 0:
+                cp_async_wait_all()
+                wgmma.fence_proxy_async()
+                cuda.syncthreads()
+                s = issue_qk(q_tile, kv_tiles)
+                wgmma.wgmma_wait(0)
+                s = wgmma.wgmma_fence_operand(s)
+            for it in range(n_tiles):
+                start_n = it * BLOCK_N
+                cp_async_wait_all()  # this thread's copies of K it + 1 and V it have landed ...
+                wgmma.fence_proxy_async()  # ... visible to wgmma's async proxy ...
+                cuda.syncthreads()  # ... every thread's; both warpgroups are done with K it and V it - 1
+                if it + 2 < n_tiles:
+                    k_free = kv_tiles + uint32(it % 2 * STAGE)
+                    load_kv(k_free, k_base, k_offset, stride_kn, start_n + 2 * BLOCK_N, seqlen_k)
+                if it + 1 < n_tiles:
+                    v_free = kv_tiles + uint32((it + 1) % 2 * STAGE + KV_TILE)
+                    load_kv(v_free, v_base, v_offset, stride_vn, start_n + BLOCK_N, seqlen_k)
+                    s_next = issue_qk(q_tile, kv_tiles + uint32((it + 1) % 2 * STAGE))
+                else:
+                    s_next = s
+                mask = start_n + BLOCK_N > seqlen_k or (CAUSAL and start_n + BLOCK_N - 1 > wg_row + diag)
+                softmax(s, p, m_i, l_i, alpha, start_n, seqlen_k, mask, lane_diag, t, qk_scale)
+                acc = wgmma.scale_rows(acc, alpha[0], alpha[1])
+                pack_p(p, p_regs)
+                acc = issue_pv(acc, p_regs, kv_tiles + uint32(it % 2 * STAGE + KV_TILE))
+                wgmma.wgmma_wait(0)
+                acc = wgmma.wgmma_fence_operand(acc)
+                s = wgmma.wgmma_fence_operand(s_next)
+        else:
+            for it in range(n_tiles):
+                start_n = it * BLOCK_N
+                k_tile = kv_tiles + uint32(it % 2 * STAGE)
+                cp_async_wait_all()  # this thread's copies of tile it (and Q) have landed ...
+                wgmma.fence_proxy_async()  # ... visible to wgmma's async proxy ...
+                cuda.syncthreads()  # ... every thread's; both warpgroups are done with tile it - 1's stage
+                if it + 1 < n_tiles:
+                    next_k = kv_tiles + uint32((it + 1) % 2 * STAGE)
+                    load_kv(next_k, k_base, k_offset, stride_kn, start_n + BLOCK_N, seqlen_k)
+                    load_kv(next_k + uint32(KV_TILE), v_base, v_offset, stride_vn, start_n + BLOCK_N, seqlen_k)
+                s = issue_qk(q_tile, k_tile)
+                wgmma.wgmma_wait(0)
+                s = wgmma.wgmma_fence_operand(s)
+                mask = start_n + BLOCK_N > seqlen_k or (CAUSAL and start_n + BLOCK_N - 1 > wg_row + diag)
+                softmax(s, p, m_i, l_i, alpha, start_n, seqlen_k, mask, lane_diag, t, qk_scale)
+                acc = wgmma.scale_rows(acc, alpha[0], alpha[1])
+                # All of P packed before the fence, in the source: packed between the mma_async (in the loop),
+                # ptxas adds a warpgroup.arrive before each (C7519).
+                pack_p(p, p_regs)
+                acc = issue_pv(acc, p_regs, k_tile + uint32(KV_TILE))
+                wgmma.wgmma_wait(0)
+                acc = wgmma.wgmma_fence_operand(acc)
 
         # Epilogue: the row sums over each quad, then O = acc / l and L = m + log(l), each once.
         o_start = off_bh * seqlen_q  # O's and L's row of query 0 of this (batch, head)
