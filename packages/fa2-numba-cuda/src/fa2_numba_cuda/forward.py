@@ -3,10 +3,13 @@
 - ``forward_tc``: tensor cores (``mma.sync`` through inline PTX), for fp16 and bf16 with head_dim <= 128 on
   a CUDA device of compute capability 8.0 or newer (``forward_tc.uses_tensor_cores``);
 - ``forward_simt``: CUDA cores, fp32 arithmetic, for everything else (fp32, head_dim up to 256, older GPUs,
-  numba's CUDA simulator).
+  numba's CUDA simulator);
+- ``forward_wgmma``: Hopper's wgmma, in place of ``forward_tc`` only where ``forward_wgmma.uses_wgmma`` holds
+  (switched on by FA2_NUMBA_WGMMA=1; fp16/bf16, head_dim 64 or 128, dense, causal or not, on compute
+  capability 9.0) and no kernel or config was asked for.
 
-Both compute the same thing from the same ``AttentionSpec`` (``common.Features``); neither falls back to
-the other: an input the chosen kernel cannot take is an error.
+They compute the same thing from the same ``AttentionSpec`` (``common.Features``); none falls back to
+another: an input the chosen kernel cannot take is an error.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from fa2.spec import AttentionSpec
-from fa2_numba_cuda import forward_simt, forward_tc
+from fa2_numba_cuda import forward_simt, forward_tc, forward_wgmma
 from fa2_numba_cuda.common import BlockConfig
 
 
@@ -57,13 +60,17 @@ def flash_attn_forward(
         tensor_cores: which kernel. None: the tensor-core kernel (``forward_tc``) for fp16 and bf16 with
             head_dim <= 128 on compute capability 8.0+ (``forward_tc.uses_tensor_cores``), the SIMT kernel
             (``forward_simt``) otherwise (fp32, head_dim > 128, older GPUs, the simulator); True or False
-            forces one (an input the forced kernel cannot take is an error). Neither falls back to the other.
+            forces one (an input the forced kernel cannot take is an error). None falls back to another.
+            With tensor_cores and config None, ``forward_wgmma`` runs where ``forward_wgmma.uses_wgmma`` holds
+            (FA2_NUMBA_WGMMA=1, Hopper, the inputs it takes).
 
     Returns:
         O: (batch, heads, seqlen_q, head_dim), q's dtype. L: (batch, heads, seqlen_q), float32, natural log
         of the sum of exp of the final (capped, biased) scores; rows that see no key get O = 0 and L = +inf.
         Packed: O (1, heads, total_q, head_dim), L (1, heads, total_q); one kernel launch, no host sync.
     """
+    if tensor_cores is None and config is None and forward_wgmma.uses_wgmma(q, k, v, spec):
+        return forward_wgmma.flash_attn_forward(q, k, v, spec)
     if tensor_cores is None:
         tensor_cores = forward_tc.uses_tensor_cores(q)
     if tensor_cores:

@@ -30,6 +30,9 @@ thread of a warpgroup the same descriptors and scale_d (the emulation checks it)
         proxy: st.shared, and what cp.async has landed) become visible to the async proxy that wgmma reads through.
         Each writing thread fences, then a barrier (``cuda.syncthreads``), then the wgmma.
     zero_accumulators(n) -> acc: a tuple of n float32 zeros (n a compile-time constant).
+    scale_rows(acc, lo, hi) -> acc: D's registers times a factor per row, lo for the thread's rows 16 w + g
+        (registers 4 j, 4 j + 1) and hi for rows 16 w + g + 8 (4 j + 2, 4 j + 3): an online softmax's rescale
+        of O by alpha (after the wait and ``wgmma_fence_operand``; a ``wgmma_fence`` before the next mma_async).
     wgmma_d_row_col(thread, i) -> (row, column): the element of D in register i of thread (an epilogue's index).
 
 Shared-memory matrix descriptor (PTX ISA, "Matrix Descriptor Format"): a 64-bit value,
@@ -359,6 +362,9 @@ if numba.config.ENABLE_CUDASIM:
     def zero_accumulators(n):
         return tuple(np.float32(0) for _ in range(n))
 
+    def scale_rows(acc, lo, hi):
+        return tuple(np.float32(x) * np.float32(lo if i % 4 < 2 else hi) for i, x in enumerate(acc))
+
 else:
     from llvmlite import ir
     from numba import types
@@ -443,6 +449,20 @@ else:
             return context.make_tuple(builder, sig.return_type, [zero] * n.literal_value)
 
         return result(n), codegen
+
+    @intrinsic
+    def scale_rows(typingctx, acc, lo, hi):
+        _accumulator_type(acc)
+
+        def codegen(context, builder, sig, args):
+            acc_v, lo_v, hi_v = args
+            values = [
+                builder.fmul(builder.extract_value(acc_v, i), lo_v if i % 4 < 2 else hi_v)
+                for i in range(sig.args[0].count)
+            ]
+            return context.make_tuple(builder, sig.return_type, values)
+
+        return acc(acc, types.float32, types.float32), codegen
 
     def _wgmma_intrinsic(kind, a_in_registers):
         @intrinsic

@@ -1,0 +1,555 @@
+"""FlashAttention-2's forward on Hopper's warpgroup MMA: fp16 and bf16, ``wgmma.mma_async`` from numba-cuda.
+
+The algorithm of ``fa2_numba_cuda.forward_tc`` (FA2, Algorithm 1: running max ``m_i``, running sum ``l_i``,
+unnormalised ``acc``, rescaled by ``alpha`` per key tile; scores in base 2; O and L written once), with both
+matrix products as wgmma (``wgmma.py`` has the instructions, the shared-memory layout and the register
+layouts), as FlashAttention-3 computes them, without its warp specialisation (every warp loads and computes):
+
+- A block of two warpgroups (256 threads) owns BLOCK_M = 128 query rows of one (batch, head); warpgroup wg owns
+  rows 64 wg .. 64 wg + 63 and never exchanges data with the other. Q is copied once into shared memory, one
+  64 x HEAD_DIM tile per warpgroup in the 128 B swizzled layout (``wgmma.swizzle128_offset``), and stays there.
+- K and V tiles of BLOCK_N keys, HEAD_DIM columns, in the same layout, two stages: the copy of key tile i + 1
+  (``cp.async`` by all 256 threads, 16 B each, zero-filled past seqlen_k) runs during the products of tile i.
+  Per key tile one barrier: each thread's copies of the tile have landed (``cp.async.wait_all``) and are made
+  visible to wgmma's async proxy (``fence.proxy.async``), then ``syncthreads``, after which both warpgroups
+  have also finished the previous tile (their wgmma waited), so its stage takes the next copy.
+- S = Q Kᵀ: HEAD_DIM / 16 wgmma m64nBLOCK_Nk16, A = Q and B = K both K-major from their descriptors, into
+  BLOCK_N / 2 fp32 registers ``s``; commit, wait. Register 4 j + e of thread 4 g + t of warp w is row 16 w +
+  g + 8 (e // 2) of the warpgroup's 64, key 8 j + 2 t + e % 2 of the tile: forward_tc's layout, so the row
+  max and sum go over the lane's keys then its quad (two ``shfl_xor``).
+- Online softmax in fp32 on a local copy ``p`` of s (registers, the loops unrolled): the mask on the tiles that
+  need it (the end of the keys, the causal diagonal), the row max, ``p = exp2(s · qk_scale - m)`` (qk_scale =
+  scale · log2 e > 0: one FFMA and one ex2.approx), ``l_i`` the lane's partial sum, added over the quad once,
+  after the last tile; ``acc`` rescaled by alpha (``wgmma.scale_rows``).
+- O += P V: P rounded to 16 bits in pairs is, 8 registers at a time, the A fragment of 16 keys
+  (``wgmma.wgmma_a_layout``): BLOCK_N / 16 wgmma m64nHEAD_DIMk16 with A from registers and B = V MN-major
+  (stored keys x head dims); commit, wait. ``acc``: HEAD_DIM / 2 fp32 registers.
+- S_AHEAD (``WgmmaConfig``): S of key tile i + 1 is issued before the softmax of tile i and waited for with P V
+  of tile i, so that each warpgroup's tensor cores run during its softmax (forward_tc's S_AHEAD, with the
+  hardware's asynchrony instead of interleaved instructions). K and V then take their stages a tile apart.
+- Causal, bottom-right aligned (key j visible to query i iff j <= i + seqlen_k - seqlen_q): a block stops at the
+  last key tile its last row sees; a warpgroup masks only the tiles that cross its rows' diagonal or the end
+  of the keys. Blocks are launched longest first. Rows that see no key get O = 0 and L = +inf.
+
+Grouped-query attention as ``forward_tc``: query head h reads key/value head h // group in place.
+
+Shared memory (dynamic, above 48 KB: ``launch.prepare`` raises the kernel's limit): Q 2 · 64 · HEAD_DIM, K and
+V 2 stages · 2 · BLOCK_N · HEAD_DIM, 16-bit elements, plus 1 KB to align the tiles on the swizzle's 1024 B
+repeat (``shared_bytes``): with BLOCK_N 64, 99,328 B at HEAD_DIM 128 and 50,176 B at 64. Registers per thread:
+s (BLOCK_N / 2), P (BLOCK_N / 4, live until P V's wait), acc (HEAD_DIM / 2); ``wgmma_config`` has ptxas's counts.
+
+Limits (``takes``): fp16 and bf16, head_dim exactly 64 or 128, dense (batch, heads, seqlen, head_dim) inputs
+contiguous along head_dim with 16 B aligned rows (cp.async), no window but causal, no softcap, ALiBi, sink,
+packed batch or KV cache, scale >= 0 (the max of raw scores is the max of scaled ones). Which kernel runs:
+``fa2_numba_cuda.forward.flash_attn_forward`` runs this one where ``uses_wgmma`` holds: ``takes``, a CUDA
+device of compute capability 9.0 (wgmma is sm_90a's), and the switch ``ENABLED`` (the environment variable
+FA2_NUMBA_WGMMA=1 when this module is imported; off by default); ``forward_tc`` otherwise. An error in this
+kernel is raised, never answered by another. Under numba's simulator it runs only when called directly, on
+``wgmma.py``'s emulation of the instructions: slow, for tests.
+
+Launch: on torch's current CUDA stream, no host synchronisation; one compiled kernel per (HEAD_DIM,
+WgmmaConfig, CAUSAL, bf16 or fp16), cached; ``kernel_resources`` reports registers, shared and local memory of
+each. Launched through ``launch.prepare`` as ``forward_tc`` (``_PREPARED``).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import NamedTuple
+
+import numpy as np
+import torch
+from numba import cuda, float32, int16, int32, uint32, uint64
+
+from fa2.spec import UNBOUNDED, AttentionSpec
+from fa2_numba_cuda import launch, wgmma
+from fa2_numba_cuda.common import LN2, LOG2E, SHARED_ALIGN, check_device, rows_16b_aligned, simulated, spec_class
+from fa2_numba_cuda.mma import (
+    cp_async_16,
+    cp_async_commit,
+    cp_async_wait_all,
+    device_function,
+    exp2_approx,
+    global_address,
+    pack_bf16x2,
+    pack_f16x2,
+    shared_address,
+    shfl_xor,
+)
+from fa2_numba_cuda.tensor_cores import capability
+
+# Whether fa2_numba_cuda.forward runs this kernel where it can (``uses_wgmma``): FA2_NUMBA_WGMMA=1 at import.
+ENABLED = os.environ.get("FA2_NUMBA_WGMMA", "0") == "1"
+
+HEAD_DIMS = (64, 128)
+COMPUTE_CAPABILITY = (9, 0)
+BLOCK_M = 128  # two warpgroups of 64 rows
+NUM_THREADS = 2 * wgmma.WARPGROUP_SIZE
+
+
+class WgmmaConfig(NamedTuple):
+    """The key tile: BLOCK_N keys (a multiple of 16, at most 256: wgmma's N). S_AHEAD: each warpgroup issues S =
+    Q Kᵀ of the next key tile before the softmax of this one, so that its tensor cores work during the softmax (as
+    forward_tc's S_AHEAD; S's registers twice, K and V loaded a tile apart)."""
+
+    BLOCK_N: int
+    S_AHEAD: bool = False
+
+
+def wgmma_config(HEAD_DIM: int) -> WgmmaConfig:
+    """64-key tiles at both head dims; S_AHEAD above 64 (forward_tc's choice: at HEAD_DIM 64 two blocks share an
+    SM, whose warpgroups overlap each other's softmax and products; at 128 one block fills it).
+
+    64 keys: the softmax's loops over S's registers (``softmax``) then have forward_tc's trip counts (BLOCK_N / 8
+    tiles of 4), which numba's NVVM unrolls on the H200 (forward_tc: no local memory); with 128 keys they are
+    twice as long, and offline (llvmlite's NVPTX backend, then ptxas -arch=sm_90a) need a larger unroll threshold
+    than forward_tc's kernels to leave p in registers. Offline, at an unroll threshold (1000) where forward_tc's
+    D64 and D128 kernels have no local memory, every dtype, causal or not, no local memory and no spills:
+
+        HEAD_DIM  BLOCK_N  S_AHEAD  registers  HGMMA in the SASS (64x64x16 S, 64xHEAD_DIMx16 P V)
+        64        64       no       127        4 + 4
+        64        64       yes      160-164    8 + 4 (S's first tile before the loop)
+        128       64       no       167        8 + 4
+        128       64       yes      204-209    16 + 4
+
+    BLOCK_N 128 keeps p in 256 B of local memory at that threshold (unrolled further: 167 registers at HEAD_DIM
+    64, 237 at 128; with S_AHEAD 247, and 255 with spills at 128). Not yet measured on the GPU."""
+    return WgmmaConfig(64, HEAD_DIM > 64)
+
+
+def refusal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionSpec) -> str | None:
+    """Why this kernel cannot take these inputs, or None where it can."""
+    if q.dtype not in (torch.float16, torch.bfloat16) or k.dtype != q.dtype or v.dtype != q.dtype:
+        return f"takes fp16 or bf16 q, k, v of one dtype, got {q.dtype}, {k.dtype}, {v.dtype}"
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        return f"takes (batch, heads, seqlen, head_dim) inputs, got q {tuple(q.shape)}"
+    if q.shape[-1] not in HEAD_DIMS or k.shape[-1] != q.shape[-1] or v.shape[-1] != q.shape[-1]:
+        return f"takes head_dim {' or '.join(map(str, HEAD_DIMS))} for q, k and v, got {q.shape[-1]}, {v.shape[-1]}"
+    if spec.window not in ((UNBOUNDED, UNBOUNDED), (UNBOUNDED, 0)):
+        return f"takes no window but causal, got {spec.window}"
+    if spec.softcap or spec.alibi_slopes is not None or spec.sink is not None:
+        return "takes no softcap, ALiBi or sink"
+    if spec.varlen or spec.cache_seqlens is not None or spec.block_table is not None:
+        return "takes no packed batch or KV cache"
+    if spec.scale < 0:
+        return f"takes scale >= 0, got {spec.scale}"
+    if not all(rows_16b_aligned(t) for t in (q, k, v)):
+        return "takes q, k, v contiguous along head_dim with 16 B aligned rows (cp.async)"
+    return None
+
+
+def takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionSpec) -> bool:
+    """Whether this kernel computes attention for these inputs (``refusal`` says why not)."""
+    return refusal(q, k, v, spec) is None
+
+
+def uses_wgmma(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionSpec) -> bool:
+    """Whether ``fa2_numba_cuda.forward.flash_attn_forward`` runs this kernel: ``ENABLED``, numba not
+    simulating, q on a CUDA device of compute capability 9.0, and ``takes``."""
+    return (
+        ENABLED
+        and not simulated()
+        and q.device.type == "cuda"
+        and capability(q.device) == COMPUTE_CAPABILITY
+        and takes(q, k, v, spec)
+    )
+
+
+def shared_bytes(HEAD_DIM: int, config: WgmmaConfig) -> int:
+    """The block's dynamic shared memory: Q's two 64-row tiles, two stages of K and V, 1 KB of alignment."""
+    q_bytes = 2 * wgmma.swizzle128_tile_bytes(64, HEAD_DIM)
+    kv_bytes = 2 * 2 * wgmma.swizzle128_tile_bytes(config.BLOCK_N, HEAD_DIM)
+    return q_bytes + kv_bytes + wgmma.SWIZZLE_ATOM_BYTES
+
+
+def _build_kernel(HEAD_DIM, config, CAUSAL, IS_BF16):
+    """The kernel for one head dim, key tile, causal or not, and input type."""
+    BLOCK_N, S_AHEAD = config.BLOCK_N, config.S_AHEAD
+    assert BLOCK_N % 16 == 0 and 16 <= BLOCK_N <= 256 and HEAD_DIM in HEAD_DIMS
+    S_REGS = BLOCK_N // 2  # s: the warpgroup's 64 x BLOCK_N scores
+    N_TILES = BLOCK_N // 8  # 8-key column blocks of s, 4 registers each
+    O_REGS = HEAD_DIM // 2  # acc: its 64 x HEAD_DIM output
+    D_STEPS = HEAD_DIM // 16  # k steps of S = Q Kᵀ
+    N_STEPS = BLOCK_N // 16  # k steps of O += P V
+    CHUNKS = HEAD_DIM // 8  # 16 B chunks per row
+    Q_TILE = wgmma.swizzle128_tile_bytes(64, HEAD_DIM)  # one warpgroup's Q
+    KV_TILE = wgmma.swizzle128_tile_bytes(BLOCK_N, HEAD_DIM)
+    STAGE = 2 * KV_TILE  # K then V
+    assert (BLOCK_N * CHUNKS) % NUM_THREADS == 0 and (BLOCK_M * CHUNKS) % NUM_THREADS == 0
+    ss = wgmma.wgmma_bf16 if IS_BF16 else wgmma.wgmma_f16
+    rs = wgmma.wgmma_bf16_rs if IS_BF16 else wgmma.wgmma_f16_rs
+    pack = pack_bf16x2 if IS_BF16 else pack_f16x2
+
+    def tile_loader(ROWS, TILE_ROWS):
+        """load(tile, x_base, offset, stride_n, start, seqlen): rows start .. start + ROWS of x (element offset +
+        n · stride_n + c) into swizzled tiles of TILE_ROWS rows from shared address tile on (row r into tile r //
+        TILE_ROWS), 16 B cp.async per thread and chunk, zeros past seqlen; one commit."""
+        PER_THREAD = ROWS * CHUNKS // NUM_THREADS
+
+        @device_function
+        def load(tile, x_base, offset, stride_n, start, seqlen):
+            c = cuda.threadIdx.x % CHUNKS
+            nowhere = x_base + uint64(2 * offset)  # a valid address for copies that read nothing
+            for it in range(PER_THREAD):
+                r = cuda.threadIdx.x // CHUNKS + it * (NUM_THREADS // CHUNKS)
+                dst = tile + uint32(
+                    r // TILE_ROWS * TILE_ROWS * CHUNKS * 16 + wgmma.swizzle128_offset(r % TILE_ROWS, 8 * c, TILE_ROWS)
+                )
+                if start + r < seqlen:
+                    cp_async_16(dst, x_base + uint64(2 * (offset + (start + r) * stride_n + 8 * c)), 16)
+                else:
+                    cp_async_16(dst, nowhere, 0)
+            cp_async_commit()
+
+        return load
+
+    load_q = tile_loader(BLOCK_M, 64)
+    load_kv = tile_loader(BLOCK_N, BLOCK_N)
+
+    @device_function
+    def softmax(s, p, m_i, l_i, alpha, start_n, seqlen_k, mask, lane_diag, t, qk_scale):
+        """The online softmax of the tile's scores s (S's registers, a tuple) into p [BLOCK_N / 8, 4] (local,
+        float32; p[j, e] is register 4 j + e: forward_tc's s[BUF] layout, its loops): the mask (where
+        ``mask``: keys past seqlen_k, and with CAUSAL past the diagonal of the lane's row h, lane_diag + 8 h,
+        counted from the lane's first key column 2 t), the new row max m_i, alpha (acc's rescale) and p =
+        exp2(s · qk_scale - m), l_i = alpha l_i + the lane's sum of p."""
+        for j in range(N_TILES):
+            for e in range(4):
+                p[j, e] = s[4 * j + e]
+        if mask:
+            for h in range(2):  # keys from column hi of the lane's row on
+                hi = seqlen_k - 2 * t - start_n
+                if CAUSAL:
+                    hi = min(hi, lane_diag + 8 * h + 1 - start_n)
+                for j in range(N_TILES):
+                    for e in range(2 * h, 2 * h + 2):
+                        if 8 * j + e % 2 >= hi:
+                            p[j, e] = -math.inf
+        for h in range(2):
+            m_tile = p[0, 2 * h]
+            for j in range(N_TILES):
+                m_tile = max(m_tile, max(p[j, 2 * h], p[j, 2 * h + 1]))
+            m_tile = max(m_tile, shfl_xor(m_tile, 1))
+            m_tile = max(m_tile, shfl_xor(m_tile, 2))
+            m_new = max(m_i[h], m_tile * qk_scale)
+            # A row with nothing visible yet has m_new = -inf; subtracting 0 instead keeps exp2 at 0, not NaN.
+            m_safe = m_new if m_new != -math.inf else float32(0.0)
+            alpha[h] = exp2_approx(m_i[h] - m_safe)
+            m_i[h] = m_new
+            l_part = float32(0.0)
+            for j in range(N_TILES):
+                for e in range(2 * h, 2 * h + 2):
+                    x = exp2_approx(p[j, e] * qk_scale - m_safe)
+                    p[j, e] = x
+                    l_part += x
+            l_i[h] = alpha[h] * l_i[h] + l_part
+
+    @device_function
+    def pack_p(p, p_regs):
+        """P's A registers p_regs [BLOCK_N / 16, 4] (int32, local): for keys 16 kk .. 16 kk + 15, S's registers 8
+        kk .. 8 kk + 7 (two 8-key tiles of p) rounded to 16 bits in pairs."""
+        for kk in range(N_STEPS):
+            p_regs[kk, 0] = pack(p[2 * kk, 0], p[2 * kk, 1])
+            p_regs[kk, 1] = pack(p[2 * kk, 2], p[2 * kk, 3])
+            p_regs[kk, 2] = pack(p[2 * kk + 1, 0], p[2 * kk + 1, 1])
+            p_regs[kk, 3] = pack(p[2 * kk + 1, 2], p[2 * kk + 1, 3])
+
+    @device_function
+    def issue_qk(q_tile, k_tile):
+        """S = Q Kᵀ of the warpgroup's Q and the K tile at k_tile: fenced, issued, committed, not waited for (S's
+        registers are in flight until a wgmma_wait and wgmma_fence_operand)."""
+        s = wgmma.zero_accumulators(S_REGS)
+        wgmma.wgmma_fence()
+        for kk in range(D_STEPS):
+            s = ss(
+                s,
+                wgmma.descriptor_k_major(q_tile, 64, 16 * kk),
+                wgmma.descriptor_k_major(k_tile, BLOCK_N, 16 * kk),
+                kk,
+                0,
+            )
+        wgmma.wgmma_commit()
+        return s
+
+    @device_function
+    def issue_pv(acc, p_regs, v_tile):
+        """acc += P V for the V tile at v_tile, P from p_regs: fenced (acc and P were written by this thread),
+        issued, committed, not waited for."""
+        wgmma.wgmma_fence()
+        for kk in range(N_STEPS):
+            p_kk = (p_regs[kk, 0], p_regs[kk, 1], p_regs[kk, 2], p_regs[kk, 3])
+            acc = rs(acc, p_kk, wgmma.descriptor_mn_major(v_tile, BLOCK_N, 16 * kk), 1, 1)
+        wgmma.wgmma_commit()
+        return acc
+
+    def _attn_fwd_wgmma(
+        q,
+        k,
+        v,
+        o,
+        lse,
+        stride_qb,
+        stride_qh,
+        stride_qm,
+        stride_kb,
+        stride_kh,
+        stride_kn,
+        stride_vb,
+        stride_vh,
+        stride_vn,
+        heads,
+        group,
+        seqlen_q,
+        seqlen_k,
+        qk_scale,
+        num_m_tiles,
+    ):
+        """One block: BLOCK_M query rows of one (batch, head). q, k, v: flat int16 views (fp16 or bf16 bit
+        patterns) of (B, H, N, HEAD_DIM) tensors with unit stride along head dims, k and v with H // group
+        heads; o: (B, H, seqlen_q, HEAD_DIM), flat, contiguous, int32 pairs; lse: (B, H, seqlen_q) fp32,
+        flat."""
+        diag = seqlen_k - seqlen_q  # key j is visible to query i iff j <= i + diag (CAUSAL)
+        m_block = cuda.blockIdx.x % num_m_tiles
+        if CAUSAL:
+            m_block = num_m_tiles - 1 - m_block  # the longest rows first
+        start_m = m_block * BLOCK_M
+        off_bh = cuda.blockIdx.x // num_m_tiles
+        off_b = off_bh // heads
+        off_h = off_bh % heads
+        off_hk = off_h // group  # GQA: the group's query heads share key/value head off_hk
+        wg = cuda.threadIdx.x // wgmma.WARPGROUP_SIZE
+        thread = cuda.threadIdx.x % wgmma.WARPGROUP_SIZE
+        lane = thread % 32
+        t = lane % 4
+        row0 = start_m + 64 * wg + 16 * (thread // 32) + lane // 4  # the thread's rows: row0 and row0 + 8
+        wg_row = start_m + 64 * wg  # the warpgroup's first row
+
+        smem = cuda.shared.array(0, int16, alignment=SHARED_ALIGN)  # the launch's dynamic size
+        base = shared_address(smem)
+        tiles = base + (wgmma.SWIZZLE_ATOM_BYTES - base % wgmma.SWIZZLE_ATOM_BYTES) % wgmma.SWIZZLE_ATOM_BYTES
+        q_tile = tiles + uint32(wg * Q_TILE)
+        kv_tiles = tiles + uint32(2 * Q_TILE)
+        q_base, k_base, v_base = global_address(q), global_address(k), global_address(v)
+        k_offset = off_b * stride_kb + off_hk * stride_kh
+        v_offset = off_b * stride_vb + off_hk * stride_vh
+
+        # The key tiles some row of the block sees: causal, up to the last row's diagonal.
+        end_n = max(min(seqlen_k, min(start_m + BLOCK_M, seqlen_q) + diag), 0) if CAUSAL else seqlen_k
+        n_tiles = -(-end_n // BLOCK_N)
+        if n_tiles > 0:  # else no copy is issued (none is left in flight at the exit)
+            load_q(tiles, q_base, off_b * stride_qb + off_h * stride_qh, stride_qm, start_m, seqlen_q)
+            load_kv(kv_tiles, k_base, k_offset, stride_kn, 0, seqlen_k)
+            load_kv(kv_tiles + uint32(KV_TILE), v_base, v_offset, stride_vn, 0, seqlen_k)
+
+        m_i = cuda.local.array(2, float32)
+        l_i = cuda.local.array(2, float32)
+        alpha = cuda.local.array(2, float32)
+        p = cuda.local.array((N_TILES, 4), float32)  # [64 rows, BLOCK_N] as S's registers
+        p_regs = cuda.local.array((N_STEPS, 4), int32)  # the same, 16-bit pairs: P V's A fragments
+        for h in range(2):
+            m_i[h] = -math.inf
+            l_i[h] = 0.0
+        acc = wgmma.zero_accumulators(O_REGS)  # [64 rows, HEAD_DIM] as D's registers
+        lane_diag = row0 + diag - 2 * t
+        if S_AHEAD:
+            # S of tile it + 1 runs on the tensor cores during tile it's softmax. K and V take their stages a
+            # tile apart: at the top of iteration it, K it + 1 and V it have landed; K it + 2 goes where K it was
+            # (S it was waited for in iteration it - 1), V it + 1 where V it - 1 was.
+            if n_tiles > 1:
+                load_kv(kv_tiles + uint32(STAGE), k_base, k_offset, stride_kn, BLOCK_N, seqlen_k)
+            s = wgmma.zero_accumulators(S_REGS)
+            if n_tiles > 0:
+                cp_async_wait_all()
+                wgmma.fence_proxy_async()
+                cuda.syncthreads()
+                s = issue_qk(q_tile, kv_tiles)
+                wgmma.wgmma_wait(0)
+                s = wgmma.wgmma_fence_operand(s)
+            for it in range(n_tiles):
+                start_n = it * BLOCK_N
+                cp_async_wait_all()  # this thread's copies of K it + 1 and V it have landed ...
+                wgmma.fence_proxy_async()  # ... visible to wgmma's async proxy ...
+                cuda.syncthreads()  # ... every thread's; both warpgroups are done with K it and V it - 1
+                if it + 2 < n_tiles:
+                    k_free = kv_tiles + uint32(it % 2 * STAGE)
+                    load_kv(k_free, k_base, k_offset, stride_kn, start_n + 2 * BLOCK_N, seqlen_k)
+                if it + 1 < n_tiles:
+                    v_free = kv_tiles + uint32((it + 1) % 2 * STAGE + KV_TILE)
+                    load_kv(v_free, v_base, v_offset, stride_vn, start_n + BLOCK_N, seqlen_k)
+                    s_next = issue_qk(q_tile, kv_tiles + uint32((it + 1) % 2 * STAGE))
+                else:
+                    s_next = s
+                mask = start_n + BLOCK_N > seqlen_k or (CAUSAL and start_n + BLOCK_N - 1 > wg_row + diag)
+                softmax(s, p, m_i, l_i, alpha, start_n, seqlen_k, mask, lane_diag, t, qk_scale)
+                acc = wgmma.scale_rows(acc, alpha[0], alpha[1])
+                pack_p(p, p_regs)
+                acc = issue_pv(acc, p_regs, kv_tiles + uint32(it % 2 * STAGE + KV_TILE))
+                wgmma.wgmma_wait(0)
+                acc = wgmma.wgmma_fence_operand(acc)
+                s = wgmma.wgmma_fence_operand(s_next)
+        else:
+            for it in range(n_tiles):
+                start_n = it * BLOCK_N
+                k_tile = kv_tiles + uint32(it % 2 * STAGE)
+                cp_async_wait_all()  # this thread's copies of tile it (and Q) have landed ...
+                wgmma.fence_proxy_async()  # ... visible to wgmma's async proxy ...
+                cuda.syncthreads()  # ... every thread's; both warpgroups are done with tile it - 1's stage
+                if it + 1 < n_tiles:
+                    next_k = kv_tiles + uint32((it + 1) % 2 * STAGE)
+                    load_kv(next_k, k_base, k_offset, stride_kn, start_n + BLOCK_N, seqlen_k)
+                    load_kv(next_k + uint32(KV_TILE), v_base, v_offset, stride_vn, start_n + BLOCK_N, seqlen_k)
+                s = issue_qk(q_tile, k_tile)
+                wgmma.wgmma_wait(0)
+                s = wgmma.wgmma_fence_operand(s)
+                mask = start_n + BLOCK_N > seqlen_k or (CAUSAL and start_n + BLOCK_N - 1 > wg_row + diag)
+                softmax(s, p, m_i, l_i, alpha, start_n, seqlen_k, mask, lane_diag, t, qk_scale)
+                acc = wgmma.scale_rows(acc, alpha[0], alpha[1])
+                # All of P packed before the fence, in the source: packed between the mma_async (in the loop),
+                # ptxas adds a warpgroup.arrive before each (C7519).
+                pack_p(p, p_regs)
+                acc = issue_pv(acc, p_regs, k_tile + uint32(KV_TILE))
+                wgmma.wgmma_wait(0)
+                acc = wgmma.wgmma_fence_operand(acc)
+
+        # Epilogue: the row sums over each quad, then O = acc / l and L = m + log(l), each once.
+        o_start = off_bh * seqlen_q  # O's and L's row of query 0 of this (batch, head)
+        for h in range(2):
+            l_sum = l_i[h] + shfl_xor(l_i[h], 1)
+            l_sum += shfl_xor(l_sum, 2)
+            row = row0 + 8 * h
+            # Rows that saw no key have l = 0: O = 0 and L = +inf. A NaN score makes l NaN, and O and L must
+            # then be NaN, not the no-key marker: != 0, not > 0.
+            inv_l = float32(1.0) / l_sum if l_sum != 0.0 else float32(0.0)
+            if row < seqlen_q:
+                o_row = (o_start + row) * HEAD_DIM
+                for j in range(HEAD_DIM // 8):
+                    col = 8 * j + 2 * t
+                    o[uint64((o_row + col) // 2)] = pack(acc[4 * j + 2 * h] * inv_l, acc[4 * j + 2 * h + 1] * inv_l)
+                if t == 0:
+                    lse[uint64(o_start + row)] = (m_i[h] + math.log2(l_sum)) * LN2 if l_sum != 0.0 else math.inf
+
+    return cuda.jit(_attn_fwd_wgmma)
+
+
+# Compiled kernels by (HEAD_DIM, WgmmaConfig, CAUSAL, IS_BF16).
+_KERNELS: dict[tuple, object] = {}
+# Prepared launches (``launch.prepare``) by class of call: q's, k's and v's shapes, strides and dtypes, the
+# device, whether their data is 16 B aligned, the spec's values (``spec_class``), the config.
+_PREPARED: dict[tuple, object] = {}
+
+
+def _kernel(*key):
+    kernel = _KERNELS.get(key)
+    if kernel is None:
+        kernel = _KERNELS[key] = _build_kernel(*key)
+    return kernel
+
+
+def _qk_scale(scale: float) -> np.float32:
+    """scale · log2 e, at least the smallest normal fp32 so that it is > 0 (``forward_tc``'s qk_scale)."""
+    return np.float32(max(scale * LOG2E, float(np.finfo(np.float32).tiny)))
+
+
+def flash_attn_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    spec: AttentionSpec,
+    config: WgmmaConfig | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Arguments:
+        q: (batch, heads, seqlen_q, head_dim); k, v: (batch, heads_k, seqlen_k, head_dim), heads a multiple
+            of heads_k (grouped-query attention): query head h attends to key/value head h // (heads //
+            heads_k); fp16 or bf16, head_dim 64 or 128, contiguous along head_dim with 16 B aligned rows; CUDA
+            tensors on compute capability 9.0, or CPU tensors under numba's simulator (emulated wgmma, tiny
+            shapes).
+        spec: scale >= 0, and no window or causal, bottom-right aligned (key j visible to query i iff j <= i +
+            seqlen_k - seqlen_q)::
+
+                causal, seqlen_q = 2, seqlen_k = 5:   1 1 1 1 0
+                                                      1 1 1 1 1
+
+            (``refusal`` names what else this kernel does not take).
+        config: the key tile, for tuning; default ``wgmma_config(head_dim)``.
+
+    Returns:
+        O: (batch, heads, seqlen_q, head_dim), q's dtype. L: (batch, heads, seqlen_q), float32, natural log;
+        rows that see no key get O = 0 and L = +inf.
+    """
+    key = None
+    if launch.FAST:  # a call of a class met before: the kernel's parameters are packed, only pointers change
+        aligned = (q.data_ptr() | k.data_ptr() | v.data_ptr()) % 16 == 0
+        key = (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype, v.dtype, q.device)
+        key += (aligned, spec_class(spec), None if config is None else tuple(config))
+        prepared = _PREPARED.get(key)
+        if prepared is not None:
+            O = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+            L = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
+            prepared(q, k, v, O, L)
+            return O, L
+    reason = refusal(q, k, v, spec)
+    if reason is not None:
+        raise NotImplementedError(f"fa2-numba-cuda's wgmma kernel {reason}")
+    check_device(q)
+    if not simulated() and capability(q.device) != COMPUTE_CAPABILITY:
+        raise NotImplementedError(
+            f"fa2-numba-cuda's wgmma kernel needs compute capability 9.0 (sm_90a), got {capability(q.device)} on "
+            f"{q.device}"
+        )
+    batch, heads, seqlen_q, head_dim = q.shape
+    O = torch.empty(batch, heads, seqlen_q, head_dim, dtype=q.dtype, device=q.device)
+    L = torch.empty(batch, heads, seqlen_q, dtype=torch.float32, device=q.device)
+    num_m_tiles = -(-seqlen_q // BLOCK_M)
+    grid = num_m_tiles * batch * heads
+    if grid == 0:
+        return O, L
+    config = WgmmaConfig(*config) if config is not None else wgmma_config(head_dim)
+    if config.BLOCK_N % 16 or not 16 <= config.BLOCK_N <= 256 or (config.BLOCK_N * head_dim // 8) % NUM_THREADS:
+        raise ValueError(f"WgmmaConfig needs BLOCK_N a multiple of 16 from 16 to 256, whole copies, got {config}")
+    kernel = _kernel(head_dim, config, spec.causal, q.dtype == torch.bfloat16)
+    args = (
+        *(t.view(torch.int16) for t in (q, k, v)),
+        O.view(torch.int32),
+        L,
+        *q.stride()[:3],
+        *k.stride()[:3],
+        *v.stride()[:3],
+        heads,
+        heads // k.shape[1],
+        seqlen_q,
+        k.shape[2],
+        _qk_scale(spec.scale),
+        num_m_tiles,
+    )
+    prepared = launch.prepare(
+        kernel, grid, NUM_THREADS, q.device, args, (0, 1, 2, 3, 4), shared_bytes(head_dim, config)
+    )
+    if prepared is not None and key is not None:
+        _PREPARED[key] = prepared
+    return O, L
+
+
+def kernel_resources() -> list[dict]:
+    """Registers and local memory per thread, static shared memory per block, of every wgmma kernel compiled so
+    far in this process (dynamic shared memory: ``shared_bytes``); empty under the simulator."""
+    if simulated():
+        return []
+    rows = []
+    for (HEAD_DIM, config, CAUSAL, IS_BF16), kernel in _KERNELS.items():
+        regs = kernel.get_regs_per_thread()
+        local = kernel.get_local_mem_per_thread()
+        for signature in regs:
+            rows.append(
+                {
+                    "kernel": "wgmma",
+                    "HEAD_DIM": HEAD_DIM,
+                    **config._asdict(),
+                    "causal": CAUSAL,
+                    "bf16": IS_BF16,
+                    "registers_per_thread": regs[signature],
+                    "dynamic_shared_bytes_per_block": shared_bytes(HEAD_DIM, config),
+                    "local_bytes_per_thread": local[signature],
+                }
+            )
+    return rows
