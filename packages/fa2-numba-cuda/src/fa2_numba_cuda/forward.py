@@ -60,7 +60,7 @@ def flash_attn_forward(
         tensor_cores: which kernel. None: the tensor-core kernel (``forward_tc``) for fp16 and bf16 with
             head_dim <= 128 on compute capability 8.0+ (``forward_tc.uses_tensor_cores``), the SIMT kernel
             (``forward_simt``) otherwise (fp32, head_dim > 128, older GPUs, the simulator); True or False
-            forces one (an input the forced kernel cannot take is an error). None falls back to another.
+            forces one (an input the forced kernel cannot take is an error). No kernel falls back to another.
             With tensor_cores and config None, ``forward_wgmma`` runs where ``forward_wgmma.uses_wgmma`` holds
             (FA2_NUMBA_WGMMA=1, Hopper, the inputs it takes).
 
