@@ -30,7 +30,7 @@ import torch
 import fa2
 from checks import assert_matches_reference, random_qkv
 from fa2.spec import AttentionSpec
-from fa2_numba_cuda import common, forward, forward_tc, mma, tensor_cores
+from fa2_numba_cuda import common, forward, forward_tc, forward_wgmma, mma, tensor_cores
 
 SIMULATED = common.simulated()
 
@@ -689,12 +689,14 @@ def test_refusals_name_the_limit():
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("head_dim", [64, 128], ids=lambda d: f"D{d}")
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_dispatch_on_the_gpu(dtype, head_dim, causal):
-    """fp16/bf16 with head_dim <= 128 on sm80+ take the tensor-core kernel, which matches the reference
+def test_dispatch_on_the_gpu(dtype, head_dim, causal, monkeypatch):
+    """fp16/bf16 with head_dim <= 128 on sm80+ take the tensor-core kernel (with the wgmma kernel switched off:
+    on Hopper it takes these inputs by default, test_numba_cuda_wgmma_forward), which matches the reference
     across several blocks and key tiles; its registers stay registers (tc_config: at most 24 B of local
     memory, spilled outside the key loop; fragments left in local arrays would take hundreds)."""
     if torch.cuda.get_device_capability() < tensor_cores.MIN_COMPUTE_CAPABILITY:
         pytest.skip(f"compute capability {torch.cuda.get_device_capability()} < 8.0: the SIMT kernel runs")
+    monkeypatch.setattr(forward_wgmma, "ENABLED", False)
     q, k, v = random_qkv((2, 3, 300, head_dim), (2, 3, 333, head_dim), dtype, "cuda", seed=head_dim)
     assert forward_tc.uses_tensor_cores(q)
     before = len(forward_tc._KERNELS)

@@ -1,4 +1,4 @@
-"""fa2-numba-cuda's forward on Hopper's wgmma (``fa2_numba_cuda.forward_wgmma``), off unless FA2_NUMBA_WGMMA=1.
+"""fa2-numba-cuda's forward on Hopper's wgmma (``fa2_numba_cuda.forward_wgmma``), on unless FA2_NUMBA_WGMMA=0.
 
 - the kernel against the fp64 reference (``checks.assert_matches_reference``, outputs NaN-poisoned by the suite's
   conftest), on numba's simulator (``wgmma.py``'s and ``mma.py``'s emulations, fp16, head_dim 64, a few tiles) or,
@@ -18,6 +18,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import fa2
 from checks import assert_matches_reference, random_qkv, run_python
 from fa2.spec import AttentionSpec
 from fa2_numba_cuda import common, forward, forward_wgmma, tensor_cores
@@ -94,6 +95,20 @@ def test_kernel_matches_reference(wgmma_device, dtype, shape, causal, config):
     assert_matches_reference(O, L, q, k, v, causal)
 
 
+def test_fa2_attention_runs_it_by_default_on_hopper(wgmma_device):
+    """On a Hopper GPU fa2.attention's fp16/bf16 D64/D128 forward is this kernel's, switch untouched (on by
+    default): its compiled kernel appears, its resources are reported, and the output matches the reference."""
+    if wgmma_device.type != "cuda":
+        pytest.skip("the default dispatch needs a Hopper GPU (--device cuda)")
+    q, k, v = random_qkv((2, 4, 300, 128), (2, 2, 333, 128), torch.bfloat16, wgmma_device, seed=7)
+    forward_wgmma._KERNELS.clear()
+    O, L = fa2.attention(q, k, v, causal=True, backend="numba-cuda")
+    assert_matches_reference(O, L, q, k, v, True)
+    assert [key[0] for key in forward_wgmma._KERNELS] == [128], "the wgmma kernel ran"
+    rows = [r for r in forward.kernel_resources() if r.get("kernel") == "wgmma"]
+    assert rows and all(r["local_bytes_per_thread"] == 0 for r in rows), rows
+
+
 # --- what it takes, and when it runs ------------------------------------------------------------------
 
 
@@ -160,7 +175,7 @@ def test_uses_wgmma_needs_the_switch_and_a_hopper_gpu(monkeypatch):
 @pytest.mark.parametrize("enabled", [False, True])
 def test_forward_runs_it_only_where_uses_wgmma_holds(monkeypatch, enabled):
     """forward.flash_attn_forward calls forward_wgmma where uses_wgmma holds (here: forced, as on a Hopper GPU
-    with FA2_NUMBA_WGMMA=1), with neither a kernel nor a config asked for; else the kernel it ran before."""
+    by default), with neither a kernel nor a config asked for; else the kernel it ran before."""
     calls = []
 
     def wgmma_kernel(q, k, v, spec, config=None):
@@ -181,7 +196,7 @@ def test_forward_runs_it_only_where_uses_wgmma_holds(monkeypatch, enabled):
     assert calls == (["wgmma"] if enabled else [])
 
 
-@pytest.mark.parametrize("value, enabled", [("1", True), ("0", False), (None, False)])
+@pytest.mark.parametrize("value, enabled", [("1", True), ("0", False), (None, True)])
 def test_enabled_reads_the_environment_at_import(value, enabled):
     setting = "" if value is None else f"import os; os.environ['FA2_NUMBA_WGMMA'] = {value!r}; "
     out = run_python(

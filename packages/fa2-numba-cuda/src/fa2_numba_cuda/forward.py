@@ -5,7 +5,7 @@
 - ``forward_simt``: CUDA cores, fp32 arithmetic, for everything else (fp32, head_dim up to 256, older GPUs,
   numba's CUDA simulator);
 - ``forward_wgmma``: Hopper's wgmma, in place of ``forward_tc`` only where ``forward_wgmma.uses_wgmma`` holds
-  (switched on by FA2_NUMBA_WGMMA=1; fp16/bf16, head_dim 64 or 128, dense, causal or not, on compute
+  (off with FA2_NUMBA_WGMMA=0; fp16/bf16, head_dim 64 or 128, dense, causal or not, on compute
   capability 9.0) and no kernel or config was asked for.
 
 They compute the same thing from the same ``AttentionSpec`` (``common.Features``); none falls back to
@@ -62,7 +62,7 @@ def flash_attn_forward(
             (``forward_simt``) otherwise (fp32, head_dim > 128, older GPUs, the simulator); True or False
             forces one (an input the forced kernel cannot take is an error). No kernel falls back to another.
             With tensor_cores and config None, ``forward_wgmma`` runs where ``forward_wgmma.uses_wgmma`` holds
-            (FA2_NUMBA_WGMMA=1, Hopper, the inputs it takes).
+            (not FA2_NUMBA_WGMMA=0, Hopper, the inputs it takes).
 
     Returns:
         O: (batch, heads, seqlen_q, head_dim), q's dtype. L: (batch, heads, seqlen_q), float32, natural log
@@ -81,5 +81,6 @@ def flash_attn_forward(
 def kernel_resources() -> list[dict]:
     """Registers and local memory per thread, static shared memory per block, of every forward kernel
     compiled so far in this process: one row per compiled specialisation of the SIMT kernel, then the
-    tensor-core kernel's (with "kernel": "tensor-core"); empty under the simulator."""
-    return forward_simt.kernel_resources() + forward_tc.kernel_resources()
+    tensor-core kernel's (with "kernel": "tensor-core"), then the wgmma kernel's ("kernel": "wgmma"); empty
+    under the simulator."""
+    return forward_simt.kernel_resources() + forward_tc.kernel_resources() + forward_wgmma.kernel_resources()

@@ -42,8 +42,8 @@ Limits (``takes``): fp16 and bf16, head_dim exactly 64 or 128, dense (batch, hea
 contiguous along head_dim with 16 B aligned rows (cp.async), no window but causal, no softcap, ALiBi, sink,
 packed batch or KV cache, scale >= 0 (the max of raw scores is the max of scaled ones). Which kernel runs:
 ``fa2_numba_cuda.forward.flash_attn_forward`` runs this one where ``uses_wgmma`` holds: ``takes``, a CUDA
-device of compute capability 9.0 (wgmma is sm_90a's), and the switch ``ENABLED`` (the environment variable
-FA2_NUMBA_WGMMA=1 when this module is imported; off by default); ``forward_tc`` otherwise. An error in this
+device of compute capability 9.0 (wgmma is sm_90a's), and the switch ``ENABLED`` (on, unless the environment
+variable FA2_NUMBA_WGMMA=0 when this module is imported); ``forward_tc`` otherwise. An error in this
 kernel is raised, never answered by another. Under numba's simulator it runs only when called directly, on
 ``wgmma.py``'s emulation of the instructions: slow, for tests.
 
@@ -79,8 +79,9 @@ from fa2_numba_cuda.mma import (
 )
 from fa2_numba_cuda.tensor_cores import capability
 
-# Whether fa2_numba_cuda.forward runs this kernel where it can (``uses_wgmma``): FA2_NUMBA_WGMMA=1 at import.
-ENABLED = os.environ.get("FA2_NUMBA_WGMMA", "0") == "1"
+# Whether fa2_numba_cuda.forward runs this kernel where it can (``uses_wgmma``): on unless FA2_NUMBA_WGMMA=0 at
+# import (measured on the H200: 1.16-1.37x forward_tc's speed at every point timed, docs/notes/numba-wgmma.md).
+ENABLED = os.environ.get("FA2_NUMBA_WGMMA", "1") != "0"
 
 HEAD_DIMS = (64, 128)
 COMPUTE_CAPABILITY = (9, 0)
@@ -98,24 +99,20 @@ class WgmmaConfig(NamedTuple):
 
 
 def wgmma_config(HEAD_DIM: int) -> WgmmaConfig:
-    """64-key tiles at both head dims; S_AHEAD above 64 (forward_tc's choice: at HEAD_DIM 64 two blocks share an
-    SM, whose warpgroups overlap each other's softmax and products; at 128 one block fills it).
+    """64-key tiles without S_AHEAD at both head dims, the fastest of the three configurations timed on the H200
+    (bf16, ``triton.testing.do_bench``; ms at (4, 16, 4096, 128), (1, 16, 16384, 128), (8, 16, 2048, 128) and
+    (4, 32, 4096, 64), full / causal; docs/notes/numba-wgmma.md):
 
-    64 keys: the softmax's loops over S's registers (``softmax``) then have forward_tc's trip counts (BLOCK_N / 8
-    tiles of 4), which numba's NVVM unrolls on the H200 (forward_tc: no local memory); with 128 keys they are
-    twice as long, and offline (llvmlite's NVPTX backend, then ptxas -arch=sm_90a) need a larger unroll threshold
-    than forward_tc's kernels to leave p in registers. Offline, at an unroll threshold (1000) where forward_tc's
-    D64 and D128 kernels have no local memory, every dtype, causal or not, no local memory and no spills:
+        BLOCK_N  S_AHEAD  D128 4k            D128 16k           D128 2k            D64 4k
+        64       no       1.486 / 0.888      5.483 / 2.817      0.834 / 0.547      1.541 / 0.871
+        64       yes      1.627 / 0.957      6.052 / 3.042      0.902 / 0.584      2.326 / 1.373
+        128      no       4.674 / 2.590      18.098 / 9.079     2.406 / 1.433      8.354 / 4.450
 
-        HEAD_DIM  BLOCK_N  S_AHEAD  registers  HGMMA in the SASS (64x64x16 S, 64xHEAD_DIMx16 P V)
-        64        64       no       127        4 + 4
-        64        64       yes      160-164    8 + 4 (S's first tile before the loop)
-        128       64       no       167        8 + 4
-        128       64       yes      204-209    16 + 4
-
-    BLOCK_N 128 keeps p in 256 B of local memory at that threshold (unrolled further: 167 registers at HEAD_DIM
-    64, 237 at 128; with S_AHEAD 247, and 255 with spills at 128). Not yet measured on the GPU."""
-    return WgmmaConfig(64, HEAD_DIM > 64)
+    The GPU's build (numba's NVVM, then ptxas): 64 keys, 163-167 registers at HEAD_DIM 128, 125 at 64 (16 B of
+    local memory there), none spilled, 99,328 and 50,176 B of dynamic shared memory; with S_AHEAD 212-214 and
+    159; 128-key tiles keep the softmax's p in 256-272 B of local memory (its loops over S's 64 registers are
+    not unrolled), which is their slowness."""
+    return WgmmaConfig(64, False)
 
 
 def refusal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionSpec) -> str | None:

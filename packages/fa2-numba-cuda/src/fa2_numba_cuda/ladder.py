@@ -6,8 +6,10 @@ for the first, then ``forward_tc`` and ``backward_tc`` with a ``TensorCoreConfig
 launches) for the last. Each rung changes one lever of the one before; where a lever is forward-only the
 backward is the previous rung's, and the rung's ``lever`` says so. ``RUNGS[-1]`` is the default path of
 ``fa2_numba_cuda.flash_attn_forward`` and ``flash_attn_backward`` for fp16 and bf16 with head_dim <= 128 on a
-GPU of compute capability 8.0+ (the same kernels and configurations, bit-identical outputs). The rungs, and what
-each should change on Hopper, are explained in docs/ladder/numba-cuda.md; ``fa2.bench``'s ladder times them.
+GPU of compute capability 8.0+ (the same kernels and configurations, bit-identical outputs), but for the
+forward on Hopper, where dense D64 and D128 inputs take ``forward_wgmma`` (warpgroup MMA), not yet a rung. The
+rungs, and what each should change on Hopper, are explained in docs/ladder/numba-cuda.md; ``fa2.bench``'s
+ladder times them.
 
 Under numba's CUDA simulator every rung runs (the tensor-core ones on ``mma.py``'s emulated instructions) on
 CPU tensors, slowly: for tests on tiny shapes. ``launch.FAST`` is off there, so the last two rungs are the same
