@@ -80,7 +80,7 @@ from fa2_numba_cuda.mma import (
 from fa2_numba_cuda.tensor_cores import capability
 
 # Whether fa2_numba_cuda.forward runs this kernel where it can (``uses_wgmma``): on unless FA2_NUMBA_WGMMA=0 at
-# import (measured on the H200: 1.16-1.37x forward_tc's speed at every point timed, docs/notes/numba-wgmma.md).
+# import (measured on the H200: 1.16-1.41x forward_tc's speed at every point timed, docs/notes/numba-wgmma.md).
 ENABLED = os.environ.get("FA2_NUMBA_WGMMA", "1") != "0"
 
 HEAD_DIMS = (64, 128)
