@@ -9,6 +9,7 @@ import argparse
 import csv
 import json
 import re
+import sys
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -83,3 +84,16 @@ def positive_int(text: str) -> int:
     if n < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
     return n
+
+
+def write_report(report, out_dir: Path, name: str) -> list[Path]:
+    """``<name>.md`` and ``<name>.png`` (where matplotlib is installed) of ``report``, a mode's report over the
+    run's files in out_dir (``generate.Report``, ``ring.Report``: ``plot(out_dir)`` and ``markdown(plots)``)."""
+    try:
+        plots = [report.plot(out_dir)]
+    except ImportError as e:
+        print(f"no plot ({e}): install matplotlib", file=sys.stderr)
+        plots = []
+    path = out_dir / f"{name}.md"
+    path.write_text(report.markdown(plots))
+    return [path, *plots]

@@ -94,6 +94,7 @@ from fa2.bench.output import (
     positive_int,
     read_csv,
     read_runs,
+    write_report,
 )
 from fa2.bench.report import EMULATED_TAG, seqlen_label
 from fa2.bench.sweep import environment
@@ -962,19 +963,6 @@ class Report:
         return path
 
 
-def write_report(out_dir: Path, name: str) -> list[Path]:
-    """``<name>.md`` and ``<name>.png`` (where matplotlib is installed) from the run's files."""
-    report = Report(out_dir, name)
-    try:
-        plots = [report.plot(out_dir)]
-    except ImportError as e:
-        print(f"no plot ({e}): install matplotlib", file=sys.stderr)
-        plots = []
-    path = out_dir / f"{name}.md"
-    path.write_text(report.markdown(plots))
-    return [path, *plots]
-
-
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
@@ -1010,7 +998,7 @@ def main(argv: list[str] | None = None) -> None:
         command=shlex.join(["python", "-m", "fa2.bench.ring", *argv]),
     )
     run(cfg)
-    written = write_report(cfg.out_dir, cfg.name)
+    written = write_report(Report(cfg.out_dir, cfg.name), cfg.out_dir, cfg.name)
     print(f"wrote {', '.join(map(str, [cfg.path('.csv'), cfg.path('-skipped.csv'), cfg.path('-run.json'), *written]))}")
 
 
