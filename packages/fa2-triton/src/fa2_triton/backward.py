@@ -89,7 +89,9 @@ def flash_attn_backward(
     gluon = tiles is None and backward_gluon.uses_gluon(q, k, v, spec)
     gluon_dq = tiles is None and backward_gluon.uses_gluon_dq(q, k, v, spec)
     if gluon or gluon_dq:
-        q, k, v = (backward_gluon.rows_contiguous(t) for t in (q, k, v))
+        # The Gluon kernels' copies read whole rows of (batch·heads·seqlen, head_dim): q, k, v with the heads
+        # interleaved (a transformers model's, which ``takes`` accepts) are copied once for both kernels.
+        q, k, v = (t.contiguous() for t in (q, k, v))
     tiles = tiles or bwd_tiles_for(
         head_dim, q.dtype, spec.masked, spec.max_seqlen_k if spec.varlen else seqlen_k, spec.varlen
     )

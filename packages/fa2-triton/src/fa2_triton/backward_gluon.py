@@ -57,7 +57,7 @@ no ALiBi, no packed batch, no KV cache (a sink is fine: it changes nothing here,
 gradient); seqlen_q and seqlen_k multiples of 128 (the copies are 2-D, over all heads' rows: a tile past a
 head's end would read the next head's rows); q, k, v 16-byte aligned and contiguous (batch, heads, seqlen,
 head_dim), or with the heads interleaved, (batch, seqlen, heads, head_dim) contiguous as a transformers
-model's are, which ``backward.flash_attn_backward`` copies to the first layout once (``rows_contiguous``);
+model's are, which ``backward.flash_attn_backward`` copies to the first layout once;
 batch·heads_k at most 65,535 (the grid's second axis). dO, L and delta are copied where they are not
 contiguous and 16-byte aligned. ``uses_gluon`` adds the device (a Hopper GPU, compute capability 9.0,
 with Gluon's Hopper API, not the interpreter) and ``ENABLED``, the head dims it is on for: 64 and 128
@@ -167,17 +167,6 @@ def takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionSpec
     return all(t.data_ptr() % 16 == 0 and (t.is_contiguous() or t.transpose(1, 2).is_contiguous()) for t in (q, k, v))
 
 
-def rows_contiguous(t: torch.Tensor) -> torch.Tensor:
-    """t (batch, heads, seqlen, head_dim), contiguous: as it is, or copied from the layout ``takes`` also accepts,
-    the heads interleaved within each position's row, (batch, seqlen, heads, head_dim) contiguous (a
-    transformers model's q, k, v, transposed views of its projections). The kernels' copies read whole rows
-    of (batch·heads·seqlen, head_dim); a copy costs one pass over t, a small part of the backward it serves
-    (docs/notes/gluon-backward.md)."""
-    if t.is_contiguous():
-        return t
-    return t.contiguous()
-
-
 def takes_dq(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionSpec) -> bool:
     """Whether the dQ kernel takes these inputs, whatever the device: those ``takes`` accepts, batch·heads at
     most 65,535 (its grid's second axis) and, causal, seqlen_k >= seqlen_q (every query tile then sees its
@@ -202,8 +191,7 @@ def flash_attn_dkdv(
 
     Arguments:
         q, dO: (batch, heads, seqlen_q, head_dim); k, v: (batch, heads_k, seqlen_k, head_dim), heads a
-            multiple of heads_k; inputs that ``takes`` accepts, q, k and v contiguous (``rows_contiguous``; dO
-            any strides).
+            multiple of heads_k; inputs that ``takes`` accepts, q, k and v contiguous (dO any strides).
         L: (batch, heads, seqlen_q), float32, natural log, from the forward; delta: the preprocess's
             rowsum(dO ∘ O), (batch, heads, seqlen_q) float32.
         dk, dv: contiguous, k's shape and dtype.
@@ -242,8 +230,7 @@ def flash_attn_dq(
 
     Arguments:
         q, dO: (batch, heads, seqlen_q, head_dim); k, v: (batch, heads_k, seqlen_k, head_dim), heads a
-            multiple of heads_k; inputs that ``takes_dq`` accepts, q, k and v contiguous (``rows_contiguous``;
-            dO any strides).
+            multiple of heads_k; inputs that ``takes_dq`` accepts, q, k and v contiguous (dO any strides).
         L: (batch, heads, seqlen_q), float32, natural log, from the forward; delta: the preprocess's
             rowsum(dO ∘ O), (batch, heads, seqlen_q) float32.
         dq: contiguous, q's shape and dtype.
