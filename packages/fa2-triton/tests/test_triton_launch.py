@@ -167,13 +167,20 @@ def test_forward_plans_are_kept_per_class_of_inputs(device, long_calls):
     assert len(call(48, seed=4)) == 3
 
 
-@pytest.mark.parametrize("deterministic", [True, False], ids=["deterministic", "atomic-dq"])
-def test_backward_plans_are_kept_per_class_of_inputs(device, deterministic):
-    """The backward's launches (``backward._PLANS``, one per kernel): new data of one shape reuses them,
-    misaligned data of that shape too (the tensors' classes are taken on every call), a new shape gets its
-    own. The gradients match the reference each time, and each plan's scalar classes are launch's."""
+@pytest.mark.parametrize(
+    "deterministic, short, launches",
+    [(True, True, 1), (True, False, 3), (False, True, 2)],
+    ids=["one-launch", "three-launches", "atomic-dq"],
+)
+def test_backward_plans_are_kept_per_class_of_inputs(device, request, deterministic, short, launches):
+    """The backward's launches (``backward._PLANS``, one per kernel: the one launch of a short call, the three
+    of a longer one, or two with atomic dq): new data of one shape reuses them, misaligned data of that shape
+    too (the tensors' classes are taken on every call), a new shape gets its own. The gradients match the
+    reference each time, and each plan's scalar classes are launch's."""
     if fa2_triton.availability()[0] == "unavailable":
         pytest.skip("fa2-triton cannot run here")
+    if not short:
+        request.getfixturevalue("long_calls")
     dtype = torch.float16
     backward._PLANS.clear()
 
@@ -191,11 +198,67 @@ def test_backward_plans_are_kept_per_class_of_inputs(device, deterministic):
         return dict(backward._PLANS)
 
     plans = call(32, seed=1)
-    assert len(plans) == (3 if deterministic else 2)
+    assert len(plans) == launches
     assert all(p.scalar_classes == launch.arg_classes(p.scalars) for p in plans.values())
     assert call(32, seed=2) == plans
     assert call(32, seed=3, misaligned=True) == plans
     assert len(call(48, seed=4)) == 2 * len(plans)
+
+
+def _backward_case(name, dtype, head_dim, heads_k=2, causal=False, **options):
+    return pytest.param(dtype, head_dim, heads_k, causal, options, id=name)
+
+
+@pytest.mark.parametrize(
+    "dtype, head_dim, heads_k, causal, options",
+    [
+        _backward_case("fp16-D32-full", torch.float16, 32),
+        _backward_case("fp16-D32-causal-GQA", torch.float16, 32, heads_k=1, causal=True),
+        _backward_case("fp32-D40-causal", torch.float32, 40, causal=True),
+        _backward_case("fp16-D16-window", torch.float16, 16, window=(7, 3)),
+        _backward_case("fp16-D16-softcap", torch.float16, 16, softcap=5.0),
+        _backward_case("fp32-D16-alibi-causal", torch.float32, 16, causal=True, alibi=True),
+        _backward_case("fp16-D32-varlen-causal", torch.float16, 32, causal=True, varlen=True),
+    ],
+)
+def test_one_launch_backward_equals_three(device, monkeypatch, dtype, head_dim, heads_k, causal, options):
+    """A short call's one launch (``backward.launch_short``, delta from O in each program) against the three
+    launches the same inputs take when counted long (preprocess, dQ, dK/dV; on a Hopper GPU the long rule may
+    send them to the Gluon kernels), with every option the one launch takes: the same gradients up to the
+    order of delta's fp32 sums (a few units in the last place of the dtype, relative to the largest
+    gradient). The shared suite checks the one launch against the reference."""
+    if fa2_triton.availability()[0] == "unavailable":
+        pytest.skip("fa2-triton cannot run here")
+    heads, n_q, n_k = 4, 37, 45
+    options = dict(options)
+    varlen, alibi = options.pop("varlen", False), options.pop("alibi", False)
+    batch = 1 if varlen else 2
+    q, k, v = random_qkv((batch, heads, n_q, head_dim), (batch, heads_k, n_k, head_dim), dtype, device, seed=3)
+    dO = torch.randn(q.shape, generator=torch.Generator().manual_seed(4)).to(device, dtype)
+    window = options.pop("window", (-1, 0 if causal else -1))
+    spec = dict(group=heads // heads_k, **options)
+    if alibi:
+        spec["alibi_slopes"] = torch.rand(batch, heads, generator=torch.Generator().manual_seed(5)).to(device)
+    if varlen:
+        spec.update(
+            cu_seqlens_q=torch.tensor([0, 10, 11, n_q], dtype=torch.int32, device=device),
+            cu_seqlens_k=torch.tensor([0, 20, 21, n_k], dtype=torch.int32, device=device),
+            max_seqlen_q=26,
+            max_seqlen_k=24,
+        )
+    spec = AttentionSpec(head_dim**-0.5, window, **spec)
+    O, L = fa2_triton.flash_attn_forward(q, k, v, spec)
+    launched, one_launch = [], backward.launch_short
+    monkeypatch.setattr(backward, "launch_short", lambda *args: launched.append(one_launch(*args)))
+    one = backward.flash_attn_backward(q, k, v, O, L, dO, spec)
+    assert len(launched) == 1, "a short call takes the one launch"
+    monkeypatch.setattr(tiles, "SHORT_CALL_PAIRS", -1)
+    three = backward.flash_attn_backward(q, k, v, O, L, dO, spec)
+    assert len(launched) == 1, "a long call takes the three launches"
+    for name, a, b in zip(("dq", "dk", "dv"), one, three):
+        assert not torch.isnan(a).any(), f"NaN in {name}"
+        tol = 4 * torch.finfo(dtype).eps * b.abs().max().item()
+        assert (a - b).abs().max().item() <= tol, f"{name}: one launch and three differ by more than {tol:.3g}"
 
 
 def test_short_calls_read_through_pointers(device, monkeypatch):

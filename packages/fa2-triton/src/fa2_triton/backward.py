@@ -15,6 +15,10 @@ dQ kernel instead of the tl one, in both modes too (the dK/dV step then adds no 
 it). An error in a Gluon kernel is
 raised, never retried on tl.
 
+A short call (``tiles.short_call``: its time is the host's) at the default tiles, deterministic and without a
+sink, runs all of it in one launch instead (``launch_short``): the dK/dV and dQ kernels' programs in one grid,
+each computing its delta from O.
+
 Each launcher (``launch_preprocess``, ``launch_dq``, ``launch_dkdv``) runs one kernel, so that the tuner
 (``python -m fa2_triton.tuning.backward``) can time them apart; each kernel's tiles come from
 ``tiles.bwd_tiles_for``, the spec as the kernels' arguments from ``common.score_args``.
@@ -28,10 +32,10 @@ import torch
 
 from fa2.spec import AttentionSpec
 from fa2_triton import backward_gluon
-from fa2_triton.backward_tl import _attn_bwd_dkdv, _attn_bwd_dq, _attn_bwd_preprocess
+from fa2_triton.backward_tl import _attn_bwd_dkdv, _attn_bwd_dq, _attn_bwd_preprocess, _attn_bwd_short
 from fa2_triton.common import MAX_HEAD_DIM, cdiv, check_device, group_size, packed, padded_head_dim, score_args
 from fa2_triton.launch import Plans, arg_classes, launch_planned, on_device
-from fa2_triton.tiles import PREPROCESS_ELEMENTS, BwdTiles, KernelTiles, bwd_tiles_for
+from fa2_triton.tiles import PREPROCESS_ELEMENTS, BwdTiles, KernelTiles, bwd_tiles_for, short_call
 
 
 def flash_attn_backward(
@@ -86,6 +90,15 @@ def flash_attn_backward(
 
     dk = torch.empty(k.shape, device=k.device, dtype=k.dtype)
     dv = torch.empty(v.shape, device=v.device, dtype=v.dtype)
+    if tiles is None and deterministic and spec.sink is None and q.shape[1] and short_call(q, k):
+        # A short call's time is the host's: one launch (``launch_short``) instead of three.
+        dq = torch.empty(q.shape, device=q.device, dtype=q.dtype)
+        tiles = bwd_tiles_for(
+            head_dim, q.dtype, spec.masked, spec.max_seqlen_k if spec.varlen else seqlen_k, spec.varlen
+        )
+        with on_device(q.device):
+            launch_short(q, k, v, O, dO, L, dq, dk, dv, spec, tiles)
+        return dq, dk, dv
     gluon = tiles is None and backward_gluon.uses_gluon(q, k, v, spec)
     gluon_dq = tiles is None and backward_gluon.uses_gluon_dq(q, k, v, spec)
     if gluon or gluon_dq:
@@ -398,4 +411,98 @@ def _dkdv_plan(q, k, v, dO, L, delta, dk, dv, dq_acc, spec: AttentionSpec, t: Ke
             GQA=group > 1,
         ),
         dict(num_warps=t.num_warps, num_stages=t.num_stages, maxnreg=t.maxnreg),
+    )
+
+
+def launch_short(q, k, v, O, dO, L, dq, dk, dv, spec: AttentionSpec, t: BwdTiles):
+    """The whole backward in one launch (``backward_tl._attn_bwd_short``) into dq, dk and dv (written in full):
+    the dK/dV kernel's programs and the dQ kernel's, each with its own tiles of ``t`` (both at the larger
+    num_warps, the dK/dV tiles' num_stages and maxnreg), each computing delta from O and dO. For short calls
+    (``tiles.short_call``), whose time is the host's: each launch costs tens of µs of it, the kernels a few µs
+    more for reading O once per key tile. Deterministic, no sink (``flash_attn_backward`` sends the rest to
+    the three launches)."""
+    key = (
+        "short",
+        q.shape,
+        q.stride(),
+        k.shape,
+        k.stride(),
+        v.stride(),
+        O.stride(),
+        dO.stride(),
+        L.stride(),
+        dq.stride(),
+        dk.stride(),
+        dv.stride(),
+        q.dtype,
+        _spec_key(spec),
+        t,
+    )
+    plan = _plan(key, _short_plan, q, k, v, O, dO, L, dq, dk, dv, spec, t)
+    if plan is None:
+        return None
+    slopes = spec.alibi_slopes
+    cu_q, cu_k = (spec.cu_seqlens_q, spec.cu_seqlens_k) if spec.varlen else (L, L)
+    return _run(_attn_bwd_short, plan, (q, k, v, O, dO, L, dq, dk, dv, L if slopes is None else slopes, cu_q, cu_k))
+
+
+def _short_plan(q, k, v, O, dO, L, dq, dk, dv, spec: AttentionSpec, t: BwdTiles) -> _Launch | None:
+    batch, heads, seqlen_q, head_dim = q.shape
+    heads_k = k.shape[1]
+    group = group_size(q, k)
+    HEAD_DIM = padded_head_dim(head_dim)
+    batch, seqlen_q, seqlen_k, _, _ = packed(spec, batch, seqlen_q, k.shape[2], L)
+    num_dkdv = cdiv(seqlen_k, t.dkdv.block_n) * batch * heads_k
+    num_dq = cdiv(seqlen_q, t.dq.block_m) * batch * heads
+    if not num_dkdv + num_dq:
+        return None
+    a = score_args(spec, q.dtype)
+    scalars = (
+        spec.scale,
+        a.qk_scale,
+        a.cap_scale,
+        a.window_left,
+        a.window_right,
+        *q.stride(),
+        *k.stride(),
+        *v.stride(),
+        *O.stride(),
+        *dO.stride(),
+        *L.stride(),
+        *dq.stride(),
+        *dk.stride(),
+        *dv.stride(),
+        *a.slope_strides,
+        heads,
+        group,
+        seqlen_q,
+        seqlen_k,
+        q.shape[2],
+        k.shape[2],
+        head_dim,
+        num_dkdv,
+    )
+    return _Launch(
+        num_dkdv + num_dq,
+        scalars,
+        arg_classes(scalars),
+        dict(
+            WINDOW_LEFT=a.WINDOW_LEFT,
+            WINDOW_RIGHT=a.WINDOW_RIGHT,
+            SOFTCAP=a.SOFTCAP,
+            ALIBI=a.ALIBI,
+            DKDV_BLOCK_M=t.dkdv.block_m,
+            DKDV_BLOCK_N=t.dkdv.block_n,
+            DQ_BLOCK_M=t.dq.block_m,
+            DQ_BLOCK_N=t.dq.block_n,
+            HEAD_DIM=HEAD_DIM,
+            EVEN_D=HEAD_DIM == head_dim,
+            VARLEN=spec.varlen,
+            GQA=group > 1,
+        ),
+        dict(
+            num_warps=max(t.dkdv.num_warps, t.dq.num_warps),
+            num_stages=t.dkdv.num_stages,
+            maxnreg=t.dkdv.maxnreg,
+        ),
     )

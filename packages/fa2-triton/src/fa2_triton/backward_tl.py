@@ -126,15 +126,18 @@ def _attn_bwd_dkdv_tile(
     g64,
     q_ptrs,
     do_ptrs,
+    o_ptrs,
     l_ptrs,
     delta_ptrs,
     dq_acc_ptrs,
     slope_ptr,
     stride_qm,
     stride_dom,
+    stride_om,
     stride_lm,
     stride_qh,
     stride_doh,
+    stride_oh,
     stride_lh,
     stride_delta,
     stride_dq_acc,
@@ -158,12 +161,14 @@ def _attn_bwd_dkdv_tile(
     HEAD_DIM: tl.constexpr,
     EVEN_D: tl.constexpr,
     ATOMIC_DQ: tl.constexpr,
+    DELTA_FROM_O: tl.constexpr,
 ):
     """One key tile's dK and dV updated with query tile start_m of the group's query head g64 (pointers of
     the group's first head, and head strides). Loads row-masked and scores masked to the window (query i
     sees key j iff i + diag_left <= j <= i + diag_right, the bounded sides) iff IN_BAND. SOFTCAP as in the
     forward; ALIBI: the head's slope (slope_ptr at head stride stride_sh) · log2(e). With ATOMIC_DQ, also
-    adds this tile's dS K into the fp32 dQ accumulator."""
+    adds this tile's dS K into the fp32 dQ accumulator. DELTA_FROM_O: delta = rowsum(dO ∘ O) of the tile computed
+    here from O (o_ptrs, strides stride_om and stride_oh) instead of loaded from the preprocess's."""
     rows = start_m + offs_m
     start_m64 = tl.cast(start_m, tl.int64)
     q = load_tile(
@@ -172,10 +177,12 @@ def _attn_bwd_dkdv_tile(
     if IN_BAND:
         # Rows past seqlen_q: L = +inf makes their P zero.
         lse = tl.load(l_ptrs + g64 * stride_lh + start_m64 * stride_lm, mask=rows < N_Q, other=float("inf"))
-        delta = tl.load(delta_ptrs + g64 * stride_delta + start_m, mask=rows < N_Q, other=0.0)
+        if not DELTA_FROM_O:
+            delta = tl.load(delta_ptrs + g64 * stride_delta + start_m, mask=rows < N_Q, other=0.0)
     else:
         lse = tl.load(l_ptrs + g64 * stride_lh + start_m64 * stride_lm)
-        delta = tl.load(delta_ptrs + g64 * stride_delta + start_m)
+        if not DELTA_FROM_O:
+            delta = tl.load(delta_ptrs + g64 * stride_delta + start_m)
     qkT = tl.dot(k, tl.trans(q), input_precision="ieee")  # [BLOCK_N, BLOCK_M]
     if SOFTCAP:
         qkT = tanh(qkT * cap_scale, SOFTCAP)  # the capped score over softcap, as in the forward
@@ -194,6 +201,11 @@ def _attn_bwd_dkdv_tile(
     do = load_tile(
         do_ptrs + g64 * stride_doh + start_m64 * stride_dom, rows, N_Q, offs_d, head_dim, IN_BAND, EVEN_D
     )  # [BLOCK_M, HEAD_DIM]
+    if DELTA_FROM_O:
+        o = load_tile(
+            o_ptrs + g64 * stride_oh + start_m64 * stride_om, rows, N_Q, offs_d, head_dim, IN_BAND, EVEN_D
+        )  # [BLOCK_M, HEAD_DIM]; rows past seqlen_q are zeros: delta 0
+        delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
     dv = tl.dot(pT.to(do.dtype), do, dv, input_precision="ieee")
     if SOFTCAP:
         # d(softcap · tanh(s / softcap)) / ds = 1 - tanh², folded into P once dV has it, so the tanh tile dies
@@ -217,15 +229,18 @@ def _attn_bwd_dkdv_inner(
     v,
     q_ptrs,
     do_ptrs,
+    o_ptrs,
     l_ptrs,
     delta_ptrs,
     dq_acc_ptrs,
     slope_ptr,
     stride_qm,
     stride_dom,
+    stride_om,
     stride_lm,
     stride_qh,
     stride_doh,
+    stride_oh,
     stride_lh,
     stride_delta,
     stride_dq_acc,
@@ -253,6 +268,7 @@ def _attn_bwd_dkdv_inner(
     EVEN_D: tl.constexpr,
     ATOMIC_DQ: tl.constexpr,
     GQA: tl.constexpr,
+    DELTA_FROM_O: tl.constexpr,
 ):
     """dK and dV of one key tile over query tiles [lo, hi) of each of the GROUP query heads of its key/value
     head (GQA: GROUP > 1), the heads one after another in a fixed order. With GQA one loop walks (head,
@@ -274,15 +290,18 @@ def _attn_bwd_dkdv_inner(
                 tl.cast(g, tl.int64),
                 q_ptrs,
                 do_ptrs,
+                o_ptrs,
                 l_ptrs,
                 delta_ptrs,
                 dq_acc_ptrs,
                 slope_ptr,
                 stride_qm,
                 stride_dom,
+                stride_om,
                 stride_lm,
                 stride_qh,
                 stride_doh,
+                stride_oh,
                 stride_lh,
                 stride_delta,
                 stride_dq_acc,
@@ -306,6 +325,7 @@ def _attn_bwd_dkdv_inner(
                 HEAD_DIM,
                 EVEN_D,
                 ATOMIC_DQ,
+                DELTA_FROM_O,
             )
     else:
         for start_m in tl.range(lo, hi, BLOCK_M):
@@ -319,15 +339,18 @@ def _attn_bwd_dkdv_inner(
                 0,
                 q_ptrs,
                 do_ptrs,
+                o_ptrs,
                 l_ptrs,
                 delta_ptrs,
                 dq_acc_ptrs,
                 slope_ptr,
                 stride_qm,
                 stride_dom,
+                stride_om,
                 stride_lm,
                 stride_qh,
                 stride_doh,
+                stride_oh,
                 stride_lh,
                 stride_delta,
                 stride_dq_acc,
@@ -351,8 +374,326 @@ def _attn_bwd_dkdv_inner(
                 HEAD_DIM,
                 EVEN_D,
                 ATOMIC_DQ,
+                DELTA_FROM_O,
             )
     return dk, dv
+
+
+@triton.jit
+def _attn_bwd_dkdv_program(
+    pid,
+    Q,
+    K,
+    V,
+    dO,
+    O,
+    L,
+    Delta,
+    dK,
+    dV,
+    dQ_acc,
+    Slopes,
+    Cu_q,
+    Cu_k,
+    scale,
+    qk_scale,
+    cap_scale,
+    window_left,
+    window_right,
+    stride_qb,
+    stride_qh,
+    stride_qm,
+    stride_qd,
+    stride_kb,
+    stride_kh,
+    stride_kn,
+    stride_kd,
+    stride_vb,
+    stride_vh,
+    stride_vn,
+    stride_vd,
+    stride_dob,
+    stride_doh,
+    stride_dom,
+    stride_dod,
+    stride_ob,
+    stride_oh,
+    stride_om,
+    stride_od,
+    stride_lb,
+    stride_lh,
+    stride_lm,
+    stride_dkb,
+    stride_dkh,
+    stride_dkn,
+    stride_dkd,
+    stride_dvb,
+    stride_dvh,
+    stride_dvn,
+    stride_dvd,
+    stride_sb,
+    stride_sh,
+    stride_delta,
+    stride_dq_acc,
+    H,
+    GROUP,
+    N_Q,
+    N_K,
+    TOTAL_Q,
+    TOTAL_K,
+    head_dim,
+    WINDOW_LEFT: tl.constexpr,
+    WINDOW_RIGHT: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    ALIBI: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    EVEN_D: tl.constexpr,
+    ATOMIC_DQ: tl.constexpr,
+    VARLEN: tl.constexpr,
+    GQA: tl.constexpr,
+    DELTA_FROM_O: tl.constexpr,
+):
+    """Program pid of the dK/dV kernel. Q, dO, O: (B, H, N_Q, D); K, V, dK, dV: (B, H // GROUP, N_K, D); L: (B,
+    H, N_Q); Delta: (B·H, N_Q) at row stride stride_delta. dQ_acc: with ATOMIC_DQ, a zeroed fp32 (B·H, cdiv(N_Q,
+    BLOCK_M) · BLOCK_M, HEAD_DIM) accumulator (stride_dq_acc elements a row of B·H). GROUP: query heads per
+    key/value head, a runtime int as in the forward. The window, softcap and ALiBi arguments as the forward's
+    (``_attn_fwd``), Slopes (B, H) per query head. VARLEN: a packed batch as in the forward (B = 1 in the
+    tensors, the sequences' rows from Cu_q and Cu_k; N_Q and N_K the longest lengths), dQ_acc then (H, total_q
+    + BLOCK_M, HEAD_DIM). DELTA_FROM_O: each step computes its delta from O and dO (Delta unread), else O is
+    unread."""
+    # One program per (key tile, batch·key/value head), flattened to one grid axis, key tiles fastest; under
+    # causal the first key tiles are seen by the most query rows, so the longest programs start first.
+    num_n_tiles = tl.cdiv(N_K, BLOCK_N)
+    H_K = H // GROUP
+    off_bhk = (pid // num_n_tiles).to(tl.int64)
+    off_b = off_bhk // H_K
+    off_hk = off_bhk % H_K
+    start_n = (pid % num_n_tiles) * BLOCK_N
+    # A packed batch: off_b is a sequence, and every length below is that sequence's own.
+    off_bt, q_start, k_start, N_Q, N_K = sequence(Cu_q, Cu_k, off_b, N_Q, N_K, TOTAL_Q, TOTAL_K, VARLEN)
+    if VARLEN:
+        if start_n >= N_K:
+            return
+        Q += q_start * stride_qm
+        dO += q_start * stride_dom
+        O += q_start * stride_om
+        L += q_start * stride_lm
+        Delta += q_start
+        dQ_acc += q_start * HEAD_DIM
+        K += k_start * stride_kn
+        V += k_start * stride_vn
+        dK += k_start * stride_dkn
+        dV += k_start * stride_dvn
+    # Key j is visible to query i iff i + diag - window_left <= j <= i + diag + window_right.
+    diag = N_K - N_Q
+    diag_left = diag - window_left
+    diag_right = diag + window_right
+
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    # 64-bit offsets, as B·H·N·D can pass 2^31 elements; the query loop adds start_m · stride in 64 bits.
+    offs_m64 = offs_m.to(tl.int64)
+    offs_n64 = offs_n.to(tl.int64)
+    offs_d64 = offs_d.to(tl.int64)
+    k_ptrs = K + off_bt * stride_kb + off_hk * stride_kh + offs_n64[:, None] * stride_kn + offs_d64[None, :] * stride_kd
+    v_ptrs = V + off_bt * stride_vb + off_hk * stride_vh + offs_n64[:, None] * stride_vn + offs_d64[None, :] * stride_vd
+
+    k = load_tile(k_ptrs, offs_n, N_K, offs_d, head_dim, True, EVEN_D)  # [BLOCK_N, HEAD_DIM]
+    v = load_tile(v_ptrs, offs_n, N_K, offs_d, head_dim, True, EVEN_D)  # [BLOCK_N, HEAD_DIM]
+    dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+
+    # Only the query tiles that see a key of this tile: key j is seen by query i iff j - diag - window_right
+    # <= i <= j - diag + window_left, the window read the other way round. [lo, full_lo) across the right
+    # edge (under causal, the band) and [full_hi, hi) across the left edge or the end of the queries (the
+    # last partial tile, row-masked) are masked; [full_lo, full_hi), every key of the tile seen by every
+    # row, unmasked. Keys past seqlen_k count as seen: their gradient rows are never stored.
+    lo, full_lo, full_hi, hi = tiles_in_window(
+        start_n,
+        tl.minimum(start_n + BLOCK_N, N_K),
+        N_Q,
+        -diag,
+        window_right,
+        window_left,
+        BLOCK_M,
+        WINDOW_RIGHT,
+        WINDOW_LEFT,
+    )
+    # The group's query heads, one after another in a fixed order (deterministic), all accumulating into
+    # this key tile's dk and dv in registers: dK and dV of a key/value head are sums over its query heads.
+    # Pointers of the group's first query head; each part's loop walks (head, query tile).
+    off_h = off_hk * GROUP
+    off_bh = off_bt * H + off_h
+    q_ptrs = Q + off_bt * stride_qb + off_h * stride_qh + offs_m64[:, None] * stride_qm + offs_d64[None, :] * stride_qd
+    do_ptrs = (
+        dO + off_bt * stride_dob + off_h * stride_doh + offs_m64[:, None] * stride_dom + offs_d64[None, :] * stride_dod
+    )
+    o_ptrs = O + off_bt * stride_ob + off_h * stride_oh + offs_m64[:, None] * stride_om + offs_d64[None, :] * stride_od
+    l_ptrs = L + off_bt * stride_lb + off_h * stride_lh + offs_m64 * stride_lm
+    delta_ptrs = Delta + off_bh * stride_delta + offs_m
+    dq_acc_ptrs = dQ_acc + off_bh * stride_dq_acc + offs_m64[:, None] * HEAD_DIM + offs_d64[None, :]
+    slope_ptr = Slopes + off_b * stride_sb + off_h * stride_sh
+    dk, dv = _attn_bwd_dkdv_inner(
+        dk,
+        dv,
+        k,
+        v,
+        q_ptrs,
+        do_ptrs,
+        o_ptrs,
+        l_ptrs,
+        delta_ptrs,
+        dq_acc_ptrs,
+        slope_ptr,
+        stride_qm,
+        stride_dom,
+        stride_om,
+        stride_lm,
+        stride_qh,
+        stride_doh,
+        stride_oh,
+        stride_lh,
+        stride_delta,
+        stride_dq_acc,
+        stride_sh,
+        GROUP,
+        offs_m,
+        offs_n,
+        offs_d,
+        head_dim,
+        N_Q,
+        diag,
+        diag_left,
+        diag_right,
+        qk_scale,
+        cap_scale,
+        lo,
+        full_lo,
+        True,
+        WINDOW_LEFT,
+        WINDOW_RIGHT,
+        SOFTCAP,
+        ALIBI,
+        BLOCK_M,
+        HEAD_DIM,
+        EVEN_D,
+        ATOMIC_DQ,
+        GQA,
+        DELTA_FROM_O,
+    )
+    dk, dv = _attn_bwd_dkdv_inner(
+        dk,
+        dv,
+        k,
+        v,
+        q_ptrs,
+        do_ptrs,
+        o_ptrs,
+        l_ptrs,
+        delta_ptrs,
+        dq_acc_ptrs,
+        slope_ptr,
+        stride_qm,
+        stride_dom,
+        stride_om,
+        stride_lm,
+        stride_qh,
+        stride_doh,
+        stride_oh,
+        stride_lh,
+        stride_delta,
+        stride_dq_acc,
+        stride_sh,
+        GROUP,
+        offs_m,
+        offs_n,
+        offs_d,
+        head_dim,
+        N_Q,
+        diag,
+        diag_left,
+        diag_right,
+        qk_scale,
+        cap_scale,
+        full_lo,
+        full_hi,
+        False,
+        WINDOW_LEFT,
+        WINDOW_RIGHT,
+        SOFTCAP,
+        ALIBI,
+        BLOCK_M,
+        HEAD_DIM,
+        EVEN_D,
+        ATOMIC_DQ,
+        GQA,
+        DELTA_FROM_O,
+    )
+    dk, dv = _attn_bwd_dkdv_inner(
+        dk,
+        dv,
+        k,
+        v,
+        q_ptrs,
+        do_ptrs,
+        o_ptrs,
+        l_ptrs,
+        delta_ptrs,
+        dq_acc_ptrs,
+        slope_ptr,
+        stride_qm,
+        stride_dom,
+        stride_om,
+        stride_lm,
+        stride_qh,
+        stride_doh,
+        stride_oh,
+        stride_lh,
+        stride_delta,
+        stride_dq_acc,
+        stride_sh,
+        GROUP,
+        offs_m,
+        offs_n,
+        offs_d,
+        head_dim,
+        N_Q,
+        diag,
+        diag_left,
+        diag_right,
+        qk_scale,
+        cap_scale,
+        full_hi,
+        hi,
+        True,
+        WINDOW_LEFT,
+        WINDOW_RIGHT,
+        SOFTCAP,
+        ALIBI,
+        BLOCK_M,
+        HEAD_DIM,
+        EVEN_D,
+        ATOMIC_DQ,
+        GQA,
+        DELTA_FROM_O,
+    )
+    dk = dk * scale
+
+    # A key tile that no query sees keeps dk = dv = 0, and stores them.
+    mask = offs_n[:, None] < N_K
+    if not EVEN_D:
+        mask = mask & (offs_d[None, :] < head_dim)
+    dk_ptrs = (
+        dK + off_bt * stride_dkb + off_hk * stride_dkh + offs_n64[:, None] * stride_dkn + offs_d64[None, :] * stride_dkd
+    )
+    dv_ptrs = (
+        dV + off_bt * stride_dvb + off_hk * stride_dvh + offs_n64[:, None] * stride_dvn + offs_d64[None, :] * stride_dvd
+    )
+    tl.store(dk_ptrs, dk.to(dK.dtype.element_ty), mask=mask)
+    tl.store(dv_ptrs, dv.to(dV.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -424,230 +765,82 @@ def _attn_bwd_dkdv(
     VARLEN: tl.constexpr,
     GQA: tl.constexpr,
 ):
-    """Q, dO: (B, H, N_Q, D); K, V, dK, dV: (B, H // GROUP, N_K, D); L: (B, H, N_Q); Delta: (B·H, N_Q) at row
-    stride stride_delta. dQ_acc: with ATOMIC_DQ, a zeroed fp32 (B·H, cdiv(N_Q, BLOCK_M) · BLOCK_M, HEAD_DIM)
-    accumulator (stride_dq_acc elements a row of B·H). GROUP: query heads per key/value head, a runtime int
-    as in the forward. The window, softcap and ALiBi arguments as the forward's (``_attn_fwd``), Slopes (B,
-    H) per query head. VARLEN: a packed batch as in the forward (B = 1 in the tensors, the sequences' rows
-    from Cu_q and Cu_k; N_Q and N_K the longest lengths), dQ_acc then (H, total_q + BLOCK_M, HEAD_DIM)."""
-    # One program per (key tile, batch·key/value head), flattened to one grid axis, key tiles fastest; under
-    # causal the first key tiles are seen by the most query rows, so the longest programs start first.
-    pid = tl.program_id(0)
-    num_n_tiles = tl.cdiv(N_K, BLOCK_N)
-    H_K = H // GROUP
-    off_bhk = (pid // num_n_tiles).to(tl.int64)
-    off_b = off_bhk // H_K
-    off_hk = off_bhk % H_K
-    start_n = (pid % num_n_tiles) * BLOCK_N
-    # A packed batch: off_b is a sequence, and every length below is that sequence's own.
-    off_bt, q_start, k_start, N_Q, N_K = sequence(Cu_q, Cu_k, off_b, N_Q, N_K, TOTAL_Q, TOTAL_K, VARLEN)
-    if VARLEN:
-        if start_n >= N_K:
-            return
-        Q += q_start * stride_qm
-        dO += q_start * stride_dom
-        L += q_start * stride_lm
-        Delta += q_start
-        dQ_acc += q_start * HEAD_DIM
-        K += k_start * stride_kn
-        V += k_start * stride_vn
-        dK += k_start * stride_dkn
-        dV += k_start * stride_dvn
-    # Key j is visible to query i iff i + diag - window_left <= j <= i + diag + window_right.
-    diag = N_K - N_Q
-    diag_left = diag - window_left
-    diag_right = diag + window_right
-
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_n = start_n + tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, HEAD_DIM)
-    # 64-bit offsets, as B·H·N·D can pass 2^31 elements; the query loop adds start_m · stride in 64 bits.
-    offs_m64 = offs_m.to(tl.int64)
-    offs_n64 = offs_n.to(tl.int64)
-    offs_d64 = offs_d.to(tl.int64)
-    k_ptrs = K + off_bt * stride_kb + off_hk * stride_kh + offs_n64[:, None] * stride_kn + offs_d64[None, :] * stride_kd
-    v_ptrs = V + off_bt * stride_vb + off_hk * stride_vh + offs_n64[:, None] * stride_vn + offs_d64[None, :] * stride_vd
-
-    k = load_tile(k_ptrs, offs_n, N_K, offs_d, head_dim, True, EVEN_D)  # [BLOCK_N, HEAD_DIM]
-    v = load_tile(v_ptrs, offs_n, N_K, offs_d, head_dim, True, EVEN_D)  # [BLOCK_N, HEAD_DIM]
-    dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
-    dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
-
-    # Only the query tiles that see a key of this tile: key j is seen by query i iff j - diag - window_right
-    # <= i <= j - diag + window_left, the window read the other way round. [lo, full_lo) across the right
-    # edge (under causal, the band) and [full_hi, hi) across the left edge or the end of the queries (the
-    # last partial tile, row-masked) are masked; [full_lo, full_hi), every key of the tile seen by every
-    # row, unmasked. Keys past seqlen_k count as seen: their gradient rows are never stored.
-    lo, full_lo, full_hi, hi = tiles_in_window(
-        start_n,
-        tl.minimum(start_n + BLOCK_N, N_K),
-        N_Q,
-        -diag,
-        window_right,
+    """The dK/dV kernel: ``_attn_bwd_dkdv_program`` for each program, delta from the preprocess."""
+    _attn_bwd_dkdv_program(
+        tl.program_id(0),
+        Q,
+        K,
+        V,
+        dO,
+        Delta,
+        L,
+        Delta,
+        dK,
+        dV,
+        dQ_acc,
+        Slopes,
+        Cu_q,
+        Cu_k,
+        scale,
+        qk_scale,
+        cap_scale,
         window_left,
-        BLOCK_M,
-        WINDOW_RIGHT,
-        WINDOW_LEFT,
-    )
-    # The group's query heads, one after another in a fixed order (deterministic), all accumulating into
-    # this key tile's dk and dv in registers: dK and dV of a key/value head are sums over its query heads.
-    # Pointers of the group's first query head; each part's loop walks (head, query tile).
-    off_h = off_hk * GROUP
-    off_bh = off_bt * H + off_h
-    q_ptrs = Q + off_bt * stride_qb + off_h * stride_qh + offs_m64[:, None] * stride_qm + offs_d64[None, :] * stride_qd
-    do_ptrs = (
-        dO + off_bt * stride_dob + off_h * stride_doh + offs_m64[:, None] * stride_dom + offs_d64[None, :] * stride_dod
-    )
-    l_ptrs = L + off_bt * stride_lb + off_h * stride_lh + offs_m64 * stride_lm
-    delta_ptrs = Delta + off_bh * stride_delta + offs_m
-    dq_acc_ptrs = dQ_acc + off_bh * stride_dq_acc + offs_m64[:, None] * HEAD_DIM + offs_d64[None, :]
-    slope_ptr = Slopes + off_b * stride_sb + off_h * stride_sh
-    dk, dv = _attn_bwd_dkdv_inner(
-        dk,
-        dv,
-        k,
-        v,
-        q_ptrs,
-        do_ptrs,
-        l_ptrs,
-        delta_ptrs,
-        dq_acc_ptrs,
-        slope_ptr,
-        stride_qm,
-        stride_dom,
-        stride_lm,
+        window_right,
+        stride_qb,
         stride_qh,
+        stride_qm,
+        stride_qd,
+        stride_kb,
+        stride_kh,
+        stride_kn,
+        stride_kd,
+        stride_vb,
+        stride_vh,
+        stride_vn,
+        stride_vd,
+        stride_dob,
         stride_doh,
+        stride_dom,
+        stride_dod,
+        0,
+        0,
+        0,
+        0,
+        stride_lb,
         stride_lh,
+        stride_lm,
+        stride_dkb,
+        stride_dkh,
+        stride_dkn,
+        stride_dkd,
+        stride_dvb,
+        stride_dvh,
+        stride_dvn,
+        stride_dvd,
+        stride_sb,
+        stride_sh,
         stride_delta,
         stride_dq_acc,
-        stride_sh,
+        H,
         GROUP,
-        offs_m,
-        offs_n,
-        offs_d,
-        head_dim,
         N_Q,
-        diag,
-        diag_left,
-        diag_right,
-        qk_scale,
-        cap_scale,
-        lo,
-        full_lo,
-        True,
+        N_K,
+        TOTAL_Q,
+        TOTAL_K,
+        head_dim,
         WINDOW_LEFT,
         WINDOW_RIGHT,
         SOFTCAP,
         ALIBI,
         BLOCK_M,
+        BLOCK_N,
         HEAD_DIM,
         EVEN_D,
         ATOMIC_DQ,
+        VARLEN,
         GQA,
-    )
-    dk, dv = _attn_bwd_dkdv_inner(
-        dk,
-        dv,
-        k,
-        v,
-        q_ptrs,
-        do_ptrs,
-        l_ptrs,
-        delta_ptrs,
-        dq_acc_ptrs,
-        slope_ptr,
-        stride_qm,
-        stride_dom,
-        stride_lm,
-        stride_qh,
-        stride_doh,
-        stride_lh,
-        stride_delta,
-        stride_dq_acc,
-        stride_sh,
-        GROUP,
-        offs_m,
-        offs_n,
-        offs_d,
-        head_dim,
-        N_Q,
-        diag,
-        diag_left,
-        diag_right,
-        qk_scale,
-        cap_scale,
-        full_lo,
-        full_hi,
         False,
-        WINDOW_LEFT,
-        WINDOW_RIGHT,
-        SOFTCAP,
-        ALIBI,
-        BLOCK_M,
-        HEAD_DIM,
-        EVEN_D,
-        ATOMIC_DQ,
-        GQA,
     )
-    dk, dv = _attn_bwd_dkdv_inner(
-        dk,
-        dv,
-        k,
-        v,
-        q_ptrs,
-        do_ptrs,
-        l_ptrs,
-        delta_ptrs,
-        dq_acc_ptrs,
-        slope_ptr,
-        stride_qm,
-        stride_dom,
-        stride_lm,
-        stride_qh,
-        stride_doh,
-        stride_lh,
-        stride_delta,
-        stride_dq_acc,
-        stride_sh,
-        GROUP,
-        offs_m,
-        offs_n,
-        offs_d,
-        head_dim,
-        N_Q,
-        diag,
-        diag_left,
-        diag_right,
-        qk_scale,
-        cap_scale,
-        full_hi,
-        hi,
-        True,
-        WINDOW_LEFT,
-        WINDOW_RIGHT,
-        SOFTCAP,
-        ALIBI,
-        BLOCK_M,
-        HEAD_DIM,
-        EVEN_D,
-        ATOMIC_DQ,
-        GQA,
-    )
-    dk = dk * scale
-
-    # A key tile that no query sees keeps dk = dv = 0, and stores them.
-    mask = offs_n[:, None] < N_K
-    if not EVEN_D:
-        mask = mask & (offs_d[None, :] < head_dim)
-    dk_ptrs = (
-        dK + off_bt * stride_dkb + off_hk * stride_dkh + offs_n64[:, None] * stride_dkn + offs_d64[None, :] * stride_dkd
-    )
-    dv_ptrs = (
-        dV + off_bt * stride_dvb + off_hk * stride_dvh + offs_n64[:, None] * stride_dvn + offs_d64[None, :] * stride_dvd
-    )
-    tl.store(dk_ptrs, dk.to(dK.dtype.element_ty), mask=mask)
-    tl.store(dv_ptrs, dv.to(dV.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -720,11 +913,13 @@ def _attn_bwd_dq_inner(
 
 
 @triton.jit
-def _attn_bwd_dq(
+def _attn_bwd_dq_program(
+    pid,
     Q,
     K,
     V,
     dO,
+    O,
     L,
     Delta,
     dQ,
@@ -752,6 +947,10 @@ def _attn_bwd_dq(
     stride_doh,
     stride_dom,
     stride_dod,
+    stride_ob,
+    stride_oh,
+    stride_om,
+    stride_od,
     stride_lb,
     stride_lh,
     stride_lm,
@@ -778,12 +977,13 @@ def _attn_bwd_dq(
     HEAD_DIM: tl.constexpr,
     EVEN_D: tl.constexpr,
     VARLEN: tl.constexpr,
+    DELTA_FROM_O: tl.constexpr,
 ):
-    """Q, dO, dQ: (B, H, N_Q, D); K, V: (B, H // GROUP, N_K, D); L: (B, H, N_Q); Delta: (B·H, N_Q) at row
-    stride stride_delta. The window, softcap, ALiBi and VARLEN arguments as the forward's (``_attn_fwd``)."""
+    """Program pid of the dQ kernel. Q, dO, O, dQ: (B, H, N_Q, D); K, V: (B, H // GROUP, N_K, D); L: (B, H,
+    N_Q); Delta: (B·H, N_Q) at row stride stride_delta. The window, softcap, ALiBi and VARLEN arguments as the
+    forward's (``_attn_fwd``). DELTA_FROM_O: delta computed from O and dO (Delta unread), else O is unread."""
     # One program per (query tile, batch·head), flattened to one grid axis, query tiles fastest and last
     # first: under causal the last query tiles see the most keys, so the longest programs start first.
-    pid = tl.program_id(0)
     num_m_tiles = tl.cdiv(N_Q, BLOCK_M)
     off_bh = (pid // num_m_tiles).to(tl.int64)
     off_b = off_bh // H
@@ -798,6 +998,7 @@ def _attn_bwd_dq(
             return
         Q += q_start * stride_qm
         dO += q_start * stride_dom
+        O += q_start * stride_om
         dQ += q_start * stride_dqm
         L += q_start * stride_lm
         Delta += q_start
@@ -832,7 +1033,14 @@ def _attn_bwd_dq(
         )
         * 1.4426950408889634
     )
-    delta = tl.load(Delta + off_bh * stride_delta + offs_m, mask=offs_m < N_Q, other=0.0)
+    if DELTA_FROM_O:
+        o_ptrs = (
+            O + off_bt * stride_ob + off_h * stride_oh + offs_m64[:, None] * stride_om + offs_d64[None, :] * stride_od
+        )
+        o = load_tile(o_ptrs, offs_m, N_Q, offs_d, head_dim, True, EVEN_D)  # [BLOCK_M, HEAD_DIM]
+        delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    else:
+        delta = tl.load(Delta + off_bh * stride_delta + offs_m, mask=offs_m < N_Q, other=0.0)
     dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
 
     alibi = 0.0
@@ -954,3 +1162,361 @@ def _attn_bwd_dq(
         dQ + off_bt * stride_dqb + off_h * stride_dqh + offs_m64[:, None] * stride_dqm + offs_d64[None, :] * stride_dqd
     )
     tl.store(dq_ptrs, dq.to(dQ.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _attn_bwd_dq(
+    Q,
+    K,
+    V,
+    dO,
+    L,
+    Delta,
+    dQ,
+    Slopes,
+    Cu_q,
+    Cu_k,
+    scale,
+    qk_scale,
+    cap_scale,
+    window_left,
+    window_right,
+    stride_qb,
+    stride_qh,
+    stride_qm,
+    stride_qd,
+    stride_kb,
+    stride_kh,
+    stride_kn,
+    stride_kd,
+    stride_vb,
+    stride_vh,
+    stride_vn,
+    stride_vd,
+    stride_dob,
+    stride_doh,
+    stride_dom,
+    stride_dod,
+    stride_lb,
+    stride_lh,
+    stride_lm,
+    stride_dqb,
+    stride_dqh,
+    stride_dqm,
+    stride_dqd,
+    stride_sb,
+    stride_sh,
+    stride_delta,
+    H,
+    GROUP,
+    N_Q,
+    N_K,
+    TOTAL_Q,
+    TOTAL_K,
+    head_dim,
+    WINDOW_LEFT: tl.constexpr,
+    WINDOW_RIGHT: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    ALIBI: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    EVEN_D: tl.constexpr,
+    VARLEN: tl.constexpr,
+):
+    """The dQ kernel: ``_attn_bwd_dq_program`` for each program, delta from the preprocess."""
+    _attn_bwd_dq_program(
+        tl.program_id(0),
+        Q,
+        K,
+        V,
+        dO,
+        Delta,
+        L,
+        Delta,
+        dQ,
+        Slopes,
+        Cu_q,
+        Cu_k,
+        scale,
+        qk_scale,
+        cap_scale,
+        window_left,
+        window_right,
+        stride_qb,
+        stride_qh,
+        stride_qm,
+        stride_qd,
+        stride_kb,
+        stride_kh,
+        stride_kn,
+        stride_kd,
+        stride_vb,
+        stride_vh,
+        stride_vn,
+        stride_vd,
+        stride_dob,
+        stride_doh,
+        stride_dom,
+        stride_dod,
+        0,
+        0,
+        0,
+        0,
+        stride_lb,
+        stride_lh,
+        stride_lm,
+        stride_dqb,
+        stride_dqh,
+        stride_dqm,
+        stride_dqd,
+        stride_sb,
+        stride_sh,
+        stride_delta,
+        H,
+        GROUP,
+        N_Q,
+        N_K,
+        TOTAL_Q,
+        TOTAL_K,
+        head_dim,
+        WINDOW_LEFT,
+        WINDOW_RIGHT,
+        SOFTCAP,
+        ALIBI,
+        BLOCK_M,
+        BLOCK_N,
+        HEAD_DIM,
+        EVEN_D,
+        VARLEN,
+        False,
+    )
+
+
+@triton.jit
+def _attn_bwd_short(
+    Q,
+    K,
+    V,
+    O,
+    dO,
+    L,
+    dQ,
+    dK,
+    dV,
+    Slopes,
+    Cu_q,
+    Cu_k,
+    scale,
+    qk_scale,
+    cap_scale,
+    window_left,
+    window_right,
+    stride_qb,
+    stride_qh,
+    stride_qm,
+    stride_qd,
+    stride_kb,
+    stride_kh,
+    stride_kn,
+    stride_kd,
+    stride_vb,
+    stride_vh,
+    stride_vn,
+    stride_vd,
+    stride_ob,
+    stride_oh,
+    stride_om,
+    stride_od,
+    stride_dob,
+    stride_doh,
+    stride_dom,
+    stride_dod,
+    stride_lb,
+    stride_lh,
+    stride_lm,
+    stride_dqb,
+    stride_dqh,
+    stride_dqm,
+    stride_dqd,
+    stride_dkb,
+    stride_dkh,
+    stride_dkn,
+    stride_dkd,
+    stride_dvb,
+    stride_dvh,
+    stride_dvn,
+    stride_dvd,
+    stride_sb,
+    stride_sh,
+    H,
+    GROUP,
+    N_Q,
+    N_K,
+    TOTAL_Q,
+    TOTAL_K,
+    head_dim,
+    num_dkdv_programs,
+    WINDOW_LEFT: tl.constexpr,
+    WINDOW_RIGHT: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    ALIBI: tl.constexpr,
+    DKDV_BLOCK_M: tl.constexpr,
+    DKDV_BLOCK_N: tl.constexpr,
+    DQ_BLOCK_M: tl.constexpr,
+    DQ_BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    EVEN_D: tl.constexpr,
+    VARLEN: tl.constexpr,
+    GQA: tl.constexpr,
+):
+    """The whole backward in one launch, for short calls (``tiles.short_call``), whose time is the host's: the
+    first num_dkdv_programs programs run the dK/dV kernel's (``_attn_bwd_dkdv_program``), the others the dQ
+    kernel's (``_attn_bwd_dq_program``), each with its own tiles (DKDV_BLOCK_M/N, DQ_BLOCK_M/N), and each
+    computes delta = rowsum(dO ∘ O) of its query tiles from O instead of a preprocess writing it: one launch
+    where there were three, and no delta tensor. Arguments as the two kernels'; O: (B, H, N_Q, D)."""
+    pid = tl.program_id(0)
+    if pid < num_dkdv_programs:
+        # L stands in for Delta and dQ_acc, which these programs do not read.
+        _attn_bwd_dkdv_program(
+            pid,
+            Q,
+            K,
+            V,
+            dO,
+            O,
+            L,
+            L,
+            dK,
+            dV,
+            L,
+            Slopes,
+            Cu_q,
+            Cu_k,
+            scale,
+            qk_scale,
+            cap_scale,
+            window_left,
+            window_right,
+            stride_qb,
+            stride_qh,
+            stride_qm,
+            stride_qd,
+            stride_kb,
+            stride_kh,
+            stride_kn,
+            stride_kd,
+            stride_vb,
+            stride_vh,
+            stride_vn,
+            stride_vd,
+            stride_dob,
+            stride_doh,
+            stride_dom,
+            stride_dod,
+            stride_ob,
+            stride_oh,
+            stride_om,
+            stride_od,
+            stride_lb,
+            stride_lh,
+            stride_lm,
+            stride_dkb,
+            stride_dkh,
+            stride_dkn,
+            stride_dkd,
+            stride_dvb,
+            stride_dvh,
+            stride_dvn,
+            stride_dvd,
+            stride_sb,
+            stride_sh,
+            0,
+            0,
+            H,
+            GROUP,
+            N_Q,
+            N_K,
+            TOTAL_Q,
+            TOTAL_K,
+            head_dim,
+            WINDOW_LEFT,
+            WINDOW_RIGHT,
+            SOFTCAP,
+            ALIBI,
+            DKDV_BLOCK_M,
+            DKDV_BLOCK_N,
+            HEAD_DIM,
+            EVEN_D,
+            False,
+            VARLEN,
+            GQA,
+            True,
+        )
+    else:
+        _attn_bwd_dq_program(
+            pid - num_dkdv_programs,
+            Q,
+            K,
+            V,
+            dO,
+            O,
+            L,
+            L,
+            dQ,
+            Slopes,
+            Cu_q,
+            Cu_k,
+            scale,
+            qk_scale,
+            cap_scale,
+            window_left,
+            window_right,
+            stride_qb,
+            stride_qh,
+            stride_qm,
+            stride_qd,
+            stride_kb,
+            stride_kh,
+            stride_kn,
+            stride_kd,
+            stride_vb,
+            stride_vh,
+            stride_vn,
+            stride_vd,
+            stride_dob,
+            stride_doh,
+            stride_dom,
+            stride_dod,
+            stride_ob,
+            stride_oh,
+            stride_om,
+            stride_od,
+            stride_lb,
+            stride_lh,
+            stride_lm,
+            stride_dqb,
+            stride_dqh,
+            stride_dqm,
+            stride_dqd,
+            stride_sb,
+            stride_sh,
+            0,
+            H,
+            GROUP,
+            N_Q,
+            N_K,
+            TOTAL_Q,
+            TOTAL_K,
+            head_dim,
+            WINDOW_LEFT,
+            WINDOW_RIGHT,
+            SOFTCAP,
+            ALIBI,
+            DQ_BLOCK_M,
+            DQ_BLOCK_N,
+            HEAD_DIM,
+            EVEN_D,
+            VARLEN,
+            True,
+        )
