@@ -48,6 +48,7 @@ def _case(dtype, b, h, h_k, n_q, n_k, d, causal, config=None):
         name += f"-N{config.BLOCK_N}" + ("-ahead" if config.S_AHEAD else "")
         name += f"-maxreg{config.MAX_REGISTERS}" if config.MAX_REGISTERS else ""
         name += f"-stages{config.STAGES}" if config.STAGES != 2 else ""
+        name += "-overlap" if config.OVERLAP_PV else ""
     return pytest.param(dtype, (b, h, h_k, n_q, n_k, d), causal, config, id=name)
 
 
@@ -75,6 +76,8 @@ AHEAD, PLAIN = forward_wgmma.WgmmaConfig(64, True), forward_wgmma.WgmmaConfig(64
 CAPPED = forward_wgmma.WgmmaConfig(64, MAX_REGISTERS=128)
 THREE = forward_wgmma.WgmmaConfig(64, STAGES=3)
 CAPPED_THREE = forward_wgmma.WgmmaConfig(64, MAX_REGISTERS=128, STAGES=3)
+OVERLAP = forward_wgmma.WgmmaConfig(64, STAGES=3, OVERLAP_PV=True)  # P V of a tile during the next one's softmax
+OVERLAP_FOUR = forward_wgmma.WgmmaConfig(64, STAGES=4, OVERLAP_PV=True)
 if SIMULATED:
     KERNEL_CASES = [
         *_cases(torch.float16, SIM_SHAPES),
@@ -88,6 +91,11 @@ if SIMULATED:
         _case(torch.float16, 1, 1, 1, 70, 250, 64, False, THREE),
         _case(torch.float16, 1, 1, 1, 70, 90, 128, True, CAPPED_THREE),
         _case(torch.float16, 1, 1, 1, 150, 200, 64, True, CAPPED),
+        # OVERLAP_PV: one key tile (only the P V after the loop), two, four (the ring wraps), none; four stages.
+        *_cases(torch.float16, [(1, 1, 1, 70, 60, 64), (1, 1, 1, 150, 200, 64), (1, 1, 1, 150, 60, 64)], OVERLAP),
+        _case(torch.float16, 1, 1, 1, 70, 250, 64, False, OVERLAP),
+        _case(torch.float16, 1, 1, 1, 70, 90, 128, True, OVERLAP),
+        _case(torch.float16, 1, 1, 1, 70, 250, 64, True, OVERLAP_FOUR),
     ]
 else:
     KERNEL_CASES = [
@@ -96,8 +104,12 @@ else:
         *_cases(torch.bfloat16, GPU_SHAPES, AHEAD),
         *_cases(torch.bfloat16, GPU_SHAPES, PLAIN),
         *_cases(torch.bfloat16, GPU_SHAPES[2:4], forward_wgmma.WgmmaConfig(128)),
-        *[case for config in (CAPPED, THREE, CAPPED_THREE) for case in _cases(torch.bfloat16, GPU_SHAPES, config)],
-        *[case for config in (CAPPED, THREE) for case in _cases(torch.float16, GPU_SHAPES, config)],
+        *[
+            case
+            for config in (CAPPED, THREE, CAPPED_THREE, OVERLAP, OVERLAP_FOUR)
+            for case in _cases(torch.bfloat16, GPU_SHAPES, config)
+        ],
+        *[case for config in (CAPPED, THREE, OVERLAP) for case in _cases(torch.float16, GPU_SHAPES, config)],
     ]
 
 
@@ -224,6 +236,7 @@ def test_enabled_reads_the_environment_at_import(value, enabled):
     [
         pytest.param(forward_wgmma.WgmmaConfig(64, STAGES=1), "STAGES >= 2", id="one-stage"),
         pytest.param(forward_wgmma.WgmmaConfig(64, True, STAGES=3), "2 with S_AHEAD", id="ahead-three-stages"),
+        pytest.param(forward_wgmma.WgmmaConfig(64, OVERLAP_PV=True), "STAGES >= 3", id="overlap-two-stages"),
         pytest.param(forward_wgmma.WgmmaConfig(64, STAGES=7), "shared memory", id="seven-stages-over-227KB"),
     ],
 )

@@ -108,12 +108,18 @@ class WgmmaConfig(NamedTuple):
       STAGES - 1 is issued during tile i, so that STAGES - 1 tiles' copies are in flight while a block computes
       (``cp.async.wait_group`` STAGES - 2 at a tile's barrier; still one barrier a tile). Each stage adds 2 ·
       BLOCK_N · HEAD_DIM · 2 B of shared memory (``shared_bytes``, at most 227 KB: 132,096 B at HEAD_DIM 128
-      with 3, one block an SM whatever MAX_REGISTERS)."""
+      with 3, one block an SM whatever MAX_REGISTERS).
+    - OVERLAP_PV (STAGES >= 3, not S_AHEAD): FlashAttention-3's intra-warpgroup overlap. P V of tile i - 1 is
+      issued after S = Q Kᵀ of tile i, so that the wait for S leaves it running on the tensor cores during the
+      softmax of tile i; it is waited for before acc is rescaled. P's packed registers of tile i - 1 stay live
+      through the softmax (BLOCK_N / 4 more), and V of tile i - 1 is read until then, so a tile's copies go
+      STAGES - 2 tiles ahead (the stage of tile i - 2)."""
 
     BLOCK_N: int
     S_AHEAD: bool = False
     MAX_REGISTERS: int | None = None
     STAGES: int = 2
+    OVERLAP_PV: bool = False
 
 
 def wgmma_config(HEAD_DIM: int) -> WgmmaConfig:
@@ -180,9 +186,9 @@ def shared_bytes(HEAD_DIM: int, config: WgmmaConfig) -> int:
 
 def _build_kernel(HEAD_DIM, config, CAUSAL, IS_BF16):
     """The kernel for one head dim, key tile, causal or not, and input type."""
-    BLOCK_N, S_AHEAD, STAGES = config.BLOCK_N, config.S_AHEAD, config.STAGES
+    BLOCK_N, S_AHEAD, STAGES, OVERLAP_PV = config.BLOCK_N, config.S_AHEAD, config.STAGES, config.OVERLAP_PV
     assert BLOCK_N % 16 == 0 and 16 <= BLOCK_N <= 256 and HEAD_DIM in HEAD_DIMS
-    assert STAGES >= 2 and (STAGES == 2 or not S_AHEAD)
+    assert STAGES >= 2 and (STAGES == 2 or not S_AHEAD) and (not OVERLAP_PV or (STAGES >= 3 and not S_AHEAD))
     S_REGS = BLOCK_N // 2  # s: the warpgroup's 64 x BLOCK_N scores
     N_TILES = BLOCK_N // 8  # 8-key column blocks of s, 4 registers each
     O_REGS = HEAD_DIM // 2  # acc: its 64 x HEAD_DIM output
@@ -192,7 +198,8 @@ def _build_kernel(HEAD_DIM, config, CAUSAL, IS_BF16):
     Q_TILE = wgmma.swizzle128_tile_bytes(64, HEAD_DIM)  # one warpgroup's Q
     KV_TILE = wgmma.swizzle128_tile_bytes(BLOCK_N, HEAD_DIM)
     STAGE = 2 * KV_TILE  # K then V
-    IN_FLIGHT = STAGES - 2  # groups of copies a tile's wait leaves in flight (a constant of the instruction)
+    AHEAD = STAGES - 2 if OVERLAP_PV else STAGES - 1  # how many tiles ahead a tile issues copies
+    IN_FLIGHT = AHEAD - 1  # groups of copies a tile's wait leaves in flight (a constant of the instruction)
     assert (BLOCK_N * CHUNKS) % NUM_THREADS == 0 and (BLOCK_M * CHUNKS) % NUM_THREADS == 0
     ss = wgmma.wgmma_bf16 if IS_BF16 else wgmma.wgmma_f16
     rs = wgmma.wgmma_bf16_rs if IS_BF16 else wgmma.wgmma_f16_rs
@@ -355,8 +362,8 @@ def _build_kernel(HEAD_DIM, config, CAUSAL, IS_BF16):
         n_tiles = -(-end_n // BLOCK_N)
         if n_tiles > 0:  # else no copy is issued (none is left in flight at the exit)
             load_q(tiles, q_base, off_b * stride_qb + off_h * stride_qh, stride_qm, start_m, seqlen_q)
-            # Key tiles 0 .. STAGES - 2, one group of copies each (Q's in the first), empty past the last tile.
-            for stage in range(STAGES - 1):
+            # Key tiles 0 .. AHEAD - 1, one group of copies each (Q's in the first), empty past the last tile.
+            for stage in range(AHEAD):
                 if stage < n_tiles:
                     kv_stage = kv_tiles + uint32(stage * STAGE)
                     load_kv(kv_stage, k_base, k_offset, stride_kn, stage * BLOCK_N, seqlen_k)
@@ -413,33 +420,51 @@ def _build_kernel(HEAD_DIM, config, CAUSAL, IS_BF16):
                 acc = wgmma.wgmma_fence_operand(acc)
                 s = wgmma.wgmma_fence_operand(s_next)
         else:
-            # A ring of STAGES stages: tile it + STAGES - 1's copies are issued during tile it, into the stage tile
-            # it - 1 was read from. A group is committed for every tile, empty past the last, so that all groups
-            # but the IN_FLIGHT newest are tiles 0 .. it.
+            # A ring of STAGES stages: tile it + AHEAD's copies are issued during tile it, into the stage of tile
+            # it - 1 (with OVERLAP_PV, of tile it - 2: V of tile it - 1 is read during tile it). A group is committed
+            # for every tile, empty past the last, so that all groups but the IN_FLIGHT newest are tiles 0 .. it.
             for it in range(n_tiles):
                 start_n = it * BLOCK_N
                 k_tile = kv_tiles + uint32(it % STAGES * STAGE)
                 cp_async_wait_group(IN_FLIGHT)  # this thread's copies of tile it (and Q) have landed ...
                 wgmma.fence_proxy_async()  # ... visible to wgmma's async proxy ...
-                cuda.syncthreads()  # ... every thread's; both warpgroups are done with tile it - 1's stage
-                ahead = it + STAGES - 1
+                cuda.syncthreads()  # ... every thread's; both warpgroups are done with the stage the next copy takes
+                ahead = it + AHEAD
                 if ahead < n_tiles:
                     ahead_k = kv_tiles + uint32(ahead % STAGES * STAGE)
                     load_kv(ahead_k, k_base, k_offset, stride_kn, ahead * BLOCK_N, seqlen_k)
                     load_kv(ahead_k + uint32(KV_TILE), v_base, v_offset, stride_vn, ahead * BLOCK_N, seqlen_k)
                     cp_async_commit()
-                elif STAGES > 2:
+                elif IN_FLIGHT > 0:
                     cp_async_commit()
                 s = issue_qk(q_tile, k_tile)
-                wgmma.wgmma_wait(0)
+                if OVERLAP_PV:
+                    # P V of tile it - 1 after S in the wgmma order: waiting for S leaves it in flight. At the first
+                    # tile an empty group instead, so that every tile waits alike (waits under a branch: ptxas
+                    # serializes the wgmma, C7513).
+                    if it > 0:
+                        acc = issue_pv(acc, p_regs, kv_tiles + uint32((it - 1) % STAGES * STAGE + KV_TILE))
+                    else:
+                        wgmma.wgmma_commit()
+                    wgmma.wgmma_wait(1)
+                else:
+                    wgmma.wgmma_wait(0)
                 s = wgmma.wgmma_fence_operand(s)
                 mask = start_n + BLOCK_N > seqlen_k or (CAUSAL and start_n + BLOCK_N - 1 > wg_row + diag)
                 softmax(s, p, m_i, l_i, alpha, start_n, seqlen_k, mask, lane_diag, t, qk_scale)
+                if OVERLAP_PV:
+                    wgmma.wgmma_wait(0)  # P V of tile it - 1: acc and P's registers are free again
+                    acc = wgmma.wgmma_fence_operand(acc)
                 acc = wgmma.scale_rows(acc, alpha[0], alpha[1])
                 # All of P packed before the fence, in the source: packed between the mma_async (in the loop),
                 # ptxas adds a warpgroup.arrive before each (C7519).
                 pack_p(p, p_regs)
-                acc = issue_pv(acc, p_regs, k_tile + uint32(KV_TILE))
+                if not OVERLAP_PV:
+                    acc = issue_pv(acc, p_regs, k_tile + uint32(KV_TILE))
+                    wgmma.wgmma_wait(0)
+                    acc = wgmma.wgmma_fence_operand(acc)
+            if OVERLAP_PV and n_tiles > 0:  # P V of the last tile
+                acc = issue_pv(acc, p_regs, kv_tiles + uint32((n_tiles - 1) % STAGES * STAGE + KV_TILE))
                 wgmma.wgmma_wait(0)
                 acc = wgmma.wgmma_fence_operand(acc)
 
@@ -547,6 +572,8 @@ def flash_attn_forward(
         raise ValueError(f"WgmmaConfig needs BLOCK_N a multiple of 16 from 16 to 256, whole copies, got {config}")
     if config.STAGES < 2 or (config.S_AHEAD and config.STAGES != 2):
         raise ValueError(f"WgmmaConfig needs STAGES >= 2, and 2 with S_AHEAD, got {config}")
+    if config.OVERLAP_PV and (config.STAGES < 3 or config.S_AHEAD):
+        raise ValueError(f"WgmmaConfig needs STAGES >= 3 and no S_AHEAD with OVERLAP_PV, got {config}")
     if shared_bytes(head_dim, config) > MAX_SHARED_BYTES:
         raise ValueError(
             f"WgmmaConfig {config} needs {shared_bytes(head_dim, config)} B of shared memory at head_dim {head_dim}, "
