@@ -104,6 +104,8 @@ class WgmmaConfig(NamedTuple):
     - MAX_REGISTERS caps ptxas (numba's ``max_registers``; None: no cap, 163-167 at HEAD_DIM 128). At 128, two
       blocks of 256 threads fit an SM's 65,536 registers, and at HEAD_DIM 128 two blocks' 99,328 B of shared
       memory its 228 KB, so that one block's softmax runs while the other's wgmma do. Results do not change.
+      Offline (NVVM and ptxas of CUDA 13, sm_90a) the cap spills 76-88 B a thread at HEAD_DIM 128, some of it
+      in the key loop's copy addresses; HEAD_DIM 64 is at 125 registers uncapped already.
     - STAGES: K/V tiles in the shared-memory ring (2 or more; S_AHEAD takes only 2): the copy of key tile i +
       STAGES - 1 is issued during tile i, so that STAGES - 1 tiles' copies are in flight while a block computes
       (``cp.async.wait_group`` STAGES - 2 at a tile's barrier; still one barrier a tile). Each stage adds 2 ·
