@@ -46,6 +46,9 @@ def _case(dtype, b, h, h_k, n_q, n_k, d, causal, config=None):
     name += "-causal" if causal else "-full"
     if config is not None:
         name += f"-N{config.BLOCK_N}" + ("-ahead" if config.S_AHEAD else "")
+        name += f"-maxreg{config.MAX_REGISTERS}" if config.MAX_REGISTERS else ""
+        name += f"-stages{config.STAGES}" if config.STAGES != 2 else ""
+        name += "-overlap" if config.OVERLAP_PV else ""
     return pytest.param(dtype, (b, h, h_k, n_q, n_k, d), causal, config, id=name)
 
 
@@ -69,6 +72,12 @@ GPU_SHAPES = [
     *[(3, 2, 2, 129, 1, d) for d in (64, 128)],
 ]
 AHEAD, PLAIN = forward_wgmma.WgmmaConfig(64, True), forward_wgmma.WgmmaConfig(64, False)
+# The short key loop's configurations: two blocks an SM by registers, a three-stage K/V ring, both.
+CAPPED = forward_wgmma.WgmmaConfig(64, MAX_REGISTERS=128)
+THREE = forward_wgmma.WgmmaConfig(64, STAGES=3)
+CAPPED_THREE = forward_wgmma.WgmmaConfig(64, MAX_REGISTERS=128, STAGES=3)
+OVERLAP = forward_wgmma.WgmmaConfig(64, STAGES=3, OVERLAP_PV=True)  # P V of a tile during the next one's softmax
+OVERLAP_FOUR = forward_wgmma.WgmmaConfig(64, STAGES=4, OVERLAP_PV=True)
 if SIMULATED:
     KERNEL_CASES = [
         *_cases(torch.float16, SIM_SHAPES),
@@ -76,6 +85,17 @@ if SIMULATED:
         *_cases(torch.float16, [(1, 1, 1, 70, 60, 64), (1, 1, 1, 150, 200, 64), (1, 1, 1, 150, 60, 64)], AHEAD),
         _case(torch.float16, 1, 1, 1, 70, 90, 128, True, PLAIN),
         _case(torch.float16, 1, 1, 1, 150, 300, 64, True, forward_wgmma.WgmmaConfig(128)),  # the probe's 128 keys
+        # Three stages: one key tile (the prologue's second group empty), two, four (the ring wraps), and a block
+        # that sees none; the register cap (the simulator ignores it: the index math and ordering only).
+        *_cases(torch.float16, [(1, 1, 1, 70, 60, 64), (1, 1, 1, 150, 200, 64), (1, 1, 1, 150, 60, 64)], THREE),
+        _case(torch.float16, 1, 1, 1, 70, 250, 64, False, THREE),
+        _case(torch.float16, 1, 1, 1, 70, 90, 128, True, CAPPED_THREE),
+        _case(torch.float16, 1, 1, 1, 150, 200, 64, True, CAPPED),
+        # OVERLAP_PV: one key tile (only the P V after the loop), two, four (the ring wraps), none; four stages.
+        *_cases(torch.float16, [(1, 1, 1, 70, 60, 64), (1, 1, 1, 150, 200, 64), (1, 1, 1, 150, 60, 64)], OVERLAP),
+        _case(torch.float16, 1, 1, 1, 70, 250, 64, False, OVERLAP),
+        _case(torch.float16, 1, 1, 1, 70, 90, 128, True, OVERLAP),
+        _case(torch.float16, 1, 1, 1, 70, 250, 64, True, OVERLAP_FOUR),
     ]
 else:
     KERNEL_CASES = [
@@ -84,6 +104,12 @@ else:
         *_cases(torch.bfloat16, GPU_SHAPES, AHEAD),
         *_cases(torch.bfloat16, GPU_SHAPES, PLAIN),
         *_cases(torch.bfloat16, GPU_SHAPES[2:4], forward_wgmma.WgmmaConfig(128)),
+        *[
+            case
+            for config in (CAPPED, THREE, CAPPED_THREE, OVERLAP, OVERLAP_FOUR)
+            for case in _cases(torch.bfloat16, GPU_SHAPES, config)
+        ],
+        *[case for config in (CAPPED, THREE, OVERLAP) for case in _cases(torch.float16, GPU_SHAPES, config)],
     ]
 
 
@@ -203,3 +229,19 @@ def test_enabled_reads_the_environment_at_import(value, enabled):
         setting + "from fa2_numba_cuda import forward_wgmma; print(forward_wgmma.ENABLED)", "FA2_NUMBA_WGMMA", 300
     )
     assert out.stdout.strip() == str(enabled), out.stderr
+
+
+@pytest.mark.parametrize(
+    "config, match",
+    [
+        pytest.param(forward_wgmma.WgmmaConfig(64, STAGES=1), "STAGES >= 2", id="one-stage"),
+        pytest.param(forward_wgmma.WgmmaConfig(64, True, STAGES=3), "2 with S_AHEAD", id="ahead-three-stages"),
+        pytest.param(forward_wgmma.WgmmaConfig(64, OVERLAP_PV=True), "STAGES >= 3", id="overlap-two-stages"),
+        pytest.param(forward_wgmma.WgmmaConfig(64, STAGES=7), "shared memory", id="seven-stages-over-227KB"),
+    ],
+)
+def test_refuses_configurations_it_cannot_build(wgmma_device, config, match):
+    """Before compiling: at head_dim 128 a stage is 32 KB, and seven (257 KB with Q's) exceed a block's 227 KB."""
+    q, k, v = random_qkv((1, 1, 64, 128), (1, 1, 64, 128), torch.float16, wgmma_device)
+    with pytest.raises(ValueError, match=match):
+        forward_wgmma.flash_attn_forward(q, k, v, _spec(q, k, False), config)

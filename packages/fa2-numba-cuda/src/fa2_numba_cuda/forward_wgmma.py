@@ -12,7 +12,9 @@ layouts), as FlashAttention-3 computes them, without its warp specialisation (ev
   (``cp.async`` by all 256 threads, 16 B each, zero-filled past seqlen_k) runs during the products of tile i.
   Per key tile one barrier: each thread's copies of the tile have landed (``cp.async.wait_all``) and are made
   visible to wgmma's async proxy (``fence.proxy.async``), then ``syncthreads``, after which both warpgroups
-  have also finished the previous tile (their wgmma waited), so its stage takes the next copy.
+  have also finished the previous tile (their wgmma waited), so its stage takes the next copy. With STAGES
+  (``WgmmaConfig``) stages, tile i + STAGES - 1's copy is issued during tile i and the wait leaves the STAGES - 2
+  newest tiles' copies in flight (``cp.async.wait_group``).
 - S = Q Kᵀ: HEAD_DIM / 16 wgmma m64nBLOCK_Nk16, A = Q and B = K both K-major from their descriptors, into
   BLOCK_N / 2 fp32 registers ``s``; commit, wait. Register 4 j + e of thread 4 g + t of warp w is row 16 w +
   g + 8 (e // 2) of the warpgroup's 64, key 8 j + 2 t + e % 2 of the tile: forward_tc's layout, so the row
@@ -34,7 +36,7 @@ layouts), as FlashAttention-3 computes them, without its warp specialisation (ev
 Grouped-query attention as ``forward_tc``: query head h reads key/value head h // group in place.
 
 Shared memory (dynamic, above 48 KB: ``launch.prepare`` raises the kernel's limit): Q 2 · 64 · HEAD_DIM, K and
-V 2 stages · 2 · BLOCK_N · HEAD_DIM, 16-bit elements, plus 1 KB to align the tiles on the swizzle's 1024 B
+V STAGES (2 by default) · 2 · BLOCK_N · HEAD_DIM, 16-bit elements, plus 1 KB to align the tiles on the swizzle's 1024 B
 repeat (``shared_bytes``): with BLOCK_N 64, 99,328 B at HEAD_DIM 128 and 50,176 B at 64. Registers per thread:
 s (BLOCK_N / 2), P (BLOCK_N / 4, live until P V's wait), acc (HEAD_DIM / 2); ``wgmma_config`` has ptxas's counts.
 
@@ -69,6 +71,7 @@ from fa2_numba_cuda.mma import (
     cp_async_16,
     cp_async_commit,
     cp_async_wait_all,
+    cp_async_wait_group,
     device_function,
     exp2_approx,
     global_address,
@@ -87,15 +90,38 @@ HEAD_DIMS = (64, 128)
 COMPUTE_CAPABILITY = (9, 0)
 BLOCK_M = 128  # two warpgroups of 64 rows
 NUM_THREADS = 2 * wgmma.WARPGROUP_SIZE
+MAX_SHARED_BYTES = 227 * 1024  # a block's dynamic shared memory on compute capability 9.0
 
 
 class WgmmaConfig(NamedTuple):
     """The key tile: BLOCK_N keys (a multiple of 16, at most 256: wgmma's N). S_AHEAD: each warpgroup issues S =
     Q Kᵀ of the next key tile before the softmax of this one, so that its tensor cores work during the softmax (as
-    forward_tc's S_AHEAD; S's registers twice, K and V loaded a tile apart)."""
+    forward_tc's S_AHEAD; S's registers twice, K and V loaded a tile apart).
+
+    For short key loops (N = 2k: at most 2k / BLOCK_N tiles a block), where one block an SM leaves the load of
+    the first tiles, the softmax and the epilogue unhidden:
+
+    - MAX_REGISTERS caps ptxas (numba's ``max_registers``; None: no cap, 163-167 at HEAD_DIM 128). At 128, two
+      blocks of 256 threads fit an SM's 65,536 registers, and at HEAD_DIM 128 two blocks' 99,328 B of shared
+      memory its 228 KB, so that one block's softmax runs while the other's wgmma do. Results do not change.
+      Offline (NVVM and ptxas of CUDA 13, sm_90a) the cap spills 76-88 B a thread at HEAD_DIM 128, some of it
+      in the key loop's copy addresses; HEAD_DIM 64 is at 125 registers uncapped already.
+    - STAGES: K/V tiles in the shared-memory ring (2 or more; S_AHEAD takes only 2): the copy of key tile i +
+      STAGES - 1 is issued during tile i, so that STAGES - 1 tiles' copies are in flight while a block computes
+      (``cp.async.wait_group`` STAGES - 2 at a tile's barrier; still one barrier a tile). Each stage adds 2 ·
+      BLOCK_N · HEAD_DIM · 2 B of shared memory (``shared_bytes``, at most 227 KB: 132,096 B at HEAD_DIM 128
+      with 3, one block an SM whatever MAX_REGISTERS).
+    - OVERLAP_PV (STAGES >= 3, not S_AHEAD): FlashAttention-3's intra-warpgroup overlap. P V of tile i - 1 is
+      issued after S = Q Kᵀ of tile i, so that the wait for S leaves it running on the tensor cores during the
+      softmax of tile i; it is waited for before acc is rescaled. P's packed registers of tile i - 1 stay live
+      through the softmax (BLOCK_N / 4 more), and V of tile i - 1 is read until then, so a tile's copies go
+      STAGES - 2 tiles ahead (the stage of tile i - 2)."""
 
     BLOCK_N: int
     S_AHEAD: bool = False
+    MAX_REGISTERS: int | None = None
+    STAGES: int = 2
+    OVERLAP_PV: bool = False
 
 
 def wgmma_config(HEAD_DIM: int) -> WgmmaConfig:
@@ -154,16 +180,17 @@ def uses_wgmma(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: Attentio
 
 
 def shared_bytes(HEAD_DIM: int, config: WgmmaConfig) -> int:
-    """The block's dynamic shared memory: Q's two 64-row tiles, two stages of K and V, 1 KB of alignment."""
+    """The block's dynamic shared memory: Q's two 64-row tiles, STAGES stages of K and V, 1 KB of alignment."""
     q_bytes = 2 * wgmma.swizzle128_tile_bytes(64, HEAD_DIM)
-    kv_bytes = 2 * 2 * wgmma.swizzle128_tile_bytes(config.BLOCK_N, HEAD_DIM)
+    kv_bytes = config.STAGES * 2 * wgmma.swizzle128_tile_bytes(config.BLOCK_N, HEAD_DIM)
     return q_bytes + kv_bytes + wgmma.SWIZZLE_ATOM_BYTES
 
 
 def _build_kernel(HEAD_DIM, config, CAUSAL, IS_BF16):
     """The kernel for one head dim, key tile, causal or not, and input type."""
-    BLOCK_N, S_AHEAD = config.BLOCK_N, config.S_AHEAD
+    BLOCK_N, S_AHEAD, STAGES, OVERLAP_PV = config.BLOCK_N, config.S_AHEAD, config.STAGES, config.OVERLAP_PV
     assert BLOCK_N % 16 == 0 and 16 <= BLOCK_N <= 256 and HEAD_DIM in HEAD_DIMS
+    assert STAGES >= 2 and (STAGES == 2 or not S_AHEAD) and (not OVERLAP_PV or (STAGES >= 3 and not S_AHEAD))
     S_REGS = BLOCK_N // 2  # s: the warpgroup's 64 x BLOCK_N scores
     N_TILES = BLOCK_N // 8  # 8-key column blocks of s, 4 registers each
     O_REGS = HEAD_DIM // 2  # acc: its 64 x HEAD_DIM output
@@ -173,6 +200,8 @@ def _build_kernel(HEAD_DIM, config, CAUSAL, IS_BF16):
     Q_TILE = wgmma.swizzle128_tile_bytes(64, HEAD_DIM)  # one warpgroup's Q
     KV_TILE = wgmma.swizzle128_tile_bytes(BLOCK_N, HEAD_DIM)
     STAGE = 2 * KV_TILE  # K then V
+    AHEAD = STAGES - 2 if OVERLAP_PV else STAGES - 1  # how many tiles ahead a tile issues copies
+    IN_FLIGHT = AHEAD - 1  # groups of copies a tile's wait leaves in flight (a constant of the instruction)
     assert (BLOCK_N * CHUNKS) % NUM_THREADS == 0 and (BLOCK_M * CHUNKS) % NUM_THREADS == 0
     ss = wgmma.wgmma_bf16 if IS_BF16 else wgmma.wgmma_f16
     rs = wgmma.wgmma_bf16_rs if IS_BF16 else wgmma.wgmma_f16_rs
@@ -181,7 +210,7 @@ def _build_kernel(HEAD_DIM, config, CAUSAL, IS_BF16):
     def tile_loader(ROWS, TILE_ROWS):
         """load(tile, x_base, offset, stride_n, start, seqlen): rows start .. start + ROWS of x (element offset +
         n · stride_n + c) into swizzled tiles of TILE_ROWS rows from shared address tile on (row r into tile r //
-        TILE_ROWS), 16 B cp.async per thread and chunk, zeros past seqlen; one commit."""
+        TILE_ROWS), 16 B cp.async per thread and chunk, zeros past seqlen; not committed."""
         PER_THREAD = ROWS * CHUNKS // NUM_THREADS
 
         @device_function
@@ -197,7 +226,6 @@ def _build_kernel(HEAD_DIM, config, CAUSAL, IS_BF16):
                     cp_async_16(dst, x_base + uint64(2 * (offset + (start + r) * stride_n + 8 * c)), 16)
                 else:
                     cp_async_16(dst, nowhere, 0)
-            cp_async_commit()
 
         return load
 
@@ -336,8 +364,13 @@ def _build_kernel(HEAD_DIM, config, CAUSAL, IS_BF16):
         n_tiles = -(-end_n // BLOCK_N)
         if n_tiles > 0:  # else no copy is issued (none is left in flight at the exit)
             load_q(tiles, q_base, off_b * stride_qb + off_h * stride_qh, stride_qm, start_m, seqlen_q)
-            load_kv(kv_tiles, k_base, k_offset, stride_kn, 0, seqlen_k)
-            load_kv(kv_tiles + uint32(KV_TILE), v_base, v_offset, stride_vn, 0, seqlen_k)
+            # Key tiles 0 .. AHEAD - 1, one group of copies each (Q's in the first), empty past the last tile.
+            for stage in range(AHEAD):
+                if stage < n_tiles:
+                    kv_stage = kv_tiles + uint32(stage * STAGE)
+                    load_kv(kv_stage, k_base, k_offset, stride_kn, stage * BLOCK_N, seqlen_k)
+                    load_kv(kv_stage + uint32(KV_TILE), v_base, v_offset, stride_vn, stage * BLOCK_N, seqlen_k)
+                cp_async_commit()
 
         m_i = cuda.local.array(2, float32)
         l_i = cuda.local.array(2, float32)
@@ -355,6 +388,7 @@ def _build_kernel(HEAD_DIM, config, CAUSAL, IS_BF16):
             # (S it was waited for in iteration it - 1), V it + 1 where V it - 1 was.
             if n_tiles > 1:
                 load_kv(kv_tiles + uint32(STAGE), k_base, k_offset, stride_kn, BLOCK_N, seqlen_k)
+                cp_async_commit()
             s = wgmma.zero_accumulators(S_REGS)
             if n_tiles > 0:
                 cp_async_wait_all()
@@ -371,9 +405,11 @@ def _build_kernel(HEAD_DIM, config, CAUSAL, IS_BF16):
                 if it + 2 < n_tiles:
                     k_free = kv_tiles + uint32(it % 2 * STAGE)
                     load_kv(k_free, k_base, k_offset, stride_kn, start_n + 2 * BLOCK_N, seqlen_k)
+                    cp_async_commit()
                 if it + 1 < n_tiles:
                     v_free = kv_tiles + uint32((it + 1) % 2 * STAGE + KV_TILE)
                     load_kv(v_free, v_base, v_offset, stride_vn, start_n + BLOCK_N, seqlen_k)
+                    cp_async_commit()
                     s_next = issue_qk(q_tile, kv_tiles + uint32((it + 1) % 2 * STAGE))
                 else:
                     s_next = s
@@ -386,26 +422,51 @@ def _build_kernel(HEAD_DIM, config, CAUSAL, IS_BF16):
                 acc = wgmma.wgmma_fence_operand(acc)
                 s = wgmma.wgmma_fence_operand(s_next)
         else:
+            # A ring of STAGES stages: tile it + AHEAD's copies are issued during tile it, into the stage of tile
+            # it - 1 (with OVERLAP_PV, of tile it - 2: V of tile it - 1 is read during tile it). A group is committed
+            # for every tile, empty past the last, so that all groups but the IN_FLIGHT newest are tiles 0 .. it.
             for it in range(n_tiles):
                 start_n = it * BLOCK_N
-                k_tile = kv_tiles + uint32(it % 2 * STAGE)
-                cp_async_wait_all()  # this thread's copies of tile it (and Q) have landed ...
+                k_tile = kv_tiles + uint32(it % STAGES * STAGE)
+                cp_async_wait_group(IN_FLIGHT)  # this thread's copies of tile it (and Q) have landed ...
                 wgmma.fence_proxy_async()  # ... visible to wgmma's async proxy ...
-                cuda.syncthreads()  # ... every thread's; both warpgroups are done with tile it - 1's stage
-                if it + 1 < n_tiles:
-                    next_k = kv_tiles + uint32((it + 1) % 2 * STAGE)
-                    load_kv(next_k, k_base, k_offset, stride_kn, start_n + BLOCK_N, seqlen_k)
-                    load_kv(next_k + uint32(KV_TILE), v_base, v_offset, stride_vn, start_n + BLOCK_N, seqlen_k)
+                cuda.syncthreads()  # ... every thread's; both warpgroups are done with the stage the next copy takes
+                ahead = it + AHEAD
+                if ahead < n_tiles:
+                    ahead_k = kv_tiles + uint32(ahead % STAGES * STAGE)
+                    load_kv(ahead_k, k_base, k_offset, stride_kn, ahead * BLOCK_N, seqlen_k)
+                    load_kv(ahead_k + uint32(KV_TILE), v_base, v_offset, stride_vn, ahead * BLOCK_N, seqlen_k)
+                    cp_async_commit()
+                elif IN_FLIGHT > 0:
+                    cp_async_commit()
                 s = issue_qk(q_tile, k_tile)
-                wgmma.wgmma_wait(0)
+                if OVERLAP_PV:
+                    # P V of tile it - 1 after S in the wgmma order: waiting for S leaves it in flight. At the first
+                    # tile an empty group instead, so that every tile waits alike (waits under a branch: ptxas
+                    # serializes the wgmma, C7513).
+                    if it > 0:
+                        acc = issue_pv(acc, p_regs, kv_tiles + uint32((it - 1) % STAGES * STAGE + KV_TILE))
+                    else:
+                        wgmma.wgmma_commit()
+                    wgmma.wgmma_wait(1)
+                else:
+                    wgmma.wgmma_wait(0)
                 s = wgmma.wgmma_fence_operand(s)
                 mask = start_n + BLOCK_N > seqlen_k or (CAUSAL and start_n + BLOCK_N - 1 > wg_row + diag)
                 softmax(s, p, m_i, l_i, alpha, start_n, seqlen_k, mask, lane_diag, t, qk_scale)
+                if OVERLAP_PV:
+                    wgmma.wgmma_wait(0)  # P V of tile it - 1: acc and P's registers are free again
+                    acc = wgmma.wgmma_fence_operand(acc)
                 acc = wgmma.scale_rows(acc, alpha[0], alpha[1])
                 # All of P packed before the fence, in the source: packed between the mma_async (in the loop),
                 # ptxas adds a warpgroup.arrive before each (C7519).
                 pack_p(p, p_regs)
-                acc = issue_pv(acc, p_regs, k_tile + uint32(KV_TILE))
+                if not OVERLAP_PV:
+                    acc = issue_pv(acc, p_regs, k_tile + uint32(KV_TILE))
+                    wgmma.wgmma_wait(0)
+                    acc = wgmma.wgmma_fence_operand(acc)
+            if OVERLAP_PV and n_tiles > 0:  # P V of the last tile
+                acc = issue_pv(acc, p_regs, kv_tiles + uint32((n_tiles - 1) % STAGES * STAGE + KV_TILE))
                 wgmma.wgmma_wait(0)
                 acc = wgmma.wgmma_fence_operand(acc)
 
@@ -426,7 +487,14 @@ def _build_kernel(HEAD_DIM, config, CAUSAL, IS_BF16):
                 if t == 0:
                     lse[uint64(o_start + row)] = (m_i[h] + math.log2(l_sum)) * LN2 if l_sum != 0.0 else math.inf
 
-    return cuda.jit(_attn_fwd_wgmma)
+    return _jit(_attn_fwd_wgmma, config.MAX_REGISTERS)
+
+
+def _jit(kernel, MAX_REGISTERS):
+    # The simulator's jit takes no max_registers.
+    if simulated() or MAX_REGISTERS is None:
+        return cuda.jit(kernel)
+    return cuda.jit(max_registers=MAX_REGISTERS)(kernel)
 
 
 # Compiled kernels by (HEAD_DIM, WgmmaConfig, CAUSAL, IS_BF16).
@@ -504,6 +572,15 @@ def flash_attn_forward(
     config = WgmmaConfig(*config) if config is not None else wgmma_config(head_dim)
     if config.BLOCK_N % 16 or not 16 <= config.BLOCK_N <= 256 or (config.BLOCK_N * head_dim // 8) % NUM_THREADS:
         raise ValueError(f"WgmmaConfig needs BLOCK_N a multiple of 16 from 16 to 256, whole copies, got {config}")
+    if config.STAGES < 2 or (config.S_AHEAD and config.STAGES != 2):
+        raise ValueError(f"WgmmaConfig needs STAGES >= 2, and 2 with S_AHEAD, got {config}")
+    if config.OVERLAP_PV and (config.STAGES < 3 or config.S_AHEAD):
+        raise ValueError(f"WgmmaConfig needs STAGES >= 3 and no S_AHEAD with OVERLAP_PV, got {config}")
+    if shared_bytes(head_dim, config) > MAX_SHARED_BYTES:
+        raise ValueError(
+            f"WgmmaConfig {config} needs {shared_bytes(head_dim, config)} B of shared memory at head_dim {head_dim}, "
+            f"over a block's {MAX_SHARED_BYTES}"
+        )
     kernel = _kernel(head_dim, config, spec.causal, q.dtype == torch.bfloat16)
     args = (
         *(t.view(torch.int16) for t in (q, k, v)),
