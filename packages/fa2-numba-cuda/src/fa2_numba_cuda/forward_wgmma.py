@@ -125,7 +125,7 @@ class WgmmaConfig(NamedTuple):
 
 
 def wgmma_config(HEAD_DIM: int) -> WgmmaConfig:
-    """64-key tiles without S_AHEAD at both head dims, the fastest of the three configurations timed on the H200
+    """64-key tiles without S_AHEAD at both head dims, the fastest of the three tile configurations timed on the H200
     (bf16, ``triton.testing.do_bench``; ms at (4, 16, 4096, 128), (1, 16, 16384, 128), (8, 16, 2048, 128) and
     (4, 32, 4096, 64), full / causal; docs/notes/numba-wgmma.md):
 
@@ -137,8 +137,21 @@ def wgmma_config(HEAD_DIM: int) -> WgmmaConfig:
     The GPU's build (numba's NVVM, then ptxas): 64 keys, 163-167 registers at HEAD_DIM 128, 125 at 64 (16 B of
     local memory there), none spilled, 99,328 and 50,176 B of dynamic shared memory; with S_AHEAD 212-214 and
     159; 128-key tiles keep the softmax's p in 256-272 B of local memory (its loops over S's 64 registers are
-    not unrolled), which is their slowness."""
-    return WgmmaConfig(64, False)
+    not unrolled), which is their slowness.
+
+    At HEAD_DIM 128 the registers are capped at 128 (MAX_REGISTERS), so that two blocks share an SM: ptxas then
+    spills 80 B a thread (19-21 STL, 24-28 LDL in the SASS), and yet each HEAD_DIM 128 point ran 1.05-1.23x faster
+    than uncapped in a second H200 run (``.whl`` probe ``probe_wgcfg.py``, the same timing; ms, full / causal, against
+    SDPA's FA2, then uncapped, capped, three stages, and OVERLAP_PV with three and four stages):
+
+        point             FA2            uncapped       capped at 128  STAGES 3       OVERLAP_PV 3 / 4
+        D128 2k  (8, 16)  0.792 / 0.486  0.823 / 0.544  0.671 / 0.443  0.869 / 0.562  0.857 / 0.560, 0.861 / 0.553
+        D128 4k  (4, 16)  1.588 / 0.898  1.478 / 0.890  1.283 / 0.768  1.581 / 0.931  1.540 / 0.923, 1.539 / 0.907
+        D128 16k (1, 16)  6.294 / 3.413  5.372 / 2.809  4.866 / 2.681  5.875 / 2.960  5.654 / 2.931, 5.670 / 2.865
+        D64 4k   (4, 32)  1.804 / 0.984  1.495 / 0.867  1.478 / 0.863  1.550 / 0.903  1.563 / 0.916, 1.548 / 0.890
+
+    HEAD_DIM 64 builds to 125 registers uncapped (two blocks an SM already) and keeps no cap."""
+    return WgmmaConfig(64, False, MAX_REGISTERS=128 if HEAD_DIM == 128 else None)
 
 
 def refusal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionSpec) -> str | None:
