@@ -3,7 +3,11 @@
 - ``backward_tc``: tensor cores (``mma.sync`` through inline PTX), for fp16 and bf16 with head_dim <= 128, dense
   or packed batches with any scale, window (causal included), softcap, ALiBi slopes and sink, on a CUDA device
   of compute capability 8.0 or newer or under numba's simulator (``backward_tc.uses_tensor_cores``);
-- ``backward_simt``: CUDA cores, fp32 arithmetic, for everything else: fp32, head_dim up to 256, older GPUs.
+- ``backward_simt``: CUDA cores, fp32 arithmetic, for everything else: fp32, head_dim up to 256, older GPUs;
+- ``backward_wgmma``: the dK/dV kernel on Hopper's wgmma (dQ still ``backward_tc``'s), in place of
+  ``backward_tc`` only where ``backward_wgmma.uses_wgmma`` holds (on with FA2_NUMBA_WGMMA_BWD=1, off by default
+  until measured; fp16/bf16, head_dim 64 or 128, dense, causal or not, on compute capability 9.0) and no kernels
+  or config were asked for.
 
 The choice is made from the inputs' dtype, head_dim and device and the spec alone, before any launch; an
 error in the chosen kernels is raised, never answered by the other ones.
@@ -14,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from fa2.spec import AttentionSpec
-from fa2_numba_cuda import backward_simt, backward_tc
+from fa2_numba_cuda import backward_simt, backward_tc, backward_wgmma
 from fa2_numba_cuda.backward_simt import DkDvConfig
 from fa2_numba_cuda.common import BlockConfig
 
@@ -48,7 +52,8 @@ def flash_attn_backward(
         tensor_cores: which kernels. None: the tensor-core ones (``backward_tc``) for fp16 and bf16 with
             head_dim <= 128 on compute capability 8.0+ or the simulator (``backward_tc.uses_tensor_cores``),
             the SIMT ones (``backward_simt``) otherwise; True or False forces one (an input the forced kernels
-            cannot take is an error).
+            cannot take is an error). With tensor_cores and config None, ``backward_wgmma`` runs where
+            ``backward_wgmma.uses_wgmma`` holds (FA2_NUMBA_WGMMA_BWD=1, Hopper, the inputs it takes).
 
     Returns:
         dq, dk, dv in the shapes and dtypes of q, k, v (dk, dv: (batch, heads_k, seqlen_k, head_dim), each
@@ -61,6 +66,8 @@ def flash_attn_backward(
         (``backward_simt.sink_gradient``); dq, dk, dv come from the kernels without a sink, L (which includes
         it) carrying it into P = exp(S - L).
     """
+    if tensor_cores is None and config is None and backward_wgmma.uses_wgmma(q, k, v, dO, spec):
+        return backward_wgmma.flash_attn_backward(q, k, v, O, L, dO, spec)
     if tensor_cores is None:
         tensor_cores = backward_tc.uses_tensor_cores(q)
     if tensor_cores:
@@ -71,5 +78,6 @@ def flash_attn_backward(
 def kernel_resources() -> list[dict]:
     """Registers and local memory per thread, static shared memory per block, of every backward kernel
     compiled so far in this process: the SIMT kernels' rows, then the tensor-core ones' ("kernel": "tensor-core
-    dkdv" or "tensor-core dq"; their preprocess is the SIMT one's); empty under the simulator."""
-    return backward_simt.kernel_resources() + backward_tc.kernel_resources()
+    dkdv" or "tensor-core dq"; their preprocess is the SIMT one's), then the wgmma dK/dV kernel's ("kernel":
+    "wgmma dkdv"); empty under the simulator."""
+    return backward_simt.kernel_resources() + backward_tc.kernel_resources() + backward_wgmma.kernel_resources()

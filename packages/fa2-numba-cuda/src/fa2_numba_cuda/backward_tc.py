@@ -1321,50 +1321,23 @@ def flash_attn_backward(
     config = TensorCoreBwdConfig(*config) if config is not None else tc_bwd_config(HEAD_DIM, max_shared_bytes(q.device))
     _check_config(HEAD_DIM, config)
     parts = dsink_parts(spec, O, 16 * config.DQ_WARPS, config.DQ_WARPS, per_sequence=True)
-    is_bf16 = q.dtype == torch.bfloat16
-    async_loads = config.CP_ASYNC and all(rows_16b_aligned(t) for t in (q, k, v, dO))
-    out_pairs = head_dim % 2 == 0
-    flags = (*features(spec), is_bf16, head_dim == HEAD_DIM, async_loads, out_pairs)
-    out_dtype = torch.int32 if out_pairs else torch.int16
-    group = heads // heads_k  # query heads per key/value head (the interface checked the division)
-    # The window's sizes among the other sizes; the softcap and the slopes after the tile count (the kernels
-    # without SOFTCAP and ALIBI read none of them).
-    window_left, window_right, *score_args = feature_args(spec, seqlen_q, seqlen_k, q.device)
-    qk_scale = np.float32(score_scale(spec))
-    inputs = (*(t.view(torch.int16) for t in (q, k, v, dO)), L, delta)
-    tail = (
-        *q.stride(),
-        *k.stride(),
-        *v.stride(),
-        *dO.stride(),
-        *L.stride(),
-        heads,
-        group,
-        seqlen_q,
-        seqlen_k,
-        head_dim,
-        np.float32(spec.scale),
-        qk_scale,
-        window_left,
-        window_right,
-    )
-    offsets = offset_args(spec, q.device)
-    # delta is per row: the preprocess runs on a packed batch as on one sequence of total_q rows. The main
-    # kernels' grids: per (sequence, head), the tiles of the longest sequence; the others' extra tiles exit.
-    grid_batch, grid_seqlen_q, grid_seqlen_k = grid_extent(spec, q, k)
-    num_n_tiles = -(-grid_seqlen_k // (16 * config.DKDV_WARPS))
-    num_m_tiles = -(-grid_seqlen_q // (16 * config.DQ_WARPS))
-
     plan = [None, None, None]
     prepared = True
     if seqlen_q:
         # delta = rowsum(dO ∘ O): the SIMT preprocess (fp32 sums, its own head-dim padding), without the sink's
-        # shares, which the dQ kernel takes.
+        # shares, which the dQ kernel takes. delta is per row: the preprocess runs on a packed batch as on one
+        # sequence of total_q rows.
         plan[0] = launch_preprocess(O, dO, L, delta, None, dataclasses.replace(spec, sink=None))
         prepared = prepared and plan[0] is not None
-    # The offsets come last (the kernels without VARLEN keep every other parameter where it was).
+    flags, out_dtype, head, offsets = _launch_args(q, k, v, dO, L, delta, spec, config)
+    # The main kernels' grids: per (sequence, head), the tiles of the longest sequence; the others' extra
+    # tiles exit.
+    grid_batch, grid_seqlen_q, grid_seqlen_k = grid_extent(spec, q, k)
+    num_n_tiles = -(-grid_seqlen_k // (16 * config.DKDV_WARPS))
     if seqlen_k and num_n_tiles * grid_batch:
+        inputs, tail, score_args = head
         head = (*inputs, dk.view(out_dtype), dv.view(out_dtype), *tail, num_n_tiles, *score_args)
+        # The offsets come last (the kernels without VARLEN keep every other parameter where it was).
         args = (*head, *offsets)
         plan[1] = launch.prepare(
             _kernel("dkdv", HEAD_DIM, config, *flags),
@@ -1376,26 +1349,89 @@ def flash_attn_backward(
             tile_bytes("dkdv", HEAD_DIM, config),
         )
         prepared = prepared and plan[1] is not None
-    if seqlen_q and num_m_tiles * grid_batch:
-        head = (*inputs, dq.view(out_dtype), *tail, num_m_tiles, *score_args)
-        args = (*head, dsink_arg(parts, q.device), sink_arg(spec, q.device), *offsets)
-        plan[2] = launch.prepare(
-            _kernel("dq", HEAD_DIM, config, *flags, parts is not None),
-            num_m_tiles * grid_batch * heads,
-            32 * config.DQ_WARPS,
-            q.device,
-            args,
-            (
-                *range(7),
-                *_spec_positions(spec, len(head) - 3, len(head) + 2),
-                *(() if parts is None else (len(head), len(head) + 1)),
-            ),
-            tile_bytes("dq", HEAD_DIM, config),
-        )
+    if seqlen_q and grid_seqlen_q * grid_batch:
+        plan[2] = launch_dq(q, k, v, dO, L, delta, dq, parts, spec, config)
         prepared = prepared and plan[2] is not None
     if prepared and key is not None:
         _PREPARED[key] = (*plan, config.DQ_WARPS)
     return dq, dk, dv, *sink_gradient(spec, parts)
+
+
+def _launch_args(q, k, v, dO, L, delta, spec: AttentionSpec, config: TensorCoreBwdConfig) -> tuple:
+    """What both kernels' launches share: (flags, the outputs' element type, (inputs, tail, score_args),
+    offsets): the kernels' compile-time flags after the head dim and config (``Features``, bf16, head_dim ==
+    padded, cp.async, pairs), their arguments before the outputs, the sizes after them, the softcap's and
+    slopes' after the tile count, and a packed batch's offsets, last."""
+    head_dim = q.shape[3]
+    HEAD_DIM = padded_head_dim(head_dim)
+    is_bf16 = q.dtype == torch.bfloat16
+    async_loads = config.CP_ASYNC and all(rows_16b_aligned(t) for t in (q, k, v, dO))
+    out_pairs = head_dim % 2 == 0
+    flags = (*features(spec), is_bf16, head_dim == HEAD_DIM, async_loads, out_pairs)
+    out_dtype = torch.int32 if out_pairs else torch.int16
+    seqlen_q, seqlen_k = q.shape[2], k.shape[2]
+    # The window's sizes among the other sizes; the softcap and the slopes after the tile count (the kernels
+    # without SOFTCAP and ALIBI read none of them).
+    window_left, window_right, *score_args = feature_args(spec, seqlen_q, seqlen_k, q.device)
+    inputs = (*(t.view(torch.int16) for t in (q, k, v, dO)), L, delta)
+    tail = (
+        *q.stride(),
+        *k.stride(),
+        *v.stride(),
+        *dO.stride(),
+        *L.stride(),
+        q.shape[1],
+        q.shape[1] // k.shape[1],  # query heads per key/value head (the interface checked the division)
+        seqlen_q,
+        seqlen_k,
+        head_dim,
+        np.float32(spec.scale),
+        np.float32(score_scale(spec)),
+        window_left,
+        window_right,
+    )
+    return flags, out_dtype, (inputs, tail, score_args), offset_args(spec, q.device)
+
+
+def launch_dq(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    dO: torch.Tensor,
+    L: torch.Tensor,
+    delta: torch.Tensor,
+    dq: torch.Tensor,
+    parts: torch.Tensor | None,
+    spec: AttentionSpec,
+    config: TensorCoreBwdConfig,
+) -> launch.Prepared | None:
+    """The dQ kernel (``_attn_bwd_dq_tc``) alone: dq from q, k, v, dO (q's dtype, as ``flash_attn_backward``
+    takes them), L, delta (``backward_simt.launch_preprocess``'s, (batch · heads · seqlen_q,) fp32), and with
+    spec.sink each warp's share of dsink into parts (``backward_simt.dsink_parts`` with 16 · DQ_WARPS rows and
+    DQ_WARPS shares a tile, per_sequence), else parts None. dq: q's shape and dtype, contiguous; at least one
+    query row (``common.grid_extent``'s batch and seqlen_q); config complete (``tc_bwd_config``'s, or one
+    ``flash_attn_backward`` takes). Returns the prepared launch (``launch.prepare``), called with q, k, v, dO,
+    L, delta, dq, ``common.spec_tensors(spec)``, then parts and spec.sink with a sink; or None where numba
+    launches every call."""
+    HEAD_DIM = padded_head_dim(q.shape[3])
+    flags, out_dtype, (inputs, tail, score_args), offsets = _launch_args(q, k, v, dO, L, delta, spec, config)
+    grid_batch, grid_seqlen_q, _ = grid_extent(spec, q, k)
+    num_m_tiles = -(-grid_seqlen_q // (16 * config.DQ_WARPS))
+    head = (*inputs, dq.view(out_dtype), *tail, num_m_tiles, *score_args)
+    args = (*head, dsink_arg(parts, q.device), sink_arg(spec, q.device), *offsets)
+    return launch.prepare(
+        _kernel("dq", HEAD_DIM, config, *flags, parts is not None),
+        num_m_tiles * grid_batch * q.shape[1],
+        32 * config.DQ_WARPS,
+        q.device,
+        args,
+        (
+            *range(7),
+            *_spec_positions(spec, len(head) - 3, len(head) + 2),
+            *(() if parts is None else (len(head), len(head) + 1)),
+        ),
+        tile_bytes("dq", HEAD_DIM, config),
+    )
 
 
 def kernel_resources() -> list[dict]:

@@ -68,7 +68,6 @@ from fa2.spec import UNBOUNDED, AttentionSpec
 from fa2_numba_cuda import launch, wgmma
 from fa2_numba_cuda.common import LN2, LOG2E, SHARED_ALIGN, check_device, rows_16b_aligned, simulated, spec_class
 from fa2_numba_cuda.mma import (
-    cp_async_16,
     cp_async_commit,
     cp_async_wait_all,
     cp_async_wait_group,
@@ -209,41 +208,17 @@ def _build_kernel(HEAD_DIM, config, CAUSAL, IS_BF16):
     O_REGS = HEAD_DIM // 2  # acc: its 64 x HEAD_DIM output
     D_STEPS = HEAD_DIM // 16  # k steps of S = Q Kᵀ
     N_STEPS = BLOCK_N // 16  # k steps of O += P V
-    CHUNKS = HEAD_DIM // 8  # 16 B chunks per row
     Q_TILE = wgmma.swizzle128_tile_bytes(64, HEAD_DIM)  # one warpgroup's Q
     KV_TILE = wgmma.swizzle128_tile_bytes(BLOCK_N, HEAD_DIM)
     STAGE = 2 * KV_TILE  # K then V
     AHEAD = STAGES - 2 if OVERLAP_PV else STAGES - 1  # how many tiles ahead a tile issues copies
     IN_FLIGHT = AHEAD - 1  # groups of copies a tile's wait leaves in flight (a constant of the instruction)
-    assert (BLOCK_N * CHUNKS) % NUM_THREADS == 0 and (BLOCK_M * CHUNKS) % NUM_THREADS == 0
     ss = wgmma.wgmma_bf16 if IS_BF16 else wgmma.wgmma_f16
     rs = wgmma.wgmma_bf16_rs if IS_BF16 else wgmma.wgmma_f16_rs
     pack = pack_bf16x2 if IS_BF16 else pack_f16x2
 
-    def tile_loader(ROWS, TILE_ROWS):
-        """load(tile, x_base, offset, stride_n, start, seqlen): rows start .. start + ROWS of x (element offset +
-        n · stride_n + c) into swizzled tiles of TILE_ROWS rows from shared address tile on (row r into tile r //
-        TILE_ROWS), 16 B cp.async per thread and chunk, zeros past seqlen; not committed."""
-        PER_THREAD = ROWS * CHUNKS // NUM_THREADS
-
-        @device_function
-        def load(tile, x_base, offset, stride_n, start, seqlen):
-            c = cuda.threadIdx.x % CHUNKS
-            nowhere = x_base + uint64(2 * offset)  # a valid address for copies that read nothing
-            for it in range(PER_THREAD):
-                r = cuda.threadIdx.x // CHUNKS + it * (NUM_THREADS // CHUNKS)
-                dst = tile + uint32(
-                    r // TILE_ROWS * TILE_ROWS * CHUNKS * 16 + wgmma.swizzle128_offset(r % TILE_ROWS, 8 * c, TILE_ROWS)
-                )
-                if start + r < seqlen:
-                    cp_async_16(dst, x_base + uint64(2 * (offset + (start + r) * stride_n + 8 * c)), 16)
-                else:
-                    cp_async_16(dst, nowhere, 0)
-
-        return load
-
-    load_q = tile_loader(BLOCK_M, 64)
-    load_kv = tile_loader(BLOCK_N, BLOCK_N)
+    load_q = wgmma.tile_loader(BLOCK_M, 64, HEAD_DIM, NUM_THREADS)
+    load_kv = wgmma.tile_loader(BLOCK_N, BLOCK_N, HEAD_DIM, NUM_THREADS)
 
     @device_function
     def softmax(s, p, m_i, l_i, alpha, start_n, seqlen_k, mask, lane_diag, t, qk_scale):

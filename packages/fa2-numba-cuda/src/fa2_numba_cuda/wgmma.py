@@ -30,10 +30,16 @@ thread of a warpgroup the same descriptors and scale_d (the emulation checks it)
         proxy: st.shared, and what cp.async has landed) become visible to the async proxy that wgmma reads through.
         Each writing thread fences, then a barrier (``cuda.syncthreads``), then the wgmma.
     zero_accumulators(n) -> acc: a tuple of n float32 zeros (n a compile-time constant).
+    opaque_address(address) -> address: the same shared address, as a uint32, through a volatile asm that LLVM
+        cannot move: descriptors made from it in a loop are made there, not hoisted out of the loop (where each
+        would hold two registers throughout).
     scale_rows(acc, lo, hi) -> acc: D's registers times a factor per row, lo for the thread's rows 16 w + g
         (registers 4 j, 4 j + 1) and hi for rows 16 w + g + 8 (4 j + 2, 4 j + 3): an online softmax's rescale
         of O by alpha (after the wait and ``wgmma_fence_operand``; a ``wgmma_fence`` before the next mma_async).
     wgmma_d_row_col(thread, i) -> (row, column): the element of D in register i of thread (an epilogue's index).
+    tile_loader(ROWS, TILE_ROWS, HEAD_DIM, NUM_THREADS) -> load: a block's ``cp.async`` copy of ROWS rows of a
+        (.., seqlen, HEAD_DIM) tensor into swizzled tiles (the layout below), zeros past the rows' end; the caller
+        commits.
 
 Shared-memory matrix descriptor (PTX ISA, "Matrix Descriptor Format"): a 64-bit value,
 
@@ -88,7 +94,7 @@ import threading
 
 import numba
 import numpy as np
-from numba import uint64
+from numba import cuda, uint32, uint64
 
 from fa2_numba_cuda import mma
 from fa2_numba_cuda.mma import device_function
@@ -165,6 +171,35 @@ def descriptor_mn_major(tile, rows, k0):
     """The descriptor of rows k0 .. k0 + 15 (k0 a multiple of 16) of an MN-major B tile of ``rows`` rows (K) at
     shared address ``tile`` (trans_b = 1): LBO is one 64-column panel to the next."""
     return smem_descriptor(tile + k0 * 128, rows * 128, SWIZZLE_ATOM_BYTES, SWIZZLE_128B)
+
+
+def tile_loader(ROWS, TILE_ROWS, HEAD_DIM, NUM_THREADS):
+    """A device function load(tile, x_base, offset, stride_n, start, seqlen) for blocks of NUM_THREADS threads: rows
+    start .. start + ROWS - 1 of x (16-bit elements at global address x_base, row n's at element offset + n ·
+    stride_n, unit stride along its HEAD_DIM columns, 16 B aligned) into swizzled tiles of TILE_ROWS rows from
+    shared address tile on (row r into tile r // TILE_ROWS, each ``swizzle128_tile_bytes(TILE_ROWS, HEAD_DIM)``),
+    a 16 B ``cp.async`` per thread and chunk, zeros past row seqlen; not committed: ``mma.cp_async_wait_all``
+    commits and waits for every copy, and a ring that waits with ``cp_async_wait_group`` commits its own groups."""
+    CHUNKS = HEAD_DIM // 8  # 16 B chunks per row
+    if (ROWS * CHUNKS) % NUM_THREADS or ROWS % TILE_ROWS or TILE_ROWS % 8:
+        raise ValueError(f"{ROWS} rows of {HEAD_DIM} in {TILE_ROWS}-row tiles are not whole copies of {NUM_THREADS}")
+    PER_THREAD = ROWS * CHUNKS // NUM_THREADS
+
+    @device_function
+    def load(tile, x_base, offset, stride_n, start, seqlen):
+        c = cuda.threadIdx.x % CHUNKS
+        nowhere = x_base + uint64(2 * offset)  # a valid address for copies that read nothing
+        for it in range(PER_THREAD):
+            r = cuda.threadIdx.x // CHUNKS + it * (NUM_THREADS // CHUNKS)
+            dst = tile + uint32(
+                r // TILE_ROWS * TILE_ROWS * CHUNKS * 16 + swizzle128_offset(r % TILE_ROWS, 8 * c, TILE_ROWS)
+            )
+            if start + r < seqlen:
+                mma.cp_async_16(dst, x_base + uint64(2 * (offset + (start + r) * stride_n + 8 * c)), 16)
+            else:
+                mma.cp_async_16(dst, nowhere, 0)
+
+    return load
 
 
 # The emulation: whole-warpgroup numpy versions of the instructions.
@@ -362,6 +397,9 @@ if numba.config.ENABLE_CUDASIM:
     def zero_accumulators(n):
         return tuple(np.float32(0) for _ in range(n))
 
+    def opaque_address(address):
+        return address
+
     def scale_rows(acc, lo, hi):
         return tuple(np.float32(x) * np.float32(lo if i % 4 < 2 else hi) for i, x in enumerate(acc))
 
@@ -437,6 +475,17 @@ else:
             return context.make_tuple(builder, sig.return_type, _unpack(builder, result, count))
 
         return acc(acc), codegen
+
+    @intrinsic
+    def opaque_address(typingctx, address):
+        if not isinstance(address, types.Integer):
+            raise TypingError(f"opaque_address takes a shared address (an integer), got {address}")
+
+        def codegen(context, builder, sig, args):
+            value = context.cast(builder, args[0], sig.args[0], types.uint32)
+            return _asm(builder, _i32, [value], "mov.b32 $0, $1;", "=r,r")
+
+        return types.uint32(address), codegen
 
     @intrinsic
     def zero_accumulators(typingctx, n):

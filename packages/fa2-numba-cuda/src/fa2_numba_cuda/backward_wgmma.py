@@ -1,0 +1,831 @@
+"""FlashAttention-2's backward on Hopper's warpgroup MMA: fp16 and bf16, ``wgmma.mma_async`` from numba-cuda.
+
+The algorithm of ``fa2_numba_cuda.backward_tc`` (FA2, Algorithm 2, in its two-kernel split: delta = rowsum(dO ∘
+O) by ``backward_simt.launch_preprocess``, then one kernel for dK and dV, one for dQ; every element of dq, dk, dv
+written once, no atomics: deterministic), with every matrix product as wgmma (``wgmma.py`` has the instructions,
+the shared-memory layout and the register layouts), in the two forms ``forward_wgmma`` already uses: A and B from
+shared memory, B K-major (its S = Q Kᵀ), and A from registers, B MN-major (its P V). WgmmaBwdConfig's DQ_WGMMA
+False runs ``backward_tc``'s dQ kernel instead (``backward_tc.launch_dq``).
+
+``_attn_bwd_dkdv_wgmma``:
+
+- A block of two warpgroups (256 threads) owns BLOCK_N = 128 keys of one (batch, key/value head); warpgroup wg owns
+  keys 64 wg .. 64 wg + 63 (wgmma's M) and never exchanges data with the other. K and V are copied once into
+  shared memory, one 64 x HEAD_DIM tile per warpgroup each, in the 128 B swizzled layout
+  (``wgmma.swizzle128_offset``), and stay there.
+- Steps over (query head of the group, query tile of BLOCK_M rows that sees a key of the block), as backward_tc's
+  (GQA: dK and dV of the key/value head sum over its group's query heads in the same registers). Each step's Q and
+  dO tiles (BLOCK_M x HEAD_DIM, the same layout), L · log2 e and delta of its rows (static shared memory; L = +inf
+  and delta = 0 past seqlen_q) take two stages: the copies of step i + 1 (``cp.async`` by all 256 threads, 16 B
+  each, zero-filled past seqlen_q) run during the products of step i. One barrier a step: each thread's copies
+  have landed (``cp.async.wait_all``), are visible to wgmma's async proxy (``fence.proxy.async``), then
+  ``syncthreads``, after which both warpgroups have also finished step i - 1 (their wgmma waited), so its stage
+  takes the next copy.
+- Per warpgroup and step, in D's register layout (register 4 j + e of thread 4 g + t of warp w: key 16 w + g + 8
+  (e // 2) of the warpgroup's 64, query 8 j + 2 t + e % 2 of the tile; forward_tc's and backward_tc's)::
+
+      Sᵀ = K Qᵀ      HEAD_DIM / 16 wgmma m64nBLOCK_Mk16, A = K, B = Q K-major, both from descriptors; commit
+      dPᵀ = V dOᵀ    the same with V and dO; commit; wait for Sᵀ alone (wait_group 1): dPᵀ runs on during
+      Pᵀ = exp2(Sᵀ · qk_scale - L · log2 e)    (qk_scale = scale · log2 e; masked elements 0, fp32)
+                     then wait for dPᵀ
+      dSᵀ = Pᵀ ∘ (dPᵀ - delta)    in place of Pᵀ, 16 queries at a time: Pᵀ's and dSᵀ's 16-bit pairs packed as
+                     they are made, 8 registers a fragment (``wgmma.wgmma_a_layout``: D's registers 8 kk .. 8 kk
+                     + 7 are the A registers of queries 16 kk .. 16 kk + 15, as forward_wgmma's P)
+      dV += Pᵀ dO    BLOCK_M / 16 wgmma m64nHEAD_DIMk16, A = Pᵀ from registers, B = dO MN-major
+      dK += dSᵀ Q    the same with dSᵀ and Q (Q's tile is both Sᵀ's K-major B and this MN-major one); one
+                     commit for both, wait for all (the next step's copies take this stage)
+
+  then dk = scale · dK and dv = dV are written once, rounded to the inputs' type. DV_EARLY (``WgmmaBwdConfig``)
+  issues dV's products as soon as Pᵀ is packed, before dSᵀ's arithmetic, and waits for dPᵀ with wait_group 1
+  (dV's products running on): more overlap, more registers live. Per thread: dK and dV HEAD_DIM / 2 registers
+  each, Sᵀ (then Pᵀ, dSᵀ) and dPᵀ BLOCK_M / 2 each, Pᵀ's and dSᵀ's A fragments BLOCK_M / 4 each. K's and V's
+  shared addresses go through ``wgmma.opaque_address`` each step, so that their HEAD_DIM / 8 descriptors are
+  made there, not hoisted out of the loop into 2 · HEAD_DIM / 4 registers held throughout (spilled at HEAD_DIM
+  128).
+
+``_attn_bwd_dq_wgmma``: forward_wgmma's loop without its online softmax.
+
+- A block of two warpgroups owns BLOCK_M_DQ = 128 query rows of one (batch, head); warpgroup wg owns rows 64 wg ..
+  64 wg + 63, their Q and dO tiles copied once into shared memory (one 64 x HEAD_DIM tile each per warpgroup), L ·
+  log2 e and delta of the thread's two rows in registers. Key tiles of DQ_BLOCK_N keys, K and V in two stages, as
+  forward_wgmma's (one barrier a tile, the next tile's cp.async during this one's products). Per warpgroup and
+  key tile, in D's layout (row 16 w + g + 8 (e // 2), key 8 j + 2 t + e % 2)::
+
+      S = Q Kᵀ       HEAD_DIM / 16 wgmma m64nDQ_BLOCK_Nk16, A = Q, B = K K-major; commit
+      dP = dO Vᵀ     the same with dO and V; commit; wait for S alone: dP runs on during
+      P = exp2(S · qk_scale - L · log2 e)    masked where the tile crosses the end of the keys (zero-filled K rows
+                     would give exp2(-L), not 0) or the warpgroup's causal diagonal; then wait for dP
+      dS = P ∘ (dP - delta)    in place of P, packed 16 keys at a time
+      dQ += dS K     DQ_BLOCK_N / 16 wgmma m64nHEAD_DIMk16, A = dS from registers, B = K MN-major (forward_wgmma's
+                     P V with K for V); commit, wait
+
+  then dq = scale · dQ is written once. A block stops at the last key tile its last row sees (causal); a
+  warpgroup skips the tiles none of its rows sees, and every tile when its rows are all past seqlen_q. Blocks are
+  launched longest first. Registers: dQ HEAD_DIM / 2, S (then P, dS) and dP DQ_BLOCK_N / 2 each, dS's fragments
+  DQ_BLOCK_N / 4; Q's and dO's addresses through ``wgmma.opaque_address``, as K's and V's above.
+
+Both kernels:
+
+- Scores, masks and L as backward_tc: base 2, rows with L = +inf (no key visible) and query rows past seqlen_q
+  (read with L = +inf) get P = 0, so zero gradients. Causal, bottom-right aligned (key j visible to query i iff j
+  <= i + seqlen_k - seqlen_q). In the dK/dV kernel keys past seqlen_k (zero-filled K and V rows) are never written
+  back; a block starts at the first query tile that sees its first key; a warpgroup masks only the steps whose
+  tile crosses its keys' diagonal and skips (no wgmma) those where no query of the tile sees any of its keys, or
+  its keys are all past seqlen_k. Its blocks are launched in key order, the longest (causal) first.
+- Shared memory (dynamic, above 48 KB: ``launch.prepare`` raises the kernel's limit), 16-bit elements, plus 1 KB
+  to align the tiles on the swizzle's 1024 B repeat (``shared_bytes``): dK/dV, K and V 2 · 2 · 64 · HEAD_DIM, Q
+  and dO 2 stages · 2 · BLOCK_M · HEAD_DIM, and 4 · 2 · 2 · BLOCK_M B of static (L and delta); dQ, Q and dO 2 · 2
+  · 64 · HEAD_DIM, K and V 2 stages · 2 · DQ_BLOCK_N · HEAD_DIM. With 64-row tiles either takes 132,096 B at
+  HEAD_DIM 128 and 66,560 B at 64. ``bwd_config`` has ptxas's register counts.
+
+Limits (``takes``): fp16 and bf16, head_dim exactly 64 or 128, dense (batch, heads, seqlen, head_dim) q, k, v and
+dO of one dtype, contiguous along head_dim with 16 B aligned rows (cp.async), no window but causal, no softcap,
+ALiBi, sink, packed batch. Which kernels run: ``fa2_numba_cuda.backward.flash_attn_backward`` runs these where
+``uses_wgmma`` holds: ``takes``, a CUDA device of compute capability 9.0 (wgmma is sm_90a's), and the switch
+``ENABLED`` (off, unless the environment variable FA2_NUMBA_WGMMA_BWD=1 when this module is imported: not yet
+measured on the H200); ``backward_tc`` otherwise. An error in these kernels is raised, never answered by others.
+Under numba's simulator they run only when called directly, on ``wgmma.py``'s emulation of the instructions:
+slow, for tests.
+
+Launch: on torch's current CUDA stream, no host synchronisation; one compiled kernel per (dK/dV or dQ, HEAD_DIM,
+WgmmaBwdConfig, CAUSAL, bf16 or fp16), cached; ``kernel_resources`` reports registers, shared and local memory
+of each. Launched through ``launch.prepare`` as ``backward_tc`` (``_PREPARED``).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import NamedTuple
+
+import numpy as np
+import torch
+from numba import cuda, float32, int16, int32, uint32, uint64
+
+from fa2.spec import UNBOUNDED, AttentionSpec
+from fa2_numba_cuda import backward_tc, launch, wgmma
+from fa2_numba_cuda.backward_simt import launch_preprocess, preprocess_tensors
+from fa2_numba_cuda.common import LOG2E, SHARED_ALIGN, check_device, rows_16b_aligned, simulated, spec_class
+from fa2_numba_cuda.mma import (
+    cp_async_commit,
+    cp_async_wait_all,
+    device_function,
+    exp2_approx,
+    global_address,
+    pack_bf16x2,
+    pack_f16x2,
+    shared_address,
+)
+from fa2_numba_cuda.tensor_cores import capability
+
+# Whether fa2_numba_cuda.backward runs these kernels where they can (``uses_wgmma``): off unless
+# FA2_NUMBA_WGMMA_BWD=1 at import, until they are measured on the H200.
+ENABLED = os.environ.get("FA2_NUMBA_WGMMA_BWD", "0") == "1"
+
+HEAD_DIMS = (64, 128)
+COMPUTE_CAPABILITY = (9, 0)
+BLOCK_N = 128  # the dK/dV kernel's keys: two warpgroups of 64
+BLOCK_M_DQ = 128  # the dQ kernel's query rows: two warpgroups of 64
+NUM_THREADS = 2 * wgmma.WARPGROUP_SIZE
+
+
+class WgmmaBwdConfig(NamedTuple):
+    """The dK/dV kernel's query tile: BLOCK_M rows (a multiple of 16 from 16 to 256, wgmma's N, with whole
+    16 B copies: BLOCK_M · HEAD_DIM / 8 a multiple of 256). DV_EARLY: each warpgroup issues dV += Pᵀ dO as soon
+    as Pᵀ is packed, so that it runs during dSᵀ's arithmetic (Pᵀ in fp32 and packed, dPᵀ and dSᵀ live at once);
+    else dV's and dK's products are issued together after dSᵀ (fewer registers). The dQ kernel's key tile:
+    DQ_BLOCK_N keys (the same bounds); DQ_WGMMA False runs backward_tc's dQ kernel instead (with its own
+    ``backward_tc.tc_bwd_config``)."""
+
+    BLOCK_M: int
+    DV_EARLY: bool = False
+    DQ_BLOCK_N: int = 64
+    DQ_WGMMA: bool = True
+
+
+def bwd_config(HEAD_DIM: int) -> WgmmaBwdConfig:
+    """64-query dK/dV tiles without DV_EARLY and 64-key wgmma dQ tiles at both head dims (FlashAttention-3's dK/dV
+    tile at head dim 128: 2 warpgroups x 64 keys against 64 queries). Not yet timed on the H200. Offline build
+    (numba's NVVM for sm_90a, then CUDA 13.0's ptxas; the GPU's toolkit may differ), registers a thread: dK/dV
+    with BLOCK_M 64, 254-255 at HEAD_DIM 128 and 216-219 at 64, none spilled; with DV_EARLY 255 and 72 B spilled
+    at 128, 224 at 64; BLOCK_M 32, 235 at 128 and 147 at 64. dQ with 64-key tiles, 187-199 at 128 and 153-161
+    at 64, none spilled; 128-key tiles keep S in 384 B of local memory (its loops not unrolled, as
+    forward_wgmma's) and ptxas serialises their wgmma (C7520). One block of 256 threads an SM at all of them but
+    dK/dV's BLOCK_M 32 at 64."""
+    return WgmmaBwdConfig(64)
+
+
+def refusal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dO: torch.Tensor, spec: AttentionSpec) -> str | None:
+    """Why these kernels cannot take these inputs, or None where they can."""
+    if q.dtype not in (torch.float16, torch.bfloat16) or any(t.dtype != q.dtype for t in (k, v, dO)):
+        return f"takes fp16 or bf16 q, k, v, dO of one dtype, got {q.dtype}, {k.dtype}, {v.dtype}, {dO.dtype}"
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4 or dO.shape != q.shape:
+        return f"takes (batch, heads, seqlen, head_dim) inputs and dO of q's shape, got q {tuple(q.shape)}"
+    if q.shape[-1] not in HEAD_DIMS or k.shape[-1] != q.shape[-1] or v.shape[-1] != q.shape[-1]:
+        return f"takes head_dim {' or '.join(map(str, HEAD_DIMS))} for q, k and v, got {q.shape[-1]}, {v.shape[-1]}"
+    if spec.window not in ((UNBOUNDED, UNBOUNDED), (UNBOUNDED, 0)):
+        return f"takes no window but causal, got {spec.window}"
+    if spec.softcap or spec.alibi_slopes is not None or spec.sink is not None:
+        return "takes no softcap, ALiBi or sink"
+    if spec.varlen or spec.cache_seqlens is not None or spec.block_table is not None:
+        return "takes no packed batch or KV cache"
+    if not all(rows_16b_aligned(t) for t in (q, k, v, dO)):
+        return "takes q, k, v, dO contiguous along head_dim with 16 B aligned rows (cp.async)"
+    return None
+
+
+def takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dO: torch.Tensor, spec: AttentionSpec) -> bool:
+    """Whether these kernels compute the gradients for these inputs (``refusal`` says why not)."""
+    return refusal(q, k, v, dO, spec) is None
+
+
+def uses_wgmma(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dO: torch.Tensor, spec: AttentionSpec) -> bool:
+    """Whether ``fa2_numba_cuda.backward.flash_attn_backward`` runs these kernels: ``ENABLED``, numba not
+    simulating, q on a CUDA device of compute capability 9.0, and ``takes``."""
+    return (
+        ENABLED
+        and not simulated()
+        and q.device.type == "cuda"
+        and capability(q.device) == COMPUTE_CAPABILITY
+        and takes(q, k, v, dO, spec)
+    )
+
+
+def shared_bytes(name: str, HEAD_DIM: int, config: WgmmaBwdConfig) -> int:
+    """The dynamic shared memory of kernel ``name`` per block: "dkdv", K's and V's two 64-row tiles and two
+    stages of Q and dO; "dq", Q's and dO's two 64-row tiles and two stages of K and V; 1 KB of alignment."""
+    if name == "dkdv":
+        once, staged = wgmma.swizzle128_tile_bytes(64, HEAD_DIM), wgmma.swizzle128_tile_bytes(config.BLOCK_M, HEAD_DIM)
+    else:
+        once, staged = (
+            wgmma.swizzle128_tile_bytes(64, HEAD_DIM),
+            wgmma.swizzle128_tile_bytes(config.DQ_BLOCK_N, HEAD_DIM),
+        )
+    return 2 * 2 * once + 2 * 2 * staged + wgmma.SWIZZLE_ATOM_BYTES
+
+
+def _issue_products(HEAD_DIM, N, IS_BF16):
+    """issue(a_tile, b_tile) -> acc: A Bᵀ, A the 64 rows of a warpgroup's tile at shared address a_tile (K or V;
+    Q or dO), B the N rows of the tile at b_tile (Q or dO; K or V), HEAD_DIM columns each, both K-major, into
+    N / 2 fp32 registers: fenced, issued, committed, not waited for."""
+    ss = wgmma.wgmma_bf16 if IS_BF16 else wgmma.wgmma_f16
+    REGS = N // 2
+    D_STEPS = HEAD_DIM // 16
+
+    @device_function
+    def issue(a_tile, b_tile):
+        acc = wgmma.zero_accumulators(REGS)
+        wgmma.wgmma_fence()
+        for kk in range(D_STEPS):
+            acc = ss(
+                acc,
+                wgmma.descriptor_k_major(a_tile, 64, 16 * kk),
+                wgmma.descriptor_k_major(b_tile, N, 16 * kk),
+                kk,
+                0,
+            )
+        wgmma.wgmma_commit()
+        return acc
+
+    return issue
+
+
+def _issue_update(K, IS_BF16):
+    """update(acc, a_regs, b_tile) -> acc: acc += A B, A (64 rows x K) from a_regs [K / 16, 4] (``wgmma_a_layout``
+    fragments), B the K rows of the tile at shared address b_tile, MN-major (dO or Q; K): fenced (acc and A were
+    written by this thread), issued, committed, not waited for."""
+    rs = wgmma.wgmma_bf16_rs if IS_BF16 else wgmma.wgmma_f16_rs
+    K_STEPS = K // 16
+
+    @device_function
+    def update(acc, a_regs, b_tile):
+        wgmma.wgmma_fence()
+        for kk in range(K_STEPS):
+            a_kk = (a_regs[kk, 0], a_regs[kk, 1], a_regs[kk, 2], a_regs[kk, 3])
+            acc = rs(acc, a_kk, wgmma.descriptor_mn_major(b_tile, K, 16 * kk), 1, 1)
+        wgmma.wgmma_commit()
+        return acc
+
+    return update
+
+
+def _packing(HEAD_DIM, IS_BF16):
+    """(pack_a_step, store_rows), in the inputs' 16-bit type:
+
+    pack_a_step(x, regs, kk): the A registers regs[kk] (int32) of columns 16 kk .. 16 kk + 15 of x [columns / 8,
+    4] (float32, D's layout): its registers 8 kk .. 8 kk + 7 rounded to 16 bits in pairs (``forward_wgmma``'s P).
+
+    store_rows(out, acc, factor, row0, end, t): factor · acc (D's layout, HEAD_DIM columns) into rows row0 and
+    row0 + 8 of out (flat int32 pairs, HEAD_DIM columns a row), those below end."""
+    pack = pack_bf16x2 if IS_BF16 else pack_f16x2
+    O_TILES = HEAD_DIM // 8
+
+    @device_function
+    def pack_a_step(x, regs, kk):
+        regs[kk, 0] = pack(x[2 * kk, 0], x[2 * kk, 1])
+        regs[kk, 1] = pack(x[2 * kk, 2], x[2 * kk, 3])
+        regs[kk, 2] = pack(x[2 * kk + 1, 0], x[2 * kk + 1, 1])
+        regs[kk, 3] = pack(x[2 * kk + 1, 2], x[2 * kk + 1, 3])
+
+    @device_function
+    def store_rows(out, acc, factor, row0, end, t):
+        for h in range(2):
+            row = row0 + 8 * h
+            if row < end:
+                for j in range(O_TILES):
+                    col = 8 * j + 2 * t
+                    out[uint64((row * HEAD_DIM + col) // 2)] = pack(
+                        acc[4 * j + 2 * h] * factor, acc[4 * j + 2 * h + 1] * factor
+                    )
+
+    return pack_a_step, store_rows
+
+
+def _build_dkdv(HEAD_DIM, config, CAUSAL, IS_BF16):
+    """The dK/dV kernel for one head dim, query tile, causal or not, and input type."""
+    BLOCK_M, DV_EARLY = config.BLOCK_M, config.DV_EARLY
+    assert HEAD_DIM in HEAD_DIMS and BLOCK_M % 16 == 0 and 16 <= BLOCK_M <= 256
+    M_TILES = BLOCK_M // 8  # 8-query column blocks of Sᵀ, 4 registers each
+    O_REGS = HEAD_DIM // 2  # dK and dV: its 64 keys x HEAD_DIM
+    M_STEPS = BLOCK_M // 16  # k steps of dV += Pᵀ dO and dK += dSᵀ Q
+    KV_TILE = wgmma.swizzle128_tile_bytes(64, HEAD_DIM)  # one warpgroup's K (or V)
+    QDO_TILE = wgmma.swizzle128_tile_bytes(BLOCK_M, HEAD_DIM)
+    STAGE = 2 * QDO_TILE  # Q then dO
+    ROW_STATS = 2 * BLOCK_M  # L · log2 e and delta of both stages' queries
+    issue_products = _issue_products(HEAD_DIM, BLOCK_M, IS_BF16)
+    issue_update = _issue_update(BLOCK_M, IS_BF16)
+    pack_a_step, store_rows = _packing(HEAD_DIM, IS_BF16)
+    load_kv = wgmma.tile_loader(BLOCK_N, 64, HEAD_DIM, NUM_THREADS)
+    load_qdo = wgmma.tile_loader(BLOCK_M, BLOCK_M, HEAD_DIM, NUM_THREADS)
+
+    @device_function
+    def load_step(
+        tile,
+        lse_tile,
+        delta_tile,
+        buf,
+        start_m,
+        q_base,
+        q_offset,
+        do_base,
+        do_offset,
+        stride_m,
+        lse,
+        l_offset,
+        stride_lm,
+        delta,
+        delta_offset,
+        seqlen_q,
+    ):
+        """Stage buf := the query tile at start_m of one head: its Q and dO rows at shared address tile
+        (cp.async, committed: landed after cp_async_wait_all), L · log2 e and delta of its rows (+inf and 0 past
+        seqlen_q: their P is zero)."""
+        load_qdo(tile, q_base, q_offset, stride_m, start_m, seqlen_q)
+        load_qdo(tile + uint32(QDO_TILE), do_base, do_offset, stride_m, start_m, seqlen_q)
+        cp_async_commit()  # with the copies issued before it (K and V's, at the first step)
+        if cuda.threadIdx.x < BLOCK_M:
+            r = cuda.threadIdx.x
+            row = start_m + r
+            lse_tile[BLOCK_M * buf + r] = float32(math.inf)
+            delta_tile[BLOCK_M * buf + r] = 0.0
+            if row < seqlen_q:
+                lse_tile[BLOCK_M * buf + r] = lse[uint64(l_offset + row * stride_lm)] * float32(LOG2E)
+                delta_tile[BLOCK_M * buf + r] = delta[uint64(delta_offset + row)]
+
+    def _attn_bwd_dkdv_wgmma(
+        q,
+        k,
+        v,
+        do,
+        lse,
+        delta,
+        dk,
+        dv,
+        stride_qb,
+        stride_qh,
+        stride_qm,
+        stride_kb,
+        stride_kh,
+        stride_kn,
+        stride_vb,
+        stride_vh,
+        stride_vn,
+        stride_dob,
+        stride_doh,
+        stride_dom,
+        stride_lb,
+        stride_lh,
+        stride_lm,
+        heads,
+        group,
+        seqlen_q,
+        seqlen_k,
+        scale,
+        qk_scale,
+        num_n_tiles,
+    ):
+        """One block: BLOCK_N keys of one (batch, key/value head), for the group's query heads. q, k, v, do: flat
+        int16 views (fp16 or bf16 bit patterns) of (B, H, N, HEAD_DIM) tensors with unit stride along head dims,
+        k and v with H // group heads, do with q's strides (stride_dom its rows'); lse: (B, H, seqlen_q) fp32;
+        delta: (B·H, seqlen_q) fp32, flat; dk, dv: (B, H // group, seqlen_k, HEAD_DIM), flat, contiguous, int32
+        pairs. qk_scale = scale · log2 e."""
+        diag = seqlen_k - seqlen_q  # key j is visible to query i iff j <= i + diag (CAUSAL)
+        start_n = (cuda.blockIdx.x % num_n_tiles) * BLOCK_N
+        heads_k = heads // group
+        off_bhk = cuda.blockIdx.x // num_n_tiles
+        off_b = off_bhk // heads_k
+        off_hk = off_bhk % heads_k
+        wg = cuda.threadIdx.x // wgmma.WARPGROUP_SIZE
+        thread = cuda.threadIdx.x % wgmma.WARPGROUP_SIZE
+        lane = thread % 32
+        t = lane % 4
+        wg_key = start_n + 64 * wg  # the warpgroup's first key
+        key0 = wg_key + 16 * (thread // 32) + lane // 4  # the thread's keys: key0 and key0 + 8
+
+        smem = cuda.shared.array(0, int16, alignment=SHARED_ALIGN)  # the launch's dynamic size
+        lse_tile = cuda.shared.array(ROW_STATS, float32)  # L · log2 e of each stage's queries
+        delta_tile = cuda.shared.array(ROW_STATS, float32)
+        base = shared_address(smem)
+        tiles = base + (wgmma.SWIZZLE_ATOM_BYTES - base % wgmma.SWIZZLE_ATOM_BYTES) % wgmma.SWIZZLE_ATOM_BYTES
+        k_tile = tiles + uint32(wg * KV_TILE)
+        v_tile = tiles + uint32((2 + wg) * KV_TILE)
+        qdo_tiles = tiles + uint32(4 * KV_TILE)
+        q_base, k_base, v_base, do_base = global_address(q), global_address(k), global_address(v), global_address(do)
+
+        # The query tiles that see a key of the block: causal, from the one holding the first key's diagonal.
+        begin_m = max(start_n - diag, 0) // BLOCK_M * BLOCK_M if CAUSAL else 0
+        m_steps = (seqlen_q - begin_m + BLOCK_M - 1) // BLOCK_M if seqlen_q > begin_m else 0
+        # GQA: steps it = 0 .. group · m_steps over (query head off_hk · group + it // m_steps, query tile
+        # it % m_steps), each step's (head, tile) the previous one's next tile, wrapping to the next head.
+        steps = group * m_steps
+        head0 = off_hk * group
+        delta_rows = off_b * heads * seqlen_q  # delta's row of query 0 of head 0 of this batch
+        if steps > 0:  # else no copy is issued (none is left in flight at the exit)
+            load_kv(tiles, k_base, off_b * stride_kb + off_hk * stride_kh, stride_kn, start_n, seqlen_k)
+            load_kv(
+                tiles + uint32(2 * KV_TILE),
+                v_base,
+                off_b * stride_vb + off_hk * stride_vh,
+                stride_vn,
+                start_n,
+                seqlen_k,
+            )
+            load_step(
+                qdo_tiles,
+                lse_tile,
+                delta_tile,
+                0,
+                begin_m,
+                q_base,
+                off_b * stride_qb + head0 * stride_qh,
+                do_base,
+                off_b * stride_dob + head0 * stride_doh,
+                stride_qm,
+                lse,
+                off_b * stride_lb + head0 * stride_lh,
+                stride_lm,
+                delta,
+                delta_rows + head0 * seqlen_q,
+                seqlen_q,
+            )
+
+        p = cuda.local.array((M_TILES, 4), float32)  # Sᵀ, then Pᵀ: [64 keys, BLOCK_M] as D's registers
+        p_regs = cuda.local.array((M_STEPS, 4), int32)  # Pᵀ in 16-bit pairs: dV's A fragments
+        ds_regs = cuda.local.array((M_STEPS, 4), int32)  # dSᵀ in 16-bit pairs: dK's A fragments
+        dk_acc = wgmma.zero_accumulators(O_REGS)  # [64 keys, HEAD_DIM] as D's registers
+        dv_acc = wgmma.zero_accumulators(O_REGS)
+        start_m = begin_m
+        next_h = head0
+        for it in range(steps):
+            buf = it % 2
+            cp_async_wait_all()  # this thread's copies of step it (and K, V) have landed ...
+            wgmma.fence_proxy_async()  # ... visible to wgmma's async proxy ...
+            cuda.syncthreads()  # ... every thread's; both warpgroups are done with step it - 1's stage
+            next_m = start_m + BLOCK_M
+            if next_m >= seqlen_q:
+                next_m = begin_m
+                next_h += 1
+            if it + 1 < steps:
+                load_step(
+                    qdo_tiles + uint32((1 - buf) * STAGE),
+                    lse_tile,
+                    delta_tile,
+                    1 - buf,
+                    next_m,
+                    q_base,
+                    off_b * stride_qb + next_h * stride_qh,
+                    do_base,
+                    off_b * stride_dob + next_h * stride_doh,
+                    stride_qm,
+                    lse,
+                    off_b * stride_lb + next_h * stride_lh,
+                    stride_lm,
+                    delta,
+                    delta_rows + next_h * seqlen_q,
+                    seqlen_q,
+                )
+            # The warpgroup's products, unless no query of the tile sees any of its keys (all masked: zero
+            # gradients) or they are all past seqlen_k (never written back). Uniform over the warpgroup.
+            skip = wg_key >= seqlen_k or (CAUSAL and start_m + BLOCK_M - 1 + diag < wg_key)
+            if not skip:
+                q_tile = qdo_tiles + uint32(buf * STAGE)
+                do_tile = q_tile + uint32(QDO_TILE)
+                s = issue_products(wgmma.opaque_address(k_tile), q_tile)  # Sᵀ = K Qᵀ
+                dp = issue_products(wgmma.opaque_address(v_tile), do_tile)  # dPᵀ = V dOᵀ
+                wgmma.wgmma_wait(1)  # Sᵀ's group is done, dPᵀ's may run on
+                s = wgmma.wgmma_fence_operand(s)
+                # Pᵀ: masked only where the tile crosses the warpgroup's diagonal. Element (j, e) is key key0 + 8
+                # (e // 2) against query start_m + 8 j + 2 t + e % 2: masked iff rel > 8 j + e % 2 - 8 (e // 2),
+                # rel = key0 - start_m - 2 t - diag.
+                crosses = CAUSAL and wg_key + 63 > start_m + diag
+                rel = key0 - start_m - 2 * t - diag
+                lse_row = BLOCK_M * buf
+                for j in range(M_TILES):
+                    for e in range(4):
+                        col = 8 * j + 2 * t + e % 2
+                        x = exp2_approx(s[4 * j + e] * qk_scale - lse_tile[lse_row + col])
+                        if crosses and rel > 8 * j + e % 2 - 8 * (e // 2):
+                            x = float32(0.0)
+                        p[j, e] = x
+                if DV_EARLY:
+                    for kk in range(M_STEPS):
+                        pack_a_step(p, p_regs, kk)
+                    dv_acc = issue_update(dv_acc, p_regs, do_tile)  # dV += Pᵀ dO
+                    wgmma.wgmma_wait(1)  # dPᵀ's group is done, dV's may run on
+                else:
+                    wgmma.wgmma_wait(0)
+                dp = wgmma.wgmma_fence_operand(dp)
+                # dSᵀ in place of Pᵀ, by 16 queries: Pᵀ's A registers packed first where dV waits for them.
+                for kk in range(M_STEPS):
+                    if not DV_EARLY:
+                        pack_a_step(p, p_regs, kk)
+                    for j in range(2 * kk, 2 * kk + 2):
+                        for e in range(4):
+                            col = 8 * j + 2 * t + e % 2
+                            p[j, e] = p[j, e] * (dp[4 * j + e] - delta_tile[lse_row + col])
+                    pack_a_step(p, ds_regs, kk)
+                if not DV_EARLY:
+                    dv_acc = issue_update(dv_acc, p_regs, do_tile)  # dV += Pᵀ dO
+                dk_acc = issue_update(dk_acc, ds_regs, q_tile)  # dK += dSᵀ Q
+                wgmma.wgmma_wait(0)
+                dv_acc = wgmma.wgmma_fence_operand(dv_acc)
+                dk_acc = wgmma.wgmma_fence_operand(dk_acc)
+            start_m = next_m
+
+        # Epilogue: dk = scale · dK, dv = dV, each element once (keys that no row sees: zeros).
+        dkv_start = off_bhk * seqlen_k  # dk's and dv's row of key 0 of this (batch, key/value head)
+        store_rows(dk, dk_acc, scale, dkv_start + key0, dkv_start + seqlen_k, t)
+        store_rows(dv, dv_acc, float32(1.0), dkv_start + key0, dkv_start + seqlen_k, t)
+
+    return cuda.jit(_attn_bwd_dkdv_wgmma)
+
+
+def _build_dq(HEAD_DIM, config, CAUSAL, IS_BF16):
+    """The dQ kernel for one head dim, key tile, causal or not, and input type."""
+    BLOCK_N_DQ = config.DQ_BLOCK_N
+    assert HEAD_DIM in HEAD_DIMS and BLOCK_N_DQ % 16 == 0 and 16 <= BLOCK_N_DQ <= 256
+    N_TILES = BLOCK_N_DQ // 8  # 8-key column blocks of S, 4 registers each
+    O_REGS = HEAD_DIM // 2  # dQ: the warpgroup's 64 rows x HEAD_DIM
+    N_STEPS = BLOCK_N_DQ // 16  # k steps of dQ += dS K
+    QDO_TILE = wgmma.swizzle128_tile_bytes(64, HEAD_DIM)  # one warpgroup's Q (or dO)
+    KV_TILE = wgmma.swizzle128_tile_bytes(BLOCK_N_DQ, HEAD_DIM)
+    STAGE = 2 * KV_TILE  # K then V
+    issue_products = _issue_products(HEAD_DIM, BLOCK_N_DQ, IS_BF16)
+    issue_update = _issue_update(BLOCK_N_DQ, IS_BF16)
+    pack_a_step, store_rows = _packing(HEAD_DIM, IS_BF16)
+    load_qdo = wgmma.tile_loader(BLOCK_M_DQ, 64, HEAD_DIM, NUM_THREADS)
+    load_kv = wgmma.tile_loader(BLOCK_N_DQ, BLOCK_N_DQ, HEAD_DIM, NUM_THREADS)
+
+    def _attn_bwd_dq_wgmma(
+        q,
+        k,
+        v,
+        do,
+        lse,
+        delta,
+        dq,
+        stride_qb,
+        stride_qh,
+        stride_qm,
+        stride_kb,
+        stride_kh,
+        stride_kn,
+        stride_vb,
+        stride_vh,
+        stride_vn,
+        stride_dob,
+        stride_doh,
+        stride_dom,
+        stride_lb,
+        stride_lh,
+        stride_lm,
+        heads,
+        group,
+        seqlen_q,
+        seqlen_k,
+        scale,
+        qk_scale,
+        num_m_tiles,
+    ):
+        """One block: BLOCK_M_DQ query rows of one (batch, head). q, k, v, do, lse, delta and the strides as the
+        dK/dV kernel's; dq: (B, H, seqlen_q, HEAD_DIM), flat, contiguous, int32 pairs."""
+        diag = seqlen_k - seqlen_q  # key j is visible to query i iff j <= i + diag (CAUSAL)
+        m_block = cuda.blockIdx.x % num_m_tiles
+        if CAUSAL:
+            m_block = num_m_tiles - 1 - m_block  # the longest rows first
+        start_m = m_block * BLOCK_M_DQ
+        off_bh = cuda.blockIdx.x // num_m_tiles
+        off_b = off_bh // heads
+        off_h = off_bh % heads
+        off_hk = off_h // group  # GQA: the group's query heads share key/value head off_hk
+        wg = cuda.threadIdx.x // wgmma.WARPGROUP_SIZE
+        thread = cuda.threadIdx.x % wgmma.WARPGROUP_SIZE
+        lane = thread % 32
+        t = lane % 4
+        wg_row = start_m + 64 * wg  # the warpgroup's first row
+        row0 = wg_row + 16 * (thread // 32) + lane // 4  # the thread's rows: row0 and row0 + 8
+
+        smem = cuda.shared.array(0, int16, alignment=SHARED_ALIGN)  # the launch's dynamic size
+        base = shared_address(smem)
+        tiles = base + (wgmma.SWIZZLE_ATOM_BYTES - base % wgmma.SWIZZLE_ATOM_BYTES) % wgmma.SWIZZLE_ATOM_BYTES
+        q_tile = tiles + uint32(wg * QDO_TILE)
+        do_tile = tiles + uint32((2 + wg) * QDO_TILE)
+        kv_tiles = tiles + uint32(4 * QDO_TILE)
+        k_base, v_base = global_address(k), global_address(v)
+        k_offset = off_b * stride_kb + off_hk * stride_kh
+        v_offset = off_b * stride_vb + off_hk * stride_vh
+
+        # L · log2 e and delta of the thread's two rows (+inf and 0 past seqlen_q: their P is zero).
+        lse_row = cuda.local.array(2, float32)
+        delta_row = cuda.local.array(2, float32)
+        for h in range(2):
+            row = row0 + 8 * h
+            lse_row[h] = float32(math.inf)
+            delta_row[h] = 0.0
+            if row < seqlen_q:
+                lse_row[h] = lse[uint64(off_b * stride_lb + off_h * stride_lh + row * stride_lm)] * float32(LOG2E)
+                delta_row[h] = delta[uint64(off_bh * seqlen_q + row)]
+
+        # The key tiles some row of the block sees: causal, up to the last row's diagonal.
+        end_n = max(min(seqlen_k, min(start_m + BLOCK_M_DQ, seqlen_q) + diag), 0) if CAUSAL else seqlen_k
+        n_tiles = -(-end_n // BLOCK_N_DQ)
+        if n_tiles > 0:  # else no copy is issued (none is left in flight at the exit)
+            load_qdo(tiles, global_address(q), off_b * stride_qb + off_h * stride_qh, stride_qm, start_m, seqlen_q)
+            load_qdo(
+                tiles + uint32(2 * QDO_TILE),
+                global_address(do),
+                off_b * stride_dob + off_h * stride_doh,
+                stride_dom,
+                start_m,
+                seqlen_q,
+            )
+            load_kv(kv_tiles, k_base, k_offset, stride_kn, 0, seqlen_k)
+            load_kv(kv_tiles + uint32(KV_TILE), v_base, v_offset, stride_vn, 0, seqlen_k)
+            cp_async_commit()
+
+        p = cuda.local.array((N_TILES, 4), float32)  # S, then P, then dS: [64 rows, BLOCK_N_DQ] as D's registers
+        ds_regs = cuda.local.array((N_STEPS, 4), int32)  # dS in 16-bit pairs: dQ's A fragments
+        acc = wgmma.zero_accumulators(O_REGS)  # dQ: [64 rows, HEAD_DIM] as D's registers
+        lane_diag = row0 + diag - 2 * t
+        for it in range(n_tiles):
+            start_n = it * BLOCK_N_DQ
+            k_tile = kv_tiles + uint32(it % 2 * STAGE)
+            cp_async_wait_all()  # this thread's copies of tile it (and Q, dO) have landed ...
+            wgmma.fence_proxy_async()  # ... visible to wgmma's async proxy ...
+            cuda.syncthreads()  # ... every thread's; both warpgroups are done with tile it - 1's stage
+            if it + 1 < n_tiles:
+                next_k = kv_tiles + uint32((it + 1) % 2 * STAGE)
+                load_kv(next_k, k_base, k_offset, stride_kn, start_n + BLOCK_N_DQ, seqlen_k)
+                load_kv(next_k + uint32(KV_TILE), v_base, v_offset, stride_vn, start_n + BLOCK_N_DQ, seqlen_k)
+                cp_async_commit()
+            # The warpgroup's products, unless its rows are all past seqlen_q or see none of the tile's keys.
+            skip = wg_row >= seqlen_q or (CAUSAL and start_n > wg_row + 63 + diag)
+            if not skip:
+                s = issue_products(wgmma.opaque_address(q_tile), k_tile)  # S = Q Kᵀ
+                dp = issue_products(wgmma.opaque_address(do_tile), k_tile + uint32(KV_TILE))  # dP = dO Vᵀ
+                wgmma.wgmma_wait(1)  # S's group is done, dP's may run on
+                s = wgmma.wgmma_fence_operand(s)
+                # P, masked where the tile crosses the end of the keys or (causal) the warpgroup's diagonal:
+                # element (j, e) is row row0 + 8 (e // 2) against key start_n + 8 j + 2 t + e % 2 (forward_wgmma's
+                # softmax mask).
+                mask = start_n + BLOCK_N_DQ > seqlen_k or (CAUSAL and start_n + BLOCK_N_DQ - 1 > wg_row + diag)
+                for h in range(2):
+                    hi = seqlen_k - 2 * t - start_n  # keys from column hi of the lane's row h on are masked
+                    if CAUSAL:
+                        hi = min(hi, lane_diag + 8 * h + 1 - start_n)
+                    for j in range(N_TILES):
+                        for e in range(2 * h, 2 * h + 2):
+                            x = exp2_approx(s[4 * j + e] * qk_scale - lse_row[h])
+                            if mask and 8 * j + e % 2 >= hi:
+                                x = float32(0.0)
+                            p[j, e] = x
+                wgmma.wgmma_wait(0)
+                dp = wgmma.wgmma_fence_operand(dp)
+                for kk in range(N_STEPS):  # dS in place of P, packed 16 keys at a time
+                    for j in range(2 * kk, 2 * kk + 2):
+                        for e in range(4):
+                            p[j, e] = p[j, e] * (dp[4 * j + e] - delta_row[e // 2])
+                    pack_a_step(p, ds_regs, kk)
+                acc = issue_update(acc, ds_regs, k_tile)  # dQ += dS K
+                wgmma.wgmma_wait(0)
+                acc = wgmma.wgmma_fence_operand(acc)
+
+        # Epilogue: dq = scale · dQ, each element once (rows that see no key: zeros).
+        q_start = off_bh * seqlen_q  # dq's row of query 0 of this (batch, head)
+        store_rows(dq, acc, scale, q_start + row0, q_start + seqlen_q, t)
+
+    return cuda.jit(_attn_bwd_dq_wgmma)
+
+
+# Compiled kernels by ("dkdv" or "dq", HEAD_DIM, WgmmaBwdConfig, CAUSAL, IS_BF16).
+_KERNELS: dict[tuple, object] = {}
+# Prepared launches (preprocess, dK/dV, dQ; ``launch.prepare``) by class of call: the tensors' shapes, strides
+# and dtypes, the device, whether their data is 16 B aligned, the spec's values (``spec_class``), the config.
+_PREPARED: dict[tuple, tuple] = {}
+
+
+_BUILDERS = {"dkdv": _build_dkdv, "dq": _build_dq}
+
+
+def _kernel(name, *key):
+    kernel = _KERNELS.get((name, *key))
+    if kernel is None:
+        kernel = _KERNELS[(name, *key)] = _BUILDERS[name](*key)
+    return kernel
+
+
+def flash_attn_backward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    O: torch.Tensor,
+    L: torch.Tensor,
+    dO: torch.Tensor,
+    spec: AttentionSpec,
+    config: WgmmaBwdConfig | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Arguments:
+        q, dO: (batch, heads, seqlen_q, head_dim); k, v: (batch, heads_k, seqlen_k, head_dim), heads a multiple
+            of heads_k (grouped-query attention): query head h attends to key/value head h // (heads //
+            heads_k); fp16 or bf16, one dtype, head_dim 64 or 128, contiguous along head_dim with 16 B aligned
+            rows; CUDA tensors on compute capability 9.0, or CPU tensors under numba's simulator (emulated
+            wgmma, tiny shapes).
+        O: (batch, heads, seqlen_q, head_dim), q's dtype; L: (batch, heads, seqlen_q), float32, natural log, from
+            the forward (+inf on rows that see no key); any strides.
+        spec: what the forward computed: any scale, and no window or causal, bottom-right aligned (key j visible
+            to query i iff j <= i + seqlen_k - seqlen_q)::
+
+                causal, seqlen_q = 2, seqlen_k = 5:   1 1 1 1 0
+                                                      1 1 1 1 1
+
+            (``refusal`` names what else these kernels do not take).
+        config: the kernels' tiles, for tuning; default ``bwd_config(head_dim)``.
+
+    Returns:
+        dq, dk, dv in the shapes and dtypes of q, k, v (dk, dv: each key/value head's gradient summed over its
+        group's query heads), contiguous; rows that see no key get dq = 0, keys that no row sees dk = dv = 0.
+        Three launches (preprocess, dK/dV, dQ), no host sync.
+    """
+    key = None
+    if launch.FAST:  # a call of a class met before: the kernels' parameters are packed, only pointers change
+        aligned = (q.data_ptr() | k.data_ptr() | v.data_ptr() | dO.data_ptr()) % 16 == 0
+        key = (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), O.shape, O.stride(), L.shape)
+        key += (L.stride(), dO.shape, dO.stride(), q.dtype, k.dtype, v.dtype, O.dtype, L.dtype, dO.dtype, q.device)
+        key += (aligned, spec_class(spec), None if config is None else tuple(config))
+        plan = _PREPARED.get(key)
+        if plan is not None:
+            preprocess, dkdv, dq_kernel = plan
+            dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+            dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+            dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+            delta = torch.empty(q.shape[0] * q.shape[1] * q.shape[2], dtype=torch.float32, device=q.device)
+            preprocess(*preprocess_tensors(O, dO, L, delta, None, spec))
+            dkdv(q, k, v, dO, L, delta, dk, dv)
+            dq_kernel(q, k, v, dO, L, delta, dq)
+            return dq, dk, dv
+    reason = refusal(q, k, v, dO, spec)
+    if reason is not None:
+        raise NotImplementedError(f"fa2-numba-cuda's wgmma backward {reason}")
+    check_device(q)
+    if not simulated() and capability(q.device) != COMPUTE_CAPABILITY:
+        raise NotImplementedError(
+            f"fa2-numba-cuda's wgmma backward needs compute capability 9.0 (sm_90a), got {capability(q.device)} "
+            f"on {q.device}"
+        )
+    batch, heads, seqlen_q, head_dim = q.shape
+    heads_k, seqlen_k = k.shape[1], k.shape[2]
+    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    if batch * heads == 0 or seqlen_k == 0 or seqlen_q == 0:
+        # An empty side: no score, so zero gradients (backward_tc's kernels write them, seqlen_k = 0 or not).
+        return backward_tc.flash_attn_backward(q, k, v, O, L, dO, spec)
+    config = WgmmaBwdConfig(*config) if config is not None else bwd_config(head_dim)
+    for tile in (config.BLOCK_M, config.DQ_BLOCK_N):
+        if tile % 16 or not 16 <= tile <= 256 or (tile * head_dim // 8) % NUM_THREADS:
+            raise ValueError(
+                f"WgmmaBwdConfig needs BLOCK_M and DQ_BLOCK_N multiples of 16 from 16 to 256, whole copies, got "
+                f"{config}"
+            )
+    delta = torch.empty(batch * heads * seqlen_q, dtype=torch.float32, device=q.device)
+    # delta = rowsum(dO ∘ O): the SIMT preprocess (fp32 sums).
+    preprocess = launch_preprocess(O, dO, L, delta, None, spec)
+    flags = (config, spec.causal, q.dtype == torch.bfloat16)
+    inputs = (*(t.view(torch.int16) for t in (q, k, v, dO)), L, delta)
+    strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dO.stride()[:3], *L.stride())
+    sizes = (heads, heads // heads_k, seqlen_q, seqlen_k, np.float32(spec.scale), np.float32(spec.scale * LOG2E))
+    num_n_tiles = -(-seqlen_k // BLOCK_N)
+    dkdv = launch.prepare(
+        _kernel("dkdv", head_dim, *flags),
+        num_n_tiles * batch * heads_k,
+        NUM_THREADS,
+        q.device,
+        (*inputs, dk.view(torch.int32), dv.view(torch.int32), *strides, *sizes, num_n_tiles),
+        tuple(range(8)),
+        shared_bytes("dkdv", head_dim, config),
+    )
+    if config.DQ_WGMMA:
+        num_m_tiles = -(-seqlen_q // BLOCK_M_DQ)
+        dq_kernel = launch.prepare(
+            _kernel("dq", head_dim, *flags),
+            num_m_tiles * batch * heads,
+            NUM_THREADS,
+            q.device,
+            (*inputs, dq.view(torch.int32), *strides, *sizes, num_m_tiles),
+            tuple(range(7)),
+            shared_bytes("dq", head_dim, config),
+        )
+    else:  # backward_tc's, its own tiles (the device's shared memory allowing)
+        dq_config = backward_tc.tc_bwd_config(head_dim, backward_tc.max_shared_bytes(q.device))
+        dq_kernel = backward_tc.launch_dq(q, k, v, dO, L, delta, dq, None, spec, dq_config)
+    if key is not None and None not in (preprocess, dkdv, dq_kernel):
+        _PREPARED[key] = (preprocess, dkdv, dq_kernel)
+    return dq, dk, dv
+
+
+def kernel_resources() -> list[dict]:
+    """Registers and local memory per thread, static shared memory per block, of every wgmma backward kernel
+    compiled so far in this process ("wgmma dkdv", "wgmma dq"; the preprocess, and the dQ kernel without
+    DQ_WGMMA, are reported by backward_simt and backward_tc); empty under the simulator."""
+    if simulated():
+        return []
+    rows = []
+    for (name, HEAD_DIM, config, CAUSAL, IS_BF16), kernel in _KERNELS.items():
+        regs = kernel.get_regs_per_thread()
+        shared = kernel.get_shared_mem_per_block()
+        local = kernel.get_local_mem_per_thread()
+        for signature in regs:
+            rows.append(
+                {
+                    "kernel": f"wgmma {name}",
+                    "HEAD_DIM": HEAD_DIM,
+                    **config._asdict(),
+                    "causal": CAUSAL,
+                    "bf16": IS_BF16,
+                    "registers_per_thread": regs[signature],
+                    "shared_bytes_per_block": shared[signature],
+                    "dynamic_shared_bytes_per_block": shared_bytes(name, HEAD_DIM, config),
+                    "local_bytes_per_thread": local[signature],
+                }
+            )
+    return rows

@@ -1,0 +1,257 @@
+"""fa2-numba-cuda's backward on Hopper's wgmma (``fa2_numba_cuda.backward_wgmma``), off unless FA2_NUMBA_WGMMA_BWD=1.
+
+- dq, dk, dv against the fp64 reference with the suite's FlashAttention-2 rule (``test_gradients.assert_grads_match``;
+  O and L from the fp64 reference, so that only the backward is under test; outputs NaN-poisoned by the suite's
+  conftest), on numba's simulator (``wgmma.py``'s and ``mma.py``'s emulations, fp16, a few tiles) or, with
+  --device cuda, on a GPU of compute capability 9.0 (fp16 and bf16, head_dim 64 and 128): whole tiles, ragged
+  seqlen_q and seqlen_k, seqlen_q below and above seqlen_k under causal (rows that see no key, keys no row sees),
+  GQA;
+- ``refusal``/``takes`` refusing what the kernels do not compute, ``uses_wgmma`` off without the switch or a
+  Hopper GPU, and ``fa2_numba_cuda.backward`` running them only where ``uses_wgmma`` holds (``ENABLED``
+  monkeypatched), the switch read from the environment at import.
+
+The simulator checks the index math against the ISA's tables as ``wgmma.py`` reads them, and the ordering of
+cp.async, the wgmma waits and the fences as its emulation models them (not the async proxy); only the GPU run
+shows the hardware agrees. On the GPU: pytest --device cuda with NUMBA_ENABLE_CUDASIM unset.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from checks import random_qkv, run_python
+from fa2 import reference
+from fa2.spec import AttentionSpec
+from fa2_numba_cuda import backward, backward_tc, backward_wgmma, common, tensor_cores
+from test_gradients import assert_grads_match
+
+SIMULATED = common.simulated()
+
+
+@pytest.fixture
+def wgmma_device(kernel_device):
+    """Where the kernels run: the simulator on the CPU, or a GPU of compute capability 9.0 (sm_90a)."""
+    if kernel_device.type == "cuda" and tensor_cores.capability(kernel_device) != backward_wgmma.COMPUTE_CAPABILITY:
+        pytest.skip(f"wgmma needs compute capability 9.0, got {tensor_cores.capability(kernel_device)}")
+    return kernel_device
+
+
+def _spec(q, k, causal, scale=None):
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    return AttentionSpec(scale, (-1, 0) if causal else (-1, -1), group=q.shape[1] // k.shape[1])
+
+
+def _inputs(dtype, shape, device):
+    """Standard-normal q, k, v, dO for shape (B, H, H_k, seqlen_q, seqlen_k, D)."""
+    b, h, h_k, n_q, n_k, d = shape
+    q, k, v = random_qkv((b, h, n_q, d), (b, h_k, n_k, d), dtype, device, seed=n_q + n_k + d)
+    dO = torch.randn(q.shape, generator=torch.Generator().manual_seed(d)).to(device=device, dtype=dtype)
+    return q, k, v, dO
+
+
+def _forward(q, k, v, causal):
+    """O (in q's dtype) and L (fp32) from the fp64 reference."""
+    O64, L64 = reference.attention(q.double(), k.double(), v.double(), causal)
+    return O64.to(q.dtype), L64.float()
+
+
+def _case(dtype, b, h, h_k, n_q, n_k, d, causal, config=None):
+    """config: None (``bwd_config``'s) or a ``WgmmaBwdConfig``."""
+    kind = "bf16" if dtype == torch.bfloat16 else "fp16"
+    name = f"{kind}-B{b}-H{h}" + (f"-Hk{h_k}" if h_k != h else "") + f"-{n_q}x{n_k}-D{d}"
+    name += "-causal" if causal else "-full"
+    if config is not None:
+        name += f"-M{config.BLOCK_M}" + ("-dv-early" if config.DV_EARLY else "")
+        name += f"-dqN{config.DQ_BLOCK_N}" if config.DQ_WGMMA else "-tc-dq"
+    return pytest.param(dtype, (b, h, h_k, n_q, n_k, d), causal, config, id=name)
+
+
+def _cases(dtype, shapes, config=None):
+    return [_case(dtype, *shape, causal, config) for shape in shapes for causal in (False, True)]
+
+
+# (B, H, H_k, seqlen_q, seqlen_k, D). The simulator's: a few 128-key (dK/dV) and 128-row (dQ) blocks, 64-row steps.
+SIM_SHAPES = [
+    (1, 1, 1, 128, 128, 64),  # whole tiles: one block, two query tiles
+    (1, 1, 1, 100, 150, 64),  # ragged: two blocks (the second's upper warpgroup past seqlen_k), rows past the end
+    (1, 1, 1, 70, 150, 64),  # seqlen_q < seqlen_k: causal's diagonal inside the second block
+    (1, 1, 1, 150, 60, 64),  # seqlen_q > seqlen_k: under causal the first 90 rows see no key
+    (1, 2, 1, 40, 100, 64),  # GQA 2:1: the block's steps over both query heads
+    (1, 1, 1, 70, 90, 128),  # head_dim 128: tiles of two 64-column panels
+]
+GPU_SHAPES = [
+    *[(1, 2, 2, 512, 512, d) for d in (64, 128)],
+    *[(2, 4, 2, 1000, 1500, d) for d in (64, 128)],
+    *[(1, 4, 1, 1500, 700, d) for d in (64, 128)],
+    # three keys (with one, the suite's rule allows dq no error at all: its reference is exactly 0), one query
+    *[(3, 2, 2, 129, 3, d) for d in (64, 128)],
+    *[(2, 2, 2, 1, 300, d) for d in (64, 128)],
+]
+EARLY = backward_wgmma.WgmmaBwdConfig(64, True)
+SMALL = backward_wgmma.WgmmaBwdConfig(32, DQ_BLOCK_N=32)
+TC_DQ = backward_wgmma.WgmmaBwdConfig(64, DQ_WGMMA=False)
+if SIMULATED:
+    KERNEL_CASES = [
+        *_cases(torch.float16, SIM_SHAPES),
+        # dV issued before dSᵀ (wait_group 1 between the updates)
+        *_cases(torch.float16, [(1, 1, 1, 100, 150, 64)], EARLY),
+        # 32-query dK/dV steps (several a head) and 32-key dQ tiles (several a block, causal ones skipped)
+        *_cases(torch.float16, [(1, 2, 1, 70, 90, 64)], SMALL),
+        # backward_tc's dQ kernel
+        _case(torch.float16, 1, 2, 1, 70, 90, 64, True, TC_DQ),
+        _case(torch.bfloat16, 1, 1, 1, 70, 150, 64, True),
+    ]
+else:
+    KERNEL_CASES = [
+        *_cases(torch.float16, GPU_SHAPES),
+        *_cases(torch.bfloat16, GPU_SHAPES),
+        *_cases(torch.bfloat16, GPU_SHAPES[:6], EARLY),
+        *_cases(torch.bfloat16, GPU_SHAPES[:6], SMALL),
+        *_cases(torch.bfloat16, GPU_SHAPES[:6], TC_DQ),
+    ]
+
+
+@pytest.mark.parametrize("dtype, shape, causal, config", KERNEL_CASES)
+def test_kernels_match_reference(wgmma_device, dtype, shape, causal, config):
+    q, k, v, dO = _inputs(dtype, shape, wgmma_device)
+    O, L = _forward(q, k, v, causal)
+    dq, dk, dv = backward_wgmma.flash_attn_backward(q, k, v, O, L, dO, _spec(q, k, causal), config)
+    assert_grads_match(dq, dk, dv, q, k, v, dO, causal)
+
+
+def test_backward_runs_them_with_the_switch_on_hopper(wgmma_device, monkeypatch):
+    """On a Hopper GPU with ``ENABLED`` (FA2_NUMBA_WGMMA_BWD=1), backward.flash_attn_backward's fp16/bf16
+    D64/D128 backward is these kernels': the dK/dV and dQ kernels are compiled, their resources are reported
+    without local memory (spills), the
+    gradients match the reference; a class's second call takes the prepared launches and gives the same
+    gradients bit for bit (no atomics: deterministic)."""
+    if wgmma_device.type != "cuda":
+        pytest.skip("the default dispatch needs a Hopper GPU (--device cuda)")
+    monkeypatch.setattr(backward_wgmma, "ENABLED", True)
+    q, k, v, dO = _inputs(torch.bfloat16, (2, 4, 2, 300, 333, 128), wgmma_device)
+    O, L = _forward(q, k, v, True)
+    spec = _spec(q, k, True)
+    backward_wgmma._KERNELS.clear()
+    first = backward.flash_attn_backward(q, k, v, O, L, dO, spec)
+    assert {key[:2] for key in backward_wgmma._KERNELS} == {("dkdv", 128), ("dq", 128)}, "the wgmma kernels ran"
+    prepares = []
+    real = backward_wgmma.launch.prepare
+    monkeypatch.setattr(backward_wgmma.launch, "prepare", lambda *a: prepares.append(a) or real(*a))
+    second = backward.flash_attn_backward(q, k, v, O, L, dO, spec)
+    assert not prepares, "the second call of a class must take the prepared launches"
+    torch.cuda.synchronize()
+    for name, x, y in zip(("dq", "dk", "dv"), first, second):
+        assert torch.equal(x, y), f"{name}: max |prepared - numba| = {(x.float() - y.float()).abs().max():.3g}"
+    assert_grads_match(*second, q, k, v, dO, True)
+    rows = [r for r in backward.kernel_resources() if r["kernel"] in ("wgmma dkdv", "wgmma dq")]
+    assert len(rows) == 2 and all(r["local_bytes_per_thread"] == 0 for r in rows), rows
+
+
+# --- what they take, and when they run ----------------------------------------------------------------
+
+
+def _small(dtype=torch.float16, d=64, h=2, h_k=2, n_q=16, n_k=16):
+    q, k, v = random_qkv((1, h, n_q, d), (1, h_k, n_k, d), dtype, "cpu")
+    return q, k, v, torch.ones_like(q)
+
+
+def test_takes_dense_16_bit_head_dim_64_and_128():
+    for dtype in (torch.float16, torch.bfloat16):
+        for d in (64, 128):
+            q, k, v, dO = _small(dtype, d, h=4, h_k=2)
+            for causal in (False, True):
+                assert backward_wgmma.takes(q, k, v, dO, _spec(q, k, causal)), (dtype, d, causal)
+            assert backward_wgmma.takes(q, k, v, dO, _spec(q, k, False, scale=-0.3)), "any scale"
+
+
+@pytest.mark.parametrize(
+    "change, reason",
+    [
+        pytest.param(
+            lambda q, k, v, o, s: ((q.float(), k.float(), v.float(), o.float()), s), "fp16 or bf16", id="fp32"
+        ),
+        pytest.param(lambda q, k, v, o, s: ((q, k.bfloat16(), v, o), s), "one dtype", id="mixed-dtypes"),
+        pytest.param(lambda q, k, v, o, s: ((q, k, v, o.bfloat16()), s), "one dtype", id="dO-dtype"),
+        pytest.param(
+            lambda q, k, v, o, s: ((q[..., :32], k[..., :32], v[..., :32], o[..., :32]), s), "head_dim", id="D32"
+        ),
+        pytest.param(lambda q, k, v, o, s: ((q, k, v[..., :32], o), s), "head_dim", id="v-head-dim"),
+        pytest.param(lambda q, k, v, o, s: ((q, k, v, o), s.replace(window=(8, 0))), "window", id="window"),
+        pytest.param(lambda q, k, v, o, s: ((q, k, v, o), s.replace(softcap=5.0)), "softcap", id="softcap"),
+        pytest.param(
+            lambda q, k, v, o, s: ((q, k, v, o), s.replace(alibi_slopes=torch.ones(1, 2))), "ALiBi", id="alibi"
+        ),
+        pytest.param(lambda q, k, v, o, s: ((q, k, v, o), s.replace(sink=torch.zeros(2))), "sink", id="sink"),
+        pytest.param(
+            lambda q, k, v, o, s: (
+                (q, k, v, o),
+                s.replace(cu_seqlens_q=torch.tensor([0, 16], dtype=torch.int32), cu_seqlens_k=torch.tensor([0, 16])),
+            ),
+            "packed",
+            id="varlen",
+        ),
+        pytest.param(
+            lambda q, k, v, o, s: ((q, torch.cat([k, k], -1)[..., ::2], v, o), s),
+            "16 B aligned",
+            id="k-strided-head-dim",
+        ),
+        pytest.param(
+            lambda q, k, v, o, s: ((q, k, v, torch.randn(o.numel() + 1).half()[1:].view(o.shape)), s),
+            "16 B aligned",
+            id="dO-unaligned",
+        ),
+    ],
+)
+def test_refuses_what_it_does_not_compute(change, reason):
+    q, k, v, dO = _small()
+    (q, k, v, dO), spec = change(q, k, v, dO, _spec(q, k, False))
+    assert reason in backward_wgmma.refusal(q, k, v, dO, spec)
+    assert not backward_wgmma.takes(q, k, v, dO, spec)
+    O, L = torch.zeros_like(q), torch.zeros(q.shape[:3])
+    with pytest.raises(NotImplementedError, match="wgmma backward"):
+        backward_wgmma.flash_attn_backward(q, k, v, O, L, dO, spec)
+
+
+def test_uses_wgmma_needs_the_switch_and_a_hopper_gpu(monkeypatch):
+    q, k, v, dO = _small()
+    spec = _spec(q, k, True)
+    monkeypatch.setattr(backward_wgmma, "ENABLED", False)
+    assert not backward_wgmma.uses_wgmma(q, k, v, dO, spec)
+    monkeypatch.setattr(backward_wgmma, "ENABLED", True)
+    assert not backward_wgmma.uses_wgmma(q, k, v, dO, spec), "CPU tensors (the simulator's) never take it by default"
+
+
+@pytest.mark.parametrize("enabled", [False, True])
+def test_backward_runs_them_only_where_uses_wgmma_holds(monkeypatch, enabled):
+    """backward.flash_attn_backward calls backward_wgmma where uses_wgmma holds (here: forced, as on a Hopper GPU
+    with the switch on), with neither kernels nor a config asked for; else the kernels it ran before."""
+    calls = []
+
+    def wgmma_kernels(q, k, v, O, L, dO, spec, config=None):
+        calls.append("wgmma")
+        return "wgmma"
+
+    monkeypatch.setattr(backward_wgmma, "uses_wgmma", lambda q, k, v, dO, spec: enabled)
+    monkeypatch.setattr(backward_wgmma, "flash_attn_backward", wgmma_kernels)
+    monkeypatch.setattr(backward.backward_tc, "flash_attn_backward", lambda *a: "tc")
+    monkeypatch.setattr(backward.backward_simt, "flash_attn_backward", lambda *a: "simt")
+    q, k, v, dO = _small()
+    O, L = torch.zeros_like(q), torch.zeros(q.shape[:3])
+    spec = _spec(q, k, False)
+    # CPU tensors under the simulator: backward_tc.uses_tensor_cores holds, so the tensor-core kernels run.
+    unasked = "tc" if SIMULATED else "simt"
+    assert backward.flash_attn_backward(q, k, v, O, L, dO, spec) == ("wgmma" if enabled else unasked)
+    assert backward.flash_attn_backward(q, k, v, O, L, dO, spec, tensor_cores=True) == "tc"
+    assert backward.flash_attn_backward(q, k, v, O, L, dO, spec, tensor_cores=False) == "simt"
+    assert backward.flash_attn_backward(q, k, v, O, L, dO, spec, config=backward_tc.tc_bwd_config(64)) == unasked
+    assert calls == (["wgmma"] if enabled else [])
+
+
+@pytest.mark.parametrize("value, enabled", [("1", True), ("0", False), (None, False)])
+def test_enabled_reads_the_environment_at_import(value, enabled):
+    setting = "" if value is None else f"import os; os.environ['FA2_NUMBA_WGMMA_BWD'] = {value!r}; "
+    out = run_python(
+        setting + "from fa2_numba_cuda import backward_wgmma; print(backward_wgmma.ENABLED)", "FA2_NUMBA_WGMMA_BWD", 300
+    )
+    assert out.stdout.strip() == str(enabled), out.stderr
