@@ -120,6 +120,16 @@ def test_kernels_match_reference(wgmma_device, dtype, shape, causal, config):
     assert_grads_match(dq, dk, dv, q, k, v, dO, causal)
 
 
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_strided_inputs_match_reference(wgmma_device, causal):
+    """q and k as (B, N, H, D) memory (rows a head apart), v and dO contiguous: each tensor's own strides."""
+    q, k, v, dO = _inputs(torch.float16, (1, 2, 1, 70, 150, 64), wgmma_device)
+    q, k = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k))
+    O, L = _forward(q, k, v, causal)
+    dq, dk, dv = backward_wgmma.flash_attn_backward(q, k, v, O, L, dO, _spec(q, k, causal))
+    assert_grads_match(dq, dk, dv, q, k, v, dO, causal)
+
+
 def test_backward_runs_them_with_the_switch_on_hopper(wgmma_device, monkeypatch):
     """On a Hopper GPU with ``ENABLED`` (FA2_NUMBA_WGMMA_BWD=1), backward.flash_attn_backward's fp16/bf16
     D64/D128 backward is these kernels': the dK/dV and dQ kernels are compiled, their resources are reported

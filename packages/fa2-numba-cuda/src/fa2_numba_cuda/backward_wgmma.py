@@ -150,8 +150,8 @@ def bwd_config(HEAD_DIM: int) -> WgmmaBwdConfig:
     with BLOCK_M 64, 254-255 at HEAD_DIM 128 and 216-219 at 64, none spilled; with DV_EARLY 255 and 72 B spilled
     at 128, 224 at 64; BLOCK_M 32, 235 at 128 and 147 at 64. dQ with 64-key tiles, 187-199 at 128 and 153-161
     at 64, none spilled; 128-key tiles keep S in 384 B of local memory (its loops not unrolled, as
-    forward_wgmma's) and ptxas serialises their wgmma (C7520). One block of 256 threads an SM at all of them but
-    dK/dV's BLOCK_M 32 at 64."""
+    forward_wgmma's) and ptxas serialises their wgmma (C7520). One block of 256 threads an SM at any of them (two
+    would need at most 128 registers, and at most 113 KB of shared memory each)."""
     return WgmmaBwdConfig(64)
 
 
@@ -309,7 +309,8 @@ def _build_dkdv(HEAD_DIM, config, CAUSAL, IS_BF16):
         q_offset,
         do_base,
         do_offset,
-        stride_m,
+        stride_qm,
+        stride_dom,
         lse,
         l_offset,
         stride_lm,
@@ -320,8 +321,8 @@ def _build_dkdv(HEAD_DIM, config, CAUSAL, IS_BF16):
         """Stage buf := the query tile at start_m of one head: its Q and dO rows at shared address tile
         (cp.async, committed: landed after cp_async_wait_all), L · log2 e and delta of its rows (+inf and 0 past
         seqlen_q: their P is zero)."""
-        load_qdo(tile, q_base, q_offset, stride_m, start_m, seqlen_q)
-        load_qdo(tile + uint32(QDO_TILE), do_base, do_offset, stride_m, start_m, seqlen_q)
+        load_qdo(tile, q_base, q_offset, stride_qm, start_m, seqlen_q)
+        load_qdo(tile + uint32(QDO_TILE), do_base, do_offset, stride_dom, start_m, seqlen_q)
         cp_async_commit()  # with the copies issued before it (K and V's, at the first step)
         if cuda.threadIdx.x < BLOCK_M:
             r = cuda.threadIdx.x
@@ -366,7 +367,7 @@ def _build_dkdv(HEAD_DIM, config, CAUSAL, IS_BF16):
     ):
         """One block: BLOCK_N keys of one (batch, key/value head), for the group's query heads. q, k, v, do: flat
         int16 views (fp16 or bf16 bit patterns) of (B, H, N, HEAD_DIM) tensors with unit stride along head dims,
-        k and v with H // group heads, do with q's strides (stride_dom its rows'); lse: (B, H, seqlen_q) fp32;
+        k and v with H // group heads; lse: (B, H, seqlen_q) fp32;
         delta: (B·H, seqlen_q) fp32, flat; dk, dv: (B, H // group, seqlen_k, HEAD_DIM), flat, contiguous, int32
         pairs. qk_scale = scale · log2 e."""
         diag = seqlen_k - seqlen_q  # key j is visible to query i iff j <= i + diag (CAUSAL)
@@ -421,6 +422,7 @@ def _build_dkdv(HEAD_DIM, config, CAUSAL, IS_BF16):
                 do_base,
                 off_b * stride_dob + head0 * stride_doh,
                 stride_qm,
+                stride_dom,
                 lse,
                 off_b * stride_lb + head0 * stride_lh,
                 stride_lm,
@@ -457,6 +459,7 @@ def _build_dkdv(HEAD_DIM, config, CAUSAL, IS_BF16):
                     do_base,
                     off_b * stride_dob + next_h * stride_doh,
                     stride_qm,
+                    stride_dom,
                     lse,
                     off_b * stride_lb + next_h * stride_lh,
                     stride_lm,
