@@ -13,7 +13,15 @@ import torch
 
 from checks import assert_matches_reference, random_qkv
 from fa2.spec import AttentionSpec
-from fa2_numba_cuda import common, flash_attn_backward, flash_attn_forward, forward_tc, forward_wgmma, ladder
+from fa2_numba_cuda import (
+    backward_wgmma,
+    common,
+    flash_attn_backward,
+    flash_attn_forward,
+    forward_tc,
+    forward_wgmma,
+    ladder,
+)
 from test_gradients import assert_grads_match
 
 SHAPE_Q, SHAPE_K = (1, 1, 17, 16), (1, 1, 20, 16)
@@ -50,10 +58,11 @@ def test_rung_matches_reference(tc_device, rung, causal):
 @pytest.mark.parametrize("causal", CAUSAL)
 def test_last_rung_is_the_default_path(tc_device, causal, monkeypatch):
     """RUNGS[-1] gives what fa2_numba_cuda's public forward and backward give, bit for bit. On a GPU that is
-    their own choice (the tensor-core kernels; on Hopper with the wgmma forward switched off, which is not a
-    rung yet); the simulator's forward runs the SIMT kernel unless asked for the tensor-core one, as the GPU's
+    their own choice (the tensor-core kernels; on Hopper with the wgmma forward and backward switched off, which
+    are not rungs yet); the simulator's forward runs the SIMT kernel unless asked for the tensor-core one, as the GPU's
     choice is asked for here."""
     monkeypatch.setattr(forward_wgmma, "ENABLED", False)
+    monkeypatch.setattr(backward_wgmma, "ENABLED", False)
     q, k, v, dO = _inputs(tc_device)
     spec = _spec(causal)
     if tc_device.type == "cuda":

@@ -1,4 +1,4 @@
-"""fa2-numba-cuda's backward on Hopper's wgmma (``fa2_numba_cuda.backward_wgmma``), off unless FA2_NUMBA_WGMMA_BWD=1.
+"""fa2-numba-cuda's backward on Hopper's wgmma (``fa2_numba_cuda.backward_wgmma``), on unless FA2_NUMBA_WGMMA_BWD=0.
 
 - dq, dk, dv against the fp64 reference with the suite's FlashAttention-2 rule (``test_gradients.assert_grads_match``;
   O and L from the fp64 reference, so that only the backward is under test; outputs NaN-poisoned by the suite's
@@ -131,7 +131,7 @@ def test_strided_inputs_match_reference(wgmma_device, causal):
 
 
 def test_backward_runs_them_with_the_switch_on_hopper(wgmma_device, monkeypatch):
-    """On a Hopper GPU with ``ENABLED`` (FA2_NUMBA_WGMMA_BWD=1), backward.flash_attn_backward's fp16/bf16
+    """On a Hopper GPU with ``ENABLED`` (unless FA2_NUMBA_WGMMA_BWD=0), backward.flash_attn_backward's fp16/bf16
     D64/D128 backward is these kernels': the dK/dV and dQ kernels are compiled, their resources are reported
     without local memory (spills), the
     gradients match the reference; a class's second call takes the prepared launches and gives the same
@@ -258,7 +258,7 @@ def test_backward_runs_them_only_where_uses_wgmma_holds(monkeypatch, enabled):
     assert calls == (["wgmma"] if enabled else [])
 
 
-@pytest.mark.parametrize("value, enabled", [("1", True), ("0", False), (None, False)])
+@pytest.mark.parametrize("value, enabled", [("1", True), ("0", False), (None, True)])
 def test_enabled_reads_the_environment_at_import(value, enabled):
     setting = "" if value is None else f"import os; os.environ['FA2_NUMBA_WGMMA_BWD'] = {value!r}; "
     out = run_python(

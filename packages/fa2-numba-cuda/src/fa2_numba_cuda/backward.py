@@ -4,10 +4,10 @@
   or packed batches with any scale, window (causal included), softcap, ALiBi slopes and sink, on a CUDA device
   of compute capability 8.0 or newer or under numba's simulator (``backward_tc.uses_tensor_cores``);
 - ``backward_simt``: CUDA cores, fp32 arithmetic, for everything else: fp32, head_dim up to 256, older GPUs;
-- ``backward_wgmma``: the dK/dV kernel on Hopper's wgmma (dQ still ``backward_tc``'s), in place of
-  ``backward_tc`` only where ``backward_wgmma.uses_wgmma`` holds (on with FA2_NUMBA_WGMMA_BWD=1, off by default
-  until measured; fp16/bf16, head_dim 64 or 128, dense, causal or not, on compute capability 9.0) and no kernels
-  or config were asked for.
+- ``backward_wgmma``: the dK/dV kernel on Hopper's wgmma, and at head_dim 128 the dQ kernel too (at 64,
+  ``backward_tc``'s), in place of ``backward_tc`` where ``backward_wgmma.uses_wgmma`` holds (on unless
+  FA2_NUMBA_WGMMA_BWD=0; fp16/bf16, head_dim 64 or 128, dense, causal or not, on compute capability 9.0) and no
+  kernels or config were asked for.
 
 The choice is made from the inputs' dtype, head_dim and device and the spec alone, before any launch; an
 error in the chosen kernels is raised, never answered by the other ones.
@@ -53,7 +53,7 @@ def flash_attn_backward(
             head_dim <= 128 on compute capability 8.0+ or the simulator (``backward_tc.uses_tensor_cores``),
             the SIMT ones (``backward_simt``) otherwise; True or False forces one (an input the forced kernels
             cannot take is an error). With tensor_cores and config None, ``backward_wgmma`` runs where
-            ``backward_wgmma.uses_wgmma`` holds (FA2_NUMBA_WGMMA_BWD=1, Hopper, the inputs it takes).
+            ``backward_wgmma.uses_wgmma`` holds (unless FA2_NUMBA_WGMMA_BWD=0; Hopper, the inputs it takes).
 
     Returns:
         dq, dk, dv in the shapes and dtypes of q, k, v (dk, dv: (batch, heads_k, seqlen_k, head_dim), each

@@ -82,8 +82,8 @@ Limits (``takes``): fp16 and bf16, head_dim exactly 64 or 128, dense (batch, hea
 dO of one dtype, contiguous along head_dim with 16 B aligned rows (cp.async), no window but causal, no softcap,
 ALiBi, sink, packed batch. Which kernels run: ``fa2_numba_cuda.backward.flash_attn_backward`` runs these where
 ``uses_wgmma`` holds: ``takes``, a CUDA device of compute capability 9.0 (wgmma is sm_90a's), and the switch
-``ENABLED`` (off, unless the environment variable FA2_NUMBA_WGMMA_BWD=1 when this module is imported: not yet
-measured on the H200); ``backward_tc`` otherwise. An error in these kernels is raised, never answered by others.
+``ENABLED`` (on, unless the environment variable FA2_NUMBA_WGMMA_BWD=0 when this module is imported);
+``backward_tc`` otherwise. An error in these kernels is raised, never answered by others.
 Under numba's simulator they run only when called directly, on ``wgmma.py``'s emulation of the instructions:
 slow, for tests.
 
@@ -118,9 +118,9 @@ from fa2_numba_cuda.mma import (
 )
 from fa2_numba_cuda.tensor_cores import capability
 
-# Whether fa2_numba_cuda.backward runs these kernels where they can (``uses_wgmma``): off unless
-# FA2_NUMBA_WGMMA_BWD=1 at import, until they are measured on the H200.
-ENABLED = os.environ.get("FA2_NUMBA_WGMMA_BWD", "0") == "1"
+# Whether fa2_numba_cuda.backward runs these kernels where they can (``uses_wgmma``): on unless
+# FA2_NUMBA_WGMMA_BWD=0 at import (1.02-1.58x backward_tc's time at every point timed on the H200).
+ENABLED = os.environ.get("FA2_NUMBA_WGMMA_BWD", "1") != "0"
 
 HEAD_DIMS = (64, 128)
 COMPUTE_CAPABILITY = (9, 0)
@@ -144,15 +144,22 @@ class WgmmaBwdConfig(NamedTuple):
 
 
 def bwd_config(HEAD_DIM: int) -> WgmmaBwdConfig:
-    """64-query dK/dV tiles without DV_EARLY and 64-key wgmma dQ tiles at both head dims (FlashAttention-3's dK/dV
-    tile at head dim 128: 2 warpgroups x 64 keys against 64 queries). Not yet timed on the H200. Offline build
-    (numba's NVVM for sm_90a, then CUDA 13.0's ptxas; the GPU's toolkit may differ), registers a thread: dK/dV
-    with BLOCK_M 64, 254-255 at HEAD_DIM 128 and 216-219 at 64, none spilled; with DV_EARLY 255 and 72 B spilled
-    at 128, 224 at 64; BLOCK_M 32, 235 at 128 and 147 at 64. dQ with 64-key tiles, 187-199 at 128 and 153-161
-    at 64, none spilled; 128-key tiles keep S in 384 B of local memory (its loops not unrolled, as
-    forward_wgmma's) and ptxas serialises their wgmma (C7520). One block of 256 threads an SM at any of them (two
-    would need at most 128 registers, and at most 113 KB of shared memory each)."""
-    return WgmmaBwdConfig(64)
+    """64-query dK/dV tiles without DV_EARLY (FlashAttention-3's dK/dV tile at head dim 128: 2 warpgroups x 64 keys
+    against 64 queries); at HEAD_DIM 128 the dQ kernel on wgmma with 64-key tiles, at 64 backward_tc's dQ
+    kernel. Timed on the H200 (``.whl`` probe ``probe_wgbwd.py``, bf16, ``triton.testing.do_bench`` ms of the
+    whole backward, full / causal; docs/notes/numba-wgmma.md):
+
+        point              backward_tc      default (M64)    DV_EARLY         M32              mma.sync dQ
+        D128 4k  (4, 16)   6.444 / 3.556    4.287 / 2.631    4.541 / 2.745    5.010 / 3.004    5.117 / 2.875
+        D128 16k (1, 16)   25.038 / 12.795  15.810 / 8.496   16.702 / 9.125   18.511 / 9.678   19.485 / 10.150
+        D128 2k  (8, 16)   3.336 / 1.939    2.404 / 1.611    2.474 / 1.669    2.797 / 1.806    2.753 / 1.660
+        D64 4k   (4, 32)   6.565 / 3.504    5.568 / 3.432    5.606 / 3.452    6.767 / 4.049    5.526 / 3.135
+
+    (128-key dQ tiles: 2.7-3.6x the default's time, S in 384 B of local memory.) At HEAD_DIM 64 the wgmma dQ
+    kernel took 2.562 / 1.602 ms against backward_tc's 2.427 / 1.288 at (4, 32, 4k). The GPU's build: dK/dV 254-255
+    registers at 128 and 216-219 at 64, no local memory (DV_EARLY: 72-96 B at 128); dQ 187-199 at 128. One block
+    of 256 threads an SM."""
+    return WgmmaBwdConfig(64, DQ_WGMMA=HEAD_DIM == 128)
 
 
 def refusal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dO: torch.Tensor, spec: AttentionSpec) -> str | None:
