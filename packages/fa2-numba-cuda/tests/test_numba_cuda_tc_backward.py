@@ -21,7 +21,7 @@ import torch
 from checks import max_err, random_qkv
 from fa2 import reference
 from fa2.spec import AttentionSpec
-from fa2_numba_cuda import backward, backward_simt, backward_tc, common, tensor_cores
+from fa2_numba_cuda import backward, backward_simt, backward_tc, backward_wgmma, common, tensor_cores
 from test_gradients import assert_grads_match
 
 
@@ -145,6 +145,13 @@ def _inputs(dtype, case, device):
         k = torch.stack([k, torch.zeros_like(k)], dim=-1).flatten(-2)[..., ::2]
     dO = torch.randn(q.shape, generator=torch.Generator().manual_seed(d)).to(device=device, dtype=dtype)
     return q, k, v, dO
+
+
+@pytest.fixture(autouse=True)
+def mma_sync_backward(monkeypatch):
+    """These tests are backward_tc's: on a Hopper GPU the default dispatch would run backward_wgmma's kernels on
+    dense fp16 and bf16 inputs at head_dim 64 and 128, so its switch is off here."""
+    monkeypatch.setattr(backward_wgmma, "ENABLED", False)
 
 
 def _forward(q, k, v, causal, window, scale, **features):

@@ -123,7 +123,8 @@ def test_kernel_matches_reference(wgmma_device, dtype, shape, causal, config):
 
 def test_fa2_attention_runs_it_by_default_on_hopper(wgmma_device):
     """On a Hopper GPU fa2.attention's fp16/bf16 D64/D128 forward is this kernel's, switch untouched (on by
-    default): its compiled kernel appears, its resources are reported, and the output matches the reference."""
+    default): its compiled kernel appears, its resources are reported (at most the cap's spill), and the output
+    matches the reference."""
     if wgmma_device.type != "cuda":
         pytest.skip("the default dispatch needs a Hopper GPU (--device cuda)")
     q, k, v = random_qkv((2, 4, 300, 128), (2, 2, 333, 128), torch.bfloat16, wgmma_device, seed=7)
@@ -132,7 +133,9 @@ def test_fa2_attention_runs_it_by_default_on_hopper(wgmma_device):
     assert_matches_reference(O, L, q, k, v, True)
     assert [key[0] for key in forward_wgmma._KERNELS] == [128], "the wgmma kernel ran"
     rows = [r for r in forward.kernel_resources() if r.get("kernel") == "wgmma"]
-    assert rows and all(r["local_bytes_per_thread"] == 0 for r in rows), rows
+    # At head_dim 128 the default caps registers at 128 (two blocks an SM): ptxas spills 80 B a thread there,
+    # which the H200 measured faster than no spill at one block an SM (``wgmma_config``).
+    assert rows and all(r["local_bytes_per_thread"] <= 96 for r in rows), rows
 
 
 # --- what it takes, and when it runs ------------------------------------------------------------------
