@@ -90,24 +90,22 @@ def flash_attn_backward(
 
     dk = torch.empty(k.shape, device=k.device, dtype=k.dtype)
     dv = torch.empty(v.shape, device=v.device, dtype=v.dtype)
-    if tiles is None and deterministic and spec.sink is None and q.shape[1] and short_call(q, k):
+    default_tiles = tiles is None
+    tiles = tiles or bwd_tiles_for(
+        head_dim, q.dtype, spec.masked, spec.max_seqlen_k if spec.varlen else seqlen_k, spec.varlen
+    )
+    if default_tiles and deterministic and spec.sink is None and q.shape[1] and short_call(q, k):
         # A short call's time is the host's: one launch (``launch_short``) instead of three.
         dq = torch.empty(q.shape, device=q.device, dtype=q.dtype)
-        tiles = bwd_tiles_for(
-            head_dim, q.dtype, spec.masked, spec.max_seqlen_k if spec.varlen else seqlen_k, spec.varlen
-        )
         with on_device(q.device):
             launch_short(q, k, v, O, dO, L, dq, dk, dv, spec, tiles)
         return dq, dk, dv
-    gluon = tiles is None and backward_gluon.uses_gluon(q, k, v, spec)
-    gluon_dq = tiles is None and backward_gluon.uses_gluon_dq(q, k, v, spec)
+    gluon = default_tiles and backward_gluon.uses_gluon(q, k, v, spec)
+    gluon_dq = default_tiles and backward_gluon.uses_gluon_dq(q, k, v, spec)
     if gluon or gluon_dq:
         # The Gluon kernels' copies read whole rows of (batch·heads·seqlen, head_dim): q, k, v with the heads
         # interleaved (a transformers model's, which ``takes`` accepts) are copied once for both kernels.
         q, k, v = (t.contiguous() for t in (q, k, v))
-    tiles = tiles or bwd_tiles_for(
-        head_dim, q.dtype, spec.masked, spec.max_seqlen_k if spec.varlen else seqlen_k, spec.varlen
-    )
     with on_device(q.device):
         delta, dsink = launch_preprocess(O, dO, L, spec.sink)
         if deterministic or gluon or gluon_dq:
