@@ -101,6 +101,7 @@ from fa2_numba_cuda.common import (
     float_to_bf16,
     grid_extent,
     identity,
+    jit_kernel,
     key_mask,
     offset_args,
     padded_head_dim,
@@ -165,11 +166,6 @@ def bwd_block_config(HEAD_DIM: int) -> tuple[DkDvConfig, BlockConfig]:
 def _converters(IS_BF16):
     """(to_float, from_float): bf16 as int16 bit patterns, fp16 and fp32 as themselves."""
     return (bf16_to_float, float_to_bf16) if IS_BF16 else (to_float32, identity)
-
-
-def _jit(kernel, MAX_REGISTERS):
-    # The simulator's jit takes no max_registers.
-    return cuda.jit(kernel) if simulated() else cuda.jit(max_registers=MAX_REGISTERS)(kernel)
 
 
 def _build_preprocess(HEAD_DIM, IS_BF16, EVEN_HEAD_DIM, SINK):
@@ -255,7 +251,7 @@ def _build_preprocess(HEAD_DIM, IS_BF16, EVEN_HEAD_DIM, SINK):
                     dsink[uint64(off_h * (cuda.gridDim.x // heads) + off_b * num_m_tiles + tile_m)] = -share
             # side-by-side: end
 
-    return _jit(_attn_bwd_preprocess, 128)
+    return jit_kernel(_attn_bwd_preprocess, 128)
 
 
 def _build_dkdv(HEAD_DIM, config, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN, IS_BF16, EVEN_HEAD_DIM, UNIT_STRIDE_D):
@@ -555,7 +551,7 @@ def _build_dkdv(HEAD_DIM, config, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN, IS_BF16, 
                             dk[uint64(kv_row + col)] = from_float(dk_acc[i, 4 * jj + f] * scale)
                             dv[uint64(kv_row + col)] = from_float(dv_acc[i, 4 * jj + f])
 
-    return _jit(_attn_bwd_dkdv, MAX_REGISTERS)
+    return jit_kernel(_attn_bwd_dkdv, MAX_REGISTERS)
 
 
 def _build_dq(HEAD_DIM, config, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN, IS_BF16, EVEN_HEAD_DIM, UNIT_STRIDE_D):
@@ -811,7 +807,7 @@ def _build_dq(HEAD_DIM, config, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN, IS_BF16, EV
                         if EVEN_HEAD_DIM or col < head_dim:
                             dq[uint64(q_row + col)] = from_float(acc[i, 4 * jj + f] * scale)
 
-    return _jit(_attn_bwd_dq, MAX_REGISTERS)
+    return jit_kernel(_attn_bwd_dq, MAX_REGISTERS)
 
 
 # Compiled kernels by (name, *the builder's arguments): ("preprocess", HEAD_DIM, IS_BF16, EVEN_HEAD_DIM, SINK),

@@ -107,6 +107,7 @@ from fa2_numba_cuda.common import (
     feature_columns,
     features,
     grid_extent,
+    jit_kernel,
     offset_args,
     rows_16b_aligned,
     score_scale,
@@ -870,7 +871,7 @@ def _build_dkdv(HEAD_DIM, config, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN, IS_BF16, 
         store_rows(dk, dk_acc, scale, dkv_start + start_n + 16 * warp, dkv_start + seqlen_k, head_dim, g, t)
         store_rows(dv, dv_acc, float32(1.0), dkv_start + start_n + 16 * warp, dkv_start + seqlen_k, head_dim, g, t)
 
-    return _jit(_attn_bwd_dkdv_tc, config.MAX_REGISTERS)
+    return jit_kernel(_attn_bwd_dkdv_tc, config.MAX_REGISTERS)
 
 
 def _build_dq(
@@ -1161,14 +1162,7 @@ def _build_dq(
                 dsink[uint64(at)] = -share
         # side-by-side: end
 
-    return _jit(_attn_bwd_dq_tc, config.MAX_REGISTERS)
-
-
-def _jit(kernel, MAX_REGISTERS):
-    # The simulator's jit takes no max_registers.
-    if simulated() or not MAX_REGISTERS:
-        return cuda.jit(kernel)
-    return cuda.jit(max_registers=MAX_REGISTERS)(kernel)
+    return jit_kernel(_attn_bwd_dq_tc, config.MAX_REGISTERS)
 
 
 # Compiled kernels by (name, *the builder's arguments): ("dkdv" or "dq", HEAD_DIM, config, LEFT, RIGHT, SOFTCAP,

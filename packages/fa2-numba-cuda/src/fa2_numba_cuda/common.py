@@ -41,6 +41,14 @@ def simulated() -> bool:
     return bool(numba.config.ENABLE_CUDASIM)
 
 
+def jit_kernel(kernel, max_registers: int | None):
+    """``kernel`` compiled by numba, ptxas capped at max_registers a thread (None or 0: no cap); the simulator's
+    jit takes no cap."""
+    if simulated() or not max_registers:
+        return cuda.jit(kernel)
+    return cuda.jit(max_registers=max_registers)(kernel)
+
+
 if simulated():
     # The simulator runs kernels as Python: it has no libdevice (numpy reinterprets the bits instead) and
     # refuses an alignment for shared arrays. On the GPU, 16 B aligned tiles let the 4-float shared loads

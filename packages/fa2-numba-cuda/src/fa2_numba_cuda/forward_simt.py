@@ -114,6 +114,7 @@ from fa2_numba_cuda.common import (
     float_to_bf16,
     grid_extent,
     identity,
+    jit_kernel,
     key_mask,
     offset_args,
     padded_head_dim,
@@ -435,8 +436,7 @@ def _build_kernel(HEAD_DIM, config, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN, SINK, I
                     lse[uint64(o_start + row)] = L
         # side-by-side: end
 
-    # The simulator's jit takes no max_registers.
-    return cuda.jit(_attn_fwd) if simulated() else cuda.jit(max_registers=MAX_REGISTERS)(_attn_fwd)
+    return jit_kernel(_attn_fwd, MAX_REGISTERS)
 
 
 # Compiled kernels by (HEAD_DIM, BlockConfig, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN, SINK, IS_BF16, EVEN_HEAD_DIM,

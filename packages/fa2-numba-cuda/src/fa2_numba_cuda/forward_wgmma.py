@@ -66,7 +66,16 @@ from numba import cuda, float32, int16, int32, uint32, uint64
 
 from fa2.spec import UNBOUNDED, AttentionSpec
 from fa2_numba_cuda import launch, wgmma
-from fa2_numba_cuda.common import LN2, LOG2E, SHARED_ALIGN, check_device, rows_16b_aligned, simulated, spec_class
+from fa2_numba_cuda.common import (
+    LN2,
+    LOG2E,
+    SHARED_ALIGN,
+    check_device,
+    jit_kernel,
+    rows_16b_aligned,
+    simulated,
+    spec_class,
+)
 from fa2_numba_cuda.mma import (
     cp_async_commit,
     cp_async_wait_all,
@@ -475,14 +484,7 @@ def _build_kernel(HEAD_DIM, config, CAUSAL, IS_BF16):
                 if t == 0:
                     lse[uint64(o_start + row)] = (m_i[h] + math.log2(l_sum)) * LN2 if l_sum != 0.0 else math.inf
 
-    return _jit(_attn_fwd_wgmma, config.MAX_REGISTERS)
-
-
-def _jit(kernel, MAX_REGISTERS):
-    # The simulator's jit takes no max_registers.
-    if simulated() or MAX_REGISTERS is None:
-        return cuda.jit(kernel)
-    return cuda.jit(max_registers=MAX_REGISTERS)(kernel)
+    return jit_kernel(_attn_fwd_wgmma, config.MAX_REGISTERS)
 
 
 # Compiled kernels by (HEAD_DIM, WgmmaConfig, CAUSAL, IS_BF16).

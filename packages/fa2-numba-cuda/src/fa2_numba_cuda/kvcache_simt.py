@@ -50,6 +50,7 @@ from fa2_numba_cuda.common import (
     identity,
     int32,
     int_as_float,
+    jit_kernel,
     kv_loader,
     sequence,
     simulated,
@@ -546,8 +547,7 @@ def _build_kernel(
                             lse[uint64(o_row)] = L
         # side-by-side: end
 
-    # The simulator's jit takes no max_registers.
-    return cuda.jit(_kvcache_fwd) if simulated() else cuda.jit(max_registers=MAX_REGISTERS)(_kvcache_fwd)
+    return jit_kernel(_kvcache_fwd, MAX_REGISTERS)
 
 
 # Compiled kernels by (HEAD_DIM, DecodeConfig, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN, PAGED, BATCH_IDX, LEFTPAD,

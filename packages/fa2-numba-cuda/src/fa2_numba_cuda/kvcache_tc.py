@@ -44,6 +44,7 @@ from fa2_numba_cuda.common import (
     identity,
     int32,
     int_as_float,
+    jit_kernel,
     kv_loader,
     sequence,
     simulated,
@@ -611,9 +612,7 @@ def _build_kernel(
                             L = (m_row + math.log2(l_sum)) * float32(LN2) if l_sum != 0.0 else float32(math.inf)
                             lse[uint64(o_row)] = L
 
-    if simulated():
-        return cuda.jit(_kvcache_fwd_tc)
-    return cuda.jit(max_registers=MAX_REGISTERS)(_kvcache_fwd_tc)
+    return jit_kernel(_kvcache_fwd_tc, MAX_REGISTERS)
 
 
 # Compiled kernels by (HEAD_DIM, TensorCoreDecodeConfig, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN, PAGED, BATCH_IDX,
