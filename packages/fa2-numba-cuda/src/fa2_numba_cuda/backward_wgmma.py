@@ -41,7 +41,10 @@ False runs ``backward_tc``'s dQ kernel instead (``backward_tc.launch_dq``).
   each, Sᵀ (then Pᵀ, dSᵀ) and dPᵀ BLOCK_M / 2 each, Pᵀ's and dSᵀ's A fragments BLOCK_M / 4 each. K's and V's
   shared addresses go through ``wgmma.opaque_address`` each step, so that their HEAD_DIM / 8 descriptors are
   made there, not hoisted out of the loop into 2 · HEAD_DIM / 4 registers held throughout (spilled at HEAD_DIM
-  128).
+  128). With TILES_A_STEP (``WgmmaBwdConfig``) above 1 a step takes that many consecutive (head, tile) entries of
+  the walk (the last step those left; a step's tiles may be of two heads), a stage their Q, dO, L and delta, and
+  each warpgroup runs the above on them one after the other in the same registers: one copy wait and one barrier
+  for that many tiles' products, dK and dV the same sums in the same order.
 
 ``_attn_bwd_dq_wgmma``: forward_wgmma's loop without its online softmax.
 
@@ -74,9 +77,10 @@ Both kernels:
   its keys are all past seqlen_k. Its blocks are launched in key order, the longest (causal) first.
 - Shared memory (dynamic, above 48 KB: ``launch.prepare`` raises the kernel's limit), 16-bit elements, plus 1 KB
   to align the tiles on the swizzle's 1024 B repeat (``shared_bytes``): dK/dV, K and V 2 · 2 · 64 · HEAD_DIM, Q
-  and dO 2 stages · 2 · BLOCK_M · HEAD_DIM, and 4 · 2 · 2 · BLOCK_M B of static (L and delta); dQ, Q and dO 2 · 2
-  · 64 · HEAD_DIM, K and V 2 stages · 2 · DQ_BLOCK_N · HEAD_DIM. With 64-row tiles either takes 132,096 B at
-  HEAD_DIM 128 and 66,560 B at 64. ``bwd_config`` has ptxas's register counts.
+  and dO 2 stages · 2 · TILES_A_STEP · BLOCK_M · HEAD_DIM, and 4 · 2 · 2 · TILES_A_STEP · BLOCK_M B of static (L
+  and delta); dQ, Q and dO 2 · 2 · 64 · HEAD_DIM, K and V 2 stages · 2 · DQ_BLOCK_N · HEAD_DIM. With 64-row tiles
+  either takes 132,096 B at HEAD_DIM 128 and 66,560 B at 64 (the dK/dV kernel with two tiles a step 197,632 B and
+  99,328 B). ``bwd_config`` has ptxas's register counts.
 
 Limits (``takes``): fp16 and bf16, head_dim exactly 64 or 128, dense (batch, heads, seqlen, head_dim) q, k, v and
 dO of one dtype, contiguous along head_dim with 16 B aligned rows (cp.async), no window but causal, no softcap,
@@ -136,8 +140,9 @@ class WgmmaBwdConfig(NamedTuple):
     else dV's and dK's products are issued together after dSᵀ (fewer registers). The dQ kernel's key tile:
     DQ_BLOCK_N keys (the same bounds); DQ_WGMMA False runs backward_tc's dQ kernel instead (with its own
     ``backward_tc.tc_bwd_config``). TILES_A_STEP: the dK/dV kernel's query tiles a step (one barrier), each
-    warpgroup running its step body on them one after the other in the same registers (fewer barriers and
-    waits for the same products; a stage holds TILES_A_STEP tiles)."""
+    warpgroup running its step body on them one after the other in the same registers (fewer barriers and waits
+    for the same products; a stage holds TILES_A_STEP tiles). Built offline (sm_90a) with 64-row tiles and 2 a
+    step: 230 / 234 registers (full / causal) at HEAD_DIM 64, no local memory; at 128 it spills (128-192 B)."""
 
     BLOCK_M: int
     DV_EARLY: bool = False
