@@ -309,6 +309,9 @@ def _build_dkdv(HEAD_DIM, config, CAUSAL, IS_BF16):
     QDO_TILE = wgmma.swizzle128_tile_bytes(BLOCK_M, HEAD_DIM)
     STAGE = 2 * TILES * QDO_TILE  # each of the step's tiles: Q then dO
     ROW_STATS = 2 * TILES * BLOCK_M  # L · log2 e and delta of both stages' queries
+    # Tile u of a step has its L and delta read by threads STATS_STRIDE u .. STATS_STRIDE u + BLOCK_M - 1: a step's
+    # tiles by threads of their own (of both warpgroups) where they fit.
+    STATS_STRIDE = NUM_THREADS // TILES if TILES * BLOCK_M <= NUM_THREADS else 0
     issue_products = _issue_products(HEAD_DIM, BLOCK_M, IS_BF16)
     issue_update = _issue_update(BLOCK_M, IS_BF16)
     pack_a_step, store_rows = _packing(HEAD_DIM, IS_BF16)
@@ -350,8 +353,8 @@ def _build_dkdv(HEAD_DIM, config, CAUSAL, IS_BF16):
         load_qdo(tile, q_base, q_offset, stride_qm, start_m, seqlen_q)
         load_qdo(tile + uint32(QDO_TILE), do_base, do_offset, stride_dom, start_m, seqlen_q)
         cp_async_commit()  # with the copies issued before it (K and V's, at the first step)
-        if cuda.threadIdx.x < BLOCK_M:
-            r = cuda.threadIdx.x
+        r = cuda.threadIdx.x - STATS_STRIDE * (slot % TILES)
+        if 0 <= r < BLOCK_M:
             row = start_m + r
             lse_tile[BLOCK_M * slot + r] = float32(math.inf)
             delta_tile[BLOCK_M * slot + r] = 0.0
@@ -426,7 +429,7 @@ def _build_dkdv(HEAD_DIM, config, CAUSAL, IS_BF16):
         # i % head_tiles), each (head, tile) the previous one's next tile, wrapping to the next head; step it takes
         # walk entries TILES it .. TILES it + TILES - 1 (the last step those left).
         walk = group * head_tiles
-        steps = -(-walk // TILES)
+        steps = (walk + TILES - 1) // TILES
         head0 = off_hk * group
         delta_rows = off_b * heads * seqlen_q  # delta's row of query 0 of head 0 of this batch
         if steps > 0:  # else no copy is issued (none is left in flight at the exit)
