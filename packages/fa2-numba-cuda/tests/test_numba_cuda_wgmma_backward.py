@@ -5,7 +5,7 @@
   conftest), on numba's simulator (``wgmma.py``'s and ``mma.py``'s emulations, fp16, a few tiles) or, with
   --device cuda, on a GPU of compute capability 9.0 (fp16 and bf16, head_dim 64 and 128): whole tiles, ragged
   seqlen_q and seqlen_k, seqlen_q below and above seqlen_k under causal (rows that see no key, keys no row sees),
-  GQA;
+  GQA; with two query tiles a dK/dV step (``TILES_A_STEP``) too, and then dq, dk, dv bit for bit those of one;
 - ``refusal``/``takes`` refusing what the kernels do not compute, ``uses_wgmma`` off without the switch or a
   Hopper GPU, and ``fa2_numba_cuda.backward`` running them only where ``uses_wgmma`` holds (``ENABLED``
   monkeypatched), the switch read from the environment at import.
@@ -64,6 +64,7 @@ def _case(dtype, b, h, h_k, n_q, n_k, d, causal, config=None):
     if config is not None:
         name += f"-M{config.BLOCK_M}" + ("-dv-early" if config.DV_EARLY else "")
         name += f"-dqN{config.DQ_BLOCK_N}" if config.DQ_WGMMA else "-tc-dq"
+        name += f"-{config.TILES_A_STEP}tiles" if config.TILES_A_STEP > 1 else ""
     return pytest.param(dtype, (b, h, h_k, n_q, n_k, d), causal, config, id=name)
 
 
@@ -91,6 +92,15 @@ GPU_SHAPES = [
 EARLY = backward_wgmma.WgmmaBwdConfig(64, True)
 SMALL = backward_wgmma.WgmmaBwdConfig(32, DQ_BLOCK_N=32)
 TC_DQ = backward_wgmma.WgmmaBwdConfig(64, DQ_WGMMA=False)
+TWO_TILES = backward_wgmma.WgmmaBwdConfig(64, DQ_WGMMA=False, TILES_A_STEP=2)
+# Two query tiles a dK/dV step on the simulator: the walk's (head, tile) entries paired into steps.
+SIM_TWO_TILES_SHAPES = [
+    (1, 1, 1, 128, 128, 64),  # whole tiles: one step, both halves
+    (1, 1, 1, 150, 60, 64),  # 3 tiles, the last step one half; causal: from tile 1 (the first 90 rows see no key)
+    (1, 1, 1, 100, 120, 64),  # seqlen_q < seqlen_k, both ragged
+]
+# GQA 2:1, 3 tiles a head (causal too: its first rows see no key): the second step's halves of two heads.
+TWO_TILES_GQA = (1, 2, 1, 129, 70, 64)
 if SIMULATED:
     KERNEL_CASES = [
         *_cases(torch.float16, SIM_SHAPES),
@@ -101,7 +111,9 @@ if SIMULATED:
         # backward_tc's dQ kernel
         _case(torch.float16, 1, 2, 1, 70, 90, 64, True, TC_DQ),
         _case(torch.bfloat16, 1, 1, 1, 70, 150, 64, True),
+        *_cases(torch.float16, SIM_TWO_TILES_SHAPES, TWO_TILES),
     ]
+    TWO_TILES_CASES = [_case(torch.float16, *TWO_TILES_GQA, True, TWO_TILES)]
 else:
     KERNEL_CASES = [
         *_cases(torch.float16, GPU_SHAPES),
@@ -109,7 +121,9 @@ else:
         *_cases(torch.bfloat16, GPU_SHAPES[:6], EARLY),
         *_cases(torch.bfloat16, GPU_SHAPES[:6], SMALL),
         *_cases(torch.bfloat16, GPU_SHAPES[:6], TC_DQ),
+        *_cases(torch.bfloat16, GPU_SHAPES, TWO_TILES),
     ]
+    TWO_TILES_CASES = _cases(torch.bfloat16, [TWO_TILES_GQA, *GPU_SHAPES[:6]], TWO_TILES)
 
 
 @pytest.mark.parametrize("dtype, shape, causal, config", KERNEL_CASES)
@@ -118,6 +132,21 @@ def test_kernels_match_reference(wgmma_device, dtype, shape, causal, config):
     O, L = _forward(q, k, v, causal)
     dq, dk, dv = backward_wgmma.flash_attn_backward(q, k, v, O, L, dO, _spec(q, k, causal), config)
     assert_grads_match(dq, dk, dv, q, k, v, dO, causal)
+
+
+@pytest.mark.parametrize("dtype, shape, causal, config", TWO_TILES_CASES)
+def test_tiles_a_step_add_the_same_products_in_the_same_order(wgmma_device, dtype, shape, causal, config):
+    """config (TILES_A_STEP 2) against its one tile a step: dk and dv bit for bit (each warpgroup adds the same
+    tiles' products in the same order, only the barriers between them differ), dq too (the same dQ kernel); the
+    gradients match the reference."""
+    q, k, v, dO = _inputs(dtype, shape, wgmma_device)
+    O, L = _forward(q, k, v, causal)
+    spec = _spec(q, k, causal)
+    one = backward_wgmma.flash_attn_backward(q, k, v, O, L, dO, spec, config._replace(TILES_A_STEP=1))
+    two = backward_wgmma.flash_attn_backward(q, k, v, O, L, dO, spec, config)
+    for name, x, y in zip(("dq", "dk", "dv"), one, two):
+        assert torch.equal(x, y), f"{name}: max |two tiles - one| = {(x.float() - y.float()).abs().max():.3g}"
+    assert_grads_match(*two, q, k, v, dO, causal)
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])

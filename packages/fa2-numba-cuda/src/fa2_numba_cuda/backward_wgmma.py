@@ -41,7 +41,10 @@ False runs ``backward_tc``'s dQ kernel instead (``backward_tc.launch_dq``).
   each, Sᵀ (then Pᵀ, dSᵀ) and dPᵀ BLOCK_M / 2 each, Pᵀ's and dSᵀ's A fragments BLOCK_M / 4 each. K's and V's
   shared addresses go through ``wgmma.opaque_address`` each step, so that their HEAD_DIM / 8 descriptors are
   made there, not hoisted out of the loop into 2 · HEAD_DIM / 4 registers held throughout (spilled at HEAD_DIM
-  128).
+  128). With TILES_A_STEP (``WgmmaBwdConfig``) above 1 a step takes that many consecutive (head, tile) entries of
+  the walk (the last step those left; a step's tiles may be of two heads), a stage their Q, dO, L and delta, and
+  each warpgroup runs the above on them one after the other in the same registers: one copy wait and one barrier
+  for that many tiles' products, dK and dV the same sums in the same order.
 
 ``_attn_bwd_dq_wgmma``: forward_wgmma's loop without its online softmax.
 
@@ -74,9 +77,10 @@ Both kernels:
   its keys are all past seqlen_k. Its blocks are launched in key order, the longest (causal) first.
 - Shared memory (dynamic, above 48 KB: ``launch.prepare`` raises the kernel's limit), 16-bit elements, plus 1 KB
   to align the tiles on the swizzle's 1024 B repeat (``shared_bytes``): dK/dV, K and V 2 · 2 · 64 · HEAD_DIM, Q
-  and dO 2 stages · 2 · BLOCK_M · HEAD_DIM, and 4 · 2 · 2 · BLOCK_M B of static (L and delta); dQ, Q and dO 2 · 2
-  · 64 · HEAD_DIM, K and V 2 stages · 2 · DQ_BLOCK_N · HEAD_DIM. With 64-row tiles either takes 132,096 B at
-  HEAD_DIM 128 and 66,560 B at 64. ``bwd_config`` has ptxas's register counts.
+  and dO 2 stages · 2 · TILES_A_STEP · BLOCK_M · HEAD_DIM, and 4 · 2 · 2 · TILES_A_STEP · BLOCK_M B of static (L
+  and delta); dQ, Q and dO 2 · 2 · 64 · HEAD_DIM, K and V 2 stages · 2 · DQ_BLOCK_N · HEAD_DIM. With 64-row tiles
+  either takes 132,096 B at HEAD_DIM 128 and 66,560 B at 64 (the dK/dV kernel with two tiles a step 197,632 B and
+  99,328 B). ``bwd_config`` has ptxas's register counts.
 
 Limits (``takes``): fp16 and bf16, head_dim exactly 64 or 128, dense (batch, heads, seqlen, head_dim) q, k, v and
 dO of one dtype, contiguous along head_dim with 16 B aligned rows (cp.async), no window but causal, no softcap,
@@ -135,12 +139,16 @@ class WgmmaBwdConfig(NamedTuple):
     as Pᵀ is packed, so that it runs during dSᵀ's arithmetic (Pᵀ in fp32 and packed, dPᵀ and dSᵀ live at once);
     else dV's and dK's products are issued together after dSᵀ (fewer registers). The dQ kernel's key tile:
     DQ_BLOCK_N keys (the same bounds); DQ_WGMMA False runs backward_tc's dQ kernel instead (with its own
-    ``backward_tc.tc_bwd_config``)."""
+    ``backward_tc.tc_bwd_config``). TILES_A_STEP: the dK/dV kernel's query tiles a step (one barrier), each
+    warpgroup running its step body on them one after the other in the same registers (fewer barriers and waits
+    for the same products; a stage holds TILES_A_STEP tiles). Built offline (sm_90a) with 64-row tiles and 2 a
+    step: 230 / 234 registers (full / causal) at HEAD_DIM 64, no local memory; at 128 it spills (128-192 B)."""
 
     BLOCK_M: int
     DV_EARLY: bool = False
     DQ_BLOCK_N: int = 64
     DQ_WGMMA: bool = True
+    TILES_A_STEP: int = 1
 
 
 def bwd_config(HEAD_DIM: int) -> WgmmaBwdConfig:
@@ -200,9 +208,11 @@ def uses_wgmma(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dO: torch.Tens
 
 def shared_bytes(name: str, HEAD_DIM: int, config: WgmmaBwdConfig) -> int:
     """The dynamic shared memory of kernel ``name`` per block: "dkdv", K's and V's two 64-row tiles and two
-    stages of Q and dO; "dq", Q's and dO's two 64-row tiles and two stages of K and V; 1 KB of alignment."""
+    stages of Q and dO (TILES_A_STEP query tiles each); "dq", Q's and dO's two 64-row tiles and two stages of K
+    and V; 1 KB of alignment."""
     if name == "dkdv":
-        once, staged = wgmma.swizzle128_tile_bytes(64, HEAD_DIM), wgmma.swizzle128_tile_bytes(config.BLOCK_M, HEAD_DIM)
+        once = wgmma.swizzle128_tile_bytes(64, HEAD_DIM)
+        staged = config.TILES_A_STEP * wgmma.swizzle128_tile_bytes(config.BLOCK_M, HEAD_DIM)
     else:
         once, staged = (
             wgmma.swizzle128_tile_bytes(64, HEAD_DIM),
@@ -290,15 +300,18 @@ def _packing(HEAD_DIM, IS_BF16):
 
 def _build_dkdv(HEAD_DIM, config, CAUSAL, IS_BF16):
     """The dK/dV kernel for one head dim, query tile, causal or not, and input type."""
-    BLOCK_M, DV_EARLY = config.BLOCK_M, config.DV_EARLY
-    assert HEAD_DIM in HEAD_DIMS and BLOCK_M % 16 == 0 and 16 <= BLOCK_M <= 256
+    BLOCK_M, DV_EARLY, TILES = config.BLOCK_M, config.DV_EARLY, config.TILES_A_STEP
+    assert HEAD_DIM in HEAD_DIMS and BLOCK_M % 16 == 0 and 16 <= BLOCK_M <= 256 and TILES >= 1
     M_TILES = BLOCK_M // 8  # 8-query column blocks of Sᵀ, 4 registers each
     O_REGS = HEAD_DIM // 2  # dK and dV: its 64 keys x HEAD_DIM
     M_STEPS = BLOCK_M // 16  # k steps of dV += Pᵀ dO and dK += dSᵀ Q
     KV_TILE = wgmma.swizzle128_tile_bytes(64, HEAD_DIM)  # one warpgroup's K (or V)
     QDO_TILE = wgmma.swizzle128_tile_bytes(BLOCK_M, HEAD_DIM)
-    STAGE = 2 * QDO_TILE  # Q then dO
-    ROW_STATS = 2 * BLOCK_M  # L · log2 e and delta of both stages' queries
+    STAGE = 2 * TILES * QDO_TILE  # each of the step's tiles: Q then dO
+    ROW_STATS = 2 * TILES * BLOCK_M  # L · log2 e and delta of both stages' queries
+    # Tile u of a step has its L and delta read by threads STATS_STRIDE u .. STATS_STRIDE u + BLOCK_M - 1: a step's
+    # tiles by threads of their own (of both warpgroups) where they fit.
+    STATS_STRIDE = NUM_THREADS // TILES if TILES * BLOCK_M <= NUM_THREADS else 0
     issue_products = _issue_products(HEAD_DIM, BLOCK_M, IS_BF16)
     issue_update = _issue_update(BLOCK_M, IS_BF16)
     pack_a_step, store_rows = _packing(HEAD_DIM, IS_BF16)
@@ -306,11 +319,20 @@ def _build_dkdv(HEAD_DIM, config, CAUSAL, IS_BF16):
     load_qdo = wgmma.tile_loader(BLOCK_M, BLOCK_M, HEAD_DIM, NUM_THREADS)
 
     @device_function
-    def load_step(
+    def next_tile(start_m, head, begin_m, seqlen_q):
+        """The (query tile, head) after (start_m, head) in a block's walk: the head's next tile, else its first
+        tile (begin_m) of the next head."""
+        start_m += BLOCK_M
+        if start_m >= seqlen_q:
+            return begin_m, head + 1
+        return start_m, head
+
+    @device_function
+    def load_tile(
         tile,
         lse_tile,
         delta_tile,
-        buf,
+        slot,
         start_m,
         q_base,
         q_offset,
@@ -325,20 +347,20 @@ def _build_dkdv(HEAD_DIM, config, CAUSAL, IS_BF16):
         delta_offset,
         seqlen_q,
     ):
-        """Stage buf := the query tile at start_m of one head: its Q and dO rows at shared address tile
-        (cp.async, committed: landed after cp_async_wait_all), L · log2 e and delta of its rows (+inf and 0 past
-        seqlen_q: their P is zero)."""
+        """Slot slot of the stages := the query tile at start_m of one head: its Q and dO rows at shared address
+        tile (cp.async, committed: landed after cp_async_wait_all), L · log2 e and delta of its rows (+inf and 0
+        past seqlen_q: their P is zero)."""
         load_qdo(tile, q_base, q_offset, stride_qm, start_m, seqlen_q)
         load_qdo(tile + uint32(QDO_TILE), do_base, do_offset, stride_dom, start_m, seqlen_q)
         cp_async_commit()  # with the copies issued before it (K and V's, at the first step)
-        if cuda.threadIdx.x < BLOCK_M:
-            r = cuda.threadIdx.x
+        r = cuda.threadIdx.x - STATS_STRIDE * (slot % TILES)
+        if 0 <= r < BLOCK_M:
             row = start_m + r
-            lse_tile[BLOCK_M * buf + r] = float32(math.inf)
-            delta_tile[BLOCK_M * buf + r] = 0.0
+            lse_tile[BLOCK_M * slot + r] = float32(math.inf)
+            delta_tile[BLOCK_M * slot + r] = 0.0
             if row < seqlen_q:
-                lse_tile[BLOCK_M * buf + r] = lse[uint64(l_offset + row * stride_lm)] * float32(LOG2E)
-                delta_tile[BLOCK_M * buf + r] = delta[uint64(delta_offset + row)]
+                lse_tile[BLOCK_M * slot + r] = lse[uint64(l_offset + row * stride_lm)] * float32(LOG2E)
+                delta_tile[BLOCK_M * slot + r] = delta[uint64(delta_offset + row)]
 
     def _attn_bwd_dkdv_wgmma(
         q,
@@ -402,10 +424,12 @@ def _build_dkdv(HEAD_DIM, config, CAUSAL, IS_BF16):
 
         # The query tiles that see a key of the block: causal, from the one holding the first key's diagonal.
         begin_m = max(start_n - diag, 0) // BLOCK_M * BLOCK_M if CAUSAL else 0
-        m_steps = (seqlen_q - begin_m + BLOCK_M - 1) // BLOCK_M if seqlen_q > begin_m else 0
-        # GQA: steps it = 0 .. group · m_steps over (query head off_hk · group + it // m_steps, query tile
-        # it % m_steps), each step's (head, tile) the previous one's next tile, wrapping to the next head.
-        steps = group * m_steps
+        head_tiles = (seqlen_q - begin_m + BLOCK_M - 1) // BLOCK_M if seqlen_q > begin_m else 0
+        # GQA: the walk 0 .. group · head_tiles - 1 over (query head off_hk · group + i // head_tiles, query tile
+        # i % head_tiles), each (head, tile) the previous one's next tile, wrapping to the next head; step it takes
+        # walk entries TILES it .. TILES it + TILES - 1 (the last step those left).
+        walk = group * head_tiles
+        steps = (walk + TILES - 1) // TILES
         head0 = off_hk * group
         delta_rows = off_b * heads * seqlen_q  # delta's row of query 0 of head 0 of this batch
         if steps > 0:  # else no copy is issued (none is left in flight at the exit)
@@ -418,109 +442,119 @@ def _build_dkdv(HEAD_DIM, config, CAUSAL, IS_BF16):
                 start_n,
                 seqlen_k,
             )
-            load_step(
-                qdo_tiles,
-                lse_tile,
-                delta_tile,
-                0,
-                begin_m,
-                q_base,
-                off_b * stride_qb + head0 * stride_qh,
-                do_base,
-                off_b * stride_dob + head0 * stride_doh,
-                stride_qm,
-                stride_dom,
-                lse,
-                off_b * stride_lb + head0 * stride_lh,
-                stride_lm,
-                delta,
-                delta_rows + head0 * seqlen_q,
-                seqlen_q,
-            )
+            next_m, next_h = begin_m, head0
+            for u in range(TILES):  # step 0's tiles into stage 0
+                if u == 0 or u < walk:
+                    load_tile(
+                        qdo_tiles + uint32(2 * u * QDO_TILE),
+                        lse_tile,
+                        delta_tile,
+                        u,
+                        next_m,
+                        q_base,
+                        off_b * stride_qb + next_h * stride_qh,
+                        do_base,
+                        off_b * stride_dob + next_h * stride_doh,
+                        stride_qm,
+                        stride_dom,
+                        lse,
+                        off_b * stride_lb + next_h * stride_lh,
+                        stride_lm,
+                        delta,
+                        delta_rows + next_h * seqlen_q,
+                        seqlen_q,
+                    )
+                    next_m, next_h = next_tile(next_m, next_h, begin_m, seqlen_q)
 
         p = cuda.local.array((M_TILES, 4), float32)  # Sᵀ, then Pᵀ: [64 keys, BLOCK_M] as D's registers
         p_regs = cuda.local.array((M_STEPS, 4), int32)  # Pᵀ in 16-bit pairs: dV's A fragments
         ds_regs = cuda.local.array((M_STEPS, 4), int32)  # dSᵀ in 16-bit pairs: dK's A fragments
         dk_acc = wgmma.zero_accumulators(O_REGS)  # [64 keys, HEAD_DIM] as D's registers
         dv_acc = wgmma.zero_accumulators(O_REGS)
-        start_m = begin_m
-        next_h = head0
+        start_m, start_h = begin_m, head0  # step it's first (tile, head): the walk's entry TILES it
         for it in range(steps):
             buf = it % 2
             cp_async_wait_all()  # this thread's copies of step it (and K, V) have landed ...
             wgmma.fence_proxy_async()  # ... visible to wgmma's async proxy ...
             cuda.syncthreads()  # ... every thread's; both warpgroups are done with step it - 1's stage
-            next_m = start_m + BLOCK_M
-            if next_m >= seqlen_q:
-                next_m = begin_m
-                next_h += 1
-            if it + 1 < steps:
-                load_step(
-                    qdo_tiles + uint32((1 - buf) * STAGE),
-                    lse_tile,
-                    delta_tile,
-                    1 - buf,
-                    next_m,
-                    q_base,
-                    off_b * stride_qb + next_h * stride_qh,
-                    do_base,
-                    off_b * stride_dob + next_h * stride_doh,
-                    stride_qm,
-                    stride_dom,
-                    lse,
-                    off_b * stride_lb + next_h * stride_lh,
-                    stride_lm,
-                    delta,
-                    delta_rows + next_h * seqlen_q,
-                    seqlen_q,
-                )
-            # The warpgroup's products, unless no query of the tile sees any of its keys (all masked: zero
-            # gradients) or they are all past seqlen_k (never written back). Uniform over the warpgroup.
-            skip = wg_key >= seqlen_k or (CAUSAL and start_m + BLOCK_M - 1 + diag < wg_key)
-            if not skip:
-                q_tile = qdo_tiles + uint32(buf * STAGE)
-                do_tile = q_tile + uint32(QDO_TILE)
-                s = issue_products(wgmma.opaque_address(k_tile), q_tile)  # Sᵀ = K Qᵀ
-                dp = issue_products(wgmma.opaque_address(v_tile), do_tile)  # dPᵀ = V dOᵀ
-                wgmma.wgmma_wait(1)  # Sᵀ's group is done, dPᵀ's may run on
-                s = wgmma.wgmma_fence_operand(s)
-                # Pᵀ: masked only where the tile crosses the warpgroup's diagonal. Element (j, e) is key key0 + 8
-                # (e // 2) against query start_m + 8 j + 2 t + e % 2: masked iff rel > 8 j + e % 2 - 8 (e // 2),
-                # rel = key0 - start_m - 2 t - diag.
-                crosses = CAUSAL and wg_key + 63 > start_m + diag
-                rel = key0 - start_m - 2 * t - diag
-                lse_row = BLOCK_M * buf
-                for j in range(M_TILES):
-                    for e in range(4):
-                        col = 8 * j + 2 * t + e % 2
-                        x = exp2_approx(s[4 * j + e] * qk_scale - lse_tile[lse_row + col])
-                        if crosses and rel > 8 * j + e % 2 - 8 * (e // 2):
-                            x = float32(0.0)
-                        p[j, e] = x
-                if DV_EARLY:
-                    for kk in range(M_STEPS):
-                        pack_a_step(p, p_regs, kk)
-                    dv_acc = issue_update(dv_acc, p_regs, do_tile)  # dV += Pᵀ dO
-                    wgmma.wgmma_wait(1)  # dPᵀ's group is done, dV's may run on
-                else:
-                    wgmma.wgmma_wait(0)
-                dp = wgmma.wgmma_fence_operand(dp)
-                # dSᵀ in place of Pᵀ, by 16 queries: Pᵀ's A registers packed first where dV waits for them.
-                for kk in range(M_STEPS):
-                    if not DV_EARLY:
-                        pack_a_step(p, p_regs, kk)
-                    for j in range(2 * kk, 2 * kk + 2):
-                        for e in range(4):
-                            col = 8 * j + 2 * t + e % 2
-                            p[j, e] = p[j, e] * (dp[4 * j + e] - delta_tile[lse_row + col])
-                    pack_a_step(p, ds_regs, kk)
-                if not DV_EARLY:
-                    dv_acc = issue_update(dv_acc, p_regs, do_tile)  # dV += Pᵀ dO
-                dk_acc = issue_update(dk_acc, ds_regs, q_tile)  # dK += dSᵀ Q
-                wgmma.wgmma_wait(0)
-                dv_acc = wgmma.wgmma_fence_operand(dv_acc)
-                dk_acc = wgmma.wgmma_fence_operand(dk_acc)
-            start_m = next_m
+            next_m, next_h = start_m, start_h
+            for _ in range(TILES):
+                next_m, next_h = next_tile(next_m, next_h, begin_m, seqlen_q)
+            step_m, step_h = next_m, next_h  # step it + 1's first
+            for u in range(TILES):  # step it + 1's tiles into the other stage
+                if TILES * (it + 1) + u < walk:
+                    load_tile(
+                        qdo_tiles + uint32((1 - buf) * STAGE + 2 * u * QDO_TILE),
+                        lse_tile,
+                        delta_tile,
+                        TILES * (1 - buf) + u,
+                        next_m,
+                        q_base,
+                        off_b * stride_qb + next_h * stride_qh,
+                        do_base,
+                        off_b * stride_dob + next_h * stride_doh,
+                        stride_qm,
+                        stride_dom,
+                        lse,
+                        off_b * stride_lb + next_h * stride_lh,
+                        stride_lm,
+                        delta,
+                        delta_rows + next_h * seqlen_q,
+                        seqlen_q,
+                    )
+                    next_m, next_h = next_tile(next_m, next_h, begin_m, seqlen_q)
+            for u in range(TILES):  # step it's tiles, one after the other (the last step's may be fewer)
+                if u == 0 or TILES * it + u < walk:
+                    # The warpgroup's products, unless no query of the tile sees any of its keys (all masked:
+                    # zero gradients) or they are all past seqlen_k (never written back). Uniform over the
+                    # warpgroup.
+                    skip = wg_key >= seqlen_k or (CAUSAL and start_m + BLOCK_M - 1 + diag < wg_key)
+                    if not skip:
+                        q_tile = qdo_tiles + uint32(buf * STAGE + 2 * u * QDO_TILE)
+                        do_tile = q_tile + uint32(QDO_TILE)
+                        s = issue_products(wgmma.opaque_address(k_tile), q_tile)  # Sᵀ = K Qᵀ
+                        dp = issue_products(wgmma.opaque_address(v_tile), do_tile)  # dPᵀ = V dOᵀ
+                        wgmma.wgmma_wait(1)  # Sᵀ's group is done, dPᵀ's may run on
+                        s = wgmma.wgmma_fence_operand(s)
+                        # Pᵀ: masked only where the tile crosses the warpgroup's diagonal. Element (j, e) is key
+                        # key0 + 8 (e // 2) against query start_m + 8 j + 2 t + e % 2: masked iff rel > 8 j + e
+                        # % 2 - 8 (e // 2), rel = key0 - start_m - 2 t - diag.
+                        crosses = CAUSAL and wg_key + 63 > start_m + diag
+                        rel = key0 - start_m - 2 * t - diag
+                        lse_row = BLOCK_M * (TILES * buf + u)
+                        for j in range(M_TILES):
+                            for e in range(4):
+                                col = 8 * j + 2 * t + e % 2
+                                x = exp2_approx(s[4 * j + e] * qk_scale - lse_tile[lse_row + col])
+                                if crosses and rel > 8 * j + e % 2 - 8 * (e // 2):
+                                    x = float32(0.0)
+                                p[j, e] = x
+                        if DV_EARLY:
+                            for kk in range(M_STEPS):
+                                pack_a_step(p, p_regs, kk)
+                            dv_acc = issue_update(dv_acc, p_regs, do_tile)  # dV += Pᵀ dO
+                            wgmma.wgmma_wait(1)  # dPᵀ's group is done, dV's may run on
+                        else:
+                            wgmma.wgmma_wait(0)
+                        dp = wgmma.wgmma_fence_operand(dp)
+                        # dSᵀ in place of Pᵀ, by 16 queries: Pᵀ's A registers packed first where dV waits for
+                        # them.
+                        for kk in range(M_STEPS):
+                            if not DV_EARLY:
+                                pack_a_step(p, p_regs, kk)
+                            for j in range(2 * kk, 2 * kk + 2):
+                                for e in range(4):
+                                    col = 8 * j + 2 * t + e % 2
+                                    p[j, e] = p[j, e] * (dp[4 * j + e] - delta_tile[lse_row + col])
+                            pack_a_step(p, ds_regs, kk)
+                        if not DV_EARLY:
+                            dv_acc = issue_update(dv_acc, p_regs, do_tile)  # dV += Pᵀ dO
+                        dk_acc = issue_update(dk_acc, ds_regs, q_tile)  # dK += dSᵀ Q
+                        wgmma.wgmma_wait(0)
+                        dv_acc = wgmma.wgmma_fence_operand(dv_acc)
+                        dk_acc = wgmma.wgmma_fence_operand(dk_acc)
+                    start_m, _ = next_tile(start_m, start_h, begin_m, seqlen_q)
+            start_m, start_h = step_m, step_h
 
         # Epilogue: dk = scale · dK, dv = dV, each element once (keys that no row sees: zeros).
         dkv_start = off_bhk * seqlen_k  # dk's and dv's row of key 0 of this (batch, key/value head)
@@ -777,6 +811,8 @@ def flash_attn_backward(
                 f"WgmmaBwdConfig needs BLOCK_M and DQ_BLOCK_N multiples of 16 from 16 to 256, whole copies, got "
                 f"{config}"
             )
+    if config.TILES_A_STEP < 1:
+        raise ValueError(f"WgmmaBwdConfig needs TILES_A_STEP at least 1, got {config}")
     delta = torch.empty(batch * heads * seqlen_q, dtype=torch.float32, device=q.device)
     # delta = rowsum(dO ∘ O): the SIMT preprocess (fp32 sums).
     preprocess = launch_preprocess(O, dO, L, delta, None, spec)
