@@ -132,6 +132,25 @@ def random_qkv(shape_q, shape_k, dtype, device, seed=0):
     return make(shape_q), make(shape_k), make(shape_k)
 
 
+def values_at_import(module: str, name: str, variable: str, values: list[str | None]) -> list[str]:
+    """``repr(module.name)`` as the module computes it at import with the environment variable ``variable``
+    set to each of ``values`` in turn (None: unset), in one fresh interpreter: imported once, then reloaded
+    for each further value (one import of a backend costs seconds; CI's emulators are slow to import)."""
+    code = "\n".join(
+        [
+            "import importlib, os, sys",
+            f"values = {values!r}",
+            "for i, value in enumerate(values):",
+            f"    os.environ.pop({variable!r}, None) if value is None else os.environ.update({{{variable!r}: value}})",
+            f"    m = importlib.import_module({module!r}) if i == 0 else importlib.reload(m)",
+            f"    print(repr(m.{name}))",
+        ]
+    )
+    run = run_python(code, without=variable, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return run.stdout.strip().splitlines()[-len(values) :]
+
+
 def run_python(code: str, without: str, timeout: float) -> subprocess.CompletedProcess:
     """``code`` run by a fresh interpreter, its output captured, with this process's environment less the
     variable ``without`` (an emulator's switch: TRITON_INTERPRET, NUMBA_ENABLE_CUDASIM) and with this
