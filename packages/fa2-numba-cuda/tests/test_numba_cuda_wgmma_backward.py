@@ -68,19 +68,22 @@ def _case(dtype, b, h, h_k, n_q, n_k, d, causal, config=None):
     return pytest.param(dtype, (b, h, h_k, n_q, n_k, d), causal, config, id=name)
 
 
-def _cases(dtype, shapes, config=None):
-    return [_case(dtype, *shape, causal, config) for shape in shapes for causal in (False, True)]
+def _cases(dtype, shapes, config=None, masks=(False, True)):
+    return [_case(dtype, *shape, causal, config) for shape in shapes for causal in masks]
 
 
 # (B, H, H_k, seqlen_q, seqlen_k, D). The simulator's: a few 128-key (dK/dV) and 128-row (dQ) blocks, 64-row steps.
 SIM_SHAPES = [
     (1, 1, 1, 128, 128, 64),  # whole tiles: one block, two query tiles
     (1, 1, 1, 100, 150, 64),  # ragged: two blocks (the second's upper warpgroup past seqlen_k), rows past the end
-    (1, 1, 1, 70, 150, 64),  # seqlen_q < seqlen_k: causal's diagonal inside the second block
-    (1, 1, 1, 150, 60, 64),  # seqlen_q > seqlen_k: under causal the first 90 rows see no key
     (1, 2, 1, 40, 100, 64),  # GQA 2:1: the block's steps over both query heads
     (1, 1, 1, 70, 90, 128),  # head_dim 128: tiles of two 64-column panels
 ]
+# Causal only: what they add is where the diagonal falls (without a mask they are ragged tiles as above).
+SIM_CAUSAL_SHAPES = [
+    (1, 1, 1, 150, 60, 64),  # seqlen_q > seqlen_k: the first 90 rows see no key
+]
+CAUSAL = (True,)
 GPU_SHAPES = [
     *[(1, 2, 2, 512, 512, d) for d in (64, 128)],
     *[(2, 4, 2, 1000, 1500, d) for d in (64, 128)],
@@ -93,25 +96,28 @@ EARLY = backward_wgmma.WgmmaBwdConfig(64, True)
 SMALL = backward_wgmma.WgmmaBwdConfig(32, DQ_BLOCK_N=32)
 TC_DQ = backward_wgmma.WgmmaBwdConfig(64, DQ_WGMMA=False)
 TWO_TILES = backward_wgmma.WgmmaBwdConfig(64, DQ_WGMMA=False, TILES_A_STEP=2)
-# Two query tiles a dK/dV step on the simulator: the walk's (head, tile) entries paired into steps.
-SIM_TWO_TILES_SHAPES = [
-    (1, 1, 1, 128, 128, 64),  # whole tiles: one step, both halves
-    (1, 1, 1, 150, 60, 64),  # 3 tiles, the last step one half; causal: from tile 1 (the first 90 rows see no key)
-    (1, 1, 1, 100, 120, 64),  # seqlen_q < seqlen_k, both ragged
+# Two query tiles a dK/dV step on the simulator, against the reference (the bitwise test below pairs them with
+# one tile a step): the walk's (head, tile) entries paired into steps.
+SIM_TWO_TILES_CASES = [
+    # 3 tiles, the last step one half; causal: from tile 1 (the first 90 rows see no key)
+    ((1, 1, 1, 150, 60, 64), True),
+    ((1, 1, 1, 100, 120, 64), False),  # seqlen_q < seqlen_k, both ragged: one step, both halves
 ]
 # GQA 2:1, 3 tiles a head (causal too: its first rows see no key): the second step's halves of two heads.
 TWO_TILES_GQA = (1, 2, 1, 129, 70, 64)
 if SIMULATED:
     KERNEL_CASES = [
         *_cases(torch.float16, SIM_SHAPES),
+        *_cases(torch.float16, SIM_CAUSAL_SHAPES, masks=CAUSAL),
+        # bf16; seqlen_q < seqlen_k: causal's diagonal inside the second block
+        _case(torch.bfloat16, 1, 1, 1, 70, 150, 64, True),
         # dV issued before dSᵀ (wait_group 1 between the updates)
-        *_cases(torch.float16, [(1, 1, 1, 100, 150, 64)], EARLY),
+        *_cases(torch.float16, [(1, 1, 1, 100, 150, 64)], EARLY, CAUSAL),
         # 32-query dK/dV steps (several a head) and 32-key dQ tiles (several a block, causal ones skipped)
-        *_cases(torch.float16, [(1, 2, 1, 70, 90, 64)], SMALL),
+        *_cases(torch.float16, [(1, 2, 1, 70, 90, 64)], SMALL, CAUSAL),
         # backward_tc's dQ kernel
         _case(torch.float16, 1, 2, 1, 70, 90, 64, True, TC_DQ),
-        _case(torch.bfloat16, 1, 1, 1, 70, 150, 64, True),
-        *_cases(torch.float16, SIM_TWO_TILES_SHAPES, TWO_TILES),
+        *[_case(torch.float16, *shape, causal, TWO_TILES) for shape, causal in SIM_TWO_TILES_CASES],
     ]
     TWO_TILES_CASES = [_case(torch.float16, *TWO_TILES_GQA, True, TWO_TILES)]
 else:
