@@ -601,11 +601,12 @@ def test_kvcache_tensor_core_kernel_stages(device, stages, kv):
     SIMULATED or not torch.cuda.is_available(),
     reason=("registers and local memory of the compiled kernel: a CUDA GPU of compute capability 8.0+ only"),
 )
-@pytest.mark.parametrize("page", [None, 256], ids=["contiguous", "paged256"])
+@pytest.mark.parametrize("page", [None, 256, 16], ids=["contiguous", "paged256", "paged16"])
 def test_kvcache_tensor_core_kernel_on_the_gpu(page):
     """The decode benchmark's class (bf16, 32 query / 8 key-value heads, D 128, one token, split): the
-    tensor-core kernel runs, matches the reference, and keeps its registers (offline, ptxas sm_90, 176
-    registers: contiguous 8 B of local memory, spills outside the key loop; pages of 256 none)."""
+    tensor-core kernel runs, matches the reference, and keeps its registers (offline, ptxas 13.0 sm_90, 176
+    registers: contiguous 24 B of local memory, pages of 16 16 B, spills outside the key loop; pages of 256
+    none)."""
     from fa2_numba_cuda import kvcache
     from test_kvcache import _make, assert_matches_kvcache_reference
 
@@ -640,7 +641,7 @@ def test_kvcache_tensor_core_kernel_on_the_gpu(page):
         and r["switches"][:6] == [False] * 5 + [page is not None]
         and r["switches"][8]
     ]
-    print(f"\nkvcache tensor-core kernel ({'paged 256' if page else 'contiguous'}): {rows}")
+    print(f"\nkvcache tensor-core kernel ({f'paged {page}' if page else 'contiguous'}): {rows}")
     assert rows, "the tensor-core split kernel of this class did not run"
     assert all(r["local_bytes_per_thread"] <= 64 for r in rows), f"local memory: {rows}"
 

@@ -26,7 +26,7 @@ from typing import NamedTuple
 import numba
 import numpy as np
 import torch
-from numba import cuda, float32, int16, int32, uint32, uint64
+from numba import cuda, float32, int16, int32, int64, uint32, uint64
 
 from fa2.spec import UNBOUNDED, AttentionSpec
 from fa2_numba_cuda.mma import cp_async_16, cp_async_commit, device_function, shared_address
@@ -70,6 +70,8 @@ if simulated():
     # rounding and wrapping; and dtypes for the shared and local arrays).
     def uint64(i):
         return i
+
+    int64 = int
 
     float32 = np.float32
     int32, uint32 = np.int32, np.uint32
@@ -452,17 +454,20 @@ def kv_loader(BLOCK_N, ROW_STEP, LDW, KIND, PAGE_SIZE, EVEN_HEAD_DIM, ASYNC_LOAD
         """A paged cache's block-table ids for the thread's rows of the tile from key start_n (``load_kv``'s
         rows), into ``pages`` (PAGE_READS int32), clamped into the cache; a contiguous cache's: nothing. The
         PAGES_SPANNED pages from its first row's on, each read once, or (PAGE_A_ROW) one a row's. Keys and page
-        indices as 32-bit unsigned values (below the capacity, an int32): numba's signed 64-bit floor division
-        and modulo cost a sign fix-up each."""
+        indices as 32-bit unsigned values (below the capacity, an int32; truncated again where numba widens their
+        arithmetic to 64 bits), widened unsigned for the table's offsets: numba's signed 64-bit floor division
+        and modulo cost a sign fix-up each, a sign-extended index a longer multiply."""
         if PAGED:
             last_key = uint32(capacity - 1)
-            first_page = uint32(min(start_n + ld_r, capacity - 1)) // uint32(PAGE_SIZE)
+            last_page = uint32(last_key // uint32(PAGE_SIZE))
+            first_page = uint32(uint32(min(start_n + ld_r, capacity - 1)) // uint32(PAGE_SIZE))
+            table_row = off_b * stride_tb
             for j in range(PAGE_READS):
                 if PAGE_A_ROW:
-                    page_idx = int32(min(uint32(start_n + ld_r + ROW_STEP * j), last_key) // uint32(PAGE_SIZE))
+                    page_idx = uint32(min(uint32(start_n + ld_r + ROW_STEP * j), last_key) // uint32(PAGE_SIZE))
                 else:
-                    page_idx = int32(min(first_page + uint32(j), last_key // uint32(PAGE_SIZE)))
-                page = block_table[uint64(off_b * stride_tb + page_idx * stride_tp)]
+                    page_idx = min(uint32(first_page + uint32(j)), last_page)
+                page = block_table[uint64(table_row + int64(page_idx) * stride_tp)]
                 pages[j] = min(max(page, int32(0)), int32(cache_rows - 1))
 
     @device_function
@@ -486,35 +491,42 @@ def kv_loader(BLOCK_N, ROW_STEP, LDW, KIND, PAGE_SIZE, EVEN_HEAD_DIM, ASYNC_LOAD
         stride_vb,
         stride_vn,
         stride_vd,
-        capacity,
         head_dim,
     ):
         """Keys start_n .. start_n + BLOCK_N of K and V into the stage at shared row stage_row (K, then V
-        BLOCK_N rows on), zeros from key hi on: chunk ld_c of tile rows ld_r, ld_r + ROW_STEP, ... A paged
-        cache's rows from the page ids ``page_ids`` read for start_n (a key past the capacity, never visible,
-        takes the last key's page, and reads nothing of the cache)."""
+        BLOCK_N rows on), zeros from key hi on (hi > start_n): chunk ld_c of tile rows ld_r, ld_r + ROW_STEP, ...
+        A paged cache's rows from the page ids ``page_ids`` read for start_n; a row from hi on (so every row past
+        the capacity) reads nothing of the cache, whatever page and slot it is given."""
+        visible_rows = int32(min(hi - start_n, BLOCK_N))  # a 32-bit compare a row, not the key's 64-bit one
         if PAGED:
-            last_key = uint32(capacity - 1)
-            first_page = uint32(min(start_n + ld_r, capacity - 1)) // uint32(PAGE_SIZE)
+            # Row it (key key0 + ROW_STEP · it, key0 = start_n + ld_r) lies ROW_STEP · it past slot o of the first
+            # page ``page_ids`` read: in page (o + ROW_STEP · it) // PAGE_SIZE of those, at slot (o + ROW_STEP · it)
+            # % PAGE_SIZE. With ROW_STEP · it a constant of the unrolled row, that is one of two pages by one
+            # compare of o (or one page, where PAGE_SIZE divides ROW_STEP · it) and a constant added to o: no
+            # division or search among the PAGE_READS ids a row. Pages and slots as unsigned 32-bit values (below
+            # the cache's pages, the page size), widened unsigned: each offset one 32 x 64-bit multiply-add.
+            o = uint32(uint32(start_n + ld_r) % uint32(PAGE_SIZE))
         for it in range(LOADS):
             r = ld_r + ROW_STEP * it
-            key = start_n + r
-            visible = key < hi
+            visible = int32(r) < visible_rows
             # side-by-side: pages
             if PAGED:
-                key_in = min(uint32(key), last_key)  # keys past the capacity (never visible): the last one's page
                 if PAGE_A_ROW:
                     page = pages[it]
+                    slot = uint32(o + uint32(ROW_STEP * it % PAGE_SIZE)) % uint32(PAGE_SIZE)
                 else:
-                    nth = key_in // uint32(PAGE_SIZE) - first_page
-                    page = pages[0]
-                    for j in range(1, PAGE_READS):
-                        if nth == uint32(j):
-                            page = pages[j]
-                slot = int32(key_in % uint32(PAGE_SIZE))
-                k_off = k_head + page * stride_kb + slot * stride_kn
-                v_off = v_head + page * stride_vb + slot * stride_vn
+                    nth = ROW_STEP * it // PAGE_SIZE  # the row's page with o = 0
+                    past = ROW_STEP * it % PAGE_SIZE
+                    page = pages[nth]
+                    slot = uint32(o + uint32(past))
+                    if past > 0 and o >= uint32(PAGE_SIZE - past):  # the next page
+                        page = pages[nth + 1]
+                        slot = uint32(slot - uint32(PAGE_SIZE))
+                page_at = int64(uint32(page))
+                k_off = k_head + page_at * stride_kb + int64(slot) * stride_kn
+                v_off = v_head + page_at * stride_vb + int64(slot) * stride_vn
             else:
+                key = start_n + r
                 k_off = k_head + key * stride_kn
                 v_off = v_head + key * stride_vn
             # side-by-side: end

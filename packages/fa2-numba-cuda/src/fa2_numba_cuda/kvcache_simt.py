@@ -389,7 +389,6 @@ def _build_kernel(
                 stride_vb,
                 stride_vn,
                 stride_vd,
-                capacity,
                 head_dim,
             )
         for t in range(n_tiles):
@@ -421,7 +420,6 @@ def _build_kernel(
                     stride_vb,
                     stride_vn,
                     stride_vd,
-                    capacity,
                     head_dim,
                 )
             # side-by-side: end

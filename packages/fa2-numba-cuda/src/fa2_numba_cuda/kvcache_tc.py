@@ -357,7 +357,6 @@ def _build_kernel(
                     stride_vb,
                     stride_vn,
                     stride_vd,
-                    capacity,
                     head_dim,
                 )
                 if stage + 1 < n_tiles:
@@ -400,7 +399,6 @@ def _build_kernel(
                     stride_vb,
                     stride_vn,
                     stride_vd,
-                    capacity,
                     head_dim,
                 )
                 if ahead + 1 < n_tiles:
