@@ -136,11 +136,12 @@ KVPACKED_SIMULATED = "B1-H4-Hk2-19x37-D16-causal"
 QKVPACKED_SIMULATED = "B2-H3-17x17-D32"
 
 
-def _simulated_gradients_dtype(backend, status, dtype):
-    """The simulator runs the API's gradient tests in fp32 alone: what they check is the interface's packing
-    and slicing of the gradients, and test_gradients.py and test_varlen.py run numba's backward kernels in both
-    dtypes (fp16 on the tensor cores' emulation took ~2x the time of fp32)."""
-    simulated_subset(backend, status, dtype == torch.float32, "the flash-attn API's gradients in fp32 only")
+def _simulated_api_dtype(backend, status, dtype):
+    """The simulator runs the API's tests of outputs and gradients in fp32 alone: what they check is the
+    interface (packing, the options' translation, the shapes and slices of what it returns), and the
+    conformance files (test_conformance.py, test_gradients.py, test_features.py, test_varlen.py) run numba's
+    kernels in both dtypes; fp16 on the tensor cores' emulation takes ~2x fp32's time there."""
+    simulated_subset(backend, status, dtype == torch.float32, "the flash-attn API's outputs and gradients in fp32 only")
 
 
 def _bshd(b, h, h_k, n_q, n_k, d, dtype, device, seed):
@@ -193,6 +194,7 @@ def test_matches_reference(backend, status, device, dtype, shape, causal, varian
     _skip_variant(variant, shape)
     _simulated_packed(backend, status, variant, shape, causal)
     b, h, h_k, n_q, n_k, d = shape
+    _simulated_api_dtype(backend, status, dtype)
     require_runnable(backend, status, device, dtype, (b, h, n_q, n_k, d))
     q, k, v = _bshd(*shape, dtype, device, seed=sum(shape))
     (out, lse, S_dmask), _ = _call(variant, q, k, v, backend, causal=causal)
@@ -216,7 +218,7 @@ def test_gradients(backend, status, device, dtype, shape, causal, variant):
     slices match the reference's dq, dk, dv."""
     _skip_variant(variant, shape)
     _simulated_packed(backend, status, variant, shape, causal)
-    _simulated_gradients_dtype(backend, status, dtype)
+    _simulated_api_dtype(backend, status, dtype)
     b, h, h_k, n_q, n_k, d = shape
     require_runnable(backend, status, device, dtype, (b, h, n_q, n_k, d))
     q, k, v = (t.requires_grad_() for t in _bshd(*shape, dtype, device, seed=sum(shape) + 1))
@@ -316,6 +318,7 @@ def test_features_pass_through(backend, status, device, dtype, case):
     """window_size, softcap and alibi_slopes reach fa2.attention, the window normalised as flash-attn does
     (and given as 0-d int64 tensors, as flash-attn's tests draw it with torch.randint)."""
     b, h, h_k, n_q, n_k, d = case["shape"]
+    _simulated_api_dtype(backend, status, dtype)
     require_runnable(backend, status, device, dtype, (b, h, n_q, n_k, d))
     q, k, v, slopes = _feature_inputs(case, dtype, device, seed=sum(case["shape"]))
     window = tuple(torch.tensor(w) for w in case["window"])
@@ -345,6 +348,7 @@ def test_features_pass_through(backend, status, device, dtype, case):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_feature_gradients(backend, status, device, dtype, case):
     b, h, h_k, n_q, n_k, d = case["shape"]
+    _simulated_api_dtype(backend, status, dtype)
     require_runnable(backend, status, device, dtype, (b, h, n_q, n_k, d))
     q, k, v, slopes = _feature_inputs(case, dtype, device, seed=sum(case["shape"]) + 2)
     q, k, v = (t.requires_grad_() for t in (q, k, v))
@@ -795,6 +799,7 @@ def test_varlen_matches_reference(backend, status, device, dtype, case, variant)
     for S_dmask; each sequence against the reference on its own slices."""
     _skip_varlen_variant(variant, case)
     _simulated_varlen_packed(backend, status, variant, case)
+    _simulated_api_dtype(backend, status, dtype)
     _require_varlen(backend, status, device, dtype, case)
     q, k, v, cu_q, cu_k, _ = _varlen_inputs(case, dtype, device, seed=len(case["lens_q"]) + sum(case["lens_k"]))
     (out, lse, S_dmask), _ = _varlen_call(variant, case, q, k, v, cu_q, cu_k, backend, causal=case["causal"])
@@ -823,7 +828,7 @@ def test_varlen_gradients(backend, status, device, dtype, case, variant):
     the reference's; zero where a sequence has no query or no key."""
     _skip_varlen_variant(variant, case)
     _simulated_varlen_packed(backend, status, variant, case)
-    _simulated_gradients_dtype(backend, status, dtype)
+    _simulated_api_dtype(backend, status, dtype)
     _require_varlen(backend, status, device, dtype, case)
     q, k, v, cu_q, cu_k, _ = _varlen_inputs(case, dtype, device, seed=sum(case["lens_q"]) + 1)
     q, k, v = (t.requires_grad_() for t in (q, k, v))
@@ -843,6 +848,7 @@ def test_varlen_gradients(backend, status, device, dtype, case, variant):
 def test_varlen_features_pass_through(backend, status, device, dtype, case):
     """window_size (as 0-d int64 tensors, normalised against max_seqlen_k), softcap and alibi_slopes ((h,)
     or (num_seqs, h)), each sequence on its own lengths."""
+    _simulated_api_dtype(backend, status, dtype)
     _require_varlen(backend, status, device, dtype, case)
     q, k, v, cu_q, cu_k, slopes = _varlen_inputs(case, dtype, device, seed=sum(case["lens_q"]))
     window = tuple(torch.tensor(w) for w in case["window"])
@@ -866,6 +872,7 @@ def test_varlen_features_pass_through(backend, status, device, dtype, case):
 @pytest.mark.parametrize("case", [VARLEN_FEATURES[1], VARLEN_FEATURES[2], VARLEN_FEATURES[-1]])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_varlen_feature_gradients(backend, status, device, dtype, case):
+    _simulated_api_dtype(backend, status, dtype)
     _require_varlen(backend, status, device, dtype, case)
     q, k, v, cu_q, cu_k, slopes = _varlen_inputs(case, dtype, device, seed=sum(case["lens_q"]) + 2)
     q, k, v = (t.requires_grad_() for t in (q, k, v))
