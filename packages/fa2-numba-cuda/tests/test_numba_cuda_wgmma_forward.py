@@ -52,16 +52,14 @@ def _case(dtype, b, h, h_k, n_q, n_k, d, causal, config=None):
     return pytest.param(dtype, (b, h, h_k, n_q, n_k, d), causal, config, id=name)
 
 
-def _cases(dtype, shapes, config=None):
-    return [_case(dtype, *shape, causal, config) for shape in shapes for causal in (False, True)]
+def _cases(dtype, shapes, config=None, masks=(False, True)):
+    return [_case(dtype, *shape, causal, config) for shape in shapes for causal in masks]
 
 
 # (B, H, H_k, seqlen_q, seqlen_k, D). The simulator's: a few 64-key tiles and 128-row blocks (a few seconds each).
 SIM_SHAPES = [
     (1, 1, 1, 128, 128, 64),  # whole tiles: one block, two key tiles
     (1, 1, 1, 150, 200, 64),  # ragged: two blocks, the last rows and keys past the tiles' ends
-    (1, 1, 1, 70, 150, 64),  # seqlen_q < seqlen_k: causal's diagonal inside the third key tile
-    (1, 1, 1, 150, 60, 64),  # seqlen_q > seqlen_k: under causal the first 90 rows see no key
     (2, 2, 1, 40, 100, 64),  # GQA, two batches
     (1, 1, 1, 70, 90, 128),  # head_dim 128 (S_AHEAD by default): Q, K and V tiles of two 64-column panels
 ]
@@ -70,6 +68,11 @@ GPU_SHAPES = [
     *[(2, 4, 2, 1000, 1500, d) for d in (64, 128)],
     *[(1, 4, 1, 1500, 700, d) for d in (64, 128)],
     *[(3, 2, 2, 129, 1, d) for d in (64, 128)],
+]
+# Causal only: what they add is where the diagonal falls (without a mask they are ragged tiles as above).
+SIM_CAUSAL_SHAPES = [
+    (1, 1, 1, 70, 150, 64),  # seqlen_q < seqlen_k: the diagonal inside the third key tile
+    (1, 1, 1, 150, 60, 64),  # seqlen_q > seqlen_k: the first 90 rows see no key
 ]
 AHEAD, PLAIN = forward_wgmma.WgmmaConfig(64, True), forward_wgmma.WgmmaConfig(64, False)
 # The short key loop's configurations: two blocks an SM by registers, a three-stage K/V ring, both.
@@ -81,8 +84,11 @@ OVERLAP_FOUR = forward_wgmma.WgmmaConfig(64, STAGES=4, OVERLAP_PV=True)
 if SIMULATED:
     KERNEL_CASES = [
         *_cases(torch.float16, SIM_SHAPES),
-        # S_AHEAD at head_dim 64: one key tile, two, three, and a block that sees none
-        *_cases(torch.float16, [(1, 1, 1, 70, 60, 64), (1, 1, 1, 150, 200, 64), (1, 1, 1, 150, 60, 64)], AHEAD),
+        *_cases(torch.float16, SIM_CAUSAL_SHAPES, masks=(True,)),
+        # S_AHEAD at head_dim 64: one key tile, four (causal: one to four a block), a block that sees none
+        _case(torch.float16, 1, 1, 1, 70, 60, 64, False, AHEAD),
+        *_cases(torch.float16, [(1, 1, 1, 150, 200, 64)], AHEAD),
+        _case(torch.float16, 1, 1, 1, 150, 60, 64, True, AHEAD),
         _case(torch.float16, 1, 1, 1, 70, 90, 128, True, PLAIN),
         _case(torch.float16, 1, 1, 1, 150, 300, 64, True, forward_wgmma.WgmmaConfig(128)),  # the probe's 128 keys
         # Three stages (off by default, measured slower): one key tile (the prologue's second group empty), four
