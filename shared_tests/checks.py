@@ -138,10 +138,13 @@ def values_at_import(module: str, name: str, variable: str, values: list[str | N
     for each further value (one import of a backend costs seconds; CI's emulators are slow to import)."""
     code = "\n".join(
         [
-            "import importlib, os, sys",
+            "import importlib, os",
             f"values = {values!r}",
             "for i, value in enumerate(values):",
-            f"    os.environ.pop({variable!r}, None) if value is None else os.environ.update({{{variable!r}: value}})",
+            "    if value is None:",
+            f"        os.environ.pop({variable!r}, None)",
+            "    else:",
+            f"        os.environ[{variable!r}] = value",
             f"    m = importlib.import_module({module!r}) if i == 0 else importlib.reload(m)",
             f"    print(repr(m.{name}))",
         ]

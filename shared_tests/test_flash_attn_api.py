@@ -193,8 +193,8 @@ def test_matches_reference(backend, status, device, dtype, shape, causal, varian
     reference on the (b, h, s, d) transposes."""
     _skip_variant(variant, shape)
     _simulated_packed(backend, status, variant, shape, causal)
-    b, h, h_k, n_q, n_k, d = shape
     _simulated_api_dtype(backend, status, dtype)
+    b, h, h_k, n_q, n_k, d = shape
     require_runnable(backend, status, device, dtype, (b, h, n_q, n_k, d))
     q, k, v = _bshd(*shape, dtype, device, seed=sum(shape))
     (out, lse, S_dmask), _ = _call(variant, q, k, v, backend, causal=causal)
