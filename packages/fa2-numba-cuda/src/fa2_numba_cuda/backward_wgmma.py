@@ -227,17 +227,21 @@ def takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dO: torch.Tensor, s
     return refusal(q, k, v, dO, spec) is None
 
 
+def features_on(spec: AttentionSpec) -> bool:
+    """Whether ``FEATURES`` lets ``uses_wgmma`` take the spec's score modifiers: a softcap only where it names
+    "softcap", ALiBi only where it names "alibi" (a spec with neither: True)."""
+    return (spec.softcap == 0 or "softcap" in FEATURES) and (spec.alibi_slopes is None or "alibi" in FEATURES)
+
+
 def uses_wgmma(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dO: torch.Tensor, spec: AttentionSpec) -> bool:
     """Whether ``fa2_numba_cuda.backward.flash_attn_backward`` runs these kernels: ``ENABLED``, numba not
-    simulating, q on a CUDA device of compute capability 9.0, ``takes``, and a softcap or ALiBi only where
-    ``FEATURES`` names it."""
+    simulating, q on a CUDA device of compute capability 9.0, ``features_on``, and ``takes``."""
     return (
         ENABLED
         and not simulated()
         and q.device.type == "cuda"
         and capability(q.device) == COMPUTE_CAPABILITY
-        and (spec.softcap == 0 or "softcap" in FEATURES)
-        and (spec.alibi_slopes is None or "alibi" in FEATURES)
+        and features_on(spec)
         and takes(q, k, v, dO, spec)
     )
 
