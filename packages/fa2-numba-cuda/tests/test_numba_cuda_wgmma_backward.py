@@ -28,7 +28,7 @@ import torch
 from checks import random_qkv, values_at_import
 from fa2 import reference
 from fa2.spec import AttentionSpec
-from fa2_numba_cuda import backward, backward_tc, backward_wgmma, common, tensor_cores
+from fa2_numba_cuda import backward, backward_tc, backward_wgmma, common, launch, tensor_cores
 from test_gradients import assert_grads_match, grad_tolerances
 
 SIMULATED = common.simulated()
@@ -403,15 +403,19 @@ def test_backward_runs_softcap_and_alibi_where_features_names_them(wgmma_device,
     O64, L64 = reference.attention(q.double(), k.double(), v.double(), True, **features)
     O, L = O64.to(q.dtype), L64.float()
     spec = AttentionSpec(128**-0.5, (-1, 0), 50.0, slopes, 2)
-    backward_wgmma._KERNELS.clear()
-    backward_tc._KERNELS.clear()
+    for cache in (backward_wgmma._KERNELS, backward_wgmma._PREPARED, backward_tc._KERNELS, backward_tc._PREPARED):
+        cache.clear()  # so that the first call builds the kernels it runs
     first = backward.flash_attn_backward(q, k, v, O, L, dO, spec)
     wgmma_built = {key[:2] + key[4:6] for key in backward_wgmma._KERNELS}
     if on:
         assert wgmma_built == {("dkdv", 128, True, True), ("dq", 128, True, True)}, wgmma_built
     else:
         assert not wgmma_built and backward_tc._KERNELS, "backward_tc's kernels ran"
+    prepares = []
+    real = launch.prepare
+    monkeypatch.setattr(launch, "prepare", lambda *a: prepares.append(a) or real(*a))
     second = backward.flash_attn_backward(q, k, v, O, L, dO, spec)
+    assert not prepares, "the second call of a class must take the prepared launches"
     torch.cuda.synchronize()
     for name, x, y in zip(("dq", "dk", "dv"), first, second):
         assert torch.equal(x, y), f"{name}: max |prepared - numba| = {(x.float() - y.float()).abs().max():.3g}"
