@@ -6,9 +6,14 @@
   --device cuda, on a GPU of compute capability 9.0 (fp16 and bf16, head_dim 64 and 128): whole tiles, ragged
   seqlen_q and seqlen_k, seqlen_q below and above seqlen_k under causal (rows that see no key, keys no row sees),
   GQA; with two query tiles a dK/dV step (``TILES_A_STEP``) too, and then dq, dk, dv bit for bit those of one;
+- softcap and ALiBi (the kernels' SOFTCAP and ALIBI): against the reference on the simulator (4 cases, both
+  kernels, causal and full, GQA with a step's two tiles of two heads, D128), and on the GPU also against
+  backward_tc's gradients;
 - ``refusal``/``takes`` refusing what the kernels do not compute, ``uses_wgmma`` off without the switch or a
   Hopper GPU, and ``fa2_numba_cuda.backward`` running them only where ``uses_wgmma`` holds (``ENABLED``
-  monkeypatched), the switch read from the environment at import.
+  monkeypatched), the switch read from the environment at import; softcap and ALiBi taken by them only where
+  ``FEATURES`` names them (its environment variable read at import; on the GPU, the dispatch with it off and
+  on).
 
 The simulator checks the index math against the ISA's tables as ``wgmma.py`` reads them, and the ordering of
 cp.async, the wgmma waits and the fences as its emulation models them (not the async proxy); only the GPU run
@@ -23,8 +28,8 @@ import torch
 from checks import random_qkv, values_at_import
 from fa2 import reference
 from fa2.spec import AttentionSpec
-from fa2_numba_cuda import backward, backward_tc, backward_wgmma, common, tensor_cores
-from test_gradients import assert_grads_match
+from fa2_numba_cuda import backward, backward_tc, backward_wgmma, common, launch, tensor_cores
+from test_gradients import assert_grads_match, grad_tolerances
 
 SIMULATED = common.simulated()
 
@@ -155,6 +160,71 @@ def test_tiles_a_step_add_the_same_products_in_the_same_order(wgmma_device, dtyp
     assert_grads_match(*two, q, k, v, dO, causal)
 
 
+# Softcap and ALiBi: (B, H, H_k, seqlen_q, seqlen_k, D), causal, softcap, ALiBi, config. A softcap of 2 saturates the
+# larger scores (1 - tanh² well below 1); the slopes are per (batch, head), in [0, 1).
+WGMMA_DQ = backward_wgmma.WgmmaBwdConfig(64)  # the dQ kernel on wgmma at D64 too
+# 32-row tiles, two a dK/dV step: 3 tiles a head, so the second step's tiles are of two heads (two slopes)
+SMALL_TWO_TILES = backward_wgmma.WgmmaBwdConfig(32, DQ_BLOCK_N=32, TILES_A_STEP=2)
+if SIMULATED:
+    SCORE_CASES = [
+        ((1, 1, 1, 100, 150, 64), True, 2.0, False, WGMMA_DQ),  # causal's diagonal inside the second block
+        ((2, 1, 1, 70, 90, 64), False, 0.0, True, WGMMA_DQ),  # two batches' slopes, ragged tiles
+        ((1, 2, 1, 70, 60, 64), True, 2.0, True, SMALL_TWO_TILES),  # GQA 2:1, the first 10 rows see no key
+        ((1, 1, 1, 70, 90, 128), True, 2.0, True, None),  # the default tiles at D128 (both kernels on wgmma)
+    ]
+else:
+    SCORE_CASES = [
+        (shape, causal, softcap, alibi, None)
+        for shape in GPU_SHAPES[:6]
+        for causal in (False, True)
+        for softcap, alibi in ((50.0, False), (0.0, True), (50.0, True))
+    ]
+
+
+def _score_id(shape, causal, softcap, alibi, config):
+    b, h, h_k, n_q, n_k, d = shape
+    name = f"B{b}-H{h}" + (f"-Hk{h_k}" if h_k != h else "") + f"-{n_q}x{n_k}-D{d}-" + ("causal" if causal else "full")
+    name += f"-softcap{softcap:g}" if softcap else ""
+    name += "-alibi" if alibi else ""
+    if config is not None:
+        name += f"-M{config.BLOCK_M}" + (f"-dqN{config.DQ_BLOCK_N}" if config.DQ_WGMMA else "-tc-dq")
+        name += f"-{config.TILES_A_STEP}tiles" if config.TILES_A_STEP > 1 else ""
+    return name
+
+
+@pytest.mark.parametrize(
+    "shape, causal, softcap, alibi, config", [pytest.param(*c, id=_score_id(*c)) for c in SCORE_CASES]
+)
+def test_softcap_and_alibi_match_reference(wgmma_device, shape, causal, softcap, alibi, config):
+    """dq, dk, dv against the fp64 reference (fp16 on the simulator, bf16 on the GPU, where they are also checked
+    against backward_tc's within the same tolerance: the same rounding points, other orders of summation)."""
+    dtype = torch.float16 if SIMULATED else torch.bfloat16
+    q, k, v, dO = _inputs(dtype, shape, wgmma_device)
+    b, h = shape[:2]
+    slopes = torch.rand(b, h, generator=torch.Generator().manual_seed(shape[3])).to(wgmma_device) if alibi else None
+    features = dict(softcap=softcap, alibi_slopes=slopes)
+    O64, L64 = reference.attention(q.double(), k.double(), v.double(), causal, **features)
+    O, L = O64.to(dtype), L64.float()
+    spec = AttentionSpec(shape[-1] ** -0.5, (-1, 0) if causal else (-1, -1), softcap, slopes, h // shape[2])
+    grads = backward_wgmma.flash_attn_backward(q, k, v, O, L, dO, spec, config)
+    assert {key[4:6] for key in backward_wgmma._KERNELS} >= {(softcap > 0, alibi)}
+    assert_grads_match(*grads, q, k, v, dO, causal, **features)
+    if not SIMULATED:
+        _, tols = grad_tolerances(q, k, v, dO, causal, **features)
+        for name, x, y, tol in zip(
+            ("dq", "dk", "dv"), grads, backward_tc.flash_attn_backward(q, k, v, O, L, dO, spec), tols
+        ):
+            err = (x.float() - y.float()).abs().max().item()
+            assert err <= tol, f"max |{name} - backward_tc's| = {err:.3g} > tolerance {tol:.3g}"
+
+
+def test_dv_early_takes_no_softcap():
+    q, k, v, dO = _small()
+    spec = _spec(q, k, True).replace(softcap=5.0)
+    with pytest.raises(ValueError, match="DV_EARLY takes no softcap"):
+        backward_wgmma.flash_attn_backward(q, k, v, torch.zeros_like(q), torch.zeros(q.shape[:3]), dO, spec, EARLY)
+
+
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_strided_inputs_match_reference(wgmma_device, causal):
     """q and k as (B, N, H, D) memory (rows a head apart), v and dO contiguous: each tensor's own strides."""
@@ -208,6 +278,12 @@ def test_takes_dense_16_bit_head_dim_64_and_128():
             for causal in (False, True):
                 assert backward_wgmma.takes(q, k, v, dO, _spec(q, k, causal)), (dtype, d, causal)
             assert backward_wgmma.takes(q, k, v, dO, _spec(q, k, False, scale=-0.3)), "any scale"
+            for features in (
+                dict(softcap=5.0),
+                dict(alibi_slopes=torch.ones(1, 4)),
+                dict(softcap=5.0, alibi_slopes=torch.ones(1, 4)),
+            ):
+                assert backward_wgmma.takes(q, k, v, dO, _spec(q, k, True).replace(**features)), features
 
 
 @pytest.mark.parametrize(
@@ -223,10 +299,6 @@ def test_takes_dense_16_bit_head_dim_64_and_128():
         ),
         pytest.param(lambda q, k, v, o, s: ((q, k, v[..., :32], o), s), "head_dim", id="v-head-dim"),
         pytest.param(lambda q, k, v, o, s: ((q, k, v, o), s.replace(window=(8, 0))), "window", id="window"),
-        pytest.param(lambda q, k, v, o, s: ((q, k, v, o), s.replace(softcap=5.0)), "softcap", id="softcap"),
-        pytest.param(
-            lambda q, k, v, o, s: ((q, k, v, o), s.replace(alibi_slopes=torch.ones(1, 2))), "ALiBi", id="alibi"
-        ),
         pytest.param(lambda q, k, v, o, s: ((q, k, v, o), s.replace(sink=torch.zeros(2))), "sink", id="sink"),
         pytest.param(
             lambda q, k, v, o, s: (
@@ -291,6 +363,70 @@ def test_backward_runs_them_only_where_uses_wgmma_holds(monkeypatch, enabled):
     assert backward.flash_attn_backward(q, k, v, O, L, dO, spec, tensor_cores=False) == "simt"
     assert backward.flash_attn_backward(q, k, v, O, L, dO, spec, config=backward_tc.tc_bwd_config(64)) == unasked
     assert calls == (["wgmma"] if enabled else [])
+
+
+@pytest.mark.parametrize(
+    "features, softcap, alibi, both",
+    [
+        pytest.param(frozenset(), False, False, False, id="none"),
+        pytest.param(frozenset({"softcap"}), True, False, False, id="softcap"),
+        pytest.param(frozenset({"alibi"}), False, True, False, id="alibi"),
+        pytest.param(frozenset({"softcap", "alibi"}), True, True, True, id="both"),
+    ],
+)
+def test_features_on_needs_features_to_name_them(monkeypatch, features, softcap, alibi, both):
+    """``features_on`` (part of ``uses_wgmma``): a dense spec always; a softcap, ALiBi or both only where
+    ``FEATURES`` names each."""
+    monkeypatch.setattr(backward_wgmma, "FEATURES", features)
+    q, k, _, _ = _small()
+    spec = _spec(q, k, True)
+    slopes = torch.ones(1, 2)
+    assert backward_wgmma.features_on(spec)
+    assert backward_wgmma.features_on(spec.replace(softcap=5.0)) == softcap
+    assert backward_wgmma.features_on(spec.replace(alibi_slopes=slopes)) == alibi
+    assert backward_wgmma.features_on(spec.replace(softcap=5.0, alibi_slopes=slopes)) == both
+
+
+@pytest.mark.parametrize("on", [False, True], ids=["features-off", "features-on"])
+def test_backward_runs_softcap_and_alibi_where_features_names_them(wgmma_device, monkeypatch, on):
+    """On a Hopper GPU with ``ENABLED``: a softcap and ALiBi input runs backward_tc's kernels with ``FEATURES``
+    empty (the default), these kernels' (built with SOFTCAP and ALIBI) with both named; both match the
+    reference; a class's second call takes the prepared launches (the slopes a varying tensor) and gives the same
+    gradients bit for bit."""
+    if wgmma_device.type != "cuda":
+        pytest.skip("the default dispatch needs a Hopper GPU (--device cuda)")
+    monkeypatch.setattr(backward_wgmma, "ENABLED", True)
+    monkeypatch.setattr(backward_wgmma, "FEATURES", frozenset({"softcap", "alibi"}) if on else frozenset())
+    q, k, v, dO = _inputs(torch.bfloat16, (2, 4, 2, 300, 333, 128), wgmma_device)
+    slopes = torch.rand(2, 4, generator=torch.Generator().manual_seed(3)).to(wgmma_device)
+    features = dict(softcap=50.0, alibi_slopes=slopes)
+    O64, L64 = reference.attention(q.double(), k.double(), v.double(), True, **features)
+    O, L = O64.to(q.dtype), L64.float()
+    spec = AttentionSpec(128**-0.5, (-1, 0), 50.0, slopes, 2)
+    for cache in (backward_wgmma._KERNELS, backward_wgmma._PREPARED, backward_tc._KERNELS, backward_tc._PREPARED):
+        cache.clear()  # so that the first call builds the kernels it runs
+    first = backward.flash_attn_backward(q, k, v, O, L, dO, spec)
+    wgmma_built = {key[:2] + key[4:6] for key in backward_wgmma._KERNELS}
+    if on:
+        assert wgmma_built == {("dkdv", 128, True, True), ("dq", 128, True, True)}, wgmma_built
+    else:
+        assert not wgmma_built and backward_tc._KERNELS, "backward_tc's kernels ran"
+    prepares = []
+    real = launch.prepare
+    monkeypatch.setattr(launch, "prepare", lambda *a: prepares.append(a) or real(*a))
+    second = backward.flash_attn_backward(q, k, v, O, L, dO, spec)
+    assert not prepares, "the second call of a class must take the prepared launches"
+    torch.cuda.synchronize()
+    for name, x, y in zip(("dq", "dk", "dv"), first, second):
+        assert torch.equal(x, y), f"{name}: max |prepared - numba| = {(x.float() - y.float()).abs().max():.3g}"
+    assert_grads_match(*second, q, k, v, dO, True, **features)
+
+
+def test_features_read_the_environment_at_import():
+    """FA2_NUMBA_WGMMA_BWD_FEATURES unset, "softcap", "alibi,softcap": none, softcap, both."""
+    values = [None, "softcap", "alibi,softcap"]
+    got = values_at_import("fa2_numba_cuda.backward_wgmma", "FEATURES", "FA2_NUMBA_WGMMA_BWD_FEATURES", values)
+    assert [eval(r) for r in got] == [frozenset(), {"softcap"}, {"softcap", "alibi"}]
 
 
 def test_enabled_reads_the_environment_at_import():

@@ -26,7 +26,8 @@ False runs ``backward_tc``'s dQ kernel instead (``backward_tc.launch_dq``).
 
       Sᵀ = K Qᵀ      HEAD_DIM / 16 wgmma m64nBLOCK_Mk16, A = K, B = Q K-major, both from descriptors; commit
       dPᵀ = V dOᵀ    the same with V and dO; commit; wait for Sᵀ alone (wait_group 1): dPᵀ runs on during
-      Pᵀ = exp2(Sᵀ · qk_scale - L · log2 e)    (qk_scale = scale · log2 e; masked elements 0, fp32)
+      Pᵀ = exp2(Sᵀ · qk_scale - L · log2 e)    (qk_scale = scale · log2 e; masked elements 0, fp32; softcap
+                     and ALiBi below)
                      then wait for dPᵀ
       dSᵀ = Pᵀ ∘ (dPᵀ - delta)    in place of Pᵀ, 16 queries at a time: Pᵀ's and dSᵀ's 16-bit pairs packed as
                      they are made, 8 registers a fragment (``wgmma.wgmma_a_layout``: D's registers 8 kk .. 8 kk
@@ -75,6 +76,17 @@ Both kernels:
   back; a block starts at the first query tile that sees its first key; a warpgroup masks only the steps whose
   tile crosses its keys' diagonal and skips (no wgmma) those where no query of the tile sees any of its keys, or
   its keys are all past seqlen_k. Its blocks are launched in key order, the longest (causal) first.
+- Softcap and ALiBi (SOFTCAP, ALIBI: compile-time, from ``common.features``; softcap_log2 = c · log2 e, the slopes
+  and their strides runtime arguments after the tile count, ``common.feature_args``'s, unread without them) as
+  backward_tc computes them: the forward's scores in base 2, with a softcap c x = c · log2 e · tanh(S · scale / c)
+  (qk_scale = scale / c, ``common.score_scale``; ``tanh_approx``), ALiBi's slope · log2 e · |i + diag - j|
+  subtracted (one FMA: the distance from one value a tile and a constant per register, in each kernel's layout),
+  then P = exp2(x - L · log2 e), masked as above, and dS (dSᵀ) multiplied by the cap's derivative 1 - tanh². The
+  dK/dV kernel takes tanh during dPᵀ's products and makes Pᵀ from it after dPᵀ's wait, 16 queries at a time,
+  so that no register holds 1 - tanh² across the wait (its dense registers are at ptxas's 255 at HEAD_DIM 128;
+  hence DV_EARLY, which packs Pᵀ before that wait, takes no softcap); the dQ kernel keeps 1 - tanh² of its
+  DQ_BLOCK_N / 2 scores from P to dS. The slopes (per batch and query head: the dK/dV kernel reads the slope of
+  each (head, tile) of its walk, the dQ kernel one) get no gradient.
 - Shared memory (dynamic, above 48 KB: ``launch.prepare`` raises the kernel's limit), 16-bit elements, plus 1 KB
   to align the tiles on the swizzle's 1024 B repeat (``shared_bytes``): dK/dV, K and V 2 · 2 · 64 · HEAD_DIM, Q
   and dO 2 stages · 2 · TILES_A_STEP · BLOCK_M · HEAD_DIM, and 4 · 2 · 2 · TILES_A_STEP · BLOCK_M B of static (L
@@ -83,17 +95,21 @@ Both kernels:
   99,328 B). ``bwd_config`` has ptxas's register counts.
 
 Limits (``takes``): fp16 and bf16, head_dim exactly 64 or 128, dense (batch, heads, seqlen, head_dim) q, k, v and
-dO of one dtype, contiguous along head_dim with 16 B aligned rows (cp.async), no window but causal, no softcap,
-ALiBi, sink, packed batch. Which kernels run: ``fa2_numba_cuda.backward.flash_attn_backward`` runs these where
-``uses_wgmma`` holds: ``takes``, a CUDA device of compute capability 9.0 (wgmma is sm_90a's), and the switch
-``ENABLED`` (on, unless the environment variable FA2_NUMBA_WGMMA_BWD=0 when this module is imported);
+dO of one dtype, contiguous along head_dim with 16 B aligned rows (cp.async), no window but causal, no sink,
+packed batch or KV cache. Which kernels run: ``fa2_numba_cuda.backward.flash_attn_backward`` runs these where
+``uses_wgmma`` holds: ``takes``, a CUDA device of compute capability 9.0 (wgmma is sm_90a's), the switch
+``ENABLED`` (on, unless the environment variable FA2_NUMBA_WGMMA_BWD=0 when this module is imported), and for
+an input with a softcap or ALiBi the switch ``FEATURES`` naming it: empty, unless FA2_NUMBA_WGMMA_BWD_FEATURES
+names "softcap", "alibi" or both (comma-separated) at import, so that such inputs stay on backward_tc until
+these kernels' speed on them is measured on the H200 (a caller may also set ``FEATURES`` at run time);
 ``backward_tc`` otherwise. An error in these kernels is raised, never answered by others.
 Under numba's simulator they run only when called directly, on ``wgmma.py``'s emulation of the instructions:
 slow, for tests.
 
 Launch: on torch's current CUDA stream, no host synchronisation; one compiled kernel per (dK/dV or dQ, HEAD_DIM,
-WgmmaBwdConfig, CAUSAL, bf16 or fp16), cached; ``kernel_resources`` reports registers, shared and local memory
-of each. Launched through ``launch.prepare`` as ``backward_tc`` (``_PREPARED``).
+WgmmaBwdConfig, CAUSAL, SOFTCAP, ALIBI, bf16 or fp16), cached; ``kernel_resources`` reports registers, shared and
+local memory of each. Launched through ``launch.prepare`` as ``backward_tc`` (``_PREPARED``; with ALiBi the slopes
+are a varying tensor of the class, as q, k, v).
 """
 
 from __future__ import annotations
@@ -109,7 +125,17 @@ from numba import cuda, float32, int16, int32, uint32, uint64
 from fa2.spec import UNBOUNDED, AttentionSpec
 from fa2_numba_cuda import backward_tc, launch, wgmma
 from fa2_numba_cuda.backward_simt import launch_preprocess, preprocess_tensors
-from fa2_numba_cuda.common import LOG2E, SHARED_ALIGN, check_device, rows_16b_aligned, simulated, spec_class
+from fa2_numba_cuda.common import (
+    LOG2E,
+    SHARED_ALIGN,
+    check_device,
+    feature_args,
+    rows_16b_aligned,
+    score_scale,
+    simulated,
+    spec_class,
+    spec_tensors,
+)
 from fa2_numba_cuda.mma import (
     cp_async_commit,
     cp_async_wait_all,
@@ -119,12 +145,19 @@ from fa2_numba_cuda.mma import (
     pack_bf16x2,
     pack_f16x2,
     shared_address,
+    tanh_approx,
 )
 from fa2_numba_cuda.tensor_cores import capability
 
 # Whether fa2_numba_cuda.backward runs these kernels where they can (``uses_wgmma``): on unless
 # FA2_NUMBA_WGMMA_BWD=0 at import (1.02-1.58x backward_tc's time at every point timed on the H200).
 ENABLED = os.environ.get("FA2_NUMBA_WGMMA_BWD", "1") != "0"
+# The score modifiers ("softcap", "alibi") whose inputs ``uses_wgmma`` sends to these kernels: none, unless
+# FA2_NUMBA_WGMMA_BWD_FEATURES names them at import (comma-separated), until they are timed on the H200; the
+# others stay on backward_tc. Set it at run time to compare.
+FEATURES = frozenset(name for name in os.environ.get("FA2_NUMBA_WGMMA_BWD_FEATURES", "").split(",") if name)
+if not FEATURES <= {"softcap", "alibi"}:
+    raise ValueError(f"FA2_NUMBA_WGMMA_BWD_FEATURES names softcap and alibi, got {sorted(FEATURES)}")
 
 HEAD_DIMS = (64, 128)
 COMPUTE_CAPABILITY = (9, 0)
@@ -180,8 +213,8 @@ def refusal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dO: torch.Tensor,
         return f"takes head_dim {' or '.join(map(str, HEAD_DIMS))} for q, k and v, got {q.shape[-1]}, {v.shape[-1]}"
     if spec.window not in ((UNBOUNDED, UNBOUNDED), (UNBOUNDED, 0)):
         return f"takes no window but causal, got {spec.window}"
-    if spec.softcap or spec.alibi_slopes is not None or spec.sink is not None:
-        return "takes no softcap, ALiBi or sink"
+    if spec.sink is not None:
+        return "takes no sink"
     if spec.varlen or spec.cache_seqlens is not None or spec.block_table is not None:
         return "takes no packed batch or KV cache"
     if not all(rows_16b_aligned(t) for t in (q, k, v, dO)):
@@ -194,14 +227,21 @@ def takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dO: torch.Tensor, s
     return refusal(q, k, v, dO, spec) is None
 
 
+def features_on(spec: AttentionSpec) -> bool:
+    """Whether ``FEATURES`` lets ``uses_wgmma`` take the spec's score modifiers: a softcap only where it names
+    "softcap", ALiBi only where it names "alibi" (a spec with neither: True)."""
+    return (spec.softcap == 0 or "softcap" in FEATURES) and (spec.alibi_slopes is None or "alibi" in FEATURES)
+
+
 def uses_wgmma(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dO: torch.Tensor, spec: AttentionSpec) -> bool:
     """Whether ``fa2_numba_cuda.backward.flash_attn_backward`` runs these kernels: ``ENABLED``, numba not
-    simulating, q on a CUDA device of compute capability 9.0, and ``takes``."""
+    simulating, q on a CUDA device of compute capability 9.0, ``features_on``, and ``takes``."""
     return (
         ENABLED
         and not simulated()
         and q.device.type == "cuda"
         and capability(q.device) == COMPUTE_CAPABILITY
+        and features_on(spec)
         and takes(q, k, v, dO, spec)
     )
 
@@ -298,10 +338,26 @@ def _packing(HEAD_DIM, IS_BF16):
     return pack_a_step, store_rows
 
 
-def _build_dkdv(HEAD_DIM, config, CAUSAL, IS_BF16):
-    """The dK/dV kernel for one head dim, query tile, causal or not, and input type."""
+def _probability(ALIBI):
+    """probability(x, slope, distance, l2) -> exp2(x - l2) of one score, x in base 2 (S · scale · log2 e, or with
+    a softcap c · log2 e · tanh), with ALIBI less ALiBi's bias slope · |distance| (slope in base 2) first: one FMA,
+    as ``backward_tc``'s."""
+
+    @device_function
+    def probability(x, slope, distance, l2):
+        if ALIBI:
+            x = cuda.fma(-slope, abs(distance), x)
+        return exp2_approx(x - l2)
+
+    return probability
+
+
+def _build_dkdv(HEAD_DIM, config, CAUSAL, SOFTCAP, ALIBI, IS_BF16):
+    """The dK/dV kernel for one head dim, query tile, causal or not, softcap or not, ALiBi or not, and input
+    type."""
     BLOCK_M, DV_EARLY, TILES = config.BLOCK_M, config.DV_EARLY, config.TILES_A_STEP
     assert HEAD_DIM in HEAD_DIMS and BLOCK_M % 16 == 0 and 16 <= BLOCK_M <= 256 and TILES >= 1
+    assert not (DV_EARLY and SOFTCAP)
     M_TILES = BLOCK_M // 8  # 8-query column blocks of Sᵀ, 4 registers each
     O_REGS = HEAD_DIM // 2  # dK and dV: its 64 keys x HEAD_DIM
     M_STEPS = BLOCK_M // 16  # k steps of dV += Pᵀ dO and dK += dSᵀ Q
@@ -315,6 +371,7 @@ def _build_dkdv(HEAD_DIM, config, CAUSAL, IS_BF16):
     issue_products = _issue_products(HEAD_DIM, BLOCK_M, IS_BF16)
     issue_update = _issue_update(BLOCK_M, IS_BF16)
     pack_a_step, store_rows = _packing(HEAD_DIM, IS_BF16)
+    probability = _probability(ALIBI)
     load_kv = wgmma.tile_loader(BLOCK_N, 64, HEAD_DIM, NUM_THREADS)
     load_qdo = wgmma.tile_loader(BLOCK_M, BLOCK_M, HEAD_DIM, NUM_THREADS)
 
@@ -393,12 +450,18 @@ def _build_dkdv(HEAD_DIM, config, CAUSAL, IS_BF16):
         scale,
         qk_scale,
         num_n_tiles,
+        softcap_log2,
+        slopes,
+        stride_ab,
+        stride_ah,
     ):
         """One block: BLOCK_N keys of one (batch, key/value head), for the group's query heads. q, k, v, do: flat
         int16 views (fp16 or bf16 bit patterns) of (B, H, N, HEAD_DIM) tensors with unit stride along head dims,
         k and v with H // group heads; lse: (B, H, seqlen_q) fp32;
         delta: (B·H, seqlen_q) fp32, flat; dk, dv: (B, H // group, seqlen_k, HEAD_DIM), flat, contiguous, int32
-        pairs. qk_scale = scale · log2 e."""
+        pairs. qk_scale = scale · log2 e, with a softcap c scale / c (``common.score_scale``); softcap_log2 = c ·
+        log2 e and the slopes (B, H) with their strides as ``common.feature_args`` gives them, read only with
+        SOFTCAP and ALIBI."""
         diag = seqlen_k - seqlen_q  # key j is visible to query i iff j <= i + diag (CAUSAL)
         start_n = (cuda.blockIdx.x % num_n_tiles) * BLOCK_N
         heads_k = heads // group
@@ -469,6 +532,7 @@ def _build_dkdv(HEAD_DIM, config, CAUSAL, IS_BF16):
         p = cuda.local.array((M_TILES, 4), float32)  # Sᵀ, then Pᵀ: [64 keys, BLOCK_M] as D's registers
         p_regs = cuda.local.array((M_STEPS, 4), int32)  # Pᵀ in 16-bit pairs: dV's A fragments
         ds_regs = cuda.local.array((M_STEPS, 4), int32)  # dSᵀ in 16-bit pairs: dK's A fragments
+        cap = cuda.local.array((M_TILES, 4), float32)  # SOFTCAP: 1 - tanh² of 16 queries' scores at a time
         dk_acc = wgmma.zero_accumulators(O_REGS)  # [64 keys, HEAD_DIM] as D's registers
         dv_acc = wgmma.zero_accumulators(O_REGS)
         start_m, start_h = begin_m, head0  # step it's first (tile, head): the walk's entry TILES it
@@ -510,6 +574,12 @@ def _build_dkdv(HEAD_DIM, config, CAUSAL, IS_BF16):
                     # warpgroup.
                     skip = wg_key >= seqlen_k or (CAUSAL and start_m + BLOCK_M - 1 + diag < wg_key)
                     if not skip:
+                        # ALiBi's slope of the tile's query head, in base 2 (loaded during the products).
+                        slope = (
+                            slopes[uint64(off_b * stride_ab + start_h * stride_ah)] * float32(LOG2E)
+                            if ALIBI
+                            else float32(0.0)
+                        )
                         q_tile = qdo_tiles + uint32(buf * STAGE + 2 * u * QDO_TILE)
                         do_tile = q_tile + uint32(QDO_TILE)
                         s = issue_products(wgmma.opaque_address(k_tile), q_tile)  # Sᵀ = K Qᵀ
@@ -518,17 +588,30 @@ def _build_dkdv(HEAD_DIM, config, CAUSAL, IS_BF16):
                         s = wgmma.wgmma_fence_operand(s)
                         # Pᵀ: masked only where the tile crosses the warpgroup's diagonal. Element (j, e) is key
                         # key0 + 8 (e // 2) against query start_m + 8 j + 2 t + e % 2: masked iff rel > 8 j + e
-                        # % 2 - 8 (e // 2), rel = key0 - start_m - 2 t - diag.
+                        # % 2 - 8 (e // 2), rel = key0 - start_m - 2 t - diag; ALiBi's distance |query + diag -
+                        # key| is |8 j + e % 2 - 8 (e // 2) - rel| (backward_tc's).
                         crosses = CAUSAL and wg_key + 63 > start_m + diag
                         rel = key0 - start_m - 2 * t - diag
+                        distance = float32(-rel) if ALIBI else float32(0.0)
                         lse_row = BLOCK_M * (TILES * buf + u)
                         for j in range(M_TILES):
                             for e in range(4):
                                 col = 8 * j + 2 * t + e % 2
-                                x = exp2_approx(s[4 * j + e] * qk_scale - lse_tile[lse_row + col])
-                                if crosses and rel > 8 * j + e % 2 - 8 * (e // 2):
-                                    x = float32(0.0)
-                                p[j, e] = x
+                                offset = 8 * j + e % 2 - 8 * (e // 2)
+                                if SOFTCAP:
+                                    # tanh(Sᵀ · scale / c) during dPᵀ's products; Pᵀ after its wait, with the
+                                    # cap's derivative 1 - tanh² (no registers held for it across the wait).
+                                    p[j, e] = tanh_approx(s[4 * j + e] * qk_scale)
+                                else:
+                                    x = probability(
+                                        s[4 * j + e] * qk_scale,
+                                        slope,
+                                        distance + float32(offset),
+                                        lse_tile[lse_row + col],
+                                    )
+                                    if crosses and rel > offset:
+                                        x = float32(0.0)
+                                    p[j, e] = x
                         if DV_EARLY:
                             for kk in range(M_STEPS):
                                 pack_a_step(p, p_regs, kk)
@@ -540,12 +623,30 @@ def _build_dkdv(HEAD_DIM, config, CAUSAL, IS_BF16):
                         # dSᵀ in place of Pᵀ, by 16 queries: Pᵀ's A registers packed first where dV waits for
                         # them.
                         for kk in range(M_STEPS):
+                            if SOFTCAP:  # Pᵀ from the capped scores c · log2 e · tanh
+                                for j in range(2 * kk, 2 * kk + 2):
+                                    for e in range(4):
+                                        col = 8 * j + 2 * t + e % 2
+                                        offset = 8 * j + e % 2 - 8 * (e // 2)
+                                        tanh_s = p[j, e]
+                                        cap[j, e] = float32(1.0) - tanh_s * tanh_s
+                                        x = probability(
+                                            tanh_s * softcap_log2,
+                                            slope,
+                                            distance + float32(offset),
+                                            lse_tile[lse_row + col],
+                                        )
+                                        if crosses and rel > offset:
+                                            x = float32(0.0)
+                                        p[j, e] = x
                             if not DV_EARLY:
                                 pack_a_step(p, p_regs, kk)
                             for j in range(2 * kk, 2 * kk + 2):
                                 for e in range(4):
                                     col = 8 * j + 2 * t + e % 2
                                     p[j, e] = p[j, e] * (dp[4 * j + e] - delta_tile[lse_row + col])
+                                    if SOFTCAP:
+                                        p[j, e] *= cap[j, e]
                             pack_a_step(p, ds_regs, kk)
                         if not DV_EARLY:
                             dv_acc = issue_update(dv_acc, p_regs, do_tile)  # dV += Pᵀ dO
@@ -553,7 +654,7 @@ def _build_dkdv(HEAD_DIM, config, CAUSAL, IS_BF16):
                         wgmma.wgmma_wait(0)
                         dv_acc = wgmma.wgmma_fence_operand(dv_acc)
                         dk_acc = wgmma.wgmma_fence_operand(dk_acc)
-                    start_m, _ = next_tile(start_m, start_h, begin_m, seqlen_q)
+                    start_m, start_h = next_tile(start_m, start_h, begin_m, seqlen_q)  # the next tile's
             start_m, start_h = step_m, step_h
 
         # Epilogue: dk = scale · dK, dv = dV, each element once (keys that no row sees: zeros).
@@ -564,8 +665,8 @@ def _build_dkdv(HEAD_DIM, config, CAUSAL, IS_BF16):
     return cuda.jit(_attn_bwd_dkdv_wgmma)
 
 
-def _build_dq(HEAD_DIM, config, CAUSAL, IS_BF16):
-    """The dQ kernel for one head dim, key tile, causal or not, and input type."""
+def _build_dq(HEAD_DIM, config, CAUSAL, SOFTCAP, ALIBI, IS_BF16):
+    """The dQ kernel for one head dim, key tile, causal or not, softcap or not, ALiBi or not, and input type."""
     BLOCK_N_DQ = config.DQ_BLOCK_N
     assert HEAD_DIM in HEAD_DIMS and BLOCK_N_DQ % 16 == 0 and 16 <= BLOCK_N_DQ <= 256
     N_TILES = BLOCK_N_DQ // 8  # 8-key column blocks of S, 4 registers each
@@ -577,6 +678,7 @@ def _build_dq(HEAD_DIM, config, CAUSAL, IS_BF16):
     issue_products = _issue_products(HEAD_DIM, BLOCK_N_DQ, IS_BF16)
     issue_update = _issue_update(BLOCK_N_DQ, IS_BF16)
     pack_a_step, store_rows = _packing(HEAD_DIM, IS_BF16)
+    probability = _probability(ALIBI)
     load_qdo = wgmma.tile_loader(BLOCK_M_DQ, 64, HEAD_DIM, NUM_THREADS)
     load_kv = wgmma.tile_loader(BLOCK_N_DQ, BLOCK_N_DQ, HEAD_DIM, NUM_THREADS)
 
@@ -610,9 +712,14 @@ def _build_dq(HEAD_DIM, config, CAUSAL, IS_BF16):
         scale,
         qk_scale,
         num_m_tiles,
+        softcap_log2,
+        slopes,
+        stride_ab,
+        stride_ah,
     ):
         """One block: BLOCK_M_DQ query rows of one (batch, head). q, k, v, do, lse, delta and the strides as the
-        dK/dV kernel's; dq: (B, H, seqlen_q, HEAD_DIM), flat, contiguous, int32 pairs."""
+        dK/dV kernel's, as are qk_scale, softcap_log2 and the slopes; dq: (B, H, seqlen_q, HEAD_DIM), flat,
+        contiguous, int32 pairs."""
         diag = seqlen_k - seqlen_q  # key j is visible to query i iff j <= i + diag (CAUSAL)
         m_block = cuda.blockIdx.x % num_m_tiles
         if CAUSAL:
@@ -667,7 +774,10 @@ def _build_dq(HEAD_DIM, config, CAUSAL, IS_BF16):
             load_kv(kv_tiles + uint32(KV_TILE), v_base, v_offset, stride_vn, 0, seqlen_k)
             cp_async_commit()
 
+        # ALiBi's slope of this (batch, head), in base 2.
+        slope = slopes[uint64(off_b * stride_ab + off_h * stride_ah)] * float32(LOG2E) if ALIBI else float32(0.0)
         p = cuda.local.array((N_TILES, 4), float32)  # S, then P, then dS: [64 rows, BLOCK_N_DQ] as D's registers
+        cap = cuda.local.array((N_TILES, 4), float32)  # SOFTCAP: 1 - tanh² of S's scores, until dS
         ds_regs = cuda.local.array((N_STEPS, 4), int32)  # dS in 16-bit pairs: dQ's A fragments
         acc = wgmma.zero_accumulators(O_REGS)  # dQ: [64 rows, HEAD_DIM] as D's registers
         lane_diag = row0 + diag - 2 * t
@@ -691,15 +801,22 @@ def _build_dq(HEAD_DIM, config, CAUSAL, IS_BF16):
                 s = wgmma.wgmma_fence_operand(s)
                 # P, masked where the tile crosses the end of the keys or (causal) the warpgroup's diagonal:
                 # element (j, e) is row row0 + 8 (e // 2) against key start_n + 8 j + 2 t + e % 2 (forward_wgmma's
-                # softmax mask).
+                # softmax mask); ALiBi's distance |row + diag - key| is |rel + 8 (e // 2) - 8 j - e % 2|, rel =
+                # row0 + diag - start_n - 2 t (backward_tc's).
                 mask = start_n + BLOCK_N_DQ > seqlen_k or (CAUSAL and start_n + BLOCK_N_DQ - 1 > wg_row + diag)
+                distance = float32(lane_diag - start_n) if ALIBI else float32(0.0)
                 for h in range(2):
                     hi = seqlen_k - 2 * t - start_n  # keys from column hi of the lane's row h on are masked
                     if CAUSAL:
                         hi = min(hi, lane_diag + 8 * h + 1 - start_n)
                     for j in range(N_TILES):
                         for e in range(2 * h, 2 * h + 2):
-                            x = exp2_approx(s[4 * j + e] * qk_scale - lse_row[h])
+                            x = s[4 * j + e] * qk_scale
+                            if SOFTCAP:  # the forward's capped score c · log2 e · tanh, keeping 1 - tanh² for dS
+                                tanh_s = tanh_approx(x)
+                                cap[j, e] = float32(1.0) - tanh_s * tanh_s
+                                x = tanh_s * softcap_log2
+                            x = probability(x, slope, distance + float32(8 * h - 8 * j - e % 2), lse_row[h])
                             if mask and 8 * j + e % 2 >= hi:
                                 x = float32(0.0)
                             p[j, e] = x
@@ -709,6 +826,8 @@ def _build_dq(HEAD_DIM, config, CAUSAL, IS_BF16):
                     for j in range(2 * kk, 2 * kk + 2):
                         for e in range(4):
                             p[j, e] = p[j, e] * (dp[4 * j + e] - delta_row[e // 2])
+                            if SOFTCAP:
+                                p[j, e] *= cap[j, e]
                     pack_a_step(p, ds_regs, kk)
                 acc = issue_update(acc, ds_regs, k_tile)  # dQ += dS K
                 wgmma.wgmma_wait(0)
@@ -721,7 +840,7 @@ def _build_dq(HEAD_DIM, config, CAUSAL, IS_BF16):
     return cuda.jit(_attn_bwd_dq_wgmma)
 
 
-# Compiled kernels by ("dkdv" or "dq", HEAD_DIM, WgmmaBwdConfig, CAUSAL, IS_BF16).
+# Compiled kernels by ("dkdv" or "dq", HEAD_DIM, WgmmaBwdConfig, CAUSAL, SOFTCAP, ALIBI, IS_BF16).
 _KERNELS: dict[tuple, object] = {}
 # Prepared launches (preprocess, dK/dV, dQ; ``launch.prepare``) by class of call: the tensors' shapes, strides
 # and dtypes, the device, whether their data is 16 B aligned, the spec's values (``spec_class``), the config.
@@ -736,6 +855,12 @@ def _kernel(name, *key):
     if kernel is None:
         kernel = _KERNELS[(name, *key)] = _BUILDERS[name](*key)
     return kernel
+
+
+def _slopes_position(spec: AttentionSpec, score_args_at: int) -> tuple[int, ...]:
+    """Where a kernel whose ``feature_args`` tail (softcap_log2, slopes, strides) starts at score_args_at takes
+    the slopes, as a varying tensor of its prepared launch: (score_args_at + 1,) with ALiBi, else ()."""
+    return () if spec.alibi_slopes is None else (score_args_at + 1,)
 
 
 def flash_attn_backward(
@@ -762,8 +887,9 @@ def flash_attn_backward(
                 causal, seqlen_q = 2, seqlen_k = 5:   1 1 1 1 0
                                                       1 1 1 1 1
 
-            (``refusal`` names what else these kernels do not take).
-        config: the kernels' tiles, for tuning; default ``bwd_config(head_dim)``.
+            a softcap and ALiBi slopes ((batch, heads) fp32, no gradient) as ``backward_tc`` takes them
+            (``refusal`` names what these kernels do not take).
+        config: the kernels' tiles, for tuning; default ``bwd_config(head_dim)`` (DV_EARLY takes no softcap).
 
     Returns:
         dq, dk, dv in the shapes and dtypes of q, k, v (dk, dv: each key/value head's gradient summed over its
@@ -784,8 +910,9 @@ def flash_attn_backward(
             dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
             delta = torch.empty(q.shape[0] * q.shape[1] * q.shape[2], dtype=torch.float32, device=q.device)
             preprocess(*preprocess_tensors(O, dO, L, delta, None, spec))
-            dkdv(q, k, v, dO, L, delta, dk, dv)
-            dq_kernel(q, k, v, dO, L, delta, dq)
+            extra = spec_tensors(spec)  # the slopes with ALiBi
+            dkdv(q, k, v, dO, L, delta, dk, dv, *extra)
+            dq_kernel(q, k, v, dO, L, delta, dq, *extra)
             return dq, dk, dv
     reason = refusal(q, k, v, dO, spec)
     if reason is not None:
@@ -813,32 +940,38 @@ def flash_attn_backward(
             )
     if config.TILES_A_STEP < 1:
         raise ValueError(f"WgmmaBwdConfig needs TILES_A_STEP at least 1, got {config}")
+    if config.DV_EARLY and spec.softcap:
+        raise ValueError(f"WgmmaBwdConfig's DV_EARLY takes no softcap (its Pᵀ is made after dPᵀ's wait), got {config}")
     delta = torch.empty(batch * heads * seqlen_q, dtype=torch.float32, device=q.device)
     # delta = rowsum(dO ∘ O): the SIMT preprocess (fp32 sums).
     preprocess = launch_preprocess(O, dO, L, delta, None, spec)
-    flags = (config, spec.causal, q.dtype == torch.bfloat16)
+    flags = (config, spec.causal, spec.softcap > 0, spec.alibi_slopes is not None, q.dtype == torch.bfloat16)
     inputs = (*(t.view(torch.int16) for t in (q, k, v, dO)), L, delta)
     strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dO.stride()[:3], *L.stride())
-    sizes = (heads, heads // heads_k, seqlen_q, seqlen_k, np.float32(spec.scale), np.float32(spec.scale * LOG2E))
+    sizes = (heads, heads // heads_k, seqlen_q, seqlen_k, np.float32(spec.scale), np.float32(score_scale(spec)))
+    # After the tile count: softcap_log2, the slopes and their strides (unread without SOFTCAP and ALIBI).
+    score_args = feature_args(spec, seqlen_q, seqlen_k, q.device)[2:]
     num_n_tiles = -(-seqlen_k // BLOCK_N)
+    head = (*inputs, dk.view(torch.int32), dv.view(torch.int32), *strides, *sizes, num_n_tiles)
     dkdv = launch.prepare(
         _kernel("dkdv", head_dim, *flags),
         num_n_tiles * batch * heads_k,
         NUM_THREADS,
         q.device,
-        (*inputs, dk.view(torch.int32), dv.view(torch.int32), *strides, *sizes, num_n_tiles),
-        tuple(range(8)),
+        (*head, *score_args),
+        (*range(8), *_slopes_position(spec, len(head))),
         shared_bytes("dkdv", head_dim, config),
     )
     if config.DQ_WGMMA:
         num_m_tiles = -(-seqlen_q // BLOCK_M_DQ)
+        head = (*inputs, dq.view(torch.int32), *strides, *sizes, num_m_tiles)
         dq_kernel = launch.prepare(
             _kernel("dq", head_dim, *flags),
             num_m_tiles * batch * heads,
             NUM_THREADS,
             q.device,
-            (*inputs, dq.view(torch.int32), *strides, *sizes, num_m_tiles),
-            tuple(range(7)),
+            (*head, *score_args),
+            (*range(7), *_slopes_position(spec, len(head))),
             shared_bytes("dq", head_dim, config),
         )
     else:  # backward_tc's, its own tiles (the device's shared memory allowing)
@@ -856,7 +989,7 @@ def kernel_resources() -> list[dict]:
     if simulated():
         return []
     rows = []
-    for (name, HEAD_DIM, config, CAUSAL, IS_BF16), kernel in _KERNELS.items():
+    for (name, HEAD_DIM, config, CAUSAL, SOFTCAP, ALIBI, IS_BF16), kernel in _KERNELS.items():
         regs = kernel.get_regs_per_thread()
         shared = kernel.get_shared_mem_per_block()
         local = kernel.get_local_mem_per_thread()
@@ -867,6 +1000,8 @@ def kernel_resources() -> list[dict]:
                     "HEAD_DIM": HEAD_DIM,
                     **config._asdict(),
                     "causal": CAUSAL,
+                    "softcap": SOFTCAP,
+                    "alibi": ALIBI,
                     "bf16": IS_BF16,
                     "registers_per_thread": regs[signature],
                     "shared_bytes_per_block": shared[signature],
