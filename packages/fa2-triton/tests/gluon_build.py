@@ -14,7 +14,9 @@ import triton
 def sm90a(fn, signature: dict, constexprs: dict, maxnreg: int) -> dict:
     """``fn`` (a Gluon kernel) built for sm_90a with four warps a partition's default and ``maxnreg``; every
     argument not in ``signature`` or ``constexprs`` an i32. Returns its registers at launch, local memory a
-    thread (bytes), shared memory a CTA (bytes) and the HGMMA count of its SASS."""
+    thread (bytes), shared memory a CTA (bytes), and in its SASS the HGMMA count, the warpgroup MMA waits
+    (``WARPGROUP.DEPBAR``: one an HGMMA where ptxas serialised them) and the mbarrier arrives (``SYNCS.ARRIVE``,
+    an expect's too)."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
@@ -40,4 +42,6 @@ def sm90a(fn, signature: dict, constexprs: dict, maxnreg: int) -> dict:
         stack=int(re.search(r"STACK:(\d+)", usage).group(1)),
         shared=kernel.metadata.shared,
         hgmma=sass.count("HGMMA"),
+        wgmma_waits=sass.count("WARPGROUP.DEPBAR"),
+        arrives=sass.count("SYNCS.ARRIVE"),
     )
