@@ -9,11 +9,14 @@
 - softcap and ALiBi (the kernels' SOFTCAP and ALIBI): against the reference on the simulator (4 cases, both
   kernels, causal and full, GQA with a step's two tiles of two heads, D128), and on the GPU also against
   backward_tc's gradients;
+- windows (the kernels' LEFT and RIGHT, and CAUSAL with a left side): against the reference on the simulator (3
+  cases: left and right with seqlen_q > seqlen_k, ALiBi and DV_EARLY; (left, 0) with GQA, a softcap and a step's
+  two tiles of two heads; (0, right) at D128), and on the GPU also against backward_tc's gradients;
 - ``refusal``/``takes`` refusing what the kernels do not compute, ``uses_wgmma`` off without the switch or a
   Hopper GPU, and ``fa2_numba_cuda.backward`` running them only where ``uses_wgmma`` holds (``ENABLED``
-  monkeypatched), the switch read from the environment at import; softcap and ALiBi taken by them only where
-  ``FEATURES`` names them (its environment variable read at import; on the GPU, the dispatch with it off and
-  on).
+  monkeypatched), the switch read from the environment at import; softcap, ALiBi and windows taken by them only
+  where ``FEATURES`` names them (its environment variable read at import; on the GPU, the dispatch with it off
+  and on).
 
 The simulator checks the index math against the ISA's tables as ``wgmma.py`` reads them, and the ordering of
 cp.async, the wgmma waits and the fences as its emulation models them (not the async proxy); only the GPU run
@@ -207,10 +210,74 @@ def test_softcap_and_alibi_match_reference(wgmma_device, shape, causal, softcap,
     O, L = O64.to(dtype), L64.float()
     spec = AttentionSpec(shape[-1] ** -0.5, (-1, 0) if causal else (-1, -1), softcap, slopes, h // shape[2])
     grads = backward_wgmma.flash_attn_backward(q, k, v, O, L, dO, spec, config)
-    assert {key[4:6] for key in backward_wgmma._KERNELS} >= {(softcap > 0, alibi)}
+    assert {key[6:8] for key in backward_wgmma._KERNELS} >= {(softcap > 0, alibi)}
     assert_grads_match(*grads, q, k, v, dO, causal, **features)
     if not SIMULATED:
         _, tols = grad_tolerances(q, k, v, dO, causal, **features)
+        for name, x, y, tol in zip(
+            ("dq", "dk", "dv"), grads, backward_tc.flash_attn_backward(q, k, v, O, L, dO, spec), tols
+        ):
+            err = (x.float() - y.float()).abs().max().item()
+            assert err <= tol, f"max |{name} - backward_tc's| = {err:.3g} > tolerance {tol:.3g}"
+
+
+# Windows: (B, H, H_k, seqlen_q, seqlen_k, D), (left, right), softcap, ALiBi, config. Each simulator case has
+# query (dK/dV) and key (dQ) tiles outside the window that the walks skip, steps where a warpgroup sees none of the
+# tile (skipped) and where the tile crosses an edge (masked).
+if SIMULATED:
+    WINDOW_CASES = [
+        # the first 130 rows see no key; the dQ kernel on wgmma at D64, dV issued before dSᵀ
+        ((1, 1, 1, 200, 70, 64), (130, 10), 0.0, True, EARLY),
+        # a sliding window on a causal layer (CAUSAL and LEFT): GQA 2:1, the second block's 3 tiles a head in
+        # steps of two, the middle one of two heads
+        ((1, 2, 1, 150, 200, 64), (40, 0), 2.0, False, SMALL_TWO_TILES),
+        ((1, 1, 1, 70, 90, 128), (0, 40), 0.0, False, None),  # left 0, right above 0; the default tiles at D128
+    ]
+else:
+    WINDOWS = [(256, 0), (1, 0), (100, 100), (0, 64), (-1, 37), (300, -1)]
+    WINDOW_CASES = [
+        *[(shape, window, 0.0, False, None) for shape in GPU_SHAPES for window in WINDOWS],
+        *[(shape, window, 50.0, True, None) for shape in GPU_SHAPES[:6] for window in ((256, 0), (100, 100))],
+        *[
+            (shape, window, 0.0, False, config)
+            for shape in GPU_SHAPES[:6]
+            for window in ((256, 0), (100, 100))
+            for config in (EARLY, SMALL, TWO_TILES)
+        ],
+    ]
+
+
+def _window_id(shape, window, softcap, alibi, config):
+    b, h, h_k, n_q, n_k, d = shape
+    name = f"B{b}-H{h}" + (f"-Hk{h_k}" if h_k != h else "") + f"-{n_q}x{n_k}-D{d}-window{window[0]}_{window[1]}"
+    name += f"-softcap{softcap:g}" if softcap else ""
+    name += "-alibi" if alibi else ""
+    if config is not None:
+        name += f"-M{config.BLOCK_M}" + ("-dv-early" if config.DV_EARLY else "")
+        name += f"-dqN{config.DQ_BLOCK_N}" if config.DQ_WGMMA else "-tc-dq"
+        name += f"-{config.TILES_A_STEP}tiles" if config.TILES_A_STEP > 1 else ""
+    return name
+
+
+@pytest.mark.parametrize(
+    "shape, window, softcap, alibi, config", [pytest.param(*c, id=_window_id(*c)) for c in WINDOW_CASES]
+)
+def test_windows_match_reference(wgmma_device, shape, window, softcap, alibi, config):
+    """dq, dk, dv against the fp64 reference (fp16 on the simulator, bf16 on the GPU, where they are also checked
+    against backward_tc's within the same tolerance)."""
+    dtype = torch.float16 if SIMULATED else torch.bfloat16
+    q, k, v, dO = _inputs(dtype, shape, wgmma_device)
+    b, h = shape[:2]
+    slopes = torch.rand(b, h, generator=torch.Generator().manual_seed(shape[3])).to(wgmma_device) if alibi else None
+    features = dict(window=window, softcap=softcap, alibi_slopes=slopes)
+    O64, L64 = reference.attention(q.double(), k.double(), v.double(), **features)
+    O, L = O64.to(dtype), L64.float()
+    spec = AttentionSpec(shape[-1] ** -0.5, window, softcap, slopes, h // shape[2])
+    grads = backward_wgmma.flash_attn_backward(q, k, v, O, L, dO, spec, config)
+    assert {key[3:6] for key in backward_wgmma._KERNELS} >= {backward_wgmma._window_flags(spec)}
+    assert_grads_match(*grads, q, k, v, dO, False, **features)
+    if not SIMULATED:
+        _, tols = grad_tolerances(q, k, v, dO, False, **features)
         for name, x, y, tol in zip(
             ("dq", "dk", "dv"), grads, backward_tc.flash_attn_backward(q, k, v, O, L, dO, spec), tols
         ):
@@ -282,6 +349,7 @@ def test_takes_dense_16_bit_head_dim_64_and_128():
                 dict(softcap=5.0),
                 dict(alibi_slopes=torch.ones(1, 4)),
                 dict(softcap=5.0, alibi_slopes=torch.ones(1, 4)),
+                *[dict(window=window) for window in ((8, 0), (0, 0), (3, 5), (0, 7), (-1, 2), (4, -1))],
             ):
                 assert backward_wgmma.takes(q, k, v, dO, _spec(q, k, True).replace(**features)), features
 
@@ -298,7 +366,6 @@ def test_takes_dense_16_bit_head_dim_64_and_128():
             lambda q, k, v, o, s: ((q[..., :32], k[..., :32], v[..., :32], o[..., :32]), s), "head_dim", id="D32"
         ),
         pytest.param(lambda q, k, v, o, s: ((q, k, v[..., :32], o), s), "head_dim", id="v-head-dim"),
-        pytest.param(lambda q, k, v, o, s: ((q, k, v, o), s.replace(window=(8, 0))), "window", id="window"),
         pytest.param(lambda q, k, v, o, s: ((q, k, v, o), s.replace(sink=torch.zeros(2))), "sink", id="sink"),
         pytest.param(
             lambda q, k, v, o, s: (
@@ -366,49 +433,61 @@ def test_backward_runs_them_only_where_uses_wgmma_holds(monkeypatch, enabled):
 
 
 @pytest.mark.parametrize(
-    "features, softcap, alibi, both",
+    "features, softcap, alibi, both, window",
     [
-        pytest.param(frozenset(), False, False, False, id="none"),
-        pytest.param(frozenset({"softcap"}), True, False, False, id="softcap"),
-        pytest.param(frozenset({"alibi"}), False, True, False, id="alibi"),
-        pytest.param(frozenset({"softcap", "alibi"}), True, True, True, id="both"),
+        pytest.param(frozenset(), False, False, False, False, id="none"),
+        pytest.param(frozenset({"softcap"}), True, False, False, False, id="softcap"),
+        pytest.param(frozenset({"alibi"}), False, True, False, False, id="alibi"),
+        pytest.param(frozenset({"softcap", "alibi"}), True, True, True, False, id="both"),
+        pytest.param(frozenset({"window"}), False, False, False, True, id="window"),
     ],
 )
-def test_features_on_needs_features_to_name_them(monkeypatch, features, softcap, alibi, both):
-    """``features_on`` (part of ``uses_wgmma``): a dense spec always; a softcap, ALiBi or both only where
-    ``FEATURES`` names each."""
+def test_features_on_needs_features_to_name_them(monkeypatch, features, softcap, alibi, both, window):
+    """``features_on`` (part of ``uses_wgmma``): a dense or causal spec always; a softcap, ALiBi, both, or a
+    window other than none and causal only where ``FEATURES`` names each."""
     monkeypatch.setattr(backward_wgmma, "FEATURES", features)
     q, k, _, _ = _small()
     spec = _spec(q, k, True)
     slopes = torch.ones(1, 2)
-    assert backward_wgmma.features_on(spec)
+    assert backward_wgmma.features_on(spec) and backward_wgmma.features_on(_spec(q, k, False))
     assert backward_wgmma.features_on(spec.replace(softcap=5.0)) == softcap
     assert backward_wgmma.features_on(spec.replace(alibi_slopes=slopes)) == alibi
     assert backward_wgmma.features_on(spec.replace(softcap=5.0, alibi_slopes=slopes)) == both
+    for sides in ((8, 0), (0, 0), (3, 5), (-1, 2), (4, -1)):
+        assert backward_wgmma.features_on(spec.replace(window=sides)) == window, sides
+    assert not backward_wgmma.features_on(spec.replace(window=(8, 0), alibi_slopes=slopes)), "each must be named"
 
 
 @pytest.mark.parametrize("on", [False, True], ids=["features-off", "features-on"])
-def test_backward_runs_softcap_and_alibi_where_features_names_them(wgmma_device, monkeypatch, on):
-    """On a Hopper GPU with ``ENABLED``: a softcap and ALiBi input runs backward_tc's kernels with ``FEATURES``
-    empty (the default), these kernels' (built with SOFTCAP and ALIBI) with both named; both match the
-    reference; a class's second call takes the prepared launches (the slopes a varying tensor) and gives the same
-    gradients bit for bit."""
+@pytest.mark.parametrize(
+    "window, softcap, alibi, names",
+    [
+        pytest.param((-1, 0), 50.0, True, {"softcap", "alibi"}, id="softcap-alibi"),
+        pytest.param((200, 30), 0.0, False, {"window"}, id="window"),
+    ],
+)
+def test_backward_runs_features_where_features_names_them(wgmma_device, monkeypatch, on, window, softcap, alibi, names):
+    """On a Hopper GPU with ``ENABLED``: a softcap and ALiBi input (causal), and a windowed one, run backward_tc's
+    kernels with ``FEATURES`` empty (the default), these kernels' (built with SOFTCAP and ALIBI, or LEFT and
+    RIGHT) with the features named; both match the reference; a class's second call takes the prepared launches
+    (the slopes a varying tensor) and gives the same gradients bit for bit."""
     if wgmma_device.type != "cuda":
         pytest.skip("the default dispatch needs a Hopper GPU (--device cuda)")
     monkeypatch.setattr(backward_wgmma, "ENABLED", True)
-    monkeypatch.setattr(backward_wgmma, "FEATURES", frozenset({"softcap", "alibi"}) if on else frozenset())
+    monkeypatch.setattr(backward_wgmma, "FEATURES", frozenset(names) if on else frozenset())
     q, k, v, dO = _inputs(torch.bfloat16, (2, 4, 2, 300, 333, 128), wgmma_device)
-    slopes = torch.rand(2, 4, generator=torch.Generator().manual_seed(3)).to(wgmma_device)
-    features = dict(softcap=50.0, alibi_slopes=slopes)
-    O64, L64 = reference.attention(q.double(), k.double(), v.double(), True, **features)
+    slopes = torch.rand(2, 4, generator=torch.Generator().manual_seed(3)).to(wgmma_device) if alibi else None
+    features = dict(window=window, softcap=softcap, alibi_slopes=slopes)
+    O64, L64 = reference.attention(q.double(), k.double(), v.double(), **features)
     O, L = O64.to(q.dtype), L64.float()
-    spec = AttentionSpec(128**-0.5, (-1, 0), 50.0, slopes, 2)
+    spec = AttentionSpec(128**-0.5, window, softcap, slopes, 2)
     for cache in (backward_wgmma._KERNELS, backward_wgmma._PREPARED, backward_tc._KERNELS, backward_tc._PREPARED):
         cache.clear()  # so that the first call builds the kernels it runs
     first = backward.flash_attn_backward(q, k, v, O, L, dO, spec)
-    wgmma_built = {key[:2] + key[4:6] for key in backward_wgmma._KERNELS}
+    wgmma_built = {key[:2] + key[3:8] for key in backward_wgmma._KERNELS}
     if on:
-        assert wgmma_built == {("dkdv", 128, True, True), ("dq", 128, True, True)}, wgmma_built
+        flags = (*backward_wgmma._window_flags(spec), softcap > 0, alibi)
+        assert wgmma_built == {("dkdv", 128, *flags), ("dq", 128, *flags)}, wgmma_built
     else:
         assert not wgmma_built and backward_tc._KERNELS, "backward_tc's kernels ran"
     prepares = []
@@ -419,14 +498,15 @@ def test_backward_runs_softcap_and_alibi_where_features_names_them(wgmma_device,
     torch.cuda.synchronize()
     for name, x, y in zip(("dq", "dk", "dv"), first, second):
         assert torch.equal(x, y), f"{name}: max |prepared - numba| = {(x.float() - y.float()).abs().max():.3g}"
-    assert_grads_match(*second, q, k, v, dO, True, **features)
+    assert_grads_match(*second, q, k, v, dO, False, **features)
 
 
 def test_features_read_the_environment_at_import():
-    """FA2_NUMBA_WGMMA_BWD_FEATURES unset, "softcap", "alibi,softcap": none, softcap, both."""
-    values = [None, "softcap", "alibi,softcap"]
+    """FA2_NUMBA_WGMMA_BWD_FEATURES unset, "softcap", "alibi,softcap", "window,alibi,softcap": none, softcap,
+    both, all three."""
+    values = [None, "softcap", "alibi,softcap", "window,alibi,softcap"]
     got = values_at_import("fa2_numba_cuda.backward_wgmma", "FEATURES", "FA2_NUMBA_WGMMA_BWD_FEATURES", values)
-    assert [eval(r) for r in got] == [frozenset(), {"softcap"}, {"softcap", "alibi"}]
+    assert [eval(r) for r in got] == [frozenset(), {"softcap"}, {"softcap", "alibi"}, {"softcap", "alibi", "window"}]
 
 
 def test_enabled_reads_the_environment_at_import():

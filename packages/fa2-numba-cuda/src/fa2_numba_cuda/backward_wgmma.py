@@ -152,12 +152,12 @@ from fa2_numba_cuda.tensor_cores import capability
 # Whether fa2_numba_cuda.backward runs these kernels where they can (``uses_wgmma``): on unless
 # FA2_NUMBA_WGMMA_BWD=0 at import (1.02-1.58x backward_tc's time at every point timed on the H200).
 ENABLED = os.environ.get("FA2_NUMBA_WGMMA_BWD", "1") != "0"
-# The score modifiers ("softcap", "alibi") whose inputs ``uses_wgmma`` sends to these kernels: none, unless
-# FA2_NUMBA_WGMMA_BWD_FEATURES names them at import (comma-separated), until they are timed on the H200; the
-# others stay on backward_tc. Set it at run time to compare.
+# The features ("softcap", "alibi", "window": a window other than none and causal) whose inputs ``uses_wgmma``
+# sends to these kernels: none, unless FA2_NUMBA_WGMMA_BWD_FEATURES names them at import (comma-separated),
+# until they are timed on the H200; the others stay on backward_tc. Set it at run time to compare.
 FEATURES = frozenset(name for name in os.environ.get("FA2_NUMBA_WGMMA_BWD_FEATURES", "").split(",") if name)
-if not FEATURES <= {"softcap", "alibi"}:
-    raise ValueError(f"FA2_NUMBA_WGMMA_BWD_FEATURES names softcap and alibi, got {sorted(FEATURES)}")
+if not FEATURES <= {"softcap", "alibi", "window"}:
+    raise ValueError(f"FA2_NUMBA_WGMMA_BWD_FEATURES names softcap, alibi and window, got {sorted(FEATURES)}")
 
 HEAD_DIMS = (64, 128)
 COMPUTE_CAPABILITY = (9, 0)
@@ -211,8 +211,6 @@ def refusal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dO: torch.Tensor,
         return f"takes (batch, heads, seqlen, head_dim) inputs and dO of q's shape, got q {tuple(q.shape)}"
     if q.shape[-1] not in HEAD_DIMS or k.shape[-1] != q.shape[-1] or v.shape[-1] != q.shape[-1]:
         return f"takes head_dim {' or '.join(map(str, HEAD_DIMS))} for q, k and v, got {q.shape[-1]}, {v.shape[-1]}"
-    if spec.window not in ((UNBOUNDED, UNBOUNDED), (UNBOUNDED, 0)):
-        return f"takes no window but causal, got {spec.window}"
     if spec.sink is not None:
         return "takes no sink"
     if spec.varlen or spec.cache_seqlens is not None or spec.block_table is not None:
@@ -228,9 +226,14 @@ def takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dO: torch.Tensor, s
 
 
 def features_on(spec: AttentionSpec) -> bool:
-    """Whether ``FEATURES`` lets ``uses_wgmma`` take the spec's score modifiers: a softcap only where it names
-    "softcap", ALiBi only where it names "alibi" (a spec with neither: True)."""
-    return (spec.softcap == 0 or "softcap" in FEATURES) and (spec.alibi_slopes is None or "alibi" in FEATURES)
+    """Whether ``FEATURES`` lets ``uses_wgmma`` take the spec's features: a softcap only where it names
+    "softcap", ALiBi only where it names "alibi", a window other than none and causal only where it names
+    "window" (a spec with none of them: True)."""
+    return (
+        (spec.softcap == 0 or "softcap" in FEATURES)
+        and (spec.alibi_slopes is None or "alibi" in FEATURES)
+        and (spec.window in ((UNBOUNDED, UNBOUNDED), (UNBOUNDED, 0)) or "window" in FEATURES)
+    )
 
 
 def uses_wgmma(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dO: torch.Tensor, spec: AttentionSpec) -> bool:
@@ -259,6 +262,15 @@ def shared_bytes(name: str, HEAD_DIM: int, config: WgmmaBwdConfig) -> int:
             wgmma.swizzle128_tile_bytes(config.DQ_BLOCK_N, HEAD_DIM),
         )
     return 2 * 2 * once + 2 * 2 * staged + wgmma.SWIZZLE_ATOM_BYTES
+
+
+def _window_flags(spec: AttentionSpec) -> tuple[bool, bool, bool]:
+    """The kernels' compile-time window (CAUSAL, LEFT, RIGHT): CAUSAL, keys right of the diagonal cut off (a right
+    side of 0: causal, and a left-bounded window (left, 0)); RIGHT, keys more than window_right right of it (a
+    right side above 0, a runtime argument); LEFT, keys more than window_left left of it. None of them: no
+    window."""
+    left, right = spec.window
+    return right == 0, left != UNBOUNDED, right not in (UNBOUNDED, 0)
 
 
 def _issue_products(HEAD_DIM, N, IS_BF16):
@@ -352,12 +364,13 @@ def _probability(ALIBI):
     return probability
 
 
-def _build_dkdv(HEAD_DIM, config, CAUSAL, SOFTCAP, ALIBI, IS_BF16):
-    """The dK/dV kernel for one head dim, query tile, causal or not, softcap or not, ALiBi or not, and input
-    type."""
+def _build_dkdv(HEAD_DIM, config, CAUSAL, LEFT, RIGHT, SOFTCAP, ALIBI, IS_BF16):
+    """The dK/dV kernel for one head dim, query tile, window (CAUSAL, LEFT, RIGHT: ``_window_flags``), softcap or
+    not, ALiBi or not, and input type."""
     BLOCK_M, DV_EARLY, TILES = config.BLOCK_M, config.DV_EARLY, config.TILES_A_STEP
     assert HEAD_DIM in HEAD_DIMS and BLOCK_M % 16 == 0 and 16 <= BLOCK_M <= 256 and TILES >= 1
-    assert not (DV_EARLY and SOFTCAP)
+    assert not (DV_EARLY and SOFTCAP) and not (CAUSAL and RIGHT)
+    BOUNDED = CAUSAL or RIGHT  # keys right of the diagonal are cut off (by 0 with CAUSAL)
     M_TILES = BLOCK_M // 8  # 8-query column blocks of Sᵀ, 4 registers each
     O_REGS = HEAD_DIM // 2  # dK and dV: its 64 keys x HEAD_DIM
     M_STEPS = BLOCK_M // 16  # k steps of dV += Pᵀ dO and dK += dSᵀ Q
@@ -376,11 +389,11 @@ def _build_dkdv(HEAD_DIM, config, CAUSAL, SOFTCAP, ALIBI, IS_BF16):
     load_qdo = wgmma.tile_loader(BLOCK_M, BLOCK_M, HEAD_DIM, NUM_THREADS)
 
     @device_function
-    def next_tile(start_m, head, begin_m, seqlen_q):
-        """The (query tile, head) after (start_m, head) in a block's walk: the head's next tile, else its first
-        tile (begin_m) of the next head."""
+    def next_tile(start_m, head, begin_m, end_m):
+        """The (query tile, head) after (start_m, head) in a block's walk over tiles begin_m .. end_m - 1: the
+        head's next tile, else its first tile (begin_m) of the next head."""
         start_m += BLOCK_M
-        if start_m >= seqlen_q:
+        if start_m >= end_m:
             return begin_m, head + 1
         return start_m, head
 
@@ -454,6 +467,8 @@ def _build_dkdv(HEAD_DIM, config, CAUSAL, SOFTCAP, ALIBI, IS_BF16):
         slopes,
         stride_ab,
         stride_ah,
+        window_left,
+        window_right,
     ):
         """One block: BLOCK_N keys of one (batch, key/value head), for the group's query heads. q, k, v, do: flat
         int16 views (fp16 or bf16 bit patterns) of (B, H, N, HEAD_DIM) tensors with unit stride along head dims,
@@ -461,8 +476,10 @@ def _build_dkdv(HEAD_DIM, config, CAUSAL, SOFTCAP, ALIBI, IS_BF16):
         delta: (B·H, seqlen_q) fp32, flat; dk, dv: (B, H // group, seqlen_k, HEAD_DIM), flat, contiguous, int32
         pairs. qk_scale = scale · log2 e, with a softcap c scale / c (``common.score_scale``); softcap_log2 = c ·
         log2 e and the slopes (B, H) with their strides as ``common.feature_args`` gives them, read only with
-        SOFTCAP and ALIBI."""
-        diag = seqlen_k - seqlen_q  # key j is visible to query i iff j <= i + diag (CAUSAL)
+        SOFTCAP and ALIBI; window_left and window_right (``common.feature_args``'s) only with LEFT and RIGHT."""
+        # Key j is visible to query i iff i + diag - window_left <= j (LEFT) and j <= i + diag + right (BOUNDED).
+        diag = seqlen_k - seqlen_q
+        right = 0 if CAUSAL else window_right
         start_n = (cuda.blockIdx.x % num_n_tiles) * BLOCK_N
         heads_k = heads // group
         off_bhk = cuda.blockIdx.x // num_n_tiles
@@ -485,9 +502,11 @@ def _build_dkdv(HEAD_DIM, config, CAUSAL, SOFTCAP, ALIBI, IS_BF16):
         qdo_tiles = tiles + uint32(4 * KV_TILE)
         q_base, k_base, v_base, do_base = global_address(q), global_address(k), global_address(v), global_address(do)
 
-        # The query tiles that see a key of the block: causal, from the one holding the first key's diagonal.
-        begin_m = max(start_n - diag, 0) // BLOCK_M * BLOCK_M if CAUSAL else 0
-        head_tiles = (seqlen_q - begin_m + BLOCK_M - 1) // BLOCK_M if seqlen_q > begin_m else 0
+        # The query tiles that see a key of the block: from the one holding the first key's right edge (query
+        # start_n - diag - right), up to the last key's left edge (query last key - diag + window_left).
+        begin_m = max(start_n - diag - right, 0) // BLOCK_M * BLOCK_M if BOUNDED else 0
+        end_m = min(seqlen_q, min(start_n + BLOCK_N, seqlen_k) - diag + window_left) if LEFT else seqlen_q
+        head_tiles = (end_m - begin_m + BLOCK_M - 1) // BLOCK_M if end_m > begin_m else 0
         # GQA: the walk 0 .. group · head_tiles - 1 over (query head off_hk · group + i // head_tiles, query tile
         # i % head_tiles), each (head, tile) the previous one's next tile, wrapping to the next head; step it takes
         # walk entries TILES it .. TILES it + TILES - 1 (the last step those left).
@@ -527,7 +546,7 @@ def _build_dkdv(HEAD_DIM, config, CAUSAL, SOFTCAP, ALIBI, IS_BF16):
                         delta_rows + next_h * seqlen_q,
                         seqlen_q,
                     )
-                    next_m, next_h = next_tile(next_m, next_h, begin_m, seqlen_q)
+                    next_m, next_h = next_tile(next_m, next_h, begin_m, end_m)
 
         p = cuda.local.array((M_TILES, 4), float32)  # Sᵀ, then Pᵀ: [64 keys, BLOCK_M] as D's registers
         p_regs = cuda.local.array((M_STEPS, 4), int32)  # Pᵀ in 16-bit pairs: dV's A fragments
@@ -543,7 +562,7 @@ def _build_dkdv(HEAD_DIM, config, CAUSAL, SOFTCAP, ALIBI, IS_BF16):
             cuda.syncthreads()  # ... every thread's; both warpgroups are done with step it - 1's stage
             next_m, next_h = start_m, start_h
             for _ in range(TILES):
-                next_m, next_h = next_tile(next_m, next_h, begin_m, seqlen_q)
+                next_m, next_h = next_tile(next_m, next_h, begin_m, end_m)
             step_m, step_h = next_m, next_h  # step it + 1's first
             for u in range(TILES):  # step it + 1's tiles into the other stage
                 if TILES * (it + 1) + u < walk:
@@ -566,13 +585,18 @@ def _build_dkdv(HEAD_DIM, config, CAUSAL, SOFTCAP, ALIBI, IS_BF16):
                         delta_rows + next_h * seqlen_q,
                         seqlen_q,
                     )
-                    next_m, next_h = next_tile(next_m, next_h, begin_m, seqlen_q)
+                    next_m, next_h = next_tile(next_m, next_h, begin_m, end_m)
             for u in range(TILES):  # step it's tiles, one after the other (the last step's may be fewer)
                 if u == 0 or TILES * it + u < walk:
                     # The warpgroup's products, unless no query of the tile sees any of its keys (all masked:
-                    # zero gradients) or they are all past seqlen_k (never written back). Uniform over the
+                    # zero gradients: its first key right of the tile's last query's window, or its last key left
+                    # of the first query's) or they are all past seqlen_k (never written back). Uniform over the
                     # warpgroup.
-                    skip = wg_key >= seqlen_k or (CAUSAL and start_m + BLOCK_M - 1 + diag < wg_key)
+                    skip = (
+                        wg_key >= seqlen_k
+                        or (BOUNDED and start_m + BLOCK_M - 1 + diag + right < wg_key)
+                        or (LEFT and wg_key + 63 < start_m + diag - window_left)
+                    )
                     if not skip:
                         # ALiBi's slope of the tile's query head, in base 2 (loaded during the products).
                         slope = (
@@ -586,12 +610,17 @@ def _build_dkdv(HEAD_DIM, config, CAUSAL, SOFTCAP, ALIBI, IS_BF16):
                         dp = issue_products(wgmma.opaque_address(v_tile), do_tile)  # dPᵀ = V dOᵀ
                         wgmma.wgmma_wait(1)  # Sᵀ's group is done, dPᵀ's may run on
                         s = wgmma.wgmma_fence_operand(s)
-                        # Pᵀ: masked only where the tile crosses the warpgroup's diagonal. Element (j, e) is key
-                        # key0 + 8 (e // 2) against query start_m + 8 j + 2 t + e % 2: masked iff rel > 8 j + e
-                        # % 2 - 8 (e // 2), rel = key0 - start_m - 2 t - diag; ALiBi's distance |query + diag -
-                        # key| is |8 j + e % 2 - 8 (e // 2) - rel| (backward_tc's).
-                        crosses = CAUSAL and wg_key + 63 > start_m + diag
+                        # Pᵀ: masked only where the tile crosses a window edge of the warpgroup's keys. Element
+                        # (j, e) is key key0 + 8 (e // 2) against query start_m + 8 j + 2 t + e % 2: with offset =
+                        # 8 j + e % 2 - 8 (e // 2) and rel = key0 - start_m - 2 t - diag, masked iff rel - right >
+                        # offset (right edge) or rel + window_left < offset (left); ALiBi's distance |query + diag
+                        # - key| is |offset - rel| (backward_tc's).
+                        crosses = (BOUNDED and wg_key + 63 > start_m + diag + right) or (
+                            LEFT and wg_key < start_m + BLOCK_M - 1 + diag - window_left
+                        )
                         rel = key0 - start_m - 2 * t - diag
+                        rel_right = rel - right
+                        rel_left = rel + window_left
                         distance = float32(-rel) if ALIBI else float32(0.0)
                         lse_row = BLOCK_M * (TILES * buf + u)
                         for j in range(M_TILES):
@@ -609,7 +638,7 @@ def _build_dkdv(HEAD_DIM, config, CAUSAL, SOFTCAP, ALIBI, IS_BF16):
                                         distance + float32(offset),
                                         lse_tile[lse_row + col],
                                     )
-                                    if crosses and rel > offset:
+                                    if crosses and ((BOUNDED and rel_right > offset) or (LEFT and rel_left < offset)):
                                         x = float32(0.0)
                                     p[j, e] = x
                         if DV_EARLY:
@@ -636,7 +665,9 @@ def _build_dkdv(HEAD_DIM, config, CAUSAL, SOFTCAP, ALIBI, IS_BF16):
                                             distance + float32(offset),
                                             lse_tile[lse_row + col],
                                         )
-                                        if crosses and rel > offset:
+                                        if crosses and (
+                                            (BOUNDED and rel_right > offset) or (LEFT and rel_left < offset)
+                                        ):
                                             x = float32(0.0)
                                         p[j, e] = x
                             if not DV_EARLY:
@@ -654,7 +685,7 @@ def _build_dkdv(HEAD_DIM, config, CAUSAL, SOFTCAP, ALIBI, IS_BF16):
                         wgmma.wgmma_wait(0)
                         dv_acc = wgmma.wgmma_fence_operand(dv_acc)
                         dk_acc = wgmma.wgmma_fence_operand(dk_acc)
-                    start_m, start_h = next_tile(start_m, start_h, begin_m, seqlen_q)  # the next tile's
+                    start_m, start_h = next_tile(start_m, start_h, begin_m, end_m)  # the next tile's
             start_m, start_h = step_m, step_h
 
         # Epilogue: dk = scale · dK, dv = dV, each element once (keys that no row sees: zeros).
@@ -665,10 +696,12 @@ def _build_dkdv(HEAD_DIM, config, CAUSAL, SOFTCAP, ALIBI, IS_BF16):
     return cuda.jit(_attn_bwd_dkdv_wgmma)
 
 
-def _build_dq(HEAD_DIM, config, CAUSAL, SOFTCAP, ALIBI, IS_BF16):
-    """The dQ kernel for one head dim, key tile, causal or not, softcap or not, ALiBi or not, and input type."""
+def _build_dq(HEAD_DIM, config, CAUSAL, LEFT, RIGHT, SOFTCAP, ALIBI, IS_BF16):
+    """The dQ kernel for one head dim, key tile, window (CAUSAL, LEFT, RIGHT: ``_window_flags``), softcap or not,
+    ALiBi or not, and input type."""
     BLOCK_N_DQ = config.DQ_BLOCK_N
-    assert HEAD_DIM in HEAD_DIMS and BLOCK_N_DQ % 16 == 0 and 16 <= BLOCK_N_DQ <= 256
+    assert HEAD_DIM in HEAD_DIMS and BLOCK_N_DQ % 16 == 0 and 16 <= BLOCK_N_DQ <= 256 and not (CAUSAL and RIGHT)
+    BOUNDED = CAUSAL or RIGHT  # keys right of the diagonal are cut off (by 0 with CAUSAL)
     N_TILES = BLOCK_N_DQ // 8  # 8-key column blocks of S, 4 registers each
     O_REGS = HEAD_DIM // 2  # dQ: the warpgroup's 64 rows x HEAD_DIM
     N_STEPS = BLOCK_N_DQ // 16  # k steps of dQ += dS K
@@ -716,13 +749,17 @@ def _build_dq(HEAD_DIM, config, CAUSAL, SOFTCAP, ALIBI, IS_BF16):
         slopes,
         stride_ab,
         stride_ah,
+        window_left,
+        window_right,
     ):
         """One block: BLOCK_M_DQ query rows of one (batch, head). q, k, v, do, lse, delta and the strides as the
-        dK/dV kernel's, as are qk_scale, softcap_log2 and the slopes; dq: (B, H, seqlen_q, HEAD_DIM), flat,
-        contiguous, int32 pairs."""
-        diag = seqlen_k - seqlen_q  # key j is visible to query i iff j <= i + diag (CAUSAL)
+        dK/dV kernel's, as are qk_scale, softcap_log2, the slopes and the window; dq: (B, H, seqlen_q, HEAD_DIM),
+        flat, contiguous, int32 pairs."""
+        # Key j is visible to query i iff i + diag - window_left <= j (LEFT) and j <= i + diag + right (BOUNDED).
+        diag = seqlen_k - seqlen_q
+        right = 0 if CAUSAL else window_right
         m_block = cuda.blockIdx.x % num_m_tiles
-        if CAUSAL:
+        if BOUNDED:
             m_block = num_m_tiles - 1 - m_block  # the longest rows first
         start_m = m_block * BLOCK_M_DQ
         off_bh = cuda.blockIdx.x // num_m_tiles
@@ -757,9 +794,11 @@ def _build_dq(HEAD_DIM, config, CAUSAL, SOFTCAP, ALIBI, IS_BF16):
                 lse_row[h] = lse[uint64(off_b * stride_lb + off_h * stride_lh + row * stride_lm)] * float32(LOG2E)
                 delta_row[h] = delta[uint64(off_bh * seqlen_q + row)]
 
-        # The key tiles some row of the block sees: causal, up to the last row's diagonal.
-        end_n = max(min(seqlen_k, min(start_m + BLOCK_M_DQ, seqlen_q) + diag), 0) if CAUSAL else seqlen_k
-        n_tiles = -(-end_n // BLOCK_N_DQ)
+        # The key tiles some row of the block sees: from the one holding the first row's left edge, up to the
+        # last row's right edge (none where that is left of the first).
+        begin_n = max(start_m + diag - window_left, 0) // BLOCK_N_DQ * BLOCK_N_DQ if LEFT else 0
+        end_n = max(min(seqlen_k, min(start_m + BLOCK_M_DQ, seqlen_q) + diag + right), 0) if BOUNDED else seqlen_k
+        n_tiles = -(-(end_n - begin_n) // BLOCK_N_DQ)
         if n_tiles > 0:  # else no copy is issued (none is left in flight at the exit)
             load_qdo(tiles, global_address(q), off_b * stride_qb + off_h * stride_qh, stride_qm, start_m, seqlen_q)
             load_qdo(
@@ -770,8 +809,8 @@ def _build_dq(HEAD_DIM, config, CAUSAL, SOFTCAP, ALIBI, IS_BF16):
                 start_m,
                 seqlen_q,
             )
-            load_kv(kv_tiles, k_base, k_offset, stride_kn, 0, seqlen_k)
-            load_kv(kv_tiles + uint32(KV_TILE), v_base, v_offset, stride_vn, 0, seqlen_k)
+            load_kv(kv_tiles, k_base, k_offset, stride_kn, begin_n, seqlen_k)
+            load_kv(kv_tiles + uint32(KV_TILE), v_base, v_offset, stride_vn, begin_n, seqlen_k)
             cp_async_commit()
 
         # ALiBi's slope of this (batch, head), in base 2.
@@ -782,7 +821,7 @@ def _build_dq(HEAD_DIM, config, CAUSAL, SOFTCAP, ALIBI, IS_BF16):
         acc = wgmma.zero_accumulators(O_REGS)  # dQ: [64 rows, HEAD_DIM] as D's registers
         lane_diag = row0 + diag - 2 * t
         for it in range(n_tiles):
-            start_n = it * BLOCK_N_DQ
+            start_n = begin_n + it * BLOCK_N_DQ
             k_tile = kv_tiles + uint32(it % 2 * STAGE)
             cp_async_wait_all()  # this thread's copies of tile it (and Q, dO) have landed ...
             wgmma.fence_proxy_async()  # ... visible to wgmma's async proxy ...
@@ -792,23 +831,33 @@ def _build_dq(HEAD_DIM, config, CAUSAL, SOFTCAP, ALIBI, IS_BF16):
                 load_kv(next_k, k_base, k_offset, stride_kn, start_n + BLOCK_N_DQ, seqlen_k)
                 load_kv(next_k + uint32(KV_TILE), v_base, v_offset, stride_vn, start_n + BLOCK_N_DQ, seqlen_k)
                 cp_async_commit()
-            # The warpgroup's products, unless its rows are all past seqlen_q or see none of the tile's keys.
-            skip = wg_row >= seqlen_q or (CAUSAL and start_n > wg_row + 63 + diag)
+            # The warpgroup's products, unless its rows are all past seqlen_q or see none of the tile's keys (its
+            # first key right of the last row's window, or its last key left of the first row's).
+            skip = (
+                wg_row >= seqlen_q
+                or (BOUNDED and start_n > wg_row + 63 + diag + right)
+                or (LEFT and start_n + BLOCK_N_DQ - 1 < wg_row + diag - window_left)
+            )
             if not skip:
                 s = issue_products(wgmma.opaque_address(q_tile), k_tile)  # S = Q Kᵀ
                 dp = issue_products(wgmma.opaque_address(do_tile), k_tile + uint32(KV_TILE))  # dP = dO Vᵀ
                 wgmma.wgmma_wait(1)  # S's group is done, dP's may run on
                 s = wgmma.wgmma_fence_operand(s)
-                # P, masked where the tile crosses the end of the keys or (causal) the warpgroup's diagonal:
+                # P, masked where the tile crosses the end of the keys or a window edge of the warpgroup's rows:
                 # element (j, e) is row row0 + 8 (e // 2) against key start_n + 8 j + 2 t + e % 2 (forward_wgmma's
                 # softmax mask); ALiBi's distance |row + diag - key| is |rel + 8 (e // 2) - 8 j - e % 2|, rel =
                 # row0 + diag - start_n - 2 t (backward_tc's).
-                mask = start_n + BLOCK_N_DQ > seqlen_k or (CAUSAL and start_n + BLOCK_N_DQ - 1 > wg_row + diag)
+                mask = (
+                    start_n + BLOCK_N_DQ > seqlen_k
+                    or (BOUNDED and start_n + BLOCK_N_DQ - 1 > wg_row + diag + right)
+                    or (LEFT and start_n < wg_row + 63 + diag - window_left)
+                )
                 distance = float32(lane_diag - start_n) if ALIBI else float32(0.0)
                 for h in range(2):
                     hi = seqlen_k - 2 * t - start_n  # keys from column hi of the lane's row h on are masked
-                    if CAUSAL:
-                        hi = min(hi, lane_diag + 8 * h + 1 - start_n)
+                    if BOUNDED:
+                        hi = min(hi, lane_diag + 8 * h + right + 1 - start_n)
+                    lo = lane_diag + 8 * h - window_left - start_n  # LEFT: and those before column lo
                     for j in range(N_TILES):
                         for e in range(2 * h, 2 * h + 2):
                             x = s[4 * j + e] * qk_scale
@@ -817,7 +866,7 @@ def _build_dq(HEAD_DIM, config, CAUSAL, SOFTCAP, ALIBI, IS_BF16):
                                 cap[j, e] = float32(1.0) - tanh_s * tanh_s
                                 x = tanh_s * softcap_log2
                             x = probability(x, slope, distance + float32(8 * h - 8 * j - e % 2), lse_row[h])
-                            if mask and 8 * j + e % 2 >= hi:
+                            if mask and (8 * j + e % 2 >= hi or (LEFT and 8 * j + e % 2 < lo)):
                                 x = float32(0.0)
                             p[j, e] = x
                 wgmma.wgmma_wait(0)
@@ -840,7 +889,7 @@ def _build_dq(HEAD_DIM, config, CAUSAL, SOFTCAP, ALIBI, IS_BF16):
     return cuda.jit(_attn_bwd_dq_wgmma)
 
 
-# Compiled kernels by ("dkdv" or "dq", HEAD_DIM, WgmmaBwdConfig, CAUSAL, SOFTCAP, ALIBI, IS_BF16).
+# Compiled kernels by ("dkdv" or "dq", HEAD_DIM, WgmmaBwdConfig, CAUSAL, LEFT, RIGHT, SOFTCAP, ALIBI, IS_BF16).
 _KERNELS: dict[tuple, object] = {}
 # Prepared launches (preprocess, dK/dV, dQ; ``launch.prepare``) by class of call: the tensors' shapes, strides
 # and dtypes, the device, whether their data is 16 B aligned, the spec's values (``spec_class``), the config.
@@ -945,12 +994,13 @@ def flash_attn_backward(
     delta = torch.empty(batch * heads * seqlen_q, dtype=torch.float32, device=q.device)
     # delta = rowsum(dO ∘ O): the SIMT preprocess (fp32 sums).
     preprocess = launch_preprocess(O, dO, L, delta, None, spec)
-    flags = (config, spec.causal, spec.softcap > 0, spec.alibi_slopes is not None, q.dtype == torch.bfloat16)
+    flags = (config, *_window_flags(spec), spec.softcap > 0, spec.alibi_slopes is not None, q.dtype == torch.bfloat16)
     inputs = (*(t.view(torch.int16) for t in (q, k, v, dO)), L, delta)
     strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dO.stride()[:3], *L.stride())
     sizes = (heads, heads // heads_k, seqlen_q, seqlen_k, np.float32(spec.scale), np.float32(score_scale(spec)))
-    # After the tile count: softcap_log2, the slopes and their strides (unread without SOFTCAP and ALIBI).
-    score_args = feature_args(spec, seqlen_q, seqlen_k, q.device)[2:]
+    # After the tile count: softcap_log2, the slopes and their strides (unread without SOFTCAP and ALIBI), then
+    # the window's sizes (unread without LEFT and RIGHT; last, so that the other arguments keep their places).
+    window_left, window_right, *score_args = feature_args(spec, seqlen_q, seqlen_k, q.device)
     num_n_tiles = -(-seqlen_k // BLOCK_N)
     head = (*inputs, dk.view(torch.int32), dv.view(torch.int32), *strides, *sizes, num_n_tiles)
     dkdv = launch.prepare(
@@ -958,7 +1008,7 @@ def flash_attn_backward(
         num_n_tiles * batch * heads_k,
         NUM_THREADS,
         q.device,
-        (*head, *score_args),
+        (*head, *score_args, window_left, window_right),
         (*range(8), *_slopes_position(spec, len(head))),
         shared_bytes("dkdv", head_dim, config),
     )
@@ -970,7 +1020,7 @@ def flash_attn_backward(
             num_m_tiles * batch * heads,
             NUM_THREADS,
             q.device,
-            (*head, *score_args),
+            (*head, *score_args, window_left, window_right),
             (*range(7), *_slopes_position(spec, len(head))),
             shared_bytes("dq", head_dim, config),
         )
@@ -989,7 +1039,7 @@ def kernel_resources() -> list[dict]:
     if simulated():
         return []
     rows = []
-    for (name, HEAD_DIM, config, CAUSAL, SOFTCAP, ALIBI, IS_BF16), kernel in _KERNELS.items():
+    for (name, HEAD_DIM, config, CAUSAL, LEFT, RIGHT, SOFTCAP, ALIBI, IS_BF16), kernel in _KERNELS.items():
         regs = kernel.get_regs_per_thread()
         shared = kernel.get_shared_mem_per_block()
         local = kernel.get_local_mem_per_thread()
@@ -1000,6 +1050,8 @@ def kernel_resources() -> list[dict]:
                     "HEAD_DIM": HEAD_DIM,
                     **config._asdict(),
                     "causal": CAUSAL,
+                    "left": LEFT,
+                    "right": RIGHT,
                     "softcap": SOFTCAP,
                     "alibi": ALIBI,
                     "bf16": IS_BF16,
