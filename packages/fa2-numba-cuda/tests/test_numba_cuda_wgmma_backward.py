@@ -10,7 +10,7 @@
   kernels, causal and full, GQA with a step's two tiles of two heads, D128), and on the GPU also against
   backward_tc's gradients;
 - windows (the kernels' LEFT and RIGHT, and CAUSAL with a left side): against the reference on the simulator (3
-  cases: left and right with seqlen_q > seqlen_k, ALiBi and DV_EARLY; (left, 0) with GQA, a softcap and a step's
+  cases: left and right with seqlen_q < seqlen_k, ALiBi and DV_EARLY; (left, 0) with GQA, a softcap and a step's
   two tiles of two heads; (0, right) at D128), and on the GPU also against backward_tc's gradients;
 - ``refusal``/``takes`` refusing what the kernels do not compute, ``uses_wgmma`` off without the switch or a
   Hopper GPU, and ``fa2_numba_cuda.backward`` running them only where ``uses_wgmma`` holds (``ENABLED``
@@ -226,8 +226,9 @@ def test_softcap_and_alibi_match_reference(wgmma_device, shape, causal, softcap,
 # tile (skipped) and where the tile crosses an edge (masked).
 if SIMULATED:
     WINDOW_CASES = [
-        # the first 130 rows see no key; the dQ kernel on wgmma at D64, dV issued before dSᵀ
-        ((1, 1, 1, 200, 70, 64), (130, 10), 0.0, True, EARLY),
+        # a band of 16 keys a row: both kernels' walks cut at both ends; the dQ kernel on wgmma at D64, dV issued
+        # before dSᵀ
+        ((1, 1, 1, 140, 150, 64), (10, 5), 0.0, True, EARLY),
         # a sliding window on a causal layer (CAUSAL and LEFT): GQA 2:1, the second block's 3 tiles a head in
         # steps of two, the middle one of two heads
         ((1, 2, 1, 150, 200, 64), (40, 0), 2.0, False, SMALL_TWO_TILES),

@@ -58,24 +58,31 @@ False runs ``backward_tc``'s dQ kernel instead (``backward_tc.launch_dq``).
       S = Q Kᵀ       HEAD_DIM / 16 wgmma m64nDQ_BLOCK_Nk16, A = Q, B = K K-major; commit
       dP = dO Vᵀ     the same with dO and V; commit; wait for S alone: dP runs on during
       P = exp2(S · qk_scale - L · log2 e)    masked where the tile crosses the end of the keys (zero-filled K rows
-                     would give exp2(-L), not 0) or the warpgroup's causal diagonal; then wait for dP
+                     would give exp2(-L), not 0) or a window edge of the warpgroup's rows; then wait for dP
       dS = P ∘ (dP - delta)    in place of P, packed 16 keys at a time
       dQ += dS K     DQ_BLOCK_N / 16 wgmma m64nHEAD_DIMk16, A = dS from registers, B = K MN-major (forward_wgmma's
                      P V with K for V); commit, wait
 
-  then dq = scale · dQ is written once. A block stops at the last key tile its last row sees (causal); a
-  warpgroup skips the tiles none of its rows sees, and every tile when its rows are all past seqlen_q. Blocks are
-  launched longest first. Registers: dQ HEAD_DIM / 2, S (then P, dS) and dP DQ_BLOCK_N / 2 each, dS's fragments
+  then dq = scale · dQ is written once. A block's key tiles are those its rows see: from the one holding its
+  first row's left edge (LEFT) to the last its last row sees (a right edge); a warpgroup skips the tiles none of
+  its rows sees, and every tile when its rows are all past seqlen_q. With a right edge blocks are launched
+  longest (last) first. Registers: dQ HEAD_DIM / 2, S (then P, dS) and dP DQ_BLOCK_N / 2 each, dS's fragments
   DQ_BLOCK_N / 4; Q's and dO's addresses through ``wgmma.opaque_address``, as K's and V's above.
 
 Both kernels:
 
 - Scores, masks and L as backward_tc: base 2, rows with L = +inf (no key visible) and query rows past seqlen_q
-  (read with L = +inf) get P = 0, so zero gradients. Causal, bottom-right aligned (key j visible to query i iff j
-  <= i + seqlen_k - seqlen_q). In the dK/dV kernel keys past seqlen_k (zero-filled K and V rows) are never written
-  back; a block starts at the first query tile that sees its first key; a warpgroup masks only the steps whose
-  tile crosses its keys' diagonal and skips (no wgmma) those where no query of the tile sees any of its keys, or
-  its keys are all past seqlen_k. Its blocks are launched in key order, the longest (causal) first.
+  (read with L = +inf) get P = 0, so zero gradients. Windows as backward_tc's, bottom-right aligned: key j
+  visible to query i iff i + diag - window_left <= j <= i + diag + window_right, diag = seqlen_k - seqlen_q,
+  each side unbounded or not (``_window_flags``: CAUSAL, a right side of 0 known at compile time, causal itself
+  and (left, 0); RIGHT, a right side above 0; LEFT, a left side; the sizes are runtime arguments, the kernels'
+  last two, unread without LEFT and RIGHT; causal's code is the one it had before windows). In the dK/dV kernel
+  keys past seqlen_k (zero-filled K and V rows) are never written back; a block's walk over the group's heads
+  takes the query tiles from the one holding its first key's right edge to the one holding its last key's left
+  edge; a warpgroup masks only the steps whose tile crosses a window edge of its keys and skips (no wgmma) those
+  where no query of the tile sees any of its keys, or its keys are all past seqlen_k (the window's sizes go
+  through ``wgmma.opaque_address`` each tile, as K's and V's addresses do, for the registers at HEAD_DIM 128).
+  Its blocks are launched in key order, the longest (causal) first.
 - Softcap and ALiBi (SOFTCAP, ALIBI: compile-time, from ``common.features``; softcap_log2 = c · log2 e, the slopes
   and their strides runtime arguments after the tile count, ``common.feature_args``'s, unread without them) as
   backward_tc computes them: the forward's scores in base 2, with a softcap c x = c · log2 e · tanh(S · scale / c)
@@ -95,21 +102,22 @@ Both kernels:
   99,328 B). ``bwd_config`` has ptxas's register counts.
 
 Limits (``takes``): fp16 and bf16, head_dim exactly 64 or 128, dense (batch, heads, seqlen, head_dim) q, k, v and
-dO of one dtype, contiguous along head_dim with 16 B aligned rows (cp.async), no window but causal, no sink,
-packed batch or KV cache. Which kernels run: ``fa2_numba_cuda.backward.flash_attn_backward`` runs these where
+dO of one dtype, contiguous along head_dim with 16 B aligned rows (cp.async), any window, no sink, packed batch
+or KV cache. Which kernels run: ``fa2_numba_cuda.backward.flash_attn_backward`` runs these where
 ``uses_wgmma`` holds: ``takes``, a CUDA device of compute capability 9.0 (wgmma is sm_90a's), the switch
 ``ENABLED`` (on, unless the environment variable FA2_NUMBA_WGMMA_BWD=0 when this module is imported), and for
-an input with a softcap or ALiBi the switch ``FEATURES`` naming it: empty, unless FA2_NUMBA_WGMMA_BWD_FEATURES
-names "softcap", "alibi" or both (comma-separated) at import, so that such inputs stay on backward_tc until
-these kernels' speed on them is measured on the H200 (a caller may also set ``FEATURES`` at run time);
+an input with a softcap, ALiBi or a window other than none and causal the switch ``FEATURES`` naming each
+("softcap", "alibi", "window" : ``features_on``): empty, unless FA2_NUMBA_WGMMA_BWD_FEATURES names them
+(comma-separated) at import, so that such inputs stay on backward_tc until these kernels' speed on them is
+measured on the H200 (a caller may also set ``FEATURES`` at run time);
 ``backward_tc`` otherwise. An error in these kernels is raised, never answered by others.
 Under numba's simulator they run only when called directly, on ``wgmma.py``'s emulation of the instructions:
 slow, for tests.
 
 Launch: on torch's current CUDA stream, no host synchronisation; one compiled kernel per (dK/dV or dQ, HEAD_DIM,
-WgmmaBwdConfig, CAUSAL, SOFTCAP, ALIBI, bf16 or fp16), cached; ``kernel_resources`` reports registers, shared and
-local memory of each. Launched through ``launch.prepare`` as ``backward_tc`` (``_PREPARED``; with ALiBi the slopes
-are a varying tensor of the class, as q, k, v).
+WgmmaBwdConfig, CAUSAL, LEFT, RIGHT, SOFTCAP, ALIBI, bf16 or fp16), cached; ``kernel_resources`` reports
+registers, shared and local memory of each. Launched through ``launch.prepare`` as ``backward_tc``
+(``_PREPARED``; with ALiBi the slopes are a varying tensor of the class, as q, k, v).
 """
 
 from __future__ import annotations
@@ -370,7 +378,7 @@ def _build_dkdv(HEAD_DIM, config, CAUSAL, LEFT, RIGHT, SOFTCAP, ALIBI, IS_BF16):
     BLOCK_M, DV_EARLY, TILES = config.BLOCK_M, config.DV_EARLY, config.TILES_A_STEP
     assert HEAD_DIM in HEAD_DIMS and BLOCK_M % 16 == 0 and 16 <= BLOCK_M <= 256 and TILES >= 1
     assert not (DV_EARLY and SOFTCAP) and not (CAUSAL and RIGHT)
-    BOUNDED = CAUSAL or RIGHT  # keys right of the diagonal are cut off (by 0 with CAUSAL)
+    BOUNDED = CAUSAL or RIGHT  # a right edge: keys more than right (0 with CAUSAL) right of the diagonal masked
     M_TILES = BLOCK_M // 8  # 8-query column blocks of Sᵀ, 4 registers each
     O_REGS = HEAD_DIM // 2  # dK and dV: its 64 keys x HEAD_DIM
     M_STEPS = BLOCK_M // 16  # k steps of dV += Pᵀ dO and dK += dSᵀ Q
@@ -591,11 +599,15 @@ def _build_dkdv(HEAD_DIM, config, CAUSAL, LEFT, RIGHT, SOFTCAP, ALIBI, IS_BF16):
                     # The warpgroup's products, unless no query of the tile sees any of its keys (all masked:
                     # zero gradients: its first key right of the tile's last query's window, or its last key left
                     # of the first query's) or they are all past seqlen_k (never written back). Uniform over the
-                    # warpgroup.
+                    # warpgroup. The window's sizes go through ``wgmma.opaque_address`` each tile, so that LLVM does
+                    # not hoist the sums made of them out of the loop into registers held throughout (spilled at
+                    # HEAD_DIM 128: 64-88 B, 8-16 B with this).
+                    w_left = int32(wgmma.opaque_address(window_left)) if LEFT else 0
+                    w_right = int32(wgmma.opaque_address(right)) if RIGHT else right
                     skip = (
                         wg_key >= seqlen_k
-                        or (BOUNDED and start_m + BLOCK_M - 1 + diag + right < wg_key)
-                        or (LEFT and wg_key + 63 < start_m + diag - window_left)
+                        or (BOUNDED and start_m + BLOCK_M - 1 + diag + w_right < wg_key)
+                        or (LEFT and wg_key + 63 < start_m + diag - w_left)
                     )
                     if not skip:
                         # ALiBi's slope of the tile's query head, in base 2 (loaded during the products).
@@ -615,12 +627,12 @@ def _build_dkdv(HEAD_DIM, config, CAUSAL, LEFT, RIGHT, SOFTCAP, ALIBI, IS_BF16):
                         # 8 j + e % 2 - 8 (e // 2) and rel = key0 - start_m - 2 t - diag, masked iff rel - right >
                         # offset (right edge) or rel + window_left < offset (left); ALiBi's distance |query + diag
                         # - key| is |offset - rel| (backward_tc's).
-                        crosses = (BOUNDED and wg_key + 63 > start_m + diag + right) or (
-                            LEFT and wg_key < start_m + BLOCK_M - 1 + diag - window_left
+                        crosses = (BOUNDED and wg_key + 63 > start_m + diag + w_right) or (
+                            LEFT and wg_key < start_m + BLOCK_M - 1 + diag - w_left
                         )
                         rel = key0 - start_m - 2 * t - diag
-                        rel_right = rel - right
-                        rel_left = rel + window_left
+                        rel_right = rel - w_right
+                        rel_left = rel + w_left
                         distance = float32(-rel) if ALIBI else float32(0.0)
                         lse_row = BLOCK_M * (TILES * buf + u)
                         for j in range(M_TILES):
@@ -701,7 +713,7 @@ def _build_dq(HEAD_DIM, config, CAUSAL, LEFT, RIGHT, SOFTCAP, ALIBI, IS_BF16):
     ALiBi or not, and input type."""
     BLOCK_N_DQ = config.DQ_BLOCK_N
     assert HEAD_DIM in HEAD_DIMS and BLOCK_N_DQ % 16 == 0 and 16 <= BLOCK_N_DQ <= 256 and not (CAUSAL and RIGHT)
-    BOUNDED = CAUSAL or RIGHT  # keys right of the diagonal are cut off (by 0 with CAUSAL)
+    BOUNDED = CAUSAL or RIGHT  # a right edge: keys more than right (0 with CAUSAL) right of the diagonal masked
     N_TILES = BLOCK_N_DQ // 8  # 8-key column blocks of S, 4 registers each
     O_REGS = HEAD_DIM // 2  # dQ: the warpgroup's 64 rows x HEAD_DIM
     N_STEPS = BLOCK_N_DQ // 16  # k steps of dQ += dS K
@@ -930,8 +942,9 @@ def flash_attn_backward(
             wgmma, tiny shapes).
         O: (batch, heads, seqlen_q, head_dim), q's dtype; L: (batch, heads, seqlen_q), float32, natural log, from
             the forward (+inf on rows that see no key); any strides.
-        spec: what the forward computed: any scale, and no window or causal, bottom-right aligned (key j visible
-            to query i iff j <= i + seqlen_k - seqlen_q)::
+        spec: what the forward computed: any scale and window, bottom-right aligned (key j visible to query i
+            iff i + diag - left <= j <= i + diag + right, diag = seqlen_k - seqlen_q, each side -1 for unbounded;
+            causal is (-1, 0))::
 
                 causal, seqlen_q = 2, seqlen_k = 5:   1 1 1 1 0
                                                       1 1 1 1 1
