@@ -128,7 +128,7 @@ from typing import NamedTuple
 
 import numpy as np
 import torch
-from numba import cuda, float32, int16, int32, uint32, uint64
+from numba import cuda, float32, int16, int32, int64, uint32, uint64
 
 from fa2.spec import UNBOUNDED, AttentionSpec
 from fa2_numba_cuda import backward_tc, launch, wgmma
@@ -397,6 +397,17 @@ def _build_dkdv(HEAD_DIM, config, CAUSAL, LEFT, RIGHT, SOFTCAP, ALIBI, IS_BF16):
     load_qdo = wgmma.tile_loader(BLOCK_M, BLOCK_M, HEAD_DIM, NUM_THREADS)
 
     @device_function
+    def outside(offset, rel_right, rel_left):
+        """Whether the element of Pᵀ at offset = 8 j + e % 2 - 8 (e // 2) of a tile that crosses a window edge is
+        masked: rel_right > offset (right edge) or rel_left < offset (left edge). With both edges one unsigned
+        compare, offset - rel_right above rel_left - rel_right = window_left + right: the step body stays small
+        enough for LLVM to unroll it whole (with two compares and a softcap and ALiBi, Sᵀ and the cap's derivative
+        went to 256 B of local memory). int64 first: the simulator's uint32 wraps numpy integers only."""
+        if BOUNDED and LEFT:
+            return uint32(int64(offset - rel_right)) > uint32(int64(rel_left - rel_right))
+        return (BOUNDED and rel_right > offset) or (LEFT and rel_left < offset)
+
+    @device_function
     def next_tile(start_m, head, begin_m, end_m):
         """The (query tile, head) after (start_m, head) in a block's walk over tiles begin_m .. end_m - 1: the
         head's next tile, else its first tile (begin_m) of the next head."""
@@ -650,7 +661,7 @@ def _build_dkdv(HEAD_DIM, config, CAUSAL, LEFT, RIGHT, SOFTCAP, ALIBI, IS_BF16):
                                         distance + float32(offset),
                                         lse_tile[lse_row + col],
                                     )
-                                    if crosses and ((BOUNDED and rel_right > offset) or (LEFT and rel_left < offset)):
+                                    if crosses and outside(offset, rel_right, rel_left):
                                         x = float32(0.0)
                                     p[j, e] = x
                         if DV_EARLY:
@@ -677,9 +688,7 @@ def _build_dkdv(HEAD_DIM, config, CAUSAL, LEFT, RIGHT, SOFTCAP, ALIBI, IS_BF16):
                                             distance + float32(offset),
                                             lse_tile[lse_row + col],
                                         )
-                                        if crosses and (
-                                            (BOUNDED and rel_right > offset) or (LEFT and rel_left < offset)
-                                        ):
+                                        if crosses and outside(offset, rel_right, rel_left):
                                             x = float32(0.0)
                                         p[j, e] = x
                             if not DV_EARLY:
