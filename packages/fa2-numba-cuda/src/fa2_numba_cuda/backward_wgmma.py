@@ -611,8 +611,8 @@ def _build_dkdv(HEAD_DIM, config, CAUSAL, LEFT, RIGHT, SOFTCAP, ALIBI, IS_BF16):
                     # zero gradients: its first key right of the tile's last query's window, or its last key left
                     # of the first query's) or they are all past seqlen_k (never written back). Uniform over the
                     # warpgroup. The window's sizes go through ``wgmma.opaque_address`` each tile, so that LLVM does
-                    # not hoist the sums made of them out of the loop into registers held throughout (spilled at
-                    # HEAD_DIM 128: 64-88 B, 8-16 B with this).
+                    # not hoist the sums made of them out of the loop into registers held throughout (at HEAD_DIM
+                    # 128 that left 64-88 B of local memory).
                     w_left = int32(wgmma.opaque_address(window_left)) if LEFT else 0
                     w_right = int32(wgmma.opaque_address(right)) if RIGHT else right
                     skip = (
