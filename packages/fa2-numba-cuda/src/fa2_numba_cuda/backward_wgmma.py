@@ -93,18 +93,20 @@ Both kernels:
   and delta); dQ, Q and dO 2 · 2 · 64 · HEAD_DIM, K and V 2 stages · 2 · DQ_BLOCK_N · HEAD_DIM. With 64-row tiles
   either takes 132,096 B at HEAD_DIM 128 and 66,560 B at 64 (the dK/dV kernel with two tiles a step 197,632 B and
   99,328 B). ``bwd_config`` has ptxas's register counts.
-- Packed (variable-length) batches (``spec.varlen``: VARLEN, compile-time) as ``backward_tc`` takes them: q, O, dO (1,
-  heads, total_q, head_dim), L (1, heads, total_q), k, v (1, heads_k, total_k, head_dim). One launch per kernel, no host
-  sync: the preprocess runs on the packed rows as on one sequence (delta is per row); the dK/dV grid is (key block of
-  max_seqlen_k, sequence·key/value head), the dQ grid (query block of max_seqlen_q, sequence·head)
-  (``common.grid_extent``), each in the dense order (key blocks first to last, query blocks last to first under causal:
-  the longest first within a sequence). Each block reads its sequence's offsets (``common.sequence``; cu_seqlens_q and
-  cu_seqlens_k the kernels' last arguments, ``common.offset_args``, so that the dense builds keep every other parameter
-  where it was), exits before any copy or barrier where its block starts past the sequence's end, and otherwise runs the
-  dense block on the sequence's rows with its own lengths: its copies start at the sequence's first row and are
-  zero-filled past its end (no row of the next sequence enters a tile), L and delta of its rows, causal's diagonal,
-  ALiBi's slopes[s, h], the keys past its end never written, per sequence. Keys of a sequence without queries get dk =
-  dv = 0, rows of one without keys dq = 0.
+- Packed (variable-length) batches (``spec.varlen``: VARLEN, compile-time) as ``backward_tc`` takes them: q, O, dO
+  (1, heads, total_q, head_dim), L (1, heads, total_q), k, v (1, heads_k, total_k, head_dim). One launch per kernel,
+  no host sync: the preprocess runs on the packed rows as on one sequence (delta is per row); the dK/dV grid is (key
+  block of max_seqlen_k, sequence·key/value head), the dQ grid (query block of max_seqlen_q, sequence·head)
+  (``common.grid_extent``), block major (every sequence's block i before any block i + 1) so that the longest blocks
+  come first across sequences without their lengths on the host: the dK/dV kernel's key blocks first to last under
+  causal (the first sees the most queries), else last to first (only the longest sequences have the last ones), the
+  dQ kernel's query blocks last to first. Each block reads its sequence's offsets (``common.sequence``; cu_seqlens_q
+  and cu_seqlens_k the kernels' last arguments, ``common.offset_args``, so that the dense builds keep every other
+  parameter where it was), exits before any copy or barrier where its block starts past the sequence's end, and
+  otherwise runs the dense block on the sequence's rows with its own lengths: its copies start at the sequence's
+  first row and are zero-filled past its end (no row of the next sequence enters a tile), L and delta of its rows,
+  causal's diagonal, ALiBi's slopes[s, h], the keys past its end never written, per sequence. Keys of a sequence
+  without queries get dk = dv = 0, rows of one without keys dq = 0.
 
 Limits (``takes``): fp16 and bf16, head_dim exactly 64 or 128, (batch, heads, seqlen, head_dim) q, k, v and dO of
 one dtype (dense or packed), contiguous along head_dim with 16 B aligned rows (cp.async), no window but causal,
@@ -490,6 +492,13 @@ def _build_dkdv(HEAD_DIM, config, CAUSAL, SOFTCAP, ALIBI, VARLEN, IS_BF16):
         start_n = (cuda.blockIdx.x % num_n_tiles) * BLOCK_N
         heads_k = heads // group
         off_bhk = cuda.blockIdx.x // num_n_tiles
+        if VARLEN:
+            # Key block major instead: every sequence's block i before any block i + 1, from the first (causal: the
+            # most queries) or else from the last (only the longest sequences have one): longest first across
+            # sequences, without their lengths on the host.
+            n_block = cuda.blockIdx.x // (cuda.gridDim.x // num_n_tiles)
+            start_n = (n_block if CAUSAL else num_n_tiles - 1 - n_block) * BLOCK_N
+            off_bhk = cuda.blockIdx.x % (cuda.gridDim.x // num_n_tiles)
         off_b = off_bhk // heads_k  # the batch; with VARLEN the sequence
         off_hk = off_bhk % heads_k
         if VARLEN:
@@ -770,6 +779,12 @@ def _build_dq(HEAD_DIM, config, CAUSAL, SOFTCAP, ALIBI, VARLEN, IS_BF16):
             m_block = num_m_tiles - 1 - m_block  # the longest rows first
         start_m = m_block * BLOCK_M_DQ
         off_bh = cuda.blockIdx.x // num_m_tiles
+        if VARLEN:
+            # Query block major instead, the last first: only the longest sequences have the last blocks, and
+            # causal's later rows see more keys: longest first across sequences, without their lengths on the host.
+            m_block = num_m_tiles - 1 - cuda.blockIdx.x // (cuda.gridDim.x // num_m_tiles)
+            start_m = m_block * BLOCK_M_DQ
+            off_bh = cuda.blockIdx.x % (cuda.gridDim.x // num_m_tiles)
         off_b = off_bh // heads  # the batch; with VARLEN the sequence
         off_h = off_bh % heads
         off_hk = off_h // group  # GQA: the group's query heads share key/value head off_hk
