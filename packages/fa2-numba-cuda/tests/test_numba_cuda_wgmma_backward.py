@@ -12,11 +12,16 @@
 - windows (the kernels' LEFT and RIGHT, and CAUSAL with a left side): against the reference on the simulator (3
   cases: left and right with seqlen_q < seqlen_k, ALiBi and DV_EARLY; (left, 0) with GQA, a softcap and a step's
   two tiles of two heads; (0, right) at D128), and on the GPU also against backward_tc's gradients;
+- packed batches (VARLEN): the whole batch's dq, dk, dv against the fp64 reference's
+  (``reference.varlen_attention``, test_varlen's rule) on the simulator (3 cases: Nq != Nk per sequence both
+  ways, a one-token sequence, a sequence without queries, GQA with a step's two tiles of two heads, softcap,
+  ALiBi per sequence, DV_EARLY, D128; and one with a window, bounded by each sequence's own lengths), and on
+  the GPU (bf16, an empty sequence; with windows too) also against backward_tc's;
 - ``refusal``/``takes`` refusing what the kernels do not compute, ``uses_wgmma`` off without the switch or a
   Hopper GPU, and ``fa2_numba_cuda.backward`` running them only where ``uses_wgmma`` holds (``ENABLED``
-  monkeypatched), the switch read from the environment at import; softcap, ALiBi and windows taken by them only
-  where ``FEATURES`` names them (its environment variable read at import; on the GPU, the dispatch with it off
-  and on).
+  monkeypatched), the switch read from the environment at import; softcap, ALiBi, windows and packed batches
+  taken by them only where ``FEATURES`` names them (its environment variable read at import; on the GPU, the
+  dispatch with it off and on).
 
 The simulator checks the index math against the ISA's tables as ``wgmma.py`` reads them, and the ordering of
 cp.async, the wgmma waits and the fences as its emulation models them (not the async proxy); only the GPU run
@@ -25,10 +30,12 @@ shows the hardware agrees. On the GPU: pytest --device cuda with NUMBA_ENABLE_CU
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
-from checks import random_qkv, values_at_import
+from checks import max_err, random_qkv, values_at_import
 from fa2 import reference
 from fa2.spec import AttentionSpec
 from fa2_numba_cuda import backward, backward_tc, backward_wgmma, common, launch, tensor_cores
@@ -300,6 +307,121 @@ def test_dv_early_takes_no_softcap():
         backward_wgmma.flash_attn_backward(q, k, v, torch.zeros_like(q), torch.zeros(q.shape[:3]), dO, spec, EARLY)
 
 
+# Packed batches: (lens_q, lens_k, H, H_k, D), window ((-1, 0) causal, (-1, -1) full), softcap, ALiBi, config.
+FULL, CAUSAL_WINDOW = (-1, -1), (-1, 0)
+if SIMULATED:
+    VARLEN_CASES = [
+        # Nq != Nk both ways, a one-token sequence: three blocks a kernel of which two exit at once; the dQ kernel
+        # on wgmma too
+        (([70, 1, 130], [100, 3, 60], 1, 1, 64), CAUSAL_WINDOW, 0.0, False, WGMMA_DQ),
+        # GQA 2:1, 32-row tiles two a step (3 tiles a head: a step's tiles of two heads), a sequence without
+        # queries (its keys: dk = dv = 0), softcap and ALiBi per (sequence, head)
+        (([40, 0, 75], [50, 20, 64], 2, 1, 64), CAUSAL_WINDOW, 2.0, True, SMALL_TWO_TILES),
+        # D128, dV issued early, full: the first sequence's second key block, the second's second dQ block
+        (([50, 130], [130, 40], 1, 1, 128), FULL, 0.0, True, EARLY),
+        # a 29-key band on each sequence's own diagonal (40, -3, -50; the totals' would be -13), GQA 2:1, 32-row
+        # tiles two a step: tiles cut from both kernels' walks at either end, the last sequence's first 42 rows
+        # see no key, the short one's rows all see both its keys
+        (([90, 5, 150], [130, 2, 100], 2, 1, 64), (20, 8), 0.0, False, SMALL_TWO_TILES),
+    ]
+else:
+    LENGTHS = (([300, 0, 1000, 77, 1], [500, 40, 1000, 0, 129]), ([2048, 129, 640], [2048, 129, 640]))
+    VARLEN_CASES = [
+        *[
+            ((lens_q, lens_k, 4, 2, d), window, softcap, alibi, config)
+            for lens_q, lens_k in LENGTHS
+            for d in (64, 128)
+            for window in (FULL, CAUSAL_WINDOW)
+            for softcap, alibi, config in ((0.0, False, None), (50.0, True, None), (0.0, False, TWO_TILES))
+        ],
+        # windows, each sequence's own
+        *[
+            ((lens_q, lens_k, 4, 2, d), window, 0.0, False, None)
+            for lens_q, lens_k in LENGTHS
+            for d in (64, 128)
+            for window in ((256, 0), (100, 100), (-1, 37))
+        ],
+        *[
+            ((lens_q, lens_k, 4, 2, 128), (256, 0), softcap, alibi, config)
+            for lens_q, lens_k in LENGTHS
+            for softcap, alibi, config in ((50.0, True, None), (0.0, False, TWO_TILES))
+        ],
+    ]
+
+
+def _varlen_id(lens, window, softcap, alibi, config):
+    lens_q, lens_k, h, h_k, d = lens
+    name = f"q{'.'.join(map(str, lens_q))}-k{'.'.join(map(str, lens_k))}-H{h}-Hk{h_k}-D{d}-"
+    name += {FULL: "full", CAUSAL_WINDOW: "causal"}.get(window, f"window{window[0]}_{window[1]}")
+    name += (f"-softcap{softcap:g}" if softcap else "") + ("-alibi" if alibi else "")
+    if config is not None:
+        name += f"-M{config.BLOCK_M}" + ("-dv-early" if config.DV_EARLY else "")
+        name += f"-dqN{config.DQ_BLOCK_N}" if config.DQ_WGMMA else "-tc-dq"
+        name += f"-{config.TILES_A_STEP}tiles" if config.TILES_A_STEP > 1 else ""
+    return name
+
+
+def _offsets(lens, device):
+    return torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32, device=device)
+
+
+def _packed(t):
+    """(total, heads, ...) -> the kernels' (1, heads, total, ...)."""
+    return t.transpose(0, 1)[None]
+
+
+def _varlen_grads(q, k, v, dO, cu_q, cu_k, causal, upcast, **options):
+    """Autograd of ``reference.varlen_attention`` on packed (total, heads, head_dim) q, k, v: fp64 with upcast,
+    else in q's dtype (the naive attention of the tolerance rule)."""
+    x = [t.detach().double().requires_grad_() if upcast else t.detach().requires_grad_() for t in (q, k, v)]
+    O, _ = reference.varlen_attention(*x, cu_q, cu_k, causal, upcast=upcast, **options)
+    return torch.autograd.grad(O, x, dO.double() if upcast else dO)
+
+
+@pytest.mark.parametrize(
+    "lens, window, softcap, alibi, config", [pytest.param(*c, id=_varlen_id(*c)) for c in VARLEN_CASES]
+)
+def test_packed_batches_match_reference(wgmma_device, lens, window, softcap, alibi, config):
+    """dq, dk, dv ((1, heads, total, D)) of the whole packed batch against the fp64 reference's by test_varlen's
+    rule (three times a same-precision naive attention's error plus twice the reference's rounding to the dtype);
+    fp16 on the simulator, bf16 on the GPU, where they are also checked against backward_tc's within the same
+    tolerance. Keys of a sequence without queries get dk = dv = 0, rows of one without keys dq = 0. A window is
+    each sequence's own (bottom-right aligned on its lengths)."""
+    lens_q, lens_k, h, h_k, d = lens
+    dtype = torch.float16 if SIMULATED else torch.bfloat16
+    g = torch.Generator().manual_seed(sum(lens_q) + d)
+    q, k, v, dO = (
+        torch.randn(sum(n), heads, d, generator=g).to(device=wgmma_device, dtype=dtype)
+        for n, heads in ((lens_q, h), (lens_k, h_k), (lens_k, h_k), (lens_q, h))
+    )
+    slopes = torch.rand(len(lens_q), h, generator=g).to(wgmma_device) if alibi else None
+    options = dict(window=window, softcap=softcap, alibi_slopes=slopes)
+    cu_q, cu_k = _offsets(lens_q, wgmma_device), _offsets(lens_k, wgmma_device)
+    O64, L64 = reference.varlen_attention(q.double(), k.double(), v.double(), cu_q, cu_k, **options)
+    spec = AttentionSpec(d**-0.5, window, softcap, slopes, h // h_k, cu_q, cu_k, max(lens_q), max(lens_k))
+    args = (*(_packed(t) for t in (q, k, v, O64.to(dtype))), L64.float()[None], _packed(dO))
+    got = backward_wgmma.flash_attn_backward(*args, spec, config)
+    flags = backward_wgmma._window_flags(spec)
+    assert any(key[8] and key[3:6] == flags for key in backward_wgmma._KERNELS), "built with VARLEN and the window"
+    ref = _varlen_grads(q, k, v, dO, cu_q, cu_k, False, True, **options)
+    naive = _varlen_grads(q, k, v, dO, cu_q, cu_k, False, False, **options)
+    tc = None if SIMULATED else backward_tc.flash_attn_backward(*args, spec)
+    for i, (name, x, r, n) in enumerate(zip(("dq", "dk", "dv"), got, ref, naive)):
+        x = x[0].transpose(0, 1)
+        assert not torch.isnan(x).any(), f"NaN in {name}"
+        tol = 3 * max_err(n, r) + 2 * max_err(r.to(dtype), r)
+        assert max_err(x, r) <= tol, f"max |{name} - ref| = {max_err(x, r):.3g} > tolerance {tol:.3g}"
+        if tc is not None:
+            err = max_err(x, tc[i][0].transpose(0, 1).double())
+            assert err <= tol, f"max |{name} - backward_tc's| = {err:.3g} > tolerance {tol:.3g}"
+    for s, (n_q, n_k) in enumerate(zip(lens_q, lens_k)):
+        if n_q == 0:
+            assert (got[1][0, :, cu_k[s] : cu_k[s + 1]] == 0).all(), "keys of a sequence without queries: dk = 0"
+            assert (got[2][0, :, cu_k[s] : cu_k[s + 1]] == 0).all(), "keys of a sequence without queries: dv = 0"
+        if n_k == 0:
+            assert (got[0][0, :, cu_q[s] : cu_q[s + 1]] == 0).all(), "rows of a sequence without keys: dq = 0"
+
+
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_strided_inputs_match_reference(wgmma_device, causal):
     """q and k as (B, N, H, D) memory (rows a head apart), v and dO contiguous: each tensor's own strides."""
@@ -362,6 +484,22 @@ def test_takes_dense_16_bit_head_dim_64_and_128():
                 assert backward_wgmma.takes(q, k, v, dO, _spec(q, k, True).replace(**features)), features
 
 
+def test_takes_packed_batches():
+    """A packed batch ((1, heads, total, head_dim), its offsets in the spec), with GQA, causal or not, a softcap and
+    ALiBi per sequence."""
+    q, k, v, dO = _small(h=4, h_k=2, n_q=24, n_k=40)
+    offsets = dict(
+        cu_seqlens_q=torch.tensor([0, 10, 24], dtype=torch.int32),
+        cu_seqlens_k=torch.tensor([0, 30, 40], dtype=torch.int32),
+        max_seqlen_q=14,
+        max_seqlen_k=30,
+    )
+    for causal in (False, True):
+        spec = _spec(q, k, causal).replace(**offsets)
+        assert spec.varlen and backward_wgmma.takes(q, k, v, dO, spec), causal
+        assert backward_wgmma.takes(q, k, v, dO, spec.replace(softcap=5.0, alibi_slopes=torch.ones(2, 4)))
+
+
 @pytest.mark.parametrize(
     "change, reason",
     [
@@ -376,12 +514,9 @@ def test_takes_dense_16_bit_head_dim_64_and_128():
         pytest.param(lambda q, k, v, o, s: ((q, k, v[..., :32], o), s), "head_dim", id="v-head-dim"),
         pytest.param(lambda q, k, v, o, s: ((q, k, v, o), s.replace(sink=torch.zeros(2))), "sink", id="sink"),
         pytest.param(
-            lambda q, k, v, o, s: (
-                (q, k, v, o),
-                s.replace(cu_seqlens_q=torch.tensor([0, 16], dtype=torch.int32), cu_seqlens_k=torch.tensor([0, 16])),
-            ),
-            "packed",
-            id="varlen",
+            lambda q, k, v, o, s: ((q, k, v, o), s.replace(cache_seqlens=torch.tensor([16], dtype=torch.int32))),
+            "KV cache",
+            id="kv-cache",
         ),
         pytest.param(
             lambda q, k, v, o, s: ((q, torch.cat([k, k], -1)[..., ::2], v, o), s),
@@ -441,22 +576,27 @@ def test_backward_runs_them_only_where_uses_wgmma_holds(monkeypatch, enabled):
 
 
 @pytest.mark.parametrize(
-    "features, softcap, alibi, both, window",
+    "features, softcap, alibi, both, window, varlen",
     [
-        pytest.param(frozenset(), False, False, False, False, id="none"),
-        pytest.param(frozenset({"softcap"}), True, False, False, False, id="softcap"),
-        pytest.param(frozenset({"alibi"}), False, True, False, False, id="alibi"),
-        pytest.param(frozenset({"softcap", "alibi"}), True, True, True, False, id="both"),
-        pytest.param(frozenset({"window"}), False, False, False, True, id="window"),
+        pytest.param(frozenset(), False, False, False, False, False, id="none"),
+        pytest.param(frozenset({"softcap"}), True, False, False, False, False, id="softcap"),
+        pytest.param(frozenset({"alibi"}), False, True, False, False, False, id="alibi"),
+        pytest.param(frozenset({"softcap", "alibi"}), True, True, True, False, False, id="both"),
+        pytest.param(frozenset({"window"}), False, False, False, True, False, id="window"),
+        pytest.param(frozenset({"varlen"}), False, False, False, False, True, id="varlen"),
+        pytest.param(frozenset({"window", "varlen"}), False, False, False, True, True, id="window-varlen"),
     ],
 )
-def test_features_on_needs_features_to_name_them(monkeypatch, features, softcap, alibi, both, window):
-    """``features_on`` (part of ``uses_wgmma``): a dense or causal spec always; a softcap, ALiBi, both, or a
-    window other than none and causal only where ``FEATURES`` names each."""
+def test_features_on_needs_features_to_name_them(monkeypatch, features, softcap, alibi, both, window, varlen):
+    """``features_on`` (part of ``uses_wgmma``): a dense or causal spec always; a softcap, ALiBi or both, a window
+    other than none and causal, a packed batch, only where ``FEATURES`` names each (a packed batch with ALiBi or
+    a window needs both names)."""
     monkeypatch.setattr(backward_wgmma, "FEATURES", features)
     q, k, _, _ = _small()
     spec = _spec(q, k, True)
     slopes = torch.ones(1, 2)
+    offsets = torch.tensor([0, 16], dtype=torch.int32)
+    packed = spec.replace(cu_seqlens_q=offsets, cu_seqlens_k=offsets, max_seqlen_q=16, max_seqlen_k=16)
     assert backward_wgmma.features_on(spec) and backward_wgmma.features_on(_spec(q, k, False))
     assert backward_wgmma.features_on(spec.replace(softcap=5.0)) == softcap
     assert backward_wgmma.features_on(spec.replace(alibi_slopes=slopes)) == alibi
@@ -464,6 +604,9 @@ def test_features_on_needs_features_to_name_them(monkeypatch, features, softcap,
     for sides in ((8, 0), (0, 0), (3, 5), (-1, 2), (4, -1)):
         assert backward_wgmma.features_on(spec.replace(window=sides)) == window, sides
     assert not backward_wgmma.features_on(spec.replace(window=(8, 0), alibi_slopes=slopes)), "each must be named"
+    assert backward_wgmma.features_on(packed) == varlen
+    assert backward_wgmma.features_on(packed.replace(alibi_slopes=slopes)) == (varlen and alibi)
+    assert backward_wgmma.features_on(packed.replace(window=(8, 0))) == (varlen and window)
 
 
 @pytest.mark.parametrize("on", [False, True], ids=["features-off", "features-on"])
@@ -509,12 +652,79 @@ def test_backward_runs_features_where_features_names_them(wgmma_device, monkeypa
     assert_grads_match(*second, q, k, v, dO, False, **features)
 
 
+@pytest.mark.parametrize("on", [False, True], ids=["features-off", "features-on"])
+@pytest.mark.parametrize(
+    "window, names",
+    [
+        pytest.param((-1, 0), {"varlen"}, id="causal"),
+        pytest.param((200, 30), {"varlen", "window"}, id="window"),
+    ],
+)
+def test_backward_runs_packed_batches_where_features_names_them(wgmma_device, monkeypatch, on, window, names):
+    """On a Hopper GPU with ``ENABLED``: a packed batch (bf16, D128, causal or a window, GQA 2:1) runs
+    backward_tc's kernels with ``FEATURES`` empty (the default), these kernels' (built with VARLEN, and LEFT and
+    RIGHT for the window) with the features named; both match the reference. The class's first call takes other
+    offsets (the same count and longest lengths): the second call takes the prepared launches, which must read
+    its own cu_seqlens_q and cu_seqlens_k (the window's sizes after them), and gives numba's launches' gradients
+    bit for bit."""
+    if wgmma_device.type != "cuda":
+        pytest.skip("the default dispatch needs a Hopper GPU (--device cuda)")
+    monkeypatch.setattr(backward_wgmma, "ENABLED", True)
+    monkeypatch.setattr(backward_wgmma, "FEATURES", frozenset(names) if on else frozenset())
+    d, h, h_k = 128, 4, 2
+    lens, first_lens = [300, 77, 512], [512, 300, 77]
+    cu, first_cu = _offsets(lens, wgmma_device), _offsets(first_lens, wgmma_device)
+    g = torch.Generator().manual_seed(3)
+    q, k, v, dO = (
+        torch.randn(sum(lens), heads, d, generator=g).to(device=wgmma_device, dtype=torch.bfloat16)
+        for heads in (h, h_k, h_k, h)
+    )
+    O64, L64 = reference.varlen_attention(q.double(), k.double(), v.double(), cu, cu, window=window)
+    args = (*(_packed(t) for t in (q, k, v, O64.to(q.dtype))), L64.float()[None], _packed(dO))
+
+    def spec(offsets):
+        return AttentionSpec(d**-0.5, window, 0.0, None, h // h_k, offsets, offsets, 512, 512)
+
+    for cache in (backward_wgmma._KERNELS, backward_wgmma._PREPARED, backward_tc._KERNELS, backward_tc._PREPARED):
+        cache.clear()  # so that the first call builds the kernels it runs
+    monkeypatch.setattr(launch, "FAST", False)
+    expected = backward.flash_attn_backward(*args, spec(cu))
+    wgmma_built = {key[:2] + key[3:6] + key[8:9] for key in backward_wgmma._KERNELS}
+    if on:
+        flags = (*backward_wgmma._window_flags(spec(cu)), True)
+        assert wgmma_built == {("dkdv", 128, *flags), ("dq", 128, *flags)}, wgmma_built
+    else:
+        assert not wgmma_built and backward_tc._KERNELS, "backward_tc's kernels ran"
+    monkeypatch.setattr(launch, "FAST", True)
+    backward.flash_attn_backward(*args, spec(first_cu))
+    prepares = []
+    real = launch.prepare
+    monkeypatch.setattr(launch, "prepare", lambda *a: prepares.append(a) or real(*a))
+    got = backward.flash_attn_backward(*args, spec(cu))
+    assert not prepares, "the second call of a class must take the prepared launches"
+    torch.cuda.synchronize()
+    for name, x, y in zip(("dq", "dk", "dv"), expected, got):
+        assert torch.equal(x, y), f"{name}: max |prepared - numba| = {(x.float() - y.float()).abs().max():.3g}"
+    ref = _varlen_grads(q, k, v, dO, cu, cu, False, True, window=window)
+    naive = _varlen_grads(q, k, v, dO, cu, cu, False, False, window=window)
+    for name, x, r, n in zip(("dq", "dk", "dv"), got, ref, naive):
+        x = x[0].transpose(0, 1)
+        tol = 3 * max_err(n, r) + 2 * max_err(r.to(q.dtype), r)
+        assert max_err(x, r) <= tol, f"max |{name} - ref| = {max_err(x, r):.3g} > tolerance {tol:.3g}"
+
+
 def test_features_read_the_environment_at_import():
-    """FA2_NUMBA_WGMMA_BWD_FEATURES unset, "softcap", "alibi,softcap", "window,alibi,softcap": none, softcap,
-    both, all three."""
-    values = [None, "softcap", "alibi,softcap", "window,alibi,softcap"]
+    """FA2_NUMBA_WGMMA_BWD_FEATURES unset, "softcap", "alibi,softcap", "window,alibi,softcap", "varlen": none,
+    softcap, both, those three, packed batches."""
+    values = [None, "softcap", "alibi,softcap", "window,alibi,softcap", "varlen"]
     got = values_at_import("fa2_numba_cuda.backward_wgmma", "FEATURES", "FA2_NUMBA_WGMMA_BWD_FEATURES", values)
-    assert [eval(r) for r in got] == [frozenset(), {"softcap"}, {"softcap", "alibi"}, {"softcap", "alibi", "window"}]
+    assert [eval(r) for r in got] == [
+        frozenset(),
+        {"softcap"},
+        {"softcap", "alibi"},
+        {"softcap", "alibi", "window"},
+        {"varlen"},
+    ]
 
 
 def test_enabled_reads_the_environment_at_import():

@@ -100,24 +100,40 @@ Both kernels:
   and delta); dQ, Q and dO 2 · 2 · 64 · HEAD_DIM, K and V 2 stages · 2 · DQ_BLOCK_N · HEAD_DIM. With 64-row tiles
   either takes 132,096 B at HEAD_DIM 128 and 66,560 B at 64 (the dK/dV kernel with two tiles a step 197,632 B and
   99,328 B). ``bwd_config`` has ptxas's register counts.
+- Packed (variable-length) batches (``spec.varlen``: VARLEN, compile-time) as ``backward_tc`` takes them: q, O, dO
+  (1, heads, total_q, head_dim), L (1, heads, total_q), k, v (1, heads_k, total_k, head_dim). One launch per kernel,
+  no host sync: the preprocess runs on the packed rows as on one sequence (delta is per row); the dK/dV grid is (key
+  block of max_seqlen_k, sequence·key/value head), the dQ grid (query block of max_seqlen_q, sequence·head)
+  (``common.grid_extent``), block major (every sequence's block i before any block i + 1) so that the longest blocks
+  come first across sequences without their lengths on the host: the dK/dV kernel's key blocks first to last under
+  causal (the first sees the most queries), else last to first (only the longest sequences have the last ones), the
+  dQ kernel's query blocks last to first. Each block reads its sequence's offsets (``common.sequence``; cu_seqlens_q
+  and cu_seqlens_k after the slopes' strides, before the window's sizes, ``common.offset_args``, so that the dense
+  builds keep every other parameter where it was), exits before any copy or barrier where its block starts past
+  the sequence's end, and otherwise runs the dense block on the sequence's rows with its own lengths: its copies
+  start at the sequence's first row and are zero-filled past its end (no row of the next sequence enters a tile),
+  L and delta of its rows, the window's diagonal and tile bounds, ALiBi's slopes[s, h], the keys past its end
+  never written, per sequence. Keys of a sequence without queries get dk = dv = 0, rows of one without keys
+  dq = 0.
 
-Limits (``takes``): fp16 and bf16, head_dim exactly 64 or 128, dense (batch, heads, seqlen, head_dim) q, k, v and
-dO of one dtype, contiguous along head_dim with 16 B aligned rows (cp.async), any window, no sink, packed batch
-or KV cache. Which kernels run: ``fa2_numba_cuda.backward.flash_attn_backward`` runs these where
-``uses_wgmma`` holds: ``takes``, a CUDA device of compute capability 9.0 (wgmma is sm_90a's), the switch
-``ENABLED`` (on, unless the environment variable FA2_NUMBA_WGMMA_BWD=0 when this module is imported), and for
-an input with a softcap, ALiBi or a window other than none and causal the switch ``FEATURES`` naming each
-("softcap", "alibi", "window" : ``features_on``): empty, unless FA2_NUMBA_WGMMA_BWD_FEATURES names them
+Limits (``takes``): fp16 and bf16, head_dim exactly 64 or 128, (batch, heads, seqlen, head_dim) q, k, v and dO of
+one dtype (dense or packed), contiguous along head_dim with 16 B aligned rows (cp.async), any window, no sink or
+KV cache. Which kernels run: ``fa2_numba_cuda.backward.flash_attn_backward`` runs these where ``uses_wgmma``
+holds: ``takes``, a CUDA device of compute capability 9.0 (wgmma is sm_90a's), the switch ``ENABLED`` (on,
+unless the environment variable FA2_NUMBA_WGMMA_BWD=0 when this module is imported), and for an input with a
+softcap, ALiBi, a window other than none and causal or a packed batch the switch ``FEATURES`` naming each
+("softcap", "alibi", "window", "varlen": ``features_on``): empty, unless FA2_NUMBA_WGMMA_BWD_FEATURES names them
 (comma-separated) at import, so that such inputs stay on backward_tc until these kernels' speed on them is
-measured on the H200 (a caller may also set ``FEATURES`` at run time);
-``backward_tc`` otherwise. An error in these kernels is raised, never answered by others.
+measured on the H200 (a caller may also set ``FEATURES`` at run time); ``backward_tc`` otherwise. An error in
+these kernels is raised, never answered by others.
 Under numba's simulator they run only when called directly, on ``wgmma.py``'s emulation of the instructions:
 slow, for tests.
 
 Launch: on torch's current CUDA stream, no host synchronisation; one compiled kernel per (dK/dV or dQ, HEAD_DIM,
-WgmmaBwdConfig, CAUSAL, LEFT, RIGHT, SOFTCAP, ALIBI, bf16 or fp16), cached; ``kernel_resources`` reports
+WgmmaBwdConfig, CAUSAL, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN, bf16 or fp16), cached; ``kernel_resources`` reports
 registers, shared and local memory of each. Launched through ``launch.prepare`` as ``backward_tc``
-(``_PREPARED``; with ALiBi the slopes are a varying tensor of the class, as q, k, v).
+(``_PREPARED``; with ALiBi the slopes, for a packed batch its offsets, are varying tensors of the class, as q, k,
+v).
 """
 
 from __future__ import annotations
@@ -138,8 +154,11 @@ from fa2_numba_cuda.common import (
     SHARED_ALIGN,
     check_device,
     feature_args,
+    grid_extent,
+    offset_args,
     rows_16b_aligned,
     score_scale,
+    sequence,
     simulated,
     spec_class,
     spec_tensors,
@@ -160,12 +179,13 @@ from fa2_numba_cuda.tensor_cores import capability
 # Whether fa2_numba_cuda.backward runs these kernels where they can (``uses_wgmma``): on unless
 # FA2_NUMBA_WGMMA_BWD=0 at import (1.02-1.58x backward_tc's time at every point timed on the H200).
 ENABLED = os.environ.get("FA2_NUMBA_WGMMA_BWD", "1") != "0"
-# The features ("softcap", "alibi", "window": a window other than none and causal) whose inputs ``uses_wgmma``
-# sends to these kernels: none, unless FA2_NUMBA_WGMMA_BWD_FEATURES names them at import (comma-separated),
-# until they are timed on the H200; the others stay on backward_tc. Set it at run time to compare.
+# The features ("softcap", "alibi", "window": a window other than none and causal, "varlen": packed batches) whose
+# inputs ``uses_wgmma`` sends to these kernels: none, unless FA2_NUMBA_WGMMA_BWD_FEATURES names them at import
+# (comma-separated), until they are timed on the H200; the others stay on backward_tc. Set it at run time to
+# compare.
 FEATURES = frozenset(name for name in os.environ.get("FA2_NUMBA_WGMMA_BWD_FEATURES", "").split(",") if name)
-if not FEATURES <= {"softcap", "alibi", "window"}:
-    raise ValueError(f"FA2_NUMBA_WGMMA_BWD_FEATURES names softcap, alibi and window, got {sorted(FEATURES)}")
+if not FEATURES <= {"softcap", "alibi", "window", "varlen"}:
+    raise ValueError(f"FA2_NUMBA_WGMMA_BWD_FEATURES names softcap, alibi, window and varlen, got {sorted(FEATURES)}")
 
 HEAD_DIMS = (64, 128)
 COMPUTE_CAPABILITY = (9, 0)
@@ -221,8 +241,8 @@ def refusal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dO: torch.Tensor,
         return f"takes head_dim {' or '.join(map(str, HEAD_DIMS))} for q, k and v, got {q.shape[-1]}, {v.shape[-1]}"
     if spec.sink is not None:
         return "takes no sink"
-    if spec.varlen or spec.cache_seqlens is not None or spec.block_table is not None:
-        return "takes no packed batch or KV cache"
+    if spec.cache_seqlens is not None or spec.block_table is not None:
+        return "takes no KV cache"
     if not all(rows_16b_aligned(t) for t in (q, k, v, dO)):
         return "takes q, k, v, dO contiguous along head_dim with 16 B aligned rows (cp.async)"
     return None
@@ -236,11 +256,12 @@ def takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dO: torch.Tensor, s
 def features_on(spec: AttentionSpec) -> bool:
     """Whether ``FEATURES`` lets ``uses_wgmma`` take the spec's features: a softcap only where it names
     "softcap", ALiBi only where it names "alibi", a window other than none and causal only where it names
-    "window" (a spec with none of them: True)."""
+    "window", a packed batch only where it names "varlen" (a dense spec with none of them: True)."""
     return (
         (spec.softcap == 0 or "softcap" in FEATURES)
         and (spec.alibi_slopes is None or "alibi" in FEATURES)
         and (spec.window in ((UNBOUNDED, UNBOUNDED), (UNBOUNDED, 0)) or "window" in FEATURES)
+        and (not spec.varlen or "varlen" in FEATURES)
     )
 
 
@@ -372,9 +393,9 @@ def _probability(ALIBI):
     return probability
 
 
-def _build_dkdv(HEAD_DIM, config, CAUSAL, LEFT, RIGHT, SOFTCAP, ALIBI, IS_BF16):
+def _build_dkdv(HEAD_DIM, config, CAUSAL, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN, IS_BF16):
     """The dK/dV kernel for one head dim, query tile, window (CAUSAL, LEFT, RIGHT: ``_window_flags``), softcap or
-    not, ALiBi or not, and input type."""
+    not, ALiBi or not, packed or dense, and input type."""
     BLOCK_M, DV_EARLY, TILES = config.BLOCK_M, config.DV_EARLY, config.TILES_A_STEP
     assert HEAD_DIM in HEAD_DIMS and BLOCK_M % 16 == 0 and 16 <= BLOCK_M <= 256 and TILES >= 1
     assert not (DV_EARLY and SOFTCAP) and not (CAUSAL and RIGHT)
@@ -486,6 +507,8 @@ def _build_dkdv(HEAD_DIM, config, CAUSAL, LEFT, RIGHT, SOFTCAP, ALIBI, IS_BF16):
         slopes,
         stride_ab,
         stride_ah,
+        cu_seqlens_q,
+        cu_seqlens_k,
         window_left,
         window_right,
     ):
@@ -495,15 +518,50 @@ def _build_dkdv(HEAD_DIM, config, CAUSAL, LEFT, RIGHT, SOFTCAP, ALIBI, IS_BF16):
         delta: (B·H, seqlen_q) fp32, flat; dk, dv: (B, H // group, seqlen_k, HEAD_DIM), flat, contiguous, int32
         pairs. qk_scale = scale · log2 e, with a softcap c scale / c (``common.score_scale``); softcap_log2 = c ·
         log2 e and the slopes (B, H) with their strides as ``common.feature_args`` gives them, read only with
-        SOFTCAP and ALIBI; window_left and window_right (``common.feature_args``'s) only with LEFT and RIGHT."""
-        # Key j is visible to query i iff i + diag - window_left <= j (LEFT) and j <= i + diag + right (BOUNDED).
+        SOFTCAP and ALIBI; window_left and window_right (``common.feature_args``'s, the last arguments) only with
+        LEFT and RIGHT. VARLEN: B = 1, N the packed totals, and the block's (key tile, sequence·key/value head)
+        reads its sequence's rows from cu_seqlens_q and cu_seqlens_k (``common.offset_args``, after the slopes'
+        strides: without VARLEN unread), the slopes (sequences, H); num_n_tiles covers max_seqlen_k; the window
+        bounded by the sequence's own lengths (its diag)."""
+        # Key j is visible to query i iff i + diag - window_left <= j (LEFT) and j <= i + diag + right (BOUNDED);
+        # with VARLEN diag becomes the sequence's below, before any bound is taken.
         diag = seqlen_k - seqlen_q
         right = 0 if CAUSAL else window_right
         start_n = (cuda.blockIdx.x % num_n_tiles) * BLOCK_N
         heads_k = heads // group
         off_bhk = cuda.blockIdx.x // num_n_tiles
-        off_b = off_bhk // heads_k
+        if VARLEN:
+            # Key block major instead: every sequence's block i before any block i + 1, from the first (causal: the
+            # most queries) or else from the last (only the longest sequences have one): longest first across
+            # sequences, without their lengths on the host.
+            n_block = cuda.blockIdx.x // (cuda.gridDim.x // num_n_tiles)
+            start_n = (n_block if CAUSAL else num_n_tiles - 1 - n_block) * BLOCK_N
+            off_bhk = cuda.blockIdx.x % (cuda.gridDim.x // num_n_tiles)
+        off_b = off_bhk // heads_k  # the batch; with VARLEN the sequence
         off_hk = off_bhk % heads_k
+        if VARLEN:
+            # Sequence off_b: keys k_start .. k_start + seqlen_k of the packed k, v (and dk, dv), queries q_start ..
+            # q_start + seqlen_q of q, dO, L and delta; its own lengths (and their diag) stand for seqlen_q and
+            # seqlen_k from here on. A key tile past its end exits (the whole block, before any copy or barrier).
+            q_start, seqlen_q_s = sequence(cu_seqlens_q, off_b, seqlen_q)
+            k_start, seqlen_k_s = sequence(cu_seqlens_k, off_b, seqlen_k)
+            dkv_start = off_hk * seqlen_k + k_start  # dk's and dv's row of the sequence's key 0
+            # The sequence's first row stands for the batch in q, dO and L (the row strides for the batch
+            # strides); delta is (H, total_q), flat.
+            batch_row = q_start
+            stride_qb, stride_dob, stride_lb = stride_qm, stride_dom, stride_lm
+            delta_rows, delta_head = q_start, seqlen_q
+            k_offset = off_hk * stride_kh + k_start * stride_kn
+            v_offset = off_hk * stride_vh + k_start * stride_vn
+            seqlen_q, seqlen_k = seqlen_q_s, seqlen_k_s
+            diag = seqlen_k - seqlen_q
+            if start_n >= seqlen_k:
+                return
+        else:
+            batch_row = off_b
+            delta_rows, delta_head = off_b * heads * seqlen_q, seqlen_q  # delta: (B·H, seqlen_q), flat
+            k_offset = off_b * stride_kb + off_hk * stride_kh
+            v_offset = off_b * stride_vb + off_hk * stride_vh
         wg = cuda.threadIdx.x // wgmma.WARPGROUP_SIZE
         thread = cuda.threadIdx.x % wgmma.WARPGROUP_SIZE
         lane = thread % 32
@@ -532,17 +590,9 @@ def _build_dkdv(HEAD_DIM, config, CAUSAL, LEFT, RIGHT, SOFTCAP, ALIBI, IS_BF16):
         walk = group * head_tiles
         steps = (walk + TILES - 1) // TILES
         head0 = off_hk * group
-        delta_rows = off_b * heads * seqlen_q  # delta's row of query 0 of head 0 of this batch
         if steps > 0:  # else no copy is issued (none is left in flight at the exit)
-            load_kv(tiles, k_base, off_b * stride_kb + off_hk * stride_kh, stride_kn, start_n, seqlen_k)
-            load_kv(
-                tiles + uint32(2 * KV_TILE),
-                v_base,
-                off_b * stride_vb + off_hk * stride_vh,
-                stride_vn,
-                start_n,
-                seqlen_k,
-            )
+            load_kv(tiles, k_base, k_offset, stride_kn, start_n, seqlen_k)
+            load_kv(tiles + uint32(2 * KV_TILE), v_base, v_offset, stride_vn, start_n, seqlen_k)
             next_m, next_h = begin_m, head0
             for u in range(TILES):  # step 0's tiles into stage 0
                 if u == 0 or u < walk:
@@ -553,16 +603,16 @@ def _build_dkdv(HEAD_DIM, config, CAUSAL, LEFT, RIGHT, SOFTCAP, ALIBI, IS_BF16):
                         u,
                         next_m,
                         q_base,
-                        off_b * stride_qb + next_h * stride_qh,
+                        batch_row * stride_qb + next_h * stride_qh,
                         do_base,
-                        off_b * stride_dob + next_h * stride_doh,
+                        batch_row * stride_dob + next_h * stride_doh,
                         stride_qm,
                         stride_dom,
                         lse,
-                        off_b * stride_lb + next_h * stride_lh,
+                        batch_row * stride_lb + next_h * stride_lh,
                         stride_lm,
                         delta,
-                        delta_rows + next_h * seqlen_q,
+                        delta_rows + next_h * delta_head,
                         seqlen_q,
                     )
                     next_m, next_h = next_tile(next_m, next_h, begin_m, end_m)
@@ -592,16 +642,16 @@ def _build_dkdv(HEAD_DIM, config, CAUSAL, LEFT, RIGHT, SOFTCAP, ALIBI, IS_BF16):
                         TILES * (1 - buf) + u,
                         next_m,
                         q_base,
-                        off_b * stride_qb + next_h * stride_qh,
+                        batch_row * stride_qb + next_h * stride_qh,
                         do_base,
-                        off_b * stride_dob + next_h * stride_doh,
+                        batch_row * stride_dob + next_h * stride_doh,
                         stride_qm,
                         stride_dom,
                         lse,
-                        off_b * stride_lb + next_h * stride_lh,
+                        batch_row * stride_lb + next_h * stride_lh,
                         stride_lm,
                         delta,
-                        delta_rows + next_h * seqlen_q,
+                        delta_rows + next_h * delta_head,
                         seqlen_q,
                     )
                     next_m, next_h = next_tile(next_m, next_h, begin_m, end_m)
@@ -710,16 +760,17 @@ def _build_dkdv(HEAD_DIM, config, CAUSAL, LEFT, RIGHT, SOFTCAP, ALIBI, IS_BF16):
             start_m, start_h = step_m, step_h
 
         # Epilogue: dk = scale · dK, dv = dV, each element once (keys that no row sees: zeros).
-        dkv_start = off_bhk * seqlen_k  # dk's and dv's row of key 0 of this (batch, key/value head)
+        if not VARLEN:
+            dkv_start = off_bhk * seqlen_k  # dk's and dv's row of key 0 of this (batch, key/value head)
         store_rows(dk, dk_acc, scale, dkv_start + key0, dkv_start + seqlen_k, t)
         store_rows(dv, dv_acc, float32(1.0), dkv_start + key0, dkv_start + seqlen_k, t)
 
     return cuda.jit(_attn_bwd_dkdv_wgmma)
 
 
-def _build_dq(HEAD_DIM, config, CAUSAL, LEFT, RIGHT, SOFTCAP, ALIBI, IS_BF16):
+def _build_dq(HEAD_DIM, config, CAUSAL, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN, IS_BF16):
     """The dQ kernel for one head dim, key tile, window (CAUSAL, LEFT, RIGHT: ``_window_flags``), softcap or not,
-    ALiBi or not, and input type."""
+    ALiBi or not, packed or dense, and input type."""
     BLOCK_N_DQ = config.DQ_BLOCK_N
     assert HEAD_DIM in HEAD_DIMS and BLOCK_N_DQ % 16 == 0 and 16 <= BLOCK_N_DQ <= 256 and not (CAUSAL and RIGHT)
     BOUNDED = CAUSAL or RIGHT  # a right edge: keys more than right (0 with CAUSAL) right of the diagonal masked
@@ -770,13 +821,17 @@ def _build_dq(HEAD_DIM, config, CAUSAL, LEFT, RIGHT, SOFTCAP, ALIBI, IS_BF16):
         slopes,
         stride_ab,
         stride_ah,
+        cu_seqlens_q,
+        cu_seqlens_k,
         window_left,
         window_right,
     ):
         """One block: BLOCK_M_DQ query rows of one (batch, head). q, k, v, do, lse, delta and the strides as the
         dK/dV kernel's, as are qk_scale, softcap_log2, the slopes and the window; dq: (B, H, seqlen_q, HEAD_DIM),
-        flat, contiguous, int32 pairs."""
-        # Key j is visible to query i iff i + diag - window_left <= j (LEFT) and j <= i + diag + right (BOUNDED).
+        flat, contiguous, int32 pairs. VARLEN: as the dK/dV kernel's, b the sequence, num_m_tiles covering
+        max_seqlen_q."""
+        # Key j is visible to query i iff i + diag - window_left <= j (LEFT) and j <= i + diag + right (BOUNDED);
+        # with VARLEN diag becomes the sequence's below, before any bound is taken.
         diag = seqlen_k - seqlen_q
         right = 0 if CAUSAL else window_right
         m_block = cuda.blockIdx.x % num_m_tiles
@@ -784,9 +839,39 @@ def _build_dq(HEAD_DIM, config, CAUSAL, LEFT, RIGHT, SOFTCAP, ALIBI, IS_BF16):
             m_block = num_m_tiles - 1 - m_block  # the longest rows first
         start_m = m_block * BLOCK_M_DQ
         off_bh = cuda.blockIdx.x // num_m_tiles
-        off_b = off_bh // heads
+        if VARLEN:
+            # Query block major instead, the last first: only the longest sequences have the last blocks, and
+            # causal's later rows see more keys: longest first across sequences, without their lengths on the host.
+            m_block = num_m_tiles - 1 - cuda.blockIdx.x // (cuda.gridDim.x // num_m_tiles)
+            start_m = m_block * BLOCK_M_DQ
+            off_bh = cuda.blockIdx.x % (cuda.gridDim.x // num_m_tiles)
+        off_b = off_bh // heads  # the batch; with VARLEN the sequence
         off_h = off_bh % heads
         off_hk = off_h // group  # GQA: the group's query heads share key/value head off_hk
+        if VARLEN:
+            # Sequence off_b: queries q_first .. q_first + seqlen_q of the packed q, dO, L, delta (and dq), keys
+            # k_first .. k_first + seqlen_k of k and v; its own lengths (and their diag) stand for seqlen_q and
+            # seqlen_k from here on. A query tile past its end exits (the whole block, before any copy or
+            # barrier).
+            q_first, seqlen_q_s = sequence(cu_seqlens_q, off_b, seqlen_q)
+            k_first, seqlen_k = sequence(cu_seqlens_k, off_b, seqlen_k)
+            q_start = off_h * seqlen_q + q_first  # dq's and delta's row of the sequence's query 0
+            q_offset = off_h * stride_qh + q_first * stride_qm
+            do_offset = off_h * stride_doh + q_first * stride_dom
+            l_offset = off_h * stride_lh + q_first * stride_lm
+            k_offset = off_hk * stride_kh + k_first * stride_kn
+            v_offset = off_hk * stride_vh + k_first * stride_vn
+            seqlen_q = seqlen_q_s
+            diag = seqlen_k - seqlen_q
+            if start_m >= seqlen_q:
+                return
+        else:
+            q_start = off_bh * seqlen_q  # dq's and delta's row of query 0 of this (batch, head)
+            q_offset = off_b * stride_qb + off_h * stride_qh
+            do_offset = off_b * stride_dob + off_h * stride_doh
+            l_offset = off_b * stride_lb + off_h * stride_lh
+            k_offset = off_b * stride_kb + off_hk * stride_kh
+            v_offset = off_b * stride_vb + off_hk * stride_vh
         wg = cuda.threadIdx.x // wgmma.WARPGROUP_SIZE
         thread = cuda.threadIdx.x % wgmma.WARPGROUP_SIZE
         lane = thread % 32
@@ -801,8 +886,6 @@ def _build_dq(HEAD_DIM, config, CAUSAL, LEFT, RIGHT, SOFTCAP, ALIBI, IS_BF16):
         do_tile = tiles + uint32((2 + wg) * QDO_TILE)
         kv_tiles = tiles + uint32(4 * QDO_TILE)
         k_base, v_base = global_address(k), global_address(v)
-        k_offset = off_b * stride_kb + off_hk * stride_kh
-        v_offset = off_b * stride_vb + off_hk * stride_vh
 
         # L · log2 e and delta of the thread's two rows (+inf and 0 past seqlen_q: their P is zero).
         lse_row = cuda.local.array(2, float32)
@@ -812,8 +895,8 @@ def _build_dq(HEAD_DIM, config, CAUSAL, LEFT, RIGHT, SOFTCAP, ALIBI, IS_BF16):
             lse_row[h] = float32(math.inf)
             delta_row[h] = 0.0
             if row < seqlen_q:
-                lse_row[h] = lse[uint64(off_b * stride_lb + off_h * stride_lh + row * stride_lm)] * float32(LOG2E)
-                delta_row[h] = delta[uint64(off_bh * seqlen_q + row)]
+                lse_row[h] = lse[uint64(l_offset + row * stride_lm)] * float32(LOG2E)
+                delta_row[h] = delta[uint64(q_start + row)]
 
         # The key tiles some row of the block sees: from the one holding the first row's left edge, up to the
         # last row's right edge (none where that is left of the first).
@@ -821,15 +904,8 @@ def _build_dq(HEAD_DIM, config, CAUSAL, LEFT, RIGHT, SOFTCAP, ALIBI, IS_BF16):
         end_n = max(min(seqlen_k, min(start_m + BLOCK_M_DQ, seqlen_q) + diag + right), 0) if BOUNDED else seqlen_k
         n_tiles = -(-(end_n - begin_n) // BLOCK_N_DQ)
         if n_tiles > 0:  # else no copy is issued (none is left in flight at the exit)
-            load_qdo(tiles, global_address(q), off_b * stride_qb + off_h * stride_qh, stride_qm, start_m, seqlen_q)
-            load_qdo(
-                tiles + uint32(2 * QDO_TILE),
-                global_address(do),
-                off_b * stride_dob + off_h * stride_doh,
-                stride_dom,
-                start_m,
-                seqlen_q,
-            )
+            load_qdo(tiles, global_address(q), q_offset, stride_qm, start_m, seqlen_q)
+            load_qdo(tiles + uint32(2 * QDO_TILE), global_address(do), do_offset, stride_dom, start_m, seqlen_q)
             load_kv(kv_tiles, k_base, k_offset, stride_kn, begin_n, seqlen_k)
             load_kv(kv_tiles + uint32(KV_TILE), v_base, v_offset, stride_vn, begin_n, seqlen_k)
             cp_async_commit()
@@ -904,13 +980,13 @@ def _build_dq(HEAD_DIM, config, CAUSAL, LEFT, RIGHT, SOFTCAP, ALIBI, IS_BF16):
                 acc = wgmma.wgmma_fence_operand(acc)
 
         # Epilogue: dq = scale · dQ, each element once (rows that see no key: zeros).
-        q_start = off_bh * seqlen_q  # dq's row of query 0 of this (batch, head)
         store_rows(dq, acc, scale, q_start + row0, q_start + seqlen_q, t)
 
     return cuda.jit(_attn_bwd_dq_wgmma)
 
 
-# Compiled kernels by ("dkdv" or "dq", HEAD_DIM, WgmmaBwdConfig, CAUSAL, LEFT, RIGHT, SOFTCAP, ALIBI, IS_BF16).
+# Compiled kernels by ("dkdv" or "dq", HEAD_DIM, WgmmaBwdConfig, CAUSAL, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN,
+# IS_BF16).
 _KERNELS: dict[tuple, object] = {}
 # Prepared launches (preprocess, dK/dV, dQ; ``launch.prepare``) by class of call: the tensors' shapes, strides
 # and dtypes, the device, whether their data is 16 B aligned, the spec's values (``spec_class``), the config.
@@ -927,10 +1003,13 @@ def _kernel(name, *key):
     return kernel
 
 
-def _slopes_position(spec: AttentionSpec, score_args_at: int) -> tuple[int, ...]:
+def _spec_positions(spec: AttentionSpec, score_args_at: int) -> tuple[int, ...]:
     """Where a kernel whose ``feature_args`` tail (softcap_log2, slopes, strides) starts at score_args_at takes
-    the slopes, as a varying tensor of its prepared launch: (score_args_at + 1,) with ALiBi, else ()."""
-    return () if spec.alibi_slopes is None else (score_args_at + 1,)
+    ``spec_tensors``' tensors, varying tensors of its prepared launch: the slopes at score_args_at + 1 with ALiBi,
+    a packed batch's cu_seqlens_q and cu_seqlens_k after the tail (``offset_args``; the window's sizes after them,
+    so that these places hold with a window or without)."""
+    slopes = () if spec.alibi_slopes is None else (score_args_at + 1,)
+    return (*slopes, score_args_at + 4, score_args_at + 5) if spec.varlen else slopes
 
 
 def flash_attn_backward(
@@ -958,14 +1037,17 @@ def flash_attn_backward(
                 causal, seqlen_q = 2, seqlen_k = 5:   1 1 1 1 0
                                                       1 1 1 1 1
 
-            a softcap and ALiBi slopes ((batch, heads) fp32, no gradient) as ``backward_tc`` takes them
-            (``refusal`` names what these kernels do not take).
+            a softcap and ALiBi slopes ((batch, heads) fp32, no gradient) as ``backward_tc`` takes them; for a
+            packed batch cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k: q, O, dO (1, heads, total_q,
+            head_dim), L (1, heads, total_q), k, v (1, heads_k, total_k, head_dim), the slopes (sequences,
+            heads), each sequence's rows given by the offsets, its mask and gradients its own (``refusal``
+            names what these kernels do not take).
         config: the kernels' tiles, for tuning; default ``bwd_config(head_dim)`` (DV_EARLY takes no softcap).
 
     Returns:
         dq, dk, dv in the shapes and dtypes of q, k, v (dk, dv: each key/value head's gradient summed over its
         group's query heads), contiguous; rows that see no key get dq = 0, keys that no row sees dk = dv = 0.
-        Three launches (preprocess, dK/dV, dQ), no host sync.
+        Three launches (preprocess, dK/dV, dQ) whatever the number of sequences, no host sync.
     """
     key = None
     if launch.FAST:  # a call of a class met before: the kernels' parameters are packed, only pointers change
@@ -981,7 +1063,7 @@ def flash_attn_backward(
             dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
             delta = torch.empty(q.shape[0] * q.shape[1] * q.shape[2], dtype=torch.float32, device=q.device)
             preprocess(*preprocess_tensors(O, dO, L, delta, None, spec))
-            extra = spec_tensors(spec)  # the slopes with ALiBi
+            extra = spec_tensors(spec)  # the slopes with ALiBi, a packed batch's offsets
             dkdv(q, k, v, dO, L, delta, dk, dv, *extra)
             dq_kernel(q, k, v, dO, L, delta, dq, *extra)
             return dq, dk, dv
@@ -999,7 +1081,10 @@ def flash_attn_backward(
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
-    if batch * heads == 0 or seqlen_k == 0 or seqlen_q == 0:
+    # The grids: per (sequence, head) the tiles of the longest sequence with a packed batch (the others' extra
+    # tiles exit).
+    grid_batch, grid_seqlen_q, grid_seqlen_k = grid_extent(spec, q, k)
+    if batch * heads == 0 or seqlen_k == 0 or seqlen_q == 0 or grid_batch * grid_seqlen_q * grid_seqlen_k == 0:
         # An empty side: no score, so zero gradients (backward_tc's kernels write them, seqlen_k = 0 or not).
         return backward_tc.flash_attn_backward(q, k, v, O, L, dO, spec)
     config = WgmmaBwdConfig(*config) if config is not None else bwd_config(head_dim)
@@ -1014,36 +1099,45 @@ def flash_attn_backward(
     if config.DV_EARLY and spec.softcap:
         raise ValueError(f"WgmmaBwdConfig's DV_EARLY takes no softcap (its Pᵀ is made after dPᵀ's wait), got {config}")
     delta = torch.empty(batch * heads * seqlen_q, dtype=torch.float32, device=q.device)
-    # delta = rowsum(dO ∘ O): the SIMT preprocess (fp32 sums).
+    # delta = rowsum(dO ∘ O): the SIMT preprocess (fp32 sums; per row, a packed batch as one sequence).
     preprocess = launch_preprocess(O, dO, L, delta, None, spec)
-    flags = (config, *_window_flags(spec), spec.softcap > 0, spec.alibi_slopes is not None, q.dtype == torch.bfloat16)
+    flags = (
+        config,
+        *_window_flags(spec),
+        spec.softcap > 0,
+        spec.alibi_slopes is not None,
+        spec.varlen,
+        q.dtype == torch.bfloat16,
+    )
     inputs = (*(t.view(torch.int16) for t in (q, k, v, dO)), L, delta)
     strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dO.stride()[:3], *L.stride())
     sizes = (heads, heads // heads_k, seqlen_q, seqlen_k, np.float32(spec.scale), np.float32(score_scale(spec)))
     # After the tile count: softcap_log2, the slopes and their strides (unread without SOFTCAP and ALIBI), then
-    # the window's sizes (unread without LEFT and RIGHT; last, so that the other arguments keep their places).
+    # a packed batch's offsets (unread without VARLEN), then the window's sizes (unread without LEFT and RIGHT;
+    # last, so that the other arguments keep their places: ``_spec_positions`` holds with a window or without).
     window_left, window_right, *score_args = feature_args(spec, seqlen_q, seqlen_k, q.device)
-    num_n_tiles = -(-seqlen_k // BLOCK_N)
+    tail = (*score_args, *offset_args(spec, q.device), window_left, window_right)
+    num_n_tiles = -(-grid_seqlen_k // BLOCK_N)
     head = (*inputs, dk.view(torch.int32), dv.view(torch.int32), *strides, *sizes, num_n_tiles)
     dkdv = launch.prepare(
         _kernel("dkdv", head_dim, *flags),
-        num_n_tiles * batch * heads_k,
+        num_n_tiles * grid_batch * heads_k,
         NUM_THREADS,
         q.device,
-        (*head, *score_args, window_left, window_right),
-        (*range(8), *_slopes_position(spec, len(head))),
+        (*head, *tail),
+        (*range(8), *_spec_positions(spec, len(head))),
         shared_bytes("dkdv", head_dim, config),
     )
     if config.DQ_WGMMA:
-        num_m_tiles = -(-seqlen_q // BLOCK_M_DQ)
+        num_m_tiles = -(-grid_seqlen_q // BLOCK_M_DQ)
         head = (*inputs, dq.view(torch.int32), *strides, *sizes, num_m_tiles)
         dq_kernel = launch.prepare(
             _kernel("dq", head_dim, *flags),
-            num_m_tiles * batch * heads,
+            num_m_tiles * grid_batch * heads,
             NUM_THREADS,
             q.device,
-            (*head, *score_args, window_left, window_right),
-            (*range(7), *_slopes_position(spec, len(head))),
+            (*head, *tail),
+            (*range(7), *_spec_positions(spec, len(head))),
             shared_bytes("dq", head_dim, config),
         )
     else:  # backward_tc's, its own tiles (the device's shared memory allowing)
@@ -1061,7 +1155,7 @@ def kernel_resources() -> list[dict]:
     if simulated():
         return []
     rows = []
-    for (name, HEAD_DIM, config, CAUSAL, LEFT, RIGHT, SOFTCAP, ALIBI, IS_BF16), kernel in _KERNELS.items():
+    for (name, HEAD_DIM, config, CAUSAL, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN, IS_BF16), kernel in _KERNELS.items():
         regs = kernel.get_regs_per_thread()
         shared = kernel.get_shared_mem_per_block()
         local = kernel.get_local_mem_per_thread()
@@ -1076,6 +1170,7 @@ def kernel_resources() -> list[dict]:
                     "right": RIGHT,
                     "softcap": SOFTCAP,
                     "alibi": ALIBI,
+                    "varlen": VARLEN,
                     "bf16": IS_BF16,
                     "registers_per_thread": regs[signature],
                     "shared_bytes_per_block": shared[signature],
