@@ -9,15 +9,19 @@
 - softcap and ALiBi (the kernels' SOFTCAP and ALIBI): against the reference on the simulator (4 cases, both
   kernels, causal and full, GQA with a step's two tiles of two heads, D128), and on the GPU also against
   backward_tc's gradients;
+- windows (the kernels' LEFT and RIGHT, and CAUSAL with a left side): against the reference on the simulator (3
+  cases: left and right with seqlen_q < seqlen_k, ALiBi and DV_EARLY; (left, 0) with GQA, a softcap and a step's
+  two tiles of two heads; (0, right) at D128), and on the GPU also against backward_tc's gradients;
 - packed batches (VARLEN): the whole batch's dq, dk, dv against the fp64 reference's
   (``reference.varlen_attention``, test_varlen's rule) on the simulator (3 cases: Nq != Nk per sequence both
   ways, a one-token sequence, a sequence without queries, GQA with a step's two tiles of two heads, softcap,
-  ALiBi per sequence, DV_EARLY, D128), and on the GPU (bf16, an empty sequence) also against backward_tc's;
+  ALiBi per sequence, DV_EARLY, D128; and one with a window, bounded by each sequence's own lengths), and on
+  the GPU (bf16, an empty sequence; with windows too) also against backward_tc's;
 - ``refusal``/``takes`` refusing what the kernels do not compute, ``uses_wgmma`` off without the switch or a
   Hopper GPU, and ``fa2_numba_cuda.backward`` running them only where ``uses_wgmma`` holds (``ENABLED``
-  monkeypatched), the switch read from the environment at import; softcap, ALiBi and packed batches taken by
-  them only where ``FEATURES`` names them (its environment variable read at import; on the GPU, the dispatch
-  with it off and on).
+  monkeypatched), the switch read from the environment at import; softcap, ALiBi, windows and packed batches
+  taken by them only where ``FEATURES`` names them (its environment variable read at import; on the GPU, the
+  dispatch with it off and on).
 
 The simulator checks the index math against the ISA's tables as ``wgmma.py`` reads them, and the ordering of
 cp.async, the wgmma waits and the fences as its emulation models them (not the async proxy); only the GPU run
@@ -213,10 +217,82 @@ def test_softcap_and_alibi_match_reference(wgmma_device, shape, causal, softcap,
     O, L = O64.to(dtype), L64.float()
     spec = AttentionSpec(shape[-1] ** -0.5, (-1, 0) if causal else (-1, -1), softcap, slopes, h // shape[2])
     grads = backward_wgmma.flash_attn_backward(q, k, v, O, L, dO, spec, config)
-    assert {key[4:6] for key in backward_wgmma._KERNELS} >= {(softcap > 0, alibi)}
+    assert {key[6:8] for key in backward_wgmma._KERNELS} >= {(softcap > 0, alibi)}
     assert_grads_match(*grads, q, k, v, dO, causal, **features)
     if not SIMULATED:
         _, tols = grad_tolerances(q, k, v, dO, causal, **features)
+        for name, x, y, tol in zip(
+            ("dq", "dk", "dv"), grads, backward_tc.flash_attn_backward(q, k, v, O, L, dO, spec), tols
+        ):
+            err = (x.float() - y.float()).abs().max().item()
+            assert err <= tol, f"max |{name} - backward_tc's| = {err:.3g} > tolerance {tol:.3g}"
+
+
+# Windows: (B, H, H_k, seqlen_q, seqlen_k, D), (left, right), softcap, ALiBi, config. Each simulator case has
+# query (dK/dV) and key (dQ) tiles outside the window that the walks skip, steps where a warpgroup sees none of the
+# tile (skipped) and where the tile crosses an edge (masked).
+if SIMULATED:
+    WINDOW_CASES = [
+        # a band of 16 keys a row: both kernels' walks cut at both ends; the dQ kernel on wgmma at D64, dV issued
+        # before dSᵀ
+        ((1, 1, 1, 140, 150, 64), (10, 5), 0.0, True, EARLY),
+        # a sliding window on a causal layer (CAUSAL and LEFT): GQA 2:1, the second block's 3 tiles a head in
+        # steps of two, the middle one of two heads
+        ((1, 2, 1, 150, 200, 64), (40, 0), 2.0, False, SMALL_TWO_TILES),
+        ((1, 1, 1, 70, 90, 128), (0, 40), 0.0, False, None),  # left 0, right above 0; the default tiles at D128
+    ]
+else:
+    WINDOWS = [(256, 0), (1, 0), (100, 100), (0, 64), (-1, 37), (300, -1)]
+    WINDOW_CASES = [
+        # where some row sees two keys or more (with one at most, the suite's rule allows dq no error at all: its
+        # reference is exactly 0; (0, 64) with one query)
+        *[
+            (shape, window, 0.0, False, None)
+            for shape in GPU_SHAPES
+            for window in WINDOWS
+            if reference.window_mask(shape[3], shape[4], window, "cpu").sum(-1).max() > 1
+        ],
+        *[(shape, window, 50.0, True, None) for shape in GPU_SHAPES[:6] for window in ((256, 0), (100, 100))],
+        *[
+            (shape, window, 0.0, False, config)
+            for shape in GPU_SHAPES[:6]
+            for window in ((256, 0), (100, 100))
+            for config in (EARLY, SMALL, TWO_TILES)
+        ],
+    ]
+
+
+def _window_id(shape, window, softcap, alibi, config):
+    b, h, h_k, n_q, n_k, d = shape
+    name = f"B{b}-H{h}" + (f"-Hk{h_k}" if h_k != h else "") + f"-{n_q}x{n_k}-D{d}-window{window[0]}_{window[1]}"
+    name += f"-softcap{softcap:g}" if softcap else ""
+    name += "-alibi" if alibi else ""
+    if config is not None:
+        name += f"-M{config.BLOCK_M}" + ("-dv-early" if config.DV_EARLY else "")
+        name += f"-dqN{config.DQ_BLOCK_N}" if config.DQ_WGMMA else "-tc-dq"
+        name += f"-{config.TILES_A_STEP}tiles" if config.TILES_A_STEP > 1 else ""
+    return name
+
+
+@pytest.mark.parametrize(
+    "shape, window, softcap, alibi, config", [pytest.param(*c, id=_window_id(*c)) for c in WINDOW_CASES]
+)
+def test_windows_match_reference(wgmma_device, shape, window, softcap, alibi, config):
+    """dq, dk, dv against the fp64 reference (fp16 on the simulator, bf16 on the GPU, where they are also checked
+    against backward_tc's within the same tolerance)."""
+    dtype = torch.float16 if SIMULATED else torch.bfloat16
+    q, k, v, dO = _inputs(dtype, shape, wgmma_device)
+    b, h = shape[:2]
+    slopes = torch.rand(b, h, generator=torch.Generator().manual_seed(shape[3])).to(wgmma_device) if alibi else None
+    features = dict(window=window, softcap=softcap, alibi_slopes=slopes)
+    O64, L64 = reference.attention(q.double(), k.double(), v.double(), **features)
+    O, L = O64.to(dtype), L64.float()
+    spec = AttentionSpec(shape[-1] ** -0.5, window, softcap, slopes, h // shape[2])
+    grads = backward_wgmma.flash_attn_backward(q, k, v, O, L, dO, spec, config)
+    assert {key[3:6] for key in backward_wgmma._KERNELS} >= {backward_wgmma._window_flags(spec)}
+    assert_grads_match(*grads, q, k, v, dO, False, **features)
+    if not SIMULATED:
+        _, tols = grad_tolerances(q, k, v, dO, False, **features)
         for name, x, y, tol in zip(
             ("dq", "dk", "dv"), grads, backward_tc.flash_attn_backward(q, k, v, O, L, dO, spec), tols
         ):
@@ -231,32 +307,53 @@ def test_dv_early_takes_no_softcap():
         backward_wgmma.flash_attn_backward(q, k, v, torch.zeros_like(q), torch.zeros(q.shape[:3]), dO, spec, EARLY)
 
 
-# Packed batches: (lens_q, lens_k, H, H_k, D), causal, softcap, ALiBi, config.
+# Packed batches: (lens_q, lens_k, H, H_k, D), window ((-1, 0) causal, (-1, -1) full), softcap, ALiBi, config.
+FULL, CAUSAL_WINDOW = (-1, -1), (-1, 0)
 if SIMULATED:
     VARLEN_CASES = [
         # Nq != Nk both ways, a one-token sequence: three blocks a kernel of which two exit at once; the dQ kernel
         # on wgmma too
-        (([70, 1, 130], [100, 3, 60], 1, 1, 64), True, 0.0, False, WGMMA_DQ),
+        (([70, 1, 130], [100, 3, 60], 1, 1, 64), CAUSAL_WINDOW, 0.0, False, WGMMA_DQ),
         # GQA 2:1, 32-row tiles two a step (3 tiles a head: a step's tiles of two heads), a sequence without
         # queries (its keys: dk = dv = 0), softcap and ALiBi per (sequence, head)
-        (([40, 0, 75], [50, 20, 64], 2, 1, 64), True, 2.0, True, SMALL_TWO_TILES),
+        (([40, 0, 75], [50, 20, 64], 2, 1, 64), CAUSAL_WINDOW, 2.0, True, SMALL_TWO_TILES),
         # D128, dV issued early, full: the first sequence's second key block, the second's second dQ block
-        (([50, 130], [130, 40], 1, 1, 128), False, 0.0, True, EARLY),
+        (([50, 130], [130, 40], 1, 1, 128), FULL, 0.0, True, EARLY),
+        # a 29-key band on each sequence's own diagonal (40, -3, -50; the totals' would be -13), GQA 2:1, 32-row
+        # tiles two a step: tiles cut from both kernels' walks at either end, the last sequence's first 42 rows
+        # see no key, the short one's rows all see both its keys
+        (([90, 5, 150], [130, 2, 100], 2, 1, 64), (20, 8), 0.0, False, SMALL_TWO_TILES),
     ]
 else:
+    LENGTHS = (([300, 0, 1000, 77, 1], [500, 40, 1000, 0, 129]), ([2048, 129, 640], [2048, 129, 640]))
     VARLEN_CASES = [
-        ((lens_q, lens_k, 4, 2, d), causal, softcap, alibi, config)
-        for lens_q, lens_k in (([300, 0, 1000, 77, 1], [500, 40, 1000, 0, 129]), ([2048, 129, 640], [2048, 129, 640]))
-        for d in (64, 128)
-        for causal in (False, True)
-        for softcap, alibi, config in ((0.0, False, None), (50.0, True, None), (0.0, False, TWO_TILES))
+        *[
+            ((lens_q, lens_k, 4, 2, d), window, softcap, alibi, config)
+            for lens_q, lens_k in LENGTHS
+            for d in (64, 128)
+            for window in (FULL, CAUSAL_WINDOW)
+            for softcap, alibi, config in ((0.0, False, None), (50.0, True, None), (0.0, False, TWO_TILES))
+        ],
+        # windows, each sequence's own
+        *[
+            ((lens_q, lens_k, 4, 2, d), window, 0.0, False, None)
+            for lens_q, lens_k in LENGTHS
+            for d in (64, 128)
+            for window in ((256, 0), (100, 100), (-1, 37))
+        ],
+        *[
+            ((lens_q, lens_k, 4, 2, 128), (256, 0), softcap, alibi, config)
+            for lens_q, lens_k in LENGTHS
+            for softcap, alibi, config in ((50.0, True, None), (0.0, False, TWO_TILES))
+        ],
     ]
 
 
-def _varlen_id(lens, causal, softcap, alibi, config):
+def _varlen_id(lens, window, softcap, alibi, config):
     lens_q, lens_k, h, h_k, d = lens
     name = f"q{'.'.join(map(str, lens_q))}-k{'.'.join(map(str, lens_k))}-H{h}-Hk{h_k}-D{d}-"
-    name += ("causal" if causal else "full") + (f"-softcap{softcap:g}" if softcap else "") + ("-alibi" if alibi else "")
+    name += {FULL: "full", CAUSAL_WINDOW: "causal"}.get(window, f"window{window[0]}_{window[1]}")
+    name += (f"-softcap{softcap:g}" if softcap else "") + ("-alibi" if alibi else "")
     if config is not None:
         name += f"-M{config.BLOCK_M}" + ("-dv-early" if config.DV_EARLY else "")
         name += f"-dqN{config.DQ_BLOCK_N}" if config.DQ_WGMMA else "-tc-dq"
@@ -282,13 +379,14 @@ def _varlen_grads(q, k, v, dO, cu_q, cu_k, causal, upcast, **options):
 
 
 @pytest.mark.parametrize(
-    "lens, causal, softcap, alibi, config", [pytest.param(*c, id=_varlen_id(*c)) for c in VARLEN_CASES]
+    "lens, window, softcap, alibi, config", [pytest.param(*c, id=_varlen_id(*c)) for c in VARLEN_CASES]
 )
-def test_packed_batches_match_reference(wgmma_device, lens, causal, softcap, alibi, config):
+def test_packed_batches_match_reference(wgmma_device, lens, window, softcap, alibi, config):
     """dq, dk, dv ((1, heads, total, D)) of the whole packed batch against the fp64 reference's by test_varlen's
     rule (three times a same-precision naive attention's error plus twice the reference's rounding to the dtype);
     fp16 on the simulator, bf16 on the GPU, where they are also checked against backward_tc's within the same
-    tolerance. Keys of a sequence without queries get dk = dv = 0, rows of one without keys dq = 0."""
+    tolerance. Keys of a sequence without queries get dk = dv = 0, rows of one without keys dq = 0. A window is
+    each sequence's own (bottom-right aligned on its lengths)."""
     lens_q, lens_k, h, h_k, d = lens
     dtype = torch.float16 if SIMULATED else torch.bfloat16
     g = torch.Generator().manual_seed(sum(lens_q) + d)
@@ -297,16 +395,16 @@ def test_packed_batches_match_reference(wgmma_device, lens, causal, softcap, ali
         for n, heads in ((lens_q, h), (lens_k, h_k), (lens_k, h_k), (lens_q, h))
     )
     slopes = torch.rand(len(lens_q), h, generator=g).to(wgmma_device) if alibi else None
-    options = dict(softcap=softcap, alibi_slopes=slopes)
+    options = dict(window=window, softcap=softcap, alibi_slopes=slopes)
     cu_q, cu_k = _offsets(lens_q, wgmma_device), _offsets(lens_k, wgmma_device)
-    O64, L64 = reference.varlen_attention(q.double(), k.double(), v.double(), cu_q, cu_k, causal, **options)
-    window = (-1, 0) if causal else (-1, -1)
+    O64, L64 = reference.varlen_attention(q.double(), k.double(), v.double(), cu_q, cu_k, **options)
     spec = AttentionSpec(d**-0.5, window, softcap, slopes, h // h_k, cu_q, cu_k, max(lens_q), max(lens_k))
     args = (*(_packed(t) for t in (q, k, v, O64.to(dtype))), L64.float()[None], _packed(dO))
     got = backward_wgmma.flash_attn_backward(*args, spec, config)
-    assert any(key[6] for key in backward_wgmma._KERNELS), "built with VARLEN"
-    ref = _varlen_grads(q, k, v, dO, cu_q, cu_k, causal, True, **options)
-    naive = _varlen_grads(q, k, v, dO, cu_q, cu_k, causal, False, **options)
+    flags = backward_wgmma._window_flags(spec)
+    assert any(key[8] and key[3:6] == flags for key in backward_wgmma._KERNELS), "built with VARLEN and the window"
+    ref = _varlen_grads(q, k, v, dO, cu_q, cu_k, False, True, **options)
+    naive = _varlen_grads(q, k, v, dO, cu_q, cu_k, False, False, **options)
     tc = None if SIMULATED else backward_tc.flash_attn_backward(*args, spec)
     for i, (name, x, r, n) in enumerate(zip(("dq", "dk", "dv"), got, ref, naive)):
         x = x[0].transpose(0, 1)
@@ -381,6 +479,7 @@ def test_takes_dense_16_bit_head_dim_64_and_128():
                 dict(softcap=5.0),
                 dict(alibi_slopes=torch.ones(1, 4)),
                 dict(softcap=5.0, alibi_slopes=torch.ones(1, 4)),
+                *[dict(window=window) for window in ((8, 0), (0, 0), (3, 5), (0, 7), (-1, 2), (4, -1))],
             ):
                 assert backward_wgmma.takes(q, k, v, dO, _spec(q, k, True).replace(**features)), features
 
@@ -413,7 +512,6 @@ def test_takes_packed_batches():
             lambda q, k, v, o, s: ((q[..., :32], k[..., :32], v[..., :32], o[..., :32]), s), "head_dim", id="D32"
         ),
         pytest.param(lambda q, k, v, o, s: ((q, k, v[..., :32], o), s), "head_dim", id="v-head-dim"),
-        pytest.param(lambda q, k, v, o, s: ((q, k, v, o), s.replace(window=(8, 0))), "window", id="window"),
         pytest.param(lambda q, k, v, o, s: ((q, k, v, o), s.replace(sink=torch.zeros(2))), "sink", id="sink"),
         pytest.param(
             lambda q, k, v, o, s: ((q, k, v, o), s.replace(cache_seqlens=torch.tensor([16], dtype=torch.int32))),
@@ -478,54 +576,69 @@ def test_backward_runs_them_only_where_uses_wgmma_holds(monkeypatch, enabled):
 
 
 @pytest.mark.parametrize(
-    "features, softcap, alibi, both, varlen",
+    "features, softcap, alibi, both, window, varlen",
     [
-        pytest.param(frozenset(), False, False, False, False, id="none"),
-        pytest.param(frozenset({"softcap"}), True, False, False, False, id="softcap"),
-        pytest.param(frozenset({"alibi"}), False, True, False, False, id="alibi"),
-        pytest.param(frozenset({"softcap", "alibi"}), True, True, True, False, id="both"),
-        pytest.param(frozenset({"varlen"}), False, False, False, True, id="varlen"),
+        pytest.param(frozenset(), False, False, False, False, False, id="none"),
+        pytest.param(frozenset({"softcap"}), True, False, False, False, False, id="softcap"),
+        pytest.param(frozenset({"alibi"}), False, True, False, False, False, id="alibi"),
+        pytest.param(frozenset({"softcap", "alibi"}), True, True, True, False, False, id="both"),
+        pytest.param(frozenset({"window"}), False, False, False, True, False, id="window"),
+        pytest.param(frozenset({"varlen"}), False, False, False, False, True, id="varlen"),
+        pytest.param(frozenset({"window", "varlen"}), False, False, False, True, True, id="window-varlen"),
     ],
 )
-def test_features_on_needs_features_to_name_them(monkeypatch, features, softcap, alibi, both, varlen):
-    """``features_on`` (part of ``uses_wgmma``): a dense spec always; a softcap, ALiBi or both, a packed batch,
-    only where ``FEATURES`` names each (a packed batch with ALiBi needs both names)."""
+def test_features_on_needs_features_to_name_them(monkeypatch, features, softcap, alibi, both, window, varlen):
+    """``features_on`` (part of ``uses_wgmma``): a dense or causal spec always; a softcap, ALiBi or both, a window
+    other than none and causal, a packed batch, only where ``FEATURES`` names each (a packed batch with ALiBi or
+    a window needs both names)."""
     monkeypatch.setattr(backward_wgmma, "FEATURES", features)
     q, k, _, _ = _small()
     spec = _spec(q, k, True)
     slopes = torch.ones(1, 2)
     offsets = torch.tensor([0, 16], dtype=torch.int32)
     packed = spec.replace(cu_seqlens_q=offsets, cu_seqlens_k=offsets, max_seqlen_q=16, max_seqlen_k=16)
-    assert backward_wgmma.features_on(spec)
+    assert backward_wgmma.features_on(spec) and backward_wgmma.features_on(_spec(q, k, False))
     assert backward_wgmma.features_on(spec.replace(softcap=5.0)) == softcap
     assert backward_wgmma.features_on(spec.replace(alibi_slopes=slopes)) == alibi
     assert backward_wgmma.features_on(spec.replace(softcap=5.0, alibi_slopes=slopes)) == both
+    for sides in ((8, 0), (0, 0), (3, 5), (-1, 2), (4, -1)):
+        assert backward_wgmma.features_on(spec.replace(window=sides)) == window, sides
+    assert not backward_wgmma.features_on(spec.replace(window=(8, 0), alibi_slopes=slopes)), "each must be named"
     assert backward_wgmma.features_on(packed) == varlen
     assert backward_wgmma.features_on(packed.replace(alibi_slopes=slopes)) == (varlen and alibi)
+    assert backward_wgmma.features_on(packed.replace(window=(8, 0))) == (varlen and window)
 
 
 @pytest.mark.parametrize("on", [False, True], ids=["features-off", "features-on"])
-def test_backward_runs_softcap_and_alibi_where_features_names_them(wgmma_device, monkeypatch, on):
-    """On a Hopper GPU with ``ENABLED``: a softcap and ALiBi input runs backward_tc's kernels with ``FEATURES``
-    empty (the default), these kernels' (built with SOFTCAP and ALIBI) with both named; both match the
-    reference; a class's second call takes the prepared launches (the slopes a varying tensor) and gives the same
-    gradients bit for bit."""
+@pytest.mark.parametrize(
+    "window, softcap, alibi, names",
+    [
+        pytest.param((-1, 0), 50.0, True, {"softcap", "alibi"}, id="softcap-alibi"),
+        pytest.param((200, 30), 0.0, False, {"window"}, id="window"),
+    ],
+)
+def test_backward_runs_features_where_features_names_them(wgmma_device, monkeypatch, on, window, softcap, alibi, names):
+    """On a Hopper GPU with ``ENABLED``: a softcap and ALiBi input (causal), and a windowed one, run backward_tc's
+    kernels with ``FEATURES`` empty (the default), these kernels' (built with SOFTCAP and ALIBI, or LEFT and
+    RIGHT) with the features named; both match the reference; a class's second call takes the prepared launches
+    (the slopes a varying tensor) and gives the same gradients bit for bit."""
     if wgmma_device.type != "cuda":
         pytest.skip("the default dispatch needs a Hopper GPU (--device cuda)")
     monkeypatch.setattr(backward_wgmma, "ENABLED", True)
-    monkeypatch.setattr(backward_wgmma, "FEATURES", frozenset({"softcap", "alibi"}) if on else frozenset())
+    monkeypatch.setattr(backward_wgmma, "FEATURES", frozenset(names) if on else frozenset())
     q, k, v, dO = _inputs(torch.bfloat16, (2, 4, 2, 300, 333, 128), wgmma_device)
-    slopes = torch.rand(2, 4, generator=torch.Generator().manual_seed(3)).to(wgmma_device)
-    features = dict(softcap=50.0, alibi_slopes=slopes)
-    O64, L64 = reference.attention(q.double(), k.double(), v.double(), True, **features)
+    slopes = torch.rand(2, 4, generator=torch.Generator().manual_seed(3)).to(wgmma_device) if alibi else None
+    features = dict(window=window, softcap=softcap, alibi_slopes=slopes)
+    O64, L64 = reference.attention(q.double(), k.double(), v.double(), **features)
     O, L = O64.to(q.dtype), L64.float()
-    spec = AttentionSpec(128**-0.5, (-1, 0), 50.0, slopes, 2)
+    spec = AttentionSpec(128**-0.5, window, softcap, slopes, 2)
     for cache in (backward_wgmma._KERNELS, backward_wgmma._PREPARED, backward_tc._KERNELS, backward_tc._PREPARED):
         cache.clear()  # so that the first call builds the kernels it runs
     first = backward.flash_attn_backward(q, k, v, O, L, dO, spec)
-    wgmma_built = {key[:2] + key[4:6] for key in backward_wgmma._KERNELS}
+    wgmma_built = {key[:2] + key[3:8] for key in backward_wgmma._KERNELS}
     if on:
-        assert wgmma_built == {("dkdv", 128, True, True), ("dq", 128, True, True)}, wgmma_built
+        flags = (*backward_wgmma._window_flags(spec), softcap > 0, alibi)
+        assert wgmma_built == {("dkdv", 128, *flags), ("dq", 128, *flags)}, wgmma_built
     else:
         assert not wgmma_built and backward_tc._KERNELS, "backward_tc's kernels ran"
     prepares = []
@@ -536,20 +649,28 @@ def test_backward_runs_softcap_and_alibi_where_features_names_them(wgmma_device,
     torch.cuda.synchronize()
     for name, x, y in zip(("dq", "dk", "dv"), first, second):
         assert torch.equal(x, y), f"{name}: max |prepared - numba| = {(x.float() - y.float()).abs().max():.3g}"
-    assert_grads_match(*second, q, k, v, dO, True, **features)
+    assert_grads_match(*second, q, k, v, dO, False, **features)
 
 
 @pytest.mark.parametrize("on", [False, True], ids=["features-off", "features-on"])
-def test_backward_runs_packed_batches_where_features_names_them(wgmma_device, monkeypatch, on):
-    """On a Hopper GPU with ``ENABLED``: a packed batch (bf16, D128, causal, GQA 2:1) runs backward_tc's kernels
-    with ``FEATURES`` empty (the default), these kernels' (built with VARLEN) with "varlen" named; both match the
-    reference. The class's first call takes other offsets (the same count and longest lengths): the second call
-    takes the prepared launches, which must read its own cu_seqlens_q and cu_seqlens_k, and gives numba's
-    launches' gradients bit for bit."""
+@pytest.mark.parametrize(
+    "window, names",
+    [
+        pytest.param((-1, 0), {"varlen"}, id="causal"),
+        pytest.param((200, 30), {"varlen", "window"}, id="window"),
+    ],
+)
+def test_backward_runs_packed_batches_where_features_names_them(wgmma_device, monkeypatch, on, window, names):
+    """On a Hopper GPU with ``ENABLED``: a packed batch (bf16, D128, causal or a window, GQA 2:1) runs
+    backward_tc's kernels with ``FEATURES`` empty (the default), these kernels' (built with VARLEN, and LEFT and
+    RIGHT for the window) with the features named; both match the reference. The class's first call takes other
+    offsets (the same count and longest lengths): the second call takes the prepared launches, which must read
+    its own cu_seqlens_q and cu_seqlens_k (the window's sizes after them), and gives numba's launches' gradients
+    bit for bit."""
     if wgmma_device.type != "cuda":
         pytest.skip("the default dispatch needs a Hopper GPU (--device cuda)")
     monkeypatch.setattr(backward_wgmma, "ENABLED", True)
-    monkeypatch.setattr(backward_wgmma, "FEATURES", frozenset({"varlen"}) if on else frozenset())
+    monkeypatch.setattr(backward_wgmma, "FEATURES", frozenset(names) if on else frozenset())
     d, h, h_k = 128, 4, 2
     lens, first_lens = [300, 77, 512], [512, 300, 77]
     cu, first_cu = _offsets(lens, wgmma_device), _offsets(first_lens, wgmma_device)
@@ -558,19 +679,20 @@ def test_backward_runs_packed_batches_where_features_names_them(wgmma_device, mo
         torch.randn(sum(lens), heads, d, generator=g).to(device=wgmma_device, dtype=torch.bfloat16)
         for heads in (h, h_k, h_k, h)
     )
-    O64, L64 = reference.varlen_attention(q.double(), k.double(), v.double(), cu, cu, True)
+    O64, L64 = reference.varlen_attention(q.double(), k.double(), v.double(), cu, cu, window=window)
     args = (*(_packed(t) for t in (q, k, v, O64.to(q.dtype))), L64.float()[None], _packed(dO))
 
     def spec(offsets):
-        return AttentionSpec(d**-0.5, (-1, 0), 0.0, None, h // h_k, offsets, offsets, 512, 512)
+        return AttentionSpec(d**-0.5, window, 0.0, None, h // h_k, offsets, offsets, 512, 512)
 
     for cache in (backward_wgmma._KERNELS, backward_wgmma._PREPARED, backward_tc._KERNELS, backward_tc._PREPARED):
         cache.clear()  # so that the first call builds the kernels it runs
     monkeypatch.setattr(launch, "FAST", False)
     expected = backward.flash_attn_backward(*args, spec(cu))
-    wgmma_built = {key[:2] + key[6:7] for key in backward_wgmma._KERNELS}
+    wgmma_built = {key[:2] + key[3:6] + key[8:9] for key in backward_wgmma._KERNELS}
     if on:
-        assert wgmma_built == {("dkdv", 128, True), ("dq", 128, True)}, wgmma_built
+        flags = (*backward_wgmma._window_flags(spec(cu)), True)
+        assert wgmma_built == {("dkdv", 128, *flags), ("dq", 128, *flags)}, wgmma_built
     else:
         assert not wgmma_built and backward_tc._KERNELS, "backward_tc's kernels ran"
     monkeypatch.setattr(launch, "FAST", True)
@@ -583,8 +705,8 @@ def test_backward_runs_packed_batches_where_features_names_them(wgmma_device, mo
     torch.cuda.synchronize()
     for name, x, y in zip(("dq", "dk", "dv"), expected, got):
         assert torch.equal(x, y), f"{name}: max |prepared - numba| = {(x.float() - y.float()).abs().max():.3g}"
-    ref = _varlen_grads(q, k, v, dO, cu, cu, True, True)
-    naive = _varlen_grads(q, k, v, dO, cu, cu, True, False)
+    ref = _varlen_grads(q, k, v, dO, cu, cu, False, True, window=window)
+    naive = _varlen_grads(q, k, v, dO, cu, cu, False, False, window=window)
     for name, x, r, n in zip(("dq", "dk", "dv"), got, ref, naive):
         x = x[0].transpose(0, 1)
         tol = 3 * max_err(n, r) + 2 * max_err(r.to(q.dtype), r)
@@ -592,11 +714,17 @@ def test_backward_runs_packed_batches_where_features_names_them(wgmma_device, mo
 
 
 def test_features_read_the_environment_at_import():
-    """FA2_NUMBA_WGMMA_BWD_FEATURES unset, "softcap", "alibi,softcap", "varlen": none, softcap, both, packed
-    batches."""
-    values = [None, "softcap", "alibi,softcap", "varlen"]
+    """FA2_NUMBA_WGMMA_BWD_FEATURES unset, "softcap", "alibi,softcap", "window,alibi,softcap", "varlen": none,
+    softcap, both, those three, packed batches."""
+    values = [None, "softcap", "alibi,softcap", "window,alibi,softcap", "varlen"]
     got = values_at_import("fa2_numba_cuda.backward_wgmma", "FEATURES", "FA2_NUMBA_WGMMA_BWD_FEATURES", values)
-    assert [eval(r) for r in got] == [frozenset(), {"softcap"}, {"softcap", "alibi"}, {"varlen"}]
+    assert [eval(r) for r in got] == [
+        frozenset(),
+        {"softcap"},
+        {"softcap", "alibi"},
+        {"softcap", "alibi", "window"},
+        {"varlen"},
+    ]
 
 
 def test_enabled_reads_the_environment_at_import():

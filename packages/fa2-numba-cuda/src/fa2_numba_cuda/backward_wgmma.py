@@ -58,24 +58,31 @@ False runs ``backward_tc``'s dQ kernel instead (``backward_tc.launch_dq``).
       S = Q Kᵀ       HEAD_DIM / 16 wgmma m64nDQ_BLOCK_Nk16, A = Q, B = K K-major; commit
       dP = dO Vᵀ     the same with dO and V; commit; wait for S alone: dP runs on during
       P = exp2(S · qk_scale - L · log2 e)    masked where the tile crosses the end of the keys (zero-filled K rows
-                     would give exp2(-L), not 0) or the warpgroup's causal diagonal; then wait for dP
+                     would give exp2(-L), not 0) or a window edge of the warpgroup's rows; then wait for dP
       dS = P ∘ (dP - delta)    in place of P, packed 16 keys at a time
       dQ += dS K     DQ_BLOCK_N / 16 wgmma m64nHEAD_DIMk16, A = dS from registers, B = K MN-major (forward_wgmma's
                      P V with K for V); commit, wait
 
-  then dq = scale · dQ is written once. A block stops at the last key tile its last row sees (causal); a
-  warpgroup skips the tiles none of its rows sees, and every tile when its rows are all past seqlen_q. Blocks are
-  launched longest first. Registers: dQ HEAD_DIM / 2, S (then P, dS) and dP DQ_BLOCK_N / 2 each, dS's fragments
+  then dq = scale · dQ is written once. A block's key tiles are those its rows see: from the one holding its
+  first row's left edge (LEFT) to the last its last row sees (a right edge); a warpgroup skips the tiles none of
+  its rows sees, and every tile when its rows are all past seqlen_q. With a right edge blocks are launched
+  longest (last) first. Registers: dQ HEAD_DIM / 2, S (then P, dS) and dP DQ_BLOCK_N / 2 each, dS's fragments
   DQ_BLOCK_N / 4; Q's and dO's addresses through ``wgmma.opaque_address``, as K's and V's above.
 
 Both kernels:
 
 - Scores, masks and L as backward_tc: base 2, rows with L = +inf (no key visible) and query rows past seqlen_q
-  (read with L = +inf) get P = 0, so zero gradients. Causal, bottom-right aligned (key j visible to query i iff j
-  <= i + seqlen_k - seqlen_q). In the dK/dV kernel keys past seqlen_k (zero-filled K and V rows) are never written
-  back; a block starts at the first query tile that sees its first key; a warpgroup masks only the steps whose
-  tile crosses its keys' diagonal and skips (no wgmma) those where no query of the tile sees any of its keys, or
-  its keys are all past seqlen_k. Its blocks are launched in key order, the longest (causal) first.
+  (read with L = +inf) get P = 0, so zero gradients. Windows as backward_tc's, bottom-right aligned: key j
+  visible to query i iff i + diag - window_left <= j <= i + diag + window_right, diag = seqlen_k - seqlen_q,
+  each side unbounded or not (``_window_flags``: CAUSAL, a right side of 0 known at compile time, causal itself
+  and (left, 0); RIGHT, a right side above 0; LEFT, a left side; the sizes are runtime arguments, the kernels'
+  last two, unread without LEFT and RIGHT; causal's code is the one it had before windows). In the dK/dV kernel
+  keys past seqlen_k (zero-filled K and V rows) are never written back; a block's walk over the group's heads
+  takes the query tiles from the one holding its first key's right edge to the one holding its last key's left
+  edge; a warpgroup masks only the steps whose tile crosses a window edge of its keys and skips (no wgmma) those
+  where no query of the tile sees any of its keys, or its keys are all past seqlen_k (the window's sizes go
+  through ``wgmma.opaque_address`` each tile, as K's and V's addresses do, for the registers at HEAD_DIM 128).
+  Its blocks are launched in key order, the longest (causal) first.
 - Softcap and ALiBi (SOFTCAP, ALIBI: compile-time, from ``common.features``; softcap_log2 = c · log2 e, the slopes
   and their strides runtime arguments after the tile count, ``common.feature_args``'s, unread without them) as
   backward_tc computes them: the forward's scores in base 2, with a softcap c x = c · log2 e · tanh(S · scale / c)
@@ -101,29 +108,32 @@ Both kernels:
   come first across sequences without their lengths on the host: the dK/dV kernel's key blocks first to last under
   causal (the first sees the most queries), else last to first (only the longest sequences have the last ones), the
   dQ kernel's query blocks last to first. Each block reads its sequence's offsets (``common.sequence``; cu_seqlens_q
-  and cu_seqlens_k the kernels' last arguments, ``common.offset_args``, so that the dense builds keep every other
-  parameter where it was), exits before any copy or barrier where its block starts past the sequence's end, and
-  otherwise runs the dense block on the sequence's rows with its own lengths: its copies start at the sequence's
-  first row and are zero-filled past its end (no row of the next sequence enters a tile), L and delta of its rows,
-  causal's diagonal, ALiBi's slopes[s, h], the keys past its end never written, per sequence. Keys of a sequence
-  without queries get dk = dv = 0, rows of one without keys dq = 0.
+  and cu_seqlens_k after the slopes' strides, before the window's sizes, ``common.offset_args``, so that the dense
+  builds keep every other parameter where it was), exits before any copy or barrier where its block starts past
+  the sequence's end, and otherwise runs the dense block on the sequence's rows with its own lengths: its copies
+  start at the sequence's first row and are zero-filled past its end (no row of the next sequence enters a tile),
+  L and delta of its rows, the window's diagonal and tile bounds, ALiBi's slopes[s, h], the keys past its end
+  never written, per sequence. Keys of a sequence without queries get dk = dv = 0, rows of one without keys
+  dq = 0.
 
 Limits (``takes``): fp16 and bf16, head_dim exactly 64 or 128, (batch, heads, seqlen, head_dim) q, k, v and dO of
-one dtype (dense or packed), contiguous along head_dim with 16 B aligned rows (cp.async), no window but causal,
-no sink or KV cache. Which kernels run: ``fa2_numba_cuda.backward.flash_attn_backward`` runs these where
-``uses_wgmma`` holds: ``takes``, a CUDA device of compute capability 9.0 (wgmma is sm_90a's), the switch
-``ENABLED`` (on, unless the environment variable FA2_NUMBA_WGMMA_BWD=0 when this module is imported), and for
-an input with a softcap, ALiBi or a packed batch the switch ``FEATURES`` naming each: empty, unless
-FA2_NUMBA_WGMMA_BWD_FEATURES names "softcap", "alibi", "varlen" or several (comma-separated) at import, so that
-such inputs stay on backward_tc until these kernels' speed on them is measured on the H200 (a caller may also
-set ``FEATURES`` at run time); ``backward_tc`` otherwise. An error in these kernels is raised, never answered by others.
+one dtype (dense or packed), contiguous along head_dim with 16 B aligned rows (cp.async), any window, no sink or
+KV cache. Which kernels run: ``fa2_numba_cuda.backward.flash_attn_backward`` runs these where ``uses_wgmma``
+holds: ``takes``, a CUDA device of compute capability 9.0 (wgmma is sm_90a's), the switch ``ENABLED`` (on,
+unless the environment variable FA2_NUMBA_WGMMA_BWD=0 when this module is imported), and for an input with a
+softcap, ALiBi, a window other than none and causal or a packed batch the switch ``FEATURES`` naming each
+("softcap", "alibi", "window", "varlen": ``features_on``): empty, unless FA2_NUMBA_WGMMA_BWD_FEATURES names them
+(comma-separated) at import, so that such inputs stay on backward_tc until these kernels' speed on them is
+measured on the H200 (a caller may also set ``FEATURES`` at run time); ``backward_tc`` otherwise. An error in
+these kernels is raised, never answered by others.
 Under numba's simulator they run only when called directly, on ``wgmma.py``'s emulation of the instructions:
 slow, for tests.
 
 Launch: on torch's current CUDA stream, no host synchronisation; one compiled kernel per (dK/dV or dQ, HEAD_DIM,
-WgmmaBwdConfig, CAUSAL, SOFTCAP, ALIBI, VARLEN, bf16 or fp16), cached; ``kernel_resources`` reports registers,
-shared and local memory of each. Launched through ``launch.prepare`` as ``backward_tc`` (``_PREPARED``; with ALiBi
-the slopes, for a packed batch its offsets, are varying tensors of the class, as q, k, v).
+WgmmaBwdConfig, CAUSAL, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN, bf16 or fp16), cached; ``kernel_resources`` reports
+registers, shared and local memory of each. Launched through ``launch.prepare`` as ``backward_tc``
+(``_PREPARED``; with ALiBi the slopes, for a packed batch its offsets, are varying tensors of the class, as q, k,
+v).
 """
 
 from __future__ import annotations
@@ -134,7 +144,7 @@ from typing import NamedTuple
 
 import numpy as np
 import torch
-from numba import cuda, float32, int16, int32, uint32, uint64
+from numba import cuda, float32, int16, int32, int64, uint32, uint64
 
 from fa2.spec import UNBOUNDED, AttentionSpec
 from fa2_numba_cuda import backward_tc, launch, wgmma
@@ -169,12 +179,13 @@ from fa2_numba_cuda.tensor_cores import capability
 # Whether fa2_numba_cuda.backward runs these kernels where they can (``uses_wgmma``): on unless
 # FA2_NUMBA_WGMMA_BWD=0 at import (1.02-1.58x backward_tc's time at every point timed on the H200).
 ENABLED = os.environ.get("FA2_NUMBA_WGMMA_BWD", "1") != "0"
-# The features ("softcap", "alibi", "varlen": packed batches) whose inputs ``uses_wgmma`` sends to these kernels:
-# none, unless FA2_NUMBA_WGMMA_BWD_FEATURES names them at import (comma-separated), until they are timed on the
-# H200; the others stay on backward_tc. Set it at run time to compare.
+# The features ("softcap", "alibi", "window": a window other than none and causal, "varlen": packed batches) whose
+# inputs ``uses_wgmma`` sends to these kernels: none, unless FA2_NUMBA_WGMMA_BWD_FEATURES names them at import
+# (comma-separated), until they are timed on the H200; the others stay on backward_tc. Set it at run time to
+# compare.
 FEATURES = frozenset(name for name in os.environ.get("FA2_NUMBA_WGMMA_BWD_FEATURES", "").split(",") if name)
-if not FEATURES <= {"softcap", "alibi", "varlen"}:
-    raise ValueError(f"FA2_NUMBA_WGMMA_BWD_FEATURES names softcap, alibi and varlen, got {sorted(FEATURES)}")
+if not FEATURES <= {"softcap", "alibi", "window", "varlen"}:
+    raise ValueError(f"FA2_NUMBA_WGMMA_BWD_FEATURES names softcap, alibi, window and varlen, got {sorted(FEATURES)}")
 
 HEAD_DIMS = (64, 128)
 COMPUTE_CAPABILITY = (9, 0)
@@ -228,8 +239,6 @@ def refusal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dO: torch.Tensor,
         return f"takes (batch, heads, seqlen, head_dim) inputs and dO of q's shape, got q {tuple(q.shape)}"
     if q.shape[-1] not in HEAD_DIMS or k.shape[-1] != q.shape[-1] or v.shape[-1] != q.shape[-1]:
         return f"takes head_dim {' or '.join(map(str, HEAD_DIMS))} for q, k and v, got {q.shape[-1]}, {v.shape[-1]}"
-    if spec.window not in ((UNBOUNDED, UNBOUNDED), (UNBOUNDED, 0)):
-        return f"takes no window but causal, got {spec.window}"
     if spec.sink is not None:
         return "takes no sink"
     if spec.cache_seqlens is not None or spec.block_table is not None:
@@ -246,11 +255,12 @@ def takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dO: torch.Tensor, s
 
 def features_on(spec: AttentionSpec) -> bool:
     """Whether ``FEATURES`` lets ``uses_wgmma`` take the spec's features: a softcap only where it names
-    "softcap", ALiBi only where it names "alibi", a packed batch only where it names "varlen" (a dense spec with
-    neither modifier: True)."""
+    "softcap", ALiBi only where it names "alibi", a window other than none and causal only where it names
+    "window", a packed batch only where it names "varlen" (a dense spec with none of them: True)."""
     return (
         (spec.softcap == 0 or "softcap" in FEATURES)
         and (spec.alibi_slopes is None or "alibi" in FEATURES)
+        and (spec.window in ((UNBOUNDED, UNBOUNDED), (UNBOUNDED, 0)) or "window" in FEATURES)
         and (not spec.varlen or "varlen" in FEATURES)
     )
 
@@ -281,6 +291,15 @@ def shared_bytes(name: str, HEAD_DIM: int, config: WgmmaBwdConfig) -> int:
             wgmma.swizzle128_tile_bytes(config.DQ_BLOCK_N, HEAD_DIM),
         )
     return 2 * 2 * once + 2 * 2 * staged + wgmma.SWIZZLE_ATOM_BYTES
+
+
+def _window_flags(spec: AttentionSpec) -> tuple[bool, bool, bool]:
+    """The kernels' compile-time window (CAUSAL, LEFT, RIGHT): CAUSAL, keys right of the diagonal cut off (a right
+    side of 0: causal, and a left-bounded window (left, 0)); RIGHT, keys more than window_right right of it (a
+    right side above 0, a runtime argument); LEFT, keys more than window_left left of it. None of them: no
+    window."""
+    left, right = spec.window
+    return right == 0, left != UNBOUNDED, right not in (UNBOUNDED, 0)
 
 
 def _issue_products(HEAD_DIM, N, IS_BF16):
@@ -374,12 +393,13 @@ def _probability(ALIBI):
     return probability
 
 
-def _build_dkdv(HEAD_DIM, config, CAUSAL, SOFTCAP, ALIBI, VARLEN, IS_BF16):
-    """The dK/dV kernel for one head dim, query tile, causal or not, softcap or not, ALiBi or not, packed or
-    dense, and input type."""
+def _build_dkdv(HEAD_DIM, config, CAUSAL, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN, IS_BF16):
+    """The dK/dV kernel for one head dim, query tile, window (CAUSAL, LEFT, RIGHT: ``_window_flags``), softcap or
+    not, ALiBi or not, packed or dense, and input type."""
     BLOCK_M, DV_EARLY, TILES = config.BLOCK_M, config.DV_EARLY, config.TILES_A_STEP
     assert HEAD_DIM in HEAD_DIMS and BLOCK_M % 16 == 0 and 16 <= BLOCK_M <= 256 and TILES >= 1
-    assert not (DV_EARLY and SOFTCAP)
+    assert not (DV_EARLY and SOFTCAP) and not (CAUSAL and RIGHT)
+    BOUNDED = CAUSAL or RIGHT  # a right edge: keys more than right (0 with CAUSAL) right of the diagonal masked
     M_TILES = BLOCK_M // 8  # 8-query column blocks of Sᵀ, 4 registers each
     O_REGS = HEAD_DIM // 2  # dK and dV: its 64 keys x HEAD_DIM
     M_STEPS = BLOCK_M // 16  # k steps of dV += Pᵀ dO and dK += dSᵀ Q
@@ -398,11 +418,22 @@ def _build_dkdv(HEAD_DIM, config, CAUSAL, SOFTCAP, ALIBI, VARLEN, IS_BF16):
     load_qdo = wgmma.tile_loader(BLOCK_M, BLOCK_M, HEAD_DIM, NUM_THREADS)
 
     @device_function
-    def next_tile(start_m, head, begin_m, seqlen_q):
-        """The (query tile, head) after (start_m, head) in a block's walk: the head's next tile, else its first
-        tile (begin_m) of the next head."""
+    def outside(offset, rel_right, rel_left):
+        """Whether the element of Pᵀ at offset = 8 j + e % 2 - 8 (e // 2) of a tile that crosses a window edge is
+        masked: rel_right > offset (right edge) or rel_left < offset (left edge). With both edges one unsigned
+        compare, offset - rel_right above rel_left - rel_right = window_left + right: the step body stays small
+        enough for LLVM to unroll it whole (with two compares and a softcap and ALiBi, Sᵀ and the cap's derivative
+        went to 256 B of local memory). int64 first: the simulator's uint32 wraps numpy integers only."""
+        if BOUNDED and LEFT:
+            return uint32(int64(offset - rel_right)) > uint32(int64(rel_left - rel_right))
+        return (BOUNDED and rel_right > offset) or (LEFT and rel_left < offset)
+
+    @device_function
+    def next_tile(start_m, head, begin_m, end_m):
+        """The (query tile, head) after (start_m, head) in a block's walk over tiles begin_m .. end_m - 1: the
+        head's next tile, else its first tile (begin_m) of the next head."""
         start_m += BLOCK_M
-        if start_m >= seqlen_q:
+        if start_m >= end_m:
             return begin_m, head + 1
         return start_m, head
 
@@ -478,6 +509,8 @@ def _build_dkdv(HEAD_DIM, config, CAUSAL, SOFTCAP, ALIBI, VARLEN, IS_BF16):
         stride_ah,
         cu_seqlens_q,
         cu_seqlens_k,
+        window_left,
+        window_right,
     ):
         """One block: BLOCK_N keys of one (batch, key/value head), for the group's query heads. q, k, v, do: flat
         int16 views (fp16 or bf16 bit patterns) of (B, H, N, HEAD_DIM) tensors with unit stride along head dims,
@@ -485,10 +518,15 @@ def _build_dkdv(HEAD_DIM, config, CAUSAL, SOFTCAP, ALIBI, VARLEN, IS_BF16):
         delta: (B·H, seqlen_q) fp32, flat; dk, dv: (B, H // group, seqlen_k, HEAD_DIM), flat, contiguous, int32
         pairs. qk_scale = scale · log2 e, with a softcap c scale / c (``common.score_scale``); softcap_log2 = c ·
         log2 e and the slopes (B, H) with their strides as ``common.feature_args`` gives them, read only with
-        SOFTCAP and ALIBI. VARLEN: B = 1, N the packed totals, and the block's (key tile, sequence·key/value head)
-        reads its sequence's rows from cu_seqlens_q and cu_seqlens_k (``common.offset_args``, the last arguments:
-        without VARLEN unread), the slopes (sequences, H); num_n_tiles covers max_seqlen_k."""
-        diag = seqlen_k - seqlen_q  # key j is visible to query i iff j <= i + diag (CAUSAL)
+        SOFTCAP and ALIBI; window_left and window_right (``common.feature_args``'s, the last arguments) only with
+        LEFT and RIGHT. VARLEN: B = 1, N the packed totals, and the block's (key tile, sequence·key/value head)
+        reads its sequence's rows from cu_seqlens_q and cu_seqlens_k (``common.offset_args``, after the slopes'
+        strides: without VARLEN unread), the slopes (sequences, H); num_n_tiles covers max_seqlen_k; the window
+        bounded by the sequence's own lengths (its diag)."""
+        # Key j is visible to query i iff i + diag - window_left <= j (LEFT) and j <= i + diag + right (BOUNDED);
+        # with VARLEN diag becomes the sequence's below, before any bound is taken.
+        diag = seqlen_k - seqlen_q
+        right = 0 if CAUSAL else window_right
         start_n = (cuda.blockIdx.x % num_n_tiles) * BLOCK_N
         heads_k = heads // group
         off_bhk = cuda.blockIdx.x // num_n_tiles
@@ -541,9 +579,11 @@ def _build_dkdv(HEAD_DIM, config, CAUSAL, SOFTCAP, ALIBI, VARLEN, IS_BF16):
         qdo_tiles = tiles + uint32(4 * KV_TILE)
         q_base, k_base, v_base, do_base = global_address(q), global_address(k), global_address(v), global_address(do)
 
-        # The query tiles that see a key of the block: causal, from the one holding the first key's diagonal.
-        begin_m = max(start_n - diag, 0) // BLOCK_M * BLOCK_M if CAUSAL else 0
-        head_tiles = (seqlen_q - begin_m + BLOCK_M - 1) // BLOCK_M if seqlen_q > begin_m else 0
+        # The query tiles that see a key of the block: from the one holding the first key's right edge (query
+        # start_n - diag - right), up to the last key's left edge (query last key - diag + window_left).
+        begin_m = max(start_n - diag - right, 0) // BLOCK_M * BLOCK_M if BOUNDED else 0
+        end_m = min(seqlen_q, min(start_n + BLOCK_N, seqlen_k) - diag + window_left) if LEFT else seqlen_q
+        head_tiles = (end_m - begin_m + BLOCK_M - 1) // BLOCK_M if end_m > begin_m else 0
         # GQA: the walk 0 .. group · head_tiles - 1 over (query head off_hk · group + i // head_tiles, query tile
         # i % head_tiles), each (head, tile) the previous one's next tile, wrapping to the next head; step it takes
         # walk entries TILES it .. TILES it + TILES - 1 (the last step those left).
@@ -575,7 +615,7 @@ def _build_dkdv(HEAD_DIM, config, CAUSAL, SOFTCAP, ALIBI, VARLEN, IS_BF16):
                         delta_rows + next_h * delta_head,
                         seqlen_q,
                     )
-                    next_m, next_h = next_tile(next_m, next_h, begin_m, seqlen_q)
+                    next_m, next_h = next_tile(next_m, next_h, begin_m, end_m)
 
         p = cuda.local.array((M_TILES, 4), float32)  # Sᵀ, then Pᵀ: [64 keys, BLOCK_M] as D's registers
         p_regs = cuda.local.array((M_STEPS, 4), int32)  # Pᵀ in 16-bit pairs: dV's A fragments
@@ -591,7 +631,7 @@ def _build_dkdv(HEAD_DIM, config, CAUSAL, SOFTCAP, ALIBI, VARLEN, IS_BF16):
             cuda.syncthreads()  # ... every thread's; both warpgroups are done with step it - 1's stage
             next_m, next_h = start_m, start_h
             for _ in range(TILES):
-                next_m, next_h = next_tile(next_m, next_h, begin_m, seqlen_q)
+                next_m, next_h = next_tile(next_m, next_h, begin_m, end_m)
             step_m, step_h = next_m, next_h  # step it + 1's first
             for u in range(TILES):  # step it + 1's tiles into the other stage
                 if TILES * (it + 1) + u < walk:
@@ -614,13 +654,22 @@ def _build_dkdv(HEAD_DIM, config, CAUSAL, SOFTCAP, ALIBI, VARLEN, IS_BF16):
                         delta_rows + next_h * delta_head,
                         seqlen_q,
                     )
-                    next_m, next_h = next_tile(next_m, next_h, begin_m, seqlen_q)
+                    next_m, next_h = next_tile(next_m, next_h, begin_m, end_m)
             for u in range(TILES):  # step it's tiles, one after the other (the last step's may be fewer)
                 if u == 0 or TILES * it + u < walk:
                     # The warpgroup's products, unless no query of the tile sees any of its keys (all masked:
-                    # zero gradients) or they are all past seqlen_k (never written back). Uniform over the
-                    # warpgroup.
-                    skip = wg_key >= seqlen_k or (CAUSAL and start_m + BLOCK_M - 1 + diag < wg_key)
+                    # zero gradients: its first key right of the tile's last query's window, or its last key left
+                    # of the first query's) or they are all past seqlen_k (never written back). Uniform over the
+                    # warpgroup. The window's sizes go through ``wgmma.opaque_address`` each tile, so that LLVM does
+                    # not hoist the sums made of them out of the loop into registers held throughout (at HEAD_DIM
+                    # 128 that left 64-88 B of local memory).
+                    w_left = int32(wgmma.opaque_address(window_left)) if LEFT else 0
+                    w_right = int32(wgmma.opaque_address(right)) if RIGHT else right
+                    skip = (
+                        wg_key >= seqlen_k
+                        or (BOUNDED and start_m + BLOCK_M - 1 + diag + w_right < wg_key)
+                        or (LEFT and wg_key + 63 < start_m + diag - w_left)
+                    )
                     if not skip:
                         # ALiBi's slope of the tile's query head, in base 2 (loaded during the products).
                         slope = (
@@ -634,12 +683,17 @@ def _build_dkdv(HEAD_DIM, config, CAUSAL, SOFTCAP, ALIBI, VARLEN, IS_BF16):
                         dp = issue_products(wgmma.opaque_address(v_tile), do_tile)  # dPᵀ = V dOᵀ
                         wgmma.wgmma_wait(1)  # Sᵀ's group is done, dPᵀ's may run on
                         s = wgmma.wgmma_fence_operand(s)
-                        # Pᵀ: masked only where the tile crosses the warpgroup's diagonal. Element (j, e) is key
-                        # key0 + 8 (e // 2) against query start_m + 8 j + 2 t + e % 2: masked iff rel > 8 j + e
-                        # % 2 - 8 (e // 2), rel = key0 - start_m - 2 t - diag; ALiBi's distance |query + diag -
-                        # key| is |8 j + e % 2 - 8 (e // 2) - rel| (backward_tc's).
-                        crosses = CAUSAL and wg_key + 63 > start_m + diag
+                        # Pᵀ: masked only where the tile crosses a window edge of the warpgroup's keys. Element
+                        # (j, e) is key key0 + 8 (e // 2) against query start_m + 8 j + 2 t + e % 2: with offset =
+                        # 8 j + e % 2 - 8 (e // 2) and rel = key0 - start_m - 2 t - diag, masked iff rel - right >
+                        # offset (right edge) or rel + window_left < offset (left); ALiBi's distance |query + diag
+                        # - key| is |offset - rel| (backward_tc's).
+                        crosses = (BOUNDED and wg_key + 63 > start_m + diag + w_right) or (
+                            LEFT and wg_key < start_m + BLOCK_M - 1 + diag - w_left
+                        )
                         rel = key0 - start_m - 2 * t - diag
+                        rel_right = rel - w_right
+                        rel_left = rel + w_left
                         distance = float32(-rel) if ALIBI else float32(0.0)
                         lse_row = BLOCK_M * (TILES * buf + u)
                         for j in range(M_TILES):
@@ -657,7 +711,7 @@ def _build_dkdv(HEAD_DIM, config, CAUSAL, SOFTCAP, ALIBI, VARLEN, IS_BF16):
                                         distance + float32(offset),
                                         lse_tile[lse_row + col],
                                     )
-                                    if crosses and rel > offset:
+                                    if crosses and outside(offset, rel_right, rel_left):
                                         x = float32(0.0)
                                     p[j, e] = x
                         if DV_EARLY:
@@ -684,7 +738,7 @@ def _build_dkdv(HEAD_DIM, config, CAUSAL, SOFTCAP, ALIBI, VARLEN, IS_BF16):
                                             distance + float32(offset),
                                             lse_tile[lse_row + col],
                                         )
-                                        if crosses and rel > offset:
+                                        if crosses and outside(offset, rel_right, rel_left):
                                             x = float32(0.0)
                                         p[j, e] = x
                             if not DV_EARLY:
@@ -702,7 +756,7 @@ def _build_dkdv(HEAD_DIM, config, CAUSAL, SOFTCAP, ALIBI, VARLEN, IS_BF16):
                         wgmma.wgmma_wait(0)
                         dv_acc = wgmma.wgmma_fence_operand(dv_acc)
                         dk_acc = wgmma.wgmma_fence_operand(dk_acc)
-                    start_m, start_h = next_tile(start_m, start_h, begin_m, seqlen_q)  # the next tile's
+                    start_m, start_h = next_tile(start_m, start_h, begin_m, end_m)  # the next tile's
             start_m, start_h = step_m, step_h
 
         # Epilogue: dk = scale · dK, dv = dV, each element once (keys that no row sees: zeros).
@@ -714,11 +768,12 @@ def _build_dkdv(HEAD_DIM, config, CAUSAL, SOFTCAP, ALIBI, VARLEN, IS_BF16):
     return cuda.jit(_attn_bwd_dkdv_wgmma)
 
 
-def _build_dq(HEAD_DIM, config, CAUSAL, SOFTCAP, ALIBI, VARLEN, IS_BF16):
-    """The dQ kernel for one head dim, key tile, causal or not, softcap or not, ALiBi or not, packed or dense, and
-    input type."""
+def _build_dq(HEAD_DIM, config, CAUSAL, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN, IS_BF16):
+    """The dQ kernel for one head dim, key tile, window (CAUSAL, LEFT, RIGHT: ``_window_flags``), softcap or not,
+    ALiBi or not, packed or dense, and input type."""
     BLOCK_N_DQ = config.DQ_BLOCK_N
-    assert HEAD_DIM in HEAD_DIMS and BLOCK_N_DQ % 16 == 0 and 16 <= BLOCK_N_DQ <= 256
+    assert HEAD_DIM in HEAD_DIMS and BLOCK_N_DQ % 16 == 0 and 16 <= BLOCK_N_DQ <= 256 and not (CAUSAL and RIGHT)
+    BOUNDED = CAUSAL or RIGHT  # a right edge: keys more than right (0 with CAUSAL) right of the diagonal masked
     N_TILES = BLOCK_N_DQ // 8  # 8-key column blocks of S, 4 registers each
     O_REGS = HEAD_DIM // 2  # dQ: the warpgroup's 64 rows x HEAD_DIM
     N_STEPS = BLOCK_N_DQ // 16  # k steps of dQ += dS K
@@ -768,14 +823,19 @@ def _build_dq(HEAD_DIM, config, CAUSAL, SOFTCAP, ALIBI, VARLEN, IS_BF16):
         stride_ah,
         cu_seqlens_q,
         cu_seqlens_k,
+        window_left,
+        window_right,
     ):
         """One block: BLOCK_M_DQ query rows of one (batch, head). q, k, v, do, lse, delta and the strides as the
-        dK/dV kernel's, as are qk_scale, softcap_log2 and the slopes; dq: (B, H, seqlen_q, HEAD_DIM), flat,
-        contiguous, int32 pairs. VARLEN: as the dK/dV kernel's, b the sequence, num_m_tiles covering
+        dK/dV kernel's, as are qk_scale, softcap_log2, the slopes and the window; dq: (B, H, seqlen_q, HEAD_DIM),
+        flat, contiguous, int32 pairs. VARLEN: as the dK/dV kernel's, b the sequence, num_m_tiles covering
         max_seqlen_q."""
-        diag = seqlen_k - seqlen_q  # key j is visible to query i iff j <= i + diag (CAUSAL)
+        # Key j is visible to query i iff i + diag - window_left <= j (LEFT) and j <= i + diag + right (BOUNDED);
+        # with VARLEN diag becomes the sequence's below, before any bound is taken.
+        diag = seqlen_k - seqlen_q
+        right = 0 if CAUSAL else window_right
         m_block = cuda.blockIdx.x % num_m_tiles
-        if CAUSAL:
+        if BOUNDED:
             m_block = num_m_tiles - 1 - m_block  # the longest rows first
         start_m = m_block * BLOCK_M_DQ
         off_bh = cuda.blockIdx.x // num_m_tiles
@@ -838,14 +898,16 @@ def _build_dq(HEAD_DIM, config, CAUSAL, SOFTCAP, ALIBI, VARLEN, IS_BF16):
                 lse_row[h] = lse[uint64(l_offset + row * stride_lm)] * float32(LOG2E)
                 delta_row[h] = delta[uint64(q_start + row)]
 
-        # The key tiles some row of the block sees: causal, up to the last row's diagonal.
-        end_n = max(min(seqlen_k, min(start_m + BLOCK_M_DQ, seqlen_q) + diag), 0) if CAUSAL else seqlen_k
-        n_tiles = -(-end_n // BLOCK_N_DQ)
+        # The key tiles some row of the block sees: from the one holding the first row's left edge, up to the
+        # last row's right edge (none where that is left of the first).
+        begin_n = max(start_m + diag - window_left, 0) // BLOCK_N_DQ * BLOCK_N_DQ if LEFT else 0
+        end_n = max(min(seqlen_k, min(start_m + BLOCK_M_DQ, seqlen_q) + diag + right), 0) if BOUNDED else seqlen_k
+        n_tiles = -(-(end_n - begin_n) // BLOCK_N_DQ)
         if n_tiles > 0:  # else no copy is issued (none is left in flight at the exit)
             load_qdo(tiles, global_address(q), q_offset, stride_qm, start_m, seqlen_q)
             load_qdo(tiles + uint32(2 * QDO_TILE), global_address(do), do_offset, stride_dom, start_m, seqlen_q)
-            load_kv(kv_tiles, k_base, k_offset, stride_kn, 0, seqlen_k)
-            load_kv(kv_tiles + uint32(KV_TILE), v_base, v_offset, stride_vn, 0, seqlen_k)
+            load_kv(kv_tiles, k_base, k_offset, stride_kn, begin_n, seqlen_k)
+            load_kv(kv_tiles + uint32(KV_TILE), v_base, v_offset, stride_vn, begin_n, seqlen_k)
             cp_async_commit()
 
         # ALiBi's slope of this (batch, head), in base 2.
@@ -856,7 +918,7 @@ def _build_dq(HEAD_DIM, config, CAUSAL, SOFTCAP, ALIBI, VARLEN, IS_BF16):
         acc = wgmma.zero_accumulators(O_REGS)  # dQ: [64 rows, HEAD_DIM] as D's registers
         lane_diag = row0 + diag - 2 * t
         for it in range(n_tiles):
-            start_n = it * BLOCK_N_DQ
+            start_n = begin_n + it * BLOCK_N_DQ
             k_tile = kv_tiles + uint32(it % 2 * STAGE)
             cp_async_wait_all()  # this thread's copies of tile it (and Q, dO) have landed ...
             wgmma.fence_proxy_async()  # ... visible to wgmma's async proxy ...
@@ -866,23 +928,33 @@ def _build_dq(HEAD_DIM, config, CAUSAL, SOFTCAP, ALIBI, VARLEN, IS_BF16):
                 load_kv(next_k, k_base, k_offset, stride_kn, start_n + BLOCK_N_DQ, seqlen_k)
                 load_kv(next_k + uint32(KV_TILE), v_base, v_offset, stride_vn, start_n + BLOCK_N_DQ, seqlen_k)
                 cp_async_commit()
-            # The warpgroup's products, unless its rows are all past seqlen_q or see none of the tile's keys.
-            skip = wg_row >= seqlen_q or (CAUSAL and start_n > wg_row + 63 + diag)
+            # The warpgroup's products, unless its rows are all past seqlen_q or see none of the tile's keys (its
+            # first key right of the last row's window, or its last key left of the first row's).
+            skip = (
+                wg_row >= seqlen_q
+                or (BOUNDED and start_n > wg_row + 63 + diag + right)
+                or (LEFT and start_n + BLOCK_N_DQ - 1 < wg_row + diag - window_left)
+            )
             if not skip:
                 s = issue_products(wgmma.opaque_address(q_tile), k_tile)  # S = Q Kᵀ
                 dp = issue_products(wgmma.opaque_address(do_tile), k_tile + uint32(KV_TILE))  # dP = dO Vᵀ
                 wgmma.wgmma_wait(1)  # S's group is done, dP's may run on
                 s = wgmma.wgmma_fence_operand(s)
-                # P, masked where the tile crosses the end of the keys or (causal) the warpgroup's diagonal:
+                # P, masked where the tile crosses the end of the keys or a window edge of the warpgroup's rows:
                 # element (j, e) is row row0 + 8 (e // 2) against key start_n + 8 j + 2 t + e % 2 (forward_wgmma's
                 # softmax mask); ALiBi's distance |row + diag - key| is |rel + 8 (e // 2) - 8 j - e % 2|, rel =
                 # row0 + diag - start_n - 2 t (backward_tc's).
-                mask = start_n + BLOCK_N_DQ > seqlen_k or (CAUSAL and start_n + BLOCK_N_DQ - 1 > wg_row + diag)
+                mask = (
+                    start_n + BLOCK_N_DQ > seqlen_k
+                    or (BOUNDED and start_n + BLOCK_N_DQ - 1 > wg_row + diag + right)
+                    or (LEFT and start_n < wg_row + 63 + diag - window_left)
+                )
                 distance = float32(lane_diag - start_n) if ALIBI else float32(0.0)
                 for h in range(2):
                     hi = seqlen_k - 2 * t - start_n  # keys from column hi of the lane's row h on are masked
-                    if CAUSAL:
-                        hi = min(hi, lane_diag + 8 * h + 1 - start_n)
+                    if BOUNDED:
+                        hi = min(hi, lane_diag + 8 * h + right + 1 - start_n)
+                    lo = lane_diag + 8 * h - window_left - start_n  # LEFT: and those before column lo
                     for j in range(N_TILES):
                         for e in range(2 * h, 2 * h + 2):
                             x = s[4 * j + e] * qk_scale
@@ -891,7 +963,7 @@ def _build_dq(HEAD_DIM, config, CAUSAL, SOFTCAP, ALIBI, VARLEN, IS_BF16):
                                 cap[j, e] = float32(1.0) - tanh_s * tanh_s
                                 x = tanh_s * softcap_log2
                             x = probability(x, slope, distance + float32(8 * h - 8 * j - e % 2), lse_row[h])
-                            if mask and 8 * j + e % 2 >= hi:
+                            if mask and (8 * j + e % 2 >= hi or (LEFT and 8 * j + e % 2 < lo)):
                                 x = float32(0.0)
                             p[j, e] = x
                 wgmma.wgmma_wait(0)
@@ -913,7 +985,8 @@ def _build_dq(HEAD_DIM, config, CAUSAL, SOFTCAP, ALIBI, VARLEN, IS_BF16):
     return cuda.jit(_attn_bwd_dq_wgmma)
 
 
-# Compiled kernels by ("dkdv" or "dq", HEAD_DIM, WgmmaBwdConfig, CAUSAL, SOFTCAP, ALIBI, VARLEN, IS_BF16).
+# Compiled kernels by ("dkdv" or "dq", HEAD_DIM, WgmmaBwdConfig, CAUSAL, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN,
+# IS_BF16).
 _KERNELS: dict[tuple, object] = {}
 # Prepared launches (preprocess, dK/dV, dQ; ``launch.prepare``) by class of call: the tensors' shapes, strides
 # and dtypes, the device, whether their data is 16 B aligned, the spec's values (``spec_class``), the config.
@@ -933,7 +1006,8 @@ def _kernel(name, *key):
 def _spec_positions(spec: AttentionSpec, score_args_at: int) -> tuple[int, ...]:
     """Where a kernel whose ``feature_args`` tail (softcap_log2, slopes, strides) starts at score_args_at takes
     ``spec_tensors``' tensors, varying tensors of its prepared launch: the slopes at score_args_at + 1 with ALiBi,
-    a packed batch's cu_seqlens_q and cu_seqlens_k after the tail (``offset_args``, the last arguments)."""
+    a packed batch's cu_seqlens_q and cu_seqlens_k after the tail (``offset_args``; the window's sizes after them,
+    so that these places hold with a window or without)."""
     slopes = () if spec.alibi_slopes is None else (score_args_at + 1,)
     return (*slopes, score_args_at + 4, score_args_at + 5) if spec.varlen else slopes
 
@@ -956,8 +1030,9 @@ def flash_attn_backward(
             wgmma, tiny shapes).
         O: (batch, heads, seqlen_q, head_dim), q's dtype; L: (batch, heads, seqlen_q), float32, natural log, from
             the forward (+inf on rows that see no key); any strides.
-        spec: what the forward computed: any scale, and no window or causal, bottom-right aligned (key j visible
-            to query i iff j <= i + seqlen_k - seqlen_q)::
+        spec: what the forward computed: any scale and window, bottom-right aligned (key j visible to query i
+            iff i + diag - left <= j <= i + diag + right, diag = seqlen_k - seqlen_q, each side -1 for unbounded;
+            causal is (-1, 0))::
 
                 causal, seqlen_q = 2, seqlen_k = 5:   1 1 1 1 0
                                                       1 1 1 1 1
@@ -1028,7 +1103,7 @@ def flash_attn_backward(
     preprocess = launch_preprocess(O, dO, L, delta, None, spec)
     flags = (
         config,
-        spec.causal,
+        *_window_flags(spec),
         spec.softcap > 0,
         spec.alibi_slopes is not None,
         spec.varlen,
@@ -1038,8 +1113,10 @@ def flash_attn_backward(
     strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dO.stride()[:3], *L.stride())
     sizes = (heads, heads // heads_k, seqlen_q, seqlen_k, np.float32(spec.scale), np.float32(score_scale(spec)))
     # After the tile count: softcap_log2, the slopes and their strides (unread without SOFTCAP and ALIBI), then
-    # a packed batch's offsets (unread without VARLEN).
-    tail = (*feature_args(spec, seqlen_q, seqlen_k, q.device)[2:], *offset_args(spec, q.device))
+    # a packed batch's offsets (unread without VARLEN), then the window's sizes (unread without LEFT and RIGHT;
+    # last, so that the other arguments keep their places: ``_spec_positions`` holds with a window or without).
+    window_left, window_right, *score_args = feature_args(spec, seqlen_q, seqlen_k, q.device)
+    tail = (*score_args, *offset_args(spec, q.device), window_left, window_right)
     num_n_tiles = -(-grid_seqlen_k // BLOCK_N)
     head = (*inputs, dk.view(torch.int32), dv.view(torch.int32), *strides, *sizes, num_n_tiles)
     dkdv = launch.prepare(
@@ -1078,7 +1155,7 @@ def kernel_resources() -> list[dict]:
     if simulated():
         return []
     rows = []
-    for (name, HEAD_DIM, config, CAUSAL, SOFTCAP, ALIBI, VARLEN, IS_BF16), kernel in _KERNELS.items():
+    for (name, HEAD_DIM, config, CAUSAL, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN, IS_BF16), kernel in _KERNELS.items():
         regs = kernel.get_regs_per_thread()
         shared = kernel.get_shared_mem_per_block()
         local = kernel.get_local_mem_per_thread()
@@ -1089,6 +1166,8 @@ def kernel_resources() -> list[dict]:
                     "HEAD_DIM": HEAD_DIM,
                     **config._asdict(),
                     "causal": CAUSAL,
+                    "left": LEFT,
+                    "right": RIGHT,
                     "softcap": SOFTCAP,
                     "alibi": ALIBI,
                     "varlen": VARLEN,
