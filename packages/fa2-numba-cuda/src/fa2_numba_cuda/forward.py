@@ -5,8 +5,10 @@
 - ``forward_simt``: CUDA cores, fp32 arithmetic, for everything else (fp32, head_dim up to 256, older GPUs,
   numba's CUDA simulator);
 - ``forward_wgmma``: Hopper's wgmma, in place of ``forward_tc`` only where ``forward_wgmma.uses_wgmma`` holds
-  (off with FA2_NUMBA_WGMMA=0; fp16/bf16, head_dim 64 or 128, dense, causal or not, on compute
-  capability 9.0) and no kernel or config was asked for.
+  (off with FA2_NUMBA_WGMMA=0; fp16/bf16, head_dim 64 or 128, causal or not, on compute capability 9.0; a
+  softcap, ALiBi, a window other than causal, a packed batch or a sink only where ``forward_wgmma.FEATURES``
+  names each, none by default: FA2_NUMBA_WGMMA_FEATURES, e.g. "softcap,alibi,window,varlen,sink") and no kernel
+  or config was asked for.
 
 They compute the same thing from the same ``AttentionSpec`` (``common.Features``); none falls back to
 another: an input the chosen kernel cannot take is an error.
@@ -62,7 +64,8 @@ def flash_attn_forward(
             (``forward_simt``) otherwise (fp32, head_dim > 128, older GPUs, the simulator); True or False
             forces one (an input the forced kernel cannot take is an error). No kernel falls back to another.
             With tensor_cores and config None, ``forward_wgmma`` runs where ``forward_wgmma.uses_wgmma`` holds
-            (not FA2_NUMBA_WGMMA=0, Hopper, the inputs it takes).
+            (not FA2_NUMBA_WGMMA=0, Hopper, the inputs it takes; their softcap, ALiBi, window other than
+            causal, packed batch or sink only where ``forward_wgmma.FEATURES`` names each).
 
     Returns:
         O: (batch, heads, seqlen_q, head_dim), q's dtype. L: (batch, heads, seqlen_q), float32, natural log

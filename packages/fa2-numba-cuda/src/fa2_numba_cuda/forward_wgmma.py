@@ -35,23 +35,55 @@ layouts), as FlashAttention-3 computes them, without its warp specialisation (ev
 
 Grouped-query attention as ``forward_tc``: query head h reads key/value head h // group in place.
 
+Softcap, ALiBi, windows, packed batches and sinks as ``forward_tc`` applies them, compile-time switches of their
+own (LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN of ``common.Features``, and SINK; window sizes, softcap, slopes, offsets
+and sinks runtime arguments after the dense ones, so that the dense and causal builds keep their parameters and,
+offline, their SASS):
+
+- Softcap and ALiBi: ``softmax`` first makes the final scores in base 2 (x = s · qk_scale, with a softcap c x = c ·
+  log2 e · tanh.approx(s · scale / c), then x -= slope · log2 e · |i + diag - j|, one FMA, the distance from one
+  conversion a tile); the row max is taken of them (after the bias), and the exponentials take x with scale 1.
+  With a softcap alone it keeps tanh(s · scale / c) (bounded), its max and the exponentials' FFMA scaled by c ·
+  log2 e.
+- Windows (left, right), bottom-right aligned (key j visible to query i iff i + diag - left <= j <= i + diag +
+  right): causal stays the build of its own (its bound the constant 0). A block visits only the key tiles from
+  its first row's left edge (rounded down to a tile) to its last row's right edge; a warpgroup masks the right
+  edge (and the end of the keys) on the tiles that cross it for some of its rows, the left edge on those that
+  hold a key left of its last row's, each with per-row bounds as causal's. Both warpgroups compute every tile
+  of the block (a tile one warpgroup does not see is wholly masked for it). Blocks with a right bound are
+  launched longest first.
+- Packed batches (``spec.varlen``): q (1, heads, total_q, head_dim), k, v (1, heads_k, total_k, head_dim), O
+  and L in q's layout; one launch over (query tile of max_seqlen_q, sequence·head), block major with the last
+  query tiles first (every sequence's tile i before any tile i - 1: the longest blocks first across sequences
+  without their lengths on the host); a block reads its sequence's offsets (``common.sequence``), exits before
+  any copy or barrier where its tile starts past the sequence's end, and otherwise runs on the sequence's rows
+  with its own lengths (copies from its first row, zero-filled past its end; its window, ALiBi's slopes[s, h],
+  rows that see no key).
+- Sinks (``spec.sink``): in the epilogue, sink[h] · log2 e joins each row's m and l (``common.with_sink``):
+  O = acc · alpha / l, L = m + log l; a row that sees no key gets O = 0 and L = sink[h].
+
 Shared memory (dynamic, above 48 KB: ``launch.prepare`` raises the kernel's limit): Q 2 · 64 · HEAD_DIM, K and
 V STAGES (2 by default) · 2 · BLOCK_N · HEAD_DIM, 16-bit elements, plus 1 KB to align the tiles on the swizzle's 1024 B
 repeat (``shared_bytes``): with BLOCK_N 64, 99,328 B at HEAD_DIM 128 and 50,176 B at 64. Registers per thread:
 s (BLOCK_N / 2), P (BLOCK_N / 4, live until P V's wait), acc (HEAD_DIM / 2); ``wgmma_config`` has ptxas's counts.
 
-Limits (``takes``): fp16 and bf16, head_dim exactly 64 or 128, dense (batch, heads, seqlen, head_dim) inputs
-contiguous along head_dim with 16 B aligned rows (cp.async), no window but causal, no softcap, ALiBi, sink,
-packed batch or KV cache, scale >= 0 (the max of raw scores is the max of scaled ones). Which kernel runs:
-``fa2_numba_cuda.forward.flash_attn_forward`` runs this one where ``uses_wgmma`` holds: ``takes``, a CUDA
-device of compute capability 9.0 (wgmma is sm_90a's), and the switch ``ENABLED`` (on, unless the environment
-variable FA2_NUMBA_WGMMA=0 when this module is imported); ``forward_tc`` otherwise. An error in this
-kernel is raised, never answered by another. Under numba's simulator it runs only when called directly, on
-``wgmma.py``'s emulation of the instructions: slow, for tests.
+Limits (``takes``): fp16 and bf16, head_dim exactly 64 or 128, (batch, heads, seqlen, head_dim) inputs (dense
+or packed) contiguous along head_dim with 16 B aligned rows (cp.async), no KV cache, scale >= 0 (the max of raw
+scores is the max of scaled ones). Which kernel runs: ``fa2_numba_cuda.forward.flash_attn_forward`` runs this
+one where ``uses_wgmma`` holds: ``takes``, a CUDA device of compute capability 9.0 (wgmma is sm_90a's), the
+switch ``ENABLED`` (on, unless the environment variable FA2_NUMBA_WGMMA=0 when this module is imported), and
+for an input with a softcap, ALiBi, a window other than causal, a packed batch or a sink the switch
+``FEATURES`` naming each: empty, unless FA2_NUMBA_WGMMA_FEATURES names "softcap", "alibi", "window", "varlen",
+"sink" or several (comma-separated) at import, so that such inputs stay on forward_tc until this kernel's speed
+on them is measured on the H200 (a caller may also set ``FEATURES`` at run time); ``forward_tc`` otherwise.
+An error in this kernel is raised, never answered by another. Under numba's simulator it runs only when called
+directly, on ``wgmma.py``'s emulation of the instructions: slow, for tests.
 
 Launch: on torch's current CUDA stream, no host synchronisation; one compiled kernel per (HEAD_DIM,
-WgmmaConfig, CAUSAL, bf16 or fp16), cached; ``kernel_resources`` reports registers, shared and local memory of
-each. Launched through ``launch.prepare`` as ``forward_tc`` (``_PREPARED``).
+WgmmaConfig, CAUSAL, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN, SINK, bf16 or fp16), cached; ``kernel_resources``
+reports registers, shared and local memory of each. Launched through ``launch.prepare`` as ``forward_tc``
+(``_PREPARED``; with ALiBi the slopes, for a packed batch its offsets, with a sink the sinks are varying tensors
+of the class, as q, k, v).
 """
 
 from __future__ import annotations
@@ -71,10 +103,22 @@ from fa2_numba_cuda.common import (
     LOG2E,
     SHARED_ALIGN,
     check_device,
+    feature_args,
+    feature_columns,
+    features,
+    grid_extent,
     jit_kernel,
+    offset_args,
     rows_16b_aligned,
+    sequence,
     simulated,
+    sink_arg,
+    sink_positions,
+    sink_tensors,
     spec_class,
+    spec_positions,
+    spec_tensors,
+    with_sink,
 )
 from fa2_numba_cuda.mma import (
     cp_async_commit,
@@ -87,12 +131,20 @@ from fa2_numba_cuda.mma import (
     pack_f16x2,
     shared_address,
     shfl_xor,
+    tanh_approx,
 )
 from fa2_numba_cuda.tensor_cores import capability
 
 # Whether fa2_numba_cuda.forward runs this kernel where it can (``uses_wgmma``): on unless FA2_NUMBA_WGMMA=0 at
 # import (measured on the H200: 1.16-1.41x forward_tc's speed at every point timed, docs/notes/numba-wgmma.md).
 ENABLED = os.environ.get("FA2_NUMBA_WGMMA", "1") != "0"
+# The features ("softcap", "alibi", "window": any window but causal, "varlen": packed batches, "sink") whose inputs
+# ``uses_wgmma`` sends to this kernel: none, unless FA2_NUMBA_WGMMA_FEATURES names them at import (comma-separated),
+# until they are timed on the H200; the others stay on forward_tc. Set it at run time to compare.
+FEATURE_NAMES = frozenset({"softcap", "alibi", "window", "varlen", "sink"})
+FEATURES = frozenset(name for name in os.environ.get("FA2_NUMBA_WGMMA_FEATURES", "").split(",") if name)
+if not FEATURES <= FEATURE_NAMES:
+    raise ValueError(f"FA2_NUMBA_WGMMA_FEATURES names {', '.join(sorted(FEATURE_NAMES))}, got {sorted(FEATURES)}")
 
 HEAD_DIMS = (64, 128)
 COMPUTE_CAPABILITY = (9, 0)
@@ -170,12 +222,8 @@ def refusal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionSp
         return f"takes (batch, heads, seqlen, head_dim) inputs, got q {tuple(q.shape)}"
     if q.shape[-1] not in HEAD_DIMS or k.shape[-1] != q.shape[-1] or v.shape[-1] != q.shape[-1]:
         return f"takes head_dim {' or '.join(map(str, HEAD_DIMS))} for q, k and v, got {q.shape[-1]}, {v.shape[-1]}"
-    if spec.window not in ((UNBOUNDED, UNBOUNDED), (UNBOUNDED, 0)):
-        return f"takes no window but causal, got {spec.window}"
-    if spec.softcap or spec.alibi_slopes is not None or spec.sink is not None:
-        return "takes no softcap, ALiBi or sink"
-    if spec.varlen or spec.cache_seqlens is not None or spec.block_table is not None:
-        return "takes no packed batch or KV cache"
+    if spec.cache_seqlens is not None or spec.block_table is not None:
+        return "takes no KV cache"
     if spec.scale < 0:
         return f"takes scale >= 0, got {spec.scale}"
     if not all(rows_16b_aligned(t) for t in (q, k, v)):
@@ -188,14 +236,29 @@ def takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionSpec
     return refusal(q, k, v, spec) is None
 
 
+def features_on(spec: AttentionSpec) -> bool:
+    """Whether ``FEATURES`` lets ``uses_wgmma`` take the spec's features: a softcap only where it names
+    "softcap", ALiBi only where it names "alibi", a window other than none and causal only where it names
+    "window", a packed batch only where it names "varlen", a sink only where it names "sink" (a dense spec, causal
+    or not, with none of them: True)."""
+    return (
+        (spec.softcap == 0 or "softcap" in FEATURES)
+        and (spec.alibi_slopes is None or "alibi" in FEATURES)
+        and (spec.window in ((UNBOUNDED, UNBOUNDED), (UNBOUNDED, 0)) or "window" in FEATURES)
+        and (not spec.varlen or "varlen" in FEATURES)
+        and (spec.sink is None or "sink" in FEATURES)
+    )
+
+
 def uses_wgmma(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionSpec) -> bool:
     """Whether ``fa2_numba_cuda.forward.flash_attn_forward`` runs this kernel: ``ENABLED``, numba not
-    simulating, q on a CUDA device of compute capability 9.0, and ``takes``."""
+    simulating, q on a CUDA device of compute capability 9.0, ``features_on``, and ``takes``."""
     return (
         ENABLED
         and not simulated()
         and q.device.type == "cuda"
         and capability(q.device) == COMPUTE_CAPABILITY
+        and features_on(spec)
         and takes(q, k, v, spec)
     )
 
@@ -207,8 +270,10 @@ def shared_bytes(HEAD_DIM: int, config: WgmmaConfig) -> int:
     return q_bytes + kv_bytes + wgmma.SWIZZLE_ATOM_BYTES
 
 
-def _build_kernel(HEAD_DIM, config, CAUSAL, IS_BF16):
-    """The kernel for one head dim, key tile, causal or not, and input type."""
+def _build_kernel(HEAD_DIM, config, CAUSAL, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN, SINK, IS_BF16):
+    """The kernel for one head dim, key tile, causal or not, the features (compile-time: a window's LEFT and RIGHT
+    bounds other than causal's, SOFTCAP, ALIBI, VARLEN, SINK) and input type. CAUSAL is the window (-1, 0) with
+    neither LEFT nor RIGHT, its bound a constant."""
     BLOCK_N, S_AHEAD, STAGES, OVERLAP_PV = config.BLOCK_N, config.S_AHEAD, config.STAGES, config.OVERLAP_PV
     assert BLOCK_N % 16 == 0 and 16 <= BLOCK_N <= 256 and HEAD_DIM in HEAD_DIMS
     assert STAGES >= 2 and (STAGES == 2 or not S_AHEAD) and (not OVERLAP_PV or (STAGES >= 3 and not S_AHEAD))
@@ -225,28 +290,75 @@ def _build_kernel(HEAD_DIM, config, CAUSAL, IS_BF16):
     ss = wgmma.wgmma_bf16 if IS_BF16 else wgmma.wgmma_f16
     rs = wgmma.wgmma_bf16_rs if IS_BF16 else wgmma.wgmma_f16_rs
     pack = pack_bf16x2 if IS_BF16 else pack_f16x2
+    # What softmax turns s into before the mask and the max, as forward_tc's row_max: with ALiBi the final scores
+    # in base 2 (the exponentials' scale 1); with a softcap alone tanh(s · qk_scale), scaled by c · log2 e in the
+    # exponentials' FFMA; else the raw scores, scaled by qk_scale there.
+    SCALED = SOFTCAP or ALIBI
 
     load_q = wgmma.tile_loader(BLOCK_M, 64, HEAD_DIM, NUM_THREADS)
     load_kv = wgmma.tile_loader(BLOCK_N, BLOCK_N, HEAD_DIM, NUM_THREADS)
 
     @device_function
-    def softmax(s, p, m_i, l_i, alpha, start_n, seqlen_k, mask, lane_diag, t, qk_scale):
+    def softmax(
+        s,
+        p,
+        m_i,
+        l_i,
+        alpha,
+        start_n,
+        seqlen_k,
+        mask,
+        mask_left,
+        lane_diag,
+        t,
+        qk_scale,
+        exp_scale,
+        window_left,
+        window_right,
+        softcap_log2,
+        slope,
+    ):
         """The online softmax of the tile's scores s (S's registers, a tuple) into p [BLOCK_N / 8, 4] (local,
-        float32; p[j, e] is register 4 j + e: forward_tc's s[BUF] layout, its loops): the mask (where
-        ``mask``: keys past seqlen_k, and with CAUSAL past the diagonal of the lane's row h, lane_diag + 8 h,
-        counted from the lane's first key column 2 t), the new row max m_i, alpha (acc's rescale) and p =
-        exp2(s · qk_scale - m), l_i = alpha l_i + the lane's sum of p."""
+        float32; p[j, e] is register 4 j + e: forward_tc's s[BUF] layout, its loops): with a softcap or ALiBi the
+        scores as forward_tc's row_max makes them (SCALED), the mask (where ``mask``: keys past seqlen_k, and past
+        the right edge of the lane's row h, its diagonal lane_diag + 8 h counted from the lane's first key column
+        2 t, plus window_right; where ``mask_left``, keys before its left edge), the new row max m_i, alpha (acc's
+        rescale) and p = exp2(x · exp_scale - m), l_i = alpha l_i + the lane's sum of p. Element (j, e) is key
+        start_n + 2 t + 8 j + e % 2 of row h = e // 2: ALiBi's distance lane_diag - start_n + 8 h - 8 j - e % 2."""
         for j in range(N_TILES):
             for e in range(4):
                 p[j, e] = s[4 * j + e]
+        if SCALED:
+            if ALIBI:
+                distance = float32(lane_diag - start_n)  # one conversion a tile, an add and an FMA a score
+            for j in range(N_TILES):
+                for e in range(4):
+                    if SOFTCAP and ALIBI:  # softcap c: qk_scale = scale / c
+                        x = tanh_approx(p[j, e] * qk_scale) * softcap_log2
+                    elif SOFTCAP:
+                        x = tanh_approx(p[j, e] * qk_scale)
+                    else:
+                        x = p[j, e] * qk_scale
+                    if ALIBI:
+                        x = cuda.fma(-slope, abs(distance + float32(8 * (e // 2) - 8 * j - e % 2)), x)
+                    p[j, e] = x
         if mask:
             for h in range(2):  # keys from column hi of the lane's row on
                 hi = seqlen_k - 2 * t - start_n
                 if CAUSAL:
                     hi = min(hi, lane_diag + 8 * h + 1 - start_n)
+                elif RIGHT:
+                    hi = min(hi, lane_diag + 8 * h + window_right + 1 - start_n)
                 for j in range(N_TILES):
                     for e in range(2 * h, 2 * h + 2):
                         if 8 * j + e % 2 >= hi:
+                            p[j, e] = -math.inf
+        if LEFT and mask_left:
+            for h in range(2):  # keys before column lo of the lane's row
+                lo = lane_diag + 8 * h - window_left - start_n
+                for j in range(N_TILES):
+                    for e in range(2 * h, 2 * h + 2):
+                        if 8 * j + e % 2 < lo:
                             p[j, e] = -math.inf
         for h in range(2):
             m_tile = p[0, 2 * h]
@@ -254,7 +366,7 @@ def _build_kernel(HEAD_DIM, config, CAUSAL, IS_BF16):
                 m_tile = max(m_tile, max(p[j, 2 * h], p[j, 2 * h + 1]))
             m_tile = max(m_tile, shfl_xor(m_tile, 1))
             m_tile = max(m_tile, shfl_xor(m_tile, 2))
-            m_new = max(m_i[h], m_tile * qk_scale)
+            m_new = max(m_i[h], m_tile if ALIBI else m_tile * exp_scale)
             # A row with nothing visible yet has m_new = -inf; subtracting 0 instead keeps exp2 at 0, not NaN.
             m_safe = m_new if m_new != -math.inf else float32(0.0)
             alpha[h] = exp2_approx(m_i[h] - m_safe)
@@ -262,7 +374,7 @@ def _build_kernel(HEAD_DIM, config, CAUSAL, IS_BF16):
             l_part = float32(0.0)
             for j in range(N_TILES):
                 for e in range(2 * h, 2 * h + 2):
-                    x = exp2_approx(p[j, e] * qk_scale - m_safe)
+                    x = exp2_approx(p[j, e] * exp_scale - m_safe)
                     p[j, e] = x
                     l_part += x
             l_i[h] = alpha[h] * l_i[h] + l_part
@@ -326,20 +438,55 @@ def _build_kernel(HEAD_DIM, config, CAUSAL, IS_BF16):
         seqlen_k,
         qk_scale,
         num_m_tiles,
+        window_left,
+        window_right,
+        softcap_log2,
+        slopes,
+        stride_ab,
+        stride_ah,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        sink,
     ):
         """One block: BLOCK_M query rows of one (batch, head). q, k, v: flat int16 views (fp16 or bf16 bit
         patterns) of (B, H, N, HEAD_DIM) tensors with unit stride along head dims, k and v with H // group
         heads; o: (B, H, seqlen_q, HEAD_DIM), flat, contiguous, int32 pairs; lse: (B, H, seqlen_q) fp32,
-        flat."""
-        diag = seqlen_k - seqlen_q  # key j is visible to query i iff j <= i + diag (CAUSAL)
-        m_block = cuda.blockIdx.x % num_m_tiles
-        if CAUSAL:
-            m_block = num_m_tiles - 1 - m_block  # the longest rows first
+        flat. qk_scale: scale · log2 e, or with a softcap c, scale / c. The window, softcap and slopes arguments
+        as ``common.feature_args`` gives them, read only where the kernel's switches say so. VARLEN: B = 1, N the
+        packed totals, block i the query tile num_m_tiles - 1 - i // (sequences · H) of (sequence, head) i %
+        (sequences · H), its rows from cu_seqlens_q and cu_seqlens_k (``common.offset_args``). sink: (H,) fp32,
+        natural log, read with SINK only (``common.sink_arg``)."""
+        # Key j is visible to query i iff i + diag - window_left <= j <= i + diag + window_right (causal: 0, no
+        # left bound).
+        diag = seqlen_k - seqlen_q
+        if VARLEN:
+            # Block major, the last query tiles first: the longest blocks first across sequences (causal: a tile
+            # sees more keys the later it is; else only the longest sequences have the last tiles).
+            seq_heads = cuda.gridDim.x // num_m_tiles
+            m_block = num_m_tiles - 1 - cuda.blockIdx.x // seq_heads
+        else:
+            m_block = cuda.blockIdx.x % num_m_tiles
+            if CAUSAL or RIGHT:
+                m_block = num_m_tiles - 1 - m_block  # the longest rows first
         start_m = m_block * BLOCK_M
-        off_bh = cuda.blockIdx.x // num_m_tiles
-        off_b = off_bh // heads
+        if VARLEN:
+            off_bh = cuda.blockIdx.x % seq_heads
+        else:
+            off_bh = cuda.blockIdx.x // num_m_tiles
+        off_b = off_bh // heads  # the batch; with VARLEN the sequence
         off_h = off_bh % heads
         off_hk = off_h // group  # GQA: the group's query heads share key/value head off_hk
+        if VARLEN:
+            # Sequence off_b: queries q_start .. q_start + seqlen_q of the packed q (and O, L), keys k_start ..
+            # k_start + seqlen_k of k and v; its own lengths stand for seqlen_q and seqlen_k from here on. A tile
+            # past its end exits (the whole block, before any copy or barrier).
+            q_start, seqlen_q_s = sequence(cu_seqlens_q, off_b, seqlen_q)
+            k_start, seqlen_k = sequence(cu_seqlens_k, off_b, seqlen_k)
+            o_start = off_h * seqlen_q + q_start  # O's and L's row of the sequence's query 0
+            seqlen_q = seqlen_q_s
+            diag = seqlen_k - seqlen_q
+            if start_m >= seqlen_q:
+                return
         wg = cuda.threadIdx.x // wgmma.WARPGROUP_SIZE
         thread = cuda.threadIdx.x % wgmma.WARPGROUP_SIZE
         lane = thread % 32
@@ -353,20 +500,40 @@ def _build_kernel(HEAD_DIM, config, CAUSAL, IS_BF16):
         q_tile = tiles + uint32(wg * Q_TILE)
         kv_tiles = tiles + uint32(2 * Q_TILE)
         q_base, k_base, v_base = global_address(q), global_address(k), global_address(v)
-        k_offset = off_b * stride_kb + off_hk * stride_kh
-        v_offset = off_b * stride_vb + off_hk * stride_vh
+        if VARLEN:  # the sequence's first rows
+            k_offset = off_hk * stride_kh + k_start * stride_kn
+            v_offset = off_hk * stride_vh + k_start * stride_vn
+        else:
+            k_offset = off_b * stride_kb + off_hk * stride_kh
+            v_offset = off_b * stride_vb + off_hk * stride_vh
 
-        # The key tiles some row of the block sees: causal, up to the last row's diagonal.
-        end_n = max(min(seqlen_k, min(start_m + BLOCK_M, seqlen_q) + diag), 0) if CAUSAL else seqlen_k
-        n_tiles = -(-end_n // BLOCK_N)
+        # The key tiles that hold a key some row of the block sees: from the first row's left edge (its tile) to
+        # the last row's right edge, clipped to [0, seqlen_k); causal, up to the last row's diagonal.
+        if CAUSAL:
+            end_n = max(min(seqlen_k, min(start_m + BLOCK_M, seqlen_q) + diag), 0)
+        elif RIGHT:
+            end_n = max(min(seqlen_k, min(start_m + BLOCK_M, seqlen_q) + diag + window_right), 0)
+        else:
+            end_n = seqlen_k
+        if LEFT:
+            begin_n = max(start_m + diag - window_left, 0) // BLOCK_N * BLOCK_N
+            n_tiles = -(-(end_n - begin_n) // BLOCK_N)
+        else:
+            begin_n = 0
+            n_tiles = -(-end_n // BLOCK_N)
         if n_tiles > 0:  # else no copy is issued (none is left in flight at the exit)
-            load_q(tiles, q_base, off_b * stride_qb + off_h * stride_qh, stride_qm, start_m, seqlen_q)
+            if VARLEN:
+                q_offset = off_h * stride_qh + q_start * stride_qm
+            else:
+                q_offset = off_b * stride_qb + off_h * stride_qh
+            load_q(tiles, q_base, q_offset, stride_qm, start_m, seqlen_q)
             # Key tiles 0 .. AHEAD - 1, one group of copies each (Q's in the first), empty past the last tile.
             for stage in range(AHEAD):
                 if stage < n_tiles:
                     kv_stage = kv_tiles + uint32(stage * STAGE)
-                    load_kv(kv_stage, k_base, k_offset, stride_kn, stage * BLOCK_N, seqlen_k)
-                    load_kv(kv_stage + uint32(KV_TILE), v_base, v_offset, stride_vn, stage * BLOCK_N, seqlen_k)
+                    stage_n = begin_n + stage * BLOCK_N
+                    load_kv(kv_stage, k_base, k_offset, stride_kn, stage_n, seqlen_k)
+                    load_kv(kv_stage + uint32(KV_TILE), v_base, v_offset, stride_vn, stage_n, seqlen_k)
                 cp_async_commit()
 
         m_i = cuda.local.array(2, float32)
@@ -379,12 +546,16 @@ def _build_kernel(HEAD_DIM, config, CAUSAL, IS_BF16):
             l_i[h] = 0.0
         acc = wgmma.zero_accumulators(O_REGS)  # [64 rows, HEAD_DIM] as D's registers
         lane_diag = row0 + diag - 2 * t
+        # ALiBi's slope for this (batch or sequence, head), in base 2; with ALiBi, the exponentials take final
+        # scores.
+        slope = slopes[uint64(off_b * stride_ab + off_h * stride_ah)] * float32(LOG2E) if ALIBI else float32(0.0)
+        exp_scale = float32(1.0) if ALIBI else softcap_log2 if SOFTCAP else qk_scale
         if S_AHEAD:
             # S of tile it + 1 runs on the tensor cores during tile it's softmax. K and V take their stages a
             # tile apart: at the top of iteration it, K it + 1 and V it have landed; K it + 2 goes where K it was
             # (S it was waited for in iteration it - 1), V it + 1 where V it - 1 was.
             if n_tiles > 1:
-                load_kv(kv_tiles + uint32(STAGE), k_base, k_offset, stride_kn, BLOCK_N, seqlen_k)
+                load_kv(kv_tiles + uint32(STAGE), k_base, k_offset, stride_kn, begin_n + BLOCK_N, seqlen_k)
                 cp_async_commit()
             s = wgmma.zero_accumulators(S_REGS)
             if n_tiles > 0:
@@ -395,7 +566,7 @@ def _build_kernel(HEAD_DIM, config, CAUSAL, IS_BF16):
                 wgmma.wgmma_wait(0)
                 s = wgmma.wgmma_fence_operand(s)
             for it in range(n_tiles):
-                start_n = it * BLOCK_N
+                start_n = begin_n + it * BLOCK_N
                 cp_async_wait_all()  # this thread's copies of K it + 1 and V it have landed ...
                 wgmma.fence_proxy_async()  # ... visible to wgmma's async proxy ...
                 cuda.syncthreads()  # ... every thread's; both warpgroups are done with K it and V it - 1
@@ -410,8 +581,30 @@ def _build_kernel(HEAD_DIM, config, CAUSAL, IS_BF16):
                     s_next = issue_qk(q_tile, kv_tiles + uint32((it + 1) % 2 * STAGE))
                 else:
                     s_next = s
+                # The right edge (the end of the keys, causal's diagonal or the window's) is masked on the tiles
+                # that cross it for some row of the warpgroup, the left edge on those that hold a key left of its
+                # last row's.
                 mask = start_n + BLOCK_N > seqlen_k or (CAUSAL and start_n + BLOCK_N - 1 > wg_row + diag)
-                softmax(s, p, m_i, l_i, alpha, start_n, seqlen_k, mask, lane_diag, t, qk_scale)
+                mask = mask or (RIGHT and start_n + BLOCK_N - 1 > wg_row + diag + window_right)
+                softmax(
+                    s,
+                    p,
+                    m_i,
+                    l_i,
+                    alpha,
+                    start_n,
+                    seqlen_k,
+                    mask,
+                    LEFT and start_n < wg_row + 63 + diag - window_left,
+                    lane_diag,
+                    t,
+                    qk_scale,
+                    exp_scale,
+                    window_left,
+                    window_right,
+                    softcap_log2,
+                    slope,
+                )
                 acc = wgmma.scale_rows(acc, alpha[0], alpha[1])
                 pack_p(p, p_regs)
                 acc = issue_pv(acc, p_regs, kv_tiles + uint32(it % 2 * STAGE + KV_TILE))
@@ -423,7 +616,7 @@ def _build_kernel(HEAD_DIM, config, CAUSAL, IS_BF16):
             # it - 1 (with OVERLAP_PV, of tile it - 2: V of tile it - 1 is read during tile it). A group is committed
             # for every tile, empty past the last, so that all groups but the IN_FLIGHT newest are tiles 0 .. it.
             for it in range(n_tiles):
-                start_n = it * BLOCK_N
+                start_n = begin_n + it * BLOCK_N
                 k_tile = kv_tiles + uint32(it % STAGES * STAGE)
                 cp_async_wait_group(IN_FLIGHT)  # this thread's copies of tile it (and Q) have landed ...
                 wgmma.fence_proxy_async()  # ... visible to wgmma's async proxy ...
@@ -431,8 +624,9 @@ def _build_kernel(HEAD_DIM, config, CAUSAL, IS_BF16):
                 ahead = it + AHEAD
                 if ahead < n_tiles:
                     ahead_k = kv_tiles + uint32(ahead % STAGES * STAGE)
-                    load_kv(ahead_k, k_base, k_offset, stride_kn, ahead * BLOCK_N, seqlen_k)
-                    load_kv(ahead_k + uint32(KV_TILE), v_base, v_offset, stride_vn, ahead * BLOCK_N, seqlen_k)
+                    ahead_n = begin_n + ahead * BLOCK_N
+                    load_kv(ahead_k, k_base, k_offset, stride_kn, ahead_n, seqlen_k)
+                    load_kv(ahead_k + uint32(KV_TILE), v_base, v_offset, stride_vn, ahead_n, seqlen_k)
                     cp_async_commit()
                 elif IN_FLIGHT > 0:
                     cp_async_commit()
@@ -449,8 +643,30 @@ def _build_kernel(HEAD_DIM, config, CAUSAL, IS_BF16):
                 else:
                     wgmma.wgmma_wait(0)
                 s = wgmma.wgmma_fence_operand(s)
+                # The right edge (the end of the keys, causal's diagonal or the window's) is masked on the tiles
+                # that cross it for some row of the warpgroup, the left edge on those that hold a key left of its
+                # last row's.
                 mask = start_n + BLOCK_N > seqlen_k or (CAUSAL and start_n + BLOCK_N - 1 > wg_row + diag)
-                softmax(s, p, m_i, l_i, alpha, start_n, seqlen_k, mask, lane_diag, t, qk_scale)
+                mask = mask or (RIGHT and start_n + BLOCK_N - 1 > wg_row + diag + window_right)
+                softmax(
+                    s,
+                    p,
+                    m_i,
+                    l_i,
+                    alpha,
+                    start_n,
+                    seqlen_k,
+                    mask,
+                    LEFT and start_n < wg_row + 63 + diag - window_left,
+                    lane_diag,
+                    t,
+                    qk_scale,
+                    exp_scale,
+                    window_left,
+                    window_right,
+                    softcap_log2,
+                    slope,
+                )
                 if OVERLAP_PV:
                     wgmma.wgmma_wait(0)  # P V of tile it - 1: acc and P's registers are free again
                     acc = wgmma.wgmma_fence_operand(acc)
@@ -468,14 +684,22 @@ def _build_kernel(HEAD_DIM, config, CAUSAL, IS_BF16):
                 acc = wgmma.wgmma_fence_operand(acc)
 
         # Epilogue: the row sums over each quad, then O = acc / l and L = m + log(l), each once.
-        o_start = off_bh * seqlen_q  # O's and L's row of query 0 of this (batch, head)
+        if SINK:  # the head's sink, in base 2 as m_i
+            sink_log2 = sink[off_h] * float32(LOG2E)
+        if not VARLEN:
+            o_start = off_bh * seqlen_q  # O's and L's row of query 0 of this (batch, head)
         for h in range(2):
             l_sum = l_i[h] + shfl_xor(l_i[h], 1)
             l_sum += shfl_xor(l_sum, 2)
             row = row0 + 8 * h
-            # Rows that saw no key have l = 0: O = 0 and L = +inf. A NaN score makes l NaN, and O and L must
-            # then be NaN, not the no-key marker: != 0, not > 0.
-            inv_l = float32(1.0) / l_sum if l_sum != 0.0 else float32(0.0)
+            if SINK:
+                # The sink joins the denominator: O = acc · alpha / l, L = m + log2 l (l >= 1).
+                m_i[h], l_sum, alpha_row = with_sink(m_i[h], l_sum, sink_log2)
+                inv_l = alpha_row / l_sum
+            else:
+                # Rows that saw no key have l = 0: O = 0 and L = +inf. A NaN score makes l NaN, and O and L must
+                # then be NaN, not the no-key marker: != 0, not > 0.
+                inv_l = float32(1.0) / l_sum if l_sum != 0.0 else float32(0.0)
             if row < seqlen_q:
                 o_row = (o_start + row) * HEAD_DIM
                 for j in range(HEAD_DIM // 8):
@@ -487,7 +711,7 @@ def _build_kernel(HEAD_DIM, config, CAUSAL, IS_BF16):
     return jit_kernel(_attn_fwd_wgmma, config.MAX_REGISTERS)
 
 
-# Compiled kernels by (HEAD_DIM, WgmmaConfig, CAUSAL, IS_BF16).
+# Compiled kernels by (HEAD_DIM, WgmmaConfig, CAUSAL, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN, SINK, IS_BF16).
 _KERNELS: dict[tuple, object] = {}
 # Prepared launches (``launch.prepare``) by class of call: q's, k's and v's shapes, strides and dtypes, the
 # device, whether their data is 16 B aligned, the spec's values (``spec_class``), the config.
@@ -506,6 +730,22 @@ def _qk_scale(scale: float) -> np.float32:
     return np.float32(max(scale * LOG2E, float(np.finfo(np.float32).tiny)))
 
 
+def _score_scale(spec: AttentionSpec) -> np.float32:
+    """What the kernel multiplies raw scores by: ``_qk_scale``, or with a softcap c, scale / c, the argument of
+    tanh (``forward_tc._score_scale``)."""
+    if spec.softcap > 0:
+        return np.float32(spec.scale / spec.softcap)
+    return _qk_scale(spec.scale)
+
+
+def _switches(spec: AttentionSpec) -> tuple[bool, ...]:
+    """The kernel's compile-time switches for the spec: CAUSAL (the window (-1, 0), its bound a constant), then
+    ``common.features``' LEFT, RIGHT (any other window), SOFTCAP, ALIBI, VARLEN, and SINK."""
+    left, right, softcap, alibi, varlen = features(spec)
+    causal = spec.window == (UNBOUNDED, 0)
+    return causal, left and not causal, right and not causal, softcap, alibi, varlen, spec.sink is not None
+
+
 def flash_attn_forward(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -519,18 +759,22 @@ def flash_attn_forward(
             heads_k); fp16 or bf16, head_dim 64 or 128, contiguous along head_dim with 16 B aligned rows; CUDA
             tensors on compute capability 9.0, or CPU tensors under numba's simulator (emulated wgmma, tiny
             shapes).
-        spec: scale >= 0, and no window or causal, bottom-right aligned (key j visible to query i iff j <= i +
-            seqlen_k - seqlen_q)::
+        spec: scale >= 0; a window (left, right) bottom-right aligned (key j visible to query i iff i + seqlen_k
+            - seqlen_q - left <= j <= i + seqlen_k - seqlen_q + right, -1 unbounded; causal is (-1, 0)), softcap,
+            ALiBi slopes, sink, as ``fa2_numba_cuda.forward.flash_attn_forward`` describes them::
 
                 causal, seqlen_q = 2, seqlen_k = 5:   1 1 1 1 0
                                                       1 1 1 1 1
 
-            (``refusal`` names what else this kernel does not take).
+            With cu_seqlens_q and cu_seqlens_k (spec.varlen, a packed batch): q (1, heads, total_q, head_dim),
+            k, v (1, heads_k, total_k, head_dim), each sequence with its own lengths (``refusal`` names what this
+            kernel does not take).
         config: the key tile, for tuning; default ``wgmma_config(head_dim)``.
 
     Returns:
         O: (batch, heads, seqlen_q, head_dim), q's dtype. L: (batch, heads, seqlen_q), float32, natural log;
-        rows that see no key get O = 0 and L = +inf.
+        rows that see no key get O = 0 and L = +inf (with a sink, L = sink[h]). Packed: O (1, heads, total_q,
+        head_dim), L (1, heads, total_q); rows outside every sequence are not written.
     """
     key = None
     if launch.FAST:  # a call of a class met before: the kernel's parameters are packed, only pointers change
@@ -541,7 +785,7 @@ def flash_attn_forward(
         if prepared is not None:
             O = torch.empty(q.shape, dtype=q.dtype, device=q.device)
             L = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
-            prepared(q, k, v, O, L)
+            prepared(q, k, v, O, L, *spec_tensors(spec), *sink_tensors(spec))
             return O, L
     reason = refusal(q, k, v, spec)
     if reason is not None:
@@ -555,8 +799,10 @@ def flash_attn_forward(
     batch, heads, seqlen_q, head_dim = q.shape
     O = torch.empty(batch, heads, seqlen_q, head_dim, dtype=q.dtype, device=q.device)
     L = torch.empty(batch, heads, seqlen_q, dtype=torch.float32, device=q.device)
-    num_m_tiles = -(-seqlen_q // BLOCK_M)
-    grid = num_m_tiles * batch * heads
+    # Packed: one block per (query tile of the longest sequence, sequence·head); the others' extra tiles exit.
+    grid_batch, grid_seqlen_q, _ = grid_extent(spec, q, k)
+    num_m_tiles = -(-grid_seqlen_q // BLOCK_M)
+    grid = num_m_tiles * grid_batch * heads
     if grid == 0:
         return O, L
     config = WgmmaConfig(*config) if config is not None else wgmma_config(head_dim)
@@ -571,8 +817,8 @@ def flash_attn_forward(
             f"WgmmaConfig {config} needs {shared_bytes(head_dim, config)} B of shared memory at head_dim {head_dim}, "
             f"over a block's {MAX_SHARED_BYTES}"
         )
-    kernel = _kernel(head_dim, config, spec.causal, q.dtype == torch.bfloat16)
-    args = (
+    kernel = _kernel(head_dim, config, *_switches(spec), q.dtype == torch.bfloat16)
+    head = (
         *(t.view(torch.int16) for t in (q, k, v)),
         O.view(torch.int32),
         L,
@@ -583,12 +829,15 @@ def flash_attn_forward(
         heads // k.shape[1],
         seqlen_q,
         k.shape[2],
-        _qk_scale(spec.scale),
+        _score_scale(spec),
         num_m_tiles,
     )
-    prepared = launch.prepare(
-        kernel, grid, NUM_THREADS, q.device, args, (0, 1, 2, 3, 4), shared_bytes(head_dim, config)
-    )
+    # The features' arguments after the dense ones (the dense and causal builds keep their parameters' offsets).
+    feats = feature_args(spec, seqlen_q, k.shape[2], q.device)
+    args = (*head, *feats, *offset_args(spec, q.device), sink_arg(spec, q.device))
+    # What changes within a class: q, k, v, O, L and the spec's tensors.
+    varying = (0, 1, 2, 3, 4, *spec_positions(spec, len(head), len(args) - 3), *sink_positions(spec, len(args) - 1))
+    prepared = launch.prepare(kernel, grid, NUM_THREADS, q.device, args, varying, shared_bytes(head_dim, config))
     if prepared is not None and key is not None:
         _PREPARED[key] = prepared
     return O, L
@@ -600,7 +849,7 @@ def kernel_resources() -> list[dict]:
     if simulated():
         return []
     rows = []
-    for (HEAD_DIM, config, CAUSAL, IS_BF16), kernel in _KERNELS.items():
+    for (HEAD_DIM, config, CAUSAL, *switches, SINK, IS_BF16), kernel in _KERNELS.items():
         regs = kernel.get_regs_per_thread()
         local = kernel.get_local_mem_per_thread()
         for signature in regs:
@@ -610,6 +859,8 @@ def kernel_resources() -> list[dict]:
                     "HEAD_DIM": HEAD_DIM,
                     **config._asdict(),
                     "causal": CAUSAL,
+                    **feature_columns(switches),
+                    "sink": SINK,
                     "bf16": IS_BF16,
                     "registers_per_thread": regs[signature],
                     "dynamic_shared_bytes_per_block": shared_bytes(HEAD_DIM, config),
