@@ -17,10 +17,13 @@
   ways, a one-token sequence, a sequence without queries, GQA with a step's two tiles of two heads, softcap,
   ALiBi per sequence, DV_EARLY, D128; and one with a window, bounded by each sequence's own lengths), and on
   the GPU (bf16, an empty sequence; with windows too) also against backward_tc's;
+- an attention sink (the kernels as they are, dsink the preprocess's shares): dq, dk, dv and dsink against the
+  reference on the simulator (1 case, GQA, causal, D64's default tiles), and on the GPU also against
+  backward_tc's gradients;
 - ``refusal``/``takes`` refusing what the kernels do not compute, ``uses_wgmma`` off without the switch or a
   Hopper GPU, and ``fa2_numba_cuda.backward`` running them only where ``uses_wgmma`` holds (``ENABLED``
-  monkeypatched), the switch read from the environment at import; softcap, ALiBi, windows and packed batches
-  taken by them only where ``FEATURES`` names them (its environment variable read at import; on the GPU, the
+  monkeypatched), the switch read from the environment at import; softcap, ALiBi, windows, packed batches and
+  sinks taken by them only where ``FEATURES`` names them (its environment variable read at import; on the GPU, the
   dispatch with it off and on).
 
 The simulator checks the index math against the ISA's tables as ``wgmma.py`` reads them, and the ordering of
@@ -40,6 +43,7 @@ from fa2 import reference
 from fa2.spec import AttentionSpec
 from fa2_numba_cuda import backward, backward_tc, backward_wgmma, common, launch, tensor_cores
 from test_gradients import assert_grads_match, grad_tolerances
+from test_sinks import assert_dsink_matches, make_sink
 
 SIMULATED = common.simulated()
 
@@ -300,6 +304,55 @@ def test_windows_match_reference(wgmma_device, shape, window, softcap, alibi, co
             assert err <= tol, f"max |{name} - backward_tc's| = {err:.3g} > tolerance {tol:.3g}"
 
 
+# An attention sink: (B, H, H_k, seqlen_q, seqlen_k, D), causal, config. The kernels are the sink's as they are
+# (L carries it); what is under test is the host's: the preprocess's dsink shares, and at D64 backward_tc's dQ
+# kernel built without its own shares.
+if SIMULATED:
+    SINK_CASES = [((1, 2, 1, 70, 90, 64), True, None)]  # GQA 2:1, the default tiles at D64
+else:
+    SINK_CASES = [
+        *[(shape, causal, None) for shape in GPU_SHAPES[:6] for causal in (False, True)],
+        *[(shape, True, WGMMA_DQ) for shape in GPU_SHAPES[:6:2]],
+    ]
+
+
+def _sink_id(shape, causal, config):
+    b, h, h_k, n_q, n_k, d = shape
+    name = f"B{b}-H{h}" + (f"-Hk{h_k}" if h_k != h else "") + f"-{n_q}x{n_k}-D{d}-" + ("causal" if causal else "full")
+    return name + ("" if config is None else "-wgmma-dq")
+
+
+@pytest.mark.parametrize("shape, causal, config", [pytest.param(*c, id=_sink_id(*c)) for c in SINK_CASES])
+def test_sink_matches_reference(wgmma_device, shape, causal, config):
+    """dq, dk, dv and dsink against the fp64 reference's (fp16 on the simulator, bf16 on the GPU, where they are
+    also checked against backward_tc's, which takes dsink's shares in its dQ kernel instead)."""
+    dtype = torch.float16 if SIMULATED else torch.bfloat16
+    q, k, v, dO = _inputs(dtype, shape, wgmma_device)
+    sink = make_sink(shape[1], wgmma_device, seed=shape[3])
+    O64, L64 = reference.attention(q.double(), k.double(), v.double(), causal, sink=sink.double())
+    O, L = O64.to(dtype), L64.float()
+    spec = _spec(q, k, causal).replace(sink=sink)
+    dq, dk, dv, dsink = backward_wgmma.flash_attn_backward(q, k, v, O, L, dO, spec, config)
+    assert_grads_match(dq, dk, dv, q, k, v, dO, causal, sink=sink)
+    assert_dsink_matches(dsink, q, k, v, dO, causal, sink)
+    if not SIMULATED:
+        _, tols = grad_tolerances(q, k, v, dO, causal, sink=sink)
+        expected = backward_tc.flash_attn_backward(q, k, v, O, L, dO, spec)
+        for name, x, y, tol in zip(("dq", "dk", "dv"), (dq, dk, dv), expected, tols):
+            err = (x.float() - y.float()).abs().max().item()
+            assert err <= tol, f"max |{name} - backward_tc's| = {err:.3g} > tolerance {tol:.3g}"
+
+
+def test_features_on_takes_a_sink_only_where_features_names_it(monkeypatch):
+    q, k, _, _ = _small()
+    spec = _spec(q, k, True).replace(sink=torch.zeros(2))
+    monkeypatch.setattr(backward_wgmma, "FEATURES", frozenset({"softcap", "alibi", "window", "varlen"}))
+    assert not backward_wgmma.features_on(spec)
+    monkeypatch.setattr(backward_wgmma, "FEATURES", frozenset({"sink"}))
+    assert backward_wgmma.features_on(spec)
+    assert not backward_wgmma.features_on(spec.replace(softcap=5.0)), "each feature must be named"
+
+
 def test_dv_early_takes_no_softcap():
     q, k, v, dO = _small()
     spec = _spec(q, k, True).replace(softcap=5.0)
@@ -512,7 +565,6 @@ def test_takes_packed_batches():
             lambda q, k, v, o, s: ((q[..., :32], k[..., :32], v[..., :32], o[..., :32]), s), "head_dim", id="D32"
         ),
         pytest.param(lambda q, k, v, o, s: ((q, k, v[..., :32], o), s), "head_dim", id="v-head-dim"),
-        pytest.param(lambda q, k, v, o, s: ((q, k, v, o), s.replace(sink=torch.zeros(2))), "sink", id="sink"),
         pytest.param(
             lambda q, k, v, o, s: ((q, k, v, o), s.replace(cache_seqlens=torch.tensor([16], dtype=torch.int32))),
             "KV cache",
@@ -611,17 +663,21 @@ def test_features_on_needs_features_to_name_them(monkeypatch, features, softcap,
 
 @pytest.mark.parametrize("on", [False, True], ids=["features-off", "features-on"])
 @pytest.mark.parametrize(
-    "window, softcap, alibi, names",
+    "window, softcap, alibi, sink, names",
     [
-        pytest.param((-1, 0), 50.0, True, {"softcap", "alibi"}, id="softcap-alibi"),
-        pytest.param((200, 30), 0.0, False, {"window"}, id="window"),
+        pytest.param((-1, 0), 50.0, True, False, {"softcap", "alibi"}, id="softcap-alibi"),
+        pytest.param((200, 30), 0.0, False, False, {"window"}, id="window"),
+        pytest.param((-1, 0), 0.0, False, True, {"sink"}, id="sink"),
     ],
 )
-def test_backward_runs_features_where_features_names_them(wgmma_device, monkeypatch, on, window, softcap, alibi, names):
-    """On a Hopper GPU with ``ENABLED``: a softcap and ALiBi input (causal), and a windowed one, run backward_tc's
-    kernels with ``FEATURES`` empty (the default), these kernels' (built with SOFTCAP and ALIBI, or LEFT and
-    RIGHT) with the features named; both match the reference; a class's second call takes the prepared launches
-    (the slopes a varying tensor) and gives the same gradients bit for bit."""
+def test_backward_runs_features_where_features_names_them(
+    wgmma_device, monkeypatch, on, window, softcap, alibi, sink, names
+):
+    """On a Hopper GPU with ``ENABLED``: a softcap and ALiBi input (causal), a windowed one and one with a sink
+    run backward_tc's kernels with ``FEATURES`` empty (the default), these kernels' (built with SOFTCAP and
+    ALIBI, LEFT and RIGHT, or as the dense ones) with the features named; both match the reference; a class's
+    second call takes the prepared launches (the slopes, the sink and dsink's shares varying tensors) and gives
+    the same gradients (dsink too) bit for bit."""
     if wgmma_device.type != "cuda":
         pytest.skip("the default dispatch needs a Hopper GPU (--device cuda)")
     monkeypatch.setattr(backward_wgmma, "ENABLED", True)
@@ -629,9 +685,11 @@ def test_backward_runs_features_where_features_names_them(wgmma_device, monkeypa
     q, k, v, dO = _inputs(torch.bfloat16, (2, 4, 2, 300, 333, 128), wgmma_device)
     slopes = torch.rand(2, 4, generator=torch.Generator().manual_seed(3)).to(wgmma_device) if alibi else None
     features = dict(window=window, softcap=softcap, alibi_slopes=slopes)
+    if sink:
+        features["sink"] = make_sink(4, wgmma_device)
     O64, L64 = reference.attention(q.double(), k.double(), v.double(), **features)
     O, L = O64.to(q.dtype), L64.float()
-    spec = AttentionSpec(128**-0.5, window, softcap, slopes, 2)
+    spec = AttentionSpec(128**-0.5, window, softcap, slopes, 2, sink=features.get("sink"))
     for cache in (backward_wgmma._KERNELS, backward_wgmma._PREPARED, backward_tc._KERNELS, backward_tc._PREPARED):
         cache.clear()  # so that the first call builds the kernels it runs
     first = backward.flash_attn_backward(q, k, v, O, L, dO, spec)
@@ -647,9 +705,12 @@ def test_backward_runs_features_where_features_names_them(wgmma_device, monkeypa
     second = backward.flash_attn_backward(q, k, v, O, L, dO, spec)
     assert not prepares, "the second call of a class must take the prepared launches"
     torch.cuda.synchronize()
-    for name, x, y in zip(("dq", "dk", "dv"), first, second):
+    assert len(first) == len(second) == (4 if sink else 3)
+    for name, x, y in zip(("dq", "dk", "dv", "dsink"), first, second):
         assert torch.equal(x, y), f"{name}: max |prepared - numba| = {(x.float() - y.float()).abs().max():.3g}"
-    assert_grads_match(*second, q, k, v, dO, False, **features)
+    assert_grads_match(*second[:3], q, k, v, dO, False, **features)
+    if sink:
+        assert_dsink_matches(second[3], q, k, v, dO, False, **features)
 
 
 @pytest.mark.parametrize("on", [False, True], ids=["features-off", "features-on"])
@@ -714,9 +775,9 @@ def test_backward_runs_packed_batches_where_features_names_them(wgmma_device, mo
 
 
 def test_features_read_the_environment_at_import():
-    """FA2_NUMBA_WGMMA_BWD_FEATURES unset, "softcap", "alibi,softcap", "window,alibi,softcap", "varlen": none,
-    softcap, both, those three, packed batches."""
-    values = [None, "softcap", "alibi,softcap", "window,alibi,softcap", "varlen"]
+    """FA2_NUMBA_WGMMA_BWD_FEATURES unset, "softcap", "alibi,softcap", "window,alibi,softcap", "varlen",
+    "sink,varlen": none, softcap, both, those three, packed batches, sinks and packed batches."""
+    values = [None, "softcap", "alibi,softcap", "window,alibi,softcap", "varlen", "sink,varlen"]
     got = values_at_import("fa2_numba_cuda.backward_wgmma", "FEATURES", "FA2_NUMBA_WGMMA_BWD_FEATURES", values)
     assert [eval(r) for r in got] == [
         frozenset(),
@@ -724,6 +785,7 @@ def test_features_read_the_environment_at_import():
         {"softcap", "alibi"},
         {"softcap", "alibi", "window"},
         {"varlen"},
+        {"sink", "varlen"},
     ]
 
 

@@ -7,7 +7,7 @@
 - ``backward_wgmma``: the dK/dV kernel on Hopper's wgmma, and at head_dim 128 the dQ kernel too (at 64,
   ``backward_tc``'s), in place of ``backward_tc`` where ``backward_wgmma.uses_wgmma`` holds (on unless
   FA2_NUMBA_WGMMA_BWD=0; fp16/bf16, head_dim 64 or 128, dense or packed, any window, on compute capability 9.0;
-  a softcap, ALiBi, a window other than none and causal or a packed batch only where
+  a softcap, ALiBi, a window other than none and causal, a packed batch or a sink only where
   ``backward_wgmma.FEATURES`` names it, none by default) and no kernels or config were asked for.
 
 The choice is made from the inputs' dtype, head_dim and device and the spec alone, before any launch; an

@@ -115,14 +115,18 @@ Both kernels:
   L and delta of its rows, the window's diagonal and tile bounds, ALiBi's slopes[s, h], the keys past its end
   never written, per sequence. Keys of a sequence without queries get dk = dv = 0, rows of one without keys
   dq = 0.
+- An attention sink (``spec.sink``, a logit per head in the softmax's denominator, gpt-oss): the kernels are the
+  sink's as they are, since the forward's L includes it and so P = exp(S - L) is the sink's P; its gradient,
+  dsink[h] = -Σ exp(sink[h] - L) · delta over the rows, is the preprocess's (``backward_simt.launch_preprocess``
+  with ``dsink_parts``: a share a block), summed per head by torch in a fixed order (``sink_gradient``).
 
 Limits (``takes``): fp16 and bf16, head_dim exactly 64 or 128, (batch, heads, seqlen, head_dim) q, k, v and dO of
-one dtype (dense or packed), contiguous along head_dim with 16 B aligned rows (cp.async), any window, no sink or
+one dtype (dense or packed), contiguous along head_dim with 16 B aligned rows (cp.async), any window, a sink, no
 KV cache. Which kernels run: ``fa2_numba_cuda.backward.flash_attn_backward`` runs these where ``uses_wgmma``
 holds: ``takes``, a CUDA device of compute capability 9.0 (wgmma is sm_90a's), the switch ``ENABLED`` (on,
 unless the environment variable FA2_NUMBA_WGMMA_BWD=0 when this module is imported), and for an input with a
-softcap, ALiBi, a window other than none and causal or a packed batch the switch ``FEATURES`` naming each
-("softcap", "alibi", "window", "varlen": ``features_on``): empty, unless FA2_NUMBA_WGMMA_BWD_FEATURES names them
+softcap, ALiBi, a window other than none and causal, a packed batch or a sink the switch ``FEATURES`` naming each
+("softcap", "alibi", "window", "varlen", "sink": ``features_on``): empty, unless FA2_NUMBA_WGMMA_BWD_FEATURES names them
 (comma-separated) at import, so that such inputs stay on backward_tc until these kernels' speed on them is
 measured on the H200 (a caller may also set ``FEATURES`` at run time); ``backward_tc`` otherwise. An error in
 these kernels is raised, never answered by others.
@@ -148,7 +152,7 @@ from numba import cuda, float32, int16, int32, int64, uint32, uint64
 
 from fa2.spec import UNBOUNDED, AttentionSpec
 from fa2_numba_cuda import backward_tc, launch, wgmma
-from fa2_numba_cuda.backward_simt import launch_preprocess, preprocess_tensors
+from fa2_numba_cuda.backward_simt import dsink_parts, launch_preprocess, preprocess_tensors, sink_gradient
 from fa2_numba_cuda.common import (
     LOG2E,
     SHARED_ALIGN,
@@ -179,13 +183,15 @@ from fa2_numba_cuda.tensor_cores import capability
 # Whether fa2_numba_cuda.backward runs these kernels where they can (``uses_wgmma``): on unless
 # FA2_NUMBA_WGMMA_BWD=0 at import (1.02-1.58x backward_tc's time at every point timed on the H200).
 ENABLED = os.environ.get("FA2_NUMBA_WGMMA_BWD", "1") != "0"
-# The features ("softcap", "alibi", "window": a window other than none and causal, "varlen": packed batches) whose
-# inputs ``uses_wgmma`` sends to these kernels: none, unless FA2_NUMBA_WGMMA_BWD_FEATURES names them at import
-# (comma-separated), until they are timed on the H200; the others stay on backward_tc. Set it at run time to
-# compare.
+# The features ("softcap", "alibi", "window": a window other than none and causal, "varlen": packed batches,
+# "sink": an attention sink) whose inputs ``uses_wgmma`` sends to these kernels: none, unless
+# FA2_NUMBA_WGMMA_BWD_FEATURES names them at import (comma-separated), until they are timed on the H200; the others
+# stay on backward_tc. Set it at run time to compare.
 FEATURES = frozenset(name for name in os.environ.get("FA2_NUMBA_WGMMA_BWD_FEATURES", "").split(",") if name)
-if not FEATURES <= {"softcap", "alibi", "window", "varlen"}:
-    raise ValueError(f"FA2_NUMBA_WGMMA_BWD_FEATURES names softcap, alibi, window and varlen, got {sorted(FEATURES)}")
+if not FEATURES <= {"softcap", "alibi", "window", "varlen", "sink"}:
+    raise ValueError(
+        f"FA2_NUMBA_WGMMA_BWD_FEATURES names softcap, alibi, window, varlen and sink, got {sorted(FEATURES)}"
+    )
 
 HEAD_DIMS = (64, 128)
 COMPUTE_CAPABILITY = (9, 0)
@@ -239,8 +245,6 @@ def refusal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dO: torch.Tensor,
         return f"takes (batch, heads, seqlen, head_dim) inputs and dO of q's shape, got q {tuple(q.shape)}"
     if q.shape[-1] not in HEAD_DIMS or k.shape[-1] != q.shape[-1] or v.shape[-1] != q.shape[-1]:
         return f"takes head_dim {' or '.join(map(str, HEAD_DIMS))} for q, k and v, got {q.shape[-1]}, {v.shape[-1]}"
-    if spec.sink is not None:
-        return "takes no sink"
     if spec.cache_seqlens is not None or spec.block_table is not None:
         return "takes no KV cache"
     if not all(rows_16b_aligned(t) for t in (q, k, v, dO)):
@@ -256,12 +260,14 @@ def takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dO: torch.Tensor, s
 def features_on(spec: AttentionSpec) -> bool:
     """Whether ``FEATURES`` lets ``uses_wgmma`` take the spec's features: a softcap only where it names
     "softcap", ALiBi only where it names "alibi", a window other than none and causal only where it names
-    "window", a packed batch only where it names "varlen" (a dense spec with none of them: True)."""
+    "window", a packed batch only where it names "varlen", a sink only where it names "sink" (a dense spec with
+    none of them: True)."""
     return (
         (spec.softcap == 0 or "softcap" in FEATURES)
         and (spec.alibi_slopes is None or "alibi" in FEATURES)
         and (spec.window in ((UNBOUNDED, UNBOUNDED), (UNBOUNDED, 0)) or "window" in FEATURES)
         and (not spec.varlen or "varlen" in FEATURES)
+        and (spec.sink is None or "sink" in FEATURES)
     )
 
 
@@ -1021,7 +1027,7 @@ def flash_attn_backward(
     dO: torch.Tensor,
     spec: AttentionSpec,
     config: WgmmaBwdConfig | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, ...]:
     """Arguments:
         q, dO: (batch, heads, seqlen_q, head_dim); k, v: (batch, heads_k, seqlen_k, head_dim), heads a multiple
             of heads_k (grouped-query attention): query head h attends to key/value head h // (heads //
@@ -1047,7 +1053,9 @@ def flash_attn_backward(
     Returns:
         dq, dk, dv in the shapes and dtypes of q, k, v (dk, dv: each key/value head's gradient summed over its
         group's query heads), contiguous; rows that see no key get dq = 0, keys that no row sees dk = dv = 0.
-        Three launches (preprocess, dK/dV, dQ) whatever the number of sequences, no host sync.
+        Three launches (preprocess, dK/dV, dQ) whatever the number of sequences, no host sync. With spec.sink
+        (attention sinks, (heads,) fp32) also dsink, (heads,) fp32, as ``backward_tc`` returns it: the
+        preprocess's shares (``backward_simt.dsink_parts``) summed per head (``backward_simt.sink_gradient``).
     """
     key = None
     if launch.FAST:  # a call of a class met before: the kernels' parameters are packed, only pointers change
@@ -1062,11 +1070,12 @@ def flash_attn_backward(
             dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
             dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
             delta = torch.empty(q.shape[0] * q.shape[1] * q.shape[2], dtype=torch.float32, device=q.device)
-            preprocess(*preprocess_tensors(O, dO, L, delta, None, spec))
+            parts = dsink_parts(spec, O)
+            preprocess(*preprocess_tensors(O, dO, L, delta, parts, spec))
             extra = spec_tensors(spec)  # the slopes with ALiBi, a packed batch's offsets
             dkdv(q, k, v, dO, L, delta, dk, dv, *extra)
             dq_kernel(q, k, v, dO, L, delta, dq, *extra)
-            return dq, dk, dv
+            return dq, dk, dv, *sink_gradient(spec, parts)
     reason = refusal(q, k, v, dO, spec)
     if reason is not None:
         raise NotImplementedError(f"fa2-numba-cuda's wgmma backward {reason}")
@@ -1099,8 +1108,10 @@ def flash_attn_backward(
     if config.DV_EARLY and spec.softcap:
         raise ValueError(f"WgmmaBwdConfig's DV_EARLY takes no softcap (its Pᵀ is made after dPᵀ's wait), got {config}")
     delta = torch.empty(batch * heads * seqlen_q, dtype=torch.float32, device=q.device)
-    # delta = rowsum(dO ∘ O): the SIMT preprocess (fp32 sums; per row, a packed batch as one sequence).
-    preprocess = launch_preprocess(O, dO, L, delta, None, spec)
+    # delta = rowsum(dO ∘ O): the SIMT preprocess (fp32 sums; per row, a packed batch as one sequence), with a
+    # sink also its blocks' shares of dsink (the kernels need no sink: L carries it into P = exp(S - L)).
+    parts = dsink_parts(spec, O)
+    preprocess = launch_preprocess(O, dO, L, delta, parts, spec)
     flags = (
         config,
         *_window_flags(spec),
@@ -1145,7 +1156,7 @@ def flash_attn_backward(
         dq_kernel = backward_tc.launch_dq(q, k, v, dO, L, delta, dq, None, spec, dq_config)
     if key is not None and None not in (preprocess, dkdv, dq_kernel):
         _PREPARED[key] = (preprocess, dkdv, dq_kernel)
-    return dq, dk, dv
+    return dq, dk, dv, *sink_gradient(spec, parts)
 
 
 def kernel_resources() -> list[dict]:
