@@ -165,6 +165,7 @@ from fa2_numba_cuda.common import (
     sequence,
     simulated,
     spec_class,
+    spec_positions,
     spec_tensors,
 )
 from fa2_numba_cuda.mma import (
@@ -1009,15 +1010,6 @@ def _kernel(name, *key):
     return kernel
 
 
-def _spec_positions(spec: AttentionSpec, score_args_at: int) -> tuple[int, ...]:
-    """Where a kernel whose ``feature_args`` tail (softcap_log2, slopes, strides) starts at score_args_at takes
-    ``spec_tensors``' tensors, varying tensors of its prepared launch: the slopes at score_args_at + 1 with ALiBi,
-    a packed batch's cu_seqlens_q and cu_seqlens_k after the tail (``offset_args``; the window's sizes after them,
-    so that these places hold with a window or without)."""
-    slopes = () if spec.alibi_slopes is None else (score_args_at + 1,)
-    return (*slopes, score_args_at + 4, score_args_at + 5) if spec.varlen else slopes
-
-
 def flash_attn_backward(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -1125,9 +1117,11 @@ def flash_attn_backward(
     sizes = (heads, heads // heads_k, seqlen_q, seqlen_k, np.float32(spec.scale), np.float32(score_scale(spec)))
     # After the tile count: softcap_log2, the slopes and their strides (unread without SOFTCAP and ALIBI), then
     # a packed batch's offsets (unread without VARLEN), then the window's sizes (unread without LEFT and RIGHT;
-    # last, so that the other arguments keep their places: ``_spec_positions`` holds with a window or without).
+    # last, so that the other arguments keep their places with a window or without).
     window_left, window_right, *score_args = feature_args(spec, seqlen_q, seqlen_k, q.device)
     tail = (*score_args, *offset_args(spec, q.device), window_left, window_right)
+    # ``spec_tensors``' places among a kernel's arguments (head, then tail): feature_args would start two before
+    # the tail (its window sizes are the tail's last), the offsets right after score_args.
     num_n_tiles = -(-grid_seqlen_k // BLOCK_N)
     head = (*inputs, dk.view(torch.int32), dv.view(torch.int32), *strides, *sizes, num_n_tiles)
     dkdv = launch.prepare(
@@ -1136,7 +1130,7 @@ def flash_attn_backward(
         NUM_THREADS,
         q.device,
         (*head, *tail),
-        (*range(8), *_spec_positions(spec, len(head))),
+        (*range(8), *spec_positions(spec, len(head) - 2, len(head) + len(score_args))),
         shared_bytes("dkdv", head_dim, config),
     )
     if config.DQ_WGMMA:
@@ -1148,7 +1142,7 @@ def flash_attn_backward(
             NUM_THREADS,
             q.device,
             (*head, *tail),
-            (*range(7), *_spec_positions(spec, len(head))),
+            (*range(7), *spec_positions(spec, len(head) - 2, len(head) + len(score_args))),
             shared_bytes("dq", head_dim, config),
         )
     else:  # backward_tc's, its own tiles (the device's shared memory allowing)
