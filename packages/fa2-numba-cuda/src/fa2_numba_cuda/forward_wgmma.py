@@ -307,8 +307,8 @@ def _build_kernel(HEAD_DIM, config, CAUSAL, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN,
         alpha,
         start_n,
         seqlen_k,
-        mask,
-        mask_left,
+        wg_row,
+        diag,
         lane_diag,
         t,
         qk_scale,
@@ -320,10 +320,12 @@ def _build_kernel(HEAD_DIM, config, CAUSAL, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN,
     ):
         """The online softmax of the tile's scores s (S's registers, a tuple) into p [BLOCK_N / 8, 4] (local,
         float32; p[j, e] is register 4 j + e: forward_tc's s[BUF] layout, its loops): with a softcap or ALiBi the
-        scores as forward_tc's row_max makes them (SCALED), the mask (where ``mask``: keys past seqlen_k, and past
-        the right edge of the lane's row h, its diagonal lane_diag + 8 h counted from the lane's first key column
-        2 t, plus window_right; where ``mask_left``, keys before its left edge), the new row max m_i, alpha (acc's
-        rescale) and p = exp2(x · exp_scale - m), l_i = alpha l_i + the lane's sum of p. Element (j, e) is key
+        scores as forward_tc's row_max makes them (SCALED), the mask (on a tile that crosses the right edge for
+        some row of the warpgroup, rows wg_row .. wg_row + 63: keys past seqlen_k, and past the right edge of the
+        lane's row h, its diagonal lane_diag + 8 h counted from the lane's first key column 2 t, plus
+        window_right; on a tile that holds a key left of the warpgroup's last row's left edge, keys before the
+        lane's row's), the new row max m_i, alpha (acc's rescale) and p = exp2(x · exp_scale - m), l_i = alpha l_i
+        + the lane's sum of p. Element (j, e) is key
         start_n + 2 t + 8 j + e % 2 of row h = e // 2: ALiBi's distance lane_diag - start_n + 8 h - 8 j - e % 2."""
         for j in range(N_TILES):
             for e in range(4):
@@ -342,7 +344,15 @@ def _build_kernel(HEAD_DIM, config, CAUSAL, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN,
                     if ALIBI:
                         x = cuda.fma(-slope, abs(distance + float32(8 * (e // 2) - 8 * j - e % 2)), x)
                     p[j, e] = x
-        if mask:
+        # Only the tiles that cross an edge for some row of the warpgroup are masked: the right edge (the end of
+        # the keys, causal's diagonal or the window's), the left edge where the tile holds a key left of the last
+        # row's.
+        crosses_right = (
+            start_n + BLOCK_N > seqlen_k
+            or (CAUSAL and start_n + BLOCK_N - 1 > wg_row + diag)
+            or (RIGHT and start_n + BLOCK_N - 1 > wg_row + diag + window_right)
+        )
+        if crosses_right:
             for h in range(2):  # keys from column hi of the lane's row on
                 hi = seqlen_k - 2 * t - start_n
                 if CAUSAL:
@@ -353,7 +363,7 @@ def _build_kernel(HEAD_DIM, config, CAUSAL, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN,
                     for e in range(2 * h, 2 * h + 2):
                         if 8 * j + e % 2 >= hi:
                             p[j, e] = -math.inf
-        if LEFT and mask_left:
+        if LEFT and start_n < wg_row + 63 + diag - window_left:
             for h in range(2):  # keys before column lo of the lane's row
                 lo = lane_diag + 8 * h - window_left - start_n
                 for j in range(N_TILES):
@@ -581,11 +591,6 @@ def _build_kernel(HEAD_DIM, config, CAUSAL, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN,
                     s_next = issue_qk(q_tile, kv_tiles + uint32((it + 1) % 2 * STAGE))
                 else:
                     s_next = s
-                # The right edge (the end of the keys, causal's diagonal or the window's) is masked on the tiles
-                # that cross it for some row of the warpgroup, the left edge on those that hold a key left of its
-                # last row's.
-                mask = start_n + BLOCK_N > seqlen_k or (CAUSAL and start_n + BLOCK_N - 1 > wg_row + diag)
-                mask = mask or (RIGHT and start_n + BLOCK_N - 1 > wg_row + diag + window_right)
                 softmax(
                     s,
                     p,
@@ -594,8 +599,8 @@ def _build_kernel(HEAD_DIM, config, CAUSAL, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN,
                     alpha,
                     start_n,
                     seqlen_k,
-                    mask,
-                    LEFT and start_n < wg_row + 63 + diag - window_left,
+                    wg_row,
+                    diag,
                     lane_diag,
                     t,
                     qk_scale,
@@ -643,11 +648,6 @@ def _build_kernel(HEAD_DIM, config, CAUSAL, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN,
                 else:
                     wgmma.wgmma_wait(0)
                 s = wgmma.wgmma_fence_operand(s)
-                # The right edge (the end of the keys, causal's diagonal or the window's) is masked on the tiles
-                # that cross it for some row of the warpgroup, the left edge on those that hold a key left of its
-                # last row's.
-                mask = start_n + BLOCK_N > seqlen_k or (CAUSAL and start_n + BLOCK_N - 1 > wg_row + diag)
-                mask = mask or (RIGHT and start_n + BLOCK_N - 1 > wg_row + diag + window_right)
                 softmax(
                     s,
                     p,
@@ -656,8 +656,8 @@ def _build_kernel(HEAD_DIM, config, CAUSAL, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN,
                     alpha,
                     start_n,
                     seqlen_k,
-                    mask,
-                    LEFT and start_n < wg_row + 63 + diag - window_left,
+                    wg_row,
+                    diag,
                     lane_diag,
                     t,
                     qk_scale,
