@@ -14,6 +14,7 @@ correct kernel pass, while one that overflows or loses a term still fails.
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import subprocess
@@ -120,6 +121,32 @@ def assert_matches_reference(O, L, q, k, v, causal, scale=None, rows=None, **fea
     err_L = max_err(L[~empty], L_ref[~empty])
     assert err_O <= tol_O, f"max |O - O_ref| = {err_O:.3g} > tolerance {tol_O:.3g} ({q.dtype})"
     assert err_L <= tol_L, f"max |L - L_ref| = {err_L:.3g} > tolerance {tol_L:.3g} ({q.dtype})"
+
+
+def offsets(lens, device) -> torch.Tensor:
+    """cu_seqlens of a packed batch of sequences of these lengths: (len(lens) + 1,) int32, from 0."""
+    return torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32, device=device)
+
+
+def heads_first(t: torch.Tensor) -> torch.Tensor:
+    """A packed (total, heads, ...) tensor as the kernels take it: (1, heads, total, ...), a view."""
+    return t.transpose(0, 1)[None]
+
+
+def varlen_grads(q, k, v, dO, cu_q, cu_k, causal, upcast, **features):
+    """dq, dk, dv of ``reference.varlen_attention`` on packed (total, heads, head_dim) q, k, v by autograd: fp64
+    with upcast, else in q's dtype (the naive attention of the tolerance rule)."""
+    x = [t.detach().double().requires_grad_() if upcast else t.detach().requires_grad_() for t in (q, k, v)]
+    O, _ = reference.varlen_attention(*x, cu_q, cu_k, causal, upcast=upcast, **features)
+    return torch.autograd.grad(O, x, dO.double() if upcast else dO)
+
+
+def packed_grad_tolerances(q, k, v, dO, cu_q, cu_k, causal, **features):
+    """(the fp64 reference's dq, dk, dv of a packed fp16/bf16 batch, their tolerances): three times a
+    same-precision naive attention's error plus twice the reference's rounding to the dtype, over the batch."""
+    ref = varlen_grads(q, k, v, dO, cu_q, cu_k, causal, True, **features)
+    naive = varlen_grads(q, k, v, dO, cu_q, cu_k, causal, False, **features)
+    return ref, [3 * max_err(n, r) + 2 * max_err(r.to(q.dtype), r) for n, r in zip(naive, ref)]
 
 
 def random_qkv(shape_q, shape_k, dtype, device, seed=0):

@@ -9,15 +9,13 @@ Backends without a packed path raise NotImplementedError (a skip, with their mes
 
 from __future__ import annotations
 
-import itertools
 import random
 
 import pytest
 import torch
 
 import fa2
-from checks import assert_matches_reference, max_err
-from fa2 import reference
+from checks import assert_matches_reference, max_err, offsets, packed_grad_tolerances, varlen_grads
 from test_conformance import DTYPES, require_runnable
 from test_gradients import FP32_GRAD_ATOL, grads
 
@@ -57,10 +55,6 @@ CASES = [
 ]
 
 
-def _offsets(lens, device):
-    return torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32, device=device)
-
-
 def _inputs(case, dtype, device, seed):
     g = torch.Generator().manual_seed(seed)
 
@@ -77,7 +71,7 @@ def _inputs(case, dtype, device, seed):
 
 
 def _run(backend, q, k, v, case, options, device):
-    cu_q, cu_k = _offsets(case["lens_q"], device), _offsets(case["lens_k"], device)
+    cu_q, cu_k = offsets(case["lens_q"], device), offsets(case["lens_k"], device)
     try:
         return fa2.varlen_attention(
             q,
@@ -97,7 +91,7 @@ def _run(backend, q, k, v, case, options, device):
 
 def _sequences(case, options):
     """(rows, keys, that sequence's options) of each sequence: its slices of the packed tensors."""
-    starts_q, starts_k = _offsets(case["lens_q"], "cpu").tolist(), _offsets(case["lens_k"], "cpu").tolist()
+    starts_q, starts_k = offsets(case["lens_q"], "cpu").tolist(), offsets(case["lens_k"], "cpu").tolist()
     for s in range(len(case["lens_q"])):
         slopes = options["alibi_slopes"]
         own = dict(options, alibi_slopes=slopes if slopes is None or slopes.dim() == 1 else slopes[s])
@@ -137,19 +131,12 @@ def test_gradients_match_the_reference(backend, status, device, dtype, case):
     O, _ = _run(backend, q, k, v, case, options, device)
     dO = torch.randn(q.shape, generator=torch.Generator().manual_seed(5)).to(device=device, dtype=dtype)
     got = grads(O, (q, k, v), dO)
-    cu_q, cu_k = _offsets(case["lens_q"], device), _offsets(case["lens_k"], device)
-
-    def reference_grads(upcast):
-        x = [t.detach().double().requires_grad_() if upcast else t.detach().requires_grad_() for t in (q, k, v)]
-        O_ref, _ = reference.varlen_attention(*x, cu_q, cu_k, case["causal"], upcast=upcast, **options)
-        return torch.autograd.grad(O_ref, x, dO.double() if upcast else dO)
-
-    ref = reference_grads(True)
+    cu_q, cu_k = offsets(case["lens_q"], device), offsets(case["lens_k"], device)
     if dtype == torch.float32:
+        ref = varlen_grads(q, k, v, dO, cu_q, cu_k, case["causal"], True, **options)
         tols = [FP32_GRAD_ATOL] * 3
     else:
-        naive = reference_grads(False)
-        tols = [3 * max_err(n, r) + 2 * max_err(r.to(dtype), r) for n, r in zip(naive, ref)]
+        ref, tols = packed_grad_tolerances(q, k, v, dO, cu_q, cu_k, case["causal"], **options)
     for name, g, r, tol in zip(("dq", "dk", "dv"), got, ref, tols):
         assert not torch.isnan(g).any(), f"NaN in {name}"
         err = max_err(g, r)

@@ -13,12 +13,10 @@ rounded to the dtype), so that only the backward is under test. Tiny shapes: the
 
 from __future__ import annotations
 
-import itertools
-
 import pytest
 import torch
 
-from checks import max_err, random_qkv
+from checks import heads_first, max_err, offsets, packed_grad_tolerances, random_qkv
 from fa2 import reference
 from fa2.spec import AttentionSpec
 from fa2_numba_cuda import backward, backward_simt, backward_tc, backward_wgmma, common, tensor_cores
@@ -275,33 +273,14 @@ VARLEN_CASES = [
 ]
 
 
-def _offsets(lens, device):
-    return torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32, device=device)
-
-
-def _packed(t):
-    """(total, heads, ...) -> the kernels' (1, heads, total, ...)."""
-    return t.transpose(0, 1)[None]
-
-
-def _varlen_grads(q, k, v, dO, cu_q, cu_k, causal, upcast, **options):
-    """Autograd of ``reference.varlen_attention`` on packed (total, heads, head_dim) q, k, v: fp64 with upcast,
-    else in q's dtype (the naive attention of the tolerance rule)."""
-    x = [t.detach().double().requires_grad_() if upcast else t.detach().requires_grad_() for t in (q, k, v)]
-    O, _ = reference.varlen_attention(*x, cu_q, cu_k, causal, upcast=upcast, **options)
-    return torch.autograd.grad(O, x, dO.double() if upcast else dO)
-
-
 def _assert_packed_grads_match(got, q, k, v, dO, cu_q, cu_k, causal, **options):
     """The kernels' dq, dk, dv ((1, heads, total, head_dim)) of the whole packed batch against the fp64
     reference's, by test_varlen's rule: three times a same-precision naive attention's error plus twice the
     reference's rounding to the dtype, over the batch."""
-    ref = _varlen_grads(q, k, v, dO, cu_q, cu_k, causal, True, **options)
-    naive = _varlen_grads(q, k, v, dO, cu_q, cu_k, causal, False, **options)
-    for name, x, r, n in zip(("dq", "dk", "dv"), got, ref, naive):
+    ref, tols = packed_grad_tolerances(q, k, v, dO, cu_q, cu_k, causal, **options)
+    for name, x, r, tol in zip(("dq", "dk", "dv"), got, ref, tols):
         x = x[0].transpose(0, 1)
         assert not torch.isnan(x).any(), f"NaN in {name}"
-        tol = 3 * max_err(n, r) + 2 * max_err(r.to(q.dtype), r)
         assert max_err(x, r) <= tol, f"max |{name} - ref| = {max_err(x, r):.3g} > tolerance {tol:.3g} ({q.dtype})"
 
 
@@ -320,7 +299,7 @@ def test_tensor_core_backward_matches_reference_on_packed_batches(tc_device, cal
     )
     slopes = (torch.rand(len(lens_q), h, generator=g) * 0.3).to(tc_device) if case["alibi"] else None
     options = dict(window=window, softcap=case["softcap"], alibi_slopes=slopes)
-    cu_q, cu_k = _offsets(lens_q, tc_device), _offsets(lens_k, tc_device)
+    cu_q, cu_k = offsets(lens_q, tc_device), offsets(lens_k, tc_device)
     O64, L64 = reference.varlen_attention(q.double(), k.double(), v.double(), cu_q, cu_k, causal, **options)
     spec = AttentionSpec(
         16**-0.5,
@@ -334,9 +313,9 @@ def test_tensor_core_backward_matches_reference_on_packed_batches(tc_device, cal
         max(lens_k),
     )
     got = backward.flash_attn_backward(
-        *(_packed(t) for t in (q, k, v, O64.to(dtype))),
+        *(heads_first(t) for t in (q, k, v, O64.to(dtype))),
         L64.float()[None],
-        _packed(dO),
+        heads_first(dO),
         spec,
         case["config"],
         tensor_cores=True,
@@ -361,7 +340,7 @@ def test_packed_batches_take_tensor_cores_unasked(tc_device, calls, asked, expec
     match the reference."""
     dtype = torch.float16
     lens_q, lens_k = [3, 9], [6, 4]
-    cu_q, cu_k = _offsets(lens_q, tc_device), _offsets(lens_k, tc_device)
+    cu_q, cu_k = offsets(lens_q, tc_device), offsets(lens_k, tc_device)
     g = torch.Generator().manual_seed(8)
     q, k, v, dO = (
         torch.randn(n, 1, 16, generator=g).to(device=tc_device, dtype=dtype)
@@ -371,7 +350,11 @@ def test_packed_batches_take_tensor_cores_unasked(tc_device, calls, asked, expec
     spec = AttentionSpec(0.25, (-1, 0), 0.0, None, 1, cu_q, cu_k, 9, 6)
     built = set(backward_tc._KERNELS)
     got = backward.flash_attn_backward(
-        *(_packed(t) for t in (q, k, v, O64.to(dtype))), L64.float()[None], _packed(dO), spec, tensor_cores=asked
+        *(heads_first(t) for t in (q, k, v, O64.to(dtype))),
+        L64.float()[None],
+        heads_first(dO),
+        spec,
+        tensor_cores=asked,
     )
     assert calls == [expected], f"expected the {expected} backward alone, got {calls}"
     if expected == "tc":
@@ -448,7 +431,7 @@ def test_prepared_varlen_launch_equals_numbas_bit_for_bit(device, monkeypatch):
         pytest.skip("prepared launches are the GPU's (the simulator launches through numba); --device cuda")
     dtype, d, h, h_k = torch.bfloat16, 64, 4, 2
     lens, first_lens = [300, 77, 512], [512, 300, 77]
-    cu, first_cu = _offsets(lens, device), _offsets(first_lens, device)
+    cu, first_cu = offsets(lens, device), offsets(first_lens, device)
     g = torch.Generator().manual_seed(3)
     q, k, v, dO = (
         torch.randn(sum(lens), heads, d, generator=g).to(device=device, dtype=dtype) for heads in (h, h_k, h_k, h)
@@ -461,7 +444,7 @@ def test_prepared_varlen_launch_equals_numbas_bit_for_bit(device, monkeypatch):
     def spec(offsets, slopes):
         return AttentionSpec(d**-0.5, (-1, 0), 5.0, slopes, h // h_k, offsets, offsets, 512, 512, sink=sink)
 
-    args = (*(_packed(t) for t in (q, k, v, O64.to(dtype))), L64.float()[None], _packed(dO))
+    args = (*(heads_first(t) for t in (q, k, v, O64.to(dtype))), L64.float()[None], heads_first(dO))
     monkeypatch.setattr(backward_tc.launch, "FAST", False)
     expected = backward.flash_attn_backward(*args, spec(cu, slopes))
     monkeypatch.setattr(backward_tc.launch, "FAST", True)

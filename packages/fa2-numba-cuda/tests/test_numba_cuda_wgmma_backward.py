@@ -33,12 +33,10 @@ shows the hardware agrees. On the GPU: pytest --device cuda with NUMBA_ENABLE_CU
 
 from __future__ import annotations
 
-import itertools
-
 import pytest
 import torch
 
-from checks import max_err, random_qkv, values_at_import
+from checks import heads_first, max_err, offsets, packed_grad_tolerances, random_qkv, values_at_import
 from fa2 import reference
 from fa2.spec import AttentionSpec
 from fa2_numba_cuda import backward, backward_tc, backward_wgmma, common, launch, tensor_cores
@@ -414,23 +412,6 @@ def _varlen_id(lens, window, softcap, alibi, config):
     return name
 
 
-def _offsets(lens, device):
-    return torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32, device=device)
-
-
-def _packed(t):
-    """(total, heads, ...) -> the kernels' (1, heads, total, ...)."""
-    return t.transpose(0, 1)[None]
-
-
-def _varlen_grads(q, k, v, dO, cu_q, cu_k, causal, upcast, **options):
-    """Autograd of ``reference.varlen_attention`` on packed (total, heads, head_dim) q, k, v: fp64 with upcast,
-    else in q's dtype (the naive attention of the tolerance rule)."""
-    x = [t.detach().double().requires_grad_() if upcast else t.detach().requires_grad_() for t in (q, k, v)]
-    O, _ = reference.varlen_attention(*x, cu_q, cu_k, causal, upcast=upcast, **options)
-    return torch.autograd.grad(O, x, dO.double() if upcast else dO)
-
-
 @pytest.mark.parametrize(
     "lens, window, softcap, alibi, config", [pytest.param(*c, id=_varlen_id(*c)) for c in VARLEN_CASES]
 )
@@ -449,20 +430,18 @@ def test_packed_batches_match_reference(wgmma_device, lens, window, softcap, ali
     )
     slopes = torch.rand(len(lens_q), h, generator=g).to(wgmma_device) if alibi else None
     options = dict(window=window, softcap=softcap, alibi_slopes=slopes)
-    cu_q, cu_k = _offsets(lens_q, wgmma_device), _offsets(lens_k, wgmma_device)
+    cu_q, cu_k = offsets(lens_q, wgmma_device), offsets(lens_k, wgmma_device)
     O64, L64 = reference.varlen_attention(q.double(), k.double(), v.double(), cu_q, cu_k, **options)
     spec = AttentionSpec(d**-0.5, window, softcap, slopes, h // h_k, cu_q, cu_k, max(lens_q), max(lens_k))
-    args = (*(_packed(t) for t in (q, k, v, O64.to(dtype))), L64.float()[None], _packed(dO))
+    args = (*(heads_first(t) for t in (q, k, v, O64.to(dtype))), L64.float()[None], heads_first(dO))
     got = backward_wgmma.flash_attn_backward(*args, spec, config)
     flags = backward_wgmma._window_flags(spec)
     assert any(key[8] and key[3:6] == flags for key in backward_wgmma._KERNELS), "built with VARLEN and the window"
-    ref = _varlen_grads(q, k, v, dO, cu_q, cu_k, False, True, **options)
-    naive = _varlen_grads(q, k, v, dO, cu_q, cu_k, False, False, **options)
+    ref, tols = packed_grad_tolerances(q, k, v, dO, cu_q, cu_k, False, **options)
     tc = None if SIMULATED else backward_tc.flash_attn_backward(*args, spec)
-    for i, (name, x, r, n) in enumerate(zip(("dq", "dk", "dv"), got, ref, naive)):
+    for i, (name, x, r, tol) in enumerate(zip(("dq", "dk", "dv"), got, ref, tols)):
         x = x[0].transpose(0, 1)
         assert not torch.isnan(x).any(), f"NaN in {name}"
-        tol = 3 * max_err(n, r) + 2 * max_err(r.to(dtype), r)
         assert max_err(x, r) <= tol, f"max |{name} - ref| = {max_err(x, r):.3g} > tolerance {tol:.3g}"
         if tc is not None:
             err = max_err(x, tc[i][0].transpose(0, 1).double())
@@ -734,14 +713,14 @@ def test_backward_runs_packed_batches_where_features_names_them(wgmma_device, mo
     monkeypatch.setattr(backward_wgmma, "FEATURES", frozenset(names) if on else frozenset())
     d, h, h_k = 128, 4, 2
     lens, first_lens = [300, 77, 512], [512, 300, 77]
-    cu, first_cu = _offsets(lens, wgmma_device), _offsets(first_lens, wgmma_device)
+    cu, first_cu = offsets(lens, wgmma_device), offsets(first_lens, wgmma_device)
     g = torch.Generator().manual_seed(3)
     q, k, v, dO = (
         torch.randn(sum(lens), heads, d, generator=g).to(device=wgmma_device, dtype=torch.bfloat16)
         for heads in (h, h_k, h_k, h)
     )
     O64, L64 = reference.varlen_attention(q.double(), k.double(), v.double(), cu, cu, window=window)
-    args = (*(_packed(t) for t in (q, k, v, O64.to(q.dtype))), L64.float()[None], _packed(dO))
+    args = (*(heads_first(t) for t in (q, k, v, O64.to(q.dtype))), L64.float()[None], heads_first(dO))
 
     def spec(offsets):
         return AttentionSpec(d**-0.5, window, 0.0, None, h // h_k, offsets, offsets, 512, 512)
@@ -766,11 +745,9 @@ def test_backward_runs_packed_batches_where_features_names_them(wgmma_device, mo
     torch.cuda.synchronize()
     for name, x, y in zip(("dq", "dk", "dv"), expected, got):
         assert torch.equal(x, y), f"{name}: max |prepared - numba| = {(x.float() - y.float()).abs().max():.3g}"
-    ref = _varlen_grads(q, k, v, dO, cu, cu, False, True, window=window)
-    naive = _varlen_grads(q, k, v, dO, cu, cu, False, False, window=window)
-    for name, x, r, n in zip(("dq", "dk", "dv"), got, ref, naive):
+    ref, tols = packed_grad_tolerances(q, k, v, dO, cu, cu, False, window=window)
+    for name, x, r, tol in zip(("dq", "dk", "dv"), got, ref, tols):
         x = x[0].transpose(0, 1)
-        tol = 3 * max_err(n, r) + 2 * max_err(r.to(q.dtype), r)
         assert max_err(x, r) <= tol, f"max |{name} - ref| = {max_err(x, r):.3g} > tolerance {tol:.3g}"
 
 

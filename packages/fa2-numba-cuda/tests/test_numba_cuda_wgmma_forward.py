@@ -21,13 +21,11 @@ shows the hardware agrees. On the GPU: pytest --device cuda with NUMBA_ENABLE_CU
 
 from __future__ import annotations
 
-import itertools
-
 import pytest
 import torch
 
 import fa2
-from checks import assert_matches_reference, max_err, random_qkv, tolerances, values_at_import
+from checks import assert_matches_reference, heads_first, max_err, offsets, random_qkv, tolerances, values_at_import
 from fa2.spec import AttentionSpec
 from fa2_numba_cuda import common, forward, forward_tc, forward_wgmma, launch, tensor_cores
 
@@ -239,10 +237,6 @@ def _varlen_id(lens, window, softcap, alibi, sink):
     return name + (f"-softcap{softcap:g}" if softcap else "") + ("-alibi" if alibi else "") + ("-sink" if sink else "")
 
 
-def _offsets(lens, device):
-    return torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32, device=device)
-
-
 def _packed_inputs(lens, alibi, sink, device):
     """q (1, H, total_q, D), k, v (1, H_k, total_k, D) as fa2.varlen_attention passes them, slopes (sequences,
     H), sinks (H,)."""
@@ -250,7 +244,7 @@ def _packed_inputs(lens, alibi, sink, device):
     dtype = torch.float16 if SIMULATED else torch.bfloat16
     g = torch.Generator().manual_seed(sum(lens_q) + d)
     q, k, v = (
-        torch.randn(sum(n), heads, d, generator=g).to(device=device, dtype=dtype).transpose(0, 1)[None]
+        heads_first(torch.randn(sum(n), heads, d, generator=g).to(device=device, dtype=dtype))
         for n, heads in ((lens_q, h), (lens_k, h_k), (lens_k, h_k))
     )
     slopes = (torch.rand(len(lens_q), h, generator=g) * 0.3).to(device) if alibi else None
@@ -266,7 +260,7 @@ def test_packed_batches_match_reference(wgmma_device, lens, window, softcap, ali
     alone (on the GPU the whole batch also against forward_tc's), the kernel built with VARLEN."""
     lens_q, lens_k, h, h_k, d = lens
     q, k, v, slopes, sinks = _packed_inputs(lens, alibi, sink, wgmma_device)
-    cu_q, cu_k = _offsets(lens_q, wgmma_device), _offsets(lens_k, wgmma_device)
+    cu_q, cu_k = offsets(lens_q, wgmma_device), offsets(lens_k, wgmma_device)
     spec = AttentionSpec(d**-0.5, window, softcap, slopes, h // h_k, cu_q, cu_k, max(lens_q), max(lens_k), sink=sinks)
     forward_wgmma._KERNELS.clear()
     O, L = forward_wgmma.flash_attn_forward(q, k, v, spec)
@@ -453,7 +447,7 @@ def test_forward_runs_features_where_features_names_them(wgmma_device, monkeypat
     lens_q, lens_k, h, h_k, d = lens, lens, 4, 2, 128
     q, k, v, slopes, sinks = _packed_inputs((lens_q, lens_k, h, h_k, d), True, True, wgmma_device)
     first_slopes = torch.rand_like(slopes)
-    cu, first_cu = _offsets(lens, wgmma_device), _offsets([512, 300, 77], wgmma_device)
+    cu, first_cu = offsets(lens, wgmma_device), offsets([512, 300, 77], wgmma_device)
 
     def spec(offsets, slopes):
         return AttentionSpec(d**-0.5, (256, 0), 30.0, slopes, h // h_k, offsets, offsets, 512, 512, sink=sinks)
