@@ -73,16 +73,26 @@ def _forward(q, k, v, causal):
     return O64.to(q.dtype), L64.float()
 
 
+def _shape_id(shape):
+    b, h, h_k, n_q, n_k, d = shape
+    return f"B{b}-H{h}" + (f"-Hk{h_k}" if h_k != h else "") + f"-{n_q}x{n_k}-D{d}"
+
+
+def _config_id(config):
+    """A test id's part for a ``WgmmaBwdConfig``: empty for None (``bwd_config``'s)."""
+    if config is None:
+        return ""
+    name = f"-M{config.BLOCK_M}" + ("-dv-early" if config.DV_EARLY else "")
+    name += f"-dqN{config.DQ_BLOCK_N}" if config.DQ_WGMMA else "-tc-dq"
+    return name + (f"-{config.TILES_A_STEP}tiles" if config.TILES_A_STEP > 1 else "")
+
+
 def _case(dtype, b, h, h_k, n_q, n_k, d, causal, config=None):
     """config: None (``bwd_config``'s) or a ``WgmmaBwdConfig``."""
+    shape = (b, h, h_k, n_q, n_k, d)
     kind = "bf16" if dtype == torch.bfloat16 else "fp16"
-    name = f"{kind}-B{b}-H{h}" + (f"-Hk{h_k}" if h_k != h else "") + f"-{n_q}x{n_k}-D{d}"
-    name += "-causal" if causal else "-full"
-    if config is not None:
-        name += f"-M{config.BLOCK_M}" + ("-dv-early" if config.DV_EARLY else "")
-        name += f"-dqN{config.DQ_BLOCK_N}" if config.DQ_WGMMA else "-tc-dq"
-        name += f"-{config.TILES_A_STEP}tiles" if config.TILES_A_STEP > 1 else ""
-    return pytest.param(dtype, (b, h, h_k, n_q, n_k, d), causal, config, id=name)
+    name = f"{kind}-{_shape_id(shape)}-{'causal' if causal else 'full'}{_config_id(config)}"
+    return pytest.param(dtype, shape, causal, config, id=name)
 
 
 def _cases(dtype, shapes, config=None, masks=(False, True)):
@@ -194,14 +204,9 @@ else:
 
 
 def _score_id(shape, causal, softcap, alibi, config):
-    b, h, h_k, n_q, n_k, d = shape
-    name = f"B{b}-H{h}" + (f"-Hk{h_k}" if h_k != h else "") + f"-{n_q}x{n_k}-D{d}-" + ("causal" if causal else "full")
+    name = f"{_shape_id(shape)}-{'causal' if causal else 'full'}"
     name += f"-softcap{softcap:g}" if softcap else ""
-    name += "-alibi" if alibi else ""
-    if config is not None:
-        name += f"-M{config.BLOCK_M}" + (f"-dqN{config.DQ_BLOCK_N}" if config.DQ_WGMMA else "-tc-dq")
-        name += f"-{config.TILES_A_STEP}tiles" if config.TILES_A_STEP > 1 else ""
-    return name
+    return name + ("-alibi" if alibi else "") + _config_id(config)
 
 
 @pytest.mark.parametrize(
@@ -265,15 +270,9 @@ else:
 
 
 def _window_id(shape, window, softcap, alibi, config):
-    b, h, h_k, n_q, n_k, d = shape
-    name = f"B{b}-H{h}" + (f"-Hk{h_k}" if h_k != h else "") + f"-{n_q}x{n_k}-D{d}-window{window[0]}_{window[1]}"
+    name = f"{_shape_id(shape)}-window{window[0]}_{window[1]}"
     name += f"-softcap{softcap:g}" if softcap else ""
-    name += "-alibi" if alibi else ""
-    if config is not None:
-        name += f"-M{config.BLOCK_M}" + ("-dv-early" if config.DV_EARLY else "")
-        name += f"-dqN{config.DQ_BLOCK_N}" if config.DQ_WGMMA else "-tc-dq"
-        name += f"-{config.TILES_A_STEP}tiles" if config.TILES_A_STEP > 1 else ""
-    return name
+    return name + ("-alibi" if alibi else "") + _config_id(config)
 
 
 @pytest.mark.parametrize(
@@ -315,9 +314,7 @@ else:
 
 
 def _sink_id(shape, causal, config):
-    b, h, h_k, n_q, n_k, d = shape
-    name = f"B{b}-H{h}" + (f"-Hk{h_k}" if h_k != h else "") + f"-{n_q}x{n_k}-D{d}-" + ("causal" if causal else "full")
-    return name + ("" if config is None else "-wgmma-dq")
+    return f"{_shape_id(shape)}-{'causal' if causal else 'full'}{_config_id(config)}"
 
 
 @pytest.mark.parametrize("shape, causal, config", [pytest.param(*c, id=_sink_id(*c)) for c in SINK_CASES])
@@ -405,11 +402,7 @@ def _varlen_id(lens, window, softcap, alibi, config):
     name = f"q{'.'.join(map(str, lens_q))}-k{'.'.join(map(str, lens_k))}-H{h}-Hk{h_k}-D{d}-"
     name += {FULL: "full", CAUSAL_WINDOW: "causal"}.get(window, f"window{window[0]}_{window[1]}")
     name += (f"-softcap{softcap:g}" if softcap else "") + ("-alibi" if alibi else "")
-    if config is not None:
-        name += f"-M{config.BLOCK_M}" + ("-dv-early" if config.DV_EARLY else "")
-        name += f"-dqN{config.DQ_BLOCK_N}" if config.DQ_WGMMA else "-tc-dq"
-        name += f"-{config.TILES_A_STEP}tiles" if config.TILES_A_STEP > 1 else ""
-    return name
+    return name + _config_id(config)
 
 
 @pytest.mark.parametrize(
