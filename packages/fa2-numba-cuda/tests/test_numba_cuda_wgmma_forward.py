@@ -400,9 +400,7 @@ def test_forward_runs_it_only_where_uses_wgmma_holds(monkeypatch, enabled):
     assert calls == (["wgmma"] if enabled else [])
 
 
-@pytest.mark.parametrize(
-    "named", [frozenset(), *map(frozenset, forward_wgmma.FEATURE_NAMES), forward_wgmma.FEATURE_NAMES]
-)
+@pytest.mark.parametrize("named", [frozenset(), *map(frozenset, common.FEATURE_NAMES), common.FEATURE_NAMES])
 def test_features_on_needs_features_to_name_them(monkeypatch, named):
     """``features_on`` (part of ``uses_wgmma``): a dense spec, causal or not, always; a softcap, ALiBi, a window
     other than causal, a packed batch, a sink only where ``FEATURES`` names each (several only where it names
@@ -422,7 +420,7 @@ def test_features_on_needs_features_to_name_them(monkeypatch, named):
     for name, change in changes.items():
         assert forward_wgmma.features_on(spec.replace(**change)) == (name in named), name
     everything = {key: value for change in changes.values() for key, value in change.items()}
-    assert forward_wgmma.features_on(spec.replace(**everything)) == (named == forward_wgmma.FEATURE_NAMES)
+    assert forward_wgmma.features_on(spec.replace(**everything)) == (named == common.FEATURE_NAMES)
 
 
 def test_features_read_the_environment_at_import():
@@ -442,7 +440,7 @@ def test_forward_runs_features_where_features_names_them(wgmma_device, monkeypat
     if wgmma_device.type != "cuda":
         pytest.skip("the default dispatch needs a Hopper GPU (--device cuda)")
     monkeypatch.setattr(forward_wgmma, "ENABLED", True)
-    monkeypatch.setattr(forward_wgmma, "FEATURES", forward_wgmma.FEATURE_NAMES if on else frozenset())
+    monkeypatch.setattr(forward_wgmma, "FEATURES", common.FEATURE_NAMES if on else frozenset())
     lens = [300, 77, 512]
     lens_q, lens_k, h, h_k, d = lens, lens, 4, 2, 128
     q, k, v, slopes, sinks = _packed_inputs((lens_q, lens_k, h, h_k, d), True, True, wgmma_device)

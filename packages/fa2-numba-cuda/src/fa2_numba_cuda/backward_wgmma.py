@@ -159,12 +159,14 @@ from fa2_numba_cuda.common import (
     check_device,
     feature_args,
     grid_extent,
+    named_features,
     offset_args,
     rows_16b_aligned,
     score_scale,
     sequence,
     simulated,
     spec_class,
+    spec_features,
     spec_positions,
     spec_tensors,
 )
@@ -188,11 +190,7 @@ ENABLED = os.environ.get("FA2_NUMBA_WGMMA_BWD", "1") != "0"
 # "sink": an attention sink) whose inputs ``uses_wgmma`` sends to these kernels: none, unless
 # FA2_NUMBA_WGMMA_BWD_FEATURES names them at import (comma-separated), until they are timed on the H200; the others
 # stay on backward_tc. Set it at run time to compare.
-FEATURES = frozenset(name for name in os.environ.get("FA2_NUMBA_WGMMA_BWD_FEATURES", "").split(",") if name)
-if not FEATURES <= {"softcap", "alibi", "window", "varlen", "sink"}:
-    raise ValueError(
-        f"FA2_NUMBA_WGMMA_BWD_FEATURES names softcap, alibi, window, varlen and sink, got {sorted(FEATURES)}"
-    )
+FEATURES = named_features("FA2_NUMBA_WGMMA_BWD_FEATURES")
 
 HEAD_DIMS = (64, 128)
 COMPUTE_CAPABILITY = (9, 0)
@@ -263,13 +261,7 @@ def features_on(spec: AttentionSpec) -> bool:
     "softcap", ALiBi only where it names "alibi", a window other than none and causal only where it names
     "window", a packed batch only where it names "varlen", a sink only where it names "sink" (a dense spec with
     none of them: True)."""
-    return (
-        (spec.softcap == 0 or "softcap" in FEATURES)
-        and (spec.alibi_slopes is None or "alibi" in FEATURES)
-        and (spec.window in ((UNBOUNDED, UNBOUNDED), (UNBOUNDED, 0)) or "window" in FEATURES)
-        and (not spec.varlen or "varlen" in FEATURES)
-        and (spec.sink is None or "sink" in FEATURES)
-    )
+    return spec_features(spec) <= FEATURES
 
 
 def uses_wgmma(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dO: torch.Tensor, spec: AttentionSpec) -> bool:

@@ -20,6 +20,7 @@
 from __future__ import annotations
 
 import math
+import os
 import sys
 from typing import NamedTuple
 
@@ -213,6 +214,34 @@ class Features(NamedTuple):
 def features(spec: AttentionSpec) -> Features:
     left, right = spec.window
     return Features(left != UNBOUNDED, right != UNBOUNDED, spec.softcap > 0, spec.alibi_slopes is not None, spec.varlen)
+
+
+# The features the wgmma kernels take only where their switch (``forward_wgmma.FEATURES``,
+# ``backward_wgmma.FEATURES``) names them, until timed: "window" is a window other than none and causal.
+FEATURE_NAMES = frozenset({"softcap", "alibi", "window", "varlen", "sink"})
+
+
+def named_features(variable: str) -> frozenset[str]:
+    """The features the environment variable names (comma-separated; none where unset), all of FEATURE_NAMES."""
+    named = frozenset(name for name in os.environ.get(variable, "").split(",") if name)
+    if not named <= FEATURE_NAMES:
+        raise ValueError(f"{variable} names {', '.join(sorted(FEATURE_NAMES))}, got {sorted(named)}")
+    return named
+
+
+def spec_features(spec: AttentionSpec) -> frozenset[str]:
+    """The FEATURE_NAMES of the spec's features (none for a dense spec, causal or not)."""
+    return frozenset(
+        name
+        for name, present in (
+            ("softcap", spec.softcap != 0),
+            ("alibi", spec.alibi_slopes is not None),
+            ("window", spec.window not in ((UNBOUNDED, UNBOUNDED), (UNBOUNDED, 0))),
+            ("varlen", spec.varlen),
+            ("sink", spec.sink is not None),
+        )
+        if present
+    )
 
 
 def feature_args(spec: AttentionSpec, seqlen_q: int, seqlen_k: int, device: torch.device) -> tuple:

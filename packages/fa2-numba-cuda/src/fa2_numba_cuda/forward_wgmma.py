@@ -108,6 +108,7 @@ from fa2_numba_cuda.common import (
     features,
     grid_extent,
     jit_kernel,
+    named_features,
     offset_args,
     rows_16b_aligned,
     sequence,
@@ -116,6 +117,7 @@ from fa2_numba_cuda.common import (
     sink_positions,
     sink_tensors,
     spec_class,
+    spec_features,
     spec_positions,
     spec_tensors,
     with_sink,
@@ -141,10 +143,7 @@ ENABLED = os.environ.get("FA2_NUMBA_WGMMA", "1") != "0"
 # The features ("softcap", "alibi", "window": any window but causal, "varlen": packed batches, "sink") whose inputs
 # ``uses_wgmma`` sends to this kernel: none, unless FA2_NUMBA_WGMMA_FEATURES names them at import (comma-separated),
 # until they are timed on the H200; the others stay on forward_tc. Set it at run time to compare.
-FEATURE_NAMES = frozenset({"softcap", "alibi", "window", "varlen", "sink"})
-FEATURES = frozenset(name for name in os.environ.get("FA2_NUMBA_WGMMA_FEATURES", "").split(",") if name)
-if not FEATURES <= FEATURE_NAMES:
-    raise ValueError(f"FA2_NUMBA_WGMMA_FEATURES names {', '.join(sorted(FEATURE_NAMES))}, got {sorted(FEATURES)}")
+FEATURES = named_features("FA2_NUMBA_WGMMA_FEATURES")
 
 HEAD_DIMS = (64, 128)
 COMPUTE_CAPABILITY = (9, 0)
@@ -241,13 +240,7 @@ def features_on(spec: AttentionSpec) -> bool:
     "softcap", ALiBi only where it names "alibi", a window other than none and causal only where it names
     "window", a packed batch only where it names "varlen", a sink only where it names "sink" (a dense spec, causal
     or not, with none of them: True)."""
-    return (
-        (spec.softcap == 0 or "softcap" in FEATURES)
-        and (spec.alibi_slopes is None or "alibi" in FEATURES)
-        and (spec.window in ((UNBOUNDED, UNBOUNDED), (UNBOUNDED, 0)) or "window" in FEATURES)
-        and (not spec.varlen or "varlen" in FEATURES)
-        and (spec.sink is None or "sink" in FEATURES)
-    )
+    return spec_features(spec) <= FEATURES
 
 
 def uses_wgmma(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionSpec) -> bool:
