@@ -13,13 +13,12 @@ fa2-pytorch, torch.compile), stubs record which path ran, without running a kern
 from __future__ import annotations
 
 import dataclasses
-import itertools
 
 import pytest
 import torch
 
 import fa2
-from checks import assert_matches_reference
+from checks import assert_matches_reference, offsets
 from fa2 import api, kvcache, registry
 from test_conformance import DTYPES, require_runnable, simulated_subset
 
@@ -150,10 +149,6 @@ def test_decode_shapes_run_by_the_kvcache_kernels_match_the_reference(
     assert_matches_reference(O, L, q, k, v, case["causal"], **options)
 
 
-def _offsets(lens, device):
-    return torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32, device=device)
-
-
 @pytest.mark.parametrize("case", PACKED)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_packed_decode_shapes_run_by_the_kvcache_kernels_match_the_reference(
@@ -170,7 +165,7 @@ def test_packed_decode_shapes_run_by_the_kvcache_kernels_match_the_reference(
 
     q, k, v = make(sum(lens_q), h), make(sum(lens_k), hk), make(sum(lens_k), hk)
     slopes = None if case["alibi"] is None else (torch.rand(len(lens_q), h, generator=g) * 0.3).to(device)
-    cu_q, cu_k = _offsets(lens_q, device), _offsets(lens_k, device)
+    cu_q, cu_k = offsets(lens_q, device), offsets(lens_k, device)
     options = dict(window=case["window"], softcap=case["softcap"])
     spy = _Spy(monkeypatch, backend)
     O, L = fa2.varlen_attention(
@@ -251,7 +246,7 @@ def test_which_path_a_packed_call_takes(backend, lens_q, lens_k, routes, monkeyp
     paths = _Paths(monkeypatch, backend)
     q, k = torch.randn(sum(lens_q), 4, 16), torch.randn(sum(lens_k), 2, 16)
     fa2.varlen_attention(
-        q, k, k, _offsets(lens_q, "cpu"), _offsets(lens_k, "cpu"), max(lens_q), max(lens_k), backend=backend
+        q, k, k, offsets(lens_q, "cpu"), offsets(lens_k, "cpu"), max(lens_q), max(lens_k), backend=backend
     )
     assert paths.taken == ["kvcache" if routes and backend in api.DECODE_BACKENDS else "dense"]
 

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import fa2
-from checks import assert_matches_reference, max_err, random_qkv
+from checks import assert_matches_reference, max_err, offsets, random_qkv
 from fa2 import reference, registry
 from fa2.flash_attn import (
     FlashAttnTypeError,
@@ -655,10 +655,6 @@ VARLEN_FEATURES = [
 ]
 
 
-def _offsets(lengths, device):
-    return torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device=device)
-
-
 def _varlen_inputs(case, dtype, device, seed):
     """q (total_q, h, d), k and v (total_k, h_k, d), the offsets, the slopes ((h,) or (num_seqs, h))."""
     h, h_k, d = case["h"], case["h_k"], case["d"]
@@ -669,7 +665,7 @@ def _varlen_inputs(case, dtype, device, seed):
         g = torch.Generator().manual_seed(seed)
         shape = (h,) if case["alibi"] == "head" else (len(case["lens_q"]), h)
         slopes = (torch.rand(shape, generator=g) * 0.3).to(device)
-    return q, k, v, _offsets(case["lens_q"], device), _offsets(case["lens_k"], device), slopes
+    return q, k, v, offsets(case["lens_q"], device), offsets(case["lens_k"], device), slopes
 
 
 def _varlen_call(variant, case, q, k, v, cu_q, cu_k, backend, **options):
@@ -1000,11 +996,8 @@ def test_varlen_block_table_equals_contiguous_keys(backend, status, device, page
     keys = [k_pages[table[s].long()].flatten(0, 1)[:n] for s, n in enumerate(lens_k)]
     values = [v_pages[table[s].long()].flatten(0, 1)[:n] for s, n in enumerate(lens_k)]
 
-    def cu(lens):
-        return torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32, device=device)
-
     q = torch.randn(sum(lens_q), heads, d, generator=g).to(device, dtype).requires_grad_()
-    args = (cu(lens_q), cu(lens_k), max(lens_q), max(lens_k))
+    args = (offsets(lens_q, device), offsets(lens_k, device), max(lens_q), max(lens_k))
     out, lse, _ = flash_attn_varlen_func(
         q, k_pages, v_pages, *args, causal=True, block_table=table, return_attn_probs=True, backend=backend
     )

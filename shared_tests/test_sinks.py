@@ -13,13 +13,12 @@ of a bad sink. numba's CUDA simulator runs the fp32 cases named by ``_simulated`
 from __future__ import annotations
 
 import dataclasses
-import itertools
 
 import pytest
 import torch
 
 import fa2
-from checks import assert_matches_reference, max_err, random_qkv
+from checks import assert_matches_reference, max_err, offsets, random_qkv
 from fa2 import reference, registry
 from fa2.flash_attn import FlashAttnTypeError, FlashAttnValueError, flash_attn_func, flash_attn_varlen_func
 from fa2.validation import make_spec
@@ -249,10 +248,6 @@ def test_compiled_sink_gradients_are_eagers(backend, status, device):
 # --- packed batches and KV caches ---------------------------------------------------------------------------
 
 
-def _offsets(lens, device):
-    return torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32, device=device)
-
-
 # A sequence with no key (its rows: O = 0, L = sink), one query, Nq != Nk both ways; GQA, a causal window.
 VARLEN_LENS = ([5, 3, 1, 9], [5, 0, 4, 6])
 
@@ -268,14 +263,14 @@ def test_sink_varlen(backend, status, device, dtype):
     q, k, v = random_qkv((sum(lens_q), 4, 16), (sum(lens_k), 2, 16), dtype, device, seed=8)
     q, k, v = (t.requires_grad_() for t in (q, k, v))
     sink = make_sink(4, device, seed=8).requires_grad_()
-    cu_q, cu_k = _offsets(lens_q, device), _offsets(lens_k, device)
+    cu_q, cu_k = offsets(lens_q, device), offsets(lens_k, device)
     options = dict(causal=True, window=(3, 0))
     O, L = _refusal_is_a_skip(
         lambda: fa2.varlen_attention(
             q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), sink=sink, backend=backend, **options
         ),
     )
-    starts_q, starts_k = _offsets(lens_q, "cpu").tolist(), _offsets(lens_k, "cpu").tolist()
+    starts_q, starts_k = offsets(lens_q, "cpu").tolist(), offsets(lens_k, "cpu").tolist()
     for s in range(len(lens_q)):
         rows, keys = slice(starts_q[s], starts_q[s + 1]), slice(starts_k[s], starts_k[s + 1])
         t = [x.detach()[i].transpose(0, 1) for x, i in zip((O, q, k, v), (rows, rows, keys, keys))]
@@ -373,7 +368,7 @@ def test_flash_attn_learnable_sink(backend, status, device, sink_dtype):
     assert max_err(dsink, ref) <= tol + rounding, f"max |dsink - ref| = {max_err(dsink, ref):.3g}"
 
     # The packed batch of the same rows: two sequences of the batch's 17 queries and 29 keys each.
-    cu_q, cu_k = _offsets([17, 17], device), _offsets([29, 29], device)
+    cu_q, cu_k = offsets([17, 17], device), offsets([29, 29], device)
     out_p = flash_attn_varlen_func(
         q.detach().flatten(0, 1),
         k.detach().flatten(0, 1),

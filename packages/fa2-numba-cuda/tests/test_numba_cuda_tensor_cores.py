@@ -28,7 +28,7 @@ import pytest
 import torch
 
 import fa2
-from checks import assert_matches_reference, random_qkv
+from checks import assert_matches_reference, offsets, random_qkv
 from fa2.spec import AttentionSpec
 from fa2_numba_cuda import common, forward, forward_tc, forward_wgmma, mma, tensor_cores
 
@@ -376,10 +376,6 @@ def _packed(lens, h, d, dtype, g):
     return x.transpose(0, 1).unsqueeze(0)
 
 
-def _offsets(lens):
-    return torch.tensor([0, *np.cumsum(lens).tolist()], dtype=torch.int32)
-
-
 def _run_tc_varlen(q, k, v, lens_q, lens_k, scale, config, window=(-1, -1), softcap=0.0, alibi_slopes=None):
     spec = AttentionSpec(
         scale,
@@ -387,8 +383,8 @@ def _run_tc_varlen(q, k, v, lens_q, lens_k, scale, config, window=(-1, -1), soft
         softcap,
         alibi_slopes,
         q.shape[1] // k.shape[1],
-        _offsets(lens_q),
-        _offsets(lens_k),
+        offsets(lens_q, "cpu"),
+        offsets(lens_k, "cpu"),
         max(lens_q),
         max(lens_k),
     )
@@ -449,7 +445,7 @@ def test_simulated_kernel_varlen(dtype, case):
     window = (case["window"][0], 0) if case["causal"] else case["window"]
     O, L = _run_tc_varlen(q, k, v, lens_q, lens_k, d**-0.5, case["config"], window, case["softcap"], slopes)
     assert O.shape == q.shape and L.shape == q.shape[:-1]
-    starts_q, starts_k = _offsets(lens_q).tolist(), _offsets(lens_k).tolist()
+    starts_q, starts_k = offsets(lens_q, "cpu").tolist(), offsets(lens_k, "cpu").tolist()
     for s in range(len(lens_q)):
         rows, keys = slice(starts_q[s], starts_q[s + 1]), slice(starts_k[s], starts_k[s + 1])
         own = None if slopes is None else slopes[s : s + 1]

@@ -8,14 +8,13 @@ bf16 ``tl.dot`` wrong), on a GPU natively, where the warp-specialised loop must 
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import math
 
 import pytest
 import torch
 
 import fa2_triton
-from checks import assert_matches_reference, max_err, random_qkv
+from checks import assert_matches_reference, max_err, offsets, random_qkv
 from fa2 import reference
 from fa2.spec import AttentionSpec
 from fa2_triton import backward, forward
@@ -213,10 +212,7 @@ def _packed(dtype, device, heads, heads_k, head_dim, seed):
     head_dim) tensors, and the offsets."""
     q, k, v = random_qkv((sum(VARLEN_Q), heads, head_dim), (sum(VARLEN_K), heads_k, head_dim), dtype, device, seed)
 
-    def offsets(lens):
-        return torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32, device=device)
-
-    return *(x.transpose(0, 1).unsqueeze(0) for x in (q, k, v)), offsets(VARLEN_Q), offsets(VARLEN_K)
+    return *(x.transpose(0, 1).unsqueeze(0) for x in (q, k, v)), offsets(VARLEN_Q, device), offsets(VARLEN_K, device)
 
 
 def _varlen_spec(causal, head_dim, cu_q, cu_k, heads, heads_k, features, device):
