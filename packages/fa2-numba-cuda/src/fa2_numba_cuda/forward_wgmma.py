@@ -392,6 +392,7 @@ def _build_kernel(HEAD_DIM, config, CAUSAL, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN,
             p_regs[kk, 2] = pack(p[2 * kk + 1, 0], p[2 * kk + 1, 1])
             p_regs[kk, 3] = pack(p[2 * kk + 1, 2], p[2 * kk + 1, 3])
 
+    # side-by-side: ladder-wgmma
     @device_function
     def issue_qk(q_tile, k_tile):
         """S = Q Kᵀ of the warpgroup's Q and the K tile at k_tile: fenced, issued, committed, not waited for (S's
@@ -418,6 +419,7 @@ def _build_kernel(HEAD_DIM, config, CAUSAL, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN,
             p_kk = (p_regs[kk, 0], p_regs[kk, 1], p_regs[kk, 2], p_regs[kk, 3])
             acc = rs(acc, p_kk, wgmma.descriptor_mn_major(v_tile, BLOCK_N, 16 * kk), 1, 1)
         wgmma.wgmma_commit()
+        # side-by-side: end
         return acc
 
     def _attn_fwd_wgmma(

@@ -2,18 +2,21 @@
 
 Each rung is a configuration of the real kernels, never a copy of one: ``forward_simt`` and ``backward_simt``
 for the first, then ``forward_tc`` and ``backward_tc`` with a ``TensorCoreConfig`` and a
-``TensorCoreBwdConfig`` (their tiles and the switches LDMATRIX and CP_ASYNC), and ``launch.FAST`` (prepared
-launches) for the last. Each rung changes one lever of the one before; where a lever is forward-only the
-backward is the previous rung's, and the rung's ``lever`` says so. ``RUNGS[-1]`` is the default path of
+``TensorCoreBwdConfig`` (their tiles and the switches LDMATRIX and CP_ASYNC), ``launch.FAST`` (prepared
+launches) for the eighth, and for the last ``forward_wgmma`` and ``backward_wgmma`` (warpgroup MMA) where their
+``uses_wgmma`` takes the inputs, as ``fa2_numba_cuda.flash_attn_forward`` and ``flash_attn_backward`` run them
+(on compute capability 9.0, dense fp16 and bf16 at head_dim 64 and 128), the eighth rung's kernels elsewhere.
+Each rung changes one lever of the one before; where a lever is forward-only, or taken only on some inputs,
+the rest is the previous rung's, and the rung's ``lever`` says so. ``RUNGS[-1]`` is the default path of
 ``fa2_numba_cuda.flash_attn_forward`` and ``flash_attn_backward`` for fp16 and bf16 with head_dim <= 128 on a
-GPU of compute capability 8.0+ (the same kernels and configurations, bit-identical outputs), but for the
-forward on Hopper, where dense D64 and D128 inputs take ``forward_wgmma`` (warpgroup MMA), not yet a rung. The
-rungs, and what each should change on Hopper, are explained in docs/ladder/numba-cuda.md; ``fa2.bench``'s
-ladder times them.
+GPU of compute capability 8.0+ (the same kernels and configurations, bit-identical outputs). The rungs, and
+what each should change on Hopper, are explained in docs/ladder/numba-cuda.md; ``fa2.bench``'s ladder times
+them.
 
 Under numba's CUDA simulator every rung runs (the tensor-core ones on ``mma.py``'s emulated instructions) on
-CPU tensors, slowly: for tests on tiny shapes. ``launch.FAST`` is off there, so the last two rungs are the same
-calls in the simulator.
+CPU tensors, slowly: for tests on tiny shapes. ``launch.FAST`` is off there, and ``uses_wgmma`` never holds
+(the default path does not run the wgmma kernels in the simulator), so the last three rungs are the same calls
+in the simulator.
 """
 
 from __future__ import annotations
@@ -24,9 +27,20 @@ from typing import NamedTuple
 import torch
 
 from fa2.spec import AttentionSpec
-from fa2_numba_cuda import backward_simt, backward_tc, common, forward_simt, forward_tc, launch
+from fa2_numba_cuda import (
+    backward_simt,
+    backward_tc,
+    backward_wgmma,
+    common,
+    forward_simt,
+    forward_tc,
+    forward_wgmma,
+    launch,
+)
 from fa2_numba_cuda.backward_tc import TensorCoreBwdConfig, max_shared_bytes, tc_bwd_config
+from fa2_numba_cuda.backward_wgmma import WgmmaBwdConfig, bwd_config
 from fa2_numba_cuda.forward_tc import TensorCoreConfig, tc_config
+from fa2_numba_cuda.forward_wgmma import WgmmaConfig, wgmma_config
 from fa2_numba_cuda.tensor_cores import padded_head_dim
 
 
@@ -85,7 +99,18 @@ RUNGS: tuple[Rung, ...] = (
         "prepared",
         "prepared launches",
         "Later calls of a class skip numba's dispatch: packed parameters, only the data pointers rewritten, one "
-        "cuLaunchKernel (host time only; kernels as the previous rung); forward and backward. The default path.",
+        "cuLaunchKernel (host time only; kernels as the previous rung); forward and backward. The default path "
+        "but on Hopper at head dim 64 and 128 (the next rung).",
+    ),
+    Rung(
+        "wgmma",
+        "wgmma: warpgroup MMA (Hopper)",
+        "On compute capability 9.0, dense fp16 and bf16 at head dim 64 and 128 (where forward_wgmma.uses_wgmma and "
+        "backward_wgmma.uses_wgmma take the inputs): both products as asynchronous wgmma.mma_async, two "
+        "warpgroups x 64 rows a block, operands read from 128 B swizzled shared memory through descriptors "
+        "(forward_wgmma: 128 queries x 64 keys; backward_wgmma: dK/dV 128 keys x 64 queries, dQ on wgmma at D128, "
+        "backward_tc's dQ kernel at D64); prepared launches. Elsewhere (other GPUs and head dims, the simulator) "
+        "the previous rung. The default path.",
     ),
 )
 
@@ -109,6 +134,7 @@ def _forward_config(rung: str, HEAD_DIM: int) -> TensorCoreConfig | None:
         "maxnreg": table._replace(S_AHEAD=False),
         "s-ahead": table,
         "prepared": None,
+        "wgmma": None,
     }[rung]
     # side-by-side: end
 
@@ -121,21 +147,21 @@ def _backward_config(rung: str, HEAD_DIM: int, device: torch.device) -> TensorCo
         return _FIRST_TC_BWD._replace(LDMATRIX=True)
     if rung == "cp-async":
         return _FIRST_TC_BWD._replace(LDMATRIX=True, CP_ASYNC=True)
-    if rung == "prepared":
+    if rung in ("prepared", "wgmma"):
         return None
     return tc_bwd_config(HEAD_DIM, max_shared_bytes(device))
 
 
-# What each rung ran in this process, for ``resources``: (direction, head_dim, the tensor-core configuration
-# used, None for the SIMT kernels).
+# What each rung ran in this process, for ``resources``: (direction, head_dim, the kernels' configuration, None
+# for the SIMT kernels, and the wgmma backward's dQ configuration where its dQ kernel is backward_tc's, else None).
 _RAN: dict[str, set[tuple]] = {name: set() for name in _NAMES}
 
 
 @contextlib.contextmanager
 def _launches(rung: str):
-    """Prepared launches (``launch.FAST``) on the last rung only; numba's own launch below it."""
+    """Prepared launches (``launch.FAST``) on the last two rungs only; numba's own launch below them."""
     saved = launch.FAST
-    launch.FAST = saved and rung == "prepared"
+    launch.FAST = saved and _NAMES.index(rung) >= _NAMES.index("prepared")
     try:
         yield
     finally:
@@ -165,11 +191,16 @@ def forward(
     head_dim = q.shape[-1]
     with _launches(rung):
         if rung == "simt":
-            _RAN[rung].add(("forward", head_dim, None))
+            _RAN[rung].add(("forward", head_dim, None, None))
             return forward_simt.flash_attn_forward(q, k, v, spec)
+        # side-by-side: ladder-wgmma
+        if rung == "wgmma" and forward_wgmma.uses_wgmma(q, k, v, spec):
+            _RAN[rung].add(("forward", head_dim, wgmma_config(head_dim), None))
+            return forward_wgmma.flash_attn_forward(q, k, v, spec)
+        # side-by-side: end
         HEAD_DIM = padded_head_dim(head_dim)
         config = _forward_config(rung, HEAD_DIM)
-        _RAN[rung].add(("forward", head_dim, config or tc_config(HEAD_DIM)))
+        _RAN[rung].add(("forward", head_dim, config or tc_config(HEAD_DIM), None))
         return forward_tc.flash_attn_forward(q, k, v, spec, config)
 
 
@@ -190,11 +221,18 @@ def backward(
     head_dim = q.shape[-1]
     with _launches(rung):
         if rung == "simt":
-            _RAN[rung].add(("backward", head_dim, None))
+            _RAN[rung].add(("backward", head_dim, None, None))
             return tuple(backward_simt.flash_attn_backward(q, k, v, O, L, dO, spec)[:3])
+        if rung == "wgmma" and backward_wgmma.uses_wgmma(q, k, v, dO, spec):
+            config = bwd_config(head_dim)
+            # Without DQ_WGMMA (head dim 64) the dQ kernel is backward_tc's, with the configuration that
+            # backward_wgmma.flash_attn_backward gives it.
+            dq_config = None if config.DQ_WGMMA else tc_bwd_config(head_dim, max_shared_bytes(q.device))
+            _RAN[rung].add(("backward", head_dim, config, dq_config))
+            return tuple(backward_wgmma.flash_attn_backward(q, k, v, O, L, dO, spec)[:3])
         HEAD_DIM = padded_head_dim(head_dim)
         config = _backward_config(rung, HEAD_DIM, q.device)
-        _RAN[rung].add(("backward", head_dim, config or tc_bwd_config(HEAD_DIM, max_shared_bytes(q.device))))
+        _RAN[rung].add(("backward", head_dim, config or tc_bwd_config(HEAD_DIM, max_shared_bytes(q.device)), None))
         return tuple(backward_tc.flash_attn_backward(q, k, v, O, L, dO, spec, config)[:3])
 
 
@@ -207,21 +245,33 @@ def _same_config(row: dict, config: NamedTuple) -> bool:
 def resources(rung: str) -> list[dict]:
     """Per kernel compiled for this rung's calls in this process (every head dim it ran), the kernel's own
     ``kernel_resources`` row with "direction" ("forward" or "backward"), "spilled_bytes" (local memory per
-    thread) and "shared_bytes" (static and dynamic per block) added; the backward's tensor-core rows come with
-    the SIMT preprocess's rows. Empty under the simulator."""
+    thread) and "shared_bytes" (static and dynamic per block) added; the backward's tensor-core and wgmma rows
+    come with the SIMT preprocess's rows (the wgmma ones at head dim 64 with backward_tc's dQ kernel's row).
+    Empty under the simulator."""
     if rung not in _NAMES:
         raise ValueError(f"fa2-numba-cuda's ladder has the rungs {', '.join(_NAMES)}, got {rung!r}")
     rows = []
     simt = {"forward": forward_simt.kernel_resources(), "backward": backward_simt.kernel_resources()}
     tc = {"forward": forward_tc.kernel_resources(), "backward": backward_tc.kernel_resources()}
-    for direction, head_dim, config in sorted(_RAN[rung], key=repr):
-        # The SIMT kernels (the preprocess too) pad the head dim to 32 columns, the tensor-core ones to 16.
+    wg = {"forward": forward_wgmma.kernel_resources(), "backward": backward_wgmma.kernel_resources()}
+    for direction, head_dim, config, dq_config in sorted(_RAN[rung], key=repr):
+        # The SIMT kernels (the preprocess too) pad the head dim to 32 columns, the tensor-core ones to 16; the
+        # wgmma ones take 64 and 128 only, unpadded.
         simt_dim = common.padded_head_dim(head_dim)
+        tc_dim = padded_head_dim(head_dim)
         if config is None:
             found = [r for r in simt[direction] if r["HEAD_DIM"] == simt_dim]
         else:
-            tc_dim = padded_head_dim(head_dim)
-            found = [r for r in tc[direction] if r["HEAD_DIM"] == tc_dim and _same_config(r, config)]
+            if isinstance(config, (WgmmaConfig, WgmmaBwdConfig)):
+                found = [r for r in wg[direction] if r["HEAD_DIM"] == head_dim and _same_config(r, config)]
+            else:
+                found = [r for r in tc[direction] if r["HEAD_DIM"] == tc_dim and _same_config(r, config)]
+            if dq_config is not None:
+                found += [
+                    r
+                    for r in tc[direction]
+                    if r["kernel"] == "tensor-core dq" and r["HEAD_DIM"] == tc_dim and _same_config(r, dq_config)
+                ]
             if direction == "backward":
                 found += [r for r in simt[direction] if r["kernel"] == "preprocess" and r["HEAD_DIM"] == simt_dim]
         for r in found:
@@ -230,7 +280,8 @@ def resources(rung: str) -> list[dict]:
                     **r,
                     "direction": direction,
                     "spilled_bytes": r["local_bytes_per_thread"],
-                    "shared_bytes": r["shared_bytes_per_block"] + r.get("dynamic_shared_bytes_per_block", 0),
+                    # The wgmma forward's row gives only its dynamic shared memory (its kernel has no static).
+                    "shared_bytes": r.get("shared_bytes_per_block", 0) + r.get("dynamic_shared_bytes_per_block", 0),
                 }
             )
     return rows
