@@ -348,11 +348,12 @@ def test_features_on_takes_a_sink_only_where_features_names_it(monkeypatch):
     assert not backward_wgmma.features_on(spec.replace(softcap=5.0)), "each feature must be named"
 
 
-def test_dv_early_takes_no_softcap():
-    q, k, v, dO = _small()
+def test_dv_early_takes_no_softcap(wgmma_device):
+    q, k, v, dO = (t.to(wgmma_device) for t in _small())
     spec = _spec(q, k, True).replace(softcap=5.0)
+    L = torch.zeros(q.shape[:3], device=wgmma_device)
     with pytest.raises(ValueError, match="DV_EARLY takes no softcap"):
-        backward_wgmma.flash_attn_backward(q, k, v, torch.zeros_like(q), torch.zeros(q.shape[:3]), dO, spec, EARLY)
+        backward_wgmma.flash_attn_backward(q, k, v, torch.zeros_like(q), L, dO, spec, EARLY)
 
 
 # Packed batches: (lens_q, lens_k, H, H_k, D), window ((-1, 0) causal, (-1, -1) full), softcap, ALiBi, config.
