@@ -177,6 +177,13 @@ needs_simulator = pytest.mark.skipif(
 )
 
 
+@pytest.fixture(autouse=True)
+def mma_sync_forward(monkeypatch):
+    """These tests are forward_tc's: on a Hopper GPU the default dispatch would run forward_wgmma's kernel on
+    fp16 and bf16 inputs at head_dim 64 and 128 (with or without features), so its switch is off here."""
+    monkeypatch.setattr(forward_wgmma, "ENABLED", False)
+
+
 def _run_tc(q, k, v, causal, scale, config, window=(-1, -1), softcap=0.0, alibi_slopes=None):
     window = (window[0], 0) if causal else window
     spec = AttentionSpec(scale, window, softcap, alibi_slopes, q.shape[1] // k.shape[1])
@@ -686,14 +693,13 @@ def test_refusals_name_the_limit():
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("head_dim", [64, 128], ids=lambda d: f"D{d}")
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_dispatch_on_the_gpu(dtype, head_dim, causal, monkeypatch):
-    """fp16/bf16 with head_dim <= 128 on sm80+ take the tensor-core kernel (with the wgmma kernel switched off:
-    on Hopper it takes these inputs by default, test_numba_cuda_wgmma_forward), which matches the reference
-    across several blocks and key tiles; its registers stay registers (tc_config: at most 24 B of local
+def test_dispatch_on_the_gpu(dtype, head_dim, causal):
+    """fp16/bf16 with head_dim <= 128 on sm80+ take the tensor-core kernel (with the wgmma kernel switched off, as
+    in this whole file: on Hopper it takes these inputs by default, test_numba_cuda_wgmma_forward), which matches
+    the reference across several blocks and key tiles; its registers stay registers (tc_config: at most 24 B of local
     memory, spilled outside the key loop; fragments left in local arrays would take hundreds)."""
     if torch.cuda.get_device_capability() < tensor_cores.MIN_COMPUTE_CAPABILITY:
         pytest.skip(f"compute capability {torch.cuda.get_device_capability()} < 8.0: the SIMT kernel runs")
-    monkeypatch.setattr(forward_wgmma, "ENABLED", False)
     q, k, v = random_qkv((2, 3, 300, head_dim), (2, 3, 333, head_dim), dtype, "cuda", seed=head_dim)
     assert forward_tc.uses_tensor_cores(q)
     before = len(forward_tc._KERNELS)

@@ -647,7 +647,7 @@ def test_backward_runs_features_where_features_names_them(
     wgmma_device, monkeypatch, on, window, softcap, alibi, sink, names
 ):
     """On a Hopper GPU with ``ENABLED``: a softcap and ALiBi input (causal), a windowed one and one with a sink
-    run backward_tc's kernels with ``FEATURES`` empty (the default), these kernels' (built with SOFTCAP and
+    run backward_tc's kernels with ``FEATURES`` empty, these kernels' (built with SOFTCAP and
     ALIBI, LEFT and RIGHT, or as the dense ones) with the features named; both match the reference; a class's
     second call takes the prepared launches (the slopes, the sink and dsink's shares varying tensors) and gives
     the same gradients (dsink too) bit for bit."""
@@ -696,7 +696,7 @@ def test_backward_runs_features_where_features_names_them(
 )
 def test_backward_runs_packed_batches_where_features_names_them(wgmma_device, monkeypatch, on, window, names):
     """On a Hopper GPU with ``ENABLED``: a packed batch (bf16, D128, causal or a window, GQA 2:1) runs
-    backward_tc's kernels with ``FEATURES`` empty (the default), these kernels' (built with VARLEN, and LEFT and
+    backward_tc's kernels with ``FEATURES`` empty, these kernels' (built with VARLEN, and LEFT and
     RIGHT for the window) with the features named; both match the reference. The class's first call takes other
     offsets (the same count and longest lengths): the second call takes the prepared launches, which must read
     its own cu_seqlens_q and cu_seqlens_k (the window's sizes after them), and gives numba's launches' gradients
@@ -746,11 +746,14 @@ def test_backward_runs_packed_batches_where_features_names_them(wgmma_device, mo
 
 
 def test_features_read_the_environment_at_import():
-    """FA2_NUMBA_WGMMA_BWD_FEATURES unset, "softcap", "alibi,softcap", "window,alibi,softcap", "varlen",
-    "sink,varlen": none, softcap, both, those three, packed batches, sinks and packed batches."""
-    values = [None, "softcap", "alibi,softcap", "window,alibi,softcap", "varlen", "sink,varlen"]
+    """FA2_NUMBA_WGMMA_BWD_FEATURES unset, "none", "", "softcap", "alibi,softcap", "window,alibi,softcap",
+    "varlen", "sink,varlen": all, none, none, softcap, both, those three, packed batches, sinks and packed
+    batches."""
+    values = [None, "none", "", "softcap", "alibi,softcap", "window,alibi,softcap", "varlen", "sink,varlen"]
     got = values_at_import("fa2_numba_cuda.backward_wgmma", "FEATURES", "FA2_NUMBA_WGMMA_BWD_FEATURES", values)
     assert [eval(r) for r in got] == [
+        {"softcap", "alibi", "window", "varlen", "sink"},
+        frozenset(),
         frozenset(),
         {"softcap"},
         {"softcap", "alibi"},

@@ -424,16 +424,23 @@ def test_features_on_needs_features_to_name_them(monkeypatch, named):
 
 
 def test_features_read_the_environment_at_import():
-    """FA2_NUMBA_WGMMA_FEATURES unset, "softcap", "alibi,window", "varlen,sink": none, softcap, both, both."""
-    values = [None, "softcap", "alibi,window", "varlen,sink"]
+    """FA2_NUMBA_WGMMA_FEATURES unset, "none", "softcap", "alibi,window", "varlen,sink": all, none, softcap, both,
+    both."""
+    values = [None, "none", "softcap", "alibi,window", "varlen,sink"]
     got = values_at_import("fa2_numba_cuda.forward_wgmma", "FEATURES", "FA2_NUMBA_WGMMA_FEATURES", values)
-    assert [eval(r) for r in got] == [frozenset(), {"softcap"}, {"alibi", "window"}, {"varlen", "sink"}]
+    assert [eval(r) for r in got] == [
+        {"softcap", "alibi", "window", "varlen", "sink"},
+        frozenset(),
+        {"softcap"},
+        {"alibi", "window"},
+        {"varlen", "sink"},
+    ]
 
 
 @pytest.mark.parametrize("on", [False, True], ids=["features-off", "features-on"])
 def test_forward_runs_features_where_features_names_them(wgmma_device, monkeypatch, on):
     """On a Hopper GPU with ``ENABLED``: inputs with a softcap, ALiBi, a window and a sink, and a packed batch
-    (bf16, D128, GQA 2:1) run forward_tc with ``FEATURES`` empty (the default), this kernel (built with the
+    (bf16, D128, GQA 2:1) run forward_tc with ``FEATURES`` empty, this kernel (built with the
     features' switches) with all named; both match the reference. The class's first call takes other offsets
     and slopes (the same shapes): the second call takes the prepared launch, which must read its own tensors,
     and gives numba's launch's O and L bit for bit."""

@@ -8,7 +8,7 @@
   ``backward_tc``'s), in place of ``backward_tc`` where ``backward_wgmma.uses_wgmma`` holds (on unless
   FA2_NUMBA_WGMMA_BWD=0; fp16/bf16, head_dim 64 or 128, dense or packed, any window, on compute capability 9.0;
   a softcap, ALiBi, a window other than none and causal, a packed batch or a sink only where
-  ``backward_wgmma.FEATURES`` names it, none by default) and no kernels or config were asked for.
+  ``backward_wgmma.FEATURES`` names it, all by default) and no kernels or config were asked for.
 
 The choice is made from the inputs' dtype, head_dim and device and the spec alone, before any launch; an
 error in the chosen kernels is raised, never answered by the other ones.

@@ -126,9 +126,9 @@ KV cache. Which kernels run: ``fa2_numba_cuda.backward.flash_attn_backward`` run
 holds: ``takes``, a CUDA device of compute capability 9.0 (wgmma is sm_90a's), the switch ``ENABLED`` (on,
 unless the environment variable FA2_NUMBA_WGMMA_BWD=0 when this module is imported), and for an input with a
 softcap, ALiBi, a window other than none and causal, a packed batch or a sink the switch ``FEATURES`` naming each
-("softcap", "alibi", "window", "varlen", "sink": ``features_on``): empty, unless FA2_NUMBA_WGMMA_BWD_FEATURES names them
-(comma-separated) at import, so that such inputs stay on backward_tc until these kernels' speed on them is
-measured on the H200 (a caller may also set ``FEATURES`` at run time); ``backward_tc`` otherwise. An error in
+("softcap", "alibi", "window", "varlen", "sink": ``features_on``): all of them, unless FA2_NUMBA_WGMMA_BWD_FEATURES
+names fewer (comma-separated, or "none") at import (a caller may also set ``FEATURES`` at run time); ``backward_tc``
+otherwise. An error in
 these kernels is raised, never answered by others.
 Under numba's simulator they run only when called directly, on ``wgmma.py``'s emulation of the instructions:
 slow, for tests.
@@ -187,9 +187,10 @@ from fa2_numba_cuda.tensor_cores import capability
 # FA2_NUMBA_WGMMA_BWD=0 at import (1.02-1.58x backward_tc's time at every point timed on the H200).
 ENABLED = os.environ.get("FA2_NUMBA_WGMMA_BWD", "1") != "0"
 # The features ("softcap", "alibi", "window": a window other than none and causal, "varlen": packed batches,
-# "sink": an attention sink) whose inputs ``uses_wgmma`` sends to these kernels: none, unless
-# FA2_NUMBA_WGMMA_BWD_FEATURES names them at import (comma-separated), until they are timed on the H200; the others
-# stay on backward_tc. Set it at run time to compare.
+# "sink": an attention sink) whose inputs ``uses_wgmma`` sends to these kernels: all, unless
+# FA2_NUMBA_WGMMA_BWD_FEATURES names fewer at import (comma-separated, or "none"); the others stay on backward_tc.
+# On the H200 these kernels ran 1.03-1.55x backward_tc's speed on every feature input timed, with dq, dk, dv
+# bit-identical (docs/notes/numba-wgmma.md). Set it at run time to compare.
 FEATURES = named_features("FA2_NUMBA_WGMMA_BWD_FEATURES")
 
 HEAD_DIMS = (64, 128)

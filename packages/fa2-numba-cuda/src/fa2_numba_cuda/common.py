@@ -216,14 +216,18 @@ def features(spec: AttentionSpec) -> Features:
     return Features(left != UNBOUNDED, right != UNBOUNDED, spec.softcap > 0, spec.alibi_slopes is not None, spec.varlen)
 
 
-# The features the wgmma kernels take only where their switch (``forward_wgmma.FEATURES``,
-# ``backward_wgmma.FEATURES``) names them, until timed: "window" is a window other than none and causal.
+# The features the wgmma kernels take where their switch (``forward_wgmma.FEATURES``, ``backward_wgmma.FEATURES``)
+# names them, all by default: "window" is a window other than none and causal.
 FEATURE_NAMES = frozenset({"softcap", "alibi", "window", "varlen", "sink"})
 
 
 def named_features(variable: str) -> frozenset[str]:
-    """The features the environment variable names (comma-separated; none where unset), all of FEATURE_NAMES."""
-    named = frozenset(name for name in os.environ.get(variable, "").split(",") if name)
+    """The features the environment variable names: every one of FEATURE_NAMES where it is unset, none where it
+    says "none" (or nothing), else those it names (comma-separated), all of FEATURE_NAMES."""
+    value = os.environ.get(variable)
+    if value is None:
+        return FEATURE_NAMES
+    named = frozenset(name for name in value.split(",") if name and name != "none")
     if not named <= FEATURE_NAMES:
         raise ValueError(f"{variable} names {', '.join(sorted(FEATURE_NAMES))}, got {sorted(named)}")
     return named

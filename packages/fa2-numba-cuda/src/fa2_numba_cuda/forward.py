@@ -7,7 +7,7 @@
 - ``forward_wgmma``: Hopper's wgmma, in place of ``forward_tc`` only where ``forward_wgmma.uses_wgmma`` holds
   (off with FA2_NUMBA_WGMMA=0; fp16/bf16, head_dim 64 or 128, causal or not, on compute capability 9.0; a
   softcap, ALiBi, a window other than causal, a packed batch or a sink only where ``forward_wgmma.FEATURES``
-  names each, none by default: FA2_NUMBA_WGMMA_FEATURES, e.g. "softcap,alibi,window,varlen,sink") and no kernel
+  names each, all by default: FA2_NUMBA_WGMMA_FEATURES="none" or a shorter list turns some off) and no kernel
   or config was asked for.
 
 They compute the same thing from the same ``AttentionSpec`` (``common.Features``); none falls back to

@@ -73,9 +73,9 @@ scores is the max of scaled ones). Which kernel runs: ``fa2_numba_cuda.forward.f
 one where ``uses_wgmma`` holds: ``takes``, a CUDA device of compute capability 9.0 (wgmma is sm_90a's), the
 switch ``ENABLED`` (on, unless the environment variable FA2_NUMBA_WGMMA=0 when this module is imported), and
 for an input with a softcap, ALiBi, a window other than causal, a packed batch or a sink the switch
-``FEATURES`` naming each: empty, unless FA2_NUMBA_WGMMA_FEATURES names "softcap", "alibi", "window", "varlen",
-"sink" or several (comma-separated) at import, so that such inputs stay on forward_tc until this kernel's speed
-on them is measured on the H200 (a caller may also set ``FEATURES`` at run time); ``forward_tc`` otherwise.
+``FEATURES`` naming each: all of "softcap", "alibi", "window", "varlen" and "sink", unless
+FA2_NUMBA_WGMMA_FEATURES names fewer (comma-separated, or "none") at import (a caller may also set ``FEATURES``
+at run time); ``forward_tc`` otherwise.
 An error in this kernel is raised, never answered by another. Under numba's simulator it runs only when called
 directly, on ``wgmma.py``'s emulation of the instructions: slow, for tests.
 
@@ -141,8 +141,9 @@ from fa2_numba_cuda.tensor_cores import capability
 # import (measured on the H200: 1.16-1.41x forward_tc's speed at every point timed, docs/notes/numba-wgmma.md).
 ENABLED = os.environ.get("FA2_NUMBA_WGMMA", "1") != "0"
 # The features ("softcap", "alibi", "window": any window but causal, "varlen": packed batches, "sink") whose inputs
-# ``uses_wgmma`` sends to this kernel: none, unless FA2_NUMBA_WGMMA_FEATURES names them at import (comma-separated),
-# until they are timed on the H200; the others stay on forward_tc. Set it at run time to compare.
+# ``uses_wgmma`` sends to this kernel: all, unless FA2_NUMBA_WGMMA_FEATURES names fewer at import (comma-separated,
+# or "none"); the others stay on forward_tc. On the H200 it ran 1.11-1.75x forward_tc's speed on every feature input
+# timed, O and L bit-identical (docs/notes/numba-wgmma.md). Set it at run time to compare.
 FEATURES = named_features("FA2_NUMBA_WGMMA_FEATURES")
 
 HEAD_DIMS = (64, 128)
