@@ -237,6 +237,14 @@ def bwd_config(HEAD_DIM: int) -> WgmmaBwdConfig:
     return WgmmaBwdConfig(64, DQ_WGMMA=HEAD_DIM == 128)
 
 
+def tc_dq_config(config: WgmmaBwdConfig, head_dim: int, device: torch.device) -> backward_tc.TensorCoreBwdConfig | None:
+    """The configuration of backward_tc's dQ kernel where ``config`` runs it (without DQ_WGMMA): backward_tc's own
+    tiles, the device's shared memory allowing; None where the dQ kernel is this module's."""
+    if config.DQ_WGMMA:
+        return None
+    return backward_tc.tc_bwd_config(head_dim, backward_tc.max_shared_bytes(device))
+
+
 def refusal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dO: torch.Tensor, spec: AttentionSpec) -> str | None:
     """Why these kernels cannot take these inputs, or None where they can."""
     if q.dtype not in (torch.float16, torch.bfloat16) or any(t.dtype != q.dtype for t in (k, v, dO)):
@@ -1138,9 +1146,10 @@ def flash_attn_backward(
             (*range(7), *spec_positions(spec, len(head) - 2, len(head) + len(score_args))),
             shared_bytes("dq", head_dim, config),
         )
-    else:  # backward_tc's, its own tiles (the device's shared memory allowing)
-        dq_config = backward_tc.tc_bwd_config(head_dim, backward_tc.max_shared_bytes(q.device))
-        dq_kernel = backward_tc.launch_dq(q, k, v, dO, L, delta, dq, None, spec, dq_config)
+    else:
+        dq_kernel = backward_tc.launch_dq(
+            q, k, v, dO, L, delta, dq, None, spec, tc_dq_config(config, head_dim, q.device)
+        )
     if key is not None and None not in (preprocess, dkdv, dq_kernel):
         _PREPARED[key] = (preprocess, dkdv, dq_kernel)
     return dq, dk, dv, *sink_gradient(spec, parts)

@@ -225,10 +225,7 @@ def backward(
             return tuple(backward_simt.flash_attn_backward(q, k, v, O, L, dO, spec)[:3])
         if rung == "wgmma" and backward_wgmma.uses_wgmma(q, k, v, dO, spec):
             config = bwd_config(head_dim)
-            # Without DQ_WGMMA (head dim 64) the dQ kernel is backward_tc's, with the configuration that
-            # backward_wgmma.flash_attn_backward gives it.
-            dq_config = None if config.DQ_WGMMA else tc_bwd_config(head_dim, max_shared_bytes(q.device))
-            _RAN[rung].add(("backward", head_dim, config, dq_config))
+            _RAN[rung].add(("backward", head_dim, config, backward_wgmma.tc_dq_config(config, head_dim, q.device)))
             return tuple(backward_wgmma.flash_attn_backward(q, k, v, O, L, dO, spec)[:3])
         HEAD_DIM = padded_head_dim(head_dim)
         config = _backward_config(rung, HEAD_DIM, q.device)
