@@ -209,13 +209,18 @@ class WgmmaBwdConfig(NamedTuple):
     ``backward_tc.tc_bwd_config``). TILES_A_STEP: the dK/dV kernel's query tiles a step (one barrier), each
     warpgroup running its step body on them one after the other in the same registers (fewer barriers and waits
     for the same products; a stage holds TILES_A_STEP tiles). Built offline (sm_90a) with 64-row tiles and 2 a
-    step: 230 / 234 registers (full / causal) at HEAD_DIM 64, no local memory; at 128 it spills (128-192 B)."""
+    step: 230 / 234 registers (full / causal) at HEAD_DIM 64, no local memory; at 128 it spills (128-192 B).
+    SPLIT_MASK: both kernels branch once per tile on whether it crosses an edge (a window's, the causal diagonal,
+    the dQ kernel's end of the keys) into a masked copy of the probabilities' loop, else one without any mask
+    compare (``_MASKS``); off, one loop masks each element where the tile crosses. The same arithmetic in the same
+    order either way: the gradients are bit-identical."""
 
     BLOCK_M: int
     DV_EARLY: bool = False
     DQ_BLOCK_N: int = 64
     DQ_WGMMA: bool = True
     TILES_A_STEP: int = 1
+    SPLIT_MASK: bool = False
 
 
 def bwd_config(HEAD_DIM: int) -> WgmmaBwdConfig:
@@ -401,10 +406,16 @@ def _probability(ALIBI):
     return probability
 
 
+# The masking of a probabilities' loop, by a Python constant, so that numba builds one copy per value: "tile",
+# each element masked where the tile crosses an edge (the runtime uniform ``crosses``) and it is outside; "all",
+# masked where outside (the tiles that cross, SPLIT_MASK); "none", no mask compare (the tiles inside the mask).
+_MASKS = ("tile", "all", "none")
+
+
 def _build_dkdv(HEAD_DIM, config, CAUSAL, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN, IS_BF16):
     """The dK/dV kernel for one head dim, query tile, window (CAUSAL, LEFT, RIGHT: ``_window_flags``), softcap or
     not, ALiBi or not, packed or dense, and input type."""
-    BLOCK_M, DV_EARLY, TILES = config.BLOCK_M, config.DV_EARLY, config.TILES_A_STEP
+    BLOCK_M, DV_EARLY, TILES, SPLIT = config.BLOCK_M, config.DV_EARLY, config.TILES_A_STEP, config.SPLIT_MASK
     assert HEAD_DIM in HEAD_DIMS and BLOCK_M % 16 == 0 and 16 <= BLOCK_M <= 256 and TILES >= 1
     assert not (DV_EARLY and SOFTCAP) and not (CAUSAL and RIGHT)
     BOUNDED = CAUSAL or RIGHT  # a right edge: keys more than right (0 with CAUSAL) right of the diagonal masked
@@ -435,6 +446,83 @@ def _build_dkdv(HEAD_DIM, config, CAUSAL, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN, I
         if BOUNDED and LEFT:
             return uint32(int64(offset - rel_right)) > uint32(int64(rel_left - rel_right))
         return (BOUNDED and rel_right > offset) or (LEFT and rel_left < offset)
+
+    def masked_probabilities(MASK):
+        """(scores, gradients): a step's loops that make Pᵀ, with MASK (``_MASKS``) for the window's mask; the
+        masked one is ``scores`` without a softcap, ``gradients`` with one.
+
+        scores(p, s, qk_scale, slope, distance, lse_tile, lse_row, t, rel_right, rel_left, crosses): p [M_TILES,
+        4] := Pᵀ from Sᵀ's registers s, or with SOFTCAP tanh(Sᵀ · qk_scale) (Pᵀ is then ``gradients``').
+
+        gradients(p, cap, p_regs, ds_regs, dp, softcap_log2, slope, distance, lse_tile, delta_tile, lse_row, t,
+        rel_right, rel_left, crosses): dSᵀ in place of Pᵀ, by 16 queries, from dPᵀ's registers dp: with SOFTCAP Pᵀ
+        from the capped scores c · log2 e · tanh first (cap [M_TILES, 4]: 1 - tanh²); without DV_EARLY Pᵀ's A
+        registers p_regs packed first (dV waits for them); dSᵀ's into ds_regs."""
+        ALL, TILE = MASK == "all", MASK == "tile"
+
+        @device_function
+        def scores(p, s, qk_scale, slope, distance, lse_tile, lse_row, t, rel_right, rel_left, crosses):
+            for j in range(M_TILES):
+                for e in range(4):
+                    col = 8 * j + 2 * t + e % 2
+                    offset = 8 * j + e % 2 - 8 * (e // 2)
+                    if SOFTCAP:
+                        # tanh(Sᵀ · scale / c) during dPᵀ's products; Pᵀ after its wait, with the cap's derivative
+                        # 1 - tanh² (no registers held for it across the wait).
+                        p[j, e] = tanh_approx(s[4 * j + e] * qk_scale)
+                    else:
+                        x = probability(
+                            s[4 * j + e] * qk_scale, slope, distance + float32(offset), lse_tile[lse_row + col]
+                        )
+                        if (ALL or (TILE and crosses)) and outside(offset, rel_right, rel_left):
+                            x = float32(0.0)
+                        p[j, e] = x
+
+        @device_function
+        def gradients(
+            p,
+            cap,
+            p_regs,
+            ds_regs,
+            dp,
+            softcap_log2,
+            slope,
+            distance,
+            lse_tile,
+            delta_tile,
+            lse_row,
+            t,
+            rel_right,
+            rel_left,
+            crosses,
+        ):
+            for kk in range(M_STEPS):
+                if SOFTCAP:  # Pᵀ from the capped scores c · log2 e · tanh
+                    for j in range(2 * kk, 2 * kk + 2):
+                        for e in range(4):
+                            col = 8 * j + 2 * t + e % 2
+                            offset = 8 * j + e % 2 - 8 * (e // 2)
+                            tanh_s = p[j, e]
+                            cap[j, e] = float32(1.0) - tanh_s * tanh_s
+                            x = probability(
+                                tanh_s * softcap_log2, slope, distance + float32(offset), lse_tile[lse_row + col]
+                            )
+                            if (ALL or (TILE and crosses)) and outside(offset, rel_right, rel_left):
+                                x = float32(0.0)
+                            p[j, e] = x
+                if not DV_EARLY:
+                    pack_a_step(p, p_regs, kk)
+                for j in range(2 * kk, 2 * kk + 2):
+                    for e in range(4):
+                        col = 8 * j + 2 * t + e % 2
+                        p[j, e] = p[j, e] * (dp[4 * j + e] - delta_tile[lse_row + col])
+                        if SOFTCAP:
+                            p[j, e] *= cap[j, e]
+                pack_a_step(p, ds_regs, kk)
+
+        return scores, gradients
+
+    (scores, gradients), (scores_all, gradients_all), (scores_none, gradients_none) = map(masked_probabilities, _MASKS)
 
     @device_function
     def next_tile(start_m, head, begin_m, end_m):
@@ -704,24 +792,15 @@ def _build_dkdv(HEAD_DIM, config, CAUSAL, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN, I
                         rel_left = rel + w_left
                         distance = float32(-rel) if ALIBI else float32(0.0)
                         lse_row = BLOCK_M * (TILES * buf + u)
-                        for j in range(M_TILES):
-                            for e in range(4):
-                                col = 8 * j + 2 * t + e % 2
-                                offset = 8 * j + e % 2 - 8 * (e // 2)
-                                if SOFTCAP:
-                                    # tanh(Sᵀ · scale / c) during dPᵀ's products; Pᵀ after its wait, with the
-                                    # cap's derivative 1 - tanh² (no registers held for it across the wait).
-                                    p[j, e] = tanh_approx(s[4 * j + e] * qk_scale)
-                                else:
-                                    x = probability(
-                                        s[4 * j + e] * qk_scale,
-                                        slope,
-                                        distance + float32(offset),
-                                        lse_tile[lse_row + col],
-                                    )
-                                    if crosses and outside(offset, rel_right, rel_left):
-                                        x = float32(0.0)
-                                    p[j, e] = x
+                        # The mask is scores' (gradients' with a softcap): with SPLIT_MASK its masked copy runs on
+                        # the tiles that cross an edge, one without any mask compare on the others.
+                        score_args = (qk_scale, slope, distance, lse_tile, lse_row, t, rel_right, rel_left, crosses)
+                        if SPLIT and not SOFTCAP and crosses:
+                            scores_all(p, s, *score_args)
+                        elif SPLIT and not SOFTCAP:
+                            scores_none(p, s, *score_args)
+                        else:
+                            scores(p, s, *score_args)
                         if DV_EARLY:
                             for kk in range(M_STEPS):
                                 pack_a_step(p, p_regs, kk)
@@ -730,34 +809,13 @@ def _build_dkdv(HEAD_DIM, config, CAUSAL, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN, I
                         else:
                             wgmma.wgmma_wait(0)
                         dp = wgmma.wgmma_fence_operand(dp)
-                        # dSᵀ in place of Pᵀ, by 16 queries: Pᵀ's A registers packed first where dV waits for
-                        # them.
-                        for kk in range(M_STEPS):
-                            if SOFTCAP:  # Pᵀ from the capped scores c · log2 e · tanh
-                                for j in range(2 * kk, 2 * kk + 2):
-                                    for e in range(4):
-                                        col = 8 * j + 2 * t + e % 2
-                                        offset = 8 * j + e % 2 - 8 * (e // 2)
-                                        tanh_s = p[j, e]
-                                        cap[j, e] = float32(1.0) - tanh_s * tanh_s
-                                        x = probability(
-                                            tanh_s * softcap_log2,
-                                            slope,
-                                            distance + float32(offset),
-                                            lse_tile[lse_row + col],
-                                        )
-                                        if crosses and outside(offset, rel_right, rel_left):
-                                            x = float32(0.0)
-                                        p[j, e] = x
-                            if not DV_EARLY:
-                                pack_a_step(p, p_regs, kk)
-                            for j in range(2 * kk, 2 * kk + 2):
-                                for e in range(4):
-                                    col = 8 * j + 2 * t + e % 2
-                                    p[j, e] = p[j, e] * (dp[4 * j + e] - delta_tile[lse_row + col])
-                                    if SOFTCAP:
-                                        p[j, e] *= cap[j, e]
-                            pack_a_step(p, ds_regs, kk)
+                        ds_args = (softcap_log2, slope, distance, lse_tile, delta_tile, lse_row, t, rel_right, rel_left)
+                        if SPLIT and SOFTCAP and crosses:
+                            gradients_all(p, cap, p_regs, ds_regs, dp, *ds_args, crosses)
+                        elif SPLIT and SOFTCAP:
+                            gradients_none(p, cap, p_regs, ds_regs, dp, *ds_args, crosses)
+                        else:
+                            gradients(p, cap, p_regs, ds_regs, dp, *ds_args, crosses)
                         if not DV_EARLY:
                             dv_acc = issue_update(dv_acc, p_regs, do_tile)  # dV += Pᵀ dO
                         dk_acc = issue_update(dk_acc, ds_regs, q_tile)  # dK += dSᵀ Q
@@ -779,7 +837,7 @@ def _build_dkdv(HEAD_DIM, config, CAUSAL, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN, I
 def _build_dq(HEAD_DIM, config, CAUSAL, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN, IS_BF16):
     """The dQ kernel for one head dim, key tile, window (CAUSAL, LEFT, RIGHT: ``_window_flags``), softcap or not,
     ALiBi or not, packed or dense, and input type."""
-    BLOCK_N_DQ = config.DQ_BLOCK_N
+    BLOCK_N_DQ, SPLIT = config.DQ_BLOCK_N, config.SPLIT_MASK
     assert HEAD_DIM in HEAD_DIMS and BLOCK_N_DQ % 16 == 0 and 16 <= BLOCK_N_DQ <= 256 and not (CAUSAL and RIGHT)
     BOUNDED = CAUSAL or RIGHT  # a right edge: keys more than right (0 with CAUSAL) right of the diagonal masked
     N_TILES = BLOCK_N_DQ // 8  # 8-key column blocks of S, 4 registers each
@@ -794,6 +852,51 @@ def _build_dq(HEAD_DIM, config, CAUSAL, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN, IS_
     probability = _probability(ALIBI)
     load_qdo = wgmma.tile_loader(BLOCK_M_DQ, 64, HEAD_DIM, NUM_THREADS)
     load_kv = wgmma.tile_loader(BLOCK_N_DQ, BLOCK_N_DQ, HEAD_DIM, NUM_THREADS)
+
+    def masked_scores(MASK):
+        """scores(p, cap, s, qk_scale, softcap_log2, slope, distance, lse_row, lane_diag, t, start_n, seqlen_k,
+        right, window_left, mask): p [N_TILES, 4] := P from S's registers s (with SOFTCAP cap [N_TILES, 4] := 1 -
+        tanh²), masked as ``_MASKS``'s MASK says (mask: the tile crosses the end of the keys or a window edge)."""
+        ALL, TILE = MASK == "all", MASK == "tile"
+
+        @device_function
+        def scores(
+            p,
+            cap,
+            s,
+            qk_scale,
+            softcap_log2,
+            slope,
+            distance,
+            lse_row,
+            lane_diag,
+            t,
+            start_n,
+            seqlen_k,
+            right,
+            window_left,
+            mask,
+        ):
+            for h in range(2):
+                hi = seqlen_k - 2 * t - start_n  # keys from column hi of the lane's row h on are masked
+                if BOUNDED:
+                    hi = min(hi, lane_diag + 8 * h + right + 1 - start_n)
+                lo = lane_diag + 8 * h - window_left - start_n  # LEFT: and those before column lo
+                for j in range(N_TILES):
+                    for e in range(2 * h, 2 * h + 2):
+                        x = s[4 * j + e] * qk_scale
+                        if SOFTCAP:  # the forward's capped score c · log2 e · tanh, keeping 1 - tanh² for dS
+                            tanh_s = tanh_approx(x)
+                            cap[j, e] = float32(1.0) - tanh_s * tanh_s
+                            x = tanh_s * softcap_log2
+                        x = probability(x, slope, distance + float32(8 * h - 8 * j - e % 2), lse_row[h])
+                        if (ALL or (TILE and mask)) and (8 * j + e % 2 >= hi or (LEFT and 8 * j + e % 2 < lo)):
+                            x = float32(0.0)
+                        p[j, e] = x
+
+        return scores
+
+    scores, scores_all, scores_none = map(masked_scores, _MASKS)
 
     def _attn_bwd_dq_wgmma(
         q,
@@ -958,22 +1061,62 @@ def _build_dq(HEAD_DIM, config, CAUSAL, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN, IS_
                     or (LEFT and start_n < wg_row + 63 + diag - window_left)
                 )
                 distance = float32(lane_diag - start_n) if ALIBI else float32(0.0)
-                for h in range(2):
-                    hi = seqlen_k - 2 * t - start_n  # keys from column hi of the lane's row h on are masked
-                    if BOUNDED:
-                        hi = min(hi, lane_diag + 8 * h + right + 1 - start_n)
-                    lo = lane_diag + 8 * h - window_left - start_n  # LEFT: and those before column lo
-                    for j in range(N_TILES):
-                        for e in range(2 * h, 2 * h + 2):
-                            x = s[4 * j + e] * qk_scale
-                            if SOFTCAP:  # the forward's capped score c · log2 e · tanh, keeping 1 - tanh² for dS
-                                tanh_s = tanh_approx(x)
-                                cap[j, e] = float32(1.0) - tanh_s * tanh_s
-                                x = tanh_s * softcap_log2
-                            x = probability(x, slope, distance + float32(8 * h - 8 * j - e % 2), lse_row[h])
-                            if mask and (8 * j + e % 2 >= hi or (LEFT and 8 * j + e % 2 < lo)):
-                                x = float32(0.0)
-                            p[j, e] = x
+                # With SPLIT_MASK the masked copy of the loop runs where the tile crosses, one without any mask
+                # compare elsewhere.
+                if not SPLIT:
+                    scores(
+                        p,
+                        cap,
+                        s,
+                        qk_scale,
+                        softcap_log2,
+                        slope,
+                        distance,
+                        lse_row,
+                        lane_diag,
+                        t,
+                        start_n,
+                        seqlen_k,
+                        right,
+                        window_left,
+                        mask,
+                    )
+                elif mask:
+                    scores_all(
+                        p,
+                        cap,
+                        s,
+                        qk_scale,
+                        softcap_log2,
+                        slope,
+                        distance,
+                        lse_row,
+                        lane_diag,
+                        t,
+                        start_n,
+                        seqlen_k,
+                        right,
+                        window_left,
+                        mask,
+                    )
+                else:
+                    scores_none(
+                        p,
+                        cap,
+                        s,
+                        qk_scale,
+                        softcap_log2,
+                        slope,
+                        distance,
+                        lse_row,
+                        lane_diag,
+                        t,
+                        start_n,
+                        seqlen_k,
+                        right,
+                        window_left,
+                        mask,
+                    )
                 wgmma.wgmma_wait(0)
                 dp = wgmma.wgmma_fence_operand(dp)
                 for kk in range(N_STEPS):  # dS in place of P, packed 16 keys at a time
