@@ -795,10 +795,11 @@ def _build_dkdv(HEAD_DIM, config, CAUSAL, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN, I
                         # The mask is scores' (gradients' with a softcap): with SPLIT_MASK its masked copy runs on
                         # the tiles that cross an edge, one without any mask compare on the others.
                         score_args = (qk_scale, slope, distance, lse_tile, lse_row, t, rel_right, rel_left, crosses)
-                        if SPLIT and not SOFTCAP and crosses:
-                            scores_all(p, s, *score_args)
-                        elif SPLIT and not SOFTCAP:
-                            scores_none(p, s, *score_args)
+                        if SPLIT and not SOFTCAP:
+                            if crosses:
+                                scores_all(p, s, *score_args)
+                            else:
+                                scores_none(p, s, *score_args)
                         else:
                             scores(p, s, *score_args)
                         if DV_EARLY:
@@ -810,10 +811,11 @@ def _build_dkdv(HEAD_DIM, config, CAUSAL, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN, I
                             wgmma.wgmma_wait(0)
                         dp = wgmma.wgmma_fence_operand(dp)
                         ds_args = (softcap_log2, slope, distance, lse_tile, delta_tile, lse_row, t, rel_right, rel_left)
-                        if SPLIT and SOFTCAP and crosses:
-                            gradients_all(p, cap, p_regs, ds_regs, dp, *ds_args, crosses)
-                        elif SPLIT and SOFTCAP:
-                            gradients_none(p, cap, p_regs, ds_regs, dp, *ds_args, crosses)
+                        if SPLIT and SOFTCAP:
+                            if crosses:
+                                gradients_all(p, cap, p_regs, ds_regs, dp, *ds_args, crosses)
+                            else:
+                                gradients_none(p, cap, p_regs, ds_regs, dp, *ds_args, crosses)
                         else:
                             gradients(p, cap, p_regs, ds_regs, dp, *ds_args, crosses)
                         if not DV_EARLY:
@@ -1063,60 +1065,14 @@ def _build_dq(HEAD_DIM, config, CAUSAL, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN, IS_
                 distance = float32(lane_diag - start_n) if ALIBI else float32(0.0)
                 # With SPLIT_MASK the masked copy of the loop runs where the tile crosses, one without any mask
                 # compare elsewhere.
-                if not SPLIT:
-                    scores(
-                        p,
-                        cap,
-                        s,
-                        qk_scale,
-                        softcap_log2,
-                        slope,
-                        distance,
-                        lse_row,
-                        lane_diag,
-                        t,
-                        start_n,
-                        seqlen_k,
-                        right,
-                        window_left,
-                        mask,
-                    )
-                elif mask:
-                    scores_all(
-                        p,
-                        cap,
-                        s,
-                        qk_scale,
-                        softcap_log2,
-                        slope,
-                        distance,
-                        lse_row,
-                        lane_diag,
-                        t,
-                        start_n,
-                        seqlen_k,
-                        right,
-                        window_left,
-                        mask,
-                    )
+                args = (p, cap, s, qk_scale, softcap_log2, slope, distance, lse_row, lane_diag, t, start_n, seqlen_k)
+                if SPLIT:
+                    if mask:
+                        scores_all(*args, right, window_left, mask)
+                    else:
+                        scores_none(*args, right, window_left, mask)
                 else:
-                    scores_none(
-                        p,
-                        cap,
-                        s,
-                        qk_scale,
-                        softcap_log2,
-                        slope,
-                        distance,
-                        lse_row,
-                        lane_diag,
-                        t,
-                        start_n,
-                        seqlen_k,
-                        right,
-                        window_left,
-                        mask,
-                    )
+                    scores(*args, right, window_left, mask)
                 wgmma.wgmma_wait(0)
                 dp = wgmma.wgmma_fence_operand(dp)
                 for kk in range(N_STEPS):  # dS in place of P, packed 16 keys at a time
