@@ -213,7 +213,8 @@ class WgmmaBwdConfig(NamedTuple):
     SPLIT_MASK: both kernels branch once per tile on whether it crosses an edge (a window's, the causal diagonal,
     the dQ kernel's end of the keys) into a masked copy of the probabilities' loop, else one without any mask
     compare (``_MASKS``); off, one loop masks each element where the tile crosses. The same arithmetic in the same
-    order either way: the gradients are bit-identical."""
+    order either way: bit-identical gradients on the simulator, and on the H200 but with a softcap at HEAD_DIM
+    128, where the two builds' bits differ (within the tests' tolerance; the compiler's choice, not traced)."""
 
     BLOCK_M: int
     DV_EARLY: bool = False
@@ -238,8 +239,19 @@ def bwd_config(HEAD_DIM: int) -> WgmmaBwdConfig:
     (128-key dQ tiles: 2.7-3.6x the default's time, S in 384 B of local memory.) At HEAD_DIM 64 the wgmma dQ
     kernel took 2.562 / 1.602 ms against backward_tc's 2.427 / 1.288 at (4, 32, 4k). The GPU's build: dK/dV 254-255
     registers at 128 and 216-219 at 64, no local memory (DV_EARLY: 72-96 B at 128); dQ 187-199 at 128. One block
-    of 256 threads an SM."""
-    return WgmmaBwdConfig(64, DQ_WGMMA=HEAD_DIM == 128)
+    of 256 threads an SM.
+
+    SPLIT_MASK on at both head dims: the whole backward on the H200 (``.whl`` probe ``split_probe.py``, bf16,
+    do_bench, best of two rounds), time without / with it:
+
+        (1, 16, 16k, 128)  causal 1.04x, full 1.02x, causal softcap 1.09x, full softcap 0.995x, causal ALiBi 1.19x,
+                           windows (4096, 0) 1.15x, (1024, 0) 1.08x, (1024, 1024) 1.10x
+        (4, 32, 4k, 64)    causal 0.997x, causal softcap 1.08x, causal ALiBi 1.07x,
+                           windows (1024, 0) 0.999x, (1024, 1024) 0.986x
+
+    Its builds there: dK/dV 255 registers and 8-16 B of local memory at 128 with a mask (causal ALiBi 16 B, was
+    112), none at 64."""
+    return WgmmaBwdConfig(64, DQ_WGMMA=HEAD_DIM == 128, SPLIT_MASK=True)
 
 
 def tc_dq_config(config: WgmmaBwdConfig, head_dim: int, device: torch.device) -> backward_tc.TensorCoreBwdConfig | None:
