@@ -209,13 +209,19 @@ class WgmmaBwdConfig(NamedTuple):
     ``backward_tc.tc_bwd_config``). TILES_A_STEP: the dK/dV kernel's query tiles a step (one barrier), each
     warpgroup running its step body on them one after the other in the same registers (fewer barriers and waits
     for the same products; a stage holds TILES_A_STEP tiles). Built offline (sm_90a) with 64-row tiles and 2 a
-    step: 230 / 234 registers (full / causal) at HEAD_DIM 64, no local memory; at 128 it spills (128-192 B)."""
+    step: 230 / 234 registers (full / causal) at HEAD_DIM 64, no local memory; at 128 it spills (128-192 B).
+    SPLIT_MASK: both kernels branch once per tile on whether it crosses an edge (a window's, the causal diagonal,
+    the dQ kernel's end of the keys) into a masked copy of the probabilities' loop, else one without any mask
+    compare (``_MASKS``); off, one loop masks each element where the tile crosses. The same arithmetic in the same
+    order either way: bit-identical gradients on the simulator, and on the H200 but with a softcap at HEAD_DIM
+    128, where the two builds' bits differ (within the tests' tolerance; the compiler's choice, not traced)."""
 
     BLOCK_M: int
     DV_EARLY: bool = False
     DQ_BLOCK_N: int = 64
     DQ_WGMMA: bool = True
     TILES_A_STEP: int = 1
+    SPLIT_MASK: bool = False
 
 
 def bwd_config(HEAD_DIM: int) -> WgmmaBwdConfig:
@@ -233,8 +239,19 @@ def bwd_config(HEAD_DIM: int) -> WgmmaBwdConfig:
     (128-key dQ tiles: 2.7-3.6x the default's time, S in 384 B of local memory.) At HEAD_DIM 64 the wgmma dQ
     kernel took 2.562 / 1.602 ms against backward_tc's 2.427 / 1.288 at (4, 32, 4k). The GPU's build: dK/dV 254-255
     registers at 128 and 216-219 at 64, no local memory (DV_EARLY: 72-96 B at 128); dQ 187-199 at 128. One block
-    of 256 threads an SM."""
-    return WgmmaBwdConfig(64, DQ_WGMMA=HEAD_DIM == 128)
+    of 256 threads an SM.
+
+    SPLIT_MASK on at both head dims: the whole backward on the H200 (``.whl`` probe ``split_probe.py``, bf16,
+    do_bench, best of two rounds), time without / with it:
+
+        (1, 16, 16k, 128)  causal 1.04x, full 1.02x, causal softcap 1.09x, full softcap 0.995x, causal ALiBi 1.19x,
+                           windows (4096, 0) 1.15x, (1024, 0) 1.08x, (1024, 1024) 1.10x
+        (4, 32, 4k, 64)    causal 0.997x, causal softcap 1.08x, causal ALiBi 1.07x,
+                           windows (1024, 0) 0.999x, (1024, 1024) 0.986x
+
+    Its builds there: dK/dV 255 registers and 8-16 B of local memory at 128 with a mask (causal ALiBi 16 B, was
+    112), none at 64."""
+    return WgmmaBwdConfig(64, DQ_WGMMA=HEAD_DIM == 128, SPLIT_MASK=True)
 
 
 def tc_dq_config(config: WgmmaBwdConfig, head_dim: int, device: torch.device) -> backward_tc.TensorCoreBwdConfig | None:
@@ -401,10 +418,16 @@ def _probability(ALIBI):
     return probability
 
 
+# The masking of a probabilities' loop, by a Python constant, so that numba builds one copy per value: "tile",
+# each element masked where the tile crosses an edge (the runtime uniform ``crosses``) and it is outside; "all",
+# masked where outside (the tiles that cross, SPLIT_MASK); "none", no mask compare (the tiles inside the mask).
+_MASKS = ("tile", "all", "none")
+
+
 def _build_dkdv(HEAD_DIM, config, CAUSAL, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN, IS_BF16):
     """The dK/dV kernel for one head dim, query tile, window (CAUSAL, LEFT, RIGHT: ``_window_flags``), softcap or
     not, ALiBi or not, packed or dense, and input type."""
-    BLOCK_M, DV_EARLY, TILES = config.BLOCK_M, config.DV_EARLY, config.TILES_A_STEP
+    BLOCK_M, DV_EARLY, TILES, SPLIT = config.BLOCK_M, config.DV_EARLY, config.TILES_A_STEP, config.SPLIT_MASK
     assert HEAD_DIM in HEAD_DIMS and BLOCK_M % 16 == 0 and 16 <= BLOCK_M <= 256 and TILES >= 1
     assert not (DV_EARLY and SOFTCAP) and not (CAUSAL and RIGHT)
     BOUNDED = CAUSAL or RIGHT  # a right edge: keys more than right (0 with CAUSAL) right of the diagonal masked
@@ -435,6 +458,83 @@ def _build_dkdv(HEAD_DIM, config, CAUSAL, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN, I
         if BOUNDED and LEFT:
             return uint32(int64(offset - rel_right)) > uint32(int64(rel_left - rel_right))
         return (BOUNDED and rel_right > offset) or (LEFT and rel_left < offset)
+
+    def masked_probabilities(MASK):
+        """(scores, gradients): a step's loops that make Pᵀ, with MASK (``_MASKS``) for the window's mask; the
+        masked one is ``scores`` without a softcap, ``gradients`` with one.
+
+        scores(p, s, qk_scale, slope, distance, lse_tile, lse_row, t, rel_right, rel_left, crosses): p [M_TILES,
+        4] := Pᵀ from Sᵀ's registers s, or with SOFTCAP tanh(Sᵀ · qk_scale) (Pᵀ is then ``gradients``').
+
+        gradients(p, cap, p_regs, ds_regs, dp, softcap_log2, slope, distance, lse_tile, delta_tile, lse_row, t,
+        rel_right, rel_left, crosses): dSᵀ in place of Pᵀ, by 16 queries, from dPᵀ's registers dp: with SOFTCAP Pᵀ
+        from the capped scores c · log2 e · tanh first (cap [M_TILES, 4]: 1 - tanh²); without DV_EARLY Pᵀ's A
+        registers p_regs packed first (dV waits for them); dSᵀ's into ds_regs."""
+        ALL, TILE = MASK == "all", MASK == "tile"
+
+        @device_function
+        def scores(p, s, qk_scale, slope, distance, lse_tile, lse_row, t, rel_right, rel_left, crosses):
+            for j in range(M_TILES):
+                for e in range(4):
+                    col = 8 * j + 2 * t + e % 2
+                    offset = 8 * j + e % 2 - 8 * (e // 2)
+                    if SOFTCAP:
+                        # tanh(Sᵀ · scale / c) during dPᵀ's products; Pᵀ after its wait, with the cap's derivative
+                        # 1 - tanh² (no registers held for it across the wait).
+                        p[j, e] = tanh_approx(s[4 * j + e] * qk_scale)
+                    else:
+                        x = probability(
+                            s[4 * j + e] * qk_scale, slope, distance + float32(offset), lse_tile[lse_row + col]
+                        )
+                        if (ALL or (TILE and crosses)) and outside(offset, rel_right, rel_left):
+                            x = float32(0.0)
+                        p[j, e] = x
+
+        @device_function
+        def gradients(
+            p,
+            cap,
+            p_regs,
+            ds_regs,
+            dp,
+            softcap_log2,
+            slope,
+            distance,
+            lse_tile,
+            delta_tile,
+            lse_row,
+            t,
+            rel_right,
+            rel_left,
+            crosses,
+        ):
+            for kk in range(M_STEPS):
+                if SOFTCAP:  # Pᵀ from the capped scores c · log2 e · tanh
+                    for j in range(2 * kk, 2 * kk + 2):
+                        for e in range(4):
+                            col = 8 * j + 2 * t + e % 2
+                            offset = 8 * j + e % 2 - 8 * (e // 2)
+                            tanh_s = p[j, e]
+                            cap[j, e] = float32(1.0) - tanh_s * tanh_s
+                            x = probability(
+                                tanh_s * softcap_log2, slope, distance + float32(offset), lse_tile[lse_row + col]
+                            )
+                            if (ALL or (TILE and crosses)) and outside(offset, rel_right, rel_left):
+                                x = float32(0.0)
+                            p[j, e] = x
+                if not DV_EARLY:
+                    pack_a_step(p, p_regs, kk)
+                for j in range(2 * kk, 2 * kk + 2):
+                    for e in range(4):
+                        col = 8 * j + 2 * t + e % 2
+                        p[j, e] = p[j, e] * (dp[4 * j + e] - delta_tile[lse_row + col])
+                        if SOFTCAP:
+                            p[j, e] *= cap[j, e]
+                pack_a_step(p, ds_regs, kk)
+
+        return scores, gradients
+
+    (scores, gradients), (scores_all, gradients_all), (scores_none, gradients_none) = map(masked_probabilities, _MASKS)
 
     @device_function
     def next_tile(start_m, head, begin_m, end_m):
@@ -704,24 +804,16 @@ def _build_dkdv(HEAD_DIM, config, CAUSAL, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN, I
                         rel_left = rel + w_left
                         distance = float32(-rel) if ALIBI else float32(0.0)
                         lse_row = BLOCK_M * (TILES * buf + u)
-                        for j in range(M_TILES):
-                            for e in range(4):
-                                col = 8 * j + 2 * t + e % 2
-                                offset = 8 * j + e % 2 - 8 * (e // 2)
-                                if SOFTCAP:
-                                    # tanh(Sᵀ · scale / c) during dPᵀ's products; Pᵀ after its wait, with the
-                                    # cap's derivative 1 - tanh² (no registers held for it across the wait).
-                                    p[j, e] = tanh_approx(s[4 * j + e] * qk_scale)
-                                else:
-                                    x = probability(
-                                        s[4 * j + e] * qk_scale,
-                                        slope,
-                                        distance + float32(offset),
-                                        lse_tile[lse_row + col],
-                                    )
-                                    if crosses and outside(offset, rel_right, rel_left):
-                                        x = float32(0.0)
-                                    p[j, e] = x
+                        # The mask is scores' (gradients' with a softcap): with SPLIT_MASK its masked copy runs on
+                        # the tiles that cross an edge, one without any mask compare on the others.
+                        score_args = (qk_scale, slope, distance, lse_tile, lse_row, t, rel_right, rel_left, crosses)
+                        if SPLIT and not SOFTCAP:
+                            if crosses:
+                                scores_all(p, s, *score_args)
+                            else:
+                                scores_none(p, s, *score_args)
+                        else:
+                            scores(p, s, *score_args)
                         if DV_EARLY:
                             for kk in range(M_STEPS):
                                 pack_a_step(p, p_regs, kk)
@@ -730,34 +822,14 @@ def _build_dkdv(HEAD_DIM, config, CAUSAL, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN, I
                         else:
                             wgmma.wgmma_wait(0)
                         dp = wgmma.wgmma_fence_operand(dp)
-                        # dSᵀ in place of Pᵀ, by 16 queries: Pᵀ's A registers packed first where dV waits for
-                        # them.
-                        for kk in range(M_STEPS):
-                            if SOFTCAP:  # Pᵀ from the capped scores c · log2 e · tanh
-                                for j in range(2 * kk, 2 * kk + 2):
-                                    for e in range(4):
-                                        col = 8 * j + 2 * t + e % 2
-                                        offset = 8 * j + e % 2 - 8 * (e // 2)
-                                        tanh_s = p[j, e]
-                                        cap[j, e] = float32(1.0) - tanh_s * tanh_s
-                                        x = probability(
-                                            tanh_s * softcap_log2,
-                                            slope,
-                                            distance + float32(offset),
-                                            lse_tile[lse_row + col],
-                                        )
-                                        if crosses and outside(offset, rel_right, rel_left):
-                                            x = float32(0.0)
-                                        p[j, e] = x
-                            if not DV_EARLY:
-                                pack_a_step(p, p_regs, kk)
-                            for j in range(2 * kk, 2 * kk + 2):
-                                for e in range(4):
-                                    col = 8 * j + 2 * t + e % 2
-                                    p[j, e] = p[j, e] * (dp[4 * j + e] - delta_tile[lse_row + col])
-                                    if SOFTCAP:
-                                        p[j, e] *= cap[j, e]
-                            pack_a_step(p, ds_regs, kk)
+                        ds_args = (softcap_log2, slope, distance, lse_tile, delta_tile, lse_row, t, rel_right, rel_left)
+                        if SPLIT and SOFTCAP:
+                            if crosses:
+                                gradients_all(p, cap, p_regs, ds_regs, dp, *ds_args, crosses)
+                            else:
+                                gradients_none(p, cap, p_regs, ds_regs, dp, *ds_args, crosses)
+                        else:
+                            gradients(p, cap, p_regs, ds_regs, dp, *ds_args, crosses)
                         if not DV_EARLY:
                             dv_acc = issue_update(dv_acc, p_regs, do_tile)  # dV += Pᵀ dO
                         dk_acc = issue_update(dk_acc, ds_regs, q_tile)  # dK += dSᵀ Q
@@ -779,7 +851,7 @@ def _build_dkdv(HEAD_DIM, config, CAUSAL, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN, I
 def _build_dq(HEAD_DIM, config, CAUSAL, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN, IS_BF16):
     """The dQ kernel for one head dim, key tile, window (CAUSAL, LEFT, RIGHT: ``_window_flags``), softcap or not,
     ALiBi or not, packed or dense, and input type."""
-    BLOCK_N_DQ = config.DQ_BLOCK_N
+    BLOCK_N_DQ, SPLIT = config.DQ_BLOCK_N, config.SPLIT_MASK
     assert HEAD_DIM in HEAD_DIMS and BLOCK_N_DQ % 16 == 0 and 16 <= BLOCK_N_DQ <= 256 and not (CAUSAL and RIGHT)
     BOUNDED = CAUSAL or RIGHT  # a right edge: keys more than right (0 with CAUSAL) right of the diagonal masked
     N_TILES = BLOCK_N_DQ // 8  # 8-key column blocks of S, 4 registers each
@@ -794,6 +866,51 @@ def _build_dq(HEAD_DIM, config, CAUSAL, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN, IS_
     probability = _probability(ALIBI)
     load_qdo = wgmma.tile_loader(BLOCK_M_DQ, 64, HEAD_DIM, NUM_THREADS)
     load_kv = wgmma.tile_loader(BLOCK_N_DQ, BLOCK_N_DQ, HEAD_DIM, NUM_THREADS)
+
+    def masked_scores(MASK):
+        """scores(p, cap, s, qk_scale, softcap_log2, slope, distance, lse_row, lane_diag, t, start_n, seqlen_k,
+        right, window_left, mask): p [N_TILES, 4] := P from S's registers s (with SOFTCAP cap [N_TILES, 4] := 1 -
+        tanh²), masked as ``_MASKS``'s MASK says (mask: the tile crosses the end of the keys or a window edge)."""
+        ALL, TILE = MASK == "all", MASK == "tile"
+
+        @device_function
+        def scores(
+            p,
+            cap,
+            s,
+            qk_scale,
+            softcap_log2,
+            slope,
+            distance,
+            lse_row,
+            lane_diag,
+            t,
+            start_n,
+            seqlen_k,
+            right,
+            window_left,
+            mask,
+        ):
+            for h in range(2):
+                hi = seqlen_k - 2 * t - start_n  # keys from column hi of the lane's row h on are masked
+                if BOUNDED:
+                    hi = min(hi, lane_diag + 8 * h + right + 1 - start_n)
+                lo = lane_diag + 8 * h - window_left - start_n  # LEFT: and those before column lo
+                for j in range(N_TILES):
+                    for e in range(2 * h, 2 * h + 2):
+                        x = s[4 * j + e] * qk_scale
+                        if SOFTCAP:  # the forward's capped score c · log2 e · tanh, keeping 1 - tanh² for dS
+                            tanh_s = tanh_approx(x)
+                            cap[j, e] = float32(1.0) - tanh_s * tanh_s
+                            x = tanh_s * softcap_log2
+                        x = probability(x, slope, distance + float32(8 * h - 8 * j - e % 2), lse_row[h])
+                        if (ALL or (TILE and mask)) and (8 * j + e % 2 >= hi or (LEFT and 8 * j + e % 2 < lo)):
+                            x = float32(0.0)
+                        p[j, e] = x
+
+        return scores
+
+    scores, scores_all, scores_none = map(masked_scores, _MASKS)
 
     def _attn_bwd_dq_wgmma(
         q,
@@ -958,22 +1075,16 @@ def _build_dq(HEAD_DIM, config, CAUSAL, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN, IS_
                     or (LEFT and start_n < wg_row + 63 + diag - window_left)
                 )
                 distance = float32(lane_diag - start_n) if ALIBI else float32(0.0)
-                for h in range(2):
-                    hi = seqlen_k - 2 * t - start_n  # keys from column hi of the lane's row h on are masked
-                    if BOUNDED:
-                        hi = min(hi, lane_diag + 8 * h + right + 1 - start_n)
-                    lo = lane_diag + 8 * h - window_left - start_n  # LEFT: and those before column lo
-                    for j in range(N_TILES):
-                        for e in range(2 * h, 2 * h + 2):
-                            x = s[4 * j + e] * qk_scale
-                            if SOFTCAP:  # the forward's capped score c · log2 e · tanh, keeping 1 - tanh² for dS
-                                tanh_s = tanh_approx(x)
-                                cap[j, e] = float32(1.0) - tanh_s * tanh_s
-                                x = tanh_s * softcap_log2
-                            x = probability(x, slope, distance + float32(8 * h - 8 * j - e % 2), lse_row[h])
-                            if mask and (8 * j + e % 2 >= hi or (LEFT and 8 * j + e % 2 < lo)):
-                                x = float32(0.0)
-                            p[j, e] = x
+                # With SPLIT_MASK the masked copy of the loop runs where the tile crosses, one without any mask
+                # compare elsewhere.
+                args = (p, cap, s, qk_scale, softcap_log2, slope, distance, lse_row, lane_diag, t, start_n, seqlen_k)
+                if SPLIT:
+                    if mask:
+                        scores_all(*args, right, window_left, mask)
+                    else:
+                        scores_none(*args, right, window_left, mask)
+                else:
+                    scores(*args, right, window_left, mask)
                 wgmma.wgmma_wait(0)
                 dp = wgmma.wgmma_fence_operand(dp)
                 for kk in range(N_STEPS):  # dS in place of P, packed 16 keys at a time
