@@ -210,6 +210,7 @@ class WgmmaBwdConfig(NamedTuple):
     warpgroup running its step body on them one after the other in the same registers (fewer barriers and waits
     for the same products; a stage holds TILES_A_STEP tiles). Built offline (sm_90a) with 64-row tiles and 2 a
     step: 230 / 234 registers (full / causal) at HEAD_DIM 64, no local memory; at 128 it spills (128-192 B).
+    Timed at HEAD_DIM 64 (an H100): 2, 4 and 2 with DV_EARLY all 2-8% slower than 1, so 1 stays.
     SPLIT_MASK: both kernels branch once per tile on whether it crosses an edge (a window's, the causal diagonal,
     the dQ kernel's end of the keys) into a masked copy of the probabilities' loop, else one without any mask
     compare (``_MASKS``); off, one loop masks each element where the tile crosses. The same arithmetic in the same

@@ -48,10 +48,10 @@ The dQ step (``backward_tl._attn_bwd_dq``'s work) is the second kernel here, the
   seqlen_q, ``takes_dq``) a query tile loads the key tiles up to its diagonal one and masks that one
   alone, and the query tiles run last first (the longest first), as in the forward.
 
-  With ping-pong (``DQ_PINGPONG``, by head_dim; off until measured) the two consumers take turns to issue
+  With ping-pong (``DQ_PINGPONG``, by head_dim; off: measured slower) the two consumers take turns to issue
   their MMAs, as the forward's do (``turn`` mbarriers): in its turn a warpgroup issues dQ += dS K of the
   previous key tile, then S and dP of this one, and forms this tile's dS while the other's MMAs run. With
-  ``DQ_OVERLAP`` (head_dim 64; off until measured), with ping-pong or without, the previous tile's dQ MMA is
+  ``DQ_OVERLAP`` (head_dim 64; off: measured slower), with ping-pong or without, the previous tile's dQ MMA is
   issued after this one's S and dP, so that P's exponentials run beside it within the warpgroup. Either
   way the same MMAs on the same operands, in the same order for each element of dQ: the same bits.
 
@@ -130,13 +130,14 @@ DQ_BLOCK_N = 128  # keys a K/V tile of the dQ kernel
 DQ_STAGES = {64: 3, 128: 2}
 # Ping-pong in the dQ kernel by head_dim (``_dq_lagged_step``): its two consumer warpgroups take turns to issue
 # their MMAs, as the forward's do, so that one's softmax and dS arithmetic runs beside the other's MMAs; dq the
-# same bits. Off until measured on the H200. Read at every launch (a probe may flip it).
+# same bits. Off: on an H100 it cost the dQ kernel 1-13% at 7 of 10 points, the whole backward gained <= 1%
+# anywhere (docs/notes/gluon-backward.md). Read at every launch (a probe may flip it).
 DQ_PINGPONG = {64: False, 128: False}
 # At head_dim 64, with DQ_OVERLAP[64], the dQ MMA of the previous key tile is issued after this tile's S and dP
 # (FlashAttention-3's intra-warpgroup overlap, as its forward issues P V after the next S): P's exponentials then
 # run beside it and dP within the warpgroup, with or without ping-pong; dq the same bits. Not at 128: dS's 16-bit
-# copy, dQ, S and dP live together would serialise the MMAs (``_dq_lagged_step``). Off until measured; read at
-# every launch.
+# copy, dQ, S and dP live together would serialise the MMAs (``_dq_lagged_step``). Off: on an H100 it cost the dQ
+# kernel 1-15% alone, -1 to +7% with ping-pong (docs/notes/gluon-backward.md); read at every launch.
 DQ_OVERLAP = {64: False}
 MAX_GRID_Y = 65535
 MAX_ROWS = 2**31 - 1  # TMA coordinates are 32-bit
