@@ -300,9 +300,7 @@ def test_gluon_dq_plans_are_kept_per_class_of_inputs(monkeypatch):
                 ref.padding,
             )
         assert args[7:] == (SCALE * backward_gluon.LOG2_E, SCALE, seqlen, seqlen, 4, 2)
-        pingpong = backward_gluon.DQ_PINGPONG[128]
-        stages = backward_gluon.DQ_STAGES[128]
-        assert constexprs == dict(CAUSAL=True, HEAD_DIM=128, STAGES=stages, PINGPONG=pingpong, OVERLAP=False)
+        assert constexprs == dict(CAUSAL=True, HEAD_DIM=128, STAGES=backward_gluon.DQ_STAGES[128])
         return list(backward_gluon._DQ_PLANS.values())
 
     plans = call(128, seed=1)
@@ -310,9 +308,6 @@ def test_gluon_dq_plans_are_kept_per_class_of_inputs(monkeypatch):
     assert call(128, seed=2) == plans
     assert call(128, seed=3, dO_strided=True) == plans
     assert len(call(256, seed=4)) == 2
-    # DQ_PINGPONG is read at every call: flipped, the same inputs get a plan of their own.
-    monkeypatch.setitem(backward_gluon.DQ_PINGPONG, 128, not backward_gluon.DQ_PINGPONG[128])
-    assert len(call(256, seed=5)) == 3
 
 
 @needs_gluon
@@ -372,12 +367,10 @@ def test_gluon_backward_plans_are_kept_per_class_of_inputs(monkeypatch, head_dim
     assert len(call(256, seed=4)) == 2
 
 
-def _sm90a_build(
-    kernel: str, dtype_name: str, head_dim: int, causal: bool, pingpong: bool = False, overlap: bool = False
-) -> dict:
-    """The dK/dV kernel (kernel "dkdv") or the dQ kernel ("dq", with ping-pong and the overlap or not) compiled
-    for sm_90a by ptxas (no GPU needed): its registers at launch, local memory (spills) and shared memory per
-    CTA, and the HGMMA count of its SASS (``gluon_build.sm90a``)."""
+def _sm90a_build(kernel: str, dtype_name: str, head_dim: int, causal: bool) -> dict:
+    """The dK/dV kernel (kernel "dkdv") or the dQ kernel ("dq") compiled for sm_90a by ptxas (no GPU needed):
+    its registers at launch, local memory (spills) and shared memory per CTA, and the HGMMA count of its SASS
+    (``gluon_build.sm90a``)."""
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype_name]
 
     def tile(block):
@@ -392,8 +385,7 @@ def _sm90a_build(
     else:
         block_m = backward_gluon.DQ_BLOCK_M // 2
         fn = backward_gluon._attn_bwd_dq_gluon
-        stages = backward_gluon.DQ_STAGES[head_dim]
-        constexprs = dict(CAUSAL=causal, HEAD_DIM=head_dim, STAGES=stages, PINGPONG=pingpong, OVERLAP=overlap)
+        constexprs = dict(CAUSAL=causal, HEAD_DIM=head_dim, STAGES=backward_gluon.DQ_STAGES[head_dim])
         signature = {name: tile(block_m) for name in ("q_desc", "do_desc", "dq_desc")}
         signature |= {name: tile(backward_gluon.DQ_BLOCK_N) for name in ("k_desc", "v_desc")}
     rows = f"tensordesc<fp32[{block_m}],{backward_gluon._ROWS_LAYOUT!r}>"
@@ -432,57 +424,27 @@ def test_the_gluon_backward_compiles_for_sm90a(dtype, head_dim, causal, record_p
 
 @needs_gluon
 @pytest.mark.parametrize(
-    "dtype, head_dim, causal, pingpong, overlap",
-    [
-        ("bf16", 128, False, False, False),
-        ("bf16", 128, True, False, False),
-        ("fp16", 64, True, False, False),
-        ("bf16", 128, False, True, False),
-        ("bf16", 128, True, True, False),
-        ("fp16", 64, True, True, False),
-        ("bf16", 64, False, True, True),
-        ("fp16", 64, True, False, True),
-    ],
-    ids=[
-        "bf16-D128",
-        "bf16-D128-causal",
-        "fp16-D64-causal",
-        "bf16-D128-pingpong",
-        "bf16-D128-causal-pingpong",
-        "fp16-D64-causal-pingpong",
-        "bf16-D64-pingpong-overlap",
-        "fp16-D64-causal-overlap",
-    ],
+    "dtype, head_dim, causal",
+    [("bf16", 128, False), ("bf16", 128, True), ("fp16", 64, True)],
+    ids=["bf16-D128", "bf16-D128-causal", "fp16-D64-causal"],
 )
-def test_the_gluon_dq_compiles_for_sm90a(dtype, head_dim, causal, pingpong, overlap, record_property):
+def test_the_gluon_dq_compiles_for_sm90a(dtype, head_dim, causal, record_property):
     """ptxas's sm_90a build of the dQ kernel: the step's three warpgroup MMAs in the SASS for each consumer
     warpgroup (S and dP over head_dim, dQ over the tile's DQ_BLOCK_N keys, 16 deep an instruction), twice
-    under causal (the diagonal step is a copy of the loop's, with the mask); with ping-pong (DQ_PINGPONG) the
-    first step's S and dP, the loop's step and the last dQ, under causal also the diagonal step and a first
-    step that is the diagonal one, and the turn mbarriers' arrives (DQ_OVERLAP: the same steps, without ping-pong
-    no turns); the MMAs not serialised (a wait an HGMMA), no local memory (none in Triton 3.6's and 3.9's
-    builds), the shared memory within a CTA's 227 KB."""
+    under causal (the diagonal step is a copy of the loop's, with the mask), the loader's four expects and a
+    kv_empty arrive a step copy for each consumer, the MMAs not serialised (a wait an HGMMA), no local memory
+    (none in Triton 3.6's and 3.9's builds), the shared memory within a CTA's 227 KB."""
     code = (
         "import json, test_triton_gluon_backward as t; "
-        f"print(json.dumps(t._sm90a_build('dq', {dtype!r}, {head_dim}, {causal}, {pingpong}, {overlap})))"
+        f"print(json.dumps(t._sm90a_build('dq', {dtype!r}, {head_dim}, {causal})))"
     )
     run = run_python(code, without="TRITON_INTERPRET", timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     build = json.loads(run.stdout.strip().splitlines()[-1])
     record_property("sm90a_build", build)
-    sdp, dq = 2 * head_dim // 16, backward_gluon.DQ_BLOCK_N // 16
-    step = sdp + dq
-    # The loader's four expects (Q and L, dO and delta, K, V), then each consumer's: a kv_empty arrive a step
-    # copy; with dQ's MMA a tile late a kv_empty arrive a dQ MMA copy, and with ping-pong a turn arrive a step
-    # copy and the last dQ's.
-    if pingpong or overlap:
-        hgmma = 2 * (3 * step + sdp if causal else 2 * step)
-        arrives = 4 + 2 * (3 if causal else 2) + (2 * (5 if causal else 3) if pingpong else 0)
-    else:
-        hgmma = 2 * step * (2 if causal else 1)
-        arrives = 4 + 2 * (2 if causal else 1)
-    assert build["hgmma"] == hgmma, build
-    assert build["arrives"] == arrives, build
+    step = 2 * head_dim // 16 + backward_gluon.DQ_BLOCK_N // 16
+    assert build["hgmma"] == 2 * step * (2 if causal else 1), build
+    assert build["arrives"] == 4 + 2 * (2 if causal else 1), build
     assert build["wgmma_waits"] < build["hgmma"] // 2, f"warpgroup MMAs serialised: {build}"
     assert build["stack"] == 0, f"{build['stack']} B of local memory a thread: {build}"
     assert build["shared"] <= 227 * 1024, f"{build['shared']} B of shared memory"
@@ -564,41 +526,6 @@ def test_the_gluon_dq_matches_the_reference(case, dtype, causal, device, monkeyp
     _hopper(device)
     (dq, dk, dv), (q, k, v, dO) = _gradients(case, dtype, causal, device, monkeypatch, dq=True)
     assert_grads_match(dq, dk, dv, q, k, v, dO, causal, scale=SCALE)
-
-
-# (case, DQ_PINGPONG, DQ_OVERLAP): ping-pong at both head dims, the overlap (head_dim 64) without it and with it.
-DQ_SWITCHES = [
-    (case, pingpong, overlap)
-    for pingpong, overlap, cases in (
-        (True, False, ("B2-H4-512x512", "gqa4-384x640", "B2-H4-512x512-D64", "gqa4-384x640-D64")),
-        (False, True, ("B2-H4-512x512-D64", "gqa4-384x640-D64")),
-        (True, True, ("B2-H4-512x512-D64", "gqa4-384x640-D64")),
-    )
-    for case in cases
-]
-
-
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize(
-    "case, pingpong, overlap",
-    [
-        pytest.param(c, p, o, id=f"{c}-" + "-".join(n for n, on in (("pingpong", p), ("overlap", o)) if on))
-        for c, p, o in DQ_SWITCHES
-    ],
-)
-def test_the_gluon_dq_switches_give_the_same_bits(case, pingpong, overlap, causal, device, monkeypatch):
-    """The dQ kernel with ping-pong (DQ_PINGPONG) and with the dQ MMA after S and dP (DQ_OVERLAP, head_dim 64)
-    issues the same MMAs on the same operands in the same order per element as with neither: dq equal bit for
-    bit (causal at 512 x 512: a query tile with one key tile, the diagonal one)."""
-    _hopper(device)
-    head_dim = CASES[case].get("head_dim", 128)
-    monkeypatch.setitem(backward_gluon.DQ_PINGPONG, head_dim, False)
-    monkeypatch.setitem(backward_gluon.DQ_OVERLAP, 64, False)
-    (off, *_), _ = _gradients(case, torch.bfloat16, causal, device, monkeypatch, dq=True)
-    monkeypatch.setitem(backward_gluon.DQ_PINGPONG, head_dim, pingpong)
-    monkeypatch.setitem(backward_gluon.DQ_OVERLAP, 64, overlap)
-    (on, *_), _ = _gradients(case, torch.bfloat16, causal, device, monkeypatch, dq=True)
-    assert torch.equal(on, off), f"dq differs with the switches on: max |diff| {(on - off).abs().max().item()}"
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])

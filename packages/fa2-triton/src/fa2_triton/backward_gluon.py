@@ -48,13 +48,6 @@ The dQ step (``backward_tl._attn_bwd_dq``'s work) is the second kernel here, the
   seqlen_q, ``takes_dq``) a query tile loads the key tiles up to its diagonal one and masks that one
   alone, and the query tiles run last first (the longest first), as in the forward.
 
-  With ping-pong (``DQ_PINGPONG``, by head_dim; off: measured slower) the two consumers take turns to issue
-  their MMAs, as the forward's do (``turn`` mbarriers): in its turn a warpgroup issues dQ += dS K of the
-  previous key tile, then S and dP of this one, and forms this tile's dS while the other's MMAs run. With
-  ``DQ_OVERLAP`` (head_dim 64; off: measured slower), with ping-pong or without, the previous tile's dQ MMA is
-  issued after this one's S and dP, so that P's exponentials run beside it within the warpgroup. Either
-  way the same MMAs on the same operands, in the same order for each element of dQ: the same bits.
-
 ``backward.flash_attn_backward`` runs the dK/dV kernel (this one or tl's) beside a dQ kernel (this one or
 tl's) in both of its modes (with ``deterministic=False`` too, where the tl dK/dV kernel alone would add dQ
 by atomics), so dq, dk and dv are the same bits run after run.
@@ -128,17 +121,6 @@ DQ_BLOCK_N = 128  # keys a K/V tile of the dQ kernel
 # The dQ kernel's K/V buffers by head_dim: a stage (a K and a V tile) 64 KB at 128, with Q's and dO's 64 KB
 # two stages take 192 KB of the H200's 227 KB a CTA; at 64, 32 KB a stage, three with Q's and dO's 32 KB.
 DQ_STAGES = {64: 3, 128: 2}
-# Ping-pong in the dQ kernel by head_dim (``_dq_lagged_step``): its two consumer warpgroups take turns to issue
-# their MMAs, as the forward's do, so that one's softmax and dS arithmetic runs beside the other's MMAs; dq the
-# same bits. Off: on an H100 it cost the dQ kernel 1-13% at 7 of 10 points, the whole backward gained <= 1%
-# anywhere (docs/notes/gluon-backward.md). Read at every launch (a probe may flip it).
-DQ_PINGPONG = {64: False, 128: False}
-# At head_dim 64, with DQ_OVERLAP[64], the dQ MMA of the previous key tile is issued after this tile's S and dP
-# (FlashAttention-3's intra-warpgroup overlap, as its forward issues P V after the next S): P's exponentials then
-# run beside it and dP within the warpgroup, with or without ping-pong; dq the same bits. Not at 128: dS's 16-bit
-# copy, dQ, S and dP live together would serialise the MMAs (``_dq_lagged_step``). Off: on an H100 it cost the dQ
-# kernel 1-15% alone, -1 to +7% with ping-pong (docs/notes/gluon-backward.md); read at every launch.
-DQ_OVERLAP = {64: False}
 MAX_GRID_Y = 65535
 MAX_ROWS = 2**31 - 1  # TMA coordinates are 32-bit
 # Q and dO buffers: at head_dim 128, K and V take 64 KB and each stage 32 KB (160 KB with three).
@@ -259,11 +241,10 @@ def flash_attn_dq(
     """
     head_dim = q.shape[-1]
     dO, L, delta = (_tma_ready(t) for t in (dO, L, delta))
-    pingpong, overlap = DQ_PINGPONG[head_dim], DQ_OVERLAP.get(head_dim, False)
-    key = (q.shape, k.shape, q.dtype, q.device, spec.scale, spec.causal, pingpong, overlap)
+    key = (q.shape, k.shape, q.dtype, q.device, spec.scale, spec.causal)
     plan = _DQ_PLANS.get(key)
     if plan is None:
-        plan = _dq_plan(q, k, v, dO, L, delta, dq, spec, pingpong, overlap)
+        plan = _dq_plan(q, k, v, dO, L, delta, dq, spec)
     bases = (*(t.view(-1, head_dim) for t in (q, k, v, dO, dq)), L.view(-1), delta.view(-1))
     args = (*(copy_descriptor(GluonTensorDescriptor, d, t) for d, t in zip(plan.descriptors, bases)), *plan.scalars)
     if plan.classes is None:
@@ -291,7 +272,7 @@ class _Plan(NamedTuple):
 # (shapes, dtype, device, the scale, causal) -> _Plan. Every tensor is contiguous and 16-byte aligned here
 # (``takes``, ``flash_attn_dkdv``).
 _PLANS = Plans()
-# The same for ``flash_attn_dq``, with ``DQ_PINGPONG``'s and ``DQ_OVERLAP``'s choices in the key.
+# The same for ``flash_attn_dq``.
 _DQ_PLANS = Plans()
 
 
@@ -315,9 +296,9 @@ def _plan(q, k, v, dO, L, delta, dk, dv, spec: AttentionSpec) -> _Plan:
     )
 
 
-def _dq_plan(q, k, v, dO, L, delta, dq, spec: AttentionSpec, pingpong: bool, overlap: bool) -> _Plan:
-    """The launch of ``flash_attn_dq``'s inputs (with ping-pong and the overlap or not): the seven descriptors
-    built and checked by Gluon once a class, then copied (``launch.copy_descriptor``)."""
+def _dq_plan(q, k, v, dO, L, delta, dq, spec: AttentionSpec) -> _Plan:
+    """The launch of ``flash_attn_dq``'s inputs: the seven descriptors built and checked by Gluon once a class,
+    then copied (``launch.copy_descriptor``)."""
     batch, heads, seqlen_q, head_dim = q.shape
     rows_layout = _smem_layout(q.dtype, head_dim, DQ_BLOCK_M // 2)
     keys_layout = _smem_layout(q.dtype, head_dim, DQ_BLOCK_N)
@@ -335,7 +316,7 @@ def _dq_plan(q, k, v, dO, L, delta, dq, spec: AttentionSpec, pingpong: bool, ove
         tuple({**d.__dict__, "base": None} for d in descriptors),
         (seqlen_q // DQ_BLOCK_M, batch * heads),
         (spec.scale * LOG2_E, spec.scale, seqlen_q, k.shape[2], heads, group_size(q, k)),
-        dict(CAUSAL=spec.causal, HEAD_DIM=head_dim, STAGES=DQ_STAGES[head_dim], PINGPONG=pingpong, OVERLAP=overlap),
+        dict(CAUSAL=spec.causal, HEAD_DIM=head_dim, STAGES=DQ_STAGES[head_dim]),
     )
 
 
@@ -915,7 +896,6 @@ if GLUON:
         k_ready,
         v_ready,
         kv_empty,
-        turn,
         qk_scale,
         scale,
         N_Q,
@@ -925,8 +905,6 @@ if GLUON:
         CAUSAL: gl.constexpr,
         HEAD_DIM: gl.constexpr,
         STAGES: gl.constexpr,
-        PINGPONG: gl.constexpr,
-        OVERLAP: gl.constexpr,
     ):
         t, q_row, kv_row = _dq_coords(N_Q, N_K, H, GROUP, CAUSAL)
         mbarrier.expect(q_ready, 2 * q_desc.block_type.nbytes + 2 * l_desc.block_type.nbytes)
@@ -1005,102 +983,6 @@ if GLUON:
         return dq
 
     @gluon.jit
-    def _dq_turn_wait(turn, k, WG: gl.constexpr):
-        """Waits for this warpgroup's k-th turn to issue MMAs (``forward_gluon``'s ``turn`` mbarriers)."""
-        # Warpgroup 0 issues first: its first wait is on the phase a fresh barrier counts as complete.
-        mbarrier.wait(turn.index(WG), (k & 1) ^ (1 - WG))
-
-    @gluon.jit
-    def _dq_lagged_step(
-        j,
-        q,
-        do,
-        k_smem,
-        v_smem,
-        k_ready,
-        v_ready,
-        kv_empty,
-        turn,
-        ds_prev,
-        dq,
-        lse,
-        delta,
-        qk_scale,
-        last_key,
-        s_layout: gl.constexpr,
-        a_layout: gl.constexpr,
-        HEAD_DIM: gl.constexpr,
-        STAGES: gl.constexpr,
-        WG: gl.constexpr,
-        PINGPONG: gl.constexpr,
-        OVERLAP: gl.constexpr,
-        HAS_PREV: gl.constexpr,
-        MASK: gl.constexpr,
-    ):
-        """Key tile j with dQ's MMA a tile late: dQ += dS K of tile j - 1 (HAS_PREV; ds_prev its dS, 16-bit) is
-        issued with S and dP of tile j, before them (at head_dim 128 completed before they are issued) or, with
-        OVERLAP, after them; then dS of tile j is formed. PINGPONG: the MMAs are issued in this warpgroup's
-        turn, so that dS is formed while the other warpgroup's MMAs run. ``_dq_step``'s arithmetic and MMAs:
-        the same bits. Returns dS (16-bit, the next dQ MMA's register operand) and dQ."""
-        s = j % STAGES
-        phase = (j // STAGES) & 1
-        sp = (j + STAGES - 1) % STAGES
-        k = k_smem.index(s)
-        mbarrier.wait(k_ready.index(s), phase)
-        mbarrier.wait(v_ready.index(s), phase)
-        if PINGPONG:
-            _dq_turn_wait(turn, j, WG)
-        if HAS_PREV and not OVERLAP:
-            dq = warpgroup_mma(ds_prev, k_smem.index(sp), dq, is_async=True)
-            if HEAD_DIM == 128:
-                # dQ's MMA completes before S's and dP's are issued: with dS's 16-bit copy, dQ, S and dP live
-                # together (32 + 64 + 64 + 64 registers a thread) ptxas serialised every warpgroup MMA (C7512).
-                dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq,))
-                mbarrier.arrive(kv_empty.index(sp), count=1)
-        S = warpgroup_mma(
-            q,
-            k.permute((1, 0)),
-            gl.zeros([_DQ_ROWS, _DQ_BLOCK_N], gl.float32, s_layout),
-            use_acc=False,
-            is_async=True,
-        )
-        dp = warpgroup_mma(
-            do,
-            v_smem.index(s).permute((1, 0)),
-            gl.zeros([_DQ_ROWS, _DQ_BLOCK_N], gl.float32, s_layout),
-            use_acc=False,
-            is_async=True,
-        )
-        if HAS_PREV and OVERLAP:
-            # After S and dP (FlashAttention-3's intra-warpgroup overlap): P's exponentials run beside it.
-            dq = warpgroup_mma(ds_prev, k_smem.index(sp), dq, is_async=True)
-        if PINGPONG:
-            mbarrier.arrive(turn.index(1 - WG), count=1)
-        if HAS_PREV and OVERLAP:
-            S = warpgroup_mma_wait(num_outstanding=2, deps=(S,))
-        else:
-            if HAS_PREV and HEAD_DIM == 64:
-                # dQ's MMA was issued first, so it completes first: tile j - 1's stage is free before S is read.
-                dq = warpgroup_mma_wait(num_outstanding=2, deps=(dq,))
-                mbarrier.arrive(kv_empty.index(sp), count=1)
-            S = warpgroup_mma_wait(num_outstanding=1, deps=(S,))
-        p = gl.exp2(S * qk_scale - lse[:, None])  # [64 queries, DQ_BLOCK_N keys]
-        if MASK:
-            rows = last_key + gl.arange(0, _DQ_ROWS, layout=gl.SliceLayout(1, s_layout))
-            cols = j * _DQ_BLOCK_N + gl.arange(0, _DQ_BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-            p = gl.where(cols[None, :] <= rows[:, None], p, 0.0)
-        if HAS_PREV and OVERLAP:
-            dp = warpgroup_mma_wait(num_outstanding=1, deps=(dp,))
-        else:
-            dp = warpgroup_mma_wait(num_outstanding=0, deps=(dp,))
-        ds = p * (dp - delta[:, None])
-        if HAS_PREV and OVERLAP:
-            # Before dS's 16-bit copy is made: the previous one, the dQ MMA's operand, is then free.
-            dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq,))
-            mbarrier.arrive(kv_empty.index(sp), count=1)
-        return gl.convert_layout(ds.to(q.dtype), a_layout), dq
-
-    @gluon.jit
     def _dq_consumer(
         WG: gl.constexpr,
         q_desc,
@@ -1121,7 +1003,6 @@ if GLUON:
         k_ready,
         v_ready,
         kv_empty,
-        turn,
         qk_scale,
         scale,
         N_Q,
@@ -1131,8 +1012,6 @@ if GLUON:
         CAUSAL: gl.constexpr,
         HEAD_DIM: gl.constexpr,
         STAGES: gl.constexpr,
-        PINGPONG: gl.constexpr,
-        OVERLAP: gl.constexpr,
     ):
         """Consumer warpgroup WG: query rows [64 · WG, 64 · WG + 64) of the CTA's tile."""
         t, q_row, kv_row = _dq_coords(N_Q, N_K, H, GROUP, CAUSAL)
@@ -1154,206 +1033,11 @@ if GLUON:
         n = key_tiles(t, N_Q, N_K, _DQ_BLOCK_N, CAUSAL)
         # The key on the diagonal of this warpgroup's first row (causal): the last it sees.
         last_key = t * (2 * _DQ_ROWS) + WG * _DQ_ROWS + N_K - N_Q
-        if PINGPONG or OVERLAP:
-            # The first dQ MMA's register operand (never read: HAS_PREV off).
-            ds = gl.zeros([_DQ_ROWS, _DQ_BLOCK_N], q_desc.dtype, a_layout)
-            if CAUSAL:
-                # Only the last tile, the diagonal one, is masked; the first has no dS before it.
-                if n == 1:
-                    ds, dq = _dq_lagged_step(
-                        0,
-                        q,
-                        do,
-                        k_smem,
-                        v_smem,
-                        k_ready,
-                        v_ready,
-                        kv_empty,
-                        turn,
-                        ds,
-                        dq,
-                        lse,
-                        delta,
-                        qk_scale,
-                        last_key,
-                        s_layout,
-                        a_layout,
-                        HEAD_DIM,
-                        STAGES,
-                        WG,
-                        PINGPONG,
-                        OVERLAP,
-                        False,
-                        True,
-                    )
-                else:
-                    ds, dq = _dq_lagged_step(
-                        0,
-                        q,
-                        do,
-                        k_smem,
-                        v_smem,
-                        k_ready,
-                        v_ready,
-                        kv_empty,
-                        turn,
-                        ds,
-                        dq,
-                        lse,
-                        delta,
-                        qk_scale,
-                        last_key,
-                        s_layout,
-                        a_layout,
-                        HEAD_DIM,
-                        STAGES,
-                        WG,
-                        PINGPONG,
-                        OVERLAP,
-                        False,
-                        False,
-                    )
-                    for j in range(1, n - 1):
-                        ds, dq = _dq_lagged_step(
-                            j,
-                            q,
-                            do,
-                            k_smem,
-                            v_smem,
-                            k_ready,
-                            v_ready,
-                            kv_empty,
-                            turn,
-                            ds,
-                            dq,
-                            lse,
-                            delta,
-                            qk_scale,
-                            last_key,
-                            s_layout,
-                            a_layout,
-                            HEAD_DIM,
-                            STAGES,
-                            WG,
-                            PINGPONG,
-                            OVERLAP,
-                            True,
-                            False,
-                        )
-                    ds, dq = _dq_lagged_step(
-                        n - 1,
-                        q,
-                        do,
-                        k_smem,
-                        v_smem,
-                        k_ready,
-                        v_ready,
-                        kv_empty,
-                        turn,
-                        ds,
-                        dq,
-                        lse,
-                        delta,
-                        qk_scale,
-                        last_key,
-                        s_layout,
-                        a_layout,
-                        HEAD_DIM,
-                        STAGES,
-                        WG,
-                        PINGPONG,
-                        OVERLAP,
-                        True,
-                        True,
-                    )
-            else:
-                ds, dq = _dq_lagged_step(
-                    0,
-                    q,
-                    do,
-                    k_smem,
-                    v_smem,
-                    k_ready,
-                    v_ready,
-                    kv_empty,
-                    turn,
-                    ds,
-                    dq,
-                    lse,
-                    delta,
-                    qk_scale,
-                    last_key,
-                    s_layout,
-                    a_layout,
-                    HEAD_DIM,
-                    STAGES,
-                    WG,
-                    PINGPONG,
-                    OVERLAP,
-                    False,
-                    False,
-                )
-                for j in range(1, n):
-                    ds, dq = _dq_lagged_step(
-                        j,
-                        q,
-                        do,
-                        k_smem,
-                        v_smem,
-                        k_ready,
-                        v_ready,
-                        kv_empty,
-                        turn,
-                        ds,
-                        dq,
-                        lse,
-                        delta,
-                        qk_scale,
-                        last_key,
-                        s_layout,
-                        a_layout,
-                        HEAD_DIM,
-                        STAGES,
-                        WG,
-                        PINGPONG,
-                        OVERLAP,
-                        True,
-                        False,
-                    )
-            # The last tile's dQ MMA, in a turn of its own.
-            last = (n - 1) % STAGES
-            if PINGPONG:
-                _dq_turn_wait(turn, n, WG)
-            dq = warpgroup_mma(ds, k_smem.index(last), dq, is_async=True)
-            if PINGPONG:
-                mbarrier.arrive(turn.index(1 - WG), count=1)
-            dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq,))
-            mbarrier.arrive(kv_empty.index(last), count=1)
-        else:
-            if CAUSAL:
-                # Only the last tile, the diagonal one, is masked; the tiles before it are whole.
-                for j in range(n - 1):
-                    dq = _dq_step(
-                        j,
-                        q,
-                        do,
-                        k_smem,
-                        v_smem,
-                        k_ready,
-                        v_ready,
-                        kv_empty,
-                        dq,
-                        lse,
-                        delta,
-                        qk_scale,
-                        last_key,
-                        s_layout,
-                        a_layout,
-                        STAGES,
-                        False,
-                    )
+        if CAUSAL:
+            # Only the last tile, the diagonal one, is masked; the tiles before it are whole.
+            for j in range(n - 1):
                 dq = _dq_step(
-                    n - 1,
+                    j,
                     q,
                     do,
                     k_smem,
@@ -1369,29 +1053,48 @@ if GLUON:
                     s_layout,
                     a_layout,
                     STAGES,
-                    True,
+                    False,
                 )
-            else:
-                for j in range(n):
-                    dq = _dq_step(
-                        j,
-                        q,
-                        do,
-                        k_smem,
-                        v_smem,
-                        k_ready,
-                        v_ready,
-                        kv_empty,
-                        dq,
-                        lse,
-                        delta,
-                        qk_scale,
-                        last_key,
-                        s_layout,
-                        a_layout,
-                        STAGES,
-                        False,
-                    )
+            dq = _dq_step(
+                n - 1,
+                q,
+                do,
+                k_smem,
+                v_smem,
+                k_ready,
+                v_ready,
+                kv_empty,
+                dq,
+                lse,
+                delta,
+                qk_scale,
+                last_key,
+                s_layout,
+                a_layout,
+                STAGES,
+                True,
+            )
+        else:
+            for j in range(n):
+                dq = _dq_step(
+                    j,
+                    q,
+                    do,
+                    k_smem,
+                    v_smem,
+                    k_ready,
+                    v_ready,
+                    kv_empty,
+                    dq,
+                    lse,
+                    delta,
+                    qk_scale,
+                    last_key,
+                    s_layout,
+                    a_layout,
+                    STAGES,
+                    False,
+                )
         dq = dq * scale
         q.store(dq.to(q_desc.dtype))  # Q's buffer is free: this warpgroup's last S = Q Kᵀ has completed
         fence_async_shared()
@@ -1418,7 +1121,6 @@ if GLUON:
         k_ready,
         v_ready,
         kv_empty,
-        turn,
         qk_scale,
         scale,
         N_Q,
@@ -1428,8 +1130,6 @@ if GLUON:
         CAUSAL: gl.constexpr,
         HEAD_DIM: gl.constexpr,
         STAGES: gl.constexpr,
-        PINGPONG: gl.constexpr,
-        OVERLAP: gl.constexpr,
     ):
         _dq_consumer(
             0,
@@ -1451,7 +1151,6 @@ if GLUON:
             k_ready,
             v_ready,
             kv_empty,
-            turn,
             qk_scale,
             scale,
             N_Q,
@@ -1461,8 +1160,6 @@ if GLUON:
             CAUSAL,
             HEAD_DIM,
             STAGES,
-            PINGPONG,
-            OVERLAP,
         )
 
     @gluon.jit
@@ -1485,7 +1182,6 @@ if GLUON:
         k_ready,
         v_ready,
         kv_empty,
-        turn,
         qk_scale,
         scale,
         N_Q,
@@ -1495,8 +1191,6 @@ if GLUON:
         CAUSAL: gl.constexpr,
         HEAD_DIM: gl.constexpr,
         STAGES: gl.constexpr,
-        PINGPONG: gl.constexpr,
-        OVERLAP: gl.constexpr,
     ):
         _dq_consumer(
             1,
@@ -1518,7 +1212,6 @@ if GLUON:
             k_ready,
             v_ready,
             kv_empty,
-            turn,
             qk_scale,
             scale,
             N_Q,
@@ -1528,8 +1221,6 @@ if GLUON:
             CAUSAL,
             HEAD_DIM,
             STAGES,
-            PINGPONG,
-            OVERLAP,
         )
 
     @gluon.jit
@@ -1550,15 +1241,11 @@ if GLUON:
         CAUSAL: gl.constexpr,
         HEAD_DIM: gl.constexpr,
         STAGES: gl.constexpr,
-        PINGPONG: gl.constexpr,
-        OVERLAP: gl.constexpr,
     ):
         """q_desc, do_desc, dq_desc: (B·H·N_Q, D) rows, blocks [64, D]; k_desc, v_desc: (B·H_K·N_K, D), blocks
         [DQ_BLOCK_N, D]; L, Delta: (B·H·N_Q,) float32, blocks [64]. qk_scale: the softmax scale · log2(e);
-        scale: the softmax scale; H: query heads; GROUP: query heads per key/value head. PINGPONG: the
-        consumers take turns to issue their MMAs; OVERLAP: the dQ MMA after the next tile's S and dP (both
-        ``_dq_lagged_step``). One CTA per (query tile of 128 rows,
-        batch·H)."""
+        scale: the softmax scale; H: query heads; GROUP: query heads per key/value head. One CTA per (query
+        tile of 128 rows, batch·H)."""
         dtype: gl.constexpr = q_desc.dtype
         q_smem = gl.allocate_shared_memory(dtype, [2, _DQ_ROWS, HEAD_DIM], q_desc.layout)
         do_smem = gl.allocate_shared_memory(dtype, [2, _DQ_ROWS, HEAD_DIM], do_desc.layout)
@@ -1571,17 +1258,12 @@ if GLUON:
         k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         mbarrier.init(q_ready, count=1)
         mbarrier.init(do_ready, count=1)
         for i in gl.static_range(STAGES):
             mbarrier.init(k_ready.index(i), count=1)
             mbarrier.init(v_ready.index(i), count=1)
             mbarrier.init(kv_empty.index(i), count=2)  # both consumers release a buffer
-        if PINGPONG:
-            # Initialised only where used: without ping-pong the kernel's SASS is the kernel's before the switch.
-            for i in gl.static_range(2):
-                mbarrier.init(turn.index(i), count=1)
         # Every partition gets the whole list, spelled out here: a tuple bound to a name first loses its
         # constexprs (as in forward_gluon).
         gl.warp_specialize(
@@ -1607,7 +1289,6 @@ if GLUON:
                         k_ready,
                         v_ready,
                         kv_empty,
-                        turn,
                         qk_scale,
                         scale,
                         N_Q,
@@ -1617,8 +1298,6 @@ if GLUON:
                         CAUSAL,
                         HEAD_DIM,
                         STAGES,
-                        PINGPONG,
-                        OVERLAP,
                     ),
                 ),
                 (
@@ -1642,7 +1321,6 @@ if GLUON:
                         k_ready,
                         v_ready,
                         kv_empty,
-                        turn,
                         qk_scale,
                         scale,
                         N_Q,
@@ -1652,8 +1330,6 @@ if GLUON:
                         CAUSAL,
                         HEAD_DIM,
                         STAGES,
-                        PINGPONG,
-                        OVERLAP,
                     ),
                 ),
                 (
@@ -1677,7 +1353,6 @@ if GLUON:
                         k_ready,
                         v_ready,
                         kv_empty,
-                        turn,
                         qk_scale,
                         scale,
                         N_Q,
@@ -1687,8 +1362,6 @@ if GLUON:
                         CAUSAL,
                         HEAD_DIM,
                         STAGES,
-                        PINGPONG,
-                        OVERLAP,
                     ),
                 ),
             ],
