@@ -16,6 +16,7 @@ that the hardware reads them the same way (and that fence.proxy.async and the ba
 
 from __future__ import annotations
 
+import dis
 import functools
 
 import numpy as np
@@ -360,3 +361,46 @@ def test_simulator_refuses_mma_async_without_fence():
 
     with pytest.raises(RuntimeError, match="without a wgmma.fence"):
         kernel[1, 128](np.zeros(128, dtype=np.float32))
+
+
+# --- mma.unrolled: the builder's loop unrolling (numba-cuda has no unroll hint) ---------------------------------
+COLUMNS = 3
+
+
+def _loops(out, x, n):
+    """Loops of constant bounds (a global, and an outer index), one bounded at run time, one that breaks."""
+    for i in range(COLUMNS):
+        for j in range(i, i + 2):
+            out[i, j] = x * i + j
+    for k in range(n):
+        out[3, k] = k
+    for m in range(4):
+        if m == n:
+            break
+        out[4, m] = m
+
+
+def _closure(rows):
+    def fill(out):
+        for r in range(rows):  # a bound of the builder's closure
+            out[r, 0] = r * r
+
+    return fill
+
+
+def _for_loops(fn) -> int:
+    return sum(instruction.opname == "FOR_ITER" for instruction in dis.get_instructions(fn))
+
+
+@pytest.mark.parametrize("make", [lambda: _loops, lambda: _closure(5)], ids=["globals", "closure"])
+def test_unrolled_writes_out_constant_range_loops_only(make):
+    """mma.unrolled writes out the loops whose bounds are constants (globals, closure, outer indices) and leaves
+    those bounded at run time or that break; the function computes what it did."""
+    fn = make()
+    written = mma.unrolled(fn)
+    args = (2.0, 2) if fn is _loops else ()
+    expected, got = np.zeros((5, 5)), np.zeros((5, 5))
+    fn(expected, *args)
+    written(got, *args)
+    assert np.array_equal(got, expected)
+    assert _for_loops(written) == (2 if fn is _loops else 0) < _for_loops(fn)

@@ -126,6 +126,8 @@ TC_DQ = backward_wgmma.WgmmaBwdConfig(64, DQ_WGMMA=False)
 TWO_TILES = backward_wgmma.WgmmaBwdConfig(64, DQ_WGMMA=False, TILES_A_STEP=2)
 # The masked copy of the probabilities' loop only on tiles that cross an edge; the dQ kernel on wgmma at D64 too.
 SPLIT = backward_wgmma.WgmmaBwdConfig(64, SPLIT_MASK=True)
+# 128-key dQ tiles (the dQ kernel's loops written out, ``backward_wgmma._unrolled``), on wgmma at D64 too.
+WIDE_DQ = backward_wgmma.WgmmaBwdConfig(64, DQ_BLOCK_N=128, SPLIT_MASK=True)
 # Two query tiles a dK/dV step on the simulator, against the reference (the bitwise test below pairs them with
 # one tile a step): the walk's (head, tile) entries paired into steps.
 SIM_TWO_TILES_CASES = [
@@ -150,6 +152,9 @@ if SIMULATED:
         *[_case(torch.float16, *shape, causal, TWO_TILES) for shape, causal in SIM_TWO_TILES_CASES],
         # causal's diagonal inside the second block, the keys' end inside the dQ kernel's second tile: both copies
         _case(torch.float16, 1, 1, 1, 100, 150, 64, True, SPLIT),
+        # a dQ key tile of 128 cut by the keys' end (200 keys: the second tile 72), the diagonal inside both
+        _case(torch.float16, 1, 2, 1, 70, 200, 64, True, WIDE_DQ),
+        _case(torch.float16, 1, 1, 1, 130, 200, 64, False, WIDE_DQ),
     ]
     TWO_TILES_CASES = [_case(torch.float16, *TWO_TILES_GQA, True, TWO_TILES)]
 else:
@@ -161,6 +166,7 @@ else:
         *_cases(torch.bfloat16, GPU_SHAPES[:6], TC_DQ),
         *_cases(torch.bfloat16, GPU_SHAPES, TWO_TILES),
         *_cases(torch.bfloat16, GPU_SHAPES, SPLIT),
+        *_cases(torch.bfloat16, GPU_SHAPES, WIDE_DQ),
     ]
     TWO_TILES_CASES = _cases(torch.bfloat16, [TWO_TILES_GQA, *GPU_SHAPES[:6]], TWO_TILES)
 
@@ -200,6 +206,7 @@ if SIMULATED:
         ((1, 2, 1, 70, 60, 64), True, 2.0, True, SMALL_TWO_TILES),  # GQA 2:1, the first 10 rows see no key
         ((1, 1, 1, 70, 90, 128), True, 2.0, True, None),  # the default tiles at D128 (both kernels on wgmma)
         ((1, 1, 1, 100, 150, 64), True, 2.0, True, SPLIT),  # the masked copy is the dK/dV kernel's softcap loop
+        ((1, 1, 1, 70, 200, 64), True, 2.0, True, WIDE_DQ),  # the written-out loops with the cap and the bias
     ]
 else:
     SCORE_CASES = [
@@ -207,7 +214,12 @@ else:
         for shape in GPU_SHAPES[:6]
         for causal in (False, True)
         for softcap, alibi in ((50.0, False), (0.0, True), (50.0, True))
-    ] + [(shape, causal, 50.0, True, SPLIT) for shape in GPU_SHAPES[:6] for causal in (False, True)]
+    ] + [
+        (shape, causal, 50.0, True, config)
+        for shape in GPU_SHAPES[:6]
+        for causal in (False, True)
+        for config in (SPLIT, WIDE_DQ)
+    ]
 
 
 def _score_id(shape, causal, softcap, alibi, config):
@@ -255,6 +267,7 @@ if SIMULATED:
         ((1, 2, 1, 150, 200, 64), (40, 0), 2.0, False, SMALL_TWO_TILES),
         ((1, 1, 1, 70, 90, 128), (0, 40), 0.0, False, None),  # left 0, right above 0; the default tiles at D128
         ((1, 1, 1, 140, 150, 64), (10, 5), 0.0, False, SPLIT),  # a tile inside the band: both copies
+        ((1, 1, 1, 140, 300, 64), (60, 30), 0.0, False, WIDE_DQ),  # both edges across 128-key dQ tiles
     ]
 else:
     WINDOWS = [(256, 0), (1, 0), (100, 100), (0, 64), (-1, 37), (300, -1)]
@@ -272,7 +285,7 @@ else:
             (shape, window, 0.0, False, config)
             for shape in GPU_SHAPES[:6]
             for window in ((256, 0), (100, 100))
-            for config in (EARLY, SMALL, TWO_TILES, SPLIT)
+            for config in (EARLY, SMALL, TWO_TILES, SPLIT, WIDE_DQ)
         ],
     ]
 

@@ -180,6 +180,7 @@ from fa2_numba_cuda.mma import (
     pack_f16x2,
     shared_address,
     tanh_approx,
+    unrolled,
 )
 from fa2_numba_cuda.tensor_cores import capability
 
@@ -859,6 +860,9 @@ def _build_dq(HEAD_DIM, config, CAUSAL, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN, IS_
     N_TILES = BLOCK_N_DQ // 8  # 8-key column blocks of S, 4 registers each
     O_REGS = HEAD_DIM // 2  # dQ: the warpgroup's 64 rows x HEAD_DIM
     N_STEPS = BLOCK_N_DQ // 16  # k steps of dQ += dS K
+    # NVVM unrolls the loops over S's registers itself up to 64 keys; past that the builder writes them out
+    # (``unrolled``), else S, P and dS's fragments live in local memory (384 B a thread at 128 keys).
+    UNROLL = BLOCK_N_DQ > 64
     QDO_TILE = wgmma.swizzle128_tile_bytes(64, HEAD_DIM)  # one warpgroup's Q (or dO)
     KV_TILE = wgmma.swizzle128_tile_bytes(BLOCK_N_DQ, HEAD_DIM)
     STAGE = 2 * KV_TILE  # K then V
@@ -875,7 +879,6 @@ def _build_dq(HEAD_DIM, config, CAUSAL, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN, IS_
         tanh²), masked as ``_MASKS``'s MASK says (mask: the tile crosses the end of the keys or a window edge)."""
         ALL, TILE = MASK == "all", MASK == "tile"
 
-        @device_function
         def scores(
             p,
             cap,
@@ -910,7 +913,7 @@ def _build_dq(HEAD_DIM, config, CAUSAL, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN, IS_
                             x = float32(0.0)
                         p[j, e] = x
 
-        return scores
+        return device_function(unrolled(scores) if UNROLL else scores)
 
     scores, scores_all, scores_none = map(masked_scores, _MASKS)
 
@@ -1103,7 +1106,7 @@ def _build_dq(HEAD_DIM, config, CAUSAL, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN, IS_
         # Epilogue: dq = scale · dQ, each element once (rows that see no key: zeros).
         store_rows(dq, acc, scale, q_start + row0, q_start + seqlen_q, t)
 
-    return cuda.jit(_attn_bwd_dq_wgmma)
+    return cuda.jit(unrolled(_attn_bwd_dq_wgmma) if UNROLL else _attn_bwd_dq_wgmma)
 
 
 # Compiled kernels by ("dkdv" or "dq", HEAD_DIM, WgmmaBwdConfig, CAUSAL, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN,

@@ -79,8 +79,12 @@ the hardware (tanh.approx's up to 2^-10.99 relative) is not reproduced; only run
 
 from __future__ import annotations
 
+import ast
+import copy
 import functools
+import inspect
 import math
+import textwrap
 import threading
 
 import numba
@@ -96,6 +100,86 @@ def device_function(fn):
     if numba.config.ENABLE_CUDASIM:
         return cuda.jit(device=True)(fn)
     return cuda.jit(device=True, forceinline=True)(fn)
+
+
+def unrolled(fn):
+    """``fn`` with every loop ``for i in range(...)`` whose bounds are constants (of its globals and closure, and
+    the outer loops' i once those are written out) written out: its body once per i, i a constant in each copy,
+    in order. numba-cuda has no unroll hint, and NVVM leaves a long loop rolled; the arrays its body indexes by i
+    then live in local memory. A loop whose body breaks, continues or assigns i is left as it is. The same
+    statements in the same order: for a kernel builder to apply where NVVM would not unroll (a kernel or device
+    function, before ``cuda.jit``)."""
+    names = dict(fn.__globals__)
+    if fn.__closure__:
+        names.update(zip(fn.__code__.co_freevars, (cell.cell_contents for cell in fn.__closure__)))
+    tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
+    definition = tree.body[0]
+    definition.decorator_list = []
+    definition.body = _written_out(definition.body, names, {})
+    # Line numbers as in the source file, for numba's messages.
+    ast.increment_lineno(tree, fn.__code__.co_firstlineno - 1)
+    namespace = dict(names)
+    exec(compile(ast.fix_missing_locations(tree), inspect.getsourcefile(fn), "exec"), namespace)
+    return namespace[fn.__name__]
+
+
+class _Constants(ast.NodeTransformer):
+    """Names bound to constants (the written-out loops' indices) replaced by the constants."""
+
+    def __init__(self, constants: dict):
+        self.constants = constants
+
+    def visit_Name(self, node):
+        if isinstance(node.ctx, ast.Load) and node.id in self.constants:
+            return ast.copy_location(ast.Constant(self.constants[node.id]), node)
+        return node
+
+
+def _range_of(loop: ast.For, names: dict, constants: dict) -> range | None:
+    """The values of loop's index if it can be written out: ``range`` of constant bounds, a plain name as index,
+    no else clause, no break or continue of its own, no assignment to the index."""
+    call = loop.iter
+    if not (
+        isinstance(loop.target, ast.Name)
+        and not loop.orelse
+        and isinstance(call, ast.Call)
+        and isinstance(call.func, ast.Name)
+        and call.func.id == "range"
+        and not call.keywords
+    ):
+        return None
+    for node in ast.walk(ast.Module(body=loop.body, type_ignores=[])):
+        if isinstance(node, (ast.Break, ast.Continue)):
+            return None
+        if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store) and node.id == loop.target.id:
+            return None
+    try:
+        bounds = [
+            eval(compile(ast.Expression(_Constants(constants).visit(copy.deepcopy(arg))), "<range>", "eval"), names)
+            for arg in call.args
+        ]
+    except Exception:  # a bound known only at run time
+        return None
+    return range(*bounds) if all(isinstance(b, int) for b in bounds) else None
+
+
+def _written_out(statements: list, names: dict, constants: dict) -> list:
+    """statements with their constant-range loops written out (``unrolled``) and the constants substituted."""
+    out = []
+    for statement in statements:
+        values = _range_of(statement, names, constants) if isinstance(statement, ast.For) else None
+        if values is not None:
+            for value in values:
+                inner = {**constants, statement.target.id: value}
+                out += _written_out(copy.deepcopy(statement.body), names, inner)
+            continue
+        statement = _Constants(constants).visit(statement)
+        for field in ("body", "orelse", "finalbody"):
+            block = getattr(statement, field, None)
+            if isinstance(block, list) and block and isinstance(block[0], ast.stmt):
+                setattr(statement, field, _written_out(block, names, constants))
+        out.append(statement)
+    return out
 
 
 # The ISA's tables, as (row, column) per lane: the reference the emulation and the tests use.
