@@ -134,6 +134,7 @@ from fa2_numba_cuda.mma import (
     shared_address,
     shfl_xor,
     tanh_approx,
+    unrolled,
 )
 from fa2_numba_cuda.tensor_cores import capability
 
@@ -276,6 +277,9 @@ def _build_kernel(HEAD_DIM, config, CAUSAL, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN,
     O_REGS = HEAD_DIM // 2  # acc: its 64 x HEAD_DIM output
     D_STEPS = HEAD_DIM // 16  # k steps of S = Q Kᵀ
     N_STEPS = BLOCK_N // 16  # k steps of O += P V
+    # NVVM unrolls the loops over s's registers itself up to 64 keys; past that the builder writes them out
+    # (``unrolled``), else p and P's fragments live in local memory (256-272 B a thread at 128 keys).
+    UNROLL = BLOCK_N > 64
     Q_TILE = wgmma.swizzle128_tile_bytes(64, HEAD_DIM)  # one warpgroup's Q
     KV_TILE = wgmma.swizzle128_tile_bytes(BLOCK_N, HEAD_DIM)
     STAGE = 2 * KV_TILE  # K then V
@@ -292,7 +296,11 @@ def _build_kernel(HEAD_DIM, config, CAUSAL, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN,
     load_q = wgmma.tile_loader(BLOCK_M, 64, HEAD_DIM, NUM_THREADS)
     load_kv = wgmma.tile_loader(BLOCK_N, BLOCK_N, HEAD_DIM, NUM_THREADS)
 
-    @device_function
+    def written_out(fn):
+        """``device_function``, with fn's loops written out first where NVVM would leave them rolled."""
+        return device_function(unrolled(fn) if UNROLL else fn)
+
+    @written_out
     def softmax(
         s,
         p,
@@ -383,7 +391,7 @@ def _build_kernel(HEAD_DIM, config, CAUSAL, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN,
                     l_part += x
             l_i[h] = alpha[h] * l_i[h] + l_part
 
-    @device_function
+    @written_out
     def pack_p(p, p_regs):
         """P's A registers p_regs [BLOCK_N / 16, 4] (int32, local): for keys 16 kk .. 16 kk + 15, S's registers 8
         kk .. 8 kk + 7 (two 8-key tiles of p) rounded to 16 bits in pairs."""
@@ -704,7 +712,7 @@ def _build_kernel(HEAD_DIM, config, CAUSAL, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN,
                 if t == 0:
                     lse[uint64(o_start + row)] = (m_i[h] + math.log2(l_sum)) * LN2 if l_sum != 0.0 else math.inf
 
-    return jit_kernel(_attn_fwd_wgmma, config.MAX_REGISTERS)
+    return jit_kernel(unrolled(_attn_fwd_wgmma) if UNROLL else _attn_fwd_wgmma, config.MAX_REGISTERS)
 
 
 # Compiled kernels by (HEAD_DIM, WgmmaConfig, CAUSAL, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN, SINK, IS_BF16).
