@@ -126,7 +126,7 @@ TC_DQ = backward_wgmma.WgmmaBwdConfig(64, DQ_WGMMA=False)
 TWO_TILES = backward_wgmma.WgmmaBwdConfig(64, DQ_WGMMA=False, TILES_A_STEP=2)
 # The masked copy of the probabilities' loop only on tiles that cross an edge; the dQ kernel on wgmma at D64 too.
 SPLIT = backward_wgmma.WgmmaBwdConfig(64, SPLIT_MASK=True)
-# 128-key dQ tiles (the dQ kernel's loops written out, ``backward_wgmma._unrolled``), on wgmma at D64 too.
+# 128-key dQ tiles (the dQ kernel's loops written out, ``mma.unrolled``), on wgmma at D64 too.
 WIDE_DQ = backward_wgmma.WgmmaBwdConfig(64, DQ_BLOCK_N=128, SPLIT_MASK=True)
 # Two query tiles a dK/dV step on the simulator, against the reference (the bitwise test below pairs them with
 # one tile a step): the walk's (head, tile) entries paired into steps.
