@@ -152,9 +152,8 @@ if SIMULATED:
         *[_case(torch.float16, *shape, causal, TWO_TILES) for shape, causal in SIM_TWO_TILES_CASES],
         # causal's diagonal inside the second block, the keys' end inside the dQ kernel's second tile: both copies
         _case(torch.float16, 1, 1, 1, 100, 150, 64, True, SPLIT),
-        # a dQ key tile of 128 cut by the keys' end (200 keys: the second tile 72), the diagonal inside both
-        _case(torch.float16, 1, 2, 1, 70, 200, 64, True, WIDE_DQ),
-        _case(torch.float16, 1, 1, 1, 130, 200, 64, False, WIDE_DQ),
+        # a dQ key tile of 128 cut by the keys' end (140 keys: the second tile 12), the diagonal inside both
+        _case(torch.float16, 1, 2, 1, 40, 140, 64, True, WIDE_DQ),
     ]
     TWO_TILES_CASES = [_case(torch.float16, *TWO_TILES_GQA, True, TWO_TILES)]
 else:
@@ -206,7 +205,7 @@ if SIMULATED:
         ((1, 2, 1, 70, 60, 64), True, 2.0, True, SMALL_TWO_TILES),  # GQA 2:1, the first 10 rows see no key
         ((1, 1, 1, 70, 90, 128), True, 2.0, True, None),  # the default tiles at D128 (both kernels on wgmma)
         ((1, 1, 1, 100, 150, 64), True, 2.0, True, SPLIT),  # the masked copy is the dK/dV kernel's softcap loop
-        ((1, 1, 1, 70, 200, 64), True, 2.0, True, WIDE_DQ),  # the written-out loops with the cap and the bias
+        ((1, 1, 1, 40, 140, 64), True, 2.0, True, WIDE_DQ),  # the written-out loops with the cap and the bias
     ]
 else:
     SCORE_CASES = [
@@ -267,7 +266,7 @@ if SIMULATED:
         ((1, 2, 1, 150, 200, 64), (40, 0), 2.0, False, SMALL_TWO_TILES),
         ((1, 1, 1, 70, 90, 128), (0, 40), 0.0, False, None),  # left 0, right above 0; the default tiles at D128
         ((1, 1, 1, 140, 150, 64), (10, 5), 0.0, False, SPLIT),  # a tile inside the band: both copies
-        ((1, 1, 1, 140, 300, 64), (60, 30), 0.0, False, WIDE_DQ),  # both edges across 128-key dQ tiles
+        ((1, 1, 1, 60, 200, 64), (30, 10), 0.0, False, WIDE_DQ),  # both edges across 128-key dQ tiles
     ]
 else:
     WINDOWS = [(256, 0), (1, 0), (100, 100), (0, 64), (-1, 37), (300, -1)]
