@@ -295,20 +295,27 @@ def _window_id(shape, window, softcap, alibi, config):
     return name + ("-alibi" if alibi else "") + _config_id(config)
 
 
+def _window_inputs(device, shape, window, softcap, alibi):
+    """(q, k, v, dO, O, L, spec, features) for a window, softcap and ALiBi: fp16 on the simulator, bf16 on the GPU;
+    O and L the fp64 reference's in that precision; the slopes per (batch, head) in [0, 1), seeded by seqlen_q;
+    features as fa2.reference.attention takes them."""
+    dtype = torch.float16 if SIMULATED else torch.bfloat16
+    q, k, v, dO = _inputs(dtype, shape, device)
+    b, h = shape[:2]
+    slopes = torch.rand(b, h, generator=torch.Generator().manual_seed(shape[3])).to(device) if alibi else None
+    features = dict(window=window, softcap=softcap, alibi_slopes=slopes)
+    O64, L64 = reference.attention(q.double(), k.double(), v.double(), **features)
+    spec = AttentionSpec(shape[-1] ** -0.5, window, softcap, slopes, h // shape[2])
+    return q, k, v, dO, O64.to(dtype), L64.float(), spec, features
+
+
 @pytest.mark.parametrize(
     "shape, window, softcap, alibi, config", [pytest.param(*c, id=_window_id(*c)) for c in WINDOW_CASES]
 )
 def test_windows_match_reference(wgmma_device, shape, window, softcap, alibi, config):
     """dq, dk, dv against the fp64 reference (fp16 on the simulator, bf16 on the GPU, where they are also checked
     against backward_tc's within the same tolerance)."""
-    dtype = torch.float16 if SIMULATED else torch.bfloat16
-    q, k, v, dO = _inputs(dtype, shape, wgmma_device)
-    b, h = shape[:2]
-    slopes = torch.rand(b, h, generator=torch.Generator().manual_seed(shape[3])).to(wgmma_device) if alibi else None
-    features = dict(window=window, softcap=softcap, alibi_slopes=slopes)
-    O64, L64 = reference.attention(q.double(), k.double(), v.double(), **features)
-    O, L = O64.to(dtype), L64.float()
-    spec = AttentionSpec(shape[-1] ** -0.5, window, softcap, slopes, h // shape[2])
+    q, k, v, dO, O, L, spec, features = _window_inputs(wgmma_device, shape, window, softcap, alibi)
     grads = backward_wgmma.flash_attn_backward(q, k, v, O, L, dO, spec, config)
     assert {key[3:6] for key in backward_wgmma._KERNELS} >= {backward_wgmma._window_flags(spec)}
     assert_grads_match(*grads, q, k, v, dO, False, **features)
@@ -343,14 +350,7 @@ def test_split_mask_gives_the_same_bits(wgmma_device, shape, window, softcap, al
     """SPLIT_MASK on against off (the dQ kernel on wgmma both times): dq, dk, dv bit for bit (the masked copy and
     the unmasked one compute each element as the single loop does, and masking a tile inside the mask zeroes
     nothing), but with a softcap on the GPU, within the suite's tolerance."""
-    dtype = torch.float16 if SIMULATED else torch.bfloat16
-    q, k, v, dO = _inputs(dtype, shape, wgmma_device)
-    b, h = shape[:2]
-    slopes = torch.rand(b, h, generator=torch.Generator().manual_seed(shape[3])).to(wgmma_device) if alibi else None
-    features = dict(window=window, softcap=softcap, alibi_slopes=slopes)
-    O64, L64 = reference.attention(q.double(), k.double(), v.double(), **features)
-    O, L = O64.to(dtype), L64.float()
-    spec = AttentionSpec(shape[-1] ** -0.5, window, softcap, slopes, h // shape[2])
+    q, k, v, dO, O, L, spec, features = _window_inputs(wgmma_device, shape, window, softcap, alibi)
     off = backward_wgmma.flash_attn_backward(q, k, v, O, L, dO, spec, SPLIT._replace(SPLIT_MASK=False))
     on = backward_wgmma.flash_attn_backward(q, k, v, O, L, dO, spec, SPLIT)
     if softcap and not SIMULATED:
