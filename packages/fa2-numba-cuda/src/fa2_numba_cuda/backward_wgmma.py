@@ -913,7 +913,7 @@ def _build_dq(HEAD_DIM, config, CAUSAL, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN, IS_
                             x = float32(0.0)
                         p[j, e] = x
 
-        return device_function(unrolled(scores) if UNROLL else scores)
+        return device_function(scores, unroll=UNROLL)
 
     scores, scores_all, scores_none = map(masked_scores, _MASKS)
 

@@ -88,6 +88,7 @@ of the class, as q, k, v).
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from typing import NamedTuple
@@ -297,9 +298,7 @@ def _build_kernel(HEAD_DIM, config, CAUSAL, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN,
     load_q = wgmma.tile_loader(BLOCK_M, 64, HEAD_DIM, NUM_THREADS)
     load_kv = wgmma.tile_loader(BLOCK_N, BLOCK_N, HEAD_DIM, NUM_THREADS)
 
-    def written_out(fn):
-        """``device_function``, with fn's loops written out first where NVVM would leave them rolled."""
-        return device_function(unrolled(fn) if UNROLL else fn)
+    written_out = functools.partial(device_function, unroll=UNROLL)
 
     @written_out
     def softmax(

@@ -94,9 +94,12 @@ from numba import cuda, int32, uint32
 WARP_SIZE = 32
 
 
-def device_function(fn):
+def device_function(fn, unroll: bool = False):
     """``cuda.jit(device=True)``, inlined into its callers on the GPU (NVVM's alwaysinline: the small index
-    helpers then fold into constants); the simulator's jit takes no forceinline."""
+    helpers then fold into constants); the simulator's jit takes no forceinline. With unroll, fn's constant-range
+    loops written out first (``unrolled``)."""
+    if unroll:
+        fn = unrolled(fn)
     if numba.config.ENABLE_CUDASIM:
         return cuda.jit(device=True)(fn)
     return cuda.jit(device=True, forceinline=True)(fn)
@@ -118,9 +121,8 @@ def unrolled(fn):
     definition.body = _written_out(definition.body, names, {})
     # Line numbers as in the source file, for numba's messages.
     ast.increment_lineno(tree, fn.__code__.co_firstlineno - 1)
-    namespace = dict(names)
-    exec(compile(ast.fix_missing_locations(tree), inspect.getsourcefile(fn), "exec"), namespace)
-    return namespace[fn.__name__]
+    exec(compile(ast.fix_missing_locations(tree), inspect.getsourcefile(fn), "exec"), names)
+    return names[fn.__name__]
 
 
 class _Constants(ast.NodeTransformer):
@@ -137,7 +139,7 @@ class _Constants(ast.NodeTransformer):
 
 def _range_of(loop: ast.For, names: dict, constants: dict) -> range | None:
     """The values of loop's index if it can be written out: ``range`` of constant bounds, a plain name as index,
-    no else clause, no break or continue of its own, no assignment to the index."""
+    no else clause, no break or continue anywhere in its body, no assignment to the index."""
     call = loop.iter
     if not (
         isinstance(loop.target, ast.Name)
