@@ -5,16 +5,16 @@
   conftest), on numba's simulator (``wgmma.py``'s and ``mma.py``'s emulations, fp16, a few tiles) or, with
   --device cuda, on a GPU of compute capability 9.0 (fp16 and bf16, head_dim 64 and 128): whole tiles, ragged
   seqlen_q and seqlen_k, seqlen_q below and above seqlen_k under causal (rows that see no key, keys no row sees),
-  GQA; with two query tiles a dK/dV step (``TILES_A_STEP``) too, and then dq, dk, dv bit for bit those of one;
+  GQA;
 - softcap and ALiBi (the kernels' SOFTCAP and ALIBI): against the reference on the simulator (4 cases, both
-  kernels, causal and full, GQA with a step's two tiles of two heads, D128), and on the GPU also against
+  kernels, causal and full, GQA over 32-row tiles of two heads' slopes, D128), and on the GPU also against
   backward_tc's gradients;
 - windows (the kernels' LEFT and RIGHT, and CAUSAL with a left side): against the reference on the simulator (3
-  cases: left and right with seqlen_q < seqlen_k, ALiBi and DV_EARLY; (left, 0) with GQA, a softcap and a step's
-  two tiles of two heads; (0, right) at D128), and on the GPU also against backward_tc's gradients;
+  cases: left and right with seqlen_q < seqlen_k, ALiBi and DV_EARLY; (left, 0) with GQA, a softcap and 32-row
+  tiles; (0, right) at D128), and on the GPU also against backward_tc's gradients;
 - packed batches (VARLEN): the whole batch's dq, dk, dv against the fp64 reference's
   (``reference.varlen_attention``, test_varlen's rule) on the simulator (3 cases: Nq != Nk per sequence both
-  ways, a one-token sequence, a sequence without queries, GQA with a step's two tiles of two heads, softcap,
+  ways, a one-token sequence, a sequence without queries, GQA over 32-row tiles, softcap,
   ALiBi per sequence, DV_EARLY, D128; and one with a window, bounded by each sequence's own lengths), and on
   the GPU (bf16, an empty sequence; with windows too) also against backward_tc's;
 - an attention sink (the kernels as they are, dsink the preprocess's shares): dq, dk, dv and dsink against the
@@ -84,7 +84,6 @@ def _config_id(config):
         return ""
     name = f"-M{config.BLOCK_M}" + ("-dv-early" if config.DV_EARLY else "")
     name += f"-dqN{config.DQ_BLOCK_N}" if config.DQ_WGMMA else "-tc-dq"
-    name += f"-{config.TILES_A_STEP}tiles" if config.TILES_A_STEP > 1 else ""
     return name + ("-split" if config.SPLIT_MASK else "")
 
 
@@ -123,20 +122,10 @@ GPU_SHAPES = [
 EARLY = backward_wgmma.WgmmaBwdConfig(64, True)
 SMALL = backward_wgmma.WgmmaBwdConfig(32, DQ_BLOCK_N=32)
 TC_DQ = backward_wgmma.WgmmaBwdConfig(64, DQ_WGMMA=False)
-TWO_TILES = backward_wgmma.WgmmaBwdConfig(64, DQ_WGMMA=False, TILES_A_STEP=2)
 # The masked copy of the probabilities' loop only on tiles that cross an edge; the dQ kernel on wgmma at D64 too.
 SPLIT = backward_wgmma.WgmmaBwdConfig(64, SPLIT_MASK=True)
 # 128-key dQ tiles (the dQ kernel's loops written out, ``mma.unrolled``), on wgmma at D64 too.
 WIDE_DQ = backward_wgmma.WgmmaBwdConfig(64, DQ_BLOCK_N=128, SPLIT_MASK=True)
-# Two query tiles a dK/dV step on the simulator, against the reference (the bitwise test below pairs them with
-# one tile a step): the walk's (head, tile) entries paired into steps.
-SIM_TWO_TILES_CASES = [
-    # 3 tiles, the last step one half; causal: from tile 1 (the first 90 rows see no key)
-    ((1, 1, 1, 150, 60, 64), True),
-    ((1, 1, 1, 100, 120, 64), False),  # seqlen_q < seqlen_k, both ragged: one step, both halves
-]
-# GQA 2:1, 3 tiles a head (causal too: its first rows see no key): the second step's halves of two heads.
-TWO_TILES_GQA = (1, 2, 1, 129, 70, 64)
 if SIMULATED:
     KERNEL_CASES = [
         *_cases(torch.float16, SIM_SHAPES),
@@ -149,13 +138,11 @@ if SIMULATED:
         *_cases(torch.float16, [(1, 2, 1, 70, 90, 64)], SMALL, CAUSAL),
         # backward_tc's dQ kernel
         _case(torch.float16, 1, 2, 1, 70, 90, 64, True, TC_DQ),
-        *[_case(torch.float16, *shape, causal, TWO_TILES) for shape, causal in SIM_TWO_TILES_CASES],
         # causal's diagonal inside the second block, the keys' end inside the dQ kernel's second tile: both copies
         _case(torch.float16, 1, 1, 1, 100, 150, 64, True, SPLIT),
         # a dQ key tile of 128 cut by the keys' end (140 keys: the second tile 12), the diagonal inside both
         _case(torch.float16, 1, 2, 1, 40, 140, 64, True, WIDE_DQ),
     ]
-    TWO_TILES_CASES = [_case(torch.float16, *TWO_TILES_GQA, True, TWO_TILES)]
 else:
     KERNEL_CASES = [
         *_cases(torch.float16, GPU_SHAPES),
@@ -163,11 +150,9 @@ else:
         *_cases(torch.bfloat16, GPU_SHAPES[:6], EARLY),
         *_cases(torch.bfloat16, GPU_SHAPES[:6], SMALL),
         *_cases(torch.bfloat16, GPU_SHAPES[:6], TC_DQ),
-        *_cases(torch.bfloat16, GPU_SHAPES, TWO_TILES),
         *_cases(torch.bfloat16, GPU_SHAPES, SPLIT),
         *_cases(torch.bfloat16, GPU_SHAPES, WIDE_DQ),
     ]
-    TWO_TILES_CASES = _cases(torch.bfloat16, [TWO_TILES_GQA, *GPU_SHAPES[:6]], TWO_TILES)
 
 
 @pytest.mark.parametrize("dtype, shape, causal, config", KERNEL_CASES)
@@ -178,31 +163,14 @@ def test_kernels_match_reference(wgmma_device, dtype, shape, causal, config):
     assert_grads_match(dq, dk, dv, q, k, v, dO, causal)
 
 
-@pytest.mark.parametrize("dtype, shape, causal, config", TWO_TILES_CASES)
-def test_tiles_a_step_add_the_same_products_in_the_same_order(wgmma_device, dtype, shape, causal, config):
-    """config (TILES_A_STEP 2) against its one tile a step: dk and dv bit for bit (each warpgroup adds the same
-    tiles' products in the same order, only the barriers between them differ), dq too (the same dQ kernel); the
-    gradients match the reference."""
-    q, k, v, dO = _inputs(dtype, shape, wgmma_device)
-    O, L = _forward(q, k, v, causal)
-    spec = _spec(q, k, causal)
-    one = backward_wgmma.flash_attn_backward(q, k, v, O, L, dO, spec, config._replace(TILES_A_STEP=1))
-    two = backward_wgmma.flash_attn_backward(q, k, v, O, L, dO, spec, config)
-    for name, x, y in zip(("dq", "dk", "dv"), one, two):
-        assert torch.equal(x, y), f"{name}: max |two tiles - one| = {(x.float() - y.float()).abs().max():.3g}"
-    assert_grads_match(*two, q, k, v, dO, causal)
-
-
 # Softcap and ALiBi: (B, H, H_k, seqlen_q, seqlen_k, D), causal, softcap, ALiBi, config. A softcap of 2 saturates the
 # larger scores (1 - tanh² well below 1); the slopes are per (batch, head), in [0, 1).
 WGMMA_DQ = backward_wgmma.WgmmaBwdConfig(64)  # the dQ kernel on wgmma at D64 too
-# 32-row tiles, two a dK/dV step: 3 tiles a head, so the second step's tiles are of two heads (two slopes)
-SMALL_TWO_TILES = backward_wgmma.WgmmaBwdConfig(32, DQ_BLOCK_N=32, TILES_A_STEP=2)
 if SIMULATED:
     SCORE_CASES = [
         ((1, 1, 1, 100, 150, 64), True, 2.0, False, WGMMA_DQ),  # causal's diagonal inside the second block
         ((2, 1, 1, 70, 90, 64), False, 0.0, True, WGMMA_DQ),  # two batches' slopes, ragged tiles
-        ((1, 2, 1, 70, 60, 64), True, 2.0, True, SMALL_TWO_TILES),  # GQA 2:1, the first 10 rows see no key
+        ((1, 2, 1, 70, 60, 64), True, 2.0, True, SMALL),  # GQA 2:1 over 32-row tiles, the first 10 rows see no key
         ((1, 1, 1, 70, 90, 128), True, 2.0, True, None),  # the default tiles at D128 (both kernels on wgmma)
         ((1, 1, 1, 100, 150, 64), True, 2.0, True, SPLIT),  # the masked copy is the dK/dV kernel's softcap loop
         ((1, 1, 1, 40, 140, 64), True, 2.0, True, WIDE_DQ),  # the written-out loops with the cap and the bias
@@ -261,9 +229,9 @@ if SIMULATED:
         # a band of 16 keys a row: both kernels' walks cut at both ends; the dQ kernel on wgmma at D64, dV issued
         # before dSᵀ
         ((1, 1, 1, 140, 150, 64), (10, 5), 0.0, True, EARLY),
-        # a sliding window on a causal layer (CAUSAL and LEFT): GQA 2:1, the second block's 3 tiles a head in
-        # steps of two, the middle one of two heads
-        ((1, 2, 1, 150, 200, 64), (40, 0), 2.0, False, SMALL_TWO_TILES),
+        # a sliding window on a causal layer (CAUSAL and LEFT): GQA 2:1, the second block's walk over 3 tiles a
+        # head of both heads
+        ((1, 2, 1, 150, 200, 64), (40, 0), 2.0, False, SMALL),
         ((1, 1, 1, 70, 90, 128), (0, 40), 0.0, False, None),  # left 0, right above 0; the default tiles at D128
         ((1, 1, 1, 140, 150, 64), (10, 5), 0.0, False, SPLIT),  # a tile inside the band: both copies
         ((1, 1, 1, 60, 200, 64), (30, 10), 0.0, False, WIDE_DQ),  # both edges across 128-key dQ tiles
@@ -284,7 +252,7 @@ else:
             (shape, window, 0.0, False, config)
             for shape in GPU_SHAPES[:6]
             for window in ((256, 0), (100, 100))
-            for config in (EARLY, SMALL, TWO_TILES, SPLIT, WIDE_DQ)
+            for config in (EARLY, SMALL, SPLIT, WIDE_DQ)
         ],
     ]
 
@@ -432,15 +400,15 @@ if SIMULATED:
         # Nq != Nk both ways, a one-token sequence: three blocks a kernel of which two exit at once; the dQ kernel
         # on wgmma too
         (([70, 1, 130], [100, 3, 60], 1, 1, 64), CAUSAL_WINDOW, 0.0, False, WGMMA_DQ),
-        # GQA 2:1, 32-row tiles two a step (3 tiles a head: a step's tiles of two heads), a sequence without
-        # queries (its keys: dk = dv = 0), softcap and ALiBi per (sequence, head)
-        (([40, 0, 75], [50, 20, 64], 2, 1, 64), CAUSAL_WINDOW, 2.0, True, SMALL_TWO_TILES),
+        # GQA 2:1 over 32-row tiles (3 tiles a head), a sequence without queries (its keys: dk = dv = 0), softcap
+        # and ALiBi per (sequence, head)
+        (([40, 0, 75], [50, 20, 64], 2, 1, 64), CAUSAL_WINDOW, 2.0, True, SMALL),
         # D128, dV issued early, full: the first sequence's second key block, the second's second dQ block
         (([50, 130], [130, 40], 1, 1, 128), FULL, 0.0, True, EARLY),
         # a 29-key band on each sequence's own diagonal (40, -3, -50; the totals' would be -13), GQA 2:1, 32-row
-        # tiles two a step: tiles cut from both kernels' walks at either end, the last sequence's first 42 rows
+        # tiles: tiles cut from both kernels' walks at either end, the last sequence's first 42 rows
         # see no key, the short one's rows all see both its keys
-        (([90, 5, 150], [130, 2, 100], 2, 1, 64), (20, 8), 0.0, False, SMALL_TWO_TILES),
+        (([90, 5, 150], [130, 2, 100], 2, 1, 64), (20, 8), 0.0, False, SMALL),
         # each sequence's own diagonal and end of keys, both kernels' copies
         (([70, 1, 130], [100, 3, 60], 1, 1, 64), CAUSAL_WINDOW, 0.0, False, SPLIT),
     ]
@@ -455,7 +423,7 @@ else:
             for softcap, alibi, config in (
                 (0.0, False, None),
                 (50.0, True, None),
-                (0.0, False, TWO_TILES),
+                (0.0, False, SMALL),
                 (50.0, True, SPLIT),
             )
         ],
@@ -469,7 +437,7 @@ else:
         *[
             ((lens_q, lens_k, 4, 2, 128), (256, 0), softcap, alibi, config)
             for lens_q, lens_k in LENGTHS
-            for softcap, alibi, config in ((50.0, True, None), (0.0, False, TWO_TILES))
+            for softcap, alibi, config in ((50.0, True, None), (0.0, False, SMALL))
         ],
     ]
 

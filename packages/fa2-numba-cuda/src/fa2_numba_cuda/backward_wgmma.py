@@ -42,10 +42,7 @@ False runs ``backward_tc``'s dQ kernel instead (``backward_tc.launch_dq``).
   each, Sᵀ (then Pᵀ, dSᵀ) and dPᵀ BLOCK_M / 2 each, Pᵀ's and dSᵀ's A fragments BLOCK_M / 4 each. K's and V's
   shared addresses go through ``wgmma.opaque_address`` each step, so that their HEAD_DIM / 8 descriptors are
   made there, not hoisted out of the loop into 2 · HEAD_DIM / 4 registers held throughout (spilled at HEAD_DIM
-  128). With TILES_A_STEP (``WgmmaBwdConfig``) above 1 a step takes that many consecutive (head, tile) entries of
-  the walk (the last step those left; a step's tiles may be of two heads), a stage their Q, dO, L and delta, and
-  each warpgroup runs the above on them one after the other in the same registers: one copy wait and one barrier
-  for that many tiles' products, dK and dV the same sums in the same order.
+  128).
 
 ``_attn_bwd_dq_wgmma``: forward_wgmma's loop without its online softmax.
 
@@ -96,10 +93,9 @@ Both kernels:
   each (head, tile) of its walk, the dQ kernel one) get no gradient.
 - Shared memory (dynamic, above 48 KB: ``launch.prepare`` raises the kernel's limit), 16-bit elements, plus 1 KB
   to align the tiles on the swizzle's 1024 B repeat (``shared_bytes``): dK/dV, K and V 2 · 2 · 64 · HEAD_DIM, Q
-  and dO 2 stages · 2 · TILES_A_STEP · BLOCK_M · HEAD_DIM, and 4 · 2 · 2 · TILES_A_STEP · BLOCK_M B of static (L
-  and delta); dQ, Q and dO 2 · 2 · 64 · HEAD_DIM, K and V 2 stages · 2 · DQ_BLOCK_N · HEAD_DIM. With 64-row tiles
-  either takes 132,096 B at HEAD_DIM 128 and 66,560 B at 64 (the dK/dV kernel with two tiles a step 197,632 B and
-  99,328 B). ``bwd_config`` has ptxas's register counts.
+  and dO 2 stages · 2 · BLOCK_M · HEAD_DIM, and 4 · 2 · 2 · BLOCK_M B of static (L and delta); dQ, Q and dO 2 · 2 ·
+  64 · HEAD_DIM, K and V 2 stages · 2 · DQ_BLOCK_N · HEAD_DIM. With 64-row tiles either takes 132,096 B at HEAD_DIM
+  128 and 66,560 B at 64. ``bwd_config`` has ptxas's register counts.
 - Packed (variable-length) batches (``spec.varlen``: VARLEN, compile-time) as ``backward_tc`` takes them: q, O, dO
   (1, heads, total_q, head_dim), L (1, heads, total_q), k, v (1, heads_k, total_k, head_dim). One launch per kernel,
   no host sync: the preprocess runs on the packed rows as on one sequence (delta is per row); the dK/dV grid is (key
@@ -207,22 +203,18 @@ class WgmmaBwdConfig(NamedTuple):
     as Pᵀ is packed, so that it runs during dSᵀ's arithmetic (Pᵀ in fp32 and packed, dPᵀ and dSᵀ live at once);
     else dV's and dK's products are issued together after dSᵀ (fewer registers). The dQ kernel's key tile:
     DQ_BLOCK_N keys (the same bounds); DQ_WGMMA False runs backward_tc's dQ kernel instead (with its own
-    ``backward_tc.tc_bwd_config``). TILES_A_STEP: the dK/dV kernel's query tiles a step (one barrier), each
-    warpgroup running its step body on them one after the other in the same registers (fewer barriers and waits
-    for the same products; a stage holds TILES_A_STEP tiles). Built offline (sm_90a) with 64-row tiles and 2 a
-    step: 230 / 234 registers (full / causal) at HEAD_DIM 64, no local memory; at 128 it spills (128-192 B).
-    Timed at HEAD_DIM 64 (an H100): 2, 4 and 2 with DV_EARLY all 2-8% slower than 1, so 1 stays.
-    SPLIT_MASK: both kernels branch once per tile on whether it crosses an edge (a window's, the causal diagonal,
-    the dQ kernel's end of the keys) into a masked copy of the probabilities' loop, else one without any mask
-    compare (``_MASKS``); off, one loop masks each element where the tile crosses. The same arithmetic in the same
-    order either way: bit-identical gradients on the simulator, and on the H200 but with a softcap at HEAD_DIM
-    128, where the two builds' bits differ (within the tests' tolerance; the compiler's choice, not traced)."""
+    ``backward_tc.tc_bwd_config``). SPLIT_MASK: both kernels branch once per tile on whether it crosses an edge
+    (a window's, the causal diagonal, the dQ kernel's end of the keys) into a masked copy of the probabilities'
+    loop, else one without any mask compare (``_MASKS``); off, one loop masks each element where the tile crosses.
+    The same arithmetic in the same order either way: bit-identical gradients on the simulator, and on the H200
+    but with a softcap at HEAD_DIM 128, where the two builds' bits differ (within the tests' tolerance; the
+    compiler's choice, not traced). A dK/dV step takes one query tile: two a step (one barrier for both) ran 2-8%
+    slower at HEAD_DIM 64 on an H100 (docs/notes/numba-wgmma.md)."""
 
     BLOCK_M: int
     DV_EARLY: bool = False
     DQ_BLOCK_N: int = 64
     DQ_WGMMA: bool = True
-    TILES_A_STEP: int = 1
     SPLIT_MASK: bool = False
 
 
@@ -308,11 +300,11 @@ def uses_wgmma(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dO: torch.Tens
 
 def shared_bytes(name: str, HEAD_DIM: int, config: WgmmaBwdConfig) -> int:
     """The dynamic shared memory of kernel ``name`` per block: "dkdv", K's and V's two 64-row tiles and two
-    stages of Q and dO (TILES_A_STEP query tiles each); "dq", Q's and dO's two 64-row tiles and two stages of K
+    stages of Q and dO; "dq", Q's and dO's two 64-row tiles and two stages of K
     and V; 1 KB of alignment."""
     if name == "dkdv":
         once = wgmma.swizzle128_tile_bytes(64, HEAD_DIM)
-        staged = config.TILES_A_STEP * wgmma.swizzle128_tile_bytes(config.BLOCK_M, HEAD_DIM)
+        staged = wgmma.swizzle128_tile_bytes(config.BLOCK_M, HEAD_DIM)
     else:
         once, staged = (
             wgmma.swizzle128_tile_bytes(64, HEAD_DIM),
@@ -430,8 +422,8 @@ _MASKS = ("tile", "all", "none")
 def _build_dkdv(HEAD_DIM, config, CAUSAL, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN, IS_BF16):
     """The dK/dV kernel for one head dim, query tile, window (CAUSAL, LEFT, RIGHT: ``_window_flags``), softcap or
     not, ALiBi or not, packed or dense, and input type."""
-    BLOCK_M, DV_EARLY, TILES, SPLIT = config.BLOCK_M, config.DV_EARLY, config.TILES_A_STEP, config.SPLIT_MASK
-    assert HEAD_DIM in HEAD_DIMS and BLOCK_M % 16 == 0 and 16 <= BLOCK_M <= 256 and TILES >= 1
+    BLOCK_M, DV_EARLY, SPLIT = config.BLOCK_M, config.DV_EARLY, config.SPLIT_MASK
+    assert HEAD_DIM in HEAD_DIMS and BLOCK_M % 16 == 0 and 16 <= BLOCK_M <= 256
     assert not (DV_EARLY and SOFTCAP) and not (CAUSAL and RIGHT)
     BOUNDED = CAUSAL or RIGHT  # a right edge: keys more than right (0 with CAUSAL) right of the diagonal masked
     M_TILES = BLOCK_M // 8  # 8-query column blocks of Sᵀ, 4 registers each
@@ -439,11 +431,8 @@ def _build_dkdv(HEAD_DIM, config, CAUSAL, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN, I
     M_STEPS = BLOCK_M // 16  # k steps of dV += Pᵀ dO and dK += dSᵀ Q
     KV_TILE = wgmma.swizzle128_tile_bytes(64, HEAD_DIM)  # one warpgroup's K (or V)
     QDO_TILE = wgmma.swizzle128_tile_bytes(BLOCK_M, HEAD_DIM)
-    STAGE = 2 * TILES * QDO_TILE  # each of the step's tiles: Q then dO
-    ROW_STATS = 2 * TILES * BLOCK_M  # L · log2 e and delta of both stages' queries
-    # Tile u of a step has its L and delta read by threads STATS_STRIDE u .. STATS_STRIDE u + BLOCK_M - 1: a step's
-    # tiles by threads of their own (of both warpgroups) where they fit.
-    STATS_STRIDE = NUM_THREADS // TILES if TILES * BLOCK_M <= NUM_THREADS else 0
+    STAGE = 2 * QDO_TILE  # the step's Q then dO
+    ROW_STATS = 2 * BLOCK_M  # L · log2 e and delta of both stages' queries
     issue_products = _issue_products(HEAD_DIM, BLOCK_M, IS_BF16)
     issue_update = _issue_update(BLOCK_M, IS_BF16)
     pack_a_step, store_rows = _packing(HEAD_DIM, IS_BF16)
@@ -574,7 +563,7 @@ def _build_dkdv(HEAD_DIM, config, CAUSAL, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN, I
         load_qdo(tile, q_base, q_offset, stride_qm, start_m, seqlen_q)
         load_qdo(tile + uint32(QDO_TILE), do_base, do_offset, stride_dom, start_m, seqlen_q)
         cp_async_commit()  # with the copies issued before it (K and V's, at the first step)
-        r = cuda.threadIdx.x - STATS_STRIDE * (slot % TILES)
+        r = cuda.threadIdx.x
         if 0 <= r < BLOCK_M:
             row = start_m + r
             lse_tile[BLOCK_M * slot + r] = float32(math.inf)
@@ -695,38 +684,32 @@ def _build_dkdv(HEAD_DIM, config, CAUSAL, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN, I
         begin_m = max(start_n - diag - right, 0) // BLOCK_M * BLOCK_M if BOUNDED else 0
         end_m = min(seqlen_q, min(start_n + BLOCK_N, seqlen_k) - diag + window_left) if LEFT else seqlen_q
         head_tiles = (end_m - begin_m + BLOCK_M - 1) // BLOCK_M if end_m > begin_m else 0
-        # GQA: the walk 0 .. group · head_tiles - 1 over (query head off_hk · group + i // head_tiles, query tile
-        # i % head_tiles), each (head, tile) the previous one's next tile, wrapping to the next head; step it takes
-        # walk entries TILES it .. TILES it + TILES - 1 (the last step those left).
-        walk = group * head_tiles
-        steps = (walk + TILES - 1) // TILES
+        # GQA: the block's steps walk (query head off_hk · group + i // head_tiles, query tile i % head_tiles) for
+        # i = 0 .. group · head_tiles - 1, each (head, tile) the previous one's next tile, wrapping to the next head.
+        steps = group * head_tiles
         head0 = off_hk * group
         if steps > 0:  # else no copy is issued (none is left in flight at the exit)
             load_kv(tiles, k_base, k_offset, stride_kn, start_n, seqlen_k)
             load_kv(tiles + uint32(2 * KV_TILE), v_base, v_offset, stride_vn, start_n, seqlen_k)
-            next_m, next_h = begin_m, head0
-            for u in range(TILES):  # step 0's tiles into stage 0
-                if u == 0 or u < walk:
-                    load_tile(
-                        qdo_tiles + uint32(2 * u * QDO_TILE),
-                        lse_tile,
-                        delta_tile,
-                        u,
-                        next_m,
-                        q_base,
-                        batch_row * stride_qb + next_h * stride_qh,
-                        do_base,
-                        batch_row * stride_dob + next_h * stride_doh,
-                        stride_qm,
-                        stride_dom,
-                        lse,
-                        batch_row * stride_lb + next_h * stride_lh,
-                        stride_lm,
-                        delta,
-                        delta_rows + next_h * delta_head,
-                        seqlen_q,
-                    )
-                    next_m, next_h = next_tile(next_m, next_h, begin_m, end_m)
+            load_tile(  # step 0's tile into stage 0
+                qdo_tiles,
+                lse_tile,
+                delta_tile,
+                0,
+                begin_m,
+                q_base,
+                batch_row * stride_qb + head0 * stride_qh,
+                do_base,
+                batch_row * stride_dob + head0 * stride_doh,
+                stride_qm,
+                stride_dom,
+                lse,
+                batch_row * stride_lb + head0 * stride_lh,
+                stride_lm,
+                delta,
+                delta_rows + head0 * delta_head,
+                seqlen_q,
+            )
 
         p = cuda.local.array((M_TILES, 4), float32)  # Sᵀ, then Pᵀ: [64 keys, BLOCK_M] as D's registers
         p_regs = cuda.local.array((M_STEPS, 4), int32)  # Pᵀ in 16-bit pairs: dV's A fragments
@@ -734,113 +717,103 @@ def _build_dkdv(HEAD_DIM, config, CAUSAL, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN, I
         cap = cuda.local.array((M_TILES, 4), float32)  # SOFTCAP: 1 - tanh² of 16 queries' scores at a time
         dk_acc = wgmma.zero_accumulators(O_REGS)  # [64 keys, HEAD_DIM] as D's registers
         dv_acc = wgmma.zero_accumulators(O_REGS)
-        start_m, start_h = begin_m, head0  # step it's first (tile, head): the walk's entry TILES it
+        start_m, start_h = begin_m, head0  # step it's (tile, head)
         for it in range(steps):
             buf = it % 2
             cp_async_wait_all()  # this thread's copies of step it (and K, V) have landed ...
             wgmma.fence_proxy_async()  # ... visible to wgmma's async proxy ...
             cuda.syncthreads()  # ... every thread's; both warpgroups are done with step it - 1's stage
-            next_m, next_h = start_m, start_h
-            for _ in range(TILES):
-                next_m, next_h = next_tile(next_m, next_h, begin_m, end_m)
-            step_m, step_h = next_m, next_h  # step it + 1's first
-            for u in range(TILES):  # step it + 1's tiles into the other stage
-                if TILES * (it + 1) + u < walk:
-                    load_tile(
-                        qdo_tiles + uint32((1 - buf) * STAGE + 2 * u * QDO_TILE),
-                        lse_tile,
-                        delta_tile,
-                        TILES * (1 - buf) + u,
-                        next_m,
-                        q_base,
-                        batch_row * stride_qb + next_h * stride_qh,
-                        do_base,
-                        batch_row * stride_dob + next_h * stride_doh,
-                        stride_qm,
-                        stride_dom,
-                        lse,
-                        batch_row * stride_lb + next_h * stride_lh,
-                        stride_lm,
-                        delta,
-                        delta_rows + next_h * delta_head,
-                        seqlen_q,
-                    )
-                    next_m, next_h = next_tile(next_m, next_h, begin_m, end_m)
-            for u in range(TILES):  # step it's tiles, one after the other (the last step's may be fewer)
-                if u == 0 or TILES * it + u < walk:
-                    # The warpgroup's products, unless no query of the tile sees any of its keys (all masked:
-                    # zero gradients: its first key right of the tile's last query's window, or its last key left
-                    # of the first query's) or they are all past seqlen_k (never written back). Uniform over the
-                    # warpgroup. The window's sizes go through ``wgmma.opaque_address`` each tile, so that LLVM does
-                    # not hoist the sums made of them out of the loop into registers held throughout (at HEAD_DIM
-                    # 128 that left 64-88 B of local memory).
-                    w_left = int32(wgmma.opaque_address(window_left)) if LEFT else 0
-                    w_right = int32(wgmma.opaque_address(right)) if RIGHT else right
-                    skip = (
-                        wg_key >= seqlen_k
-                        or (BOUNDED and start_m + BLOCK_M - 1 + diag + w_right < wg_key)
-                        or (LEFT and wg_key + 63 < start_m + diag - w_left)
-                    )
-                    if not skip:
-                        # ALiBi's slope of the tile's query head, in base 2 (loaded during the products).
-                        slope = (
-                            slopes[uint64(off_b * stride_ab + start_h * stride_ah)] * float32(LOG2E)
-                            if ALIBI
-                            else float32(0.0)
-                        )
-                        q_tile = qdo_tiles + uint32(buf * STAGE + 2 * u * QDO_TILE)
-                        do_tile = q_tile + uint32(QDO_TILE)
-                        s = issue_products(wgmma.opaque_address(k_tile), q_tile)  # Sᵀ = K Qᵀ
-                        dp = issue_products(wgmma.opaque_address(v_tile), do_tile)  # dPᵀ = V dOᵀ
-                        wgmma.wgmma_wait(1)  # Sᵀ's group is done, dPᵀ's may run on
-                        s = wgmma.wgmma_fence_operand(s)
-                        # Pᵀ: masked only where the tile crosses a window edge of the warpgroup's keys. Element
-                        # (j, e) is key key0 + 8 (e // 2) against query start_m + 8 j + 2 t + e % 2: with offset =
-                        # 8 j + e % 2 - 8 (e // 2) and rel = key0 - start_m - 2 t - diag, masked iff rel - right >
-                        # offset (right edge) or rel + window_left < offset (left); ALiBi's distance |query + diag
-                        # - key| is |offset - rel| (backward_tc's).
-                        crosses = (BOUNDED and wg_key + 63 > start_m + diag + w_right) or (
-                            LEFT and wg_key < start_m + BLOCK_M - 1 + diag - w_left
-                        )
-                        rel = key0 - start_m - 2 * t - diag
-                        rel_right = rel - w_right
-                        rel_left = rel + w_left
-                        distance = float32(-rel) if ALIBI else float32(0.0)
-                        lse_row = BLOCK_M * (TILES * buf + u)
-                        # The mask is scores' (gradients' with a softcap): with SPLIT_MASK its masked copy runs on
-                        # the tiles that cross an edge, one without any mask compare on the others.
-                        score_args = (qk_scale, slope, distance, lse_tile, lse_row, t, rel_right, rel_left, crosses)
-                        if SPLIT and not SOFTCAP:
-                            if crosses:
-                                scores_all(p, s, *score_args)
-                            else:
-                                scores_none(p, s, *score_args)
-                        else:
-                            scores(p, s, *score_args)
-                        if DV_EARLY:
-                            for kk in range(M_STEPS):
-                                pack_a_step(p, p_regs, kk)
-                            dv_acc = issue_update(dv_acc, p_regs, do_tile)  # dV += Pᵀ dO
-                            wgmma.wgmma_wait(1)  # dPᵀ's group is done, dV's may run on
-                        else:
-                            wgmma.wgmma_wait(0)
-                        dp = wgmma.wgmma_fence_operand(dp)
-                        ds_args = (softcap_log2, slope, distance, lse_tile, delta_tile, lse_row, t, rel_right, rel_left)
-                        if SPLIT and SOFTCAP:
-                            if crosses:
-                                gradients_all(p, cap, p_regs, ds_regs, dp, *ds_args, crosses)
-                            else:
-                                gradients_none(p, cap, p_regs, ds_regs, dp, *ds_args, crosses)
-                        else:
-                            gradients(p, cap, p_regs, ds_regs, dp, *ds_args, crosses)
-                        if not DV_EARLY:
-                            dv_acc = issue_update(dv_acc, p_regs, do_tile)  # dV += Pᵀ dO
-                        dk_acc = issue_update(dk_acc, ds_regs, q_tile)  # dK += dSᵀ Q
-                        wgmma.wgmma_wait(0)
-                        dv_acc = wgmma.wgmma_fence_operand(dv_acc)
-                        dk_acc = wgmma.wgmma_fence_operand(dk_acc)
-                    start_m, start_h = next_tile(start_m, start_h, begin_m, end_m)  # the next tile's
-            start_m, start_h = step_m, step_h
+            next_m, next_h = next_tile(start_m, start_h, begin_m, end_m)  # step it + 1's
+            if it + 1 < steps:  # into the other stage
+                load_tile(
+                    qdo_tiles + uint32((1 - buf) * STAGE),
+                    lse_tile,
+                    delta_tile,
+                    1 - buf,
+                    next_m,
+                    q_base,
+                    batch_row * stride_qb + next_h * stride_qh,
+                    do_base,
+                    batch_row * stride_dob + next_h * stride_doh,
+                    stride_qm,
+                    stride_dom,
+                    lse,
+                    batch_row * stride_lb + next_h * stride_lh,
+                    stride_lm,
+                    delta,
+                    delta_rows + next_h * delta_head,
+                    seqlen_q,
+                )
+            # The warpgroup's products, unless no query of the tile sees any of its keys (all masked:
+            # zero gradients: its first key right of the tile's last query's window, or its last key left
+            # of the first query's) or they are all past seqlen_k (never written back). Uniform over the
+            # warpgroup. The window's sizes go through ``wgmma.opaque_address`` each tile, so that LLVM does
+            # not hoist the sums made of them out of the loop into registers held throughout (at HEAD_DIM
+            # 128 that left 64-88 B of local memory).
+            w_left = int32(wgmma.opaque_address(window_left)) if LEFT else 0
+            w_right = int32(wgmma.opaque_address(right)) if RIGHT else right
+            skip = (
+                wg_key >= seqlen_k
+                or (BOUNDED and start_m + BLOCK_M - 1 + diag + w_right < wg_key)
+                or (LEFT and wg_key + 63 < start_m + diag - w_left)
+            )
+            if not skip:
+                # ALiBi's slope of the tile's query head, in base 2 (loaded during the products).
+                slope = (
+                    slopes[uint64(off_b * stride_ab + start_h * stride_ah)] * float32(LOG2E) if ALIBI else float32(0.0)
+                )
+                q_tile = qdo_tiles + uint32(buf * STAGE)
+                do_tile = q_tile + uint32(QDO_TILE)
+                s = issue_products(wgmma.opaque_address(k_tile), q_tile)  # Sᵀ = K Qᵀ
+                dp = issue_products(wgmma.opaque_address(v_tile), do_tile)  # dPᵀ = V dOᵀ
+                wgmma.wgmma_wait(1)  # Sᵀ's group is done, dPᵀ's may run on
+                s = wgmma.wgmma_fence_operand(s)
+                # Pᵀ: masked only where the tile crosses a window edge of the warpgroup's keys. Element
+                # (j, e) is key key0 + 8 (e // 2) against query start_m + 8 j + 2 t + e % 2: with offset =
+                # 8 j + e % 2 - 8 (e // 2) and rel = key0 - start_m - 2 t - diag, masked iff rel - right >
+                # offset (right edge) or rel + window_left < offset (left); ALiBi's distance |query + diag
+                # - key| is |offset - rel| (backward_tc's).
+                crosses = (BOUNDED and wg_key + 63 > start_m + diag + w_right) or (
+                    LEFT and wg_key < start_m + BLOCK_M - 1 + diag - w_left
+                )
+                rel = key0 - start_m - 2 * t - diag
+                rel_right = rel - w_right
+                rel_left = rel + w_left
+                distance = float32(-rel) if ALIBI else float32(0.0)
+                lse_row = BLOCK_M * buf
+                # The mask is scores' (gradients' with a softcap): with SPLIT_MASK its masked copy runs on
+                # the tiles that cross an edge, one without any mask compare on the others.
+                score_args = (qk_scale, slope, distance, lse_tile, lse_row, t, rel_right, rel_left, crosses)
+                if SPLIT and not SOFTCAP:
+                    if crosses:
+                        scores_all(p, s, *score_args)
+                    else:
+                        scores_none(p, s, *score_args)
+                else:
+                    scores(p, s, *score_args)
+                if DV_EARLY:
+                    for kk in range(M_STEPS):
+                        pack_a_step(p, p_regs, kk)
+                    dv_acc = issue_update(dv_acc, p_regs, do_tile)  # dV += Pᵀ dO
+                    wgmma.wgmma_wait(1)  # dPᵀ's group is done, dV's may run on
+                else:
+                    wgmma.wgmma_wait(0)
+                dp = wgmma.wgmma_fence_operand(dp)
+                ds_args = (softcap_log2, slope, distance, lse_tile, delta_tile, lse_row, t, rel_right, rel_left)
+                if SPLIT and SOFTCAP:
+                    if crosses:
+                        gradients_all(p, cap, p_regs, ds_regs, dp, *ds_args, crosses)
+                    else:
+                        gradients_none(p, cap, p_regs, ds_regs, dp, *ds_args, crosses)
+                else:
+                    gradients(p, cap, p_regs, ds_regs, dp, *ds_args, crosses)
+                if not DV_EARLY:
+                    dv_acc = issue_update(dv_acc, p_regs, do_tile)  # dV += Pᵀ dO
+                dk_acc = issue_update(dk_acc, ds_regs, q_tile)  # dK += dSᵀ Q
+                wgmma.wgmma_wait(0)
+                dv_acc = wgmma.wgmma_fence_operand(dv_acc)
+                dk_acc = wgmma.wgmma_fence_operand(dk_acc)
+            start_m, start_h = next_m, next_h
 
         # Epilogue: dk = scale · dK, dv = dV, each element once (keys that no row sees: zeros).
         if not VARLEN:
@@ -1212,8 +1185,6 @@ def flash_attn_backward(
                 f"WgmmaBwdConfig needs BLOCK_M and DQ_BLOCK_N multiples of 16 from 16 to 256, whole copies, got "
                 f"{config}"
             )
-    if config.TILES_A_STEP < 1:
-        raise ValueError(f"WgmmaBwdConfig needs TILES_A_STEP at least 1, got {config}")
     if config.DV_EARLY and spec.softcap:
         raise ValueError(f"WgmmaBwdConfig's DV_EARLY takes no softcap (its Pᵀ is made after dPᵀ's wait), got {config}")
     delta = torch.empty(batch * heads * seqlen_q, dtype=torch.float32, device=q.device)
