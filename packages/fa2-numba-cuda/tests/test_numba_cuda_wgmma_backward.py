@@ -5,7 +5,8 @@
   conftest), on numba's simulator (``wgmma.py``'s and ``mma.py``'s emulations, fp16, a few tiles) or, with
   --device cuda, on a GPU of compute capability 9.0 (fp16 and bf16, head_dim 64 and 128): whole tiles, ragged
   seqlen_q and seqlen_k, seqlen_q below and above seqlen_k under causal (rows that see no key, keys no row sees),
-  GQA;
+  GQA; the tile configurations (``WgmmaBwdConfig``: 32- and 96-query dK/dV steps, 32- and 128-key dQ tiles, dV
+  early, SPLIT_MASK, backward_tc's dQ kernel), each also with the features below;
 - softcap and ALiBi (the kernels' SOFTCAP and ALIBI): against the reference on the simulator (4 cases, both
   kernels, causal and full, GQA over 32-row tiles of two heads' slopes, D128), and on the GPU also against
   backward_tc's gradients;
@@ -126,6 +127,8 @@ TC_DQ = backward_wgmma.WgmmaBwdConfig(64, DQ_WGMMA=False)
 SPLIT = backward_wgmma.WgmmaBwdConfig(64, SPLIT_MASK=True)
 # 128-key dQ tiles (the dQ kernel's loops written out, ``mma.unrolled``), on wgmma at D64 too.
 WIDE_DQ = backward_wgmma.WgmmaBwdConfig(64, DQ_BLOCK_N=128, SPLIT_MASK=True)
+# 96-query dK/dV steps (the step's loops written out, ``mma.unrolled``), D64's default otherwise.
+TALL = backward_wgmma.WgmmaBwdConfig(96, DQ_WGMMA=False, SPLIT_MASK=True)
 if SIMULATED:
     KERNEL_CASES = [
         *_cases(torch.float16, SIM_SHAPES),
@@ -142,6 +145,8 @@ if SIMULATED:
         _case(torch.float16, 1, 1, 1, 100, 150, 64, True, SPLIT),
         # a dQ key tile of 128 cut by the keys' end (140 keys: the second tile 12), the diagonal inside both
         _case(torch.float16, 1, 2, 1, 40, 140, 64, True, WIDE_DQ),
+        # GQA 2:1, a ragged 96-row step a head (the causal case with a softcap and ALiBi is below)
+        _case(torch.float16, 1, 2, 1, 70, 150, 64, False, TALL),
     ]
 else:
     KERNEL_CASES = [
@@ -152,6 +157,7 @@ else:
         *_cases(torch.bfloat16, GPU_SHAPES[:6], TC_DQ),
         *_cases(torch.bfloat16, GPU_SHAPES, SPLIT),
         *_cases(torch.bfloat16, GPU_SHAPES, WIDE_DQ),
+        *_cases(torch.bfloat16, GPU_SHAPES, TALL),
     ]
 
 
@@ -174,6 +180,7 @@ if SIMULATED:
         ((1, 1, 1, 70, 90, 128), True, 2.0, True, None),  # the default tiles at D128 (both kernels on wgmma)
         ((1, 1, 1, 100, 150, 64), True, 2.0, True, SPLIT),  # the masked copy is the dK/dV kernel's softcap loop
         ((1, 1, 1, 40, 140, 64), True, 2.0, True, WIDE_DQ),  # the written-out loops with the cap and the bias
+        ((1, 1, 1, 100, 150, 64), True, 2.0, True, TALL),  # the dK/dV kernel's, both copies
     ]
 else:
     SCORE_CASES = [
@@ -185,7 +192,7 @@ else:
         (shape, causal, 50.0, True, config)
         for shape in GPU_SHAPES[:6]
         for causal in (False, True)
-        for config in (SPLIT, WIDE_DQ)
+        for config in (SPLIT, WIDE_DQ, TALL)
     ]
 
 
@@ -252,7 +259,7 @@ else:
             (shape, window, 0.0, False, config)
             for shape in GPU_SHAPES[:6]
             for window in ((256, 0), (100, 100))
-            for config in (EARLY, SMALL, SPLIT, WIDE_DQ)
+            for config in (EARLY, SMALL, SPLIT, WIDE_DQ, TALL)
         ],
     ]
 
@@ -425,6 +432,7 @@ else:
                 (50.0, True, None),
                 (0.0, False, SMALL),
                 (50.0, True, SPLIT),
+                (50.0, True, TALL),
             )
         ],
         # windows, each sequence's own

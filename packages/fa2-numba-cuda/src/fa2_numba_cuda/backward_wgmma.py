@@ -199,7 +199,10 @@ NUM_THREADS = 2 * wgmma.WARPGROUP_SIZE
 
 class WgmmaBwdConfig(NamedTuple):
     """The dK/dV kernel's query tile: BLOCK_M rows (a multiple of 16 from 16 to 256, wgmma's N, with whole
-    16 B copies: BLOCK_M · HEAD_DIM / 8 a multiple of 256). DV_EARLY: each warpgroup issues dV += Pᵀ dO as soon
+    16 B copies: BLOCK_M · HEAD_DIM / 8 a multiple of 256). Past 64 rows the builder writes the step's loops over
+    Sᵀ's registers out (``unrolled``: NVVM leaves them rolled, their arrays in local memory); built offline
+    (sm_90a) at HEAD_DIM 64, 96 rows take 249-255 registers and no local memory (8-40 B with a softcap, ALiBi and a
+    packed batch together), 128 rows spill 268-440 B. DV_EARLY: each warpgroup issues dV += Pᵀ dO as soon
     as Pᵀ is packed, so that it runs during dSᵀ's arithmetic (Pᵀ in fp32 and packed, dPᵀ and dSᵀ live at once);
     else dV's and dK's products are issued together after dSᵀ (fewer registers). The dQ kernel's key tile:
     DQ_BLOCK_N keys (the same bounds); DQ_WGMMA False runs backward_tc's dQ kernel instead (with its own
@@ -429,6 +432,9 @@ def _build_dkdv(HEAD_DIM, config, CAUSAL, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN, I
     M_TILES = BLOCK_M // 8  # 8-query column blocks of Sᵀ, 4 registers each
     O_REGS = HEAD_DIM // 2  # dK and dV: its 64 keys x HEAD_DIM
     M_STEPS = BLOCK_M // 16  # k steps of dV += Pᵀ dO and dK += dSᵀ Q
+    # NVVM unrolls the loops over Sᵀ's registers itself up to 64 queries; past that the builder writes them out
+    # (``unrolled``), else Sᵀ, Pᵀ and the A fragments live in local memory (512 B a thread at 128 queries).
+    UNROLL = BLOCK_M > 64
     KV_TILE = wgmma.swizzle128_tile_bytes(64, HEAD_DIM)  # one warpgroup's K (or V)
     QDO_TILE = wgmma.swizzle128_tile_bytes(BLOCK_M, HEAD_DIM)
     STAGE = 2 * QDO_TILE  # the step's Q then dO
@@ -464,7 +470,6 @@ def _build_dkdv(HEAD_DIM, config, CAUSAL, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN, I
         registers p_regs packed first (dV waits for them); dSᵀ's into ds_regs."""
         ALL, TILE = MASK == "all", MASK == "tile"
 
-        @device_function
         def scores(p, s, qk_scale, slope, distance, lse_tile, lse_row, t, rel_right, rel_left, crosses):
             for j in range(M_TILES):
                 for e in range(4):
@@ -482,7 +487,6 @@ def _build_dkdv(HEAD_DIM, config, CAUSAL, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN, I
                             x = float32(0.0)
                         p[j, e] = x
 
-        @device_function
         def gradients(
             p,
             cap,
@@ -524,7 +528,7 @@ def _build_dkdv(HEAD_DIM, config, CAUSAL, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN, I
                             p[j, e] *= cap[j, e]
                 pack_a_step(p, ds_regs, kk)
 
-        return scores, gradients
+        return device_function(scores, unroll=UNROLL), device_function(gradients, unroll=UNROLL)
 
     (scores, gradients), (scores_all, gradients_all), (scores_none, gradients_none) = map(masked_probabilities, _MASKS)
 
@@ -821,7 +825,7 @@ def _build_dkdv(HEAD_DIM, config, CAUSAL, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN, I
         store_rows(dk, dk_acc, scale, dkv_start + key0, dkv_start + seqlen_k, t)
         store_rows(dv, dv_acc, float32(1.0), dkv_start + key0, dkv_start + seqlen_k, t)
 
-    return cuda.jit(_attn_bwd_dkdv_wgmma)
+    return cuda.jit(unrolled(_attn_bwd_dkdv_wgmma) if UNROLL else _attn_bwd_dkdv_wgmma)
 
 
 def _build_dq(HEAD_DIM, config, CAUSAL, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN, IS_BF16):
