@@ -1,0 +1,85 @@
+"""fa2-numba-cuda's backward tuner (``python -m fa2_numba_cuda.tuning.backward``), on the CPU: its candidate grid,
+and one tiny run in which a candidate with a wrong dq, one with a wrong dk and one the kernels refuse are recorded
+as such and never proposed.
+
+The run's forward and backward are the fp64 reference's, rounded to the inputs' type: the tuner's logic is under
+test, not the kernels (numba's simulator takes ~20 s a call of the wgmma backward even on 64 x 64; its own tests
+check it, ``test_numba_cuda_wgmma_backward.py``)."""
+
+from __future__ import annotations
+
+import csv
+import re
+
+import pytest
+import torch
+
+from fa2 import reference
+from fa2_numba_cuda import backward_wgmma, forward
+from fa2_numba_cuda.backward_wgmma import WgmmaBwdConfig, bwd_config
+from fa2_numba_cuda.common import simulated
+from fa2_numba_cuda.tuning import backward as tune_backward
+
+
+def test_candidates_start_with_the_default_and_drop_duplicates():
+    args = tune_backward.parse_args(["--block-m", "64,96", "--dq-block-n", "64,128", "--dq", "wgmma,tc"])
+    for head_dim in (64, 128):
+        configs = tune_backward.candidates(args, head_dim)
+        assert configs[0] == bwd_config(head_dim)
+        assert len(configs) == len(set(configs))
+        # backward_tc's dQ kernel has its own tiles: one candidate per BLOCK_M, not one per DQ_BLOCK_N.
+        assert {c.BLOCK_M for c in configs if not c.DQ_WGMMA} == {64, 96}
+        assert len([c for c in configs if not c.DQ_WGMMA]) == 2
+    assert len(tune_backward.candidates(args, 64)) == 6
+
+
+def _reference_forward(q, k, v, spec):
+    O, L = reference.attention(q.double(), k.double(), v.double(), spec.causal, spec.scale)
+    return O.to(q.dtype), L.float()
+
+
+def _reference_backward(q, k, v, O, L, dO, spec, config):
+    """The fp64 reference's gradients, but wrong or refused for some tiles (see the module docstring)."""
+    if config.BLOCK_M == 48:
+        raise ValueError(f"WgmmaBwdConfig needs ... whole copies, got {config}")
+    inputs = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    with torch.enable_grad():
+        out, _ = reference.attention(*inputs, spec.causal, spec.scale)
+    dq, dk, dv = (g.to(q.dtype) for g in torch.autograd.grad(out, inputs, dO.double()))
+    if config.BLOCK_M == 32:
+        dk = dk * 1.1
+    if config.DQ_WGMMA and config.DQ_BLOCK_N == 128:
+        dq = dq * 1.1
+    return dq, dk, dv
+
+
+DEFAULT = tune_backward.describe(bwd_config(64))
+WGMMA_DQ = tune_backward.describe(WgmmaBwdConfig(64, SPLIT_MASK=True))  # the dQ kernel on wgmma
+
+
+@pytest.mark.skipif(not simulated(), reason="the simulated self-check (NUMBA_ENABLE_CUDASIM=1); a GPU's is run by hand")
+def test_tuner_records_wrong_and_failed_candidates(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(forward, "flash_attn_forward", _reference_forward)
+    monkeypatch.setattr(backward_wgmma, "flash_attn_backward", _reference_backward)
+    path = tmp_path / "tune.csv"
+    argv = ["--dtypes", "fp16", "--head-dims", "64", "--seqlens", "48", "--causal", "yes,no"]
+    argv += ["--tokens", "48", "--hidden", "128", "--block-m", "64,32,48", "--dq-block-n", "64,128"]
+    argv += ["--rounds", "2", "--csv", str(path)]
+    assert tune_backward.main(argv) == 0
+    rows = list(csv.DictReader(path.open()))
+    assert {(r["seqlen"], r["batch"], r["heads"]) for r in rows} == {("48", "1", "2")}
+    for causal in ("True", "False"):
+        status = {r["config"]: (r["status"], r["reason"]) for r in rows if r["causal"] == causal}
+        assert status[DEFAULT][0] == status[WGMMA_DQ][0] == "ok"
+        wrong_dq, wrong_dk = (
+            status["WgmmaBwdConfig(64, DQ_BLOCK_N=128, SPLIT_MASK=True)"],
+            status["WgmmaBwdConfig(32, SPLIT_MASK=True)"],
+        )
+        assert wrong_dq[0] == "wrong" and wrong_dq[1].startswith("max |dq - dq_ref|")
+        assert wrong_dk[0] == "wrong" and wrong_dk[1].startswith("max |dk - the default's|")
+        assert status["WgmmaBwdConfig(48, SPLIT_MASK=True)"][0] == "failed"
+        assert status["sdpa-flash"][0] == status["sdpa-cudnn"][0] == "skipped"
+        ok = [r for r in rows if r["causal"] == causal and r["status"] == "ok"]
+        assert all(float(r["ms"]) > 0 and float(r["vs_default"]) > 0 for r in ok)
+    proposed = re.search(r"^head_dim 64: (WgmmaBwdConfig\(.*?\)), ", capsys.readouterr().out, re.M)
+    assert proposed is not None and proposed.group(1) in (DEFAULT, WGMMA_DQ)
