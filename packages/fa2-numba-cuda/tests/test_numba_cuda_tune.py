@@ -1,10 +1,10 @@
-"""fa2-numba-cuda's backward tuner (``python -m fa2_numba_cuda.tuning.backward``), on the CPU: its candidate grid,
-and one tiny run in which a candidate with a wrong dq, one with a wrong dk and one the kernels refuse are recorded
-as such and never proposed.
+"""fa2-numba-cuda's tuners (``python -m fa2_numba_cuda.tuning.forward`` and ``.backward``), on the CPU: their
+candidate grids, and one tiny run of each in which candidates with a wrong output (O; dq; dk) and one the kernels
+refuse are recorded as such and never proposed.
 
-The run's forward and backward are the fp64 reference's, rounded to the inputs' type: the tuner's logic is under
-test, not the kernels (numba's simulator takes ~20 s a call of the wgmma backward even on 64 x 64; its own tests
-check it, ``test_numba_cuda_wgmma_backward.py``)."""
+The runs' forward and backward are the fp64 reference's, rounded to the inputs' type: the tuners' logic is under
+test, not the kernels (numba's simulator takes ~20 s a call of the wgmma backward even on 64 x 64; their own tests
+check them, ``test_numba_cuda_wgmma.py`` and ``test_numba_cuda_wgmma_backward.py``)."""
 
 from __future__ import annotations
 
@@ -15,10 +15,12 @@ import pytest
 import torch
 
 from fa2 import reference
-from fa2_numba_cuda import backward_wgmma, forward
+from fa2_numba_cuda import backward_wgmma, forward, forward_wgmma
 from fa2_numba_cuda.backward_wgmma import WgmmaBwdConfig, bwd_config
 from fa2_numba_cuda.common import simulated
+from fa2_numba_cuda.forward_wgmma import WgmmaConfig, wgmma_config
 from fa2_numba_cuda.tuning import backward as tune_backward
+from fa2_numba_cuda.tuning import forward as tune_forward
 
 
 def test_candidates_start_with_the_default_and_drop_duplicates():
@@ -33,8 +35,24 @@ def test_candidates_start_with_the_default_and_drop_duplicates():
     assert len(tune_backward.candidates(args, 64)) == 6
 
 
-def _reference_forward(q, k, v, spec):
+def test_forward_candidates_keep_the_kernels_bounds():
+    args = tune_forward.parse_args(["--block-n", "64,128", "--max-registers", "0,128", "--stages", "2,3"])
+    args.s_ahead, args.overlap_pv = (False, True), (False, True)
+    for head_dim in (64, 128):
+        configs = tune_forward.candidates(args, head_dim)
+        assert configs[0] == wgmma_config(head_dim) and len(configs) == len(set(configs))
+        # OVERLAP_PV takes 3 stages or more and no S_AHEAD.
+        assert all(c.STAGES >= 3 and not c.S_AHEAD for c in configs if c.OVERLAP_PV)
+        assert WgmmaConfig(128, False, 128, 3, True) in configs and WgmmaConfig(64, True, None, 2) in configs
+
+
+def _reference_forward(q, k, v, spec, config=None):
+    """The fp64 reference's O and L, but wrong or refused for some tiles (see the module docstring)."""
+    if config is not None and config.BLOCK_N == 48:
+        raise ValueError(f"WgmmaConfig ... got {config}")
     O, L = reference.attention(q.double(), k.double(), v.double(), spec.causal, spec.scale)
+    if config is not None and config.BLOCK_N == 128:
+        O = O * 1.1
     return O.to(q.dtype), L.float()
 
 
@@ -83,3 +101,21 @@ def test_tuner_records_wrong_and_failed_candidates(tmp_path, monkeypatch, capsys
         assert all(float(r["ms"]) > 0 and float(r["vs_default"]) > 0 for r in ok)
     proposed = re.search(r"^head_dim 64: (WgmmaBwdConfig\(.*?\)), ", capsys.readouterr().out, re.M)
     assert proposed is not None and proposed.group(1) in (DEFAULT, WGMMA_DQ)
+
+
+@pytest.mark.skipif(not simulated(), reason="the simulated self-check (NUMBA_ENABLE_CUDASIM=1); a GPU's is run by hand")
+def test_forward_tuner_records_wrong_and_failed_candidates(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(forward_wgmma, "flash_attn_forward", _reference_forward)
+    path = tmp_path / "tune.csv"
+    argv = ["--dtypes", "fp16", "--head-dims", "64", "--seqlens", "48", "--tokens", "48", "--hidden", "128"]
+    argv += ["--block-n", "64,128,48", "--max-registers", "0,128", "--rounds", "2", "--csv", str(path)]
+    assert tune_forward.main(argv) == 0
+    rows = list(csv.DictReader(path.open()))
+    for causal in ("True", "False"):
+        status = {r["config"]: (r["status"], r["reason"]) for r in rows if r["causal"] == causal}
+        assert status["WgmmaConfig(64)"][0] == status["WgmmaConfig(64, MAX_REGISTERS=128)"][0] == "ok"
+        assert status["WgmmaConfig(128)"][0] == "wrong" and status["WgmmaConfig(128)"][1].startswith("max |O - O_ref|")
+        assert status["WgmmaConfig(48, MAX_REGISTERS=128)"][0] == "failed"
+        assert status["sdpa-flash"][0] == "skipped"
+    proposed = re.search(r"^head_dim 64: (WgmmaConfig\(.*?\)), ", capsys.readouterr().out, re.M)
+    assert proposed is not None and proposed.group(1) in ("WgmmaConfig(64)", "WgmmaConfig(64, MAX_REGISTERS=128)")

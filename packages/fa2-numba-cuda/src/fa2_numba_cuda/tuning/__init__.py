@@ -1,1 +1,2 @@
-"""fa2-numba-cuda's tuners: ``python -m fa2_numba_cuda.tuning.backward`` times the wgmma backward's configurations."""
+"""fa2-numba-cuda's tuners: ``python -m fa2_numba_cuda.tuning.forward`` and ``.backward`` time the wgmma kernels'
+configurations against their defaults and SDPA's kernels."""
