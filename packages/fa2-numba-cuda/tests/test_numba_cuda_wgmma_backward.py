@@ -5,8 +5,8 @@
   conftest), on numba's simulator (``wgmma.py``'s and ``mma.py``'s emulations, fp16, a few tiles) or, with
   --device cuda, on a GPU of compute capability 9.0 (fp16 and bf16, head_dim 64 and 128): whole tiles, ragged
   seqlen_q and seqlen_k, seqlen_q below and above seqlen_k under causal (rows that see no key, keys no row sees),
-  GQA; the tile configurations (``WgmmaBwdConfig``: 32- and 96-query dK/dV steps, 32- and 128-key dQ tiles, dV
-  early, SPLIT_MASK, backward_tc's dQ kernel), each also with the features below;
+  GQA; the tile configurations (``WgmmaBwdConfig``: 32- and 96-query dK/dV steps, 32-, 96- and 128-key dQ tiles,
+  dV early, SPLIT_MASK, backward_tc's dQ kernel), each also with the features below;
 - softcap and ALiBi (the kernels' SOFTCAP and ALIBI): against the reference on the simulator (4 cases, both
   kernels, causal and full, GQA over 32-row tiles of two heads' slopes, D128), and on the GPU also against
   backward_tc's gradients;
@@ -15,7 +15,7 @@
   tiles; (0, right) at D128), and on the GPU also against backward_tc's gradients;
 - packed batches (VARLEN): the whole batch's dq, dk, dv against the fp64 reference's
   (``reference.varlen_attention``, test_varlen's rule) on the simulator (3 cases: Nq != Nk per sequence both
-  ways, a one-token sequence, a sequence without queries, GQA over 32-row tiles, softcap,
+  ways, a one-token sequence, a sequence without queries, GQA, softcap,
   ALiBi per sequence, DV_EARLY, D128; and one with a window, bounded by each sequence's own lengths), and on
   the GPU (bf16, an empty sequence; with windows too) also against backward_tc's;
 - an attention sink (the kernels as they are, dsink the preprocess's shares): dq, dk, dv and dsink against the
@@ -127,8 +127,8 @@ TC_DQ = backward_wgmma.WgmmaBwdConfig(64, DQ_WGMMA=False)
 SPLIT = backward_wgmma.WgmmaBwdConfig(64, SPLIT_MASK=True)
 # 128-key dQ tiles (the dQ kernel's loops written out, ``mma.unrolled``), on wgmma at D64 too.
 WIDE_DQ = backward_wgmma.WgmmaBwdConfig(64, DQ_BLOCK_N=128, SPLIT_MASK=True)
-# 96-query dK/dV steps (the step's loops written out, ``mma.unrolled``), D64's default otherwise.
-TALL = backward_wgmma.WgmmaBwdConfig(96, DQ_WGMMA=False, SPLIT_MASK=True)
+# 96-query dK/dV steps and 96-key dQ tiles (both kernels' loops written out, ``mma.unrolled``).
+TALL = backward_wgmma.WgmmaBwdConfig(96, DQ_BLOCK_N=96, SPLIT_MASK=True)
 if SIMULATED:
     KERNEL_CASES = [
         *_cases(torch.float16, SIM_SHAPES),
@@ -145,7 +145,7 @@ if SIMULATED:
         _case(torch.float16, 1, 1, 1, 100, 150, 64, True, SPLIT),
         # a dQ key tile of 128 cut by the keys' end (140 keys: the second tile 12), the diagonal inside both
         _case(torch.float16, 1, 2, 1, 40, 140, 64, True, WIDE_DQ),
-        # GQA 2:1, a ragged 96-row step a head (the causal case with a softcap and ALiBi is below)
+        # GQA 2:1, a ragged 96-row step a head, 96-key dQ tiles (the causal case with a softcap and ALiBi is below)
         _case(torch.float16, 1, 2, 1, 70, 150, 64, False, TALL),
     ]
 else:
@@ -236,8 +236,8 @@ if SIMULATED:
         # a band of 16 keys a row: both kernels' walks cut at both ends; the dQ kernel on wgmma at D64, dV issued
         # before dSᵀ
         ((1, 1, 1, 140, 150, 64), (10, 5), 0.0, True, EARLY),
-        # a sliding window on a causal layer (CAUSAL and LEFT): GQA 2:1, the second block's walk over 3 tiles a
-        # head of both heads
+        # a sliding window on a causal layer (CAUSAL and LEFT): GQA 2:1, the second block's walk over 32-row tiles
+        # of both heads
         ((1, 2, 1, 150, 200, 64), (40, 0), 2.0, False, SMALL),
         ((1, 1, 1, 70, 90, 128), (0, 40), 0.0, False, None),  # left 0, right above 0; the default tiles at D128
         ((1, 1, 1, 140, 150, 64), (10, 5), 0.0, False, SPLIT),  # a tile inside the band: both copies
@@ -407,15 +407,15 @@ if SIMULATED:
         # Nq != Nk both ways, a one-token sequence: three blocks a kernel of which two exit at once; the dQ kernel
         # on wgmma too
         (([70, 1, 130], [100, 3, 60], 1, 1, 64), CAUSAL_WINDOW, 0.0, False, WGMMA_DQ),
-        # GQA 2:1 over 32-row tiles (3 tiles a head), a sequence without queries (its keys: dk = dv = 0), softcap
-        # and ALiBi per (sequence, head)
-        (([40, 0, 75], [50, 20, 64], 2, 1, 64), CAUSAL_WINDOW, 2.0, True, SMALL),
+        # GQA 2:1 (the walks over both heads), a sequence without queries (its keys: dk = dv = 0), softcap and
+        # ALiBi per (sequence, head); D64's default tiles
+        (([40, 0, 75], [50, 20, 64], 2, 1, 64), CAUSAL_WINDOW, 2.0, True, None),
         # D128, dV issued early, full: the first sequence's second key block, the second's second dQ block
         (([50, 130], [130, 40], 1, 1, 128), FULL, 0.0, True, EARLY),
-        # a 29-key band on each sequence's own diagonal (40, -3, -50; the totals' would be -13), GQA 2:1, 32-row
-        # tiles: tiles cut from both kernels' walks at either end, the last sequence's first 42 rows
+        # a 29-key band on each sequence's own diagonal (40, -3, -50; the totals' would be -13), GQA 2:1, the dQ
+        # kernel on wgmma: tiles cut from both kernels' walks at either end, the last sequence's first 42 rows
         # see no key, the short one's rows all see both its keys
-        (([90, 5, 150], [130, 2, 100], 2, 1, 64), (20, 8), 0.0, False, SMALL),
+        (([90, 5, 150], [130, 2, 100], 2, 1, 64), (20, 8), 0.0, False, WGMMA_DQ),
         # each sequence's own diagonal and end of keys, both kernels' copies
         (([70, 1, 130], [100, 3, 60], 1, 1, 64), CAUSAL_WINDOW, 0.0, False, SPLIT),
     ]
@@ -508,6 +508,22 @@ def test_strided_inputs_match_reference(wgmma_device, causal):
     O, L = _forward(q, k, v, causal)
     dq, dk, dv = backward_wgmma.flash_attn_backward(q, k, v, O, L, dO, _spec(q, k, causal))
     assert_grads_match(dq, dk, dv, q, k, v, dO, causal)
+
+
+def test_kernels_are_kept_by_the_fields_they_read():
+    """A configuration's dK/dV kernel is the one of every configuration with its BLOCK_M, DV_EARLY and SPLIT_MASK,
+    its dQ kernel the one of every configuration with its DQ_BLOCK_N and SPLIT_MASK (``kernel_config``: a tuner's
+    candidates share them); a field the kernel reads makes another one. (numba compiles on the first launch: these
+    builds are only the dispatchers.)"""
+    flags = (True, False, False, False, False, False, True)  # causal, bf16
+    config = backward_wgmma.WgmmaBwdConfig(64, SPLIT_MASK=True)
+    other_dq = config._replace(DQ_BLOCK_N=128, DQ_WGMMA=False)
+    other_dkdv = config._replace(BLOCK_M=96, DV_EARLY=True)
+    kernel = backward_wgmma._kernel
+    assert kernel("dkdv", 64, config, *flags) is kernel("dkdv", 64, other_dq, *flags)
+    assert kernel("dq", 64, config, *flags) is kernel("dq", 64, other_dkdv, *flags)
+    assert kernel("dkdv", 64, config, *flags) is not kernel("dkdv", 64, other_dkdv, *flags)
+    assert kernel("dq", 64, config, *flags) is not kernel("dq", 64, config._replace(DQ_BLOCK_N=128), *flags)
 
 
 def test_backward_runs_them_with_the_switch_on_hopper(wgmma_device, monkeypatch):

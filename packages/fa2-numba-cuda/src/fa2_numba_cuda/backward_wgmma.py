@@ -205,7 +205,8 @@ class WgmmaBwdConfig(NamedTuple):
     packed batch together), 128 rows spill 268-440 B. DV_EARLY: each warpgroup issues dV += Pᵀ dO as soon
     as Pᵀ is packed, so that it runs during dSᵀ's arithmetic (Pᵀ in fp32 and packed, dPᵀ and dSᵀ live at once);
     else dV's and dK's products are issued together after dSᵀ (fewer registers). The dQ kernel's key tile:
-    DQ_BLOCK_N keys (the same bounds); DQ_WGMMA False runs backward_tc's dQ kernel instead (with its own
+    DQ_BLOCK_N keys (the same bounds; past 64 its loops written out too: at HEAD_DIM 64, 96 keys take 184-194
+    registers, 128 keys 216-242, no local memory); DQ_WGMMA False runs backward_tc's dQ kernel instead (with its own
     ``backward_tc.tc_bwd_config``). SPLIT_MASK: both kernels branch once per tile on whether it crosses an edge
     (a window's, the causal diagonal, the dQ kernel's end of the keys) into a masked copy of the probabilities'
     loop, else one without any mask compare (``_MASKS``); off, one loop masks each element where the tile crosses.
@@ -1086,9 +1087,11 @@ def _build_dq(HEAD_DIM, config, CAUSAL, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN, IS_
     return cuda.jit(unrolled(_attn_bwd_dq_wgmma) if UNROLL else _attn_bwd_dq_wgmma)
 
 
-# Compiled kernels by ("dkdv" or "dq", HEAD_DIM, WgmmaBwdConfig, CAUSAL, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN,
+# Compiled kernels by ("dkdv" or "dq", HEAD_DIM, ``kernel_config``, CAUSAL, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN,
 # IS_BF16).
 _KERNELS: dict[tuple, object] = {}
+# The fields of WgmmaBwdConfig each kernel's builder reads.
+_FIELDS = {"dkdv": ("BLOCK_M", "DV_EARLY", "SPLIT_MASK"), "dq": ("DQ_BLOCK_N", "SPLIT_MASK")}
 # Prepared launches (preprocess, dK/dV, dQ; ``launch.prepare``) by class of call: the tensors' shapes, strides
 # and dtypes, the device, whether their data is 16 B aligned, the spec's values (``spec_class``), the config.
 _PREPARED: dict[tuple, tuple] = {}
@@ -1097,10 +1100,18 @@ _PREPARED: dict[tuple, tuple] = {}
 _BUILDERS = {"dkdv": _build_dkdv, "dq": _build_dq}
 
 
-def _kernel(name, *key):
-    kernel = _KERNELS.get((name, *key))
+def kernel_config(name: str, config: WgmmaBwdConfig) -> WgmmaBwdConfig:
+    """What kernel ``name`` ("dkdv" or "dq") is built from: ``config``'s fields that its builder reads, the others at
+    WgmmaBwdConfig's defaults (BLOCK_M 64). Compilations are kept by it, so that configurations that differ only
+    in the other kernel's fields (a tuner's candidates) share one."""
+    return WgmmaBwdConfig(64)._replace(**{f: getattr(config, f) for f in _FIELDS[name]})
+
+
+def _kernel(name, HEAD_DIM, config, *flags):
+    key = (name, HEAD_DIM, kernel_config(name, config), *flags)
+    kernel = _KERNELS.get(key)
     if kernel is None:
-        kernel = _KERNELS[(name, *key)] = _BUILDERS[name](*key)
+        kernel = _KERNELS[key] = _BUILDERS[name](*key[1:])
     return kernel
 
 
@@ -1249,7 +1260,8 @@ def flash_attn_backward(
 def kernel_resources() -> list[dict]:
     """Registers and local memory per thread, static shared memory per block, of every wgmma backward kernel
     compiled so far in this process ("wgmma dkdv", "wgmma dq"; the preprocess, and the dQ kernel without
-    DQ_WGMMA, are reported by backward_simt and backward_tc); empty under the simulator."""
+    DQ_WGMMA, are reported by backward_simt and backward_tc); each row's WgmmaBwdConfig fields are the kernel's
+    own (``kernel_config``), the other kernel's None; empty under the simulator."""
     if simulated():
         return []
     rows = []
@@ -1262,7 +1274,7 @@ def kernel_resources() -> list[dict]:
                 {
                     "kernel": f"wgmma {name}",
                     "HEAD_DIM": HEAD_DIM,
-                    **config._asdict(),
+                    **{f: v if f in _FIELDS[name] else None for f, v in config._asdict().items()},
                     "causal": CAUSAL,
                     "left": LEFT,
                     "right": RIGHT,

@@ -18,6 +18,7 @@ configuration); SDPA's as ``torch.autograd.grad`` of their forward's output, as 
 every provider, which adds the autograd engine's host time (tens of microseconds, behind the GPU's queue at these
 shapes). TFLOP/s count the backward as 2.5 times the forward's FLOPs, halved for causal, as the benchmark.
 
+Candidates that differ only in the other kernel's fields share its compilation (``backward_wgmma.kernel_config``).
 Writes every measurement, with the kernels' registers and local memory as numba reports them
 (``backward_wgmma.kernel_resources``; backward_tc's dQ kernel has none there), to ``<gpu>-tune-numba-bwd.csv`` as
 ``tuning.forward`` writes its own, prints and proposes as it does, and runs on numba's simulator without a GPU.
@@ -110,7 +111,7 @@ def measure_point(p: Point, args: argparse.Namespace, device: torch.device) -> d
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = parser_with_shapes("python -m fa2_numba_cuda.tuning.backward", __doc__)
     parser.add_argument("--block-m", type=ints, default=(64, 96), help="dK/dV query tiles (default 64,96)")
-    parser.add_argument("--dq-block-n", type=ints, default=(64, 128), help="wgmma dQ key tiles (default 64,128)")
+    parser.add_argument("--dq-block-n", type=ints, default=(64, 96, 128), help="wgmma dQ key tiles (default 64,96,128)")
     parser.add_argument("--dq", type=words(("wgmma", "tc")), default=("wgmma", "tc"), help="dQ kernels (default both)")
     parser.add_argument("--split", type=switches, default=(True,), help="SPLIT_MASK on,off (default on)")
     parser.add_argument("--dv-early", type=switches, default=(False,), help="DV_EARLY on,off (default off)")

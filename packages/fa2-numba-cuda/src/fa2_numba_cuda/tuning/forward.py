@@ -212,11 +212,14 @@ def candidates(args: argparse.Namespace, head_dim: int) -> list[WgmmaConfig]:
 
 def resources(rows: list[dict], config: tuple, p: Point) -> dict:
     """``kernel_resources`` rows of a candidate's kernels for this shape's flags (dense, no feature), as
-    {column: value}: the kernel's name before each column (the forward: none)."""
+    {column: value}: the kernel's name before each column (the forward: none). A backward kernel's row leaves the
+    other kernel's fields None."""
     flags = {"HEAD_DIM": p.head_dim, "causal": p.causal, "bf16": p.dtype == "bf16"}
     out = {}
     for row in rows:
-        if type(config)(*(row[f] for f in config._fields)) != config or any(row[f] != v for f, v in flags.items()):
+        if any(row[f] is not None and row[f] != v for f, v in config._asdict().items()):
+            continue
+        if any(row[f] != v for f, v in flags.items()):
             continue
         if any(row.get(f) for f in ("left", "right", "softcap", "alibi", "varlen", "sink")):
             continue
