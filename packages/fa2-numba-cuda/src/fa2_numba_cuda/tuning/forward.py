@@ -123,21 +123,20 @@ class Measured:
         self.calls: dict[str, Callable] = {}
         self.first_s: dict[str, float] = {}
 
-    def run(self, name: str, call: Callable, device: torch.device, problem: Callable) -> object | None:
-        """Runs ``call`` once and checks what it returns with ``problem`` (None if right, else what is wrong); the
-        output if right, else None with the result recorded."""
+    def run(self, name: str, call: Callable, device: torch.device, problem: Callable) -> None:
+        """Runs ``call`` once and records ``name`` as "ok" (to be timed), "wrong" (``problem`` of what it returned:
+        None if right, else what is wrong) or "failed" (it raised)."""
         try:
             out, self.first_s[name] = timing.timed_once(call, device)
             wrong = problem(out)
         except Exception as e:  # a configuration the kernels refuse, or that fails to build or launch
             self.results[name] = Result("failed", exception_reason(e))
-            return None
+            return
         if wrong:
             self.results[name] = Result("wrong", wrong)
-            return None
+            return
         self.results[name] = Result("ok")
         self.calls[name] = call
-        return out
 
     def baselines(self, p: Point, names: tuple[str, ...], device: torch.device, inputs, problem: Callable) -> None:
         """SDPA's providers (``fa2.bench.providers``) on the GPU: the forward as the benchmark calls it, the
