@@ -200,7 +200,9 @@ def wgmma_config(HEAD_DIM: int) -> WgmmaConfig:
     local memory there), none spilled, 99,328 and 50,176 B of dynamic shared memory; with S_AHEAD 212-214 and
     159; 128-key tiles kept the softmax's p in 256-272 B of local memory (its loops over S's 64 registers were
     not unrolled), which was their slowness; since the builder writes those loops out (``mma.unrolled``) they
-    build without local memory (164-166 registers at 64, 225 uncapped at 128), not yet timed.
+    build without local memory (164-166 registers at 64, 225 uncapped at 128), not yet timed; 96-key tiles
+    (offline, causal) 149 registers at 64 and 195 at 128 uncapped, none spilled, and capped at 128 at HEAD_DIM 64
+    (two blocks an SM) none full and 16 B causal, where 128 keys spill 80-104 B.
 
     At HEAD_DIM 128 the registers are capped at 128 (MAX_REGISTERS), so that two blocks share an SM: ptxas then
     spills 80 B a thread (19-21 STL, 24-28 LDL in the SASS), and yet each HEAD_DIM 128 point ran 1.05-1.23x faster

@@ -381,7 +381,7 @@ def tune(args: argparse.Namespace, mode: str, measure: Callable, columns: tuple[
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = parser_with_shapes("python -m fa2_numba_cuda.tuning.forward", __doc__)
-    parser.add_argument("--block-n", type=ints, default=(64, 128), help="key tiles (default 64,128)")
+    parser.add_argument("--block-n", type=ints, default=(64, 96, 128), help="key tiles (default 64,96,128)")
     parser.add_argument("--max-registers", type=ints, default=(0, 128), help="ptxas caps, 0 for none (default 0,128)")
     parser.add_argument("--stages", type=ints, default=(2,), help="K/V stages (default 2)")
     parser.add_argument("--s-ahead", type=switches, default=(False,), help="S_AHEAD on,off (default off)")
