@@ -88,9 +88,11 @@ def measure_point(p: Point, args: argparse.Namespace, device: torch.device) -> d
 
     def problem(grads):
         wrong = check.grad_problem(grads, q, k, v, sample)
-        if wrong or not default_grads:
-            default_grads.extend(() if wrong else grads)
+        if wrong:
             return wrong
+        if not default_grads:
+            default_grads.extend(grads)
+            return None
         return cross_problem(grads, default_grads, q.dtype)
 
     m = Measured()
