@@ -26,13 +26,15 @@ from fa2_numba_cuda.tuning import forward as tune_forward
 def test_candidates_start_with_the_default_and_drop_duplicates():
     args = tune_backward.parse_args(["--block-m", "64,96", "--dq-block-n", "64,128", "--dq", "wgmma,tc"])
     for head_dim in (64, 128):
-        configs = tune_backward.candidates(args, head_dim)
-        assert configs[0] == bwd_config(head_dim)
-        assert len(configs) == len(set(configs))
-        # backward_tc's dQ kernel has its own tiles: one candidate per BLOCK_M, not one per DQ_BLOCK_N.
-        assert {c.BLOCK_M for c in configs if not c.DQ_WGMMA} == {64, 96}
-        assert len([c for c in configs if not c.DQ_WGMMA]) == 2
-    assert len(tune_backward.candidates(args, 64)) == 6
+        for causal in (False, True):
+            configs = tune_backward.candidates(args, head_dim, causal)
+            assert configs[0] == bwd_config(head_dim, masked=causal)
+            assert len(configs) == len(set(configs))
+            # backward_tc's dQ kernel has its own tiles: one candidate per BLOCK_M, not one per DQ_BLOCK_N.
+            assert {c.BLOCK_M for c in configs if not c.DQ_WGMMA} == {64, 96}
+            assert len([c for c in configs if not c.DQ_WGMMA]) == 2
+    # The defaults at head_dim 64 are in the grid: no extra candidate.
+    assert len(tune_backward.candidates(args, 64, True)) == len(tune_backward.candidates(args, 64, False)) == 6
 
 
 def test_forward_candidates_keep_the_kernels_bounds():
@@ -66,13 +68,13 @@ def _reference_backward(q, k, v, O, L, dO, spec, config):
     dq, dk, dv = (g.to(q.dtype) for g in torch.autograd.grad(out, inputs, dO.double()))
     if config.BLOCK_M == 32:
         dk = dk * 1.1
-    if config.DQ_WGMMA and config.DQ_BLOCK_N == 128:
+    if config.DQ_WGMMA and config.DQ_BLOCK_N == 96:
         dq = dq * 1.1
     return dq, dk, dv
 
 
-DEFAULT = tune_backward.describe(bwd_config(64))
-WGMMA_DQ = tune_backward.describe(WgmmaBwdConfig(64, SPLIT_MASK=True))  # the dQ kernel on wgmma
+DEFAULTS = {causal: tune_backward.describe(bwd_config(64, masked=causal == "True")) for causal in ("True", "False")}
+WGMMA_DQ = tune_backward.describe(WgmmaBwdConfig(64, SPLIT_MASK=True))  # the dQ kernel on wgmma, 64-key tiles
 
 
 @pytest.mark.skipif(not simulated(), reason="the simulated self-check (NUMBA_ENABLE_CUDASIM=1); a GPU's is run by hand")
@@ -81,16 +83,16 @@ def test_tuner_records_wrong_and_failed_candidates(tmp_path, monkeypatch, capsys
     monkeypatch.setattr(backward_wgmma, "flash_attn_backward", _reference_backward)
     path = tmp_path / "tune.csv"
     argv = ["--dtypes", "fp16", "--head-dims", "64", "--seqlens", "48", "--causal", "yes,no"]
-    argv += ["--tokens", "48", "--hidden", "128", "--block-m", "64,32,48", "--dq-block-n", "64,128"]
+    argv += ["--tokens", "48", "--hidden", "128", "--block-m", "64,32,48", "--dq-block-n", "64,96"]
     argv += ["--rounds", "2", "--csv", str(path)]
     assert tune_backward.main(argv) == 0
     rows = list(csv.DictReader(path.open()))
     assert {(r["seqlen"], r["batch"], r["heads"]) for r in rows} == {("48", "1", "2")}
     for causal in ("True", "False"):
         status = {r["config"]: (r["status"], r["reason"]) for r in rows if r["causal"] == causal}
-        assert status[DEFAULT][0] == status[WGMMA_DQ][0] == "ok"
+        assert status[DEFAULTS[causal]][0] == status[WGMMA_DQ][0] == "ok"
         wrong_dq, wrong_dk = (
-            status["WgmmaBwdConfig(64, DQ_BLOCK_N=128, SPLIT_MASK=True)"],
+            status["WgmmaBwdConfig(64, DQ_BLOCK_N=96, SPLIT_MASK=True)"],
             status["WgmmaBwdConfig(32, SPLIT_MASK=True)"],
         )
         assert wrong_dq[0] == "wrong" and wrong_dq[1].startswith("max |dq - dq_ref|")
@@ -100,7 +102,7 @@ def test_tuner_records_wrong_and_failed_candidates(tmp_path, monkeypatch, capsys
         ok = [r for r in rows if r["causal"] == causal and r["status"] == "ok"]
         assert all(float(r["ms"]) > 0 and float(r["vs_default"]) > 0 for r in ok)
     proposed = re.search(r"^head_dim 64: (WgmmaBwdConfig\(.*?\)), ", capsys.readouterr().out, re.M)
-    assert proposed is not None and proposed.group(1) in (DEFAULT, WGMMA_DQ)
+    assert proposed is not None and proposed.group(1) in (*DEFAULTS.values(), WGMMA_DQ)
 
 
 @pytest.mark.skipif(not simulated(), reason="the simulated self-check (NUMBA_ENABLE_CUDASIM=1); a GPU's is run by hand")
@@ -114,8 +116,10 @@ def test_forward_tuner_records_wrong_and_failed_candidates(tmp_path, monkeypatch
     for causal in ("True", "False"):
         status = {r["config"]: (r["status"], r["reason"]) for r in rows if r["causal"] == causal}
         assert status["WgmmaConfig(64)"][0] == status["WgmmaConfig(64, MAX_REGISTERS=128)"][0] == "ok"
+        assert status[tune_forward.describe(wgmma_config(64))][0] == "ok"
         assert status["WgmmaConfig(128)"][0] == "wrong" and status["WgmmaConfig(128)"][1].startswith("max |O - O_ref|")
         assert status["WgmmaConfig(48, MAX_REGISTERS=128)"][0] == "failed"
         assert status["sdpa-flash"][0] == "skipped"
     proposed = re.search(r"^head_dim 64: (WgmmaConfig\(.*?\)), ", capsys.readouterr().out, re.M)
-    assert proposed is not None and proposed.group(1) in ("WgmmaConfig(64)", "WgmmaConfig(64, MAX_REGISTERS=128)")
+    right = ("WgmmaConfig(64)", "WgmmaConfig(64, MAX_REGISTERS=128)", tune_forward.describe(wgmma_config(64)))
+    assert proposed is not None and proposed.group(1) in right

@@ -345,15 +345,28 @@ def test_default_config_splits_the_mask_but_with_a_softcap_at_head_dim_128():
     assert got == {(64, 0): True, (64, 1): True, (128, 0): True, (128, 1): False}
 
 
+@pytest.mark.parametrize("softcap", [False, True], ids=["nocap", "softcap"])
+@pytest.mark.parametrize("masked", [False, True], ids=["full", "masked"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_default_tiles_are_the_tuners_choice(head_dim, masked, softcap):
+    """``bwd_config``'s tiles (docs/benchmarks/h100-tune-numba-bwd.csv): the dQ kernel on wgmma, 128-key tiles at
+    D64 (96 with a softcap: 128 spill there) and 96 at D128; 96-query dK/dV steps at D64 where no key is masked."""
+    config = backward_wgmma.bwd_config(head_dim, softcap, masked)
+    assert config.DQ_WGMMA and not config.DV_EARLY
+    assert config.BLOCK_M == (96 if head_dim == 64 and not masked else 64)
+    assert config.DQ_BLOCK_N == (128 if head_dim == 64 and not softcap else 96)
+
+
 # An attention sink: (B, H, H_k, seqlen_q, seqlen_k, D), causal, config. The kernels are the sink's as they are
-# (L carries it); what is under test is the host's: the preprocess's dsink shares, and at D64 backward_tc's dQ
+# (L carries it); what is under test is the host's: the preprocess's dsink shares, and with TC_DQ backward_tc's dQ
 # kernel built without its own shares.
 if SIMULATED:
-    SINK_CASES = [((1, 2, 1, 70, 90, 64), True, None)]  # GQA 2:1, the default tiles at D64
+    SINK_CASES = [((1, 2, 1, 70, 90, 64), True, TC_DQ)]  # GQA 2:1
 else:
     SINK_CASES = [
         *[(shape, causal, None) for shape in GPU_SHAPES[:6] for causal in (False, True)],
         *[(shape, True, WGMMA_DQ) for shape in GPU_SHAPES[:6:2]],
+        *[(shape, True, TC_DQ) for shape in GPU_SHAPES[1:6:2]],
     ]
 
 

@@ -222,11 +222,27 @@ class WgmmaBwdConfig(NamedTuple):
     SPLIT_MASK: bool = False
 
 
-def bwd_config(HEAD_DIM: int, softcap: bool = False) -> WgmmaBwdConfig:
-    """64-query dK/dV tiles without DV_EARLY (FlashAttention-3's dK/dV tile at head dim 128: 2 warpgroups x 64 keys
-    against 64 queries); at HEAD_DIM 128 the dQ kernel on wgmma with 64-key tiles, at 64 backward_tc's dQ
-    kernel. Timed on the H200 (``.whl`` probe ``probe_wgbwd.py``, bf16, ``triton.testing.do_bench`` ms of the
-    whole backward, full / causal; docs/notes/numba-wgmma.md):
+def bwd_config(HEAD_DIM: int, softcap: bool = False, masked: bool = False) -> WgmmaBwdConfig:
+    """The tuner's choice (``python -m fa2_numba_cuda.tuning.backward``, run at b113bb1 on an H100, bf16, 16k
+    tokens, hidden 2048, N = 2k, 4k, 16k, 3 alternating rounds of the benchmark's clock; CSV
+    docs/benchmarks/h100-tune-numba-bwd.csv): the dQ kernel on wgmma with 128-key tiles at HEAD_DIM 64 (96 with a
+    softcap, untimed) and 96-key tiles at 128, and 96-query dK/dV tiles at 64 where no key is masked (``masked``:
+    causal or a window), 64 elsewhere. The earlier choice's time (below) and SDPA's FA2's over this one's, full /
+    causal, in the same run:
+
+        point              earlier / this choice      FA2 / this choice
+        D64 2k  (8, 32)    1.079 / 1.006              1.034 / 0.960
+        D64 4k  (4, 32)    1.149 / 1.050              1.036 / 0.982
+        D64 16k (1, 32)    1.138 / 1.119              1.036 / 1.001
+        D128 2k (8, 16)    1.016 / 1.022              1.101 / 1.060
+        D128 4k (4, 16)    1.045 / 1.035              1.142 / 1.118
+        D128 16k (1, 16)   1.033 / 0.991              1.159 / 1.116
+
+    (96 query rows with a mask at HEAD_DIM 64: 0.94-1.13x the earlier choice's speed; at 128 they spill 224-504 B
+    and ran 0.65-0.91x.) The earlier choice: 64-query dK/dV tiles without DV_EARLY (FlashAttention-3's dK/dV tile
+    at head dim 128: 2 warpgroups x 64 keys against 64 queries); at HEAD_DIM 128 the dQ kernel on wgmma with 64-key
+    tiles, at 64 backward_tc's dQ kernel. Timed on the H200 (``.whl`` probe ``probe_wgbwd.py``, bf16,
+    ``triton.testing.do_bench`` ms of the whole backward, full / causal; docs/notes/numba-wgmma.md):
 
         point              backward_tc      default (M64)    DV_EARLY         M32              mma.sync dQ
         D128 4k  (4, 16)   6.444 / 3.556    4.287 / 2.631    4.541 / 2.745    5.010 / 3.004    5.117 / 2.875
@@ -234,7 +250,8 @@ def bwd_config(HEAD_DIM: int, softcap: bool = False) -> WgmmaBwdConfig:
         D128 2k  (8, 16)   3.336 / 1.939    2.404 / 1.611    2.474 / 1.669    2.797 / 1.806    2.753 / 1.660
         D64 4k   (4, 32)   6.565 / 3.504    5.568 / 3.432    5.606 / 3.452    6.767 / 4.049    5.526 / 3.135
 
-    (128-key dQ tiles: 2.7-3.6x the default's time, S in 384 B of local memory.) At HEAD_DIM 64 the wgmma dQ
+    (128-key dQ tiles, before the builder wrote their loops out: 2.7-3.6x the default's time, S in 384 B of local
+    memory.) At HEAD_DIM 64 the wgmma dQ
     kernel took 2.562 / 1.602 ms against backward_tc's 2.427 / 1.288 at (4, 32, 4k). The GPU's build: dK/dV 254-255
     registers at 128 and 216-219 at 64, no local memory (DV_EARLY: 72-96 B at 128); dQ 187-199 at 128. One block
     of 256 threads an SM.
@@ -250,7 +267,11 @@ def bwd_config(HEAD_DIM: int, softcap: bool = False) -> WgmmaBwdConfig:
     Its builds there: dK/dV 255 registers and 8-16 B of local memory at 128 with a mask (causal ALiBi 16 B, was
     112), none at 64. Their gradients were the single loop's bit for bit, but with a softcap at 128: there the
     switch stays off until the GPU tests have checked that build against the reference."""
-    return WgmmaBwdConfig(64, DQ_WGMMA=HEAD_DIM == 128, SPLIT_MASK=not (softcap and HEAD_DIM == 128))
+    split = not (softcap and HEAD_DIM == 128)
+    if HEAD_DIM == 64:
+        # With a softcap the 128-key dQ build spills 72 B (offline, causal); 96 keys none.
+        return WgmmaBwdConfig(64 if masked else 96, DQ_BLOCK_N=96 if softcap else 128, SPLIT_MASK=split)
+    return WgmmaBwdConfig(64, DQ_BLOCK_N=96, SPLIT_MASK=split)
 
 
 def tc_dq_config(config: WgmmaBwdConfig, head_dim: int, device: torch.device) -> backward_tc.TensorCoreBwdConfig | None:
@@ -1145,7 +1166,8 @@ def flash_attn_backward(
             head_dim), L (1, heads, total_q), k, v (1, heads_k, total_k, head_dim), the slopes (sequences,
             heads), each sequence's rows given by the offsets, its mask and gradients its own (``refusal``
             names what these kernels do not take).
-        config: the kernels' tiles, for tuning; default ``bwd_config(head_dim, softcap)`` (DV_EARLY takes no softcap).
+        config: the kernels' tiles, for tuning; default ``bwd_config(head_dim, softcap, masked)`` (DV_EARLY takes
+            no softcap).
 
     Returns:
         dq, dk, dv in the shapes and dtypes of q, k, v (dk, dv: each key/value head's gradient summed over its
@@ -1193,7 +1215,7 @@ def flash_attn_backward(
     if batch * heads == 0 or seqlen_k == 0 or seqlen_q == 0 or grid_batch * grid_seqlen_q * grid_seqlen_k == 0:
         # An empty side: no score, so zero gradients (backward_tc's kernels write them, seqlen_k = 0 or not).
         return backward_tc.flash_attn_backward(q, k, v, O, L, dO, spec)
-    config = WgmmaBwdConfig(*config) if config is not None else bwd_config(head_dim, spec.softcap > 0)
+    config = WgmmaBwdConfig(*config) if config is not None else bwd_config(head_dim, spec.softcap > 0, spec.masked)
     for tile in (config.BLOCK_M, config.DQ_BLOCK_N):
         if tile % 16 or not 16 <= tile <= 256 or (tile * head_dim // 8) % NUM_THREADS:
             raise ValueError(

@@ -187,9 +187,17 @@ class WgmmaConfig(NamedTuple):
 
 
 def wgmma_config(HEAD_DIM: int) -> WgmmaConfig:
-    """64-key tiles without S_AHEAD at both head dims, the fastest of the three tile configurations timed on the H200
-    (bf16, ``triton.testing.do_bench``; ms at (4, 16, 4096, 128), (1, 16, 16384, 128), (8, 16, 2048, 128) and
-    (4, 32, 4096, 64), full / causal; docs/notes/numba-wgmma.md):
+    """At HEAD_DIM 64, 96-key tiles capped at 128 registers: the tuner's choice (``python -m
+    fa2_numba_cuda.tuning.forward``, run at b113bb1 on an H100, bf16, 16k tokens, hidden 2048, 3 alternating rounds of
+    the benchmark's clock; docs/benchmarks/h100-tune-numba-fwd.csv), 1.024-1.121x the speed of 64 uncapped keys
+    (geomean 1.063) and 1.17-1.29x SDPA's FA2 over N = 2k, 4k, 16k, full and causal (uncapped, 96 keys ran 1.04-1.08x
+    full but 0.83-0.86x causal; 128 keys 0.86-0.91x uncapped, 1.00-1.12x capped with 80-104 B spilled). At
+    HEAD_DIM 128 the same run kept 64 keys capped at 128 (96 and 128 keys: 0.92-1.06x uncapped, 0.22-0.61x
+    capped, spilling 360-768 B).
+
+    Before that: 64-key tiles without S_AHEAD at both head dims, the fastest of the three tile configurations timed
+    on the H200 (bf16, ``triton.testing.do_bench``; ms at (4, 16, 4096, 128), (1, 16, 16384, 128), (8, 16, 2048,
+    128) and (4, 32, 4096, 64), full / causal; docs/notes/numba-wgmma.md):
 
         BLOCK_N  S_AHEAD  D128 4k            D128 16k           D128 2k            D64 4k
         64       no       1.486 / 0.888      5.483 / 2.817      0.834 / 0.547      1.541 / 0.871
@@ -215,8 +223,10 @@ def wgmma_config(HEAD_DIM: int) -> WgmmaConfig:
         D128 16k (1, 16)  6.294 / 3.413  5.372 / 2.809  4.866 / 2.681  5.875 / 2.960  5.654 / 2.931, 5.670 / 2.865
         D64 4k   (4, 32)  1.804 / 0.984  1.495 / 0.867  1.478 / 0.863  1.550 / 0.903  1.563 / 0.916, 1.548 / 0.890
 
-    HEAD_DIM 64 builds to 125 registers uncapped (two blocks an SM already) and keeps no cap."""
-    return WgmmaConfig(64, False, MAX_REGISTERS=128 if HEAD_DIM == 128 else None)
+    HEAD_DIM 64 builds to 125 registers uncapped (two blocks an SM already) and kept no cap then."""
+    if HEAD_DIM == 64:
+        return WgmmaConfig(96, MAX_REGISTERS=128)
+    return WgmmaConfig(64, MAX_REGISTERS=128)
 
 
 def refusal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionSpec) -> str | None:

@@ -224,7 +224,7 @@ def backward(
             _RAN[rung].add(("backward", head_dim, None, None))
             return tuple(backward_simt.flash_attn_backward(q, k, v, O, L, dO, spec)[:3])
         if rung == "wgmma" and backward_wgmma.uses_wgmma(q, k, v, dO, spec):
-            config = bwd_config(head_dim)
+            config = bwd_config(head_dim, spec.softcap > 0, spec.masked)
             _RAN[rung].add(("backward", head_dim, config, backward_wgmma.tc_dq_config(config, head_dim, q.device)))
             return tuple(backward_wgmma.flash_attn_backward(q, k, v, O, L, dO, spec)[:3])
         HEAD_DIM = padded_head_dim(head_dim)

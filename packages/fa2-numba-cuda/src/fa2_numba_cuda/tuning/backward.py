@@ -4,8 +4,9 @@ backward, and proposes ``bwd_config``'s choice per head dim.
 
 Shapes: the benchmark's (16k tokens, hidden 2048: B = tokens / N, H = hidden / D), contiguous (B, H, N, D), causal
 and not, bf16 by default; O and L from fa2-numba-cuda's forward, computed once per shape. Candidates: the default
-first, then every configuration of the grid --block-m x --dq-block-n x --dq (wgmma: the dQ kernel of
-backward_wgmma; tc: backward_tc's, whose own tiles ignore --dq-block-n) x --split x --dv-early that differs from it.
+(for the shape's mask) first, then every configuration of the grid --block-m x --dq-block-n x --dq (wgmma: the dQ
+kernel of backward_wgmma; tc: backward_tc's, whose own tiles ignore --dq-block-n) x --split x --dv-early that differs
+from it.
 
 Before it is timed, each candidate's dq is checked on the benchmark's sample of rows against the fp64 reference
 (``fa2.bench.check``'s rule) and its dk and dv against the default's (every element within ``CROSS_ULPS`` units of
@@ -55,10 +56,10 @@ CROSS_ULPS = 4
 RESOURCE_COLUMNS = ("dkdv_registers", "dkdv_local_bytes", "dq_registers", "dq_local_bytes")
 
 
-def candidates(args: argparse.Namespace, head_dim: int) -> list[WgmmaBwdConfig]:
-    """The default first, then the grid's other configurations (with backward_tc's dQ kernel, one per BLOCK_M: it
-    has its own tiles)."""
-    default = bwd_config(head_dim)
+def candidates(args: argparse.Namespace, head_dim: int, causal: bool) -> list[WgmmaBwdConfig]:
+    """The default for the mask first, then the grid's other configurations (with backward_tc's dQ kernel, one per
+    BLOCK_M: it has its own tiles)."""
+    default = bwd_config(head_dim, masked=causal)
     out = [default]
     for block_m, dq_n, dq, split, early in itertools.product(
         args.block_m, args.dq_block_n, args.dq, args.split, args.dv_early
@@ -96,7 +97,7 @@ def measure_point(p: Point, args: argparse.Namespace, device: torch.device) -> d
         return cross_problem(grads, default_grads, q.dtype)
 
     m = Measured()
-    configs = candidates(args, p.head_dim)
+    configs = candidates(args, p.head_dim, p.causal)
     for config in configs:
         call = functools.partial(backward_wgmma.flash_attn_backward, q, k, v, O, L, dO, p.spec, config)
         m.run(describe(config), call, device, problem)
