@@ -88,12 +88,22 @@ def _config_id(config):
     return name + ("-split" if config.SPLIT_MASK else "") + ("-tile-major" if config.TILE_MAJOR else "")
 
 
+def _build_group(d, window, softcap, alibi, config, varlen=False, dtype=torch.bfloat16):
+    """The xdist group of a case: its kernels' build (head dim, mask, features, tiles), so that under ``--dist
+    loadgroup`` one worker compiles them (10-40 s each on the GPU) for all the cases that use them."""
+    kind = "bf16" if dtype == torch.bfloat16 else "fp16"
+    mask = {(-1, -1): "full", (-1, 0): "causal"}.get(tuple(window), f"left{window[0] >= 0:d}-right{window[1] >= 0:d}")
+    flags = ("-softcap" if softcap else "") + ("-alibi" if alibi else "") + ("-varlen" if varlen else "")
+    return pytest.mark.xdist_group(f"wgmma-bwd-{kind}-D{d}-{mask}{flags}{_config_id(config)}")
+
+
 def _case(dtype, b, h, h_k, n_q, n_k, d, causal, config=None):
     """config: None (``bwd_config``'s) or a ``WgmmaBwdConfig``."""
     shape = (b, h, h_k, n_q, n_k, d)
     kind = "bf16" if dtype == torch.bfloat16 else "fp16"
     name = f"{kind}-{_shape_id(shape)}-{'causal' if causal else 'full'}{_config_id(config)}"
-    return pytest.param(dtype, shape, causal, config, id=name)
+    group = _build_group(d, (-1, 0) if causal else (-1, -1), 0.0, False, config, dtype=dtype)
+    return pytest.param(dtype, shape, causal, config, id=name, marks=group)
 
 
 def _cases(dtype, shapes, config=None, masks=(False, True)):
@@ -208,7 +218,11 @@ def _score_id(shape, causal, softcap, alibi, config):
 
 
 @pytest.mark.parametrize(
-    "shape, causal, softcap, alibi, config", [pytest.param(*c, id=_score_id(*c)) for c in SCORE_CASES]
+    "shape, causal, softcap, alibi, config",
+    [
+        pytest.param(*c, id=_score_id(*c), marks=_build_group(c[0][-1], (-1, 0) if c[1] else (-1, -1), *c[2:]))
+        for c in SCORE_CASES
+    ],
 )
 def test_softcap_and_alibi_match_reference(wgmma_device, shape, causal, softcap, alibi, config):
     """dq, dk, dv against the fp64 reference (fp16 on the simulator, bf16 on the GPU, where they are also checked
@@ -290,7 +304,8 @@ def _window_inputs(device, shape, window, softcap, alibi):
 
 
 @pytest.mark.parametrize(
-    "shape, window, softcap, alibi, config", [pytest.param(*c, id=_window_id(*c)) for c in WINDOW_CASES]
+    "shape, window, softcap, alibi, config",
+    [pytest.param(*c, id=_window_id(*c), marks=_build_group(c[0][-1], *c[1:])) for c in WINDOW_CASES],
 )
 def test_windows_match_reference(wgmma_device, shape, window, softcap, alibi, config):
     """dq, dk, dv against the fp64 reference (fp16 on the simulator, bf16 on the GPU, where they are also checked
@@ -324,7 +339,8 @@ else:
 
 
 @pytest.mark.parametrize(
-    "shape, window, softcap, alibi", [pytest.param(*c, id=_window_id(*c, None)) for c in SPLIT_CASES]
+    "shape, window, softcap, alibi",
+    [pytest.param(*c, id=_window_id(*c, None), marks=_build_group(c[0][-1], *c[1:], SPLIT)) for c in SPLIT_CASES],
 )
 def test_split_mask_gives_the_same_bits(wgmma_device, shape, window, softcap, alibi):
     """SPLIT_MASK on against off (the dQ kernel on wgmma both times): dq, dk, dv bit for bit (the masked copy and
@@ -379,7 +395,13 @@ def _sink_id(shape, causal, config):
     return f"{_shape_id(shape)}-{'causal' if causal else 'full'}{_config_id(config)}"
 
 
-@pytest.mark.parametrize("shape, causal, config", [pytest.param(*c, id=_sink_id(*c)) for c in SINK_CASES])
+@pytest.mark.parametrize(
+    "shape, causal, config",
+    [
+        pytest.param(*c, id=_sink_id(*c), marks=_build_group(c[0][-1], (-1, 0) if c[1] else (-1, -1), 0.0, False, c[2]))
+        for c in SINK_CASES
+    ],
+)
 def test_sink_matches_reference(wgmma_device, shape, causal, config):
     """dq, dk, dv and dsink against the fp64 reference's (fp16 on the simulator, bf16 on the GPU, where they are
     also checked against backward_tc's, which takes dsink's shares in its dQ kernel instead)."""
@@ -477,7 +499,8 @@ def _varlen_id(lens, window, softcap, alibi, config):
 
 
 @pytest.mark.parametrize(
-    "lens, window, softcap, alibi, config", [pytest.param(*c, id=_varlen_id(*c)) for c in VARLEN_CASES]
+    "lens, window, softcap, alibi, config",
+    [pytest.param(*c, id=_varlen_id(*c), marks=_build_group(c[0][-1], *c[1:], varlen=True)) for c in VARLEN_CASES],
 )
 def test_packed_batches_match_reference(wgmma_device, lens, window, softcap, alibi, config):
     """dq, dk, dv ((1, heads, total, D)) of the whole packed batch against the fp64 reference's by test_varlen's

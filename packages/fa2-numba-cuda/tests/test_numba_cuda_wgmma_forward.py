@@ -46,16 +46,18 @@ def _spec(q, k, causal, scale=None):
 
 
 def _case(dtype, b, h, h_k, n_q, n_k, d, causal, config=None):
-    """config: None (``wgmma_config``'s) or a ``WgmmaConfig``."""
+    """config: None (``wgmma_config``'s) or a ``WgmmaConfig``. The cases of one build share an xdist group, so that
+    under ``--dist loadgroup`` one worker compiles its kernel (10-40 s on the GPU) for all its shapes."""
     kind = "bf16" if dtype == torch.bfloat16 else "fp16"
-    name = f"{kind}-B{b}-H{h}" + (f"-Hk{h_k}" if h_k != h else "") + f"-{n_q}x{n_k}-D{d}"
-    name += "-causal" if causal else "-full"
+    build = f"{kind}-D{d}" + ("-causal" if causal else "-full")
     if config is not None:
-        name += f"-N{config.BLOCK_N}" + ("-ahead" if config.S_AHEAD else "")
-        name += f"-maxreg{config.MAX_REGISTERS}" if config.MAX_REGISTERS else ""
-        name += f"-stages{config.STAGES}" if config.STAGES != 2 else ""
-        name += "-overlap" if config.OVERLAP_PV else ""
-    return pytest.param(dtype, (b, h, h_k, n_q, n_k, d), causal, config, id=name)
+        build += f"-N{config.BLOCK_N}" + ("-ahead" if config.S_AHEAD else "")
+        build += f"-maxreg{config.MAX_REGISTERS}" if config.MAX_REGISTERS else ""
+        build += f"-stages{config.STAGES}" if config.STAGES != 2 else ""
+        build += "-overlap" if config.OVERLAP_PV else ""
+    name = f"{kind}-B{b}-H{h}" + (f"-Hk{h_k}" if h_k != h else "") + f"-{n_q}x{n_k}-{build.removeprefix(kind + '-')}"
+    group = pytest.mark.xdist_group(f"wgmma-fwd-{build}")
+    return pytest.param(dtype, (b, h, h_k, n_q, n_k, d), causal, config, id=name, marks=group)
 
 
 def _cases(dtype, shapes, config=None, masks=(False, True)):
@@ -165,6 +167,13 @@ def _feature_id(shape, window, softcap, alibi, sink):
     return name + (f"-softcap{softcap:g}" if softcap else "") + ("-alibi" if alibi else "") + ("-sink" if sink else "")
 
 
+def _feature_group(d, window, softcap, alibi, sink, varlen=False):
+    """The xdist group of a features case: its kernel's build, as ``_case``'s."""
+    mask = {(-1, -1): "full", (-1, 0): "causal"}.get(tuple(window), f"left{window[0] >= 0:d}-right{window[1] >= 0:d}")
+    flags = ("-softcap" if softcap else "") + ("-alibi" if alibi else "") + ("-sink" if sink else "")
+    return pytest.mark.xdist_group(f"wgmma-fwd-D{d}-{mask}{flags}" + ("-varlen" if varlen else ""))
+
+
 def _feature_inputs(shape, alibi, sink, device):
     """Inputs in fp16 (the simulator) or bf16 (the GPU); ALiBi's slopes (B, H) up to 0.05 (small enough that keys
     a window's width away still weigh: a wrong window edge shows), sinks (H,) around the scores' size, one
@@ -192,7 +201,8 @@ def _assert_matches_tc(O, L, O_tc, L_tc, q, k, v, scale, **features):
 
 
 @pytest.mark.parametrize(
-    "shape, window, softcap, alibi, sink", [pytest.param(*c, id=_feature_id(*c)) for c in FEATURE_CASES]
+    "shape, window, softcap, alibi, sink",
+    [pytest.param(*c, id=_feature_id(*c), marks=_feature_group(c[0][-1], *c[1:])) for c in FEATURE_CASES],
 )
 def test_features_match_reference(wgmma_device, shape, window, softcap, alibi, sink):
     """O and L with a softcap, ALiBi, a window or a sink against the fp64 reference (on the GPU also against
@@ -253,7 +263,8 @@ def _packed_inputs(lens, alibi, sink, device):
 
 
 @pytest.mark.parametrize(
-    "lens, window, softcap, alibi, sink", [pytest.param(*c, id=_varlen_id(*c)) for c in VARLEN_CASES]
+    "lens, window, softcap, alibi, sink",
+    [pytest.param(*c, id=_varlen_id(*c), marks=_feature_group(c[0][-1], *c[1:], varlen=True)) for c in VARLEN_CASES],
 )
 def test_packed_batches_match_reference(wgmma_device, lens, window, softcap, alibi, sink):
     """Each sequence's O and L ((1, H, total, D) and (1, H, total)) against the fp64 reference of that sequence
