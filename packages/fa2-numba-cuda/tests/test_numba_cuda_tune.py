@@ -101,8 +101,15 @@ def test_tuner_records_wrong_and_failed_candidates(tmp_path, monkeypatch, capsys
         assert status["sdpa-flash"][0] == status["sdpa-cudnn"][0] == "skipped"
         ok = [r for r in rows if r["causal"] == causal and r["status"] == "ok"]
         assert all(float(r["ms"]) > 0 and float(r["vs_default"]) > 0 for r in ok)
-    proposed = re.search(r"^head_dim 64: (WgmmaBwdConfig\(.*?\)), ", capsys.readouterr().out, re.M)
-    assert proposed is not None and proposed.group(1) in (*DEFAULTS.values(), WGMMA_DQ)
+    # Proposed: a candidate right on every shape (overall), on every shape of its mask (per mask).
+    out = capsys.readouterr().out
+    right = {c: {r["config"] for r in rows if r["causal"] == c and r["status"] == "ok"} for c in ("True", "False")}
+    assert {DEFAULTS["True"], DEFAULTS["False"], WGMMA_DQ} <= right["True"] | right["False"]
+    proposed = re.search(r"^head_dim 64: (WgmmaBwdConfig\(.*?\)), ", out, re.M)
+    assert proposed is not None and proposed.group(1) in right["True"] & right["False"]
+    for causal, mask in (("True", "causal"), ("False", "full")):
+        proposed = re.search(rf"^head_dim 64, {mask}: (WgmmaBwdConfig\(.*?\)), ", out, re.M)
+        assert proposed is not None and proposed.group(1) in right[causal]
 
 
 @pytest.mark.skipif(not simulated(), reason="the simulated self-check (NUMBA_ENABLE_CUDASIM=1); a GPU's is run by hand")

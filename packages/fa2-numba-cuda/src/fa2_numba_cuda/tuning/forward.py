@@ -17,7 +17,8 @@ Writes every measurement, with the kernel's registers and local memory as numba 
 (``forward_wgmma.kernel_resources``), to ``<gpu>-tune-numba-fwd.csv`` in ``--out`` (default: the checkout's
 docs/benchmarks, as ``python -m fa2.bench``) or to ``--csv``; prints per shape each candidate's time and ratio to the
 default, and per head dim the candidate with the best geometric mean of that ratio over its shapes (one that failed
-or was wrong on a shape is not proposed). Without a GPU it runs on numba's simulator (NUMBA_ENABLE_CUDASIM=1) on
+or was wrong on a shape is not proposed), then, where both masks ran, per head dim and mask (the backward's default
+differs between them). Without a GPU it runs on numba's simulator (NUMBA_ENABLE_CUDASIM=1) on
 tiny shapes, fp16, timed with ``time.perf_counter``: a check of this tool, not a measurement.
 
 What the two tuners share (shapes, rounds, records, the proposal, the command line) is here; ``tuning.backward``
@@ -272,12 +273,13 @@ def record(rows: list[dict], p: Point, results: dict[str, Result], device: torch
         )
 
 
-def proposal(rows: list[dict], prefix: str) -> dict[int, tuple[str, float, float, int]]:
-    """head_dim -> (candidate, geomean and min of default time / its time, shapes) for the candidate (a config
-    named ``prefix``...) of best geomean among those that ran right on every shape of that head dim."""
+def proposal(rows: list[dict], prefix: str, by_mask: bool = False) -> dict[tuple, tuple[str, float, float, int]]:
+    """(head_dim,) -> (candidate, geomean and min of default time / its time, shapes) for the candidate (a config
+    named ``prefix``...) of best geomean among those that ran right on every shape of that head dim; with
+    ``by_mask`` per (head_dim, causal) instead."""
     out = {}
-    for d in sorted({r["head_dim"] for r in rows}):
-        mine = [r for r in rows if r["head_dim"] == d and r["config"].startswith(prefix)]
+    for key in sorted({(r["head_dim"], r["causal"]) if by_mask else (r["head_dim"],) for r in rows}):
+        mine = [r for r in rows if (r["head_dim"], r["causal"])[: len(key)] == key and r["config"].startswith(prefix)]
         shapes = {(r["dtype"], r["causal"], r["seqlen"]) for r in mine}
         best = None
         for name in dict.fromkeys(r["config"] for r in mine):
@@ -288,7 +290,7 @@ def proposal(rows: list[dict], prefix: str) -> dict[int, tuple[str, float, float
             if best is None or geomean > best[1]:
                 best = (name, geomean, min(ratios), len(ratios))
         if best is not None:
-            out[d] = best
+            out[key] = best
     return out
 
 
@@ -374,8 +376,12 @@ def tune(args: argparse.Namespace, mode: str, measure: Callable, columns: tuple[
         writer.writeheader()
         writer.writerows(rows)
     print(f"\nwrote {path}")
-    for d, (name, geomean, low, n) in proposal(rows, prefix).items():
+    for (d,), (name, geomean, low, n) in proposal(rows, prefix).items():
         print(f"head_dim {d}: {name}, {geomean:.3f}x the default's speed (geomean over {n} shapes, min {low:.3f})")
+    if len(args.causal) > 1:  # the defaults may differ by mask (the backward's do)
+        for (d, causal), (name, geomean, low, n) in proposal(rows, prefix, by_mask=True).items():
+            mask = "causal" if causal else "full"
+            print(f"head_dim {d}, {mask}: {name}, {geomean:.3f}x the default's speed (geomean over {n}, min {low:.3f})")
     return 0
 
 
