@@ -65,7 +65,9 @@ def candidates(args: argparse.Namespace, head_dim: int, causal: bool) -> list[Wg
         args.block_m, args.dq_block_n, args.dq, args.split, args.dv_early, args.tile_major
     ):
         wgmma_dq = dq == "wgmma"
-        config = WgmmaBwdConfig(block_m, early, dq_n if wgmma_dq else default.DQ_BLOCK_N, wgmma_dq, split, tile_major)
+        # backward_tc's dQ kernel reads no DQ_BLOCK_N: the field's default, which its name then omits.
+        dq_n = dq_n if wgmma_dq else WgmmaBwdConfig._field_defaults["DQ_BLOCK_N"]
+        config = WgmmaBwdConfig(block_m, early, dq_n, wgmma_dq, split, tile_major)
         if config not in out:
             out.append(config)
     return out
