@@ -108,8 +108,9 @@ RUNGS: tuple[Rung, ...] = (
         "On compute capability 9.0, dense fp16 and bf16 at head dim 64 and 128 (where forward_wgmma.uses_wgmma and "
         "backward_wgmma.uses_wgmma take the inputs): both products as asynchronous wgmma.mma_async, two "
         "warpgroups x 64 rows a block, operands read from 128 B swizzled shared memory through descriptors "
-        "(forward_wgmma: 128 queries x 64 keys; backward_wgmma: dK/dV 128 keys x 64 queries, dQ on wgmma at D128, "
-        "backward_tc's dQ kernel at D64); prepared launches. Elsewhere (other GPUs and head dims, the simulator) "
+        "(forward_wgmma: 128 queries x 64 keys, 96 at D64; backward_wgmma: dK/dV 128 keys x 64 queries, 96 at D64 "
+        "without a mask, dQ 128 queries x 128 keys at D64, 96 at D128: bwd_config); prepared launches. Elsewhere "
+        "(other GPUs and head dims, the simulator) "
         "the previous rung. The default path.",
     ),
 )
@@ -243,7 +244,8 @@ def resources(rung: str) -> list[dict]:
     """Per kernel compiled for this rung's calls in this process (every head dim it ran), the kernel's own
     ``kernel_resources`` row with "direction" ("forward" or "backward"), "spilled_bytes" (local memory per
     thread) and "shared_bytes" (static and dynamic per block) added; the backward's tensor-core and wgmma rows
-    come with the SIMT preprocess's rows (the wgmma ones at head dim 64 with backward_tc's dQ kernel's row).
+    come with the SIMT preprocess's rows (the wgmma ones with backward_tc's dQ kernel's row where their
+    configuration runs it).
     Empty under the simulator."""
     if rung not in _NAMES:
         raise ValueError(f"fa2-numba-cuda's ladder has the rungs {', '.join(_NAMES)}, got {rung!r}")
