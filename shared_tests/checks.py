@@ -20,6 +20,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from fa2 import reference
@@ -188,3 +189,12 @@ def run_python(code: str, without: str, timeout: float) -> subprocess.CompletedP
     env = {name: value for name, value in os.environ.items() if name != without}
     env["PYTHONPATH"] = os.pathsep.join(sys.path)
     return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def build_group(kernel: str, head_dim: int, window, **switches) -> pytest.MarkDecorator:
+    """The xdist group of a case by the kernel build it compiles: ``kernel`` (its name and tiles), the head dim, the
+    window's kind (full, causal, or which sides are bounded) and the switches that are on; under ``--dist
+    loadgroup`` one worker then compiles each build (numba: 10-40 s a kernel on the GPU) for all its cases."""
+    mask = {(-1, -1): "full", (-1, 0): "causal"}.get(tuple(window), f"left{window[0] >= 0:d}-right{window[1] >= 0:d}")
+    on = "".join(f"-{name}" for name, value in switches.items() if value)
+    return pytest.mark.xdist_group(f"{kernel}-D{head_dim}-{mask}{on}")

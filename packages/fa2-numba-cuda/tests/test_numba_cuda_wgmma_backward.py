@@ -37,7 +37,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from checks import heads_first, max_err, offsets, packed_grad_tolerances, random_qkv, values_at_import
+from checks import build_group, heads_first, max_err, offsets, packed_grad_tolerances, random_qkv, values_at_import
 from fa2 import reference
 from fa2.spec import AttentionSpec
 from fa2_numba_cuda import backward, backward_tc, backward_wgmma, common, launch, tensor_cores
@@ -92,9 +92,7 @@ def _build_group(d, window, softcap, alibi, config, varlen=False, dtype=torch.bf
     """The xdist group of a case: its kernels' build (head dim, mask, features, tiles), so that under ``--dist
     loadgroup`` one worker compiles them (10-40 s each on the GPU) for all the cases that use them."""
     kind = "bf16" if dtype == torch.bfloat16 else "fp16"
-    mask = {(-1, -1): "full", (-1, 0): "causal"}.get(tuple(window), f"left{window[0] >= 0:d}-right{window[1] >= 0:d}")
-    flags = ("-softcap" if softcap else "") + ("-alibi" if alibi else "") + ("-varlen" if varlen else "")
-    return pytest.mark.xdist_group(f"wgmma-bwd-{kind}-D{d}-{mask}{flags}{_config_id(config)}")
+    return build_group(f"wgmma-bwd-{kind}{_config_id(config)}", d, window, softcap=softcap, alibi=alibi, varlen=varlen)
 
 
 def _case(dtype, b, h, h_k, n_q, n_k, d, causal, config=None):

@@ -25,7 +25,16 @@ import pytest
 import torch
 
 import fa2
-from checks import assert_matches_reference, heads_first, max_err, offsets, random_qkv, tolerances, values_at_import
+from checks import (
+    assert_matches_reference,
+    build_group,
+    heads_first,
+    max_err,
+    offsets,
+    random_qkv,
+    tolerances,
+    values_at_import,
+)
 from fa2.spec import AttentionSpec
 from fa2_numba_cuda import common, forward, forward_tc, forward_wgmma, launch, tensor_cores
 
@@ -169,9 +178,7 @@ def _feature_id(shape, window, softcap, alibi, sink):
 
 def _feature_group(d, window, softcap, alibi, sink, varlen=False):
     """The xdist group of a features case: its kernel's build, as ``_case``'s."""
-    mask = {(-1, -1): "full", (-1, 0): "causal"}.get(tuple(window), f"left{window[0] >= 0:d}-right{window[1] >= 0:d}")
-    flags = ("-softcap" if softcap else "") + ("-alibi" if alibi else "") + ("-sink" if sink else "")
-    return pytest.mark.xdist_group(f"wgmma-fwd-D{d}-{mask}{flags}" + ("-varlen" if varlen else ""))
+    return build_group("wgmma-fwd", d, window, softcap=softcap, alibi=alibi, sink=sink, varlen=varlen)
 
 
 def _feature_inputs(shape, alibi, sink, device):

@@ -227,7 +227,8 @@ def backward(
         if rung == "wgmma" and backward_wgmma.uses_wgmma(q, k, v, dO, spec):
             config = bwd_config(head_dim, spec.softcap > 0, spec.masked)
             _RAN[rung].add(("backward", head_dim, config, backward_wgmma.tc_dq_config(config, head_dim, q.device)))
-            return tuple(backward_wgmma.flash_attn_backward(q, k, v, O, L, dO, spec)[:3])
+            # The config recorded is the one run: passed, not worked out again inside.
+            return tuple(backward_wgmma.flash_attn_backward(q, k, v, O, L, dO, spec, config)[:3])
         HEAD_DIM = padded_head_dim(head_dim)
         config = _backward_config(rung, HEAD_DIM, q.device)
         _RAN[rung].add(("backward", head_dim, config or tc_bwd_config(HEAD_DIM, max_shared_bytes(q.device)), None))
