@@ -13,10 +13,10 @@ import triton
 
 def sm90a(fn, signature: dict, constexprs: dict, maxnreg: int) -> dict:
     """``fn`` (a Gluon kernel) built for sm_90a with four warps a partition's default and ``maxnreg``; every
-    argument not in ``signature`` or ``constexprs`` an i32. Returns its registers at launch, local memory a
-    thread (bytes), shared memory a CTA (bytes), and in its SASS the HGMMA count, the warpgroup MMA waits
-    (``WARPGROUP.DEPBAR``: one an HGMMA where ptxas serialised them) and the mbarrier arrives (``SYNCS.ARRIVE``,
-    an expect's too)."""
+    argument not in ``signature`` or ``constexprs`` an i32. Returns its registers and warps at launch (Triton
+    pads the worker partitions to whole warpgroups), local memory a thread (bytes), shared memory a CTA
+    (bytes), and in its SASS the HGMMA count, the warpgroup MMA waits (``WARPGROUP.DEPBAR``: one an HGMMA where
+    ptxas serialised them) and the mbarrier arrives (``SYNCS.ARRIVE``, an expect's too)."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
@@ -39,6 +39,7 @@ def sm90a(fn, signature: dict, constexprs: dict, maxnreg: int) -> dict:
         os.unlink(f.name)
     return dict(
         registers=int(re.search(r"REG:(\d+)", usage).group(1)),
+        warps=kernel.metadata.num_warps,
         stack=int(re.search(r"STACK:(\d+)", usage).group(1)),
         shared=kernel.metadata.shared,
         hgmma=sass.count("HGMMA"),

@@ -1,7 +1,9 @@
 """fa2-triton's Hopper forward in Gluon (``fa2_triton.forward_gluon``): which inputs take it (on the CPU,
 whatever the GPU), that it compiles for sm_90a with the Gluon API of the Triton this runs with (wherever
 Gluon is importable, a GPU or not: Gluon's API moves between releases, and this pins what the kernel uses),
-and, on a Hopper GPU, that its O and L match the fp64 reference and that fa2.attention reaches it."""
+and, on a Hopper GPU, that its O and L match the fp64 reference and that fa2.attention reaches it. Head dim 64
+(three consumer warpgroups, 192-row query tiles, any seqlen_q) is built and checked as head dim 128, and taken
+only where ``forward_gluon.HEAD_DIMS`` has it (FA2_TRITON_GLUON_D64=1)."""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ import triton
 
 import fa2
 import gluon_build
-from checks import assert_matches_reference, random_qkv, run_python
+from checks import assert_matches_reference, random_qkv, run_python, values_at_import
 from fa2.spec import AttentionSpec
 from fa2_triton import forward_gluon
 from fa2_triton.forward import flash_attn_forward
@@ -52,7 +54,7 @@ TAKES = {
     "window": (dict(), dict(window=(64, 64)), False),
     "softcap": (dict(), dict(softcap=30.0), False),
     "alibi": (dict(), dict(alibi=torch.ones(2, 4)), False),
-    "head_dim-64": (dict(head_dim=64), dict(), False),
+    "head_dim-64-off": (dict(head_dim=64), dict(), False),
     "seqlen_q-200": (dict(seqlen_q=200), dict(), False),
     "seqlen_k-200": (dict(seqlen_k=200), dict(), False),
     "fp32": (dict(dtype=torch.float32), dict(), False),
@@ -73,6 +75,7 @@ TAKES = {
 @pytest.mark.parametrize("case", TAKES, ids=list(TAKES))
 def test_which_inputs_the_gluon_kernel_takes(case, monkeypatch):
     monkeypatch.setattr(forward_gluon, "CAUSAL", False)
+    monkeypatch.setattr(forward_gluon, "HEAD_DIMS", (128,))
     shape, spec, expected = TAKES[case]
     shape = dict(batch=2, heads=4, heads_k=4, seqlen_q=256, seqlen_k=384) | shape
     q, k, v = _qkv(**shape)
@@ -99,6 +102,56 @@ def test_which_causal_inputs_the_gluon_kernel_takes_when_on(case, monkeypatch):
     assert not forward_gluon.takes(q, k, v, _spec(window=(-1, 0))), "off: causal stays on the tl kernel"
 
 
+D64_TAKES = {
+    "bf16-256x384": (dict(), dict(), True),
+    "fp16-gqa4-320x640": (
+        dict(heads=8, heads_k=2, seqlen_q=320, seqlen_k=640, dtype=torch.float16),
+        dict(group=4),
+        True,
+    ),
+    "flash-attn-layout-1000x1024": (dict(seqlen_q=1000, seqlen_k=1024, interleaved=True), dict(), True),
+    "seqlen_q-1": (dict(seqlen_q=1), dict(), True),
+    "seqlen_q-200": (dict(seqlen_q=200), dict(), True),
+    "seqlen_k-200": (dict(seqlen_k=200), dict(), False),
+    "causal-320x384": (dict(seqlen_q=320), dict(window=(-1, 0)), True),
+    "causal-fewer-keys-640x384": (dict(seqlen_q=640), dict(window=(-1, 0)), False),
+    "window": (dict(), dict(window=(64, 0)), False),
+    "softcap": (dict(), dict(softcap=30.0), False),
+    "fp32": (dict(dtype=torch.float32), dict(), False),
+    "head_dim-96": (dict(head_dim=96), dict(), False),
+}
+
+
+@pytest.mark.parametrize("case", D64_TAKES, ids=list(D64_TAKES))
+def test_which_head_dim_64_inputs_the_gluon_kernel_takes_when_on(case, monkeypatch):
+    """With head dim 64 in HEAD_DIMS: seqlen_q any length (its query tiles of 192 rows end in a tail),
+    seqlen_k a multiple of 128, causal where seqlen_k >= seqlen_q (CAUSAL on); off (the default), none."""
+    shape, spec, expected = D64_TAKES[case]
+    shape = dict(batch=2, heads=4, heads_k=4, seqlen_q=256, seqlen_k=384, head_dim=64) | shape
+    q, k, v = _qkv(**shape)
+    monkeypatch.setattr(forward_gluon, "CAUSAL", True)
+    monkeypatch.setattr(forward_gluon, "HEAD_DIMS", (64, 128))
+    assert forward_gluon.takes(q, k, v, _spec(**spec)) is expected
+    monkeypatch.setattr(forward_gluon, "HEAD_DIMS", (128,))
+    assert not forward_gluon.takes(q, k, v, _spec(**spec)), "head dim 64 off: the tl kernel"
+
+
+def test_head_dim_64_takes_a_sink_and_keeps_head_dim_128s_lengths(monkeypatch):
+    """A sink at head dim 64 too; head dim 128 still asks for seqlen_q a multiple of its 128-row tiles."""
+    monkeypatch.setattr(forward_gluon, "HEAD_DIMS", (64, 128))
+    q, k, v = _qkv(2, 4, 4, 200, 256, head_dim=64)
+    assert forward_gluon.takes(q, k, v, AttentionSpec(SCALE, sink=torch.zeros(4)))
+    q, k, v = _qkv(2, 4, 4, 200, 256)
+    assert not forward_gluon.takes(q, k, v, _spec())
+
+
+def test_head_dim_64_is_on_only_where_asked_for():
+    """HEAD_DIMS, read from FA2_TRITON_GLUON_D64 at import: (128,) unless it is 1, then (64, 128)."""
+    values = [None, "1", "0", "yes"]
+    got = values_at_import("fa2_triton.forward_gluon", "HEAD_DIMS", "FA2_TRITON_GLUON_D64", values)
+    assert got == ["(128,)", "(64, 128)", "(128,)", "(128,)"], values
+
+
 def test_the_gluon_kernel_takes_no_mixed_or_strided_layouts():
     q, k, v = _qkv(2, 4, 4, 256, 256)
     assert forward_gluon.takes(q, k, v, _spec())
@@ -123,45 +176,72 @@ def test_no_gluon_kernel_off_a_hopper_gpu():
     assert not forward_gluon.uses_gluon(q, k, v, _spec()), "CPU tensors never take the Gluon kernel"
 
 
-def _sm90a_build(dtype_name: str, q_cols: bool, kv_cols: bool, causal: bool = False, sink: bool = False) -> dict:
-    """The kernel (with ``sink``, ``_attn_fwd_gluon_sink``) compiled for sm_90a (``gluon_build.sm90a``):
-    registers, local and shared memory, HGMMA count."""
+def _sm90a_build(
+    dtype_name: str, q_cols: bool, kv_cols: bool, causal: bool = False, sink: bool = False, head_dim: int = 128
+) -> dict:
+    """The kernel (with ``sink``, ``_attn_fwd_gluon_sink``) at ``head_dim`` (its ``forward_gluon.CONFIGS``
+    entry) compiled for sm_90a (``gluon_build.sm90a``): registers and warps, local and shared memory, HGMMA
+    count."""
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype_name]
-    q_layout, kv_layout = forward_gluon._smem_layouts(dtype)
-    rows, block_n, d = forward_gluon.BLOCK_M // 2, forward_gluon.BLOCK_N, forward_gluon.HEAD_DIM
+    config = forward_gluon.CONFIGS[head_dim]
+    q_layout, kv_layout = forward_gluon._smem_layouts(dtype, head_dim)
+    rows, block_n, d = forward_gluon.ROWS, forward_gluon.BLOCK_N, head_dim
+    q_block = f"1, {rows}, {d}" if config.q_tail else f"{rows}, {d}"
     signature = {
-        "q_desc": f"tensordesc<{dtype_name}[{rows}, {d}],{q_layout!r}>",
+        "q_desc": f"tensordesc<{dtype_name}[{q_block}],{q_layout!r}>",
         "k_desc": f"tensordesc<{dtype_name}[{block_n}, {d}],{kv_layout!r}>",
         "v_desc": f"tensordesc<{dtype_name}[{block_n}, {d}],{kv_layout!r}>",
-        "o_desc": f"tensordesc<{dtype_name}[{rows}, {d}],{q_layout!r}>",
+        "o_desc": f"tensordesc<{dtype_name}[{q_block}],{q_layout!r}>",
         "L": "*fp32",
         **({"Sink": "*fp32"} if sink else {}),
         "qk_scale": "fp32",
     }
-    constexprs = dict(Q_COLS=q_cols, KV_COLS=kv_cols, HEAD_DIM=d, CAUSAL=causal)
+    constexprs = forward_gluon._constexprs(config, q_cols, kv_cols, d, causal)
     fn = forward_gluon._attn_fwd_gluon_sink if sink else forward_gluon._attn_fwd_gluon
-    return gluon_build.sm90a(fn, signature, constexprs, forward_gluon.MAXNREG)
+    return gluon_build.sm90a(fn, signature, constexprs, config.maxnreg)
 
 
 @needs_gluon
 @pytest.mark.parametrize(
-    "dtype, q_cols, kv_cols, causal",
-    [("bf16", False, False, False), ("fp16", True, True, False), ("bf16", False, False, True)],
-    ids=["bf16-heads-contiguous", "fp16-flash-attn-layout", "bf16-causal"],
+    "dtype, q_cols, kv_cols, causal, sink, head_dim",
+    [
+        ("bf16", False, False, False, False, 128),
+        ("fp16", True, True, False, False, 128),
+        ("bf16", False, False, True, False, 128),
+        ("bf16", False, False, False, False, 64),
+        ("fp16", True, True, False, True, 64),
+        ("bf16", False, False, True, False, 64),
+        ("fp16", True, True, True, True, 64),
+    ],
+    ids=[
+        "bf16-heads-contiguous",
+        "fp16-flash-attn-layout",
+        "bf16-causal",
+        "D64-bf16-heads-contiguous",
+        "D64-fp16-flash-attn-layout-sink",
+        "D64-bf16-causal",
+        "D64-fp16-flash-attn-layout-causal-sink",
+    ],
 )
-def test_the_gluon_kernel_compiles_for_sm90a(dtype, q_cols, kv_cols, causal):
+def test_the_gluon_kernel_compiles_for_sm90a(dtype, q_cols, kv_cols, causal, sink, head_dim):
     """ptxas's sm_90a build: warpgroup MMAs in the SASS, no local memory, the shared memory within a CTA's
-    227 KB."""
+    227 KB, the registers at launch its config's (``forward_gluon.CONFIGS``) and within the 64K for every warp
+    at launch: at head dim 64, three consumer warpgroups and the loader's (its one warp padded to a warpgroup),
+    16 warps of 128."""
     code = (
         "import json, test_triton_gluon as t; "
-        f"print(json.dumps(t._sm90a_build({dtype!r}, {q_cols}, {kv_cols}, {causal})))"
+        f"print(json.dumps(t._sm90a_build({dtype!r}, {q_cols}, {kv_cols}, {causal}, {sink}, {head_dim})))"
     )
-    run = run_python(code, without="TRITON_INTERPRET", timeout=300)
+    run = run_python(code, without="TRITON_INTERPRET", timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     build = json.loads(run.stdout.strip().splitlines()[-1])
+    config = forward_gluon.CONFIGS[head_dim]
     assert build["hgmma"] > 0, "no warpgroup MMA in the SASS"
     assert build["stack"] == 0, f"{build['stack']} B of local memory a thread"
     assert build["shared"] <= 227 * 1024, f"{build['shared']} B of shared memory"
+    assert build["warps"] == 4 * (config.consumers + 1), f"{build['warps']} warps at launch"
+    assert build["registers"] == config.maxnreg, f"{build['registers']} registers a thread at launch"
+    assert build["registers"] * build["warps"] * 32 <= 65536, "more registers at launch than an SM has"
 
 
 def _hopper(device):
@@ -197,6 +277,60 @@ def test_the_gluon_kernel_matches_the_reference(case, dtype, causal, device, mon
     O, L = flash_attn_forward(q, k, v, spec)
     assert O.is_contiguous()
     assert_matches_reference(O, L, q, k, v, causal, SCALE)
+
+
+D64_CASES = {
+    # One CTA, its third warpgroup's rows all past seqlen_q.
+    "B2-H4-128x256": dict(batch=2, heads=4, heads_k=4, seqlen_q=128, seqlen_k=256),
+    # A CTA and a tail of 128 rows; causal, the band offset by 64 keys (seqlen_k - seqlen_q).
+    "gqa4-320x384": dict(batch=1, heads=8, heads_k=2, seqlen_q=320, seqlen_k=384),
+    "mqa-flash-attn-layout-1024x1024": dict(
+        batch=2, heads=4, heads_k=1, seqlen_q=1024, seqlen_k=1024, interleaved=True
+    ),
+    "B1-H2-1000x1024-flash-attn-layout": dict(
+        batch=1, heads=2, heads_k=2, seqlen_q=1000, seqlen_k=1024, interleaved=True
+    ),
+    "B3-H2-1x640": dict(batch=3, heads=2, heads_k=2, seqlen_q=1, seqlen_k=640),
+    "B2-H2-384x256": dict(batch=2, heads=2, heads_k=2, seqlen_q=384, seqlen_k=256),
+}
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("case", D64_CASES, ids=list(D64_CASES))
+def test_the_head_dim_64_gluon_kernel_matches_the_reference(case, dtype, causal, device, monkeypatch):
+    """Head dim 64 (switched on): three consumer warpgroups, 192-row query tiles whose last one ends past
+    seqlen_q (its O rows not written, its L rows masked: O and L start as NaN), causal with the band of two or
+    three masked key tiles; against the fp64 reference."""
+    _hopper(device)
+    monkeypatch.setattr(forward_gluon, "CAUSAL", True)
+    monkeypatch.setattr(forward_gluon, "HEAD_DIMS", (64, 128))
+    q, k, v = _qkv(dtype=dtype, device=device, head_dim=64, **D64_CASES[case])
+    spec = AttentionSpec(64**-0.5, (-1, 0) if causal else (-1, -1), group=q.shape[1] // k.shape[1])
+    if causal and k.shape[2] < q.shape[2]:
+        assert not forward_gluon.uses_gluon(q, k, v, spec)
+        pytest.skip("causal with fewer keys than queries runs the tl kernel")
+    assert forward_gluon.uses_gluon(q, k, v, spec)
+    O, L = flash_attn_forward(q, k, v, spec)
+    assert O.is_contiguous()
+    assert_matches_reference(O, L, q, k, v, causal, 64**-0.5)
+    monkeypatch.setattr(forward_gluon, "HEAD_DIMS", (128,))
+    assert not forward_gluon.uses_gluon(q, k, v, spec), "head dim 64 off: the tl kernel"
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_the_head_dim_64_gluon_kernel_with_a_sink(dtype, causal, device, monkeypatch):
+    """Head dim 64 with a sink (``_attn_fwd_gluon_sink``), GQA and a query tail."""
+    _hopper(device)
+    monkeypatch.setattr(forward_gluon, "CAUSAL", True)
+    monkeypatch.setattr(forward_gluon, "HEAD_DIMS", (64, 128))
+    q, k, v = _qkv(2, 8, 2, 320, 512, dtype=dtype, device=device, head_dim=64)
+    sink = torch.linspace(-2.0, 3.0, 8, device=device, dtype=torch.float32)
+    spec = AttentionSpec(64**-0.5, (-1, 0) if causal else (-1, -1), group=4, sink=sink)
+    assert forward_gluon.uses_gluon(q, k, v, spec)
+    O, L = flash_attn_forward(q, k, v, spec)
+    assert_matches_reference(O, L, q, k, v, causal, 64**-0.5, sink=sink)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
@@ -278,7 +412,7 @@ def test_gluon_plans_are_kept_per_class_of_inputs(monkeypatch):
         kernel, grid, args, constexprs, options, classes = launches[-1]
         assert kernel is forward_gluon._attn_fwd_gluon and grid == (seqlen // 128, 4)
         assert classes == launch.arg_classes(args)
-        q_layout, kv_layout = forward_gluon._smem_layouts(q.dtype)
+        q_layout, kv_layout = forward_gluon._smem_layouts(q.dtype, 128)
         want = [
             forward_gluon.GluonTensorDescriptor.from_tensor(forward_gluon._rows_2d(t, interleaved), block, layout)
             for t, block, layout in ((q, [64, 128], q_layout), (k, [128, 128], kv_layout), (v, [128, 128], kv_layout))
@@ -294,7 +428,17 @@ def test_gluon_plans_are_kept_per_class_of_inputs(monkeypatch):
                 ref.padding,
             )
         assert args[4] is L and args[5:] == (SCALE * forward_gluon.LOG2_E, seqlen, seqlen, 4, 2)
-        assert constexprs == dict(Q_COLS=interleaved, KV_COLS=interleaved, HEAD_DIM=128, CAUSAL=False)
+        assert constexprs == dict(
+            Q_COLS=interleaved,
+            KV_COLS=interleaved,
+            HEAD_DIM=128,
+            CAUSAL=False,
+            NUM_CONSUMERS=2,
+            STAGES=3,
+            Q_TAIL=False,
+            CONSUMER_REGS=240,
+        )
+        assert options == dict(num_warps=4, maxnreg=168)
         return list(forward_gluon._PLANS.values())
 
     plans = call(128, seed=1)
@@ -302,3 +446,43 @@ def test_gluon_plans_are_kept_per_class_of_inputs(monkeypatch):
     assert call(128, seed=2) == plans
     assert len(call(128, interleaved=True, seed=3)) == 2
     assert len(call(256, seed=4)) == 3
+
+
+@needs_gluon
+@pytest.mark.parametrize("interleaved", [False, True], ids=["heads-contiguous", "flash-attn-layout"])
+def test_head_dim_64_gluon_plans(interleaved, monkeypatch):
+    """The head dim 64 launch, on the CPU with the launch stubbed: Q's and O's descriptors over 3-D views, a
+    plane a head (contiguous) or a batch (flash-attn's layout), in blocks of [1, 64, 64]; K's and V's 2-D in
+    blocks of [128, 64]; a grid of cdiv(seqlen_q, 192) query tiles; the three-consumer build's constexprs and
+    its 128 registers at launch."""
+    launches = []
+    monkeypatch.setattr(forward_gluon, "launch", lambda *a: launches.append(a))
+    monkeypatch.setattr(forward_gluon, "HEAD_DIMS", (64, 128))
+    forward_gluon._PLANS.clear()
+    q, k, v = random_qkv((2, 4, 320, 64), (2, 2, 384, 64), torch.bfloat16, "cpu")
+    if interleaved:
+        q, k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v))
+    assert forward_gluon.takes(q, k, v, _spec(group=2))
+    O, L = forward_gluon.flash_attn_forward(q, k, v, _spec(group=2))
+    kernel, grid, args, constexprs, options, classes = launches[-1]
+    assert kernel is forward_gluon._attn_fwd_gluon and grid == (2, 8)
+    q_desc, k_desc, v_desc, o_desc = args[:4]
+    q_shape = (2, 320, 4 * 64) if interleaved else (8, 320, 64)
+    assert tuple(q_desc.shape) == q_shape and q_desc.block_shape == [1, 64, 64]
+    assert tuple(o_desc.shape) == (8, 320, 64) and o_desc.block_shape == [1, 64, 64]
+    assert o_desc.base.data_ptr() == O.data_ptr() and q_desc.base.data_ptr() == q.data_ptr()
+    k_shape = (2 * 384, 2 * 64) if interleaved else (2 * 2 * 384, 64)
+    assert tuple(k_desc.shape) == k_shape and tuple(v_desc.shape) == k_shape and k_desc.block_shape == [128, 64]
+    assert args[4] is L and args[5:] == (SCALE * forward_gluon.LOG2_E, 320, 384, 4, 2)
+    assert constexprs == dict(
+        Q_COLS=interleaved,
+        KV_COLS=interleaved,
+        HEAD_DIM=64,
+        CAUSAL=False,
+        NUM_CONSUMERS=3,
+        STAGES=6,
+        Q_TAIL=True,
+        CONSUMER_REGS=160,
+    )
+    assert options == dict(num_warps=4, maxnreg=128)
+    forward_gluon._PLANS.clear()

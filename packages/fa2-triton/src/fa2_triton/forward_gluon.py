@@ -1,15 +1,27 @@
 """fa2-triton's Hopper forward in Gluon (``triton.experimental.gluon``): warp-specialised, on warpgroup MMA.
 
 Where ``forward_tl.py``'s kernel leaves the schedule to Triton's compiler, this one writes it down, as
-FlashAttention-3 does: one CTA per 128 query rows of a (batch, head) has three partitions,
+FlashAttention-3 does: one CTA per query tile of a (batch, head), 64 rows a consumer warpgroup, has these
+partitions,
 
-- a loader warp that issues every copy: the two 64-row halves of Q once, then K and V tile after tile
-  through TMA into a ring of ``STAGES`` shared-memory buffers, each with a ready mbarrier the copy
-  completes and an empty one both consumers arrive at when their MMAs have read the buffer;
-- two consumer warpgroups, 64 query rows each. A step of one issues P V of the previous key tile and
+- a loader warp that issues every copy: the consumers' 64-row blocks of Q once, then K and V tile after tile
+  (128 keys) through TMA into a ring of ``STAGES`` shared-memory buffers, each with a ready mbarrier the copy
+  completes and an empty one every consumer arrives at when its MMAs have read the buffer;
+- the consumer warpgroups, 64 query rows each. A step of one issues P V of the previous key tile and
   S = Q K^T of this one as asynchronous warpgroup MMAs (``warpgroup_mma``, P from registers), waits for
-  both, then runs the online softmax. The two take turns to issue (``turn`` mbarriers: ping-pong), so one's
-  softmax runs while the other's MMAs keep the tensor cores busy.
+  both, then runs the online softmax. They take turns to issue (``turn`` mbarriers, warpgroup w waiting for
+  its own and arriving at (w + 1)'s), so one's softmax runs while another's MMAs keep the tensor cores busy.
+
+The build is a head_dim's (``CONFIGS``, the kernel's constexprs after CAUSAL):
+
+- head_dim 128: two consumers (128-row query tiles: ping-pong), three K/V stages; Q and O copied through 2-D
+  views of all heads' rows, so seqlen_q a multiple of 128 (a tile past a head's end would read, or write, the
+  next head's rows);
+- head_dim 64 (FlashAttention-3's tile there: at 64 a step's MMAs take half as long while its softmax does
+  not, and two warpgroups no longer cover each other's): three consumers (192-row query tiles), six stages;
+  Q and O copied through 3-D views bounded per head (``_rows_3d``), so seqlen_q is any length: the last
+  query tile reads zeros past seqlen_q, its O rows there are not stored (TMA drops them) and its L rows are
+  masked. Not yet measured on a GPU: it runs only where ``HEAD_DIMS`` has 64 (FA2_TRITON_GLUON_D64=1).
 
 The kernel's outputs are the tl kernel's: O (batch, heads, seqlen_q, head_dim) contiguous, staged in the
 consumer's Q buffer and stored by TMA, and L = m + log(l) in natural log. It is launched through
@@ -17,19 +29,29 @@ consumer's Q buffer and stored by TMA, and L = m + log(l) in natural log. It is 
 (on the H200 its host time had made fa2.attention's calls at N = 512 wait on the host).
 
 Which inputs take it (``uses_gluon``), as measured on the H200 (docs/notes/gluon-forward.md): a Hopper GPU
-(compute capability 9.0) with Gluon's Hopper API importable, not the interpreter; fp16 or bf16;
-head_dim 128; no window, no softcap, no ALiBi, no packed batch, no KV cache (a sink is fine:
-``_attn_fwd_gluon_sink``, the same body with HAS_SINK, adds it in the consumers' epilogue); causal only where
-``CAUSAL`` is on (the default; FA2_TRITON_GLUON_CAUSAL=0 turns it off) and seqlen_k >= seqlen_q: each query tile
-t then reads the key tiles up to its diagonal one and masks that one alone (bottom-right aligned, here with
-seqlen_q = 256, seqlen_k = 384, tiles of 128 as blocks)::
+(compute capability 9.0) with Gluon's Hopper API importable, not the interpreter; fp16 or bf16; head_dim in
+``HEAD_DIMS`` (128; 64 too with FA2_TRITON_GLUON_D64=1); no window, no softcap, no ALiBi, no packed batch, no KV
+cache (a sink is fine: ``_attn_fwd_gluon_sink``, the same body with HAS_SINK, adds it in the consumers'
+epilogue); causal only where ``CAUSAL`` is on (the default; FA2_TRITON_GLUON_CAUSAL=0 turns it off) and
+seqlen_k >= seqlen_q. At head_dim 128 each query tile t then reads the key tiles up to its diagonal one and
+masks that one alone (bottom-right aligned, here with seqlen_q = 256, seqlen_k = 384, tiles of 128 as
+blocks)::
 
     query tile 0:  [ whole ][ diag  ][ -     ]
     query tile 1:  [ whole ][ whole ][ diag  ]
 
-seqlen_q and seqlen_k multiples of 128 (the copies are 2-D, over all heads' rows: a tile past a head's end
-would read, or write, the next head's rows); each of q, k, v with its heads' rows contiguous, (batch, heads,
-seqlen, head_dim), or interleaved, (batch, seqlen, heads, head_dim) as flash-attn's layout, 16-byte aligned;
+At head_dim 64 a query tile of 192 rows spans a band of 192 diagonal keys, across up to three key tiles
+(``_band``): every consumer runs the same tiles, up to the one holding the last row's diagonal key; the
+tiles before the first row's diagonal key run unmasked and the band's masked, for every row (a row that sees
+none of a masked tile's keys keeps its m: ``m_safe``). With seqlen_q = seqlen_k = 512::
+
+    query tile 0 (rows 0-191):    [ band  ][ band  ][ -     ][ -     ]
+    query tile 1 (rows 192-383):  [ whole ][ band  ][ band  ][ -     ]
+    query tile 2 (rows 384-511):  [ whole ][ whole ][ whole ][ band  ]
+
+seqlen_k a multiple of 128 (K and V are copied through 2-D views of all heads' rows); seqlen_q a multiple of
+128 at head_dim 128, any at 64; each of q, k, v with its heads' rows contiguous, (batch, heads, seqlen,
+head_dim), or interleaved, (batch, seqlen, heads, head_dim) as flash-attn's layout, 16-byte aligned;
 batch·heads at most 65,535 (the grid's second axis); not a short call (``tiles.short_call``: a call bound by
 the host, where the four descriptors' host time outweighs what the kernel saves). Grouped-query attention is
 in the kernel (query head h reads key/value head h // group). Everything else runs ``forward_tl.py``'s kernel;
@@ -49,6 +71,7 @@ import os
 from typing import NamedTuple
 
 import torch
+import triton
 
 from fa2.spec import AttentionSpec
 from fa2_triton.common import LOG2_E, group_size, on_hopper
@@ -71,21 +94,49 @@ try:
 except ImportError:  # a Triton without Gluon's Hopper API: the tl kernel runs everywhere
     GLUON = False
 
-BLOCK_M = 128  # query rows a CTA: two consumer warpgroups of 64
 BLOCK_N = 128  # keys a K/V tile
-HEAD_DIM = 128
 MAX_GRID_Y = 65535
-STAGES = 3  # K/V buffers: 3 x 2 x 32 KB, with Q's 32 KB 224 KB of the H200's 227 KB a CTA
-# Registers: 12 warps (two consumer warpgroups, the loader's) x 168 at launch fill the 64K; the partitions
-# then set 240 (consumers) and 24 (loader).
-MAXNREG = 168
+ROWS = 64  # query rows of one consumer warpgroup
+
+
+class Config(NamedTuple):
+    """The kernel's build for one head_dim (``CONFIGS``)."""
+
+    # Consumer warpgroups of ROWS query rows: a CTA's query tile is consumers · ROWS rows.
+    consumers: int
+    # K/V buffers: as many as a CTA's 227 KB of shared memory holds beside Q's.
+    stages: int
+    # Registers a thread at launch (``maxnreg``). Triton pads the worker partitions to whole warpgroups (the
+    # loader's one warp takes a warpgroup of four), so 4 · (consumers + 1) warps must fit the 64K.
+    maxnreg: int
+    # Registers a thread the worker consumers ask for (``gl.warp_specialize``); the loader asks for
+    # LOADER_REGS, and the first consumer (the default partition) gets what is left: 64K less the others'.
+    consumer_regs: int
+    # Q and O copied through 3-D views bounded per head, (batch·heads, seqlen_q, head_dim) or (batch,
+    # seqlen_q, heads·head_dim): TMA reads zeros past seqlen_q and drops stores there, so seqlen_q need not be
+    # a multiple of the query tile (L's store is masked). Without it, 2-D views of all heads' rows.
+    q_tail: bool
+
+
+LOADER_REGS = 24
+CONFIGS = {
+    # Two consumers, 128 query rows, three stages (3 x 2 x 32 KB, with Q's 32 KB 224 KB); 12 warps x 168 at
+    # launch fill the 64K, then 240 a consumer and 24 the loader.
+    128: Config(consumers=2, stages=3, maxnreg=168, consumer_regs=240, q_tail=False),
+    # Three consumers, 192 query rows (FlashAttention-3's head_dim 64 tile), six stages (6 x 2 x 16 KB, with
+    # Q's 24 KB 216 KB); 16 warps x 128 at launch, then 160 the two worker consumers, 24 the loader's
+    # warpgroup and 168 the first consumer (65,536 - 2 x 128 x 160 - 128 x 24 = 128 x 168).
+    64: Config(consumers=3, stages=6, maxnreg=128, consumer_regs=160, q_tail=True),
+}
+# The head dims fa2-triton's forward sends to this kernel (``takes``): 128, measured on the H200
+# (docs/notes/gluon-forward.md); 64 too with FA2_TRITON_GLUON_D64=1, its three-consumer build not yet measured
+# on a GPU. Read once; tests set the attribute.
+HEAD_DIMS = (64, 128) if os.environ.get("FA2_TRITON_GLUON_D64") == "1" else (128,)
 # Causal attention on this kernel (the diagonal tile masked, the tiles past it never loaded): on the H200 at
 # 0a7f704 (16k tokens, H 16, D 128, N 2k-16k) 452-578 TFLOP/s bf16 against the tl kernel's 430-490 and
 # cuDNN's 491-567 (docs/notes/gluon-forward.md). FA2_TRITON_GLUON_CAUSAL=0 sends causal inputs to the tl
 # kernel. Read once; tests set the attribute.
 CAUSAL = os.environ.get("FA2_TRITON_GLUON_CAUSAL", "1") != "0"
-CONSUMER_REGS = 240
-LOADER_REGS = 24
 
 
 def uses_gluon(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionSpec) -> bool:
@@ -101,14 +152,17 @@ def _on_hopper(device: torch.device) -> bool:
 
 def takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionSpec) -> bool:
     """Whether the kernel takes these inputs, whatever the device."""
-    if q.dtype not in (torch.float16, torch.bfloat16) or q.shape[-1] != HEAD_DIM:
+    head_dim = q.shape[-1]
+    if q.dtype not in (torch.float16, torch.bfloat16) or head_dim not in HEAD_DIMS:
         return False
     if spec.softcap or spec.alibi_slopes is not None or spec.varlen:
         return False
     # Causal with at least as many keys as queries: every query tile then sees its diagonal tile.
     if spec.masked and not (CAUSAL and spec.causal and k.shape[2] >= q.shape[2]):
         return False
-    if q.numel() == 0 or k.numel() == 0 or q.shape[2] % BLOCK_M or k.shape[2] % BLOCK_N:
+    if q.numel() == 0 or k.numel() == 0 or k.shape[2] % BLOCK_N:
+        return False
+    if q.shape[2] % (CONFIGS[head_dim].consumers * ROWS) and not CONFIGS[head_dim].q_tail:
         return False
     if q.shape[0] * q.shape[1] > MAX_GRID_Y:  # the grid's second axis is batch·heads
         return False
@@ -130,12 +184,13 @@ def flash_attn_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionSpec
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Arguments:
-        q: (batch, heads, seqlen_q, 128); k, v: (batch, heads_k, seqlen_k, 128), heads a multiple of
-            heads_k; fp16 or bf16 on a Hopper GPU; inputs that ``uses_gluon`` accepts.
-        spec: the scale and the sink (no mask, softcap, bias or packing: ``uses_gluon``).
+        q: (batch, heads, seqlen_q, head_dim); k, v: (batch, heads_k, seqlen_k, head_dim), heads a multiple of
+            heads_k, head_dim a key of ``CONFIGS``; fp16 or bf16 on a Hopper GPU; inputs that ``uses_gluon``
+            accepts.
+        spec: the scale, causal and the sink (no window, softcap, bias or packing: ``uses_gluon``).
 
     Returns:
-        O: (batch, heads, seqlen_q, 128), q's dtype, contiguous. L: (batch, heads, seqlen_q), float32,
+        O: (batch, heads, seqlen_q, head_dim), q's dtype, contiguous. L: (batch, heads, seqlen_q), float32,
         natural log of the scores' sum (and exp(sink[h]) with a sink).
     """
     batch, heads, seqlen_q, head_dim = q.shape
@@ -159,9 +214,9 @@ def flash_attn_forward(
     plan = _PLANS.get(key)
     if plan is None:
         plan = _plan(q, k, v, O, spec)
-    bases = (_rows_2d(q, plan.q_cols), _rows_2d(k, plan.kv_cols), _rows_2d(v, plan.kv_cols), O.view(-1, head_dim))
     q_desc, k_desc, v_desc, o_desc = (
-        copy_descriptor(GluonTensorDescriptor, d, t) for d, t in zip(plan.descriptors, bases)
+        copy_descriptor(GluonTensorDescriptor, d, t)
+        for d, t in zip(plan.descriptors, _views(q, k, v, O, plan.q_cols, plan.kv_cols, plan.config.q_tail))
     )
     if sink is None:
         kernel, args = _attn_fwd_gluon, (q_desc, k_desc, v_desc, o_desc, L, *plan.scalars)
@@ -169,8 +224,9 @@ def flash_attn_forward(
         kernel, args = _attn_fwd_gluon_sink, (q_desc, k_desc, v_desc, o_desc, L, sink, *plan.scalars)
     if plan.classes is None:
         plan = _PLANS.keep(key, plan._replace(classes=arg_classes(args)))
+    options = dict(num_warps=4, maxnreg=plan.config.maxnreg)
     with on_device(q.device):
-        launch(kernel, plan.grid, args, plan.constexprs, dict(num_warps=4, maxnreg=MAXNREG), plan.classes)
+        launch(kernel, plan.grid, args, plan.constexprs, options, plan.classes)
     return O, L
 
 
@@ -178,6 +234,7 @@ class _Plan(NamedTuple):
     """What ``flash_attn_forward`` works out from the inputs' shapes, strides, dtype, alignment and the spec,
     but for the tensors: kept per class of inputs (``_PLANS``)."""
 
+    config: Config
     q_cols: bool
     kv_cols: bool
     # Q's, K's, V's and O's descriptors but for their base (GluonTensorDescriptor's fields).
@@ -199,22 +256,48 @@ def _plan(q, k, v, O, spec: AttentionSpec) -> _Plan:
     """The launch of ``flash_attn_forward``'s inputs: the four descriptors built and checked by Gluon once a
     class (~3 µs each of host time on the H200), then copied (``launch.copy_descriptor``)."""
     batch, heads, seqlen_q, head_dim = q.shape
-    q_layout, kv_layout = _smem_layouts(q.dtype)
+    config = CONFIGS[head_dim]
+    q_layout, kv_layout = _smem_layouts(q.dtype, head_dim)
     q_cols, kv_cols = _rows_layout(q), _rows_layout(k)
+    q_view, k_view, v_view, o_view = _views(q, k, v, O, q_cols, kv_cols, config.q_tail)
+    q_block = [1, ROWS, head_dim] if config.q_tail else [ROWS, head_dim]
     descriptors = (
-        GluonTensorDescriptor.from_tensor(_rows_2d(q, q_cols), [BLOCK_M // 2, head_dim], q_layout),
-        GluonTensorDescriptor.from_tensor(_rows_2d(k, kv_cols), [BLOCK_N, head_dim], kv_layout),
-        GluonTensorDescriptor.from_tensor(_rows_2d(v, kv_cols), [BLOCK_N, head_dim], kv_layout),
-        GluonTensorDescriptor.from_tensor(O.view(-1, head_dim), [BLOCK_M // 2, head_dim], q_layout),
+        GluonTensorDescriptor.from_tensor(q_view, q_block, q_layout),
+        GluonTensorDescriptor.from_tensor(k_view, [BLOCK_N, head_dim], kv_layout),
+        GluonTensorDescriptor.from_tensor(v_view, [BLOCK_N, head_dim], kv_layout),
+        GluonTensorDescriptor.from_tensor(o_view, q_block, q_layout),
     )
     return _Plan(
+        config,
         q_cols,
         kv_cols,
         tuple({**d.__dict__, "base": None} for d in descriptors),
-        (seqlen_q // BLOCK_M, batch * heads),
+        (triton.cdiv(seqlen_q, config.consumers * ROWS), batch * heads),
         (spec.scale * LOG2_E, seqlen_q, k.shape[2], heads, group_size(q, k)),
-        dict(Q_COLS=q_cols, KV_COLS=kv_cols, HEAD_DIM=head_dim, CAUSAL=spec.causal),
+        _constexprs(config, q_cols, kv_cols, head_dim, spec.causal),
     )
+
+
+def _constexprs(config: Config, q_cols: bool, kv_cols: bool, head_dim: int, causal: bool) -> dict:
+    """The kernel's constexprs, in the order of its parameters."""
+    return dict(
+        Q_COLS=q_cols,
+        KV_COLS=kv_cols,
+        HEAD_DIM=head_dim,
+        CAUSAL=causal,
+        NUM_CONSUMERS=config.consumers,
+        STAGES=config.stages,
+        Q_TAIL=config.q_tail,
+        CONSUMER_REGS=config.consumer_regs,
+    )
+
+
+def _views(q, k, v, O, q_cols: bool, kv_cols: bool, q_tail: bool) -> tuple[torch.Tensor, ...]:
+    """The tensors the copies read and write: K's and V's rows in 2-D (``_rows_2d``); Q's and O's the same, or
+    with ``q_tail`` in 3-D, a plane a head (``_rows_3d``)."""
+    if q_tail:
+        return _rows_3d(q, q_cols), _rows_2d(k, kv_cols), _rows_2d(v, kv_cols), _rows_3d(O, False)
+    return _rows_2d(q, q_cols), _rows_2d(k, kv_cols), _rows_2d(v, kv_cols), O.view(-1, O.shape[3])
 
 
 def _rows_2d(t: torch.Tensor, heads_in_cols: bool) -> torch.Tensor:
@@ -225,33 +308,53 @@ def _rows_2d(t: torch.Tensor, heads_in_cols: bool) -> torch.Tensor:
     return t.reshape(-1, t.shape[3])
 
 
+def _rows_3d(t: torch.Tensor, heads_in_cols: bool) -> torch.Tensor:
+    """t's rows as a 3-D tensor whose middle axis is one head's seqlen, so that a copy past a head's last row
+    stays in that head (zeros read, nothing written): (batch·heads, seqlen, head_dim) or (batch, seqlen,
+    heads·head_dim)."""
+    if heads_in_cols:
+        return t.transpose(1, 2).reshape(t.shape[0], t.shape[2], t.shape[1] * t.shape[3])
+    return t.reshape(-1, t.shape[2], t.shape[3])
+
+
 @functools.cache
-def _smem_layouts(dtype: torch.dtype):
+def _smem_layouts(dtype: torch.dtype, head_dim: int):
+    """Q's (and O's) and K's (and V's) shared-memory layouts at ``head_dim``: the copies' blocks."""
     gdtype = gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
+    q_block = [1, ROWS, head_dim] if CONFIGS[head_dim].q_tail else [ROWS, head_dim]
     return (
-        gl.NVMMASharedLayout.get_default_for([BLOCK_M // 2, HEAD_DIM], gdtype),
-        gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], gdtype),
+        gl.NVMMASharedLayout.get_default_for(q_block, gdtype),
+        gl.NVMMASharedLayout.get_default_for([BLOCK_N, head_dim], gdtype),
     )
 
 
 if GLUON:
-    _ROWS = gl.constexpr(BLOCK_M // 2)  # query rows of one consumer warpgroup
+    _ROWS = gl.constexpr(ROWS)
     _BLOCK_N = gl.constexpr(BLOCK_N)
-    _STAGES = gl.constexpr(STAGES)
     # The copies' names since Triton 3.7 (async_load, async_store), else 3.6's; the backward's kernels take
     # them from here.
     async_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
     async_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
-    _CONSUMER_REGS = gl.constexpr(CONSUMER_REGS)
     _LOADER_REGS = gl.constexpr(LOADER_REGS)
 
     @gluon.jit
     def _coords(
-        N_Q, N_K, H, GROUP, Q_COLS: gl.constexpr, KV_COLS: gl.constexpr, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr
+        N_Q,
+        N_K,
+        H,
+        GROUP,
+        Q_COLS: gl.constexpr,
+        KV_COLS: gl.constexpr,
+        HEAD_DIM: gl.constexpr,
+        CAUSAL: gl.constexpr,
+        NUM_CONSUMERS: gl.constexpr,
+        Q_TAIL: gl.constexpr,
     ):
-        """This CTA's query tile t, its first Q row and column, its key/value head's first row and column in
-        the 2-D views, and its first O row. Causal, the tiles run last first: the last sees the most keys, and
-        the short ones then fill the GPU's last wave."""
+        """This CTA's query tile t and batch·head bh; where its copies start: Q's (q_plane, q_row, q_col), K's
+        and V's (kv_row, kv_col, in the 2-D views) and O's (o_row). Q and O are 2-D views of every head's rows
+        (q_plane unused), or with Q_TAIL 3-D views (``_rows_3d``) whose planes are heads (O's: plane bh) or, in
+        flash-attn's layout, batches (Q's: plane b), the rows then counted within the head. Causal, the tiles
+        run last first: the last sees the most keys, and the short ones then fill the GPU's last wave."""
         t = gl.program_id(0)
         if CAUSAL:
             t = gl.num_programs(0) - 1 - t
@@ -259,20 +362,31 @@ if GLUON:
         b = bh // H
         h = bh % H
         h_k = h // GROUP
-        o_row = bh * N_Q + t * (2 * _ROWS)
-        if Q_COLS:
-            q_row = b * N_Q + t * (2 * _ROWS)
-            q_col = h * HEAD_DIM
-        else:
+        if Q_TAIL:
+            o_row = t * (NUM_CONSUMERS * _ROWS)
             q_row = o_row
-            q_col = 0
+            if Q_COLS:
+                q_plane = b
+                q_col = h * HEAD_DIM
+            else:
+                q_plane = bh
+                q_col = 0
+        else:
+            q_plane = bh
+            o_row = bh * N_Q + t * (NUM_CONSUMERS * _ROWS)
+            if Q_COLS:
+                q_row = b * N_Q + t * (NUM_CONSUMERS * _ROWS)
+                q_col = h * HEAD_DIM
+            else:
+                q_row = o_row
+                q_col = 0
         if KV_COLS:
             kv_row = b * N_K
             kv_col = h_k * HEAD_DIM
         else:
             kv_row = (b * (H // GROUP) + h_k) * N_K
             kv_col = 0
-        return t, q_row, q_col, kv_row, kv_col, o_row
+        return t, bh, q_plane, q_row, q_col, kv_row, kv_col, o_row
 
     @gluon.jit
     def key_tiles(t, N_Q, N_K, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
@@ -282,6 +396,30 @@ if GLUON:
         if CAUSAL:
             return t + 1 + (N_K - N_Q) // BLOCK_N
         return N_K // BLOCK_N
+
+    @gluon.jit
+    def _band(t, N_Q, N_K, BLOCK_M: gl.constexpr):
+        """Causal, query tiles of BLOCK_M rows, more than a key tile's (N_K >= N_Q, N_K a multiple of the key
+        tiles, N_Q any): the key tiles query tile t reads, n, up to the one holding the diagonal key of its last
+        row below N_Q; and n_whole, how many of them every row of the tile sees whole, up to the diagonal key
+        of its first row. The n - n_whole after those (up to three at BLOCK_M = 192) are the band, which some row
+        masks."""
+        first = t * BLOCK_M + N_K - N_Q
+        last = gl.minimum(t * BLOCK_M + BLOCK_M, N_Q) - 1 + N_K - N_Q
+        return (first + 1) // _BLOCK_N, last // _BLOCK_N + 1
+
+    @gluon.jit
+    def _key_tiles(t, N_Q, N_K, NUM_CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr):
+        """The key tiles query tile t reads: ``key_tiles``, or causal with query tiles taller than a key tile,
+        ``_band``'s n."""
+        if CAUSAL:
+            if NUM_CONSUMERS * _ROWS == _BLOCK_N:
+                n = key_tiles(t, N_Q, N_K, _BLOCK_N, CAUSAL)
+            else:
+                n_whole, n = _band(t, N_Q, N_K, NUM_CONSUMERS * _ROWS)
+        else:
+            n = key_tiles(t, N_Q, N_K, _BLOCK_N, CAUSAL)
+        return n
 
     @gluon.jit
     def _loader(
@@ -309,15 +447,23 @@ if GLUON:
         HEAD_DIM: gl.constexpr,
         HAS_SINK: gl.constexpr,
         CAUSAL: gl.constexpr,
+        NUM_CONSUMERS: gl.constexpr,
+        STAGES: gl.constexpr,
+        Q_TAIL: gl.constexpr,
     ):
-        t, q_row, q_col, kv_row, kv_col, o_row = _coords(N_Q, N_K, H, GROUP, Q_COLS, KV_COLS, HEAD_DIM, CAUSAL)
-        mbarrier.expect(q_ready, 2 * q_desc.block_type.nbytes)
-        async_load(q_desc, [q_row, q_col], q_ready, q_smem.index(0))
-        async_load(q_desc, [q_row + _ROWS, q_col], q_ready, q_smem.index(1))
-        for j in range(key_tiles(t, N_Q, N_K, _BLOCK_N, CAUSAL)):
-            s = j % _STAGES
+        t, bh, q_plane, q_row, q_col, kv_row, kv_col, o_row = _coords(
+            N_Q, N_K, H, GROUP, Q_COLS, KV_COLS, HEAD_DIM, CAUSAL, NUM_CONSUMERS, Q_TAIL
+        )
+        mbarrier.expect(q_ready, NUM_CONSUMERS * q_desc.block_type.nbytes)
+        for wg in gl.static_range(NUM_CONSUMERS):
+            if Q_TAIL:
+                async_load(q_desc, [q_plane, q_row + wg * _ROWS, q_col], q_ready, q_smem.index(wg))
+            else:
+                async_load(q_desc, [q_row + wg * _ROWS, q_col], q_ready, q_smem.index(wg))
+        for j in range(_key_tiles(t, N_Q, N_K, NUM_CONSUMERS, CAUSAL)):
+            s = j % STAGES
             # A fresh barrier counts its phase before the first as complete: the first pass does not wait.
-            mbarrier.wait(kv_empty.index(s), ((j // _STAGES) & 1) ^ 1)
+            mbarrier.wait(kv_empty.index(s), ((j // STAGES) & 1) ^ 1)
             mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
             async_load(k_desc, [kv_row + j * _BLOCK_N, kv_col], k_ready.index(s), k_smem.index(s))
             mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
@@ -325,8 +471,10 @@ if GLUON:
 
     @gluon.jit
     def _turn_wait(turn, k, WG: gl.constexpr):
-        # Warpgroup 0 issues first: its first wait is on the phase a fresh barrier counts as complete.
-        mbarrier.wait(turn.index(WG), (k & 1) ^ (1 - WG))
+        # The consumers issue in turn, 0, 1, (2,) 0, ...: warpgroup WG's turn k is the k-th completion of
+        # turn[WG] (the previous warpgroup's arrival), warpgroup 0's the (k - 1)-th, so that its first wait is
+        # on the phase a fresh barrier counts as complete.
+        mbarrier.wait(turn.index(WG), (k & 1) ^ (1 if WG == 0 else 0))
 
     @gluon.jit
     def _step(
@@ -348,18 +496,21 @@ if GLUON:
         o_layout: gl.constexpr,
         p_layout: gl.constexpr,
         WG: gl.constexpr,
+        NUM_CONSUMERS: gl.constexpr,
+        STAGES: gl.constexpr,
         HAS_PREV: gl.constexpr,
         MASK: gl.constexpr,
     ):
-        """Key tile j: P V of tile j - 1 (HAS_PREV) and S = Q K_j^T issued in this warpgroup's turn, then
-        the online softmax of S, with MASK (a causal diagonal tile) the keys past last_key + r hidden from
-        the warpgroup's row r. Returns P (as the next MMA's register operand), O, m, l."""
+        """Key tile j: P V of tile j - 1 (HAS_PREV) and S = Q K_j^T issued in this warpgroup's turn (then the
+        next warpgroup's, (WG + 1) % NUM_CONSUMERS), then the online softmax of S, with MASK (a causal
+        diagonal tile) the keys past last_key + r hidden from the warpgroup's row r. Returns P (as the next
+        MMA's register operand), O, m, l."""
         # side-by-side: gluon-step
-        s = j % _STAGES
-        mbarrier.wait(k_ready.index(s), (j // _STAGES) & 1)
-        sp = (j + _STAGES - 1) % _STAGES
+        s = j % STAGES
+        mbarrier.wait(k_ready.index(s), (j // STAGES) & 1)
+        sp = (j + STAGES - 1) % STAGES
         if HAS_PREV:
-            mbarrier.wait(v_ready.index(sp), ((j - 1) // _STAGES) & 1)
+            mbarrier.wait(v_ready.index(sp), ((j - 1) // STAGES) & 1)
         _turn_wait(turn, j, WG)
         if HAS_PREV:
             acc = warpgroup_mma(p_prev, v_smem.index(sp), acc, is_async=True)
@@ -370,7 +521,7 @@ if GLUON:
             use_acc=False,
             is_async=True,
         )
-        mbarrier.arrive(turn.index(1 - WG), count=1)
+        mbarrier.arrive(turn.index((WG + 1) % NUM_CONSUMERS), count=1)
         S, acc = warpgroup_mma_wait(num_outstanding=0, deps=(S, acc))
         if HAS_PREV:
             mbarrier.arrive(kv_empty.index(sp), count=1)
@@ -417,8 +568,13 @@ if GLUON:
         HEAD_DIM: gl.constexpr,
         HAS_SINK: gl.constexpr,
         CAUSAL: gl.constexpr,
+        NUM_CONSUMERS: gl.constexpr,
+        STAGES: gl.constexpr,
+        Q_TAIL: gl.constexpr,
     ):
-        t, q_row, q_col, kv_row, kv_col, o_row = _coords(N_Q, N_K, H, GROUP, Q_COLS, KV_COLS, HEAD_DIM, CAUSAL)
+        t, bh, q_plane, q_row, q_col, kv_row, kv_col, o_row = _coords(
+            N_Q, N_K, H, GROUP, Q_COLS, KV_COLS, HEAD_DIM, CAUSAL, NUM_CONSUMERS, Q_TAIL
+        )
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, _BLOCK_N, 16]
         )
@@ -426,64 +582,179 @@ if GLUON:
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16]
         )
         p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-        q = q_smem.index(WG)
+        if Q_TAIL:
+            q = q_smem.index(WG).reshape([_ROWS, HEAD_DIM])  # the 3-D copies' [1, ROWS, HEAD_DIM] block
+        else:
+            q = q_smem.index(WG)
         mbarrier.wait(q_ready, 0)
         m_i = gl.full([_ROWS], -float("inf"), gl.float32, gl.SliceLayout(1, s_layout))
         l_i = gl.zeros([_ROWS], gl.float32, gl.SliceLayout(1, s_layout))
         acc = gl.zeros([_ROWS, HEAD_DIM], gl.float32, o_layout)
         p = gl.zeros([_ROWS, _BLOCK_N], q_desc.dtype, p_layout)
-        n = key_tiles(t, N_Q, N_K, _BLOCK_N, CAUSAL)
+        n = _key_tiles(t, N_Q, N_K, NUM_CONSUMERS, CAUSAL)
         # The key on the diagonal of this warpgroup's first row (causal): the last it sees.
-        last_key = t * (2 * _ROWS) + WG * _ROWS + N_K - N_Q
+        last_key = t * (NUM_CONSUMERS * _ROWS) + WG * _ROWS + N_K - N_Q
         if CAUSAL:
-            # Only the last tile, the diagonal one, is masked; the tiles before it are whole.
-            if n == 1:
-                p, acc, m_i, l_i = _step(
-                    0,
-                    q,
-                    k_smem,
-                    v_smem,
-                    k_ready,
-                    v_ready,
-                    kv_empty,
-                    turn,
-                    p,
-                    acc,
-                    m_i,
-                    l_i,
-                    qk_scale,
-                    last_key,
-                    s_layout,
-                    o_layout,
-                    p_layout,
-                    WG,
-                    False,
-                    True,
-                )
+            if NUM_CONSUMERS * _ROWS == _BLOCK_N:
+                # Only the last tile, the diagonal one, is masked; the tiles before it are whole.
+                if n == 1:
+                    p, acc, m_i, l_i = _step(
+                        0,
+                        q,
+                        k_smem,
+                        v_smem,
+                        k_ready,
+                        v_ready,
+                        kv_empty,
+                        turn,
+                        p,
+                        acc,
+                        m_i,
+                        l_i,
+                        qk_scale,
+                        last_key,
+                        s_layout,
+                        o_layout,
+                        p_layout,
+                        WG,
+                        NUM_CONSUMERS,
+                        STAGES,
+                        False,
+                        True,
+                    )
+                else:
+                    p, acc, m_i, l_i = _step(
+                        0,
+                        q,
+                        k_smem,
+                        v_smem,
+                        k_ready,
+                        v_ready,
+                        kv_empty,
+                        turn,
+                        p,
+                        acc,
+                        m_i,
+                        l_i,
+                        qk_scale,
+                        last_key,
+                        s_layout,
+                        o_layout,
+                        p_layout,
+                        WG,
+                        NUM_CONSUMERS,
+                        STAGES,
+                        False,
+                        False,
+                    )
+                    for j in range(1, n - 1):
+                        p, acc, m_i, l_i = _step(
+                            j,
+                            q,
+                            k_smem,
+                            v_smem,
+                            k_ready,
+                            v_ready,
+                            kv_empty,
+                            turn,
+                            p,
+                            acc,
+                            m_i,
+                            l_i,
+                            qk_scale,
+                            last_key,
+                            s_layout,
+                            o_layout,
+                            p_layout,
+                            WG,
+                            NUM_CONSUMERS,
+                            STAGES,
+                            True,
+                            False,
+                        )
+                    p, acc, m_i, l_i = _step(
+                        n - 1,
+                        q,
+                        k_smem,
+                        v_smem,
+                        k_ready,
+                        v_ready,
+                        kv_empty,
+                        turn,
+                        p,
+                        acc,
+                        m_i,
+                        l_i,
+                        qk_scale,
+                        last_key,
+                        s_layout,
+                        o_layout,
+                        p_layout,
+                        WG,
+                        NUM_CONSUMERS,
+                        STAGES,
+                        True,
+                        True,
+                    )
             else:
-                p, acc, m_i, l_i = _step(
-                    0,
-                    q,
-                    k_smem,
-                    v_smem,
-                    k_ready,
-                    v_ready,
-                    kv_empty,
-                    turn,
-                    p,
-                    acc,
-                    m_i,
-                    l_i,
-                    qk_scale,
-                    last_key,
-                    s_layout,
-                    o_layout,
-                    p_layout,
-                    WG,
-                    False,
-                    False,
-                )
-                for j in range(1, n - 1):
+                # Query tiles taller than a key tile: the diagonal band crosses up to three key tiles. Every
+                # consumer runs the same tiles (the turns go round once a tile), and the tiles that any row of
+                # the CTA masks are masked for all (a row may see none of one: m_safe keeps it NaN-free).
+                n_whole, n = _band(t, N_Q, N_K, NUM_CONSUMERS * _ROWS)
+                # The most key tiles a band covers: its keys, the first row's diagonal key + 1 to the last
+                # row's, are BLOCK_M - 1 at most (3 tiles at BLOCK_M = 192).
+                BAND: gl.constexpr = (NUM_CONSUMERS * _ROWS - 2) // _BLOCK_N + 2
+                if n_whole == 0:
+                    p, acc, m_i, l_i = _step(
+                        0,
+                        q,
+                        k_smem,
+                        v_smem,
+                        k_ready,
+                        v_ready,
+                        kv_empty,
+                        turn,
+                        p,
+                        acc,
+                        m_i,
+                        l_i,
+                        qk_scale,
+                        last_key,
+                        s_layout,
+                        o_layout,
+                        p_layout,
+                        WG,
+                        NUM_CONSUMERS,
+                        STAGES,
+                        False,
+                        True,
+                    )
+                else:
+                    p, acc, m_i, l_i = _step(
+                        0,
+                        q,
+                        k_smem,
+                        v_smem,
+                        k_ready,
+                        v_ready,
+                        kv_empty,
+                        turn,
+                        p,
+                        acc,
+                        m_i,
+                        l_i,
+                        qk_scale,
+                        last_key,
+                        s_layout,
+                        o_layout,
+                        p_layout,
+                        WG,
+                        NUM_CONSUMERS,
+                        STAGES,
+                        False,
+                        False,
+                    )
+                for j in range(1, n_whole):
                     p, acc, m_i, l_i = _step(
                         j,
                         q,
@@ -503,31 +774,40 @@ if GLUON:
                         o_layout,
                         p_layout,
                         WG,
+                        NUM_CONSUMERS,
+                        STAGES,
                         True,
                         False,
                     )
-                p, acc, m_i, l_i = _step(
-                    n - 1,
-                    q,
-                    k_smem,
-                    v_smem,
-                    k_ready,
-                    v_ready,
-                    kv_empty,
-                    turn,
-                    p,
-                    acc,
-                    m_i,
-                    l_i,
-                    qk_scale,
-                    last_key,
-                    s_layout,
-                    o_layout,
-                    p_layout,
-                    WG,
-                    True,
-                    True,
-                )
+                # The band, at most BAND tiles: unrolled, as a loop would keep the mask's column indices live
+                # across the MMAs (hoisted out of it), which spills at 160 registers.
+                j0 = gl.maximum(n_whole, 1)
+                for i in gl.static_range(BAND):
+                    if j0 + i < n:
+                        p, acc, m_i, l_i = _step(
+                            j0 + i,
+                            q,
+                            k_smem,
+                            v_smem,
+                            k_ready,
+                            v_ready,
+                            kv_empty,
+                            turn,
+                            p,
+                            acc,
+                            m_i,
+                            l_i,
+                            qk_scale,
+                            last_key,
+                            s_layout,
+                            o_layout,
+                            p_layout,
+                            WG,
+                            NUM_CONSUMERS,
+                            STAGES,
+                            True,
+                            True,
+                        )
         else:
             p, acc, m_i, l_i = _step(
                 0,
@@ -548,6 +828,8 @@ if GLUON:
                 o_layout,
                 p_layout,
                 WG,
+                NUM_CONSUMERS,
+                STAGES,
                 False,
                 False,
             )
@@ -571,14 +853,16 @@ if GLUON:
                     o_layout,
                     p_layout,
                     WG,
+                    NUM_CONSUMERS,
+                    STAGES,
                     True,
                     False,
                 )
-        last = (n - 1) % _STAGES
-        mbarrier.wait(v_ready.index(last), ((n - 1) // _STAGES) & 1)
+        last = (n - 1) % STAGES
+        mbarrier.wait(v_ready.index(last), ((n - 1) // STAGES) & 1)
         _turn_wait(turn, n, WG)
         acc = warpgroup_mma(p, v_smem.index(last), acc, is_async=True)
-        mbarrier.arrive(turn.index(1 - WG), count=1)
+        mbarrier.arrive(turn.index((WG + 1) % NUM_CONSUMERS), count=1)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
 
         # side-by-side: gluon-sink
@@ -599,10 +883,17 @@ if GLUON:
         o = (acc / l_o[:, None]).to(q_desc.dtype)
         q.store(o)  # Q's buffer is free: this warpgroup's last Q K^T has completed
         fence_async_shared()
-        async_store(o_desc, [o_row + WG * _ROWS, 0], q)
         # m is in log2 units of the scaled scores; L in natural log.
-        rows = o_row + WG * _ROWS + gl.arange(0, _ROWS, layout=gl.SliceLayout(1, s_layout))
-        gl.store(L + rows, gl.where(empty, float("inf"), (m_i + gl.log2(l_i)) * 0.6931471805599453))
+        if Q_TAIL:
+            # The store drops O's rows past N_Q; L's are masked.
+            async_store(o_desc, [bh, o_row + WG * _ROWS, 0], q_smem.index(WG))
+            rows = o_row + WG * _ROWS + gl.arange(0, _ROWS, layout=gl.SliceLayout(1, s_layout))
+            lse = gl.where(empty, float("inf"), (m_i + gl.log2(l_i)) * 0.6931471805599453)
+            gl.store(L + bh * N_Q + rows, lse, mask=rows < N_Q)
+        else:
+            async_store(o_desc, [o_row + WG * _ROWS, 0], q)
+            rows = o_row + WG * _ROWS + gl.arange(0, _ROWS, layout=gl.SliceLayout(1, s_layout))
+            gl.store(L + rows, gl.where(empty, float("inf"), (m_i + gl.log2(l_i)) * 0.6931471805599453))
         tma.store_wait(0)
 
     @gluon.jit
@@ -631,6 +922,9 @@ if GLUON:
         HEAD_DIM: gl.constexpr,
         HAS_SINK: gl.constexpr,
         CAUSAL: gl.constexpr,
+        NUM_CONSUMERS: gl.constexpr,
+        STAGES: gl.constexpr,
+        Q_TAIL: gl.constexpr,
     ):
         _consumer(
             0,
@@ -658,6 +952,9 @@ if GLUON:
             HEAD_DIM,
             HAS_SINK,
             CAUSAL,
+            NUM_CONSUMERS,
+            STAGES,
+            Q_TAIL,
         )
 
     @gluon.jit
@@ -686,6 +983,9 @@ if GLUON:
         HEAD_DIM: gl.constexpr,
         HAS_SINK: gl.constexpr,
         CAUSAL: gl.constexpr,
+        NUM_CONSUMERS: gl.constexpr,
+        STAGES: gl.constexpr,
+        Q_TAIL: gl.constexpr,
     ):
         _consumer(
             1,
@@ -713,6 +1013,70 @@ if GLUON:
             HEAD_DIM,
             HAS_SINK,
             CAUSAL,
+            NUM_CONSUMERS,
+            STAGES,
+            Q_TAIL,
+        )
+
+    @gluon.jit
+    def _consumer2(
+        q_desc,
+        k_desc,
+        v_desc,
+        o_desc,
+        q_smem,
+        k_smem,
+        v_smem,
+        q_ready,
+        k_ready,
+        v_ready,
+        kv_empty,
+        turn,
+        L,
+        Sink,
+        qk_scale,
+        N_Q,
+        N_K,
+        H,
+        GROUP,
+        Q_COLS: gl.constexpr,
+        KV_COLS: gl.constexpr,
+        HEAD_DIM: gl.constexpr,
+        HAS_SINK: gl.constexpr,
+        CAUSAL: gl.constexpr,
+        NUM_CONSUMERS: gl.constexpr,
+        STAGES: gl.constexpr,
+        Q_TAIL: gl.constexpr,
+    ):
+        _consumer(
+            2,
+            q_desc,
+            k_desc,
+            v_desc,
+            o_desc,
+            q_smem,
+            k_smem,
+            v_smem,
+            q_ready,
+            k_ready,
+            v_ready,
+            kv_empty,
+            turn,
+            L,
+            Sink,
+            qk_scale,
+            N_Q,
+            N_K,
+            H,
+            GROUP,
+            Q_COLS,
+            KV_COLS,
+            HEAD_DIM,
+            HAS_SINK,
+            CAUSAL,
+            NUM_CONSUMERS,
+            STAGES,
+            Q_TAIL,
         )
 
     @gluon.jit
@@ -731,11 +1095,35 @@ if GLUON:
         KV_COLS: gl.constexpr,
         HEAD_DIM: gl.constexpr,
         CAUSAL: gl.constexpr,
+        NUM_CONSUMERS: gl.constexpr,
+        STAGES: gl.constexpr,
+        Q_TAIL: gl.constexpr,
+        CONSUMER_REGS: gl.constexpr,
     ):
         """The kernel without a sink. Two entry points over one body (``_attn_fwd``, HAS_SINK a constexpr) so
-        that this one keeps its arguments: no pointer it never reads, the same build as before sinks."""
+        that this one keeps its arguments: no pointer it never reads, the same build as before sinks. The
+        constexprs after CAUSAL are a head_dim's ``Config``."""
         _attn_fwd(
-            q_desc, k_desc, v_desc, o_desc, L, L, qk_scale, N_Q, N_K, H, GROUP, Q_COLS, KV_COLS, HEAD_DIM, False, CAUSAL
+            q_desc,
+            k_desc,
+            v_desc,
+            o_desc,
+            L,
+            L,
+            qk_scale,
+            N_Q,
+            N_K,
+            H,
+            GROUP,
+            Q_COLS,
+            KV_COLS,
+            HEAD_DIM,
+            False,
+            CAUSAL,
+            NUM_CONSUMERS,
+            STAGES,
+            Q_TAIL,
+            CONSUMER_REGS,
         )
 
     @gluon.jit
@@ -755,6 +1143,10 @@ if GLUON:
         KV_COLS: gl.constexpr,
         HEAD_DIM: gl.constexpr,
         CAUSAL: gl.constexpr,
+        NUM_CONSUMERS: gl.constexpr,
+        STAGES: gl.constexpr,
+        Q_TAIL: gl.constexpr,
+        CONSUMER_REGS: gl.constexpr,
     ):
         """The kernel with attention sinks: Sink (H,) float32."""
         _attn_fwd(
@@ -774,6 +1166,10 @@ if GLUON:
             HEAD_DIM,
             True,
             CAUSAL,
+            NUM_CONSUMERS,
+            STAGES,
+            Q_TAIL,
+            CONSUMER_REGS,
         )
 
     @gluon.jit
@@ -794,117 +1190,271 @@ if GLUON:
         HEAD_DIM: gl.constexpr,
         HAS_SINK: gl.constexpr,
         CAUSAL: gl.constexpr,
+        NUM_CONSUMERS: gl.constexpr,
+        STAGES: gl.constexpr,
+        Q_TAIL: gl.constexpr,
+        CONSUMER_REGS: gl.constexpr,
     ):
         dtype: gl.constexpr = q_desc.dtype
-        q_smem = gl.allocate_shared_memory(dtype, [2, _ROWS, HEAD_DIM], q_desc.layout)
-        k_smem = gl.allocate_shared_memory(dtype, [_STAGES, _BLOCK_N, HEAD_DIM], k_desc.layout)
-        v_smem = gl.allocate_shared_memory(dtype, [_STAGES, _BLOCK_N, HEAD_DIM], v_desc.layout)
+        if Q_TAIL:
+            # A consumer's Q block as the 3-D copies write it, [1, ROWS, HEAD_DIM].
+            q_smem = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS, 1, _ROWS, HEAD_DIM], q_desc.layout)
+        else:
+            q_smem = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS, _ROWS, HEAD_DIM], q_desc.layout)
+        k_smem = gl.allocate_shared_memory(dtype, [STAGES, _BLOCK_N, HEAD_DIM], k_desc.layout)
+        v_smem = gl.allocate_shared_memory(dtype, [STAGES, _BLOCK_N, HEAD_DIM], v_desc.layout)
         q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        k_ready = gl.allocate_shared_memory(gl.int64, [_STAGES, 1], mbarrier.MBarrierLayout())
-        v_ready = gl.allocate_shared_memory(gl.int64, [_STAGES, 1], mbarrier.MBarrierLayout())
-        kv_empty = gl.allocate_shared_memory(gl.int64, [_STAGES, 1], mbarrier.MBarrierLayout())
-        turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        turn = gl.allocate_shared_memory(gl.int64, [NUM_CONSUMERS, 1], mbarrier.MBarrierLayout())
         mbarrier.init(q_ready, count=1)
-        for i in gl.static_range(_STAGES):
+        for i in gl.static_range(STAGES):
             mbarrier.init(k_ready.index(i), count=1)
             mbarrier.init(v_ready.index(i), count=1)
-            mbarrier.init(kv_empty.index(i), count=2)  # both consumers release a buffer
-        for i in gl.static_range(2):
+            mbarrier.init(kv_empty.index(i), count=NUM_CONSUMERS)  # every consumer releases a buffer
+        for i in gl.static_range(NUM_CONSUMERS):
             mbarrier.init(turn.index(i), count=1)
         # The worker partitions take one signature, so every partition gets the whole list; it is spelled
-        # out here because a tuple bound to a name first loses its constexprs.
-        # side-by-side: gluon-partitions
-        gl.warp_specialize(
-            [
-                (
-                    _consumer0,
+        # out here because a tuple bound to a name first loses its constexprs. The first partition (the
+        # default) runs in the launch's four warps; the others' warps and registers follow.
+        if NUM_CONSUMERS == 3:
+            gl.warp_specialize(
+                [
                     (
-                        q_desc,
-                        k_desc,
-                        v_desc,
-                        o_desc,
-                        q_smem,
-                        k_smem,
-                        v_smem,
-                        q_ready,
-                        k_ready,
-                        v_ready,
-                        kv_empty,
-                        turn,
-                        L,
-                        Sink,
-                        qk_scale,
-                        N_Q,
-                        N_K,
-                        H,
-                        GROUP,
-                        Q_COLS,
-                        KV_COLS,
-                        HEAD_DIM,
-                        HAS_SINK,
-                        CAUSAL,
+                        _consumer0,
+                        (
+                            q_desc,
+                            k_desc,
+                            v_desc,
+                            o_desc,
+                            q_smem,
+                            k_smem,
+                            v_smem,
+                            q_ready,
+                            k_ready,
+                            v_ready,
+                            kv_empty,
+                            turn,
+                            L,
+                            Sink,
+                            qk_scale,
+                            N_Q,
+                            N_K,
+                            H,
+                            GROUP,
+                            Q_COLS,
+                            KV_COLS,
+                            HEAD_DIM,
+                            HAS_SINK,
+                            CAUSAL,
+                            NUM_CONSUMERS,
+                            STAGES,
+                            Q_TAIL,
+                        ),
                     ),
-                ),
-                (
-                    _consumer1,
                     (
-                        q_desc,
-                        k_desc,
-                        v_desc,
-                        o_desc,
-                        q_smem,
-                        k_smem,
-                        v_smem,
-                        q_ready,
-                        k_ready,
-                        v_ready,
-                        kv_empty,
-                        turn,
-                        L,
-                        Sink,
-                        qk_scale,
-                        N_Q,
-                        N_K,
-                        H,
-                        GROUP,
-                        Q_COLS,
-                        KV_COLS,
-                        HEAD_DIM,
-                        HAS_SINK,
-                        CAUSAL,
+                        _consumer1,
+                        (
+                            q_desc,
+                            k_desc,
+                            v_desc,
+                            o_desc,
+                            q_smem,
+                            k_smem,
+                            v_smem,
+                            q_ready,
+                            k_ready,
+                            v_ready,
+                            kv_empty,
+                            turn,
+                            L,
+                            Sink,
+                            qk_scale,
+                            N_Q,
+                            N_K,
+                            H,
+                            GROUP,
+                            Q_COLS,
+                            KV_COLS,
+                            HEAD_DIM,
+                            HAS_SINK,
+                            CAUSAL,
+                            NUM_CONSUMERS,
+                            STAGES,
+                            Q_TAIL,
+                        ),
                     ),
-                ),
-                (
-                    _loader,
                     (
-                        q_desc,
-                        k_desc,
-                        v_desc,
-                        o_desc,
-                        q_smem,
-                        k_smem,
-                        v_smem,
-                        q_ready,
-                        k_ready,
-                        v_ready,
-                        kv_empty,
-                        turn,
-                        L,
-                        Sink,
-                        qk_scale,
-                        N_Q,
-                        N_K,
-                        H,
-                        GROUP,
-                        Q_COLS,
-                        KV_COLS,
-                        HEAD_DIM,
-                        HAS_SINK,
-                        CAUSAL,
+                        _consumer2,
+                        (
+                            q_desc,
+                            k_desc,
+                            v_desc,
+                            o_desc,
+                            q_smem,
+                            k_smem,
+                            v_smem,
+                            q_ready,
+                            k_ready,
+                            v_ready,
+                            kv_empty,
+                            turn,
+                            L,
+                            Sink,
+                            qk_scale,
+                            N_Q,
+                            N_K,
+                            H,
+                            GROUP,
+                            Q_COLS,
+                            KV_COLS,
+                            HEAD_DIM,
+                            HAS_SINK,
+                            CAUSAL,
+                            NUM_CONSUMERS,
+                            STAGES,
+                            Q_TAIL,
+                        ),
                     ),
-                ),
-            ],
-            [4, 1],
-            [_CONSUMER_REGS, _LOADER_REGS],
-        )
-        # side-by-side: end
+                    (
+                        _loader,
+                        (
+                            q_desc,
+                            k_desc,
+                            v_desc,
+                            o_desc,
+                            q_smem,
+                            k_smem,
+                            v_smem,
+                            q_ready,
+                            k_ready,
+                            v_ready,
+                            kv_empty,
+                            turn,
+                            L,
+                            Sink,
+                            qk_scale,
+                            N_Q,
+                            N_K,
+                            H,
+                            GROUP,
+                            Q_COLS,
+                            KV_COLS,
+                            HEAD_DIM,
+                            HAS_SINK,
+                            CAUSAL,
+                            NUM_CONSUMERS,
+                            STAGES,
+                            Q_TAIL,
+                        ),
+                    ),
+                ],
+                [4, 4, 1],
+                [CONSUMER_REGS, CONSUMER_REGS, _LOADER_REGS],
+            )
+        else:
+            # side-by-side: gluon-partitions
+            gl.warp_specialize(
+                [
+                    (
+                        _consumer0,
+                        (
+                            q_desc,
+                            k_desc,
+                            v_desc,
+                            o_desc,
+                            q_smem,
+                            k_smem,
+                            v_smem,
+                            q_ready,
+                            k_ready,
+                            v_ready,
+                            kv_empty,
+                            turn,
+                            L,
+                            Sink,
+                            qk_scale,
+                            N_Q,
+                            N_K,
+                            H,
+                            GROUP,
+                            Q_COLS,
+                            KV_COLS,
+                            HEAD_DIM,
+                            HAS_SINK,
+                            CAUSAL,
+                            NUM_CONSUMERS,
+                            STAGES,
+                            Q_TAIL,
+                        ),
+                    ),
+                    (
+                        _consumer1,
+                        (
+                            q_desc,
+                            k_desc,
+                            v_desc,
+                            o_desc,
+                            q_smem,
+                            k_smem,
+                            v_smem,
+                            q_ready,
+                            k_ready,
+                            v_ready,
+                            kv_empty,
+                            turn,
+                            L,
+                            Sink,
+                            qk_scale,
+                            N_Q,
+                            N_K,
+                            H,
+                            GROUP,
+                            Q_COLS,
+                            KV_COLS,
+                            HEAD_DIM,
+                            HAS_SINK,
+                            CAUSAL,
+                            NUM_CONSUMERS,
+                            STAGES,
+                            Q_TAIL,
+                        ),
+                    ),
+                    (
+                        _loader,
+                        (
+                            q_desc,
+                            k_desc,
+                            v_desc,
+                            o_desc,
+                            q_smem,
+                            k_smem,
+                            v_smem,
+                            q_ready,
+                            k_ready,
+                            v_ready,
+                            kv_empty,
+                            turn,
+                            L,
+                            Sink,
+                            qk_scale,
+                            N_Q,
+                            N_K,
+                            H,
+                            GROUP,
+                            Q_COLS,
+                            KV_COLS,
+                            HEAD_DIM,
+                            HAS_SINK,
+                            CAUSAL,
+                            NUM_CONSUMERS,
+                            STAGES,
+                            Q_TAIL,
+                        ),
+                    ),
+                ],
+                [4, 1],
+                [CONSUMER_REGS, _LOADER_REGS],
+            )
+            # side-by-side: end
