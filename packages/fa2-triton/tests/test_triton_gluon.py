@@ -38,6 +38,10 @@ def _qkv(
     return random_qkv((batch, heads, seqlen_q, head_dim), (batch, heads_k, seqlen_k, head_dim), dtype, device)
 
 
+# forward_gluon's head dim 64 bounds before a fixture sets them.
+_D64_BOUNDS = (forward_gluon.D64_MIN_KEYS, forward_gluon.D64_MIN_CAUSAL_QUERIES)
+
+
 def _spec(group=1, window=(-1, -1), softcap=0.0, alibi=None, **packed):
     return AttentionSpec(SCALE, window, softcap, alibi, group, **packed)
 
@@ -145,11 +149,43 @@ def test_head_dim_64_takes_a_sink_and_keeps_head_dim_128s_lengths(monkeypatch):
     assert not forward_gluon.takes(q, k, v, _spec())
 
 
-def test_head_dim_64_is_on_only_where_asked_for():
-    """HEAD_DIMS, read from FA2_TRITON_GLUON_D64 at import: (128,) unless it is 1, then (64, 128)."""
+def test_head_dim_64_is_on_unless_turned_off():
+    """HEAD_DIMS, read from FA2_TRITON_GLUON_D64 at import: (64, 128) unless it is 0, then (128,)."""
     values = [None, "1", "0", "yes"]
     got = values_at_import("fa2_triton.forward_gluon", "HEAD_DIMS", "FA2_TRITON_GLUON_D64", values)
-    assert got == ["(128,)", "(64, 128)", "(128,)", "(128,)"], values
+    assert got == ["(64, 128)", "(64, 128)", "(128,)", "(64, 128)"], values
+
+
+@pytest.mark.parametrize(
+    "head_dim, seqlen_q, seqlen_k, causal, expected",
+    [
+        (128, 256, 256, False, True),
+        (128, 256, 256, True, True),
+        (64, 128, 2048, False, False),
+        (64, 1, 4096, False, True),
+        (64, 4096, 4096, True, False),
+        (64, 4096, 8192, True, False),
+        (64, 8192, 8192, True, True),
+    ],
+    ids=[
+        "D128-full",
+        "D128-causal",
+        "D64-2k-keys",
+        "D64-4k-keys",
+        "D64-causal-4k",
+        "D64-causal-4k-of-8k",
+        "D64-causal-8k",
+    ],
+)
+def test_head_dim_64_runs_where_it_was_measured_faster(head_dim, seqlen_q, seqlen_k, causal, expected, monkeypatch):
+    """``pays``: head dim 128 always; 64 from D64_MIN_KEYS keys without a mask, D64_MIN_CAUSAL_QUERIES queries
+    causal (its causal band costs most where a query tile reads few key tiles), whatever the keys. The module's
+    bounds as imported: the conftest's long_calls, which every test here uses, sets both to 0."""
+    monkeypatch.setattr(forward_gluon, "D64_MIN_KEYS", _D64_BOUNDS[0])
+    monkeypatch.setattr(forward_gluon, "D64_MIN_CAUSAL_QUERIES", _D64_BOUNDS[1])
+    q = torch.empty(1, 1, seqlen_q, head_dim, dtype=torch.bfloat16)
+    k = torch.empty(1, 1, seqlen_k, head_dim, dtype=torch.bfloat16)
+    assert forward_gluon.pays(q, k, _spec(window=(-1, 0) if causal else (-1, -1))) is expected
 
 
 def test_the_gluon_kernel_takes_no_mixed_or_strided_layouts():

@@ -21,7 +21,9 @@ The build is a head_dim's (``CONFIGS``, the kernel's constexprs after CAUSAL):
   not, and two warpgroups no longer cover each other's): three consumers (192-row query tiles), six stages;
   Q and O copied through 3-D views bounded per head (``_rows_3d``), so seqlen_q is any length: the last
   query tile reads zeros past seqlen_q, its O rows there are not stored (TMA drops them) and its L rows are
-  masked. Not yet measured on a GPU: it runs only where ``HEAD_DIMS`` has 64 (FA2_TRITON_GLUON_D64=1).
+  masked. Measured on an H100 (docs/notes/gluon-forward.md), it runs where it was faster than the tl
+  kernel: seqlen_k >= ``D64_MIN_KEYS`` without a mask, seqlen_q >= ``D64_MIN_CAUSAL_QUERIES`` causal
+  (FA2_TRITON_GLUON_D64=0 turns it off).
 
 The kernel's outputs are the tl kernel's: O (batch, heads, seqlen_q, head_dim) contiguous, staged in the
 consumer's Q buffer and stored by TMA, and L = m + log(l) in natural log. It is launched through
@@ -30,9 +32,9 @@ consumer's Q buffer and stored by TMA, and L = m + log(l) in natural log. It is 
 
 Which inputs take it (``uses_gluon``), as measured on the H200 (docs/notes/gluon-forward.md): a Hopper GPU
 (compute capability 9.0) with Gluon's Hopper API importable, not the interpreter; fp16 or bf16; head_dim in
-``HEAD_DIMS`` (128; 64 too with FA2_TRITON_GLUON_D64=1); no window, no softcap, no ALiBi, no packed batch, no KV
-cache (a sink is fine: ``_attn_fwd_gluon_sink``, the same body with HAS_SINK, adds it in the consumers'
-epilogue); causal only where ``CAUSAL`` is on (the default; FA2_TRITON_GLUON_CAUSAL=0 turns it off) and
+``HEAD_DIMS`` (128 and 64, the latter on long enough calls: ``pays``); no window, no softcap, no ALiBi, no
+packed batch, no KV cache (a sink is fine: ``_attn_fwd_gluon_sink``, the same body with HAS_SINK, adds it in
+the consumers' epilogue); causal only where ``CAUSAL`` is on (the default; FA2_TRITON_GLUON_CAUSAL=0 turns it off) and
 seqlen_k >= seqlen_q. At head_dim 128 each query tile t then reads the key tiles up to its diagonal one and
 masks that one alone (bottom-right aligned, here with seqlen_q = 256, seqlen_k = 384, tiles of 128 as
 blocks)::
@@ -128,10 +130,15 @@ CONFIGS = {
     # warpgroup and 168 the first consumer (65,536 - 2 x 128 x 160 - 128 x 24 = 128 x 168).
     64: Config(consumers=3, stages=6, maxnreg=128, consumer_regs=160, q_tail=True),
 }
-# The head dims fa2-triton's forward sends to this kernel (``takes``): 128, measured on the H200
-# (docs/notes/gluon-forward.md); 64 too with FA2_TRITON_GLUON_D64=1, its three-consumer build not yet measured
-# on a GPU. Read once; tests set the attribute.
-HEAD_DIMS = (64, 128) if os.environ.get("FA2_TRITON_GLUON_D64") == "1" else (128,)
+# The head dims fa2-triton's forward sends to this kernel (``takes``); FA2_TRITON_GLUON_D64=0 leaves head dim 64
+# to the tl kernel. Read once; tests set the attribute.
+HEAD_DIMS = (128,) if os.environ.get("FA2_TRITON_GLUON_D64") == "0" else (64, 128)
+# Head dim 64's three-consumer build against the tl kernel on an H100 (bf16, 16k tokens, H 32,
+# docs/notes/gluon-forward.md): without a mask 0.99x at N = 2k, 1.06-1.10x from 4k; causal 0.64x / 0.87x at 2k / 4k
+# (a query tile's band of masked key tiles is then a large share of its steps), 1.05x / 1.08x at 8k / 16k. So it
+# takes calls of at least these many keys (no mask) or queries (causal).
+D64_MIN_KEYS = 4096
+D64_MIN_CAUSAL_QUERIES = 8192
 # Causal attention on this kernel (the diagonal tile masked, the tiles past it never loaded): on the H200 at
 # 0a7f704 (16k tokens, H 16, D 128, N 2k-16k) 452-578 TFLOP/s bf16 against the tl kernel's 430-490 and
 # cuDNN's 491-567 (docs/notes/gluon-forward.md). FA2_TRITON_GLUON_CAUSAL=0 sends causal inputs to the tl
@@ -143,7 +150,15 @@ def uses_gluon(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: Attentio
     """Whether fa2-triton's forward runs this module's kernel on these inputs (the module docstring says
     which, and why): a device that can run it, inputs it takes, and a call long enough that its four
     descriptors' host time pays (not ``tiles.short_call``)."""
-    return _on_hopper(q.device) and not short_call(q, k) and takes(q, k, v, spec)
+    return _on_hopper(q.device) and not short_call(q, k) and takes(q, k, v, spec) and pays(q, k, spec)
+
+
+def pays(q: torch.Tensor, k: torch.Tensor, spec: AttentionSpec) -> bool:
+    """Whether the kernel is measured faster than the tl one on inputs it takes: always at head dim 128; at 64
+    from ``D64_MIN_KEYS`` keys without a mask, ``D64_MIN_CAUSAL_QUERIES`` queries causal."""
+    if q.shape[-1] != 64:
+        return True
+    return q.shape[2] >= D64_MIN_CAUSAL_QUERIES if spec.causal else k.shape[2] >= D64_MIN_KEYS
 
 
 def _on_hopper(device: torch.device) -> bool:

@@ -94,8 +94,9 @@ RUNGS: tuple[Rung, ...] = (
         "gluon",
         "Gluon (Hopper): the default path",
         "fa2-triton's default forward: the warp-specialised Gluon kernel (forward_gluon, ping-pong consumers "
-        "on wgmma) where forward_gluon.uses_gluon takes the inputs (a Hopper GPU, 16-bit, D = 128, no window, "
-        "N a multiple of 128, causal with seqlen_k >= seqlen_q), the table's tl kernel elsewhere (then this "
+        "on wgmma) where forward_gluon.uses_gluon takes the inputs (a Hopper GPU, 16-bit, D = 128, or D = 64 on "
+        "three consumers from 4k keys, 8k queries causal; no window, seqlen_k a multiple of 128, causal with "
+        "seqlen_k >= seqlen_q), the table's tl kernel elsewhere (then this "
         "rung is the previous one); the default backward (on Hopper at D = 64 and 128, causal or no mask, Gluon "
         "dK/dV and dQ kernels, backward_gluon).",
     ),
