@@ -85,7 +85,7 @@ def _config_id(config):
         return ""
     name = f"-M{config.BLOCK_M}" + ("-dv-early" if config.DV_EARLY else "")
     name += f"-dqN{config.DQ_BLOCK_N}" if config.DQ_WGMMA else "-tc-dq"
-    return name + ("-split" if config.SPLIT_MASK else "") + ("-tile-major" if config.TILE_MAJOR else "")
+    return name + ("-split" if config.SPLIT_MASK else "")
 
 
 def _build_group(d, window, softcap, alibi, config, varlen=False, dtype=torch.bfloat16):
@@ -137,8 +137,6 @@ SPLIT = backward_wgmma.WgmmaBwdConfig(64, SPLIT_MASK=True)
 WIDE_DQ = backward_wgmma.WgmmaBwdConfig(64, DQ_BLOCK_N=128, SPLIT_MASK=True)
 # 96-query dK/dV steps and 96-key dQ tiles (both kernels' loops written out, ``mma.unrolled``).
 TALL = backward_wgmma.WgmmaBwdConfig(96, DQ_BLOCK_N=96, SPLIT_MASK=True)
-# Both grids tile-major (longest blocks first across heads), as with a packed batch.
-TILE_MAJOR = backward_wgmma.WgmmaBwdConfig(64, SPLIT_MASK=True, TILE_MAJOR=True)
 if SIMULATED:
     KERNEL_CASES = [
         *_cases(torch.float16, SIM_SHAPES),
@@ -157,8 +155,6 @@ if SIMULATED:
         _case(torch.float16, 1, 2, 1, 40, 140, 64, True, WIDE_DQ),
         # GQA 2:1, a ragged 96-row step a head, 96-key dQ tiles (the causal case with a softcap and ALiBi is below)
         _case(torch.float16, 1, 2, 1, 70, 150, 64, False, TALL),
-        # two batches, two key blocks and two query blocks each: the batches' blocks interleaved
-        _case(torch.float16, 2, 1, 1, 130, 130, 64, True, TILE_MAJOR),
     ]
 else:
     KERNEL_CASES = [
@@ -170,7 +166,6 @@ else:
         *_cases(torch.bfloat16, GPU_SHAPES, SPLIT),
         *_cases(torch.bfloat16, GPU_SHAPES, WIDE_DQ),
         *_cases(torch.bfloat16, GPU_SHAPES, TALL),
-        *_cases(torch.bfloat16, GPU_SHAPES[:6], TILE_MAJOR),
     ]
 
 
@@ -550,10 +545,10 @@ def test_strided_inputs_match_reference(wgmma_device, causal):
 
 
 def test_kernels_are_kept_by_the_fields_they_read():
-    """A configuration's dK/dV kernel is the one of every configuration with its BLOCK_M, DV_EARLY, SPLIT_MASK and
-    TILE_MAJOR, its dQ kernel the one of every configuration with its DQ_BLOCK_N, SPLIT_MASK and TILE_MAJOR
-    (``kernel_config``: a tuner's candidates share them); a field the kernel reads makes another one. (numba
-    compiles on the first launch: these builds are only the dispatchers.)"""
+    """A configuration's dK/dV kernel is the one of every configuration with its BLOCK_M, DV_EARLY and SPLIT_MASK,
+    its dQ kernel the one of every configuration with its DQ_BLOCK_N and SPLIT_MASK (``kernel_config``: a tuner's
+    candidates share them); a field the kernel reads makes another one. (numba compiles on the first launch: these
+    builds are only the dispatchers.)"""
     flags = (True, False, False, False, False, False, True)  # causal, bf16
     config = backward_wgmma.WgmmaBwdConfig(64, SPLIT_MASK=True)
     other_dq = config._replace(DQ_BLOCK_N=128, DQ_WGMMA=False)
@@ -564,7 +559,7 @@ def test_kernels_are_kept_by_the_fields_they_read():
     assert kernel("dkdv", 64, config, *flags) is not kernel("dkdv", 64, other_dkdv, *flags)
     assert kernel("dq", 64, config, *flags) is not kernel("dq", 64, config._replace(DQ_BLOCK_N=128), *flags)
     for name in ("dkdv", "dq"):
-        assert kernel(name, 64, config, *flags) is not kernel(name, 64, config._replace(TILE_MAJOR=True), *flags)
+        assert kernel(name, 64, config, *flags) is not kernel(name, 64, config._replace(SPLIT_MASK=False), *flags)
 
 
 def test_backward_runs_them_with_the_switch_on_hopper(wgmma_device, monkeypatch):

@@ -213,18 +213,14 @@ class WgmmaBwdConfig(NamedTuple):
     The same arithmetic in the same order either way: bit-identical gradients on the simulator, and on the H200
     but with a softcap at HEAD_DIM 128, where the two builds' bits differ (within the tests' tolerance; the
     compiler's choice, not traced). A dK/dV step takes one query tile: two a step (one barrier for both) ran 2-8%
-    slower at HEAD_DIM 64 on an H100 (docs/notes/numba-wgmma.md). TILE_MAJOR: both kernels' blocks ordered tile
-    first, as they are with a packed batch: every (batch, head)'s first key tile (dK/dV; causal: the most queries)
-    or last query tile (dQ: the most keys) before any (batch, head)'s next, so that the longest blocks start first
-    and the last wave holds the shortest; off, a (batch, head)'s tiles follow each other, and the blocks running
-    at once share fewer heads' Q and dO (K and V) in L2."""
+    slower at HEAD_DIM 64 on an H100 (docs/notes/numba-wgmma.md), and so did both grids ordered tile first across
+    heads (as a packed batch's are: longest blocks first), 3-5% at HEAD_DIM 64 and 128 causal."""
 
     BLOCK_M: int
     DV_EARLY: bool = False
     DQ_BLOCK_N: int = 64
     DQ_WGMMA: bool = True
     SPLIT_MASK: bool = False
-    TILE_MAJOR: bool = False
 
 
 def bwd_config(HEAD_DIM: int, softcap: bool = False, masked: bool = False) -> WgmmaBwdConfig:
@@ -452,7 +448,7 @@ _MASKS = ("tile", "all", "none")
 def _build_dkdv(HEAD_DIM, config, CAUSAL, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN, IS_BF16):
     """The dK/dV kernel for one head dim, query tile, window (CAUSAL, LEFT, RIGHT: ``_window_flags``), softcap or
     not, ALiBi or not, packed or dense, and input type."""
-    BLOCK_M, DV_EARLY, SPLIT, TILE_MAJOR = config.BLOCK_M, config.DV_EARLY, config.SPLIT_MASK, config.TILE_MAJOR
+    BLOCK_M, DV_EARLY, SPLIT = config.BLOCK_M, config.DV_EARLY, config.SPLIT_MASK
     assert HEAD_DIM in HEAD_DIMS and BLOCK_M % 16 == 0 and 16 <= BLOCK_M <= 256
     assert not (DV_EARLY and SOFTCAP) and not (CAUSAL and RIGHT)
     BOUNDED = CAUSAL or RIGHT  # a right edge: keys more than right (0 with CAUSAL) right of the diagonal masked
@@ -661,7 +657,7 @@ def _build_dkdv(HEAD_DIM, config, CAUSAL, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN, I
         start_n = (cuda.blockIdx.x % num_n_tiles) * BLOCK_N
         heads_k = heads // group
         off_bhk = cuda.blockIdx.x // num_n_tiles
-        if VARLEN or TILE_MAJOR:
+        if VARLEN:
             # Key block major instead: every sequence's block i before any block i + 1, from the first (causal: the
             # most queries) or else from the last (only the longest sequences have one): longest first across
             # sequences, without their lengths on the host.
@@ -858,7 +854,7 @@ def _build_dkdv(HEAD_DIM, config, CAUSAL, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN, I
 def _build_dq(HEAD_DIM, config, CAUSAL, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN, IS_BF16):
     """The dQ kernel for one head dim, key tile, window (CAUSAL, LEFT, RIGHT: ``_window_flags``), softcap or not,
     ALiBi or not, packed or dense, and input type."""
-    BLOCK_N_DQ, SPLIT, TILE_MAJOR = config.DQ_BLOCK_N, config.SPLIT_MASK, config.TILE_MAJOR
+    BLOCK_N_DQ, SPLIT = config.DQ_BLOCK_N, config.SPLIT_MASK
     assert HEAD_DIM in HEAD_DIMS and BLOCK_N_DQ % 16 == 0 and 16 <= BLOCK_N_DQ <= 256 and not (CAUSAL and RIGHT)
     BOUNDED = CAUSAL or RIGHT  # a right edge: keys more than right (0 with CAUSAL) right of the diagonal masked
     N_TILES = BLOCK_N_DQ // 8  # 8-key column blocks of S, 4 registers each
@@ -973,7 +969,7 @@ def _build_dq(HEAD_DIM, config, CAUSAL, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN, IS_
             m_block = num_m_tiles - 1 - m_block  # the longest rows first
         start_m = m_block * BLOCK_M_DQ
         off_bh = cuda.blockIdx.x // num_m_tiles
-        if VARLEN or TILE_MAJOR:
+        if VARLEN:
             # Query block major instead, the last first: only the longest sequences have the last blocks, and
             # causal's later rows see more keys: longest first across sequences, without their lengths on the host.
             m_block = num_m_tiles - 1 - cuda.blockIdx.x // (cuda.gridDim.x // num_m_tiles)
@@ -1118,8 +1114,8 @@ def _build_dq(HEAD_DIM, config, CAUSAL, LEFT, RIGHT, SOFTCAP, ALIBI, VARLEN, IS_
 _KERNELS: dict[tuple, object] = {}
 # The fields of WgmmaBwdConfig each kernel's builder reads.
 _FIELDS = {
-    "dkdv": ("BLOCK_M", "DV_EARLY", "SPLIT_MASK", "TILE_MAJOR"),
-    "dq": ("DQ_BLOCK_N", "SPLIT_MASK", "TILE_MAJOR"),
+    "dkdv": ("BLOCK_M", "DV_EARLY", "SPLIT_MASK"),
+    "dq": ("DQ_BLOCK_N", "SPLIT_MASK"),
 }
 # Prepared launches (preprocess, dK/dV, dQ; ``launch.prepare``) by class of call: the tensors' shapes, strides
 # and dtypes, the device, whether their data is 16 B aligned, the spec's values (``spec_class``), the config.

@@ -5,8 +5,8 @@ backward, and proposes ``bwd_config``'s choice per head dim.
 Shapes: the benchmark's (16k tokens, hidden 2048: B = tokens / N, H = hidden / D), contiguous (B, H, N, D), causal
 and not, bf16 by default; O and L from fa2-numba-cuda's forward, computed once per shape. Candidates: the default
 (for the shape's mask) first, then every configuration of the grid --block-m x --dq-block-n x --dq (wgmma: the dQ
-kernel of backward_wgmma; tc: backward_tc's, whose own tiles ignore --dq-block-n) x --split x --dv-early x
---tile-major that differs from it.
+kernel of backward_wgmma; tc: backward_tc's, whose own tiles ignore --dq-block-n) x --split x --dv-early that
+differs from it.
 
 Before it is timed, each candidate's dq is checked on the benchmark's sample of rows against the fp64 reference
 (``fa2.bench.check``'s rule) and its dk and dv against the default's (every element within ``CROSS_ULPS`` units of
@@ -61,13 +61,13 @@ def candidates(args: argparse.Namespace, head_dim: int, causal: bool) -> list[Wg
     BLOCK_M: it has its own tiles)."""
     default = bwd_config(head_dim, masked=causal)
     out = [default]
-    for block_m, dq_n, dq, split, early, tile_major in itertools.product(
-        args.block_m, args.dq_block_n, args.dq, args.split, args.dv_early, args.tile_major
+    for block_m, dq_n, dq, split, early in itertools.product(
+        args.block_m, args.dq_block_n, args.dq, args.split, args.dv_early
     ):
         wgmma_dq = dq == "wgmma"
         # backward_tc's dQ kernel reads no DQ_BLOCK_N: the field's default, which its name then omits.
         dq_n = dq_n if wgmma_dq else WgmmaBwdConfig._field_defaults["DQ_BLOCK_N"]
-        config = WgmmaBwdConfig(block_m, early, dq_n, wgmma_dq, split, tile_major)
+        config = WgmmaBwdConfig(block_m, early, dq_n, wgmma_dq, split)
         if config not in out:
             out.append(config)
     return out
@@ -120,7 +120,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--dq", type=words(("wgmma", "tc")), default=("wgmma", "tc"), help="dQ kernels (default both)")
     parser.add_argument("--split", type=switches, default=(True,), help="SPLIT_MASK on,off (default on)")
     parser.add_argument("--dv-early", type=switches, default=(False,), help="DV_EARLY on,off (default off)")
-    parser.add_argument("--tile-major", type=switches, default=(False,), help="TILE_MAJOR on,off (default off)")
     return parser.parse_args(argv)
 
 
