@@ -59,6 +59,16 @@ the host, where the four descriptors' host time outweighs what the kernel saves)
 in the kernel (query head h reads key/value head h // group). Everything else runs ``forward_tl.py``'s kernel;
 the choice depends on the inputs alone, and an error in this kernel is raised, never retried on the other one.
 
+A persistent variant of the same body (``PERSISTENT``, FA2_TRITON_GLUON_PERSISTENT=1; built offline, not yet
+measured on a GPU, so off by default), FlashAttention-3's grid: a CTA an SM (``PERSISTENT_CTAS``), CTA p
+taking work tiles p, p + P, ... (``work_tile``: without a mask a head's query tiles one after another; causal,
+the longest first across a section of heads whose K and V fit L2 together). Every partition walks the same
+work tiles, and the barriers' phases run on across them: the K/V ring's position counts the CTA's steps over
+all its tiles (a tile's last buffer released after its last P V), Q's ready barrier completes once a tile, and
+the turns go round a tile's steps and its last P V. The loader fetches a tile's first K/V tiles (as many as the
+ring holds) while the consumers finish the previous tile, then waits on ``q_free`` (every consumer arrives once
+its O store, staged in its Q buffer, has read it) before that tile's Q.
+
 Gluon is experimental and its API moves between Triton releases: Triton 3.6 (the H200's) names the TMA
 copies ``tma.async_copy_global_to_shared`` / ``async_copy_shared_to_global``, later releases
 ``tma.async_load`` / ``async_store`` (the module binds whichever exists as ``async_load``,
@@ -144,6 +154,17 @@ D64_MIN_CAUSAL_QUERIES = 8192
 # cuDNN's 491-567 (docs/notes/gluon-forward.md). FA2_TRITON_GLUON_CAUSAL=0 sends causal inputs to the tl
 # kernel. Read once; tests set the attribute.
 CAUSAL = os.environ.get("FA2_TRITON_GLUON_CAUSAL", "1") != "0"
+# A persistent grid (FlashAttention-3's): a CTA an SM, each walking work tiles (query tile, batch·head) in the
+# order ``work_tile`` gives, so that its loader fetches a tile's first K/V tiles while the consumers finish the
+# previous tile. Built offline, not yet measured on a GPU: off unless FA2_TRITON_GLUON_PERSISTENT=1. Read once;
+# tests set the attribute (plans are kept per setting).
+PERSISTENT = os.environ.get("FA2_TRITON_GLUON_PERSISTENT") == "1"
+# The persistent grid's CTAs: None, the GPU's SMs (never more than the work tiles); tests set a few, so that
+# every CTA walks several work tiles at small sizes.
+PERSISTENT_CTAS: int | None = None
+# Causal, the persistent order walks the heads in sections whose K and V fit this much of L2 together
+# (FlashAttention-3's 32 MB of the H100's 50 MB): ``section_heads``.
+L2_BYTES = 32 * 1024 * 1024
 
 
 def uses_gluon(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionSpec) -> bool:
@@ -183,6 +204,37 @@ def takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionSpec
         return False
     layouts = [_rows_layout(t) for t in (q, k, v)]
     return None not in layouts and layouts[1] == layouts[2] and all(t.data_ptr() % 16 == 0 for t in (q, k, v))
+
+
+def section_heads(batch_heads: int, seqlen_k: int, head_dim: int, group: int) -> int:
+    """Causal, the persistent order's heads a section: as many as have their K and V (2-byte elements, a
+    key/value head shared by ``group`` query heads) within ``L2_BYTES`` together; at least 1, at most all."""
+    return min(max(L2_BYTES // (4 * head_dim) // seqlen_k * group, 1), batch_heads)
+
+
+def work_tile(w: int, query_tiles: int, batch_heads: int, section: int, causal: bool) -> tuple[int, int]:
+    """Work tile w of the persistent grid: (query tile t, batch·head bh), as the kernel's ``_work`` computes
+    it; CTA p of P takes w = p, p + P, p + 2P, ... Without a mask a head's query tiles one after another (the
+    CTAs at work at once share a few heads' K and V); causal, the heads in sections of ``section`` heads
+    (``section_heads``: their K and V in L2 together), within a section the query tiles last first across its
+    heads: the tiles that see the most keys start first and the shortest end the section (the
+    longest-processing-time order), the last section's shortest ending the call."""
+    if causal:
+        first = w // (section * query_tiles) * section
+        heads = min(section, batch_heads - first)
+        r = w - first * query_tiles
+        return query_tiles - 1 - r // heads, first + r % heads
+    return w % query_tiles, w // query_tiles
+
+
+def persistent_ctas(work_tiles: int, device: torch.device) -> int:
+    """The persistent grid: ``PERSISTENT_CTAS`` or the device's SMs, at most ``work_tiles``."""
+    return min(PERSISTENT_CTAS or _sm_count(device), work_tiles)
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _rows_layout(t: torch.Tensor) -> bool | None:
@@ -225,6 +277,8 @@ def flash_attn_forward(
         spec.scale,
         spec.causal,
         None if sink is None else sink.data_ptr() % 16,
+        PERSISTENT,
+        PERSISTENT_CTAS,
     )
     plan = _PLANS.get(key)
     if plan is None:
@@ -254,15 +308,16 @@ class _Plan(NamedTuple):
     kv_cols: bool
     # Q's, K's, V's and O's descriptors but for their base (GluonTensorDescriptor's fields).
     descriptors: tuple[dict, ...]
-    grid: tuple[int, int]
+    # (query tiles, batch·heads), or with PERSISTENT (CTAs,).
+    grid: tuple[int, ...]
     scalars: tuple
     constexprs: dict
     # The launch's argument classes (``fa2_triton.launch.arg_classes``), once a launch has met them.
     classes: tuple | None = None
 
 
-# (shapes, strides, dtype, device, the 16-byte alignment of O, L and the sink, the spec's scale and causal)
-# -> _Plan.
+# (shapes, strides, dtype, device, the 16-byte alignment of O, L and the sink, the spec's scale and causal,
+# PERSISTENT and PERSISTENT_CTAS) -> _Plan.
 # q, k and v are 16-byte aligned here (``takes``).
 _PLANS = Plans()
 
@@ -282,18 +337,25 @@ def _plan(q, k, v, O, spec: AttentionSpec) -> _Plan:
         GluonTensorDescriptor.from_tensor(v_view, [BLOCK_N, head_dim], kv_layout),
         GluonTensorDescriptor.from_tensor(o_view, q_block, q_layout),
     )
+    query_tiles = triton.cdiv(seqlen_q, config.consumers * ROWS)
+    if PERSISTENT:
+        grid = (persistent_ctas(query_tiles * batch * heads, q.device),)
+    else:
+        grid = (query_tiles, batch * heads)
     return _Plan(
         config,
         q_cols,
         kv_cols,
         tuple({**d.__dict__, "base": None} for d in descriptors),
-        (triton.cdiv(seqlen_q, config.consumers * ROWS), batch * heads),
+        grid,
         (spec.scale * LOG2_E, seqlen_q, k.shape[2], heads, group_size(q, k)),
-        _constexprs(config, q_cols, kv_cols, head_dim, spec.causal),
+        _constexprs(config, q_cols, kv_cols, head_dim, spec.causal, PERSISTENT),
     )
 
 
-def _constexprs(config: Config, q_cols: bool, kv_cols: bool, head_dim: int, causal: bool) -> dict:
+def _constexprs(
+    config: Config, q_cols: bool, kv_cols: bool, head_dim: int, causal: bool, persistent: bool = False
+) -> dict:
     """The kernel's constexprs, in the order of its parameters."""
     return dict(
         Q_COLS=q_cols,
@@ -304,6 +366,7 @@ def _constexprs(config: Config, q_cols: bool, kv_cols: bool, head_dim: int, caus
         STAGES=config.stages,
         Q_TAIL=config.q_tail,
         CONSUMER_REGS=config.consumer_regs,
+        PERSISTENT=persistent,
     )
 
 
@@ -351,9 +414,51 @@ if GLUON:
     async_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
     async_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
     _LOADER_REGS = gl.constexpr(LOADER_REGS)
+    _L2_BYTES = gl.constexpr(L2_BYTES)
+
+    @gluon.jit
+    def _tile(CAUSAL: gl.constexpr):
+        """The query tile t and batch·head bh of this CTA's one work tile (the grid without PERSISTENT). Causal,
+        the tiles run last first: the last sees the most keys, and the short ones then fill the GPU's last
+        wave."""
+        t = gl.program_id(0)
+        if CAUSAL:
+            t = gl.num_programs(0) - 1 - t
+        bh = gl.program_id(1)
+        return t, bh
+
+    @gluon.jit
+    def _work_tiles(o_desc, N_Q, N_K, GROUP, HEAD_DIM: gl.constexpr, NUM_CONSUMERS: gl.constexpr, Q_TAIL: gl.constexpr):
+        """The persistent grid's work: query tiles a head, batch·heads (O's rows over N_Q, or with Q_TAIL its
+        planes) and the causal order's heads a section (``section_heads``)."""
+        n_tiles = gl.cdiv(N_Q, NUM_CONSUMERS * _ROWS)
+        if Q_TAIL:
+            bh_count = o_desc.shape[0]
+        else:
+            bh_count = o_desc.shape[0] // N_Q
+        section = gl.minimum(gl.maximum((_L2_BYTES // (4 * HEAD_DIM)) // N_K * GROUP, 1), bh_count)
+        return n_tiles, bh_count, section
+
+    @gluon.jit
+    def _work(w, n_tiles, bh_count, section, CAUSAL: gl.constexpr):
+        """Work tile w's query tile t and batch·head bh, as ``work_tile`` gives them: without a mask a head's
+        tiles one after another; causal, heads in sections whose K and V fit L2 together, within a section the
+        tiles last first across its heads (the longest first: LPT)."""
+        if CAUSAL:
+            first = w // (section * n_tiles) * section
+            heads = gl.minimum(section, bh_count - first)
+            r = w - first * n_tiles
+            t = n_tiles - 1 - r // heads
+            bh = first + r % heads
+        else:
+            t = w % n_tiles
+            bh = w // n_tiles
+        return t, bh
 
     @gluon.jit
     def _coords(
+        t,
+        bh,
         N_Q,
         N_K,
         H,
@@ -361,19 +466,13 @@ if GLUON:
         Q_COLS: gl.constexpr,
         KV_COLS: gl.constexpr,
         HEAD_DIM: gl.constexpr,
-        CAUSAL: gl.constexpr,
         NUM_CONSUMERS: gl.constexpr,
         Q_TAIL: gl.constexpr,
     ):
-        """This CTA's query tile t and batch·head bh; where its copies start: Q's (q_plane, q_row, q_col), K's
-        and V's (kv_row, kv_col, in the 2-D views) and O's (o_row). Q and O are 2-D views of every head's rows
-        (q_plane unused), or with Q_TAIL 3-D views (``_rows_3d``) whose planes are heads (O's: plane bh) or, in
-        flash-attn's layout, batches (Q's: plane b), the rows then counted within the head. Causal, the tiles
-        run last first: the last sees the most keys, and the short ones then fill the GPU's last wave."""
-        t = gl.program_id(0)
-        if CAUSAL:
-            t = gl.num_programs(0) - 1 - t
-        bh = gl.program_id(1)
+        """Where the copies of query tile t of batch·head bh start: Q's (q_plane, q_row, q_col), K's and V's
+        (kv_row, kv_col, in the 2-D views) and O's (o_row). Q and O are 2-D views of every head's rows (q_plane
+        unused), or with Q_TAIL 3-D views (``_rows_3d``) whose planes are heads (O's: plane bh) or, in
+        flash-attn's layout, batches (Q's: plane b), the rows then counted within the head."""
         b = bh // H
         h = bh % H
         h_k = h // GROUP
@@ -401,7 +500,7 @@ if GLUON:
         else:
             kv_row = (b * (H // GROUP) + h_k) * N_K
             kv_col = 0
-        return t, bh, q_plane, q_row, q_col, kv_row, kv_col, o_row
+        return q_plane, q_row, q_col, kv_row, kv_col, o_row
 
     @gluon.jit
     def key_tiles(t, N_Q, N_K, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
@@ -437,6 +536,30 @@ if GLUON:
         return n
 
     @gluon.jit
+    def _load_q(q_desc, q_smem, q_ready, q_plane, q_row, q_col, NUM_CONSUMERS: gl.constexpr, Q_TAIL: gl.constexpr):
+        """The consumers' blocks of Q, one arrival on q_ready with their bytes."""
+        mbarrier.expect(q_ready, NUM_CONSUMERS * q_desc.block_type.nbytes)
+        for wg in gl.static_range(NUM_CONSUMERS):
+            if Q_TAIL:
+                async_load(q_desc, [q_plane, q_row + wg * _ROWS, q_col], q_ready, q_smem.index(wg))
+            else:
+                async_load(q_desc, [q_row + wg * _ROWS, q_col], q_ready, q_smem.index(wg))
+
+    @gluon.jit
+    def _load_kv(
+        r, j, k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, kv_empty, kv_row, kv_col, STAGES: gl.constexpr
+    ):
+        """Key tile j of a work tile into the ring's buffer of step r, the CTA's steps counted over its work
+        tiles (j itself without PERSISTENT)."""
+        s = r % STAGES
+        # A fresh barrier counts its phase before the first as complete: the first pass does not wait.
+        mbarrier.wait(kv_empty.index(s), ((r // STAGES) & 1) ^ 1)
+        mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
+        async_load(k_desc, [kv_row + j * _BLOCK_N, kv_col], k_ready.index(s), k_smem.index(s))
+        mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
+        async_load(v_desc, [kv_row + j * _BLOCK_N, kv_col], v_ready.index(s), v_smem.index(s))
+
+    @gluon.jit
     def _loader(
         q_desc,
         k_desc,
@@ -446,6 +569,7 @@ if GLUON:
         k_smem,
         v_smem,
         q_ready,
+        q_free,
         k_ready,
         v_ready,
         kv_empty,
@@ -465,24 +589,43 @@ if GLUON:
         NUM_CONSUMERS: gl.constexpr,
         STAGES: gl.constexpr,
         Q_TAIL: gl.constexpr,
+        PERSISTENT: gl.constexpr,
     ):
-        t, bh, q_plane, q_row, q_col, kv_row, kv_col, o_row = _coords(
-            N_Q, N_K, H, GROUP, Q_COLS, KV_COLS, HEAD_DIM, CAUSAL, NUM_CONSUMERS, Q_TAIL
-        )
-        mbarrier.expect(q_ready, NUM_CONSUMERS * q_desc.block_type.nbytes)
-        for wg in gl.static_range(NUM_CONSUMERS):
-            if Q_TAIL:
-                async_load(q_desc, [q_plane, q_row + wg * _ROWS, q_col], q_ready, q_smem.index(wg))
-            else:
-                async_load(q_desc, [q_row + wg * _ROWS, q_col], q_ready, q_smem.index(wg))
-        for j in range(_key_tiles(t, N_Q, N_K, NUM_CONSUMERS, CAUSAL)):
-            s = j % STAGES
-            # A fresh barrier counts its phase before the first as complete: the first pass does not wait.
-            mbarrier.wait(kv_empty.index(s), ((j // STAGES) & 1) ^ 1)
-            mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
-            async_load(k_desc, [kv_row + j * _BLOCK_N, kv_col], k_ready.index(s), k_smem.index(s))
-            mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
-            async_load(v_desc, [kv_row + j * _BLOCK_N, kv_col], v_ready.index(s), v_smem.index(s))
+        if PERSISTENT:
+            n_tiles, bh_count, section = _work_tiles(o_desc, N_Q, N_K, GROUP, HEAD_DIM, NUM_CONSUMERS, Q_TAIL)
+            c = 0  # the CTA's K/V steps so far, over its work tiles: the ring's position
+            i = 0  # the CTA's work tiles so far
+            for w in range(gl.program_id(0), n_tiles * bh_count, gl.num_programs(0)):
+                t, bh = _work(w, n_tiles, bh_count, section, CAUSAL)
+                q_plane, q_row, q_col, kv_row, kv_col, o_row = _coords(
+                    t, bh, N_Q, N_K, H, GROUP, Q_COLS, KV_COLS, HEAD_DIM, NUM_CONSUMERS, Q_TAIL
+                )
+                n = _key_tiles(t, N_Q, N_K, NUM_CONSUMERS, CAUSAL)
+                # The first key tiles before Q, while the consumers finish the previous work tile: as many as the
+                # ring has buffers, which that tile's steps release (more would wait on this tile's own steps,
+                # which wait for Q: a deadlock).
+                ahead = gl.minimum(n, STAGES)
+                for j in range(ahead):
+                    _load_kv(
+                        c + j, j, k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, kv_empty, kv_row, kv_col, STAGES
+                    )
+                # Q's buffers hold the previous work tile's O until every consumer's store has read them.
+                mbarrier.wait(q_free, (i & 1) ^ 1)
+                _load_q(q_desc, q_smem, q_ready, q_plane, q_row, q_col, NUM_CONSUMERS, Q_TAIL)
+                for j in range(ahead, n):
+                    _load_kv(
+                        c + j, j, k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, kv_empty, kv_row, kv_col, STAGES
+                    )
+                c += n
+                i += 1
+        else:
+            t, bh = _tile(CAUSAL)
+            q_plane, q_row, q_col, kv_row, kv_col, o_row = _coords(
+                t, bh, N_Q, N_K, H, GROUP, Q_COLS, KV_COLS, HEAD_DIM, NUM_CONSUMERS, Q_TAIL
+            )
+            _load_q(q_desc, q_smem, q_ready, q_plane, q_row, q_col, NUM_CONSUMERS, Q_TAIL)
+            for j in range(_key_tiles(t, N_Q, N_K, NUM_CONSUMERS, CAUSAL)):
+                _load_kv(j, j, k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, kv_empty, kv_row, kv_col, STAGES)
 
     @gluon.jit
     def _turn_wait(turn, k, WG: gl.constexpr):
@@ -494,6 +637,8 @@ if GLUON:
     @gluon.jit
     def _step(
         j,
+        c,
+        i,
         q,
         k_smem,
         v_smem,
@@ -519,14 +664,16 @@ if GLUON:
         """Key tile j: P V of tile j - 1 (HAS_PREV) and S = Q K_j^T issued in this warpgroup's turn (then the
         next warpgroup's, (WG + 1) % NUM_CONSUMERS), then the online softmax of S, with MASK (a causal
         diagonal tile) the keys past last_key + r hidden from the warpgroup's row r. Returns P (as the next
-        MMA's register operand), O, m, l."""
+        MMA's register operand), O, m, l. With PERSISTENT the CTA's earlier work tiles took c steps of the K/V
+        ring and c + i turns (i tiles, each its steps and its last P V); without, c = i = 0."""
         # side-by-side: gluon-step
-        s = j % STAGES
-        mbarrier.wait(k_ready.index(s), (j // STAGES) & 1)
-        sp = (j + STAGES - 1) % STAGES
+        r = c + j  # the step's place in the K/V ring
+        s = r % STAGES
+        mbarrier.wait(k_ready.index(s), (r // STAGES) & 1)
+        sp = (r + STAGES - 1) % STAGES
         if HAS_PREV:
-            mbarrier.wait(v_ready.index(sp), ((j - 1) // STAGES) & 1)
-        _turn_wait(turn, j, WG)
+            mbarrier.wait(v_ready.index(sp), ((r - 1) // STAGES) & 1)
+        _turn_wait(turn, r + i, WG)
         if HAS_PREV:
             acc = warpgroup_mma(p_prev, v_smem.index(sp), acc, is_async=True)
         S = warpgroup_mma(
@@ -567,6 +714,7 @@ if GLUON:
         k_smem,
         v_smem,
         q_ready,
+        q_free,
         k_ready,
         v_ready,
         kv_empty,
@@ -586,9 +734,133 @@ if GLUON:
         NUM_CONSUMERS: gl.constexpr,
         STAGES: gl.constexpr,
         Q_TAIL: gl.constexpr,
+        PERSISTENT: gl.constexpr,
     ):
-        t, bh, q_plane, q_row, q_col, kv_row, kv_col, o_row = _coords(
-            N_Q, N_K, H, GROUP, Q_COLS, KV_COLS, HEAD_DIM, CAUSAL, NUM_CONSUMERS, Q_TAIL
+        """Consumer warpgroup WG: its one work tile, or with PERSISTENT the CTA's (``_work``), one after another."""
+        if PERSISTENT:
+            n_tiles, bh_count, section = _work_tiles(o_desc, N_Q, N_K, GROUP, HEAD_DIM, NUM_CONSUMERS, Q_TAIL)
+            c = 0  # the CTA's K/V steps so far, over its work tiles: the ring's position
+            i = 0  # the CTA's work tiles so far; turns so far c + i (a tile takes its steps and its last P V)
+            for w in range(gl.program_id(0), n_tiles * bh_count, gl.num_programs(0)):
+                t, bh = _work(w, n_tiles, bh_count, section, CAUSAL)
+                n = _consumer_tile(
+                    WG,
+                    t,
+                    bh,
+                    c,
+                    i,
+                    q_desc,
+                    k_desc,
+                    v_desc,
+                    o_desc,
+                    q_smem,
+                    k_smem,
+                    v_smem,
+                    q_ready,
+                    q_free,
+                    k_ready,
+                    v_ready,
+                    kv_empty,
+                    turn,
+                    L,
+                    Sink,
+                    qk_scale,
+                    N_Q,
+                    N_K,
+                    H,
+                    GROUP,
+                    Q_COLS,
+                    KV_COLS,
+                    HEAD_DIM,
+                    HAS_SINK,
+                    CAUSAL,
+                    NUM_CONSUMERS,
+                    STAGES,
+                    Q_TAIL,
+                    PERSISTENT,
+                )
+                c += n
+                i += 1
+        else:
+            t, bh = _tile(CAUSAL)
+            _consumer_tile(
+                WG,
+                t,
+                bh,
+                0,
+                0,
+                q_desc,
+                k_desc,
+                v_desc,
+                o_desc,
+                q_smem,
+                k_smem,
+                v_smem,
+                q_ready,
+                q_free,
+                k_ready,
+                v_ready,
+                kv_empty,
+                turn,
+                L,
+                Sink,
+                qk_scale,
+                N_Q,
+                N_K,
+                H,
+                GROUP,
+                Q_COLS,
+                KV_COLS,
+                HEAD_DIM,
+                HAS_SINK,
+                CAUSAL,
+                NUM_CONSUMERS,
+                STAGES,
+                Q_TAIL,
+                PERSISTENT,
+            )
+
+    @gluon.jit
+    def _consumer_tile(
+        WG: gl.constexpr,
+        t,
+        bh,
+        c,
+        i,
+        q_desc,
+        k_desc,
+        v_desc,
+        o_desc,
+        q_smem,
+        k_smem,
+        v_smem,
+        q_ready,
+        q_free,
+        k_ready,
+        v_ready,
+        kv_empty,
+        turn,
+        L,
+        Sink,
+        qk_scale,
+        N_Q,
+        N_K,
+        H,
+        GROUP,
+        Q_COLS: gl.constexpr,
+        KV_COLS: gl.constexpr,
+        HEAD_DIM: gl.constexpr,
+        HAS_SINK: gl.constexpr,
+        CAUSAL: gl.constexpr,
+        NUM_CONSUMERS: gl.constexpr,
+        STAGES: gl.constexpr,
+        Q_TAIL: gl.constexpr,
+        PERSISTENT: gl.constexpr,
+    ):
+        """Work tile (t, bh) of consumer warpgroup WG, after c steps of the K/V ring and i work tiles of the CTA
+        (both 0 without PERSISTENT): its Q, its steps, O and L stored. Returns its steps."""
+        q_plane, q_row, q_col, kv_row, kv_col, o_row = _coords(
+            t, bh, N_Q, N_K, H, GROUP, Q_COLS, KV_COLS, HEAD_DIM, NUM_CONSUMERS, Q_TAIL
         )
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, _BLOCK_N, 16]
@@ -601,7 +873,7 @@ if GLUON:
             q = q_smem.index(WG).reshape([_ROWS, HEAD_DIM])  # the 3-D copies' [1, ROWS, HEAD_DIM] block
         else:
             q = q_smem.index(WG)
-        mbarrier.wait(q_ready, 0)
+        mbarrier.wait(q_ready, i & 1)
         m_i = gl.full([_ROWS], -float("inf"), gl.float32, gl.SliceLayout(1, s_layout))
         l_i = gl.zeros([_ROWS], gl.float32, gl.SliceLayout(1, s_layout))
         acc = gl.zeros([_ROWS, HEAD_DIM], gl.float32, o_layout)
@@ -615,6 +887,8 @@ if GLUON:
                 if n == 1:
                     p, acc, m_i, l_i = _step(
                         0,
+                        c,
+                        i,
                         q,
                         k_smem,
                         v_smem,
@@ -640,6 +914,8 @@ if GLUON:
                 else:
                     p, acc, m_i, l_i = _step(
                         0,
+                        c,
+                        i,
                         q,
                         k_smem,
                         v_smem,
@@ -665,6 +941,8 @@ if GLUON:
                     for j in range(1, n - 1):
                         p, acc, m_i, l_i = _step(
                             j,
+                            c,
+                            i,
                             q,
                             k_smem,
                             v_smem,
@@ -689,6 +967,8 @@ if GLUON:
                         )
                     p, acc, m_i, l_i = _step(
                         n - 1,
+                        c,
+                        i,
                         q,
                         k_smem,
                         v_smem,
@@ -722,6 +1002,8 @@ if GLUON:
                 if n_whole == 0:
                     p, acc, m_i, l_i = _step(
                         0,
+                        c,
+                        i,
                         q,
                         k_smem,
                         v_smem,
@@ -747,6 +1029,8 @@ if GLUON:
                 else:
                     p, acc, m_i, l_i = _step(
                         0,
+                        c,
+                        i,
                         q,
                         k_smem,
                         v_smem,
@@ -772,6 +1056,8 @@ if GLUON:
                 for j in range(1, n_whole):
                     p, acc, m_i, l_i = _step(
                         j,
+                        c,
+                        i,
                         q,
                         k_smem,
                         v_smem,
@@ -797,10 +1083,12 @@ if GLUON:
                 # The band, at most BAND tiles: unrolled, as a loop would keep the mask's column indices live
                 # across the MMAs (hoisted out of it), which spills at 160 registers.
                 j0 = gl.maximum(n_whole, 1)
-                for i in gl.static_range(BAND):
-                    if j0 + i < n:
+                for u in gl.static_range(BAND):
+                    if j0 + u < n:
                         p, acc, m_i, l_i = _step(
-                            j0 + i,
+                            j0 + u,
+                            c,
+                            i,
                             q,
                             k_smem,
                             v_smem,
@@ -826,6 +1114,8 @@ if GLUON:
         else:
             p, acc, m_i, l_i = _step(
                 0,
+                c,
+                i,
                 q,
                 k_smem,
                 v_smem,
@@ -851,6 +1141,8 @@ if GLUON:
             for j in range(1, n):
                 p, acc, m_i, l_i = _step(
                     j,
+                    c,
+                    i,
                     q,
                     k_smem,
                     v_smem,
@@ -873,18 +1165,21 @@ if GLUON:
                     True,
                     False,
                 )
-        last = (n - 1) % STAGES
-        mbarrier.wait(v_ready.index(last), ((n - 1) // STAGES) & 1)
-        _turn_wait(turn, n, WG)
+        last = (c + n - 1) % STAGES
+        mbarrier.wait(v_ready.index(last), ((c + n - 1) // STAGES) & 1)
+        _turn_wait(turn, c + i + n, WG)
         acc = warpgroup_mma(p, v_smem.index(last), acc, is_async=True)
         mbarrier.arrive(turn.index((WG + 1) % NUM_CONSUMERS), count=1)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        if PERSISTENT:
+            # The ring runs on into the next work tile: its last buffer is released too.
+            mbarrier.arrive(kv_empty.index(last), count=1)
 
         # side-by-side: gluon-sink
         if HAS_SINK:
             # The sink joins the row's sum as one more score (log2 units) with no value: one more online
             # softmax step, a single column. l > 0 after it: a row with no finite score gets O = 0, L = sink.
-            sink = gl.load(Sink + gl.program_id(1) % H) * 1.4426950408889634
+            sink = gl.load(Sink + bh % H) * 1.4426950408889634
             m_new = gl.maximum(m_i, sink)
             alpha = gl.exp2(m_i - m_new)
             acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
@@ -910,6 +1205,10 @@ if GLUON:
             rows = o_row + WG * _ROWS + gl.arange(0, _ROWS, layout=gl.SliceLayout(1, s_layout))
             gl.store(L + rows, gl.where(empty, float("inf"), (m_i + gl.log2(l_i)) * 0.6931471805599453))
         tma.store_wait(0)
+        if PERSISTENT:
+            # The store has read Q's buffer: the loader may fill it with the next work tile's Q.
+            mbarrier.arrive(q_free, count=1)
+        return n
 
     @gluon.jit
     def _consumer0(
@@ -921,6 +1220,7 @@ if GLUON:
         k_smem,
         v_smem,
         q_ready,
+        q_free,
         k_ready,
         v_ready,
         kv_empty,
@@ -940,6 +1240,7 @@ if GLUON:
         NUM_CONSUMERS: gl.constexpr,
         STAGES: gl.constexpr,
         Q_TAIL: gl.constexpr,
+        PERSISTENT: gl.constexpr,
     ):
         _consumer(
             0,
@@ -951,6 +1252,7 @@ if GLUON:
             k_smem,
             v_smem,
             q_ready,
+            q_free,
             k_ready,
             v_ready,
             kv_empty,
@@ -970,6 +1272,7 @@ if GLUON:
             NUM_CONSUMERS,
             STAGES,
             Q_TAIL,
+            PERSISTENT,
         )
 
     @gluon.jit
@@ -982,6 +1285,7 @@ if GLUON:
         k_smem,
         v_smem,
         q_ready,
+        q_free,
         k_ready,
         v_ready,
         kv_empty,
@@ -1001,6 +1305,7 @@ if GLUON:
         NUM_CONSUMERS: gl.constexpr,
         STAGES: gl.constexpr,
         Q_TAIL: gl.constexpr,
+        PERSISTENT: gl.constexpr,
     ):
         _consumer(
             1,
@@ -1012,6 +1317,7 @@ if GLUON:
             k_smem,
             v_smem,
             q_ready,
+            q_free,
             k_ready,
             v_ready,
             kv_empty,
@@ -1031,6 +1337,7 @@ if GLUON:
             NUM_CONSUMERS,
             STAGES,
             Q_TAIL,
+            PERSISTENT,
         )
 
     @gluon.jit
@@ -1043,6 +1350,7 @@ if GLUON:
         k_smem,
         v_smem,
         q_ready,
+        q_free,
         k_ready,
         v_ready,
         kv_empty,
@@ -1062,6 +1370,7 @@ if GLUON:
         NUM_CONSUMERS: gl.constexpr,
         STAGES: gl.constexpr,
         Q_TAIL: gl.constexpr,
+        PERSISTENT: gl.constexpr,
     ):
         _consumer(
             2,
@@ -1073,6 +1382,7 @@ if GLUON:
             k_smem,
             v_smem,
             q_ready,
+            q_free,
             k_ready,
             v_ready,
             kv_empty,
@@ -1092,6 +1402,7 @@ if GLUON:
             NUM_CONSUMERS,
             STAGES,
             Q_TAIL,
+            PERSISTENT,
         )
 
     @gluon.jit
@@ -1114,6 +1425,7 @@ if GLUON:
         STAGES: gl.constexpr,
         Q_TAIL: gl.constexpr,
         CONSUMER_REGS: gl.constexpr,
+        PERSISTENT: gl.constexpr,
     ):
         """The kernel without a sink. Two entry points over one body (``_attn_fwd``, HAS_SINK a constexpr) so
         that this one keeps its arguments: no pointer it never reads, the same build as before sinks. The
@@ -1139,6 +1451,7 @@ if GLUON:
             STAGES,
             Q_TAIL,
             CONSUMER_REGS,
+            PERSISTENT,
         )
 
     @gluon.jit
@@ -1162,6 +1475,7 @@ if GLUON:
         STAGES: gl.constexpr,
         Q_TAIL: gl.constexpr,
         CONSUMER_REGS: gl.constexpr,
+        PERSISTENT: gl.constexpr,
     ):
         """The kernel with attention sinks: Sink (H,) float32."""
         _attn_fwd(
@@ -1185,6 +1499,7 @@ if GLUON:
             STAGES,
             Q_TAIL,
             CONSUMER_REGS,
+            PERSISTENT,
         )
 
     @gluon.jit
@@ -1209,6 +1524,7 @@ if GLUON:
         STAGES: gl.constexpr,
         Q_TAIL: gl.constexpr,
         CONSUMER_REGS: gl.constexpr,
+        PERSISTENT: gl.constexpr,
     ):
         dtype: gl.constexpr = q_desc.dtype
         if Q_TAIL:
@@ -1224,6 +1540,12 @@ if GLUON:
         kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         turn = gl.allocate_shared_memory(gl.int64, [NUM_CONSUMERS, 1], mbarrier.MBarrierLayout())
         mbarrier.init(q_ready, count=1)
+        if PERSISTENT:
+            # Every consumer's O store has read its Q buffer (the loader's wait before the next Q).
+            q_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+            mbarrier.init(q_free, count=NUM_CONSUMERS)
+        else:
+            q_free = q_ready  # not waited on or arrived at: one work tile a CTA
         for i in gl.static_range(STAGES):
             mbarrier.init(k_ready.index(i), count=1)
             mbarrier.init(v_ready.index(i), count=1)
@@ -1247,6 +1569,7 @@ if GLUON:
                             k_smem,
                             v_smem,
                             q_ready,
+                            q_free,
                             k_ready,
                             v_ready,
                             kv_empty,
@@ -1266,6 +1589,7 @@ if GLUON:
                             NUM_CONSUMERS,
                             STAGES,
                             Q_TAIL,
+                            PERSISTENT,
                         ),
                     ),
                     (
@@ -1279,6 +1603,7 @@ if GLUON:
                             k_smem,
                             v_smem,
                             q_ready,
+                            q_free,
                             k_ready,
                             v_ready,
                             kv_empty,
@@ -1298,6 +1623,7 @@ if GLUON:
                             NUM_CONSUMERS,
                             STAGES,
                             Q_TAIL,
+                            PERSISTENT,
                         ),
                     ),
                     (
@@ -1311,6 +1637,7 @@ if GLUON:
                             k_smem,
                             v_smem,
                             q_ready,
+                            q_free,
                             k_ready,
                             v_ready,
                             kv_empty,
@@ -1330,6 +1657,7 @@ if GLUON:
                             NUM_CONSUMERS,
                             STAGES,
                             Q_TAIL,
+                            PERSISTENT,
                         ),
                     ),
                     (
@@ -1343,6 +1671,7 @@ if GLUON:
                             k_smem,
                             v_smem,
                             q_ready,
+                            q_free,
                             k_ready,
                             v_ready,
                             kv_empty,
@@ -1362,6 +1691,7 @@ if GLUON:
                             NUM_CONSUMERS,
                             STAGES,
                             Q_TAIL,
+                            PERSISTENT,
                         ),
                     ),
                 ],
@@ -1383,6 +1713,7 @@ if GLUON:
                             k_smem,
                             v_smem,
                             q_ready,
+                            q_free,
                             k_ready,
                             v_ready,
                             kv_empty,
@@ -1402,6 +1733,7 @@ if GLUON:
                             NUM_CONSUMERS,
                             STAGES,
                             Q_TAIL,
+                            PERSISTENT,
                         ),
                     ),
                     (
@@ -1415,6 +1747,7 @@ if GLUON:
                             k_smem,
                             v_smem,
                             q_ready,
+                            q_free,
                             k_ready,
                             v_ready,
                             kv_empty,
@@ -1434,6 +1767,7 @@ if GLUON:
                             NUM_CONSUMERS,
                             STAGES,
                             Q_TAIL,
+                            PERSISTENT,
                         ),
                     ),
                     (
@@ -1447,6 +1781,7 @@ if GLUON:
                             k_smem,
                             v_smem,
                             q_ready,
+                            q_free,
                             k_ready,
                             v_ready,
                             kv_empty,
@@ -1466,6 +1801,7 @@ if GLUON:
                             NUM_CONSUMERS,
                             STAGES,
                             Q_TAIL,
+                            PERSISTENT,
                         ),
                     ),
                 ],
