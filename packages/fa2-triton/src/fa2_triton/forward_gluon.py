@@ -163,7 +163,8 @@ PERSISTENT = os.environ.get("FA2_TRITON_GLUON_PERSISTENT") == "1"
 # every CTA walks several work tiles at small sizes.
 PERSISTENT_CTAS: int | None = None
 # Causal, the persistent order walks the heads in sections whose K and V fit this much of L2 together
-# (FlashAttention-3's 32 MB of the H100's 50 MB): ``section_heads``.
+# (FlashAttention-3's 32 MB of the H100's 50 MB): ``section_heads``. 0: one section, the longest tiles first
+# across all heads. A constexpr of the persistent build; tests and probes set the attribute.
 L2_BYTES = 32 * 1024 * 1024
 
 
@@ -206,10 +207,13 @@ def takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionSpec
     return None not in layouts and layouts[1] == layouts[2] and all(t.data_ptr() % 16 == 0 for t in (q, k, v))
 
 
-def section_heads(batch_heads: int, seqlen_k: int, head_dim: int, group: int) -> int:
+def section_heads(batch_heads: int, seqlen_k: int, head_dim: int, group: int, l2_bytes: int) -> int:
     """Causal, the persistent order's heads a section: as many as have their K and V (2-byte elements, a
-    key/value head shared by ``group`` query heads) within ``L2_BYTES`` together; at least 1, at most all."""
-    return min(max(L2_BYTES // (4 * head_dim) // seqlen_k * group, 1), batch_heads)
+    key/value head shared by ``group`` query heads) within ``l2_bytes`` (``L2_BYTES``) together; at least 1, at
+    most all; all with ``l2_bytes`` 0."""
+    if not l2_bytes:
+        return batch_heads
+    return min(max(l2_bytes // (4 * head_dim) // seqlen_k * group, 1), batch_heads)
 
 
 def work_tile(w: int, query_tiles: int, batch_heads: int, section: int, causal: bool) -> tuple[int, int]:
@@ -279,6 +283,7 @@ def flash_attn_forward(
         None if sink is None else sink.data_ptr() % 16,
         PERSISTENT,
         PERSISTENT_CTAS,
+        L2_BYTES,
     )
     plan = _PLANS.get(key)
     if plan is None:
@@ -317,7 +322,7 @@ class _Plan(NamedTuple):
 
 
 # (shapes, strides, dtype, device, the 16-byte alignment of O, L and the sink, the spec's scale and causal,
-# PERSISTENT and PERSISTENT_CTAS) -> _Plan.
+# PERSISTENT, PERSISTENT_CTAS and L2_BYTES) -> _Plan.
 # q, k and v are 16-byte aligned here (``takes``).
 _PLANS = Plans()
 
@@ -349,14 +354,21 @@ def _plan(q, k, v, O, spec: AttentionSpec) -> _Plan:
         tuple({**d.__dict__, "base": None} for d in descriptors),
         grid,
         (spec.scale * LOG2_E, seqlen_q, k.shape[2], heads, group_size(q, k)),
-        _constexprs(config, q_cols, kv_cols, head_dim, spec.causal, PERSISTENT),
+        _constexprs(config, q_cols, kv_cols, head_dim, spec.causal, PERSISTENT, L2_BYTES if PERSISTENT else 0),
     )
 
 
 def _constexprs(
-    config: Config, q_cols: bool, kv_cols: bool, head_dim: int, causal: bool, persistent: bool = False
+    config: Config,
+    q_cols: bool,
+    kv_cols: bool,
+    head_dim: int,
+    causal: bool,
+    persistent: bool = False,
+    l2_bytes: int = 0,
 ) -> dict:
-    """The kernel's constexprs, in the order of its parameters."""
+    """The kernel's constexprs, in the order of its parameters (``l2_bytes``: ``L2_BYTES`` of a persistent build,
+    else 0)."""
     return dict(
         Q_COLS=q_cols,
         KV_COLS=kv_cols,
@@ -367,6 +379,7 @@ def _constexprs(
         Q_TAIL=config.q_tail,
         CONSUMER_REGS=config.consumer_regs,
         PERSISTENT=persistent,
+        L2_BYTES=l2_bytes,
     )
 
 
@@ -414,7 +427,6 @@ if GLUON:
     async_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
     async_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
     _LOADER_REGS = gl.constexpr(LOADER_REGS)
-    _L2_BYTES = gl.constexpr(L2_BYTES)
 
     @gluon.jit
     def _tile(CAUSAL: gl.constexpr):
@@ -428,7 +440,16 @@ if GLUON:
         return t, bh
 
     @gluon.jit
-    def _work_tiles(o_desc, N_Q, N_K, GROUP, HEAD_DIM: gl.constexpr, NUM_CONSUMERS: gl.constexpr, Q_TAIL: gl.constexpr):
+    def _work_tiles(
+        o_desc,
+        N_Q,
+        N_K,
+        GROUP,
+        HEAD_DIM: gl.constexpr,
+        NUM_CONSUMERS: gl.constexpr,
+        Q_TAIL: gl.constexpr,
+        L2_BYTES: gl.constexpr,
+    ):
         """The persistent grid's work: query tiles a head, batch·heads (O's rows over N_Q, or with Q_TAIL its
         planes) and the causal order's heads a section (``section_heads``)."""
         n_tiles = gl.cdiv(N_Q, NUM_CONSUMERS * _ROWS)
@@ -436,7 +457,10 @@ if GLUON:
             bh_count = o_desc.shape[0]
         else:
             bh_count = o_desc.shape[0] // N_Q
-        section = gl.minimum(gl.maximum((_L2_BYTES // (4 * HEAD_DIM)) // N_K * GROUP, 1), bh_count)
+        if L2_BYTES == 0:
+            section = bh_count
+        else:
+            section = gl.minimum(gl.maximum((L2_BYTES // (4 * HEAD_DIM)) // N_K * GROUP, 1), bh_count)
         return n_tiles, bh_count, section
 
     @gluon.jit
@@ -590,9 +614,10 @@ if GLUON:
         STAGES: gl.constexpr,
         Q_TAIL: gl.constexpr,
         PERSISTENT: gl.constexpr,
+        L2_BYTES: gl.constexpr,
     ):
         if PERSISTENT:
-            n_tiles, bh_count, section = _work_tiles(o_desc, N_Q, N_K, GROUP, HEAD_DIM, NUM_CONSUMERS, Q_TAIL)
+            n_tiles, bh_count, section = _work_tiles(o_desc, N_Q, N_K, GROUP, HEAD_DIM, NUM_CONSUMERS, Q_TAIL, L2_BYTES)
             c = 0  # the CTA's K/V steps so far, over its work tiles: the ring's position
             i = 0  # the CTA's work tiles so far
             for w in range(gl.program_id(0), n_tiles * bh_count, gl.num_programs(0)):
@@ -735,10 +760,11 @@ if GLUON:
         STAGES: gl.constexpr,
         Q_TAIL: gl.constexpr,
         PERSISTENT: gl.constexpr,
+        L2_BYTES: gl.constexpr,
     ):
         """Consumer warpgroup WG: its one work tile, or with PERSISTENT the CTA's (``_work``), one after another."""
         if PERSISTENT:
-            n_tiles, bh_count, section = _work_tiles(o_desc, N_Q, N_K, GROUP, HEAD_DIM, NUM_CONSUMERS, Q_TAIL)
+            n_tiles, bh_count, section = _work_tiles(o_desc, N_Q, N_K, GROUP, HEAD_DIM, NUM_CONSUMERS, Q_TAIL, L2_BYTES)
             c = 0  # the CTA's K/V steps so far, over its work tiles: the ring's position
             i = 0  # the CTA's work tiles so far; turns so far c + i (a tile takes its steps and its last P V)
             for w in range(gl.program_id(0), n_tiles * bh_count, gl.num_programs(0)):
@@ -778,6 +804,7 @@ if GLUON:
                     STAGES,
                     Q_TAIL,
                     PERSISTENT,
+                    L2_BYTES,
                 )
                 c += n
                 i += 1
@@ -818,6 +845,7 @@ if GLUON:
                 STAGES,
                 Q_TAIL,
                 PERSISTENT,
+                L2_BYTES,
             )
 
     @gluon.jit
@@ -856,6 +884,7 @@ if GLUON:
         STAGES: gl.constexpr,
         Q_TAIL: gl.constexpr,
         PERSISTENT: gl.constexpr,
+        L2_BYTES: gl.constexpr,
     ):
         """Work tile (t, bh) of consumer warpgroup WG, after c steps of the K/V ring and i work tiles of the CTA
         (both 0 without PERSISTENT): its Q, its steps, O and L stored. Returns its steps."""
@@ -1241,6 +1270,7 @@ if GLUON:
         STAGES: gl.constexpr,
         Q_TAIL: gl.constexpr,
         PERSISTENT: gl.constexpr,
+        L2_BYTES: gl.constexpr,
     ):
         _consumer(
             0,
@@ -1273,6 +1303,7 @@ if GLUON:
             STAGES,
             Q_TAIL,
             PERSISTENT,
+            L2_BYTES,
         )
 
     @gluon.jit
@@ -1306,6 +1337,7 @@ if GLUON:
         STAGES: gl.constexpr,
         Q_TAIL: gl.constexpr,
         PERSISTENT: gl.constexpr,
+        L2_BYTES: gl.constexpr,
     ):
         _consumer(
             1,
@@ -1338,6 +1370,7 @@ if GLUON:
             STAGES,
             Q_TAIL,
             PERSISTENT,
+            L2_BYTES,
         )
 
     @gluon.jit
@@ -1371,6 +1404,7 @@ if GLUON:
         STAGES: gl.constexpr,
         Q_TAIL: gl.constexpr,
         PERSISTENT: gl.constexpr,
+        L2_BYTES: gl.constexpr,
     ):
         _consumer(
             2,
@@ -1403,6 +1437,7 @@ if GLUON:
             STAGES,
             Q_TAIL,
             PERSISTENT,
+            L2_BYTES,
         )
 
     @gluon.jit
@@ -1426,6 +1461,7 @@ if GLUON:
         Q_TAIL: gl.constexpr,
         CONSUMER_REGS: gl.constexpr,
         PERSISTENT: gl.constexpr,
+        L2_BYTES: gl.constexpr,
     ):
         """The kernel without a sink. Two entry points over one body (``_attn_fwd``, HAS_SINK a constexpr) so
         that this one keeps its arguments: no pointer it never reads, the same build as before sinks. The
@@ -1452,6 +1488,7 @@ if GLUON:
             Q_TAIL,
             CONSUMER_REGS,
             PERSISTENT,
+            L2_BYTES,
         )
 
     @gluon.jit
@@ -1476,6 +1513,7 @@ if GLUON:
         Q_TAIL: gl.constexpr,
         CONSUMER_REGS: gl.constexpr,
         PERSISTENT: gl.constexpr,
+        L2_BYTES: gl.constexpr,
     ):
         """The kernel with attention sinks: Sink (H,) float32."""
         _attn_fwd(
@@ -1500,6 +1538,7 @@ if GLUON:
             Q_TAIL,
             CONSUMER_REGS,
             PERSISTENT,
+            L2_BYTES,
         )
 
     @gluon.jit
@@ -1525,6 +1564,7 @@ if GLUON:
         Q_TAIL: gl.constexpr,
         CONSUMER_REGS: gl.constexpr,
         PERSISTENT: gl.constexpr,
+        L2_BYTES: gl.constexpr,
     ):
         dtype: gl.constexpr = q_desc.dtype
         if Q_TAIL:
@@ -1590,6 +1630,7 @@ if GLUON:
                             STAGES,
                             Q_TAIL,
                             PERSISTENT,
+                            L2_BYTES,
                         ),
                     ),
                     (
@@ -1624,6 +1665,7 @@ if GLUON:
                             STAGES,
                             Q_TAIL,
                             PERSISTENT,
+                            L2_BYTES,
                         ),
                     ),
                     (
@@ -1658,6 +1700,7 @@ if GLUON:
                             STAGES,
                             Q_TAIL,
                             PERSISTENT,
+                            L2_BYTES,
                         ),
                     ),
                     (
@@ -1692,6 +1735,7 @@ if GLUON:
                             STAGES,
                             Q_TAIL,
                             PERSISTENT,
+                            L2_BYTES,
                         ),
                     ),
                 ],
@@ -1734,6 +1778,7 @@ if GLUON:
                             STAGES,
                             Q_TAIL,
                             PERSISTENT,
+                            L2_BYTES,
                         ),
                     ),
                     (
@@ -1768,6 +1813,7 @@ if GLUON:
                             STAGES,
                             Q_TAIL,
                             PERSISTENT,
+                            L2_BYTES,
                         ),
                     ),
                     (
@@ -1802,6 +1848,7 @@ if GLUON:
                             STAGES,
                             Q_TAIL,
                             PERSISTENT,
+                            L2_BYTES,
                         ),
                     ),
                 ],
