@@ -3,7 +3,9 @@ whatever the GPU), that it compiles for sm_90a with the Gluon API of the Triton 
 Gluon is importable, a GPU or not: Gluon's API moves between releases, and this pins what the kernel uses),
 and, on a Hopper GPU, that its O and L match the fp64 reference and that fa2.attention reaches it. Head dim 64
 (three consumer warpgroups, 192-row query tiles, any seqlen_q) is built and checked as head dim 128, and taken
-only where ``forward_gluon.HEAD_DIMS`` has it (FA2_TRITON_GLUON_D64=1)."""
+only where ``forward_gluon.HEAD_DIMS`` has it (FA2_TRITON_GLUON_D64=1). The persistent variant
+(``forward_gluon.PERSISTENT``) too: its switch, its order of work tiles, its builds, and on a GPU its outputs on
+1 to 3 CTAs, so that every CTA walks several work tiles."""
 
 from __future__ import annotations
 
@@ -213,11 +215,17 @@ def test_no_gluon_kernel_off_a_hopper_gpu():
 
 
 def _sm90a_build(
-    dtype_name: str, q_cols: bool, kv_cols: bool, causal: bool = False, sink: bool = False, head_dim: int = 128
+    dtype_name: str,
+    q_cols: bool,
+    kv_cols: bool,
+    causal: bool = False,
+    sink: bool = False,
+    head_dim: int = 128,
+    persistent: bool = False,
 ) -> dict:
     """The kernel (with ``sink``, ``_attn_fwd_gluon_sink``) at ``head_dim`` (its ``forward_gluon.CONFIGS``
-    entry) compiled for sm_90a (``gluon_build.sm90a``): registers and warps, local and shared memory, HGMMA
-    count."""
+    entry), with ``persistent`` its persistent variant, compiled for sm_90a (``gluon_build.sm90a``): registers
+    and warps, local and shared memory, HGMMA count."""
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype_name]
     config = forward_gluon.CONFIGS[head_dim]
     q_layout, kv_layout = forward_gluon._smem_layouts(dtype, head_dim)
@@ -232,22 +240,34 @@ def _sm90a_build(
         **({"Sink": "*fp32"} if sink else {}),
         "qk_scale": "fp32",
     }
-    constexprs = forward_gluon._constexprs(config, q_cols, kv_cols, d, causal)
+    l2_bytes = forward_gluon.L2_BYTES if persistent else 0
+    constexprs = forward_gluon._constexprs(config, q_cols, kv_cols, d, causal, persistent, l2_bytes)
     fn = forward_gluon._attn_fwd_gluon_sink if sink else forward_gluon._attn_fwd_gluon
     return gluon_build.sm90a(fn, signature, constexprs, config.maxnreg)
 
 
+# Local memory a thread of the persistent head dim 64 causal build: its consumers' band steps, inside the loop over
+# work tiles, keep values LLVM hoists out of that loop (the mask's column indices among them) and spill: 272 B
+# with Triton 3.9, 24 B with 3.6 (none in the loop of unmasked steps). Every other build has none.
+PERSISTENT_D64_CAUSAL_STACK = 272
+
+
 @needs_gluon
 @pytest.mark.parametrize(
-    "dtype, q_cols, kv_cols, causal, sink, head_dim",
+    "dtype, q_cols, kv_cols, causal, sink, head_dim, persistent",
     [
-        ("bf16", False, False, False, False, 128),
-        ("fp16", True, True, False, False, 128),
-        ("bf16", False, False, True, False, 128),
-        ("bf16", False, False, False, False, 64),
-        ("fp16", True, True, False, True, 64),
-        ("bf16", False, False, True, False, 64),
-        ("fp16", True, True, True, True, 64),
+        ("bf16", False, False, False, False, 128, False),
+        ("fp16", True, True, False, False, 128, False),
+        ("bf16", False, False, True, False, 128, False),
+        ("bf16", False, False, False, False, 64, False),
+        ("fp16", True, True, False, True, 64, False),
+        ("bf16", False, False, True, False, 64, False),
+        ("fp16", True, True, True, True, 64, False),
+        ("bf16", False, False, False, False, 128, True),
+        ("fp16", True, True, True, True, 128, True),
+        ("bf16", False, False, False, False, 64, True),
+        ("bf16", False, False, True, False, 64, True),
+        ("fp16", True, True, True, True, 64, True),
     ],
     ids=[
         "bf16-heads-contiguous",
@@ -257,23 +277,31 @@ def _sm90a_build(
         "D64-fp16-flash-attn-layout-sink",
         "D64-bf16-causal",
         "D64-fp16-flash-attn-layout-causal-sink",
+        "persistent-bf16-heads-contiguous",
+        "persistent-fp16-flash-attn-layout-causal-sink",
+        "persistent-D64-bf16-heads-contiguous",
+        "persistent-D64-bf16-causal",
+        "persistent-D64-fp16-flash-attn-layout-causal-sink",
     ],
 )
-def test_the_gluon_kernel_compiles_for_sm90a(dtype, q_cols, kv_cols, causal, sink, head_dim):
-    """ptxas's sm_90a build: warpgroup MMAs in the SASS, no local memory, the shared memory within a CTA's
-    227 KB, the registers at launch its config's (``forward_gluon.CONFIGS``) and within the 64K for every warp
-    at launch: at head dim 64, three consumer warpgroups and the loader's (its one warp padded to a warpgroup),
-    16 warps of 128."""
+def test_the_gluon_kernel_compiles_for_sm90a(dtype, q_cols, kv_cols, causal, sink, head_dim, persistent):
+    """ptxas's sm_90a build, the persistent variant's too: warpgroup MMAs in the SASS, no local memory (but
+    the persistent head dim 64 causal build's, ``PERSISTENT_D64_CAUSAL_STACK``), the shared memory within a CTA's
+    227 KB, the registers at launch its config's (``forward_gluon.CONFIGS``) and within the 64K for every warp at
+    launch: at head dim 64, three consumer warpgroups and the loader's (its one warp padded to a warpgroup), 16
+    warps of 128."""
     code = (
         "import json, test_triton_gluon as t; "
-        f"print(json.dumps(t._sm90a_build({dtype!r}, {q_cols}, {kv_cols}, {causal}, {sink}, {head_dim})))"
+        "print(json.dumps(t._sm90a_build("
+        f"{dtype!r}, {q_cols}, {kv_cols}, {causal}, {sink}, {head_dim}, {persistent})))"
     )
     run = run_python(code, without="TRITON_INTERPRET", timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     build = json.loads(run.stdout.strip().splitlines()[-1])
     config = forward_gluon.CONFIGS[head_dim]
     assert build["hgmma"] > 0, "no warpgroup MMA in the SASS"
-    assert build["stack"] == 0, f"{build['stack']} B of local memory a thread"
+    stack = PERSISTENT_D64_CAUSAL_STACK if persistent and causal and head_dim == 64 else 0
+    assert build["stack"] <= stack, f"{build['stack']} B of local memory a thread"
     assert build["shared"] <= 227 * 1024, f"{build['shared']} B of shared memory"
     assert build["warps"] == 4 * (config.consumers + 1), f"{build['warps']} warps at launch"
     assert build["registers"] == config.maxnreg, f"{build['registers']} registers a thread at launch"
@@ -437,6 +465,7 @@ def test_gluon_plans_are_kept_per_class_of_inputs(monkeypatch):
 
     launches = []
     monkeypatch.setattr(forward_gluon, "launch", lambda *a: launches.append(a))
+    monkeypatch.setattr(forward_gluon, "PERSISTENT", False)
     forward_gluon._PLANS.clear()
 
     def call(seqlen, interleaved=False, seed=0):
@@ -473,6 +502,8 @@ def test_gluon_plans_are_kept_per_class_of_inputs(monkeypatch):
             STAGES=3,
             Q_TAIL=False,
             CONSUMER_REGS=240,
+            PERSISTENT=False,
+            L2_BYTES=0,
         )
         assert options == dict(num_warps=4, maxnreg=168)
         return list(forward_gluon._PLANS.values())
@@ -494,6 +525,7 @@ def test_head_dim_64_gluon_plans(interleaved, monkeypatch):
     launches = []
     monkeypatch.setattr(forward_gluon, "launch", lambda *a: launches.append(a))
     monkeypatch.setattr(forward_gluon, "HEAD_DIMS", (64, 128))
+    monkeypatch.setattr(forward_gluon, "PERSISTENT", False)
     forward_gluon._PLANS.clear()
     q, k, v = random_qkv((2, 4, 320, 64), (2, 2, 384, 64), torch.bfloat16, "cpu")
     if interleaved:
@@ -519,6 +551,171 @@ def test_head_dim_64_gluon_plans(interleaved, monkeypatch):
         STAGES=6,
         Q_TAIL=True,
         CONSUMER_REGS=160,
+        PERSISTENT=False,
+        L2_BYTES=0,
     )
     assert options == dict(num_warps=4, maxnreg=128)
     forward_gluon._PLANS.clear()
+
+
+def test_the_persistent_grid_is_off_unless_turned_on():
+    """PERSISTENT, read from FA2_TRITON_GLUON_PERSISTENT at import: on for 1 alone."""
+    values = [None, "1", "0", "yes"]
+    got = values_at_import("fa2_triton.forward_gluon", "PERSISTENT", "FA2_TRITON_GLUON_PERSISTENT", values)
+    assert got == ["False", "True", "False", "False"], values
+
+
+def _work_order(query_tiles, batch_heads, seqlen_k, head_dim, group, l2_bytes, causal):
+    """Every work tile's (t, bh) in the persistent grid's order (``forward_gluon.work_tile``) and the causal
+    order's heads a section."""
+    section = forward_gluon.section_heads(batch_heads, seqlen_k, head_dim, group, l2_bytes)
+    tiles = query_tiles * batch_heads
+    return [forward_gluon.work_tile(w, query_tiles, batch_heads, section, causal) for w in range(tiles)], section
+
+
+MB32 = 32 * 1024 * 1024
+# (query tiles, batch·heads, seqlen_k, head_dim, group, L2 bytes): the causal order's heads a section is L2 bytes
+# // (4 · head_dim) // seqlen_k · group, at least 1, at most batch·heads; all with L2 bytes 0.
+WORK = {
+    "D128-16-tiles-128-heads-2k": ((16, 128, 2048, 128, 1, MB32), 32),
+    "D128-16-tiles-128-heads-2k-one-section": ((16, 128, 2048, 128, 1, 0), 128),
+    "D128-3-tiles-8-heads-one-section": ((3, 8, 384, 128, 1, MB32), 8),
+    "D128-5-tiles-7-heads-sections-of-3": ((5, 7, 20480, 128, 1, MB32), 3),
+    "D128-2-tiles-5-heads-a-head-a-section": ((2, 5, 131072, 128, 1, MB32), 1),
+    "D64-gqa4-4-tiles-10-heads-sections-of-8": ((4, 10, 65536, 64, 4, MB32), 8),
+    "D64-1-tile-3-heads": ((1, 3, 640, 64, 1, MB32), 3),
+}
+
+
+@pytest.mark.parametrize("case", WORK, ids=list(WORK))
+def test_the_persistent_work_order(case):
+    """``work_tile``, which the kernel's ``_work`` mirrors: every (query tile, batch·head) once; without a mask
+    a head's tiles in order, one head after another; causal, sections of ``section_heads`` heads, within a
+    section the query tiles last first (the longest first) across its heads, so with one section across all
+    heads."""
+    (query_tiles, batch_heads, seqlen_k, head_dim, group, l2_bytes), section = WORK[case]
+    every = {(t, bh) for t in range(query_tiles) for bh in range(batch_heads)}
+    full, _ = _work_order(query_tiles, batch_heads, seqlen_k, head_dim, group, l2_bytes, False)
+    assert full == [(t, bh) for bh in range(batch_heads) for t in range(query_tiles)]
+    causal, got = _work_order(query_tiles, batch_heads, seqlen_k, head_dim, group, l2_bytes, True)
+    assert got == section
+    assert len(causal) == len(every) and set(causal) == every, "each work tile once"
+    for first in range(0, batch_heads, section):
+        w0 = first * query_tiles
+        heads = min(section, batch_heads - first)
+        part = causal[w0 : w0 + heads * query_tiles]
+        assert {bh for _, bh in part} == set(range(first, first + heads)), "a section's heads together"
+        assert [t for t, _ in part] == sorted((t for t, _ in part), reverse=True), "longest first in a section"
+    if section == batch_heads:
+        assert [t for t, _ in causal] == [t for t in reversed(range(query_tiles)) for _ in range(batch_heads)]
+
+
+@pytest.mark.parametrize("ctas", [1, 2, 3, 132])
+def test_every_persistent_cta_walks_its_share(ctas, monkeypatch):
+    """CTA p of P takes work tiles p, p + P, ...: together every work tile once, each CTA within one of the
+    others' count; the grid is PERSISTENT_CTAS (or the SMs) CTAs, never more than the work tiles."""
+    monkeypatch.setattr(forward_gluon, "PERSISTENT_CTAS", ctas)
+    query_tiles, batch_heads = 3, 5
+    grid = forward_gluon.persistent_ctas(query_tiles * batch_heads, torch.device("cpu"))
+    assert grid == min(ctas, query_tiles * batch_heads)
+    walks = [list(range(p, query_tiles * batch_heads, grid)) for p in range(grid)]
+    assert sorted(w for walk in walks for w in walk) == list(range(query_tiles * batch_heads))
+    assert max(map(len, walks)) - min(map(len, walks)) <= 1
+
+
+@needs_gluon
+@pytest.mark.parametrize("head_dim", [128, 64], ids=["D128", "D64"])
+def test_persistent_gluon_plans_follow_the_switch(head_dim, monkeypatch):
+    """On the CPU with the launch stubbed: with PERSISTENT a grid of PERSISTENT_CTAS CTAs (at most the work
+    tiles) and the PERSISTENT constexpr; toggled at run time in one process, each setting its own plan (the
+    plans' key holds the switch and the CTAs), no plan dropped in between."""
+    launches = []
+    monkeypatch.setattr(forward_gluon, "launch", lambda *a: launches.append(a))
+    monkeypatch.setattr(forward_gluon, "HEAD_DIMS", (64, 128))
+    forward_gluon._PLANS.clear()
+    q, k, v = random_qkv((2, 4, 320 if head_dim == 64 else 256, head_dim), (2, 2, 384, head_dim), torch.bfloat16, "cpu")
+    query_tiles = 2
+    spec = _spec(group=2, window=(-1, 0))
+    assert forward_gluon.takes(q, k, v, spec)
+    settings = [
+        (False, None, MB32),
+        (True, 3, MB32),
+        (True, 100, MB32),
+        (True, 3, 0),
+        (False, None, MB32),
+        (True, 3, MB32),
+    ]
+    for persistent, ctas, l2_bytes in settings:
+        monkeypatch.setattr(forward_gluon, "PERSISTENT", persistent)
+        monkeypatch.setattr(forward_gluon, "PERSISTENT_CTAS", ctas)
+        monkeypatch.setattr(forward_gluon, "L2_BYTES", l2_bytes)
+        forward_gluon.flash_attn_forward(q, k, v, spec)
+        kernel, grid, args, constexprs, options, classes = launches[-1]
+        want = (min(ctas, query_tiles * 8),) if persistent else (query_tiles, 8)
+        assert grid == want and constexprs["PERSISTENT"] is persistent and constexprs["CAUSAL"] is True
+        assert constexprs["L2_BYTES"] == (l2_bytes if persistent else 0)
+    assert len(forward_gluon._PLANS) == 4, "one plan a setting"
+    forward_gluon._PLANS.clear()
+
+
+PERSISTENT_CASES = {
+    # 2 query tiles x 8 heads (16 work tiles; causal, one section: the longest first across all heads).
+    "D128-B2-H4-256x256": dict(batch=2, heads=4, heads_k=4, seqlen_q=256, seqlen_k=256),
+    "D128-gqa4-384x640-fp16": dict(batch=1, heads=8, heads_k=2, seqlen_q=384, seqlen_k=640, dtype=torch.float16),
+    "D128-mqa-flash-attn-layout-512x512": dict(
+        batch=2, heads=3, heads_k=1, seqlen_q=512, seqlen_k=512, interleaved=True
+    ),
+    # Causal, 10 heads in sections of 4, 4 and 2 (L2_BYTES // (4 · 128) // 16384 = 4).
+    "D128-B2-H5-256x16384-sections": dict(batch=2, heads=5, heads_k=5, seqlen_q=256, seqlen_k=16384),
+    "D128-B2-H4-256x384-sink": dict(batch=2, heads=4, heads_k=4, seqlen_q=256, seqlen_k=384, sink=True),
+    # A tail of 128 rows past one 192-row tile; the band offset by 64 keys.
+    "D64-gqa4-320x384": dict(batch=1, heads=8, heads_k=2, seqlen_q=320, seqlen_k=384, head_dim=64),
+    "D64-flash-attn-layout-1000x1024-fp16": dict(
+        batch=1, heads=2, heads_k=2, seqlen_q=1000, seqlen_k=1024, interleaved=True, head_dim=64, dtype=torch.float16
+    ),
+    # Causal, 12 heads in sections of 8 and 4 (L2_BYTES // (4 · 64) // 16384 = 8).
+    "D64-B2-H6-320x16384-sections": dict(batch=2, heads=6, heads_k=6, seqlen_q=320, seqlen_k=16384, head_dim=64),
+    "D64-gqa4-B2-320x512-sink": dict(batch=2, heads=8, heads_k=2, seqlen_q=320, seqlen_k=512, head_dim=64, sink=True),
+}
+
+
+@pytest.mark.parametrize("ctas", [1, 2, 3], ids=["1-CTA", "2-CTAs", "3-CTAs"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("case", PERSISTENT_CASES, ids=list(PERSISTENT_CASES))
+def test_the_persistent_gluon_kernel_matches_the_reference(case, causal, ctas, device, monkeypatch):
+    """The persistent variant (PERSISTENT) on 1, 2 and 3 CTAs, so that each walks several work tiles: the K/V
+    ring, Q's barriers and the turns run on across them, Q's buffer reloaded once the O stored from it is read;
+    O and L (poisoned NaN first) against the fp64 reference; causal in both orders (L2_BYTES 0: one section).
+    The switch is set at run time, no plan dropped."""
+    _hopper(device)
+    monkeypatch.setattr(forward_gluon, "CAUSAL", True)
+    monkeypatch.setattr(forward_gluon, "HEAD_DIMS", (64, 128))
+    monkeypatch.setattr(forward_gluon, "PERSISTENT", True)
+    monkeypatch.setattr(forward_gluon, "PERSISTENT_CTAS", ctas)
+    shape = dict(PERSISTENT_CASES[case])
+    sink = shape.pop("sink", False)
+    q, k, v = _qkv(device=device, **shape)
+    head_dim = q.shape[-1]
+    sinks = torch.linspace(-2.0, 3.0, q.shape[1], device=device, dtype=torch.float32) if sink else None
+    spec = AttentionSpec(head_dim**-0.5, (-1, 0) if causal else (-1, -1), group=q.shape[1] // k.shape[1], sink=sinks)
+    assert forward_gluon.uses_gluon(q, k, v, spec)
+    extra = {} if sinks is None else dict(sink=sinks)
+    # Causal, the default order (heads in L2 sections) and the longest tiles first across all heads.
+    for l2_bytes in (forward_gluon.L2_BYTES, 0) if causal else (forward_gluon.L2_BYTES,):
+        monkeypatch.setattr(forward_gluon, "L2_BYTES", l2_bytes)
+        O, L = flash_attn_forward(q, k, v, spec)
+        assert O.is_contiguous()
+        assert_matches_reference(O, L, q, k, v, causal, head_dim**-0.5, **extra)
+
+
+def test_the_persistent_switch_at_run_time(device, monkeypatch):
+    """One process, one class of inputs: off, on (2 CTAs), off again; each call against the reference."""
+    _hopper(device)
+    monkeypatch.setattr(forward_gluon, "CAUSAL", True)
+    monkeypatch.setattr(forward_gluon, "PERSISTENT_CTAS", 2)
+    q, k, v = _qkv(2, 4, 4, 384, 512, device=device)
+    spec = _spec(window=(-1, 0))
+    for persistent in (False, True, False, True):
+        monkeypatch.setattr(forward_gluon, "PERSISTENT", persistent)
+        O, L = flash_attn_forward(q, k, v, spec)
+        assert_matches_reference(O, L, q, k, v, True, SCALE)
